@@ -1,0 +1,132 @@
+"""Checkpoint format: safetensors weights, JSON state, a SHA-256 manifest, atomic writes.
+
+A checkpoint is a folder:
+  model.safetensors      model weights (full, unsharded)
+  optimizer.safetensors  optimizer tensors (training checkpoints only)
+  trainer_state.json     step, schedule, sampler counters, optimizer param groups, RNG, ...
+  config.json            the job configuration (model/depth/data/train)
+  tokenizer*.json        the tokenizer (see looplm.data.tokenizer)
+  manifest.json          SHA-256 of every other file; verified at load
+It is written into a temporary sibling folder and renamed into place, so a crash never leaves a
+damaged checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+FORMAT = "looplm-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, or does not fit what it is loaded into."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
+    """Create folder `target` by letting `populate(tmp)` write files into a temporary folder,
+    adding the manifest, then renaming it into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    populate(tmp)
+    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "sha256": files}, indent=1))
+    for p in tmp.iterdir():  # flush file contents before the rename makes them visible
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    if target.exists():
+        old = target.parent / f".old-{target.name}-{os.getpid()}"
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    return target
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest's SHA-256 sums; return the manifest. Raises CheckpointError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint folder at {path}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: not a looplm checkpoint or an interrupted write") from None
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path}/{MANIFEST} is not valid JSON") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    for name, digest in manifest["sha256"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{path}: {name} is corrupt (SHA-256 mismatch)")
+    return manifest
+
+
+def read_json(path: Path, name: str) -> dict:
+    return json.loads((Path(path) / name).read_text())
+
+
+def write_json(path: Path, name: str, data: dict) -> None:
+    (Path(path) / name).write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def save_tensors(path: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(Path(path) / name))
+
+
+def load_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(path) / name))
+
+
+# -- optimizer state <-> flat tensors + JSON ------------------------------------------------------
+def flatten_optimizer_state(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split a (full, FQN-keyed) optimizer state dict into safetensors-able tensors and JSON."""
+    tensors, scalars = {}, {}
+    for key, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{key}::{name}"] = value
+            else:
+                scalars[f"{key}::{name}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict = {}
+    for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
+        key, name = flat.rsplit("::", 1)
+        state.setdefault(key, {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def check_model_shapes(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], where: Path) -> None:
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{where}: weights do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    for k, v in expected.items():
+        if tuple(found[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{where}: {k} has shape {tuple(found[k].shape)}, the model expects {tuple(v.shape)}")

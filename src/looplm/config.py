@@ -1,0 +1,95 @@
+"""Model configuration and named size presets.
+
+Light on imports (only the standard library) so that the CLI, checkpoints and tests can read a
+config without building a model. SPEC 1 gives the paper's sizes; `tiny` is the CPU preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+InjectionName = Literal["parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive"]
+INJECTIONS: tuple[str, ...] = ("parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a looped LM: prelude -> (injection -> core) x R -> coda (SPEC 1-2)."""
+
+    vocab_size: int = 258
+    """Vocabulary size (set from the tokenizer when training)."""
+    d_model: int = 128
+    """Width d of the residual stream and of the recurrent state."""
+    n_heads: int = 4
+    """Query heads per attention layer."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_dim: int = 384
+    """Hidden width of the SwiGLU feed-forward."""
+    n_prelude: int = 1
+    """Non-shared blocks before the recurrence."""
+    n_core: int = 2
+    """Blocks of the shared recurrent core, iterated R times."""
+    n_coda: int = 1
+    """Non-shared blocks after the recurrence."""
+    max_seq_len: int = 256
+    """Longest sequence (context) the model accepts."""
+    injection: InjectionName = "parcae-nonorm"
+    """Input-injection scheme (SPEC 2): parcae-decay, parcae-nonorm, ortho, huginn-linear, deq-qkv, additive."""
+    rope_base: float = 1e6
+    """RoPE base frequency (SPEC 1)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    ortho_eps: float = 1e-6
+    """Stabilizer of the OrthoInj projection alpha = <r,u>/(|u|^2 + eps) (SPEC 2)."""
+    max_depth: int = 64
+    """Largest recurrence count R the model accepts (the depth prior's cap)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line reason when the shape is inconsistent."""
+        if self.injection not in INJECTIONS:
+            raise ValueError(f"unknown injection {self.injection!r}; choose one of {', '.join(INJECTIONS)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        for name in ("vocab_size", "d_model", "ffn_dim", "n_core", "max_seq_len", "max_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_prelude < 0 or self.n_coda < 0:
+            raise ValueError("n_prelude and n_coda must be >= 0")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+# SPEC 1: the paper's sizes (head_dim 64, 1/2/1 blocks). Vocabulary is set by the tokenizer.
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=256),
+    "S": ModelConfig(d_model=1536, n_heads=24, n_kv_heads=6, ffn_dim=4352, max_seq_len=8192),
+    "M": ModelConfig(d_model=3072, n_heads=48, n_kv_heads=12, ffn_dim=8704, max_seq_len=8192),
+    "L": ModelConfig(d_model=6144, n_heads=96, n_kv_heads=24, ffn_dim=17408, max_seq_len=8192),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A fresh copy of a named preset; ValueError names the known presets."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    return dataclasses.replace(MODEL_PRESETS[name])

@@ -1,0 +1,39 @@
+"""Data layer: tokenizers, procedural tasks, document sources, packing and sampling."""
+
+from .packing import (
+    IGNORE_INDEX,
+    Batch,
+    PackedDataset,
+    batch_indices,
+    build_datasets,
+    epoch_permutation,
+    prepare_caches,
+)
+from .sources import DataError, Document, describe_source, iter_documents
+from .tasks import TASKS, Example, TaskConfig, check_answer, generate_examples, get_task
+from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TASKS",
+    "BPETokenizer",
+    "Batch",
+    "ByteTokenizer",
+    "DataError",
+    "Document",
+    "Example",
+    "PackedDataset",
+    "TaskConfig",
+    "Tokenizer",
+    "batch_indices",
+    "build_datasets",
+    "build_tokenizer",
+    "check_answer",
+    "describe_source",
+    "epoch_permutation",
+    "generate_examples",
+    "get_task",
+    "iter_documents",
+    "load_tokenizer",
+    "prepare_caches",
+]

@@ -1,0 +1,229 @@
+"""Tokenizers: a byte-level tokenizer and a byte-level BPE wrapper around HF ``tokenizers``.
+
+Both expose the same small interface (:class:`Tokenizer`) so the rest of the library
+never depends on which one is in use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<eos>"
+PAD_TOKEN = "<pad>"
+CONFIG_FILE = "tokenizer_config.json"
+BPE_FILE = "tokenizer.json"
+
+
+class Tokenizer(ABC):
+    """Common tokenizer interface used by the data pipeline and the model."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids (including special tokens)."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int:
+        """Id of the end-of-document token."""
+
+    @property
+    @abstractmethod
+    def pad_id(self) -> int:
+        """Id of the padding token."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Encode ``text`` without adding any special token."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode several texts (subclasses may parallelise)."""
+        return [self.encode(t) for t in texts]
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids, skipping special tokens; invalid UTF-8 becomes U+FFFD."""
+
+    @abstractmethod
+    def canonical_description(self) -> str:
+        """A string that fully determines the tokenizer's behaviour."""
+
+    def fingerprint(self) -> str:
+        """sha256 hex digest of :meth:`canonical_description` (used as a cache key)."""
+        return hashlib.sha256(self.canonical_description().encode("utf-8")).hexdigest()
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write the tokenizer to ``directory`` so :func:`load_tokenizer` can read it."""
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens: ids 0..255 are bytes, 256 is ``<eos>``, 257 is ``<pad>``."""
+
+    name = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eos_id(self) -> int:
+        return 256
+
+    @property
+    def pad_id(self) -> int:
+        return 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def canonical_description(self) -> str:
+        return "byte-v1"
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_FILE).write_text(json.dumps({"type": "byte"}) + "\n")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (HF ``tokenizers``) with ``<eos>`` and ``<pad>`` special tokens."""
+
+    name = "bpe"
+
+    def __init__(self, backend: HFTokenizer) -> None:
+        """Wrap a ``tokenizers.Tokenizer``; prefer :meth:`train` or :meth:`from_file`."""
+        missing = [t for t in (EOS_TOKEN, PAD_TOKEN) if backend.token_to_id(t) is None]
+        if missing:
+            raise ValueError(
+                f"BPE tokenizer lacks required special token(s) {missing}; "
+                f"it must define both {EOS_TOKEN!r} and {PAD_TOKEN!r}"
+            )
+        # Serialise before changing runtime flags so the fingerprint is the file content.
+        self._json: str = backend.to_str()
+        # Literal "<eos>" in corpus text must stay text, never become the special id.
+        backend.encode_special_tokens = True
+        self._tok = backend
+        self._eos = int(backend.token_to_id(EOS_TOKEN))
+        self._pad = int(backend.token_to_id(PAD_TOKEN))
+        self._vocab = int(backend.get_vocab_size(with_added_tokens=True))
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Train a byte-level BPE of (at most) ``vocab_size`` ids in memory."""
+        if vocab_size < 258:
+            raise ValueError(f"BPE vocab_size must be >= 258 (256 bytes + 2 specials), got {vocab_size}")
+        backend = HFTokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOS_TOKEN, PAD_TOKEN],
+            # Full byte alphabet so any text is encodable, even bytes unseen in training.
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        backend.train_from_iterator(texts, trainer=trainer)
+        return cls(backend)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> BPETokenizer:
+        """Load a ``tokenizer.json``; it must define ``<eos>`` and ``<pad>``."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"tokenizer file not found: {path}")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ValueError(f"cannot read tokenizer file {path}: {exc}") from exc
+        try:
+            return cls(backend)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [list(e.ids) for e in encs]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def canonical_description(self) -> str:
+        return self._json
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / BPE_FILE).write_text(self._json)
+        (directory / CONFIG_FILE).write_text(json.dumps({"type": "bpe"}) + "\n")
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self._vocab})"
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """Load a tokenizer written by :meth:`Tokenizer.save`."""
+    directory = Path(directory)
+    cfg_path = directory / CONFIG_FILE
+    if not cfg_path.is_file():
+        # A bare tokenizer.json (e.g. from another tool) is still loadable.
+        if (directory / BPE_FILE).is_file():
+            return BPETokenizer.from_file(directory / BPE_FILE)
+        raise ValueError(f"no {CONFIG_FILE} or {BPE_FILE} in {directory}")
+    kind = json.loads(cfg_path.read_text()).get("type")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return BPETokenizer.from_file(directory / BPE_FILE)
+    raise ValueError(f"{cfg_path}: unknown tokenizer type {kind!r} (expected 'byte' or 'bpe')")
+
+
+def build_tokenizer(
+    spec: str,
+    corpus_texts: Callable[[], Iterable[str]] | None,
+    vocab_size: int,
+) -> Tokenizer:
+    """Make a tokenizer from ``spec``: ``"byte"``, ``"bpe"`` (trained on ``corpus_texts()``),
+    a path to a ``tokenizer.json``, or a directory written by :meth:`Tokenizer.save`."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "bpe":
+        if corpus_texts is None:
+            raise ValueError("tokenizer 'bpe' needs a corpus to train on")
+        return BPETokenizer.train(corpus_texts(), vocab_size)
+    path = Path(spec)
+    if path.is_dir():
+        return load_tokenizer(path)
+    if path.is_file():
+        return BPETokenizer.from_file(path)
+    raise ValueError(f"unknown tokenizer spec {spec!r}: expected 'byte', 'bpe' or a path to a tokenizer.json")

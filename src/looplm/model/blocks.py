@@ -1,0 +1,130 @@
+"""Pre-norm Llama blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU (SPEC 1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from looplm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x * (mean(x^2) + eps)^-1/2 * g; `gain=False` gives the parameter-free norm (Huginn exit norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, gain: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if gain else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.type_as(x)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [B, 1, L, head_dim/2] in fp32 for integer positions [B, L]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # fp64 so long positions keep their phase
+    return angles.cos().float()[:, None], angles.sin().float()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (half-split layout) of x [B, H, L, hd] in fp32 (SPEC 1)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+def _trunc_normal_(w: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention through `F.scaled_dot_product_attention`.
+
+    `qkv_offsets` are additive terms for Q, K and V (DEQ-QKV injection, SPEC 2); `mask` is a
+    boolean [B, 1, L, S] (True = attend) or None for plain causal attention.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        qkv_offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if qkv_offsets is not None:
+            dq, dk, dv = qkv_offsets
+            q, k, v = q + dq, k + dk, v + dv
+        q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.n_heads != self.n_kv_heads
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(y.transpose(1, 2).reshape(B, L, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)) (SPEC 1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(self, x, rope, mask, qkv_offsets=None):
+        h = x + self.attn(self.attn_norm(x), rope, mask, qkv_offsets)
+        return h + self.ffn(self.ffn_norm(h))
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for lin in (self.attn.wq, self.attn.wk, self.attn.wv, self.attn.wo, self.ffn.w1, self.ffn.w2, self.ffn.w3):
+            _trunc_normal_(lin.weight, std)
+
+
+def causal_document_mask(doc_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean [B, 1, L, L] mask: causal and within one document segment; None if no segments."""
+    if doc_ids is None:
+        return None
+    L = doc_ids.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same_doc & causal)[:, None]
+
+
+def init_embedding_(w: torch.Tensor) -> None:
+    """SPEC 1: truncated normal with std 1/sqrt(d), cut at +-3 sigma."""
+    _trunc_normal_(w, 1.0 / math.sqrt(w.shape[1]))

@@ -1,0 +1,142 @@
+"""The looped language model: prelude -> (injection -> core) x R -> coda -> logits (SPEC 1-3).
+
+Single-device and training-free: the depth, the backprop window and the initial state are
+arguments of `forward`; parallelism and mixed precision wrap the model from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from looplm.config import ModelConfig
+from looplm.model.blocks import Block, RMSNorm, causal_document_mask, init_embedding_, rope_tables
+from looplm.model.injection import build_injection
+from looplm.model.state import StateInit, initial_state
+
+
+@dataclass
+class LoopOutput:
+    logits: torch.Tensor | None
+    """[B, L, V] fp32 next-token logits (None when `compute_logits=False`)."""
+    endpoint: torch.Tensor
+    """z^R: the state that entered the coda, [B, L, d]."""
+    states: list[torch.Tensor] | None = None
+    """Per-recurrence states s^1..s^R (after the exit norm), when `return_states=True`."""
+
+
+@dataclass
+class Context:
+    """Per-forward quantities every recurrence shares (computed once)."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+    injected: torch.Tensor  # q: the injection's prepared input
+    qkv_offsets: list | None  # DEQ-QKV per-core-layer offsets
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        self.injection = build_injection(cfg)
+        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_embedding_(self.embed.weight)
+        for block in (*self.prelude, *self.core, *self.coda):
+            block.reset_parameters()
+        nn.init.trunc_normal_(self.head.weight, std=0.02, a=-0.06, b=0.06)
+        self.injection.reset_parameters()
+
+    # -- pieces, public so that caches, students and diagnostics can reuse them -----------------
+    def check_inputs(self, tokens: torch.Tensor, depth: int) -> None:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the context max_seq_len={self.cfg.max_seq_len}")
+        if not 1 <= depth <= self.cfg.max_depth:
+            raise ValueError(f"depth must be in 1..{self.cfg.max_depth}, got {depth}")
+
+    def run_prelude(self, tokens, rope, mask) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.prelude:
+            x = block(x, rope, mask)
+        return x
+
+    def recurrence(self, s: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """One recurrence F: inject, the core blocks in turn, then the exit map (SPEC 2)."""
+        s = self.injection(s, ctx.injected)
+        for i, block in enumerate(self.core):
+            s = block(s, ctx.rope, ctx.mask, ctx.qkv_offsets[i] if ctx.qkv_offsets else None)
+        return self.injection.exit(s)
+
+    def run_coda(self, z: torch.Tensor, rope, mask) -> torch.Tensor:
+        for block in self.coda:
+            z = block(z, rope, mask)
+        return self.head(self.norm(z)).float()
+
+    def context(self, e: torch.Tensor, rope, mask) -> Context:
+        return Context(rope, mask, self.injection.prepare(e), self.injection.qkv_offsets(e))
+
+    # -- the native parallel forward -----------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        depth: int,
+        *,
+        bptt_window: int | None = None,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        init: StateInit = "gaussian",
+        state0: torch.Tensor | None = None,
+        example_ids: torch.Tensor | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        return_states: bool = False,
+        compute_logits: bool = True,
+    ) -> LoopOutput:
+        """Run the model at `depth` recurrences.
+
+        tokens [B, L]; `doc_ids` [B, L] confine attention to document segments; `positions` [B, L]
+        are the RoPE positions (default 0..L-1). `bptt_window` b: only the last min(R, b)
+        recurrences record autograd (SPEC 3; None = full BPTT); the injected input keeps its
+        gradient in each of them. `state0` overrides `init` (used by trainers that draw the noise
+        for a global batch themselves).
+        """
+        self.check_inputs(tokens, depth)
+        B, L = tokens.shape
+        if positions is None:
+            positions = torch.arange(L, device=tokens.device).expand(B, L)
+        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
+        mask = causal_document_mask(doc_ids)
+        e = self.run_prelude(tokens, rope, mask)
+        ctx = self.context(e, rope, mask)
+        if state0 is None:
+            state0 = initial_state(
+                init, (B, L, self.cfg.d_model), device=e.device, dtype=e.dtype,
+                example_ids=example_ids, positions=positions, seed=seed, generator=generator,
+            )
+        s = state0.detach().to(e.dtype)
+        n_grad = depth if bptt_window is None else min(depth, bptt_window)
+        states = [] if return_states else None
+        for r in range(depth):
+            # SPEC 3: the first R-b recurrences run without autograd; their output is a constant.
+            with torch.set_grad_enabled(torch.is_grad_enabled() and r >= depth - n_grad):
+                s = self.recurrence(s, ctx)
+            if states is not None:
+                states.append(s)
+        logits = self.run_coda(s, rope, mask) if compute_logits else None
+        return LoopOutput(logits=logits, endpoint=s, states=states)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,70 @@
+"""Initial recurrent state s0 (SPEC 2).
+
+- "gaussian": N(0, 1/d) per element, fresh each forward (training);
+- "seeded": a deterministic, stateless hash of (seed, example id, position, channel) mapped to
+  N(0, 1/d), so an evaluation result does not depend on batch composition;
+- "zero".
+s0 never carries a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+StateInit = Literal["gaussian", "seeded", "zero"]
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer on int64 tensors (values stay < 2^59, so no overflow)."""
+    h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
+    h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
+    return (h >> 16) ^ h
+
+
+def seeded_normal(
+    example_ids: torch.Tensor, positions: torch.Tensor, dim: int, seed: int = 0, dtype=torch.float32
+) -> torch.Tensor:
+    """Standard normals [B, L, dim] that depend only on (seed, example id, position, channel)."""
+    dev = positions.device
+    h = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=dev) ^ 0x9E3779B9)
+    h = _mix32(h ^ (example_ids.to(torch.int64).to(dev) & _M32))[:, None]  # [B, 1]
+    h = _mix32(h ^ (positions.to(torch.int64) & _M32))[..., None]  # [B, L, 1]
+    h = _mix32(h ^ torch.arange(dim, dtype=torch.int64, device=dev))  # [B, L, d]
+    h1 = _mix32(h ^ 0x85EBCA6B)
+    h2 = _mix32(h1 ^ 0xC2B2AE35)
+    u1 = (h1.to(torch.float64) + 1.0) / (2.0**32 + 1.0)  # in (0, 1): log is finite
+    u2 = h2.to(torch.float64) / 2.0**32
+    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
+    return z.to(dtype)
+
+
+def initial_state(
+    kind: StateInit,
+    shape: tuple[int, int, int],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    example_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    seed: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """s0 of `shape` [B, L, d] scaled to variance 1/d (SPEC 2)."""
+    B, L, d = shape
+    if kind == "zero":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    if kind == "gaussian":
+        gen_device = generator.device if generator is not None else device
+        z = torch.randn(shape, generator=generator, device=gen_device, dtype=torch.float32)
+        return (z / math.sqrt(d)).to(device=device, dtype=dtype)
+    if kind == "seeded":
+        if example_ids is None:
+            example_ids = torch.arange(B, device=device)
+        if positions is None:
+            positions = torch.arange(L, device=device).expand(B, L)
+        return (seeded_normal(example_ids, positions, d, seed) / math.sqrt(d)).to(dtype)
+    raise ValueError(f"unknown state init {kind!r}; choose gaussian, seeded or zero")

@@ -1,0 +1,168 @@
+"""Typed configuration of a training job and its named presets.
+
+A job is four dataclasses: the model shape (`ModelConfig`), the depth sampler (`DepthConfig`),
+the data (`DataConfig`) and the optimisation/run settings (`TrainConfig`). The CLI is generated
+from them; checkpoints store them as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from looplm.config import ModelConfig, model_preset
+from looplm.data.tasks import TaskConfig
+from looplm.depth.samplers import DepthConfig
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is tokenized and packed."""
+
+    source: str = "tasks"
+    """'tasks' (the built-in generator of depth-sensitive tasks), a text file or folder, a .jsonl file, or hf:<name>[:<split>]."""
+    tokenizer: str = "byte"
+    """'byte' (no files needed), 'bpe' (train one on the training corpus) or a path to a tokenizer.json."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size when training a BPE tokenizer."""
+    seq_len: int = 256
+    """Tokens per packed training sequence (at most the model's max_seq_len)."""
+    holdout: float = 0.05
+    """Fraction of documents held out for validation."""
+    text_field: str = "text"
+    """Field of each JSONL record (or HF dataset row) that holds the text."""
+    cache_dir: Path = Path(".cache/looplm")
+    """Where memory-mapped token caches are written (reused across runs)."""
+    n_task_examples: int = 200_000
+    """Training examples drawn from the task generator (source 'tasks')."""
+    tasks: TaskConfig = field(default_factory=TaskConfig)
+    """Which generator tasks and difficulties (source 'tasks')."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and run settings (SPEC 6)."""
+
+    steps: int = 600
+    """Optimizer steps T (the warmup-stable-decay schedule spans them)."""
+    micro_batch: int = 16
+    """Sequences per microbatch on each rank."""
+    grad_accum: int = 1
+    """Microbatches per optimizer step (each draws its own depth)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    warmup_frac: float = 0.05
+    """Warmup length as a fraction of steps (SPEC 6: T/20)."""
+    decay_frac: float = 0.1
+    """Cosine decay length as a fraction of steps (SPEC 6: T/10), to 0.1x."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norm gains or injection parameters)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.98
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute dtype: auto = bf16 autocast on CUDA and on CPUs with native bf16 (AMX/AVX512-BF16), else fp32."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under torchrun: DDP, or FSDP2 (fully_shard per block)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks CUDA when available."""
+    seed: int = 0
+    """Seed of the model init, data order and initial states."""
+    out_dir: Path = Path("runs/tiny")
+    """Run folder: checkpoints, metrics.jsonl, TensorBoard logs."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir (the config must match)."""
+    checkpoint_every: int = 200
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep on disk."""
+    eval_every: int = 200
+    """Validation loss every this many steps (0 disables)."""
+    eval_batches: int = 4
+    """Validation microbatches per evaluation."""
+    log_every: int = 10
+    """Metrics line every this many steps."""
+    tensorboard: bool = True
+    """Also log to TensorBoard when it is installed."""
+    wandb: bool = False
+    """Also log to Weights & Biases when it is installed."""
+    progress: bool = True
+    """Show a progress bar."""
+    stop_after: int | None = None
+    """Stop (with a checkpoint) after this many steps of the schedule; for budgeted or staged runs."""
+
+
+@dataclass
+class TrainJob:
+    """Everything a training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    depth: DepthConfig = field(default_factory=DepthConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return jsonable(dataclasses.asdict(self))
+
+
+def jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def job_from_dict(data: dict) -> TrainJob:
+    """Rebuild a job from `TrainJob.to_dict()` output (checkpoints)."""
+    data_cfg = dict(data["data"])
+    data_cfg["tasks"] = TaskConfig(**{**data_cfg["tasks"], "kinds": tuple(data_cfg["tasks"]["kinds"])})
+    data_cfg["cache_dir"] = Path(data_cfg["cache_dir"])
+    train_cfg = dict(data["train"], out_dir=Path(data["train"]["out_dir"]))
+    return TrainJob(
+        model=ModelConfig.from_dict(data["model"]),
+        depth=DepthConfig(**data["depth"]),
+        data=DataConfig(**data_cfg),
+        train=TrainConfig(**train_cfg),
+    )
+
+
+def _tiny() -> TrainJob:
+    # Trains on 2 CPU cores in about 8 minutes: ~600 steps of 16 x 256 tokens on the task generator.
+    return TrainJob(
+        model=model_preset("tiny"),
+        depth=DepthConfig(sampler="pln", depth=5.0, bptt_window=10),
+        data=DataConfig(source="tasks", tokenizer="byte", seq_len=256),
+        train=TrainConfig(steps=600, micro_batch=16, lr=3e-3, out_dir=Path("runs/tiny"), precision="fp32"),
+    )
+
+
+def _paper(size: str, lr: float) -> TrainJob:
+    # SPEC 1/6: the paper's sizes at 8K context, PLN-5 with b = 10; batch sizes are per rank.
+    return TrainJob(
+        model=model_preset(size),
+        depth=DepthConfig(sampler="pln", depth=5.0, bptt_window=10),
+        data=DataConfig(tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
+        train=TrainConfig(steps=20_000, micro_batch=1, grad_accum=8, lr=lr, out_dir=Path(f"runs/{size}")),
+    )
+
+
+JOB_PRESETS = {
+    "tiny": ("CPU-sized looped LM on the built-in task generator (minutes on 2 cores)", _tiny),
+    "S": ("paper Small: d 1536, 24/6 heads, FFN 4352", lambda: _paper("S", 1.5e-3)),
+    "M": ("paper Medium: d 3072, 48/12 heads, FFN 8704", lambda: _paper("M", 1e-3)),
+    "L": ("paper Large: d 6144, 96/24 heads, FFN 17408", lambda: _paper("L", 5e-4)),
+}
+
+
+def job_preset(name: str) -> TrainJob:
+    if name not in JOB_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(JOB_PRESETS)}")
+    return JOB_PRESETS[name][1]()

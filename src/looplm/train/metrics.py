@@ -1,0 +1,59 @@
+"""Metrics sinks: JSONL always; TensorBoard and Weights & Biases when installed and enabled."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    """Appends one JSON object per record to `out_dir/metrics.jsonl` (main process only)."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool, wandb: bool, config: dict | None = None):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            except ImportError:  # optional extra: pip install looplm[tensorboard]
+                self._tb = None
+        if wandb:
+            try:
+                import wandb as wb
+
+                self._wandb = wb.init(project="looplm", dir=str(out_dir), config=config or {})
+            except ImportError:
+                self._wandb = None
+
+    def log(self, record: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop records past the checkpoint so the log equals an uninterrupted run's."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

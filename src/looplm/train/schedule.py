@@ -1,0 +1,18 @@
+"""Warmup-stable-decay learning-rate multiplier (SPEC 6)."""
+
+from __future__ import annotations
+
+import math
+
+
+def wsd_multiplier(step: int, total: int, warmup_frac: float = 0.05, decay_frac: float = 0.1) -> float:
+    """Multiplier at step t of T: linear warmup from 1e-4 to 1 over W = T*warmup_frac, 1 until
+    T - D (D = T*decay_frac), then 0.1 + 0.45 (1 + cos(pi (t - T + D) / D))."""
+    W = max(1, round(total * warmup_frac))
+    D = max(1, round(total * decay_frac))
+    if step < W:
+        return 1e-4 + (1.0 - 1e-4) * step / W
+    if step < total - D:
+        return 1.0
+    frac = min(1.0, (step - total + D) / D)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * frac))

@@ -1,0 +1,376 @@
+"""The training loop: depth draws, truncated backprop, accumulation, checkpoints, metrics.
+
+One optimizer step = `grad_accum` microbatches. Each microbatch draws its own depth (the same
+on every rank), runs the model with the configured backprop window, and adds its CE sum divided
+by the global target count of the step, so the loss is a token mean over the global batch
+(SPEC 6). Data order, depth draws and initial-state noise are pure functions of (seed, step,
+microbatch), so a resumed run reproduces an uninterrupted one, and a run on N ranks sees the
+same global batch as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from looplm import checkpoint as ckpt
+from looplm.data import IGNORE_INDEX, Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
+from looplm.data import iter_documents, load_tokenizer
+from looplm.depth import DepthSampler, build_sampler
+from looplm.model import LoopedLM
+from looplm.train import distributed as D
+from looplm.train.config import TrainJob, job_from_dict
+from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
+from looplm.train.metrics import MetricsLogger
+from looplm.train.schedule import wsd_multiplier
+
+# Settings that may change between a run and its resume; everything else must match.
+RESUMABLE_CHANGES = {
+    "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
+    "train.device", "data.cache_dir",
+}
+
+
+def native_bf16_cpu() -> bool:
+    """CPUs with bf16 matmul instructions (AMX or AVX512-BF16); elsewhere bf16 autocast is slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" or native_bf16_cpu() else torch.float32
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices of the blocks, embedding and head; none on norm gains or on the
+    injection's parameters (decay would pull dt/A_log and the identity-initialised W toward 0;
+    SPEC 12)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.ndim >= 2 and not name.startswith("injection.") else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def flat_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        key = f"{prefix}{k}"
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += flat_diff(va, vb, key + ".")
+        elif va != vb:
+            out.append(f"{key}: {va!r} -> {vb!r}")
+    return out
+
+
+def microbatch_loss(model, batch: Batch, depth: int, bptt_window, state0, autocast) -> torch.Tensor:
+    """Sum of next-token CE over the batch's supervised targets at `depth`."""
+    with autocast:
+        out = model(batch.inputs, depth, bptt_window=bptt_window, doc_ids=batch.doc_ids,
+                    positions=batch.positions, state0=state0)
+    return F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    depths: list[int]
+    n_targets: int
+    grad_norm: float
+    lr: float
+
+
+class Trainer:
+    def __init__(self, job: TrainJob, env: D.DistEnv | None = None):
+        self.job = job
+        self.env = env or D.init_distributed(job.train.device)
+        t, m = job.train, job.model
+        self._validate()
+        self.out_dir = Path(t.out_dir)
+        self.ckpt_root = self.out_dir / "checkpoints"
+        resume_from = self._find_resume()
+        self.tokenizer = load_tokenizer(resume_from) if resume_from else self._build_tokenizer()
+        m.vocab_size = self.tokenizer.vocab_size
+        self.train_data, self.val_data = self._build_data()
+        torch.manual_seed(t.seed)
+        self.model = LoopedLM(m).to(self.env.device)
+        self.dtype = resolve_dtype(t.precision, self.env.device)
+        self.sampler: DepthSampler = build_sampler(job.depth)
+        if m.max_depth < job.depth.cap:
+            raise ValueError(f"depth cap {job.depth.cap} exceeds the model's max_depth {m.max_depth}")
+        self.wrapped = D.wrap_model(self.model, self.env, t.parallel)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+        )
+        self.step = 0
+        self.depth_metrics: dict[str, float] = {}
+        self.tokens_seen = 0
+        self.flops_seen = 0.0
+        self.elapsed = 0.0
+        self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=t.tensorboard,
+                                    wandb=t.wandb, config=job.to_dict())
+        if resume_from:
+            self._load(resume_from)
+            self.logger.truncate_after(self.step)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        j = self.job
+        j.model.validate()
+        if j.data.seq_len > j.model.max_seq_len:
+            raise ValueError(f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}")
+        for name in ("steps", "micro_batch", "grad_accum"):
+            if getattr(j.train, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1")
+
+    def _find_resume(self) -> Path | None:
+        latest = self.ckpt_root / "latest"
+        if not latest.exists():
+            return None
+        if not self.job.train.resume:
+            raise ValueError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
+                             f"or choose another --train.out-dir")
+        path = self.ckpt_root / latest.read_text().strip()
+        ckpt.verify(path)
+        saved = ckpt.read_json(path, "config.json")
+        now = self.job.to_dict()
+        saved["model"]["vocab_size"] = now["model"]["vocab_size"] = 0  # set from the tokenizer
+        diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES]
+        if diffs:
+            raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
+        return path
+
+    def _build_tokenizer(self) -> Tokenizer:
+        d = self.job.data
+
+        def corpus():
+            return (doc.text for doc in iter_documents(d.source, text_field=d.text_field, task_config=d.tasks,
+                                                         n_task_examples=d.n_task_examples, seed=self.job.train.seed))
+
+        tok = build_tokenizer(d.tokenizer, corpus if self.env.is_main else None, d.bpe_vocab_size) \
+            if (self.env.is_main or d.tokenizer != "bpe") else None
+        return D.broadcast_object(tok, self.env) if d.tokenizer == "bpe" else tok
+
+    def _build_data(self) -> tuple[PackedDataset, PackedDataset]:
+        d = self.job.data
+        kw = dict(seq_len=d.seq_len, holdout=d.holdout, cache_dir=d.cache_dir, text_field=d.text_field,
+                  task_config=d.tasks, n_task_examples=d.n_task_examples, seed=self.job.train.seed)
+        if self.env.is_main:  # one process tokenizes; the others open the finished cache
+            data = build_datasets(d.source, self.tokenizer, **kw)
+        D.barrier(self.env)
+        if not self.env.is_main:
+            data = build_datasets(d.source, self.tokenizer, **kw)
+        return data
+
+    # -- one optimizer step ---------------------------------------------------------------------
+    def _noise(self, step: int, micro: int, L: int) -> torch.Tensor:
+        """Initial states N(0, 1/d) for this rank's slice of the global microbatch (SPEC 2)."""
+        t, env, d = self.job.train, self.env, self.job.model.d_model
+        seed = int(np.random.SeedSequence([t.seed, step, micro, 0x5EED]).generate_state(1)[0])
+        gen = torch.Generator(device=env.device).manual_seed(seed)
+        z = torch.randn((t.micro_batch * env.world_size, L, d), generator=gen, device=env.device)
+        return z[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch] / math.sqrt(d)
+
+    def _batch(self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int) -> Batch:
+        t, env = self.job.train, self.env
+        idx = batch_indices(len(data), step, micro, t.micro_batch * env.world_size, n_micro, seed)
+        return data.get_batch(idx[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch]).to(env.device)
+
+    def _autocast(self):
+        return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+
+    def train_step(self) -> StepResult:
+        t, env = self.job.train, self.env
+        lr = t.lr * wsd_multiplier(self.step, t.steps, t.warmup_frac, t.decay_frac)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        batches = [self._batch(self.train_data, self.step, i, t.grad_accum, t.seed) for i in range(t.grad_accum)]
+        depths = [self.sampler.draw() for _ in range(t.grad_accum)]
+        n_global = all_reduce_scalar(sum(b.n_targets for b in batches), env)
+        scale = env.world_size / max(n_global, 1)  # DDP/FSDP average gradients over ranks
+        stats = torch.zeros(t.grad_accum, 2, dtype=torch.float64)
+        for i, (batch, depth) in enumerate(zip(batches, depths)):
+            sync = contextlib.nullcontext()
+            if env.distributed and t.parallel == "ddp" and i < t.grad_accum - 1:
+                sync = self.wrapped.no_sync()
+            with sync:
+                state0 = self._noise(self.step, i, batch.inputs.shape[1])
+                ce_sum = microbatch_loss(self.wrapped, batch, depth, self.job.depth.bptt_window, state0, self._autocast())
+                (ce_sum * scale).backward()
+            stats[i, 0], stats[i, 1] = ce_sum.item(), batch.n_targets
+        stats = all_reduce_sum(stats, env)
+        for depth, (loss_sum, n) in zip(depths, stats.tolist()):
+            self.sampler.observe(depth, loss_sum, int(n))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.depth_metrics = self.sampler.update()
+        self.step += 1
+        loss = float(stats[:, 0].sum() / max(stats[:, 1].sum(), 1))
+        return StepResult(loss, depths, int(stats[:, 1].sum()), float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), lr)
+
+    @torch.no_grad()
+    def evaluate(self, depth: int | None = None) -> float:
+        """Validation loss (token mean) at `depth` (default: the sampler's rounded mean) with
+        the deterministic seeded initial state."""
+        t = self.job.train
+        depth = depth or max(1, round(self.sampler.mean()))
+        n_val = len(self.val_data)
+        total = torch.zeros(2, dtype=torch.float64)
+        for i in range(t.eval_batches):
+            idx = batch_indices(n_val, 0, i, t.micro_batch * self.env.world_size, t.eval_batches, seed=1)
+            idx = idx[self.env.rank * t.micro_batch:(self.env.rank + 1) * t.micro_batch]
+            batch = self.val_data.get_batch(idx).to(self.env.device)
+            with self._autocast():
+                out = self.wrapped(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
+                                   init="seeded", example_ids=batch.example_ids)
+            total[0] += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
+                                        ignore_index=IGNORE_INDEX, reduction="sum").item()
+            total[1] += batch.n_targets
+        total = all_reduce_sum(total, self.env)
+        return float(total[0] / max(total[1], 1))
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t, env = self.job.train, self.env
+        end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
+        tokens_per_step = t.micro_batch * env.world_size * t.grad_accum * self.job.data.seq_len
+        exp_flops = expected_flops_per_token(self.job.model, self.job.data.seq_len, self.sampler.pmf(),
+                                             self.job.depth.bptt_window)
+        bar = None
+        if env.is_main and t.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=end, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        window_t, window_tokens, window_depths, last = time.perf_counter(), 0, [], None
+        while self.step < end:
+            t0 = time.perf_counter()
+            res = self.train_step()
+            dt = time.perf_counter() - t0
+            self.elapsed += dt
+            self.tokens_seen += tokens_per_step
+            step_flops = mean_flops_per_token(self.job.model, self.job.data.seq_len, res.depths,
+                                              self.job.depth.bptt_window) * tokens_per_step
+            self.flops_seen += step_flops
+            window_tokens += tokens_per_step
+            window_depths += res.depths
+            if not math.isfinite(res.loss):
+                raise FloatingPointError(f"non-finite loss at step {self.step}; lower --train.lr")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", R=",".join(map(str, res.depths)))
+            if self.step % t.log_every == 0 or self.step == end:
+                now = time.perf_counter()
+                rate = window_tokens / max(now - window_t, 1e-9)
+                record = {
+                    "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "depths": res.depths,
+                    "mean_depth_window": float(np.mean(window_depths)), "tokens": self.tokens_seen,
+                    "tokens_per_s": rate, "flops": self.flops_seen,
+                    "model_tflops_per_s": rate * mean_flops_per_token(self.job.model, self.job.data.seq_len, window_depths, self.job.depth.bptt_window) / 1e12,
+                    "expected_flops_per_token": exp_flops, "elapsed_s": self.elapsed,
+                }
+                record.update({f"depth/{k}": v for k, v in self.depth_metrics.items()})
+                self.logger.log(record, self.step)
+                window_t, window_tokens, window_depths = now, 0, []
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == end):
+                val = self.evaluate()
+                self.logger.log({"val_loss": val, "val_ppl": math.exp(min(val, 50))}, self.step)
+                if bar is not None:
+                    bar.write(f"step {self.step}: val loss {val:.4f} (ppl {math.exp(min(val, 50)):.3f})")
+            if self.step % t.checkpoint_every == 0 or self.step == end:
+                last = self.save()
+        if bar is not None:
+            bar.close()
+        self.logger.close()
+        return {"step": self.step, "checkpoint": str(last or self.latest_checkpoint()), "out_dir": str(self.out_dir),
+                "tokens": self.tokens_seen, "elapsed_s": self.elapsed}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def latest_checkpoint(self) -> Path | None:
+        latest = self.ckpt_root / "latest"
+        return self.ckpt_root / latest.read_text().strip() if latest.exists() else None
+
+    def _full_state(self) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.model, options=opts),
+                get_optimizer_state_dict(self.model, self.optimizer, options=opts))
+
+    def save(self) -> Path:
+        """Atomically write a checkpoint of the current step; every rank must call it."""
+        model_sd, optim_sd = self._full_state()
+        name = f"step_{self.step:07d}"
+        target = self.ckpt_root / name
+        if self.env.is_main:
+            tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
+            state = {
+                "step": self.step, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
+                "elapsed_s": self.elapsed, "sampler": self.sampler.state_dict(), "optimizer": optim_meta,
+                "torch_rng": torch.get_rng_state().tolist(), "world_size": self.env.world_size,
+            }
+
+            def populate(tmp: Path) -> None:
+                ckpt.save_tensors(tmp, "model.safetensors", model_sd)
+                ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
+                ckpt.write_json(tmp, "trainer_state.json", state)
+                ckpt.write_json(tmp, "config.json", self.job.to_dict())
+                self.tokenizer.save(tmp)
+
+            ckpt.write_atomic(target, populate)
+            tmp_latest = self.ckpt_root / ".latest.tmp"
+            tmp_latest.write_text(name)
+            tmp_latest.replace(self.ckpt_root / "latest")
+            self._prune()
+        D.barrier(self.env)
+        return target
+
+    def _prune(self) -> None:
+        keep = max(1, self.job.train.keep_checkpoints)
+        steps = sorted(p for p in self.ckpt_root.glob("step_*") if p.is_dir())
+        for old in steps[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _load(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        model_sd = ckpt.load_tensors(path, "model.safetensors")
+        ckpt.check_model_shapes(self.model.state_dict(), model_sd, path)
+        state = ckpt.read_json(path, "trainer_state.json")
+        optim_sd = ckpt.unflatten_optimizer_state(ckpt.load_tensors(path, "optimizer.safetensors"), state["optimizer"])
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_sd, options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.flops_seen, self.elapsed = state["flops_seen"], state["elapsed_s"]
+
+
+def all_reduce_scalar(x: int, env: D.DistEnv) -> int:
+    return int(all_reduce_sum(torch.tensor([x], dtype=torch.int64), env).item())
+
+
+def all_reduce_sum(t: torch.Tensor, env: D.DistEnv) -> torch.Tensor:
+    return D.all_reduce_sum(t, env)
+
+
+def load_job(path: Path) -> TrainJob:
+    return job_from_dict(json.loads((Path(path) / "config.json").read_text()))

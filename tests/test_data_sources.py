@@ -1,0 +1,91 @@
+"""Tests for looplm.data.sources."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from looplm.data import DataError, Document, TaskConfig, iter_documents
+from looplm.data import sources
+
+
+def test_folder_sorted_recursive(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x.md").write_text("second")
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "c.txt").write_text("   \n")  # whitespace only: skipped
+    (tmp_path / "ignored.json").write_text("{}")
+    assert [d.text for d in iter_documents(str(tmp_path))] == ["first", "second"]
+
+
+def test_tasks_source() -> None:
+    docs = list(iter_documents("tasks", task_config=TaskConfig(), n_task_examples=12, seed=3))
+    assert len(docs) == 12
+    for d in docs:
+        assert d.answer_start is not None
+        assert d.text[d.answer_start - 1] == "=" and d.text.endswith("\n")
+
+
+def test_large_file_split_on_blank_lines(tmp_path: Path) -> None:
+    paragraphs = [f"paragraph {i} " + "word " * 400 for i in range(200)]
+    text = "\n\n".join(paragraphs) + "\n"
+    path = tmp_path / "big.txt"
+    path.write_text(text)
+    docs = list(iter_documents(str(path)))
+    assert len(docs) > 3
+    assert "".join(d.text for d in docs) == text
+    assert all(len(d.text) < 2 * sources.MAX_CHUNK_CHARS for d in docs)
+
+
+def test_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"body": f"doc {i}"}) for i in range(3)) + "\n\n")
+    assert [d.text for d in iter_documents(str(path), text_field="body")] == ["doc 0", "doc 1", "doc 2"]
+
+
+@pytest.mark.parametrize(
+    "line, pattern",
+    [("{not json", r"bad\.jsonl:3: invalid JSON"), ('{"other": "x"}', r"bad\.jsonl:3: no field 'text'")],
+)
+def test_jsonl_errors(tmp_path: Path, line: str, pattern: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n' + line + "\n")
+    with pytest.raises(DataError, match=pattern):
+        list(iter_documents(str(path)))
+
+
+def test_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="not found"):
+        list(iter_documents(str(tmp_path / "missing")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no non-empty document"):
+        list(iter_documents(str(empty)))
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.txt is not valid UTF-8"):
+        list(iter_documents(str(bad)))
+    assert issubclass(DataError, ValueError)
+
+
+def test_hf_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(DataError, match="datasets"):
+        list(iter_documents("hf:some/corpus"))
+
+
+def test_hf_with_fake_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def load_dataset(name: str, split: str) -> list[dict[str, str]]:
+        calls.append((name, split))
+        return [{"text": "one"}, {"text": ""}, {"text": "two"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert [d.text for d in iter_documents("hf:org/corpus:validation")] == ["one", "two"]
+    assert list(iter_documents("hf:org/corpus")) == [Document("one"), Document("two")]
+    assert calls == [("org/corpus", "validation"), ("org/corpus", "train")]

@@ -1,0 +1,92 @@
+"""Tests for looplm.data.tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from looplm.data import BPETokenizer, ByteTokenizer, build_tokenizer, load_tokenizer
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Looped models reuse the same block many times.",
+    "Fixed points, recurrences and depth: héllo wörld, 日本語, emoji 🙂.",
+] * 20
+
+
+def test_byte_round_trip_non_ascii() -> None:
+    tok = ByteTokenizer()
+    text = "héllo 日本 🙂\n<eos>"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id) == (258, 256, 257)
+
+
+def test_byte_decode_skips_specials_and_replaces_invalid() -> None:
+    tok = ByteTokenizer()
+    assert tok.decode([104, 256, 105, 257]) == "hi"
+    # A lone continuation byte is invalid UTF-8.
+    assert tok.decode([104, 0x80, 105]) == "h\ufffdi"
+
+
+def test_byte_save_load(tmp_path: Path) -> None:
+    tok = ByteTokenizer()
+    tok.save(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"type": "byte"}
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, ByteTokenizer)
+    assert loaded.fingerprint() == tok.fingerprint()
+
+
+def test_bpe_train_round_trip_and_save_load(tmp_path: Path) -> None:
+    tok = BPETokenizer.train(CORPUS, vocab_size=320)
+    assert 258 <= tok.vocab_size <= 320
+    assert tok.eos_id != tok.pad_id
+    for text in CORPUS[:3] + ["unseen bytes: ж ✓ \t\n"]:
+        ids = tok.encode(text)
+        assert tok.eos_id not in ids
+        assert tok.decode(ids) == text
+    # The literal text "<eos>" is text, not the special token.
+    assert tok.eos_id not in tok.encode("a <eos> b")
+    assert tok.decode(tok.encode("a <eos> b")) == "a <eos> b"
+    assert tok.decode(tok.encode("ab") + [tok.eos_id, tok.pad_id]) == "ab"
+
+    tok.save(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"type": "bpe"}
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, BPETokenizer)
+    assert loaded.fingerprint() == tok.fingerprint()
+    assert loaded.encode(CORPUS[2]) == tok.encode(CORPUS[2])
+    assert tok.fingerprint() != ByteTokenizer().fingerprint()
+
+
+def test_bpe_from_file_requires_special_tokens(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<eos>"], show_progress=False)
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    backend.save(str(path))
+    with pytest.raises(ValueError, match="<pad>"):
+        BPETokenizer.from_file(path)
+
+
+def test_build_tokenizer_specs(tmp_path: Path) -> None:
+    assert isinstance(build_tokenizer("byte", None, 0), ByteTokenizer)
+    bpe = build_tokenizer("bpe", lambda: iter(CORPUS), 300)
+    assert isinstance(bpe, BPETokenizer)
+    bpe.save(tmp_path)
+    from_path = build_tokenizer(str(tmp_path / "tokenizer.json"), None, 0)
+    assert from_path.fingerprint() == bpe.fingerprint()
+    with pytest.raises(ValueError):
+        build_tokenizer("bpe", None, 300)
+    with pytest.raises(ValueError, match="unknown tokenizer spec"):
+        build_tokenizer(str(tmp_path / "missing.json"), None, 0)
