@@ -130,3 +130,36 @@ def check_model_shapes(expected: dict[str, torch.Tensor], found: dict[str, torch
     for k, v in expected.items():
         if tuple(found[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{where}: {k} has shape {tuple(found[k].shape)}, the model expects {tuple(v.shape)}")
+
+
+def resolve(path: Path) -> Path:
+    """Accept a checkpoint folder, a run folder (uses its latest checkpoint) or `checkpoints/`."""
+    path = Path(path)
+    for base in (path, path / "checkpoints"):
+        latest = base / "latest"
+        if latest.is_file():
+            return base / latest.read_text().strip()
+    return path
+
+
+def load_model(path: Path, device: str | torch.device = "cpu"):
+    """(model, tokenizer, job config dict) from a verified checkpoint, in eval mode."""
+    from looplm.config import ModelConfig
+    from looplm.data import load_tokenizer
+    from looplm.model import LoopedLM
+
+    path = resolve(path)
+    verify(path)
+    config = read_json(path, "config.json")
+    try:
+        model_cfg = ModelConfig.from_dict(config["model"])
+        tokenizer = load_tokenizer(path)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable config or tokenizer ({err})") from None
+    if tokenizer.vocab_size != model_cfg.vocab_size:
+        raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {model_cfg.vocab_size}")
+    model = LoopedLM(model_cfg)
+    weights = load_tensors(path, "model.safetensors")
+    check_model_shapes(model.state_dict(), weights, path)
+    model.load_state_dict(weights)
+    return model.to(device).eval(), tokenizer, config

@@ -15,6 +15,7 @@ from typing import Literal
 from looplm.config import ModelConfig, model_preset
 from looplm.data.tasks import TaskConfig
 from looplm.depth.samplers import DepthConfig
+from looplm.eval.report import EvalConfig
 
 
 @dataclass
@@ -105,6 +106,8 @@ class TrainJob:
     depth: DepthConfig = field(default_factory=DepthConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The depth report printed when training ends."""
 
     def to_dict(self) -> dict:
         return jsonable(dataclasses.asdict(self))
@@ -131,6 +134,8 @@ def job_from_dict(data: dict) -> TrainJob:
         depth=DepthConfig(**data["depth"]),
         data=DataConfig(**data_cfg),
         train=TrainConfig(**train_cfg),
+        eval=EvalConfig(**{**data["eval"], "depths": tuple(data["eval"]["depths"]),
+                           "output": Path(data["eval"]["output"]) if data["eval"]["output"] else None}),
     )
 
 

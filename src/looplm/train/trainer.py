@@ -39,6 +39,7 @@ RESUMABLE_CHANGES = {
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir",
 }
+RESUMABLE_PREFIXES = ("eval.",)
 
 
 def native_bf16_cpu() -> bool:
@@ -152,7 +153,7 @@ class Trainer:
         saved = ckpt.read_json(path, "config.json")
         now = self.job.to_dict()
         saved["model"]["vocab_size"] = now["model"]["vocab_size"] = 0  # set from the tokenizer
-        diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES]
+        diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
         return path

@@ -1,0 +1,38 @@
+"""Native perplexity: one parallel forward per depth, exp(token-mean CE) (SPEC 8)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from looplm.data import IGNORE_INDEX, PackedDataset
+
+
+@torch.no_grad()
+def native_perplexity(
+    model, data: PackedDataset, depths: Sequence[int], *, batch_size: int = 8, max_sequences: int | None = 64,
+    device: torch.device | str = "cpu", progress=None,
+) -> dict[int, dict[str, float]]:
+    """{depth: {"loss", "ppl", "tokens"}} over the first `max_sequences` sequences of `data`,
+    with the deterministic seeded initial state so results do not depend on batching."""
+    n = len(data) if max_sequences is None else min(len(data), max_sequences)
+    if n == 0:
+        raise ValueError("no evaluation sequences")
+    results = {}
+    for depth in depths:
+        total, count = 0.0, 0
+        for start in range(0, n, batch_size):
+            batch = data.get_batch(list(range(start, min(n, start + batch_size)))).to(device)
+            out = model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
+                        init="seeded", example_ids=batch.example_ids)
+            total += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
+                                     ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += batch.n_targets
+            if progress is not None:
+                progress()
+        loss = total / max(count, 1)
+        results[depth] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+    return results
