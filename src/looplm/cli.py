@@ -52,6 +52,10 @@ def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path
 def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: ignore[valid-type]
     """Train a looped LM from a preset (tiny, S, M, L); any field can be overridden.
 
+    Args:
+        job: The preset to start from; its fields are the options below.
+
+
     Runs on one process, or under `torchrun --nproc_per_node N` (DDP, or FSDP2 with
     --train.parallel fsdp). When training ends, prints perplexity and task accuracy against
     test-time depth and where the checkpoint, metrics and logs are.
@@ -87,7 +91,10 @@ def evaluate(
 ) -> None:
     """Native perplexity over a list of depths and exact-match accuracy on the generator's tasks.
 
-    CHECKPOINT is a checkpoint folder or a run folder (its latest checkpoint is used).
+    Args:
+        checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        cfg: What to measure.
+        device: Torch device to evaluate on (cpu, cuda, cuda:1, ...).
     """
     import torch
 

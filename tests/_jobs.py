@@ -1,0 +1,130 @@
+"""Small training-job factories shared by the trainer, checkpoint, distributed and CLI tests.
+
+Everything is shrunk from the `tiny` preset so that a few optimizer steps take well under a
+second on a CPU: a 32-wide model, 64-token sequences, 2000 generator examples, fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from looplm.train.config import TrainJob, job_preset
+
+# Overrides applied to the `tiny` preset, as (config path, value). The same list drives the
+# in-process jobs (`tiny_job`) and the command-line flags (`tiny_flags`), so CLI runs and
+# Trainer runs train the very same model on the very same data.
+TINY = (
+    ("model.d_model", 32),
+    ("model.n_heads", 2),
+    ("model.n_kv_heads", 1),
+    ("model.ffn_dim", 64),
+    ("model.max_seq_len", 64),
+    ("data.seq_len", 64),
+    ("data.n_task_examples", 2000),
+    ("train.steps", 8),
+    ("train.micro_batch", 4),
+    ("train.grad_accum", 2),
+    ("train.eval_every", 0),
+    ("train.log_every", 1),
+    ("train.progress", False),
+    ("train.tensorboard", False),
+    ("train.precision", "fp32"),
+    ("train.device", "cpu"),
+    ("eval.depths", (1, 2)),
+    ("eval.task_examples", 20),
+    ("eval.max_sequences", 8),
+    ("eval.batch_size", 16),
+)
+
+
+def _set(job: TrainJob, dotted: str, value) -> None:
+    section, name = dotted.split(".")
+    obj = getattr(job, section)
+    if not hasattr(obj, name):
+        raise AttributeError(f"no config field {dotted}")
+    setattr(obj, name, value)
+
+
+def tiny_job(tmp_path: Path, name: str = "run", *, cache: Path | None = None, **overrides) -> TrainJob:
+    """The shrunken tiny job writing to tmp_path/name; `overrides` use '__' for '.', e.g.
+    `train__steps=4`, `depth__sampler="fixed"`."""
+    job = job_preset("tiny")
+    for key, value in TINY:
+        _set(job, key, value)
+    job.data.cache_dir = Path(cache) if cache is not None else Path(tmp_path) / "cache"
+    job.train.out_dir = Path(tmp_path) / name
+    for key, value in overrides.items():
+        _set(job, key.replace("__", "."), value)
+    return job
+
+
+def _flag(dotted: str) -> str:
+    return "--" + dotted.replace("_", "-")
+
+
+def tiny_flags(tmp_path: Path, name: str = "run", *, cache: Path | None = None, **overrides) -> list[str]:
+    """Command-line flags for `looplm train tiny` equivalent to `tiny_job(...)`."""
+    values = dict(TINY)
+    values["data.cache_dir"] = Path(cache) if cache is not None else Path(tmp_path) / "cache"
+    values["train.out_dir"] = Path(tmp_path) / name
+    values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    argv: list[str] = []
+    for key, value in values.items():
+        if isinstance(value, bool):  # tyro: --section.flag / --section.no-flag
+            section, name = key.split(".")
+            argv.append(_flag(key) if value else _flag(f"{section}.no_{name}"))
+        elif isinstance(value, (tuple, list)):
+            argv += [_flag(key), *map(str, value)]
+        elif value is None:
+            argv += [_flag(key), "None"]
+        else:
+            argv += [_flag(key), str(value)]
+    return argv
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    """The records of out_dir/metrics.jsonl."""
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_records(out_dir: Path) -> dict[int, dict]:
+    """{step: record} of the training records (those with a loss) of a run."""
+    return {r["step"]: r for r in read_metrics(out_dir) if "loss" in r}
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in step_records(out_dir).items()}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: one thread each, no CUDA, unbuffered output."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+               TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def looplm_cmd(*args: str) -> list[str]:
+    """The `looplm` console script next to this interpreter (the venv's), else `python -m looplm.cli`."""
+    script = Path(sys.executable).parent / "looplm"
+    if script.is_file():
+        return [str(script), *args]
+    return [sys.executable, "-m", "looplm.cli", *args]
+
+
+def shared_cache(tmp_path_factory) -> Path:
+    """A token-cache folder shared by every test of the session (caches are content-keyed, so
+    runs with the same data reuse one build; concurrent builders are handled by looplm)."""
+    return tmp_path_factory.getbasetemp() / "looplm-token-cache"
