@@ -6,11 +6,14 @@ second on a CPU: a 32-wide model, 64-token sequences, 2000 generator examples, f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 from pathlib import Path
+
+import torch
 
 from looplm.train.config import TrainJob, job_preset
 
@@ -128,3 +131,16 @@ def shared_cache(tmp_path_factory) -> Path:
     """A token-cache folder shared by every test of the session (caches are content-keyed, so
     runs with the same data reuse one build; concurrent builders are handled by looplm)."""
     return tmp_path_factory.getbasetemp() / "looplm-token-cache"
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One intra-op thread for module-scoped fixtures (tests use conftest's `single_thread`):
+    tiny models gain nothing from more, and on a loaded 2-core machine OpenMP spin-waiting
+    makes them 10-50x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

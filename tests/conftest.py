@@ -30,3 +30,13 @@ def _deterministic_torch():
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test on one intra-op thread: tiny models are dominated by thread start-up and
+    spin-wait costs, which explode on a loaded 2-core machine. Restores the previous count."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,6 +19,8 @@ from looplm.config import INJECTIONS, ModelConfig
 from looplm.model import LoopedLM, build_injection
 from looplm.model.blocks import rope_tables
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TINY = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
 
@@ -125,6 +127,16 @@ def test_document_mask_isolates_documents(injection):
                                msg="a token of document 1 leaked into document 2")
     assert (a[:, :n1] - b[:, :n1]).abs().amax() > 1e-3
     torch.testing.assert_close(a[:, n1:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_single_document_mask_equals_plain_causal():
+    """doc_ids with one document per row takes the explicit-mask path; it must match is_causal."""
+    model = make_model("ortho").eval()
+    tokens = torch.randint(0, 50, (2, 11))
+    with torch.no_grad():
+        plain = model(tokens, 3, init="zero").logits
+        masked = model(tokens, 3, init="zero", doc_ids=torch.full((2, 11), 5)).logits
+    torch.testing.assert_close(masked, plain, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _jobs import losses, shared_cache, step_records, tiny_job
+from _jobs import losses, read_metrics, shared_cache, step_records, tiny_job
 
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX
 from looplm.model import LoopedLM
 from looplm.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture
@@ -73,13 +76,11 @@ def test_resume_restores_optimizer_state(tmp_path, cache):
         assert st.keys() == sb["state"][pid].keys()
         for name, value in st.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][pid][name])), (pid, name)
-    groups_a = [{k: v for k, v in g.items() if k != "params"} for g in sa["param_groups"]]
-    groups_b = [{k: v for k, v in g.items() if k != "params"} for g in sb["param_groups"]]
-    for ga, gb in zip(groups_a, groups_b):
-        assert ga.keys() == gb.keys()
-        for k in ga:
-            assert (list(ga[k]) if isinstance(ga[k], tuple) else ga[k]) == \
-                   (list(gb[k]) if isinstance(gb[k], tuple) else gb[k]), k
+
+    def hyper(groups):  # JSON normalises tuples (betas) to lists, as the checkpoint does
+        return json.loads(json.dumps([{k: v for k, v in g.items() if k != "params"} for g in groups]))
+
+    assert hyper(sa["param_groups"]) == hyper(sb["param_groups"])
     for (na, pa), (nb, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert na == nb and torch.equal(pa, pb), na
 
@@ -195,10 +196,15 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path, cache):
     ({"depth__sampler": "fixed", "depth__depth": 0}, "fixed depth must be in 1..64"),
     ({"depth__sampler": "fixed", "depth__depth": 65}, "fixed depth must be in 1..64"),
     ({"depth__cap": 65, "depth__sampler": "fixed", "depth__depth": 5}, "exceeds the model's max_depth"),
+    ({"depth__bptt_window": 0}, "bptt_window must be >= 1"),
+    ({"eval__depths": (1, 65)}, r"eval.depths: depth must be in 1..64, got 65"),
 ])
-def test_invalid_jobs_raise_value_error(tmp_path, cache, overrides, match):
+def test_invalid_jobs_fail_before_building_data(tmp_path, overrides, match):
+    fresh = tmp_path / "fresh-cache"
     with pytest.raises(ValueError, match=match):
-        Trainer(job(tmp_path, cache, **overrides))
+        Trainer(job(tmp_path, fresh, **overrides))
+    assert not fresh.exists()  # rejected up front, not after tokenizing the corpus
+    assert not (tmp_path / "run").exists()
 
 
 def test_metrics_records(tmp_path, cache):
@@ -213,12 +219,7 @@ def test_metrics_records(tmp_path, cache):
             assert key in r, key
         assert len(r["depths"]) == 2 and all(1 <= d <= 64 for d in r["depths"])
         assert r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0 and math.isfinite(r["loss"])
-    val = [r for r in map(dict, _all_records(t.out_dir)) if "val_loss" in r]
+    val = [r for r in read_metrics(t.out_dir) if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4]
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in val)
 
-
-def _all_records(out_dir):
-    from _jobs import read_metrics
-
-    return read_metrics(out_dir)

@@ -47,12 +47,16 @@ def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    populate(tmp)
-    files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "sha256": files}, indent=1))
-    for p in tmp.iterdir():  # flush file contents before the rename makes them visible
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+    try:
+        populate(tmp)
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "sha256": files}, indent=1))
+        for p in tmp.iterdir():  # flush file contents before the rename makes them visible
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    except BaseException:  # leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if target.exists():
         old = target.parent / f".old-{target.name}-{os.getpid()}"
         os.replace(target, old)

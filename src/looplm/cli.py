@@ -100,14 +100,14 @@ def evaluate(
 
     from looplm.checkpoint import load_model, resolve
 
-    torch.set_grad_enabled(False)
-    path = resolve(checkpoint)
-    model, tokenizer, job = load_model(path, device)
-    for r in cfg.depths:
-        if not 1 <= r <= model.cfg.max_depth:
-            raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
-    out = cfg.output or path.parent.parent / "eval.json"
-    _report(model, tokenizer, job, cfg, device, out)
+    with torch.no_grad():  # not set_grad_enabled(False): main() may be called in-process
+        path = resolve(checkpoint)
+        model, tokenizer, job = load_model(path, device)
+        for r in cfg.depths:
+            if not 1 <= r <= model.cfg.max_depth:
+                raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+        out = cfg.output or path.parent.parent / "eval.json"
+        _report(model, tokenizer, job, cfg, device, out)
     print(f"\nreport: {out}")
 
 

@@ -114,8 +114,6 @@ class Trainer:
         self.model = LoopedLM(m).to(self.env.device)
         self.dtype = resolve_dtype(t.precision, self.env.device)
         self.sampler: DepthSampler = build_sampler(job.depth)
-        if m.max_depth < job.depth.cap:
-            raise ValueError(f"depth cap {job.depth.cap} exceeds the model's max_depth {m.max_depth}")
         self.wrapped = D.wrap_model(self.model, self.env, t.parallel)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
@@ -140,6 +138,13 @@ class Trainer:
         for name in ("steps", "micro_batch", "grad_accum"):
             if getattr(j.train, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1")
+        # Depth settings are checked here, before the (possibly long) data build.
+        build_sampler(j.depth)
+        if j.model.max_depth < j.depth.cap:
+            raise ValueError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
+        for r in j.eval.depths:
+            if not 1 <= r <= j.model.max_depth:
+                raise ValueError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"

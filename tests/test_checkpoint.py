@@ -1,0 +1,272 @@
+"""Checkpoint format: atomic writes, SHA-256 manifest, optimizer state, loading guards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from _jobs import one_thread, shared_cache, tiny_job
+
+from looplm import checkpoint as ckpt
+from looplm.model import LoopedLM
+from looplm.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run folder holding the checkpoint of a 2-step tiny run."""
+    root = tmp_path_factory.mktemp("trained")
+    with one_thread():
+        Trainer(tiny_job(root, "run", cache=shared_cache(tmp_path_factory), train__steps=2)).fit()
+    return root / "run"
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path):
+    """A private copy of the trained run."""
+    return shutil.copytree(trained, tmp_path / "run", symlinks=True)
+
+
+@pytest.fixture
+def checkpoint(run_dir):
+    return ckpt.resolve(run_dir)
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def rewrite_manifest(path) -> None:
+    """Recompute the manifest after a deliberate edit (a consistent but unfitting checkpoint)."""
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["sha256"] = {name: sha256(path / name) for name in manifest["sha256"]}
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def edit_config(path, **model_fields) -> None:
+    config = ckpt.read_json(path, "config.json")
+    config["model"].update(model_fields)
+    ckpt.write_json(path, "config.json", config)
+    rewrite_manifest(path)
+
+
+def leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+# -- write_atomic and the manifest ----------------------------------------------------------------
+def populate_ab(tmp):
+    (tmp / "a.json").write_text('{"x": 1}')
+    (tmp / "b.bin").write_bytes(bytes(range(256)))
+
+
+def test_write_atomic_creates_manifest_of_every_file(tmp_path):
+    target = ckpt.write_atomic(tmp_path / "ck" / "step_1", populate_ab)
+    assert target == tmp_path / "ck" / "step_1"
+    assert sorted(p.name for p in target.iterdir()) == ["a.json", "b.bin", "manifest.json"]
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert manifest["format"] == ckpt.FORMAT
+    assert manifest["sha256"] == {"a.json": sha256(target / "a.json"), "b.bin": sha256(target / "b.bin")}
+    assert ckpt.verify(target) == manifest
+    assert leftovers(tmp_path / "ck") == []
+
+
+def test_write_atomic_replaces_an_existing_folder(tmp_path):
+    target = tmp_path / "step_1"
+    ckpt.write_atomic(target, populate_ab)
+    ckpt.write_atomic(target, lambda tmp: (tmp / "c.txt").write_text("new"))
+    assert sorted(p.name for p in target.iterdir()) == ["c.txt", "manifest.json"]
+    ckpt.verify(target)
+    assert leftovers(tmp_path) == []
+
+
+def test_failing_populate_leaves_no_folder_and_keeps_the_old_one(tmp_path):
+    def boom(tmp):
+        (tmp / "model.safetensors").write_bytes(b"half a file")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        ckpt.write_atomic(tmp_path / "step_2", boom)
+    assert not (tmp_path / "step_2").exists()
+
+    old = ckpt.write_atomic(tmp_path / "step_1", populate_ab)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    with pytest.raises(RuntimeError, match="disk full"):
+        ckpt.write_atomic(old, boom)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    ckpt.verify(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # no temporary folder left over
+
+
+def test_trainer_checkpoint_manifest_covers_all_files(checkpoint):
+    names = sorted(p.name for p in checkpoint.iterdir())
+    for required in ("model.safetensors", "optimizer.safetensors", "trainer_state.json", "config.json", "manifest.json"):
+        assert required in names
+    manifest = ckpt.verify(checkpoint)
+    assert sorted(manifest["sha256"]) == [n for n in names if n != "manifest.json"]
+    assert (checkpoint.parent / "latest").read_text().strip() == checkpoint.name == "step_0000002"
+
+
+# -- corruption ---------------------------------------------------------------------------------
+def test_flipped_byte_is_detected(checkpoint, run_dir):
+    f = checkpoint / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.safetensors is corrupt"):
+        ckpt.verify(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.safetensors"):
+        ckpt.load_model(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.safetensors"):
+        ckpt.load_model(run_dir)  # through the run folder's `latest`
+
+
+def test_flipped_byte_stops_a_resume(checkpoint, run_dir, tmp_path_factory):
+    f = checkpoint / "optimizer.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    job = tiny_job(run_dir.parent, "run", cache=shared_cache(tmp_path_factory), train__steps=4, train__resume=True)
+    with pytest.raises(ckpt.CheckpointError, match=r"optimizer\.safetensors"):
+        Trainer(job)
+
+
+def test_missing_manifest(checkpoint):
+    (checkpoint / "manifest.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="manifest.json"):
+        ckpt.verify(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match="manifest.json"):
+        ckpt.load_model(checkpoint)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
+    (lambda p: (p / "manifest.json").write_text(json.dumps({"format": "other", "sha256": {}})), "unknown checkpoint format"),
+    (lambda p: (p / "config.json").unlink(), "config.json listed in the manifest is missing"),
+])
+def test_damaged_manifest_or_missing_file(checkpoint, edit, match):
+    edit(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.verify(checkpoint)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint folder"):
+        ckpt.load_model(tmp_path / "nowhere")
+
+
+# -- loading ------------------------------------------------------------------------------------
+def test_resolve_accepts_run_checkpoints_and_checkpoint_folders(run_dir, checkpoint):
+    assert ckpt.resolve(run_dir) == checkpoint
+    assert ckpt.resolve(run_dir / "checkpoints") == checkpoint
+    assert ckpt.resolve(checkpoint) == checkpoint
+
+
+def test_load_model_round_trip(checkpoint):
+    model, tokenizer, config = ckpt.load_model(checkpoint)
+    assert not model.training
+    assert model.cfg.d_model == 32 and model.cfg.vocab_size == tokenizer.vocab_size
+    assert config["train"]["steps"] == 2
+    saved = ckpt.load_tensors(checkpoint, "model.safetensors")
+    state = model.state_dict()
+    assert saved.keys() == state.keys()
+    for k in saved:
+        assert torch.equal(saved[k], state[k]), k
+
+
+def test_tokenizer_vocab_mismatch(checkpoint):
+    _, tokenizer, _ = ckpt.load_model(checkpoint)
+    edit_config(checkpoint, vocab_size=tokenizer.vocab_size + 10)
+    ckpt.verify(checkpoint)  # consistent files, but they do not fit together
+    with pytest.raises(ckpt.CheckpointError, match=f"tokenizer has {tokenizer.vocab_size} tokens"):
+        ckpt.load_model(checkpoint)
+
+
+def test_unreadable_model_config(checkpoint):
+    edit_config(checkpoint, no_such_field=1)
+    with pytest.raises(ckpt.CheckpointError, match="unreadable config"):
+        ckpt.load_model(checkpoint)
+
+
+def test_weights_of_another_shape_name_the_tensor(checkpoint):
+    edit_config(checkpoint, ffn_dim=96)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_model(checkpoint)
+    msg = str(err.value)
+    saved = ckpt.load_tensors(checkpoint, "model.safetensors")
+    cfg = ckpt.read_json(checkpoint, "config.json")["model"]
+    from looplm.config import ModelConfig
+
+    expected = LoopedLM(ModelConfig.from_dict(cfg)).state_dict()
+    mismatched = [k for k in expected if expected[k].shape != saved[k].shape]
+    assert mismatched  # the feed-forward matrices
+    first = mismatched[0]
+    assert f"{first} has shape {tuple(saved[first].shape)}, the model expects {tuple(expected[first].shape)}" in msg
+
+
+def test_check_model_shapes_reports_missing_and_unexpected(tmp_path):
+    a = {"x": torch.zeros(2), "y": torch.zeros(3)}
+    with pytest.raises(ckpt.CheckpointError, match=r"missing \['y'\], unexpected \['z'\]"):
+        ckpt.check_model_shapes(a, {"x": torch.zeros(2), "z": torch.zeros(3)}, tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match=r"y has shape \(4,\), the model expects \(3,\)"):
+        ckpt.check_model_shapes(a, {"x": torch.zeros(2), "y": torch.zeros(4)}, tmp_path)
+    ckpt.check_model_shapes(a, dict(a), tmp_path)
+
+
+# -- optimizer state ----------------------------------------------------------------------------
+def test_optimizer_state_flatten_round_trip(tmp_path):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opts = StateDictOptions(full_state_dict=True)
+    state = get_optimizer_state_dict(model, opt, options=opts)
+    state["state"]["0.weight"]["custom_scalar"] = 3  # non-tensor per-parameter entries go to JSON
+
+    tensors, meta = ckpt.flatten_optimizer_state(state)
+    assert all(isinstance(v, torch.Tensor) for v in tensors.values())
+    assert meta["scalars"] == {"0.weight::custom_scalar": 3}
+    assert set(tensors) >= {"0.weight::exp_avg", "0.weight::exp_avg_sq", "0.weight::step", "1.bias::exp_avg"}
+
+    # through the files a checkpoint uses
+    ckpt.save_tensors(tmp_path, "optimizer.safetensors", tensors)
+    ckpt.write_json(tmp_path, "meta.json", meta)
+    back = ckpt.unflatten_optimizer_state(ckpt.load_tensors(tmp_path, "optimizer.safetensors"),
+                                          ckpt.read_json(tmp_path, "meta.json"))
+    assert back["state"].keys() == state["state"].keys()
+    for key, per_param in state["state"].items():
+        assert back["state"][key].keys() == per_param.keys()
+        for name, value in per_param.items():
+            got = back["state"][key][name]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got, value), (key, name)
+            else:
+                assert got == value
+    assert json.loads(json.dumps(state["param_groups"])) == back["param_groups"]
+
+    # and the restored state drives a fresh optimizer exactly like the original
+    del back["state"]["0.weight"]["custom_scalar"], state["state"]["0.weight"]["custom_scalar"]
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    twin.load_state_dict(model.state_dict())
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1.0)
+    set_optimizer_state_dict(twin, twin_opt, back, options=opts)
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m(x).square().sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

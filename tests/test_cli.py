@@ -1,0 +1,269 @@
+"""`looplm train` / `looplm eval`: end to end, kill-and-resume, and one-line errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _jobs import looplm_cmd, one_thread, shared_cache, step_records, subprocess_env, tiny_flags, tiny_job
+
+from looplm import checkpoint as ckpt
+from looplm.cli import main
+from looplm.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+CLI_TIMEOUT = 300
+
+
+@pytest.fixture
+def cache(tmp_path_factory):
+    return shared_cache(tmp_path_factory)
+
+
+def looplm(*args, timeout=CLI_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def table_depths(text: str) -> list[int]:
+    """Depths R of the rows of a printed depth report (`   R   val ppl ...`)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\s*R\s+val ppl", line))
+    rows = []
+    for line in lines[start + 2:]:
+        m = re.match(r"\s*(\d+)\s+(\d+\.\d+)", line)
+        if not m:
+            break
+        rows.append(int(m.group(1)))
+    return rows
+
+
+def printed_path(stdout: str, label: str) -> Path:
+    m = re.search(rf"^{label}:\s+(\S+)", stdout, re.M)
+    assert m, f"no '{label}:' line in\n{stdout}"
+    return Path(m.group(1))
+
+
+def assert_clean_exit(rc, err, *, looplm_error: bool):
+    """Non-zero exit, no traceback; looplm's own errors are one line `error: ...`."""
+    assert rc == 2, (rc, err)
+    assert "Traceback" not in err, err
+    if looplm_error:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), err
+        assert len(lines[0]) < 400, err
+
+
+# -- end to end ---------------------------------------------------------------------------------
+def test_train_then_eval_end_to_end(tmp_path, cache):
+    flags = tiny_flags(tmp_path, "run", cache=cache)
+    res = looplm("train", "tiny", *flags, "--eval.depths", 1, 2, "--eval.task-examples", 20)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "Traceback" not in res.stderr
+    out = res.stdout
+    assert "trained 8 steps" in out
+    assert table_depths(out) == [1, 2]
+    assert re.search(r"R\s+val ppl\s+acc", out)  # task accuracy columns for a task-trained model
+    checkpoint, metrics = printed_path(out, "checkpoint"), printed_path(out, "metrics")
+    assert checkpoint == tmp_path / "run" / "checkpoints" / "step_0000008"
+    ckpt.verify(checkpoint)
+    assert metrics == tmp_path / "run" / "metrics.jsonl" and metrics.is_file()
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert sorted(report["perplexity"]) == ["1", "2"]
+
+    records = step_records(tmp_path / "run")
+    assert sorted(records) == list(range(1, 9))
+    for r in records.values():
+        for key in ("loss", "tokens_per_s", "depths", "model_tflops_per_s"):
+            assert key in r, key
+        assert len(r["depths"]) == 2 and r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0
+
+    res = looplm("eval", tmp_path / "run", "--depths", 1, 3)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert table_depths(res.stdout) == [1, 3]
+    out_json = tmp_path / "run" / "eval.json"  # default: next to the run's checkpoints
+    assert printed_path(res.stdout, "report") == out_json
+    report = json.loads(out_json.read_text())
+    assert sorted(report["perplexity"]) == ["1", "3"]
+    assert sorted(report["tasks"]) == ["1", "3"]
+    for r in report["perplexity"].values():
+        assert r["ppl"] > 1 and r["tokens"] > 0
+
+
+# -- a real kill --------------------------------------------------------------------------------
+def latest_step(run: Path) -> int:
+    try:
+        return int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    except (FileNotFoundError, IndexError, ValueError):
+        return -1
+
+
+def logged_steps(run: Path) -> list[int]:
+    try:
+        text = (run / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["step"] for line in text.splitlines() if line.endswith("}")]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, cache):
+    steps = 20
+    common = dict(cache=cache, train__steps=steps, train__checkpoint_every=2, eval__depths=())
+    victim_flags = tiny_flags(tmp_path, "victim", **common)
+    victim_dir, reference_dir = tmp_path / "victim", tmp_path / "reference"
+    env = subprocess_env()
+    with open(tmp_path / "victim.log", "w") as vlog, open(tmp_path / "reference.log", "w") as rlog:
+        # the uninterrupted reference runs alongside the victim (one thread each)
+        reference = subprocess.Popen(looplm_cmd("train", "tiny", *tiny_flags(tmp_path, "reference", **common)),
+                                     env=env, stdout=rlog, stderr=subprocess.STDOUT)
+        victim = subprocess.Popen(looplm_cmd("train", "tiny", *victim_flags), env=env, stdout=vlog,
+                                  stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + CLI_TIMEOUT
+            # kill once a checkpoint at step >= 2 exists and training has moved past it
+            while not (latest_step(victim_dir) >= 2 and max(logged_steps(victim_dir), default=0) > latest_step(victim_dir)):
+                assert victim.poll() is None, \
+                    f"run ended (rc {victim.returncode}) before it could be killed:\n{(tmp_path / 'victim.log').read_text()}"
+                assert time.monotonic() < deadline, "no checkpoint appeared"
+                time.sleep(0.01)
+            os.kill(victim.pid, signal.SIGKILL)
+            assert victim.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+        killed_at = latest_step(victim_dir)
+        assert 2 <= killed_at < steps
+        assert max(logged_steps(victim_dir)) > killed_at  # records past the checkpoint are dropped on resume
+
+        res = looplm("train", "tiny", *victim_flags, "--train.resume")
+        assert res.returncode == 0, res.stderr[-4000:]
+        assert reference.wait(timeout=CLI_TIMEOUT) == 0, (tmp_path / "reference.log").read_text()[-4000:]
+
+    assert logged_steps(victim_dir) == list(range(1, steps + 1))  # no gaps or repeats
+    got, want = step_records(victim_dir), step_records(reference_dir)
+    assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in want.items()}  # exact
+    assert {s: r["depths"] for s, r in got.items()} == {s: r["depths"] for s, r in want.items()}
+    a = ckpt.load_tensors(ckpt.resolve(victim_dir), "model.safetensors")
+    b = ckpt.load_tensors(ckpt.resolve(reference_dir), "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not [p.name for p in (victim_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+# -- bad input ----------------------------------------------------------------------------------
+def run_main(argv, capsys):
+    """looplm.cli.main in-process: (exit status, stdout, stderr). Any exception escaping main
+    would be a traceback for the user, so it fails the test."""
+    grad_mode = torch.is_grad_enabled()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exit_:  # tyro's parse errors
+        rc = exit_.code
+    finally:
+        leaked = torch.is_grad_enabled() != grad_mode
+        torch.set_grad_enabled(grad_mode)
+    assert not leaked, "looplm.cli.main changed the global autograd mode"
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A finished 2-step run made with the same settings as `tiny_flags(root, "run", steps=2)`."""
+    root = tmp_path_factory.mktemp("cli-run")
+    with one_thread():
+        Trainer(tiny_job(root, "run", cache=shared_cache(tmp_path_factory), train__steps=2)).fit()
+    return root
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "tiny", "--model.injection", "foo"],
+    ["train", "XL"],
+    ["train", "tiny", "--depth.sampler", "sometimes"],
+    ["eval"],
+])
+def test_parse_errors_exit_2_without_traceback(argv, capsys):
+    rc, _, err = run_main(argv, capsys)
+    assert_clean_exit(rc, err, looplm_error=False)
+    assert err.strip()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--depth.sampler", "fixed", "--depth.depth", "0"], "fixed depth must be in 1..64, got 0"),
+    (["--depth.sampler", "fixed", "--depth.depth", "65"], "fixed depth must be in 1..64, got 65"),
+    (["--depth.sampler", "fixed", "--depth.depth", "2.5"], "fixed depth must be an integer"),
+    (["--model.max-seq-len", "256", "--data.seq-len", "512"], "data.seq_len 512 exceeds the model context max_seq_len 256"),
+    (["--model.n-heads", "3"], "not divisible by n_heads 3"),
+    (["--train.steps", "0"], "train.steps must be >= 1"),
+    (["--eval.depths", "0"], "eval.depths: depth must be in 1..64, got 0"),
+    (["--data.source", "{missing}"], "data source not found"),
+    (["--data.source", "{empty}"], "has no non-empty document"),
+    (["--data.source", "{latin1}"], "is not valid UTF-8"),
+])
+def test_train_user_errors_are_one_line(tmp_path, cache, capsys, extra, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n\nd\xe9j\xe0 vu\n".encode("latin-1"))
+    paths = {"missing": tmp_path / "missing.txt", "empty": tmp_path / "empty", "latin1": tmp_path / "latin1.txt"}
+    extra = [a.format(**paths) for a in extra]
+    rc, _, err = run_main(["train", "tiny", *tiny_flags(tmp_path, cache=cache), *extra], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert message in err
+
+
+def test_eval_depth_zero(trained_run, capsys):
+    rc, out, err = run_main(["eval", trained_run / "run", "--depths", "0"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "depth must be in 1..64, got 0" in err
+
+
+@pytest.mark.parametrize("damage", ["flip", "manifest", "missing"])
+def test_eval_of_a_broken_checkpoint(trained_run, tmp_path, capsys, damage):
+    path = ckpt.resolve(trained_run / "run")
+    if damage == "missing":
+        target = tmp_path / "nowhere"
+    else:
+        target = tmp_path / "ck"
+        shutil.copytree(path, target)
+        if damage == "flip":
+            f = target / "model.safetensors"
+            data = bytearray(f.read_bytes())
+            data[100] ^= 0x40
+            f.write_bytes(bytes(data))
+        else:
+            (target / "manifest.json").unlink()
+    rc, _, err = run_main(["eval", target, "--depths", "1"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert {"flip": "model.safetensors is corrupt", "manifest": "no manifest.json",
+            "missing": "no checkpoint folder"}[damage] in err
+
+
+def test_resume_into_a_different_config(trained_run, cache, capsys):
+    flags = tiny_flags(trained_run, "run", cache=cache, train__steps=2)
+    rc, _, err = run_main(["train", "tiny", *flags, "--train.resume", "--train.steps", "4", "--train.lr", "0.001"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "cannot resume into a different config" in err and "train.lr" in err and "train.steps" in err
+
+
+def test_fresh_run_into_a_used_folder(trained_run, cache, capsys):
+    rc, _, err = run_main(["train", "tiny", *tiny_flags(trained_run, "run", cache=cache, train__steps=2)], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "already holds checkpoints" in err
+
+
+def test_console_script_reports_errors_without_traceback(tmp_path):
+    """The installed `looplm` script: exit status and stderr as a user sees them."""
+    res = looplm("train", "tiny", "--model.injection", "foo", timeout=120)
+    assert_clean_exit(res.returncode, res.stderr, looplm_error=False)
+    assert "foo" in res.stderr
+    res = looplm("eval", tmp_path / "nowhere", timeout=120)
+    assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
+    assert res.stdout == ""

@@ -1,0 +1,116 @@
+"""Training FLOPs (SPEC 5) against hand-computed numbers, and the warmup-stable-decay multiplier
+(SPEC 6) against its closed form."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from looplm.config import ModelConfig
+from looplm.depth import FixedDepth, PLNDepth, UniformDepth
+from looplm.train.flops import expected_flops_per_token, flops_per_token, mean_flops_per_token
+from looplm.train.schedule import wsd_multiplier
+
+# d = 32, V = 50, H = 4, H_kv = 2, head_dim = 8, F = 64, 1 / 2 / 1 blocks.
+CFG = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                  injection="parcae-nonorm")
+L = 16
+
+# Worked by hand from SPEC 5 for CFG at L = 16:
+#   norm_u   = 4d = 128
+#   layer_u  = 128 + 2*32*8*(4+2) + 4*8*16 + 3*32*64 = 128 + 3072 + 512 + 6144 = 9856
+#   inj_u    = d^2 + 6d = 1024 + 192 = 1216            (diagonal)
+#            = 1216 + 3*32 + 1 = 1313                 (ortho)
+#            = 2 d^2 = 2048                           (huginn-linear)
+#   static_u = (32 + 50 + 32*50) + 128 + (1+1)*9856 = 1682 + 128 + 19712 = 21522
+#   rec_u    = 2*9856 + inj_u = 20928 (diagonal), 21025 (ortho), 21760 (linear)
+# R = 5, b = 2: g = 2, f = 3
+#   train_u = 21522 + 2*20928 = 63378;  fwd_u = 3*20928 = 62784
+#   FLOPs   = 6*63378 + 2*62784 = 380268 + 125568 = 505836
+HAND = {
+    ("parcae-nonorm", 5, 2): 505836,
+    # R = 5, b = None (g = 5): 6*(21522 + 5*20928) = 6*126162 = 756972
+    ("parcae-nonorm", 5, None): 756972,
+    # R = 1, b = 10: 6*(21522 + 20928) = 254700
+    ("parcae-decay", 1, 10): 254700,
+    # ortho, R = 4, b = 1: 6*(21522 + 21025) + 2*3*21025 = 255282 + 126150 = 381432
+    ("ortho", 4, 1): 381432,
+    # huginn-linear, R = 3, b = 3: 6*(21522 + 3*21760) = 6*86802 = 520812
+    ("huginn-linear", 3, 3): 520812,
+}
+
+
+@pytest.mark.parametrize("key", list(HAND))
+def test_flops_per_token_hand_computed(key):
+    injection, depth, window = key
+    cfg = ModelConfig(**{**CFG.to_dict(), "injection": injection})
+    assert flops_per_token(cfg, L, depth, window) == pytest.approx(HAND[key], rel=1e-12)
+
+
+def test_flops_window_semantics():
+    # a window >= R is full BPTT; each extra no-grad recurrence costs 2 rec_u, each grad one 6 rec_u
+    rec_u = 20928
+    assert flops_per_token(CFG, L, 5, 5) == flops_per_token(CFG, L, 5, 50) == flops_per_token(CFG, L, 5, None)
+    assert flops_per_token(CFG, L, 6, 2) - flops_per_token(CFG, L, 5, 2) == pytest.approx(2 * rec_u)
+    assert flops_per_token(CFG, L, 6, None) - flops_per_token(CFG, L, 5, None) == pytest.approx(6 * rec_u)
+    # the attention term grows linearly in the sequence length: H*hd per layer per token per position
+    per_pos = 4 * 8 * (1 + 1 + 2 * 5)  # (prelude + coda + n_core * R) layers at R = 5
+    assert flops_per_token(CFG, L + 1, 5, None) - flops_per_token(CFG, L, 5, None) == pytest.approx(6 * per_pos)
+
+
+@pytest.mark.parametrize("depth,window", [(1, None), (5, 2), (12, 10)])
+def test_expected_flops_of_fixed_pmf_equals_pointwise(depth, window):
+    pmf = FixedDepth(depth).pmf()
+    assert expected_flops_per_token(CFG, L, pmf, window) == pytest.approx(flops_per_token(CFG, L, depth, window), rel=1e-12)
+
+
+def test_expected_flops_is_pmf_weighted_sum():
+    for pmf in (PLNDepth(5.0).pmf(), UniformDepth(2, 6).pmf()):
+        naive = 0.0
+        for r in range(1, 65):
+            naive += pmf[r - 1] * flops_per_token(CFG, L, r, 10)
+        assert expected_flops_per_token(CFG, L, pmf, 10) == pytest.approx(naive, rel=1e-12)
+    # uniform 2..6 is the average of the five depths
+    avg = np.mean([flops_per_token(CFG, L, r, 3) for r in range(2, 7)])
+    assert expected_flops_per_token(CFG, L, UniformDepth(2, 6).pmf(), 3) == pytest.approx(avg, rel=1e-12)
+    assert mean_flops_per_token(CFG, L, [2, 3, 4, 5, 6], 3) == pytest.approx(avg, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Warmup-stable-decay multiplier (SPEC 6): T = 1000, W = 50, D = 100
+# ---------------------------------------------------------------------------------------------
+T, W, D = 1000, 50, 100
+
+
+def closed_form(t: int) -> float:
+    if t < W:
+        return 1e-4 + (1 - 1e-4) * t / W
+    if t < T - D:
+        return 1.0
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - T + D) / D))
+
+
+@pytest.mark.parametrize("t,expected", [
+    (0, 1e-4),
+    (25, 1e-4 + (1 - 1e-4) * 0.5),
+    (W, 1.0),  # end of warmup
+    (500, 1.0),  # mid
+    (T - D, 1.0),  # start of decay
+    (T - D // 2, 0.55),  # half way through the cosine
+    (T, 0.1),  # end
+])
+def test_wsd_closed_form_values(t, expected):
+    assert wsd_multiplier(t, T) == pytest.approx(expected, abs=1e-12)
+
+
+def test_wsd_matches_closed_form_everywhere_and_is_monotone():
+    values = [wsd_multiplier(t, T) for t in range(T + 1)]
+    for t, v in enumerate(values):
+        assert v == pytest.approx(closed_form(t), abs=1e-12)
+    warm = values[: W + 1]
+    assert all(b > a for a, b in zip(warm, warm[1:]))
+    decay = values[T - D :]
+    assert all(b < a for a, b in zip(decay, decay[1:]))
+    assert min(values) == pytest.approx(1e-4) and max(values) == 1.0
