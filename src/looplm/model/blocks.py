@@ -66,7 +66,12 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         qkv_offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        return_kv: bool = False,
+    ):
+        """Attend from x [B, n, d] to `past_kv` (earlier tokens' K after RoPE, and V, each
+        [B, H_kv, P, hd]) followed by x itself. With a past, `mask` [B or 1, 1, n, P + n] must be
+        given. `return_kv` also returns this chunk's (K, V) so a cache can store them."""
         B, L, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if qkv_offsets is not None:
@@ -77,12 +82,18 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_all, v_all = k, v
+        if past_kv is not None:
+            k_all, v_all = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
         gqa = self.n_heads != self.n_kv_heads
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            if past_kv is not None and past_kv[0].shape[2] > 0:
+                raise ValueError("attention over a cached prefix needs an explicit mask")
+            y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(y.transpose(1, 2).reshape(B, L, -1))
+            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+        out = self.wo(y.transpose(1, 2).reshape(B, L, -1))
+        return (out, (k, v)) if return_kv else out
 
 
 class SwiGLU(nn.Module):
@@ -106,9 +117,12 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg)
 
-    def forward(self, x, rope, mask, qkv_offsets=None):
-        h = x + self.attn(self.attn_norm(x), rope, mask, qkv_offsets)
-        return h + self.ffn(self.ffn_norm(h))
+    def forward(self, x, rope, mask, qkv_offsets=None, past_kv=None, return_kv=False):
+        a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, past_kv, return_kv)
+        a, kv = a if return_kv else (a, None)
+        h = x + a
+        out = h + self.ffn(self.ffn_norm(h))
+        return (out, kv) if return_kv else out
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for lin in (self.attn.wq, self.attn.wk, self.attn.wv, self.attn.wo, self.ffn.w1, self.ffn.w2, self.ffn.w3):

@@ -1,0 +1,119 @@
+"""KV caches for incremental inference (SPEC 7).
+
+Both caches are preallocated and carry a length pointer: a chunk of n new tokens is written into
+positions [length, length + n) of each bank, never concatenated.
+
+- `TerminalCache`: one bank per *physical* attention layer (prelude layers, core layers, coda
+  layers). A token's core banks hold its K/V from its *last* recurrence (its terminal K/V), and
+  every recurrence of later tokens reads them. 1/2/1 blocks: 4 banks at any depth.
+- `FullCache` (the baseline): one bank per layer *visit*: prelude, core layer j at recurrence r
+  for r < depth, coda; 1 + 2R + 1 banks. A token at recurrence r reads the prefix's recurrence-r
+  bank, which reproduces the parallel forward exactly when every chunk uses the cache's depth.
+  Rule for other depths: a chunk run at fewer recurrences than the cache's depth fills its missing
+  visits with its terminal K/V; a chunk run deeper than the cache reads the prefix's last visit
+  bank for its extra recurrences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looplm.config import ModelConfig
+
+
+class KVBank:
+    """K (after RoPE) and V of up to `max_len` tokens: [B, H_kv, max_len, head_dim] each."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :length], self.v[:, :, :length]
+
+    def write(self, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        k, v = kv
+        n = k.shape[2]
+        self.k[:, :, start:start + n] = k
+        self.v[:, :, start:start + n] = v
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class KVCache:
+    """Shared bookkeeping: banks for the prelude and coda, a length pointer, byte counts."""
+
+    mode = "base"
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, *, device="cpu", dtype=torch.float32):
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"cache length {max_len} exceeds the model context max_seq_len={cfg.max_seq_len}")
+        self.cfg, self.batch, self.max_len, self.length = cfg, batch, max_len, 0
+        self._new = lambda: KVBank(batch, cfg.n_kv_heads, max_len, cfg.head_dim, device, dtype)
+        self.prelude = [self._new() for _ in range(cfg.n_prelude)]
+        self.coda = [self._new() for _ in range(cfg.n_coda)]
+
+    def banks(self) -> list[KVBank]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.banks())
+
+    def core_read(self, r: int, j: int) -> KVBank:
+        """The bank core layer j reads at recurrence r (0-based)."""
+        raise NotImplementedError
+
+    def core_writes(self, r: int, j: int, depth: int) -> list[KVBank]:
+        """The banks that receive this chunk's K/V of core layer j at recurrence r of `depth`."""
+        raise NotImplementedError
+
+
+class TerminalCache(KVCache):
+    mode = "terminal"
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, **kw):
+        super().__init__(cfg, batch, max_len, **kw)
+        self.core = [self._new() for _ in range(cfg.n_core)]
+
+    def banks(self):
+        return [*self.prelude, *self.core, *self.coda]
+
+    def core_read(self, r, j):
+        return self.core[j]
+
+    def core_writes(self, r, j, depth):
+        return [self.core[j]] if r == depth - 1 else []  # SPEC 7: only the last recurrence is kept
+
+
+class FullCache(KVCache):
+    mode = "full"
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw):
+        super().__init__(cfg, batch, max_len, **kw)
+        if depth < 1:
+            raise ValueError(f"full cache depth must be >= 1, got {depth}")
+        self.depth = depth
+        self.core = [[self._new() for _ in range(cfg.n_core)] for _ in range(depth)]
+
+    def banks(self):
+        return [*self.prelude, *(b for visit in self.core for b in visit), *self.coda]
+
+    def core_read(self, r, j):
+        return self.core[min(r, self.depth - 1)][j]
+
+    def core_writes(self, r, j, depth):
+        if r < depth - 1:
+            return [self.core[r][j]] if r < self.depth else []
+        # the last recurrence also fills every visit this chunk did not reach
+        return [self.core[v][j] for v in range(min(r, self.depth - 1), self.depth)] if r < self.depth else []
+
+
+def make_cache(mode: str, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw) -> KVCache:
+    if mode == "terminal":
+        return TerminalCache(cfg, batch, max_len, **kw)
+    if mode == "full":
+        return FullCache(cfg, batch, max_len, depth, **kw)
+    raise ValueError(f"unknown cache mode {mode!r}; choose terminal or full")

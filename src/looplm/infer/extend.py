@@ -1,0 +1,64 @@
+"""One `extend` path for prefill, parallel scoring and one-token decoding (SPEC 7).
+
+A chunk of n new tokens at positions c..c+n-1 runs the prelude, the recurrence and the coda
+against a cache of the c earlier tokens, writes its own K/V into the cache and returns logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looplm.infer.cache import KVCache
+from looplm.model.blocks import rope_tables
+from looplm.model.state import initial_state
+
+
+def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
+    """[1, 1, n, prefix + n]: every cached token, then causal within the chunk (bottom-right aligned)."""
+    mask = torch.ones(n, prefix + n, dtype=torch.bool, device=device)
+    mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return mask[None, None]
+
+
+@torch.no_grad()
+def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_ids: torch.Tensor | None = None,
+           seed: int = 0) -> torch.Tensor:
+    """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
+
+    Returns fp32 logits [B, n, V]; the cache grows by n. The initial state is seeded by
+    (example id, absolute position), as in the native forward with init="seeded".
+    """
+    B, n = tokens.shape
+    c = cache.length
+    if n < 1:
+        raise ValueError("extend needs at least one token")
+    if B != cache.batch:
+        raise ValueError(f"batch {B} does not match the cache's batch {cache.batch}")
+    if c + n > cache.max_len:
+        raise ValueError(f"{c} cached + {n} new tokens exceed the cache length {cache.max_len}")
+    model.check_inputs(tokens, depth)
+    device = tokens.device
+    positions = (c + torch.arange(n, device=device)).expand(B, n)
+    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
+    mask = chunk_mask(c, n, device)
+
+    x = model.embed(tokens)
+    for block, bank in zip(model.prelude, cache.prelude):
+        x, kv = block(x, rope, mask, past_kv=bank.prefix(c), return_kv=True)
+        bank.write(c, kv)
+    ctx = model.context(x, rope, mask)
+    s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
+                      example_ids=example_ids, positions=positions, seed=seed)
+    for r in range(depth):
+        s = model.injection(s, ctx.injected)
+        for j, block in enumerate(model.core):
+            offsets = ctx.qkv_offsets[j] if ctx.qkv_offsets else None
+            s, kv = block(s, rope, mask, offsets, past_kv=cache.core_read(r, j).prefix(c), return_kv=True)
+            for bank in cache.core_writes(r, j, depth):
+                bank.write(c, kv)
+        s = model.injection.exit(s)
+    for block, bank in zip(model.coda, cache.coda):
+        s, kv = block(s, rope, mask, past_kv=bank.prefix(c), return_kv=True)
+        bank.write(c, kv)
+    cache.length = c + n
+    return model.head(model.norm(s)).float()

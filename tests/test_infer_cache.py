@@ -1,0 +1,133 @@
+"""Caches and the chunked extend path (SPEC 7) against the native forward and a naive reference."""
+
+import math
+
+import pytest
+import torch
+
+from looplm.config import INJECTIONS, ModelConfig
+from looplm.infer import FullCache, TerminalCache, extend, make_cache
+from looplm.model import LoopedLM
+from looplm.model.state import seeded_normal
+
+
+def _model(injection="parcae-nonorm", **kw):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                      injection=injection, **kw)
+    return LoopedLM(cfg).eval()
+
+
+@pytest.mark.parametrize("injection", INJECTIONS)
+def test_extend_over_empty_terminal_cache_equals_native_forward(injection):
+    m = _model(injection)
+    x = torch.randint(0, 50, (3, 24))
+    with torch.no_grad():
+        ref = m(x, 5, init="seeded").logits
+    got = extend(m, x, TerminalCache(m.cfg, 3, 32), 5)
+    assert (got - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "ortho", "huginn-linear", "deq-qkv"])
+def test_full_cache_incremental_decoding_equals_native_forward(injection):
+    m = _model(injection)
+    x = torch.randint(0, 50, (2, 20))
+    with torch.no_grad():
+        ref = m(x, 4, init="seeded").logits
+    cache = FullCache(m.cfg, 2, 32, depth=4)
+    first = extend(m, x[:, :7], cache, 4)  # prefill a chunk, then one token at a time
+    steps = [extend(m, x[:, i:i + 1], cache, 4) for i in range(7, 20)]
+    got = torch.cat([first, *steps], dim=1)
+    assert (got - ref).abs().max() <= 1e-5
+
+
+def _rope(x, pos, base):
+    hd = x.shape[-1]
+    inv = [1.0 / base ** (2 * i / hd) for i in range(hd // 2)]
+    ang = torch.tensor([pos * f for f in inv], dtype=torch.float64)
+    c, s = ang.cos().float(), ang.sin().float()
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _naive_block(block, x, pos, keys, values, cfg, offsets=None):
+    """One block for a single token [d] attending to stored keys/values (lists of [H_kv, hd])."""
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    a = block.attn
+    h = block.attn_norm(x)
+    q, k, v = h @ a.wq.weight.T, h @ a.wk.weight.T, h @ a.wv.weight.T
+    if offsets is not None:
+        q, k, v = q + offsets[0], k + offsets[1], v + offsets[2]
+    q = _rope(q.view(H, hd), pos, cfg.rope_base)
+    k = _rope(k.view(Hkv, hd), pos, cfg.rope_base)
+    v = v.view(Hkv, hd)
+    K, V = torch.stack(keys + [k]), torch.stack(values + [v])  # [T, Hkv, hd]
+    out = []
+    for head in range(H):
+        g = head // (H // Hkv)
+        w = torch.softmax(K[:, g] @ q[head] / math.sqrt(hd), dim=0)
+        out.append(w @ V[:, g])
+    hres = x + torch.cat(out) @ a.wo.weight.T
+    return hres + block.ffn(block.ffn_norm(hres)), k, v
+
+
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "ortho", "huginn-linear", "deq-qkv"])
+def test_terminal_decoding_matches_naive_reference(injection):
+    """Token-by-token terminal decoding vs an explicit loop: each token's layers attend to the earlier
+    tokens' terminal K/V plus its own current-recurrence K/V, computed by hand (no SDPA, no masks)."""
+    m = _model(injection)
+    cfg, R, T = m.cfg, 3, 12
+    x = torch.randint(0, 50, (1, T))
+    cache = TerminalCache(cfg, 1, 32)
+    got = torch.cat([extend(m, x[:, t:t + 1], cache, R) for t in range(T)], dim=1)[0]
+    n_layers = cfg.n_prelude + cfg.n_core + cfg.n_coda
+    K = [[] for _ in range(n_layers)]
+    V = [[] for _ in range(n_layers)]
+    ref = []
+    with torch.no_grad():
+        for t in range(T):
+            h = m.embed.weight[x[0, t]]
+            for i, blk in enumerate(m.prelude):
+                h, k, v = _naive_block(blk, h, t, K[i], V[i], cfg)
+                K[i].append(k), V[i].append(v)
+            q = m.injection.prepare(h[None, None])[0, 0]
+            offs = m.injection.qkv_offsets(h[None, None])
+            s = seeded_normal(torch.tensor([0]), torch.tensor([[t]]), cfg.d_model)[0, 0] / math.sqrt(cfg.d_model)
+            for r in range(R):
+                s = m.injection(s[None, None], q[None, None])[0, 0]
+                for j, blk in enumerate(m.core):
+                    li = cfg.n_prelude + j
+                    o = tuple(z[0, 0] for z in offs[j]) if offs else None
+                    s, k, v = _naive_block(blk, s, t, K[li], V[li], cfg, o)
+                    if r == R - 1:
+                        K[li].append(k), V[li].append(v)
+                s = m.injection.exit(s[None, None])[0, 0]
+            for i, blk in enumerate(m.coda):
+                li = cfg.n_prelude + cfg.n_core + i
+                s, k, v = _naive_block(blk, s, t, K[li], V[li], cfg)
+                K[li].append(k), V[li].append(v)
+            ref.append(m.head(m.norm(s)))
+    assert (got - torch.stack(ref)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("R", [1, 5, 16])
+def test_terminal_over_full_bytes(R):
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    ratio = TerminalCache(cfg, 2, 32).nbytes / FullCache(cfg, 2, 32, depth=R).nbytes
+    n = cfg.n_prelude + cfg.n_core + cfg.n_coda
+    assert ratio == n / (cfg.n_prelude + R * cfg.n_core + cfg.n_coda)
+    if R == 5:
+        assert ratio == pytest.approx(1 / 3)
+
+
+def test_bad_cache_requests():
+    m = _model()
+    with pytest.raises(ValueError, match="unknown cache mode"):
+        make_cache("paged", m.cfg, 1, 16, 5)
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        TerminalCache(m.cfg, 1, 64)
+    cache = TerminalCache(m.cfg, 1, 8)
+    with pytest.raises(ValueError, match="exceed the cache length"):
+        extend(m, torch.zeros(1, 9, dtype=torch.long), cache, 5)
+    with pytest.raises(ValueError, match="depth"):
+        extend(m, torch.zeros(1, 2, dtype=torch.long), cache, 0)
