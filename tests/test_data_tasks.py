@@ -69,6 +69,16 @@ def test_add_answers(difficulty: int) -> None:
         assert len(a) == len(b) == difficulty
 
 
+@pytest.mark.parametrize("difficulty", range(1, 8))
+def test_add_msd_answers(difficulty: int) -> None:
+    rng = random.Random(100 + difficulty)
+    for _ in range(50):
+        ex = TASKS["add_msd"](rng, difficulty)
+        a, b = ex.prompt[1:-1].split(",")
+        assert ex.answer == solve_add(ex.prompt)[::-1]  # same sum, most-significant digit first
+        assert int(ex.answer) == int(a) + int(b) and len(a) == len(b) == difficulty
+
+
 def test_add_answer_is_reversed() -> None:
     ex = Example("+357,486=", "348", "add", 3)
     assert solve_add(ex.prompt) == ex.answer

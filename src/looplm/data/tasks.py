@@ -73,6 +73,17 @@ def make_add(rng: random.Random, difficulty: int) -> Example:
     return Example(f"+{a},{b}=", str(a + b)[::-1], "add", k)
 
 
+def make_add_msd(rng: random.Random, difficulty: int) -> Example:
+    """Sum of two ``difficulty``-digit numbers, answer most-significant digit first: the first
+    answer digit already depends on the whole carry chain, so it cannot be read off locally."""
+    k = difficulty
+    if k < 1:
+        raise ValueError(f"add_msd difficulty must be >= 1, got {k}")
+    lo = 0 if k == 1 else 10 ** (k - 1)
+    a, b = rng.randrange(lo, 10**k), rng.randrange(lo, 10**k)
+    return Example(f"+{a},{b}=", str(a + b), "add_msd", k)
+
+
 def make_sum(rng: random.Random, difficulty: int) -> Example:
     """Sum modulo 10 of ``2 * difficulty`` random digits (a running-state task)."""
     k = difficulty
@@ -85,6 +96,7 @@ def make_sum(rng: random.Random, difficulty: int) -> Example:
 TASKS: dict[str, Callable[[random.Random, int], Example]] = {
     "chain": make_chain,
     "add": make_add,
+    "add_msd": make_add_msd,
     "sum": make_sum,
 }
 

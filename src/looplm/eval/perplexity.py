@@ -16,23 +16,31 @@ def native_perplexity(
     model, data: PackedDataset, depths: Sequence[int], *, batch_size: int = 8, max_sequences: int | None = 64,
     device: torch.device | str = "cpu", progress=None,
 ) -> dict[int, dict[str, float]]:
-    """{depth: {"loss", "ppl", "tokens"}} over the first `max_sequences` sequences of `data`,
-    with the deterministic seeded initial state so results do not depend on batching."""
+    """{depth: {"loss", "ppl", "tokens", "state_change"}} over the first `max_sequences` sequences
+    of `data`, with the deterministic seeded initial state so results do not depend on batching.
+
+    `state_change` is the token mean of |s^R - s^(R-1)| / |s^(R-1)| at the last recurrence (SPEC 11):
+    how far the recurrence still is from a fixed point at depth R (None at R = 1)."""
     n = len(data) if max_sequences is None else min(len(data), max_sequences)
     if n == 0:
         raise ValueError("no evaluation sequences")
     results = {}
     for depth in depths:
-        total, count = 0.0, 0
+        total, count, change, n_tok = 0.0, 0, 0.0, 0
         for start in range(0, n, batch_size):
             batch = data.get_batch(list(range(start, min(n, start + batch_size)))).to(device)
             out = model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                        init="seeded", example_ids=batch.example_ids)
+                        init="seeded", example_ids=batch.example_ids, return_states=depth > 1)
             total += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum").item()
             count += batch.n_targets
+            if depth > 1:
+                prev, last = out.states[-2].float(), out.states[-1].float()
+                change += ((last - prev).norm(dim=-1) / prev.norm(dim=-1).clamp_min(1e-12)).sum().item()
+                n_tok += last.shape[0] * last.shape[1]
             if progress is not None:
                 progress()
         loss = total / max(count, 1)
-        results[depth] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+        results[depth] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
+                          "state_change": change / n_tok if n_tok else None}
     return results

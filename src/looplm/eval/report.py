@@ -58,10 +58,11 @@ def format_report(report: dict) -> str:
     """A plain-text table: one row per depth."""
     ppl, acc = report["perplexity"], report["tasks"]
     kinds = list(next(iter(acc.values()))["by_kind"]) if acc else []
-    head = f"{'R':>4} {'val ppl':>9}" + (f" {'acc':>7}" + "".join(f" {k:>7}" for k in kinds) if acc else "")
+    head = f"{'R':>4} {'val ppl':>9} {'dstate':>8}" + (f" {'acc':>7}" + "".join(f" {k:>7}" for k in kinds) if acc else "")
     lines = [head, "-" * len(head)]
     for depth, p in ppl.items():
-        row = f"{depth:>4} {p['ppl']:>9.4f}"
+        dstate = f"{p['state_change']:>8.4f}" if p.get("state_change") is not None else f"{'-':>8}"
+        row = f"{depth:>4} {p['ppl']:>9.4f} {dstate}"
         if acc:
             a = acc[depth]
             row += f" {100 * a['acc']:>6.1f}%" + "".join(f" {100 * a['by_kind'][k]:>6.1f}%" for k in kinds)

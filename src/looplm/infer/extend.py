@@ -22,11 +22,13 @@ def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
 
 @torch.no_grad()
 def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_ids: torch.Tensor | None = None,
-           seed: int = 0) -> torch.Tensor:
+           seed: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
     """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
 
     Returns fp32 logits [B, n, V]; the cache grows by n. The initial state is seeded by
-    (example id, absolute position), as in the native forward with init="seeded".
+    (example id, absolute position), as in the native forward with init="seeded". `pad` [B]
+    counts left-padding tokens at the start of each row (batched prompts of different lengths):
+    no token attends to them and positions start at 0 at each row's first real token.
     """
     B, n = tokens.shape
     c = cache.length
@@ -39,8 +41,15 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     model.check_inputs(tokens, depth)
     device = tokens.device
     positions = (c + torch.arange(n, device=device)).expand(B, n)
-    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
     mask = chunk_mask(c, n, device)
+    if pad is not None:
+        pad = pad.to(device)
+        positions = (positions - pad[:, None]).clamp(min=0)
+        real = torch.arange(c + n, device=device)[None, :] >= pad[:, None]  # [B, c+n] real keys
+        own = torch.zeros(n, c + n, dtype=torch.bool, device=device)
+        own[:, c:] = torch.eye(n, dtype=torch.bool, device=device)  # a pad query sees itself only
+        mask = mask & (real[:, None, None, :] | own[None, None])
+    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
 
     x = model.embed(tokens)
     for block, bank in zip(model.prelude, cache.prelude):

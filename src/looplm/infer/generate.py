@@ -1,0 +1,115 @@
+"""Text generation with a KV cache: batched prompts, greedy or seeded sampling, stop strings.
+
+Prefill runs at depth `prefill_depth` (R_pre) and every decoded token at `depth` (R_dec); with
+the terminal cache the two are independent because decoding reads only terminal banks (SPEC 7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from looplm.data import Tokenizer
+from looplm.infer.cache import make_cache
+from looplm.infer.extend import extend
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are chosen and when generation stops."""
+
+    max_new_tokens: int = 64
+    """Largest number of tokens generated per prompt."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise sample from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
+    seed: int = 0
+    """Seed of the sampler."""
+    stop: tuple[str, ...] = ()
+    """Stop a prompt's generation when its text contains one of these strings (cut before it)."""
+
+
+def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, V]."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > cfg.top_p  # tokens after the nucleus is complete
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    hits = [text.index(s) for s in stop if s and s in text]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@torch.no_grad()
+def generate(
+    model, tokenizer: Tokenizer, prompts: Sequence[str], *, depth: int, prefill_depth: int | None = None,
+    cache_mode: str = "terminal", sampling: SamplingConfig | None = None,
+    on_token: Callable[[int, str], None] | None = None,
+) -> list[str]:
+    """Continue each prompt; returns the generated texts (stop strings and EOS excluded).
+
+    `on_token(row, text_piece)` is called as text is produced (streaming).
+    """
+    cfg = sampling or SamplingConfig()
+    prefill_depth = prefill_depth or depth
+    if not prompts:
+        raise ValueError("no prompts given")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    for r in (depth, prefill_depth):
+        if not 1 <= r <= model.cfg.max_depth:
+            raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+    encoded = [tokenizer.encode(p) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if len(ids) + cfg.max_new_tokens > model.cfg.max_seq_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
+                             f"the context max_seq_len={model.cfg.max_seq_len}")
+    device = next(model.parameters()).device
+    B, L = len(encoded), max(len(ids) for ids in encoded)
+    pad = torch.tensor([L - len(ids) for ids in encoded], device=device)
+    tokens = torch.full((B, L), tokenizer.pad_id, dtype=torch.long, device=device)
+    for i, ids in enumerate(encoded):
+        tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
+    ids_arg = torch.arange(B, device=device)
+    cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens, max(depth, prefill_depth), device=device,
+                       dtype=next(model.parameters()).dtype)
+    logits = extend(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
+    gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
+    out_ids: list[list[int]] = [[] for _ in range(B)]
+    texts, done = [""] * B, [False] * B
+    for _ in range(cfg.max_new_tokens):
+        nxt = choose(logits, cfg, gen)
+        for i in range(B):
+            if done[i]:
+                continue
+            tok = int(nxt[i])
+            if tok == tokenizer.eos_id:
+                done[i] = True
+                continue
+            out_ids[i].append(tok)
+            text, stopped = _cut_at_stop(tokenizer.decode(out_ids[i]), cfg.stop)
+            if on_token is not None and not stopped and text.startswith(texts[i]):
+                on_token(i, text[len(texts[i]):])
+            texts[i], done[i] = text, stopped
+        if all(done):
+            break
+        logits = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad)[:, -1]
+    return texts
