@@ -267,3 +267,22 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
     res = looplm("eval", tmp_path / "nowhere", timeout=120)
     assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
     assert res.stdout == ""
+
+
+def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
+    """`looplm generate` on a trained checkpoint: streamed single prompt, batched prompts, clear errors."""
+    import looplm.cli as cli
+
+    job = tiny_job(tmp_path)
+    Trainer(job).fit()
+    run = str(job.train.out_dir)
+    assert cli.main(["generate", run, "--prompt", "+1,2=", "--max-new-tokens", "3", "--depth", "2"]) == 0
+    assert capsys.readouterr().out.startswith("+1,2=")
+    assert cli.main(["generate", run, "--prompt", "+1,2=", "+30,40=", "--cache", "full", "--max-new-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("+1,2=") and lines[1].startswith("+30,40=")
+    for bad, msg in ((["--depth", "0"], "depth"), (["--prompt", ""], "empty"),
+                     (["--prompt", "x" * 300], "exceeds the context")):
+        assert cli.main(["generate", run, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and msg in err and "Traceback" not in err

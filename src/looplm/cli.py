@@ -2,6 +2,7 @@
 
   looplm train tiny [--train.steps N ...]     train a preset (override any field), then report
   looplm eval CHECKPOINT [--depths 1 2 5 ...]  perplexity and task accuracy against depth
+  looplm generate CHECKPOINT --prompt TEXT    continue prompts with a terminal (or full) KV cache
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
 from looplm.checkpoint import CheckpointError
 from looplm.data import DataError
 from looplm.eval.report import EvalConfig
+from looplm.infer.generate import SamplingConfig
 from looplm.train.config import JOB_PRESETS, TrainJob
 
 USER_ERRORS = (ValueError, CheckpointError, DataError, FileNotFoundError, FloatingPointError)
@@ -111,10 +113,50 @@ def evaluate(
     print(f"\nreport: {out}")
 
 
+def generate(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    prompt: tuple[str, ...] = ("+12,34=",),
+    depth: int = 5,
+    prefill_depth: int | None = None,
+    cache: Literal["terminal", "full"] = "terminal",
+    sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig(max_new_tokens=16, stop=("\n",)),
+    device: str = "cpu",
+) -> None:
+    """Continue prompts with a KV cache; a single prompt is streamed as it is generated.
+
+    Args:
+        checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        prompt: One or more prompts (repeat the text after --prompt).
+        depth: Recurrences per decoded token (R_dec).
+        prefill_depth: Recurrences for the prompt (R_pre); default: depth.
+        cache: terminal (one KV bank per physical layer) or full (one bank per layer visit).
+        sampling: Token choice and stopping.
+        device: Torch device (cpu, cuda, ...).
+    """
+    from looplm.checkpoint import load_model
+    from looplm.infer.generate import generate as run
+
+    model, tokenizer, _ = load_model(checkpoint, device)
+    for r in (depth, prefill_depth or depth):
+        if not 1 <= r <= model.cfg.max_depth:
+            raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+    stream = None
+    if len(prompt) == 1:
+        print(prompt[0], end="", flush=True)
+        stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
+    texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
+                sampling=sampling, on_token=stream)
+    if stream is not None:
+        print()
+        return
+    for p, t in zip(prompt, texts):
+        print(f"{p}{t}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         tyro.extras.subcommand_cli_from_dict(
-            {"train": train, "eval": evaluate}, prog="looplm", args=argv,
+            {"train": train, "eval": evaluate, "generate": generate}, prog="looplm", args=argv,
             description="looplm: looped language models shaped around fixed points",
         )
     except USER_ERRORS as err:
