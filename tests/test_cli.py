@@ -72,7 +72,7 @@ def test_train_then_eval_end_to_end(tmp_path, cache):
     out = res.stdout
     assert "trained 8 steps" in out
     assert table_depths(out) == [1, 2]
-    assert re.search(r"R\s+val ppl\s+acc", out)  # task accuracy columns for a task-trained model
+    assert re.search(r"R\s+val ppl\s+dstate\s+acc", out)  # state change and task accuracy columns
     checkpoint, metrics = printed_path(out, "checkpoint"), printed_path(out, "metrics")
     assert checkpoint == tmp_path / "run" / "checkpoints" / "step_0000008"
     ckpt.verify(checkpoint)
