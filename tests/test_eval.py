@@ -64,3 +64,37 @@ def test_task_accuracy_equals_greedy_decoding():
             greedy.append(ok)
     got = task_accuracy(m, tok, examples, [2], batch_size=3)[2]
     assert got["acc"] == sum(greedy) / len(greedy)
+
+
+def test_cached_perplexity_full_cache_equals_native_and_penalty_formula(tmp_path):
+    from looplm.data import build_datasets
+    from looplm.eval.cached import _midpoint_document, cached_perplexity, sharing_table
+
+    tok = ByteTokenizer()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"{i}.txt").write_text(("the quick brown fox %d jumps. " % i) * (3 + i))
+    _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
+    torch.manual_seed(0)
+    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                             max_seq_len=48)).eval()
+    full = cached_perplexity(m, val, 3, "full", max_sequences=3)
+    # reference: the native forward over each midpoint document, scoring its second part
+    total, count = 0.0, 0
+    for i in range(min(3, len(val))):
+        b = val.get_batch([i])
+        start, mid, end = _midpoint_document(b.doc_ids[0])
+        with torch.no_grad():
+            logits = m(b.inputs[:, start:end], 3, init="seeded", example_ids=b.example_ids).logits
+        t = b.targets[:, mid:end]
+        total += F.cross_entropy(logits[:, mid - start:].flatten(0, 1), t.flatten(), ignore_index=-100,
+                                 reduction="sum").item()
+        count += int((t != -100).sum())
+    assert count == full["tokens"]
+    assert math.isclose(full["ppl"], math.exp(total / count), rel_tol=1e-5)
+    table = sharing_table(m, val, [1, 3], max_sequences=3)
+    assert table[1]["sharing_penalty"] == 0.0  # at R = 1 the terminal bank is the only bank
+    row = table[3]
+    assert math.isclose(row["sharing_penalty"], 100 * (row["terminal_ppl"] / row["full_ppl"] - 1))
+    assert row["terminal_ppl"] != row["full_ppl"]  # an untrained model at R = 3 does depend on the banks

@@ -40,7 +40,8 @@ def _progress(total: int, desc: str):
 def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path) -> dict:
     from looplm.eval.report import depth_report, format_report, write_report
 
-    n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + -(-cfg.task_examples // cfg.batch_size))
+    n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + -(-cfg.task_examples // cfg.batch_size)
+                                   + (cfg.sharing_sequences > 0))
     bar = _progress(n_batches, "eval")
     try:
         report = depth_report(model, tokenizer, job, cfg, device=device, progress=lambda: bar.update(1))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from looplm.data import TaskConfig, build_datasets, generate_examples
+from looplm.eval.cached import sharing_table
 from looplm.eval.perplexity import native_perplexity
 from looplm.eval.tasks import task_accuracy
 
@@ -25,6 +26,8 @@ class EvalConfig:
     """Seed of the evaluation examples (prompts seen in training are dropped)."""
     batch_size: int = 32
     """Sequences per forward pass."""
+    sharing_sequences: int = 32
+    """Held-out rows for terminal-KV vs full-KV perplexity and the sharing penalty (0 skips)."""
     output: Path | None = None
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
 
@@ -51,7 +54,11 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
         examples = held_out_examples(tasks, cfg.task_examples, cfg.task_seed, data["n_task_examples"], job["train"]["seed"])
         acc = task_accuracy(model, tokenizer, examples, cfg.depths, batch_size=cfg.batch_size, device=device,
                             progress=progress)
-    return {"perplexity": ppl, "tasks": acc}
+    sharing = None
+    if cfg.sharing_sequences > 0:
+        sharing = sharing_table(model, val, cfg.depths, max_sequences=cfg.sharing_sequences, device=device,
+                                progress=progress)
+    return {"perplexity": ppl, "tasks": acc, "sharing": sharing}
 
 
 def format_report(report: dict) -> str:
@@ -67,6 +74,13 @@ def format_report(report: dict) -> str:
             a = acc[depth]
             row += f" {100 * a['acc']:>6.1f}%" + "".join(f" {100 * a['by_kind'][k]:>6.1f}%" for k in kinds)
         lines.append(row)
+    if report.get("sharing"):
+        sh = report["sharing"]
+        n = next(iter(sh.values()))["tokens"]
+        lines += ["", f"terminal-KV sharing (prefill to each row's midpoint, score the rest of that document; {n} tokens):",
+                  f"{'R':>4} {'terminal':>9} {'full':>9} {'penalty':>9}"]
+        lines += [f"{r:>4} {v['terminal_ppl']:>9.4f} {v['full_ppl']:>9.4f} {v['sharing_penalty']:>8.3f}%"
+                  for r, v in sh.items()]
     return "\n".join(lines)
 
 

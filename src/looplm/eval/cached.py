@@ -1,0 +1,67 @@
+"""Cached perplexity: terminal-KV vs full-KV scoring and the sharing penalty (SPEC 8).
+
+Per held-out row: take the document that crosses the row's midpoint, prefill it up to the
+midpoint at depth R, then score the rest of that document as one parallel chunk against the
+cache. Starting the prefill at the document's first token means no attention crosses a document
+boundary. With the full cache this equals the native forward over the same tokens; with the
+terminal cache the chunk reads the prefix only through terminal banks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from looplm.data import IGNORE_INDEX, PackedDataset
+from looplm.infer import extend, make_cache
+
+
+def _midpoint_document(doc_ids: torch.Tensor) -> tuple[int, int, int]:
+    """(start, mid, end) of the document segment that crosses the middle of a row."""
+    L = doc_ids.shape[0]
+    mid = L // 2
+    seg = doc_ids[mid]
+    where = (doc_ids == seg).nonzero()[:, 0]
+    start, end = int(where[0]), int(where[-1]) + 1
+    return start, max(mid, start + 1), end
+
+
+@torch.no_grad()
+def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_sequences: int = 16,
+                      device="cpu") -> dict[str, float]:
+    """{"loss", "ppl", "tokens"} of the second part of each row's midpoint document, scored as one
+    chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`."""
+    total, count = 0.0, 0
+    for i in range(min(len(data), max_sequences)):
+        b = data.get_batch([i]).to(device)
+        start, mid, end = _midpoint_document(b.doc_ids[0])
+        if end - mid < 1:
+            continue
+        cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device)
+        extend(model, b.inputs[:, start:mid], cache, depth, example_ids=b.example_ids)
+        logits = extend(model, b.inputs[:, mid:end], cache, depth, example_ids=b.example_ids)
+        targets = b.targets[:, mid:end]
+        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                 reduction="sum").item()
+        count += int((targets != IGNORE_INDEX).sum())
+    if count == 0:
+        raise ValueError("no scored tokens for cached perplexity (no supervised targets after the midpoints)")
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequences: int = 16,
+                  device="cpu", progress=None) -> dict[int, dict[str, float]]:
+    """{R: {"terminal_ppl", "full_ppl", "sharing_penalty"}}; penalty = 100 (PPL_terminal / PPL_full - 1)."""
+    out = {}
+    for depth in depths:
+        term = cached_perplexity(model, data, depth, "terminal", max_sequences=max_sequences, device=device)
+        full = cached_perplexity(model, data, depth, "full", max_sequences=max_sequences, device=device)
+        out[depth] = {"terminal_ppl": term["ppl"], "full_ppl": full["ppl"], "tokens": term["tokens"],
+                      "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0)}
+        if progress is not None:
+            progress()
+    return out
