@@ -98,3 +98,8 @@ def test_cached_perplexity_full_cache_equals_native_and_penalty_formula(tmp_path
     row = table[3]
     assert math.isclose(row["sharing_penalty"], 100 * (row["terminal_ppl"] / row["full_ppl"] - 1))
     assert row["terminal_ppl"] != row["full_ppl"]  # an untrained model at R = 3 does depend on the banks
+    assert math.isclose(row["cacheeval_penalty"], 100 * (row["cacheeval_terminal_ppl"] / row["full_ppl"] - 1))
+    # one-token decoding with the full cache is the native forward too
+    step_full = cached_perplexity(m, val, 3, "full", max_sequences=3, stepwise=True)
+    assert math.isclose(step_full["ppl"], full["ppl"], rel_tol=1e-5)
+    assert table[1]["cacheeval_penalty"] == 0.0

@@ -5,6 +5,10 @@ midpoint at depth R, then score the rest of that document as one parallel chunk 
 cache. Starting the prefill at the document's first token means no attention crosses a document
 boundary. With the full cache this equals the native forward over the same tokens; with the
 terminal cache the chunk reads the prefix only through terminal banks.
+
+`stepwise=True` is the CacheEval protocol (App. D.4): the same targets are scored by
+teacher-forced one-token decoding, so each continuation token also reads the earlier continuation
+tokens through the cache (terminal banks, for the terminal cache) instead of their same-recurrence K/V.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def _midpoint_document(doc_ids: torch.Tensor) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_sequences: int = 16,
-                      device="cpu") -> dict[str, float]:
+                      device="cpu", stepwise: bool = False) -> dict[str, float]:
     """{"loss", "ppl", "tokens"} of the second part of each row's midpoint document, scored as one
     chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`."""
     total, count = 0.0, 0
@@ -42,7 +46,11 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
             continue
         cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device)
         extend(model, b.inputs[:, start:mid], cache, depth, example_ids=b.example_ids)
-        logits = extend(model, b.inputs[:, mid:end], cache, depth, example_ids=b.example_ids)
+        if stepwise:
+            logits = torch.cat([extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids)
+                                for t in range(mid, end)], dim=1)
+        else:
+            logits = extend(model, b.inputs[:, mid:end], cache, depth, example_ids=b.example_ids)
         targets = b.targets[:, mid:end]
         total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                  reduction="sum").item()
@@ -55,13 +63,18 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
 
 def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequences: int = 16,
                   device="cpu", progress=None) -> dict[int, dict[str, float]]:
-    """{R: {"terminal_ppl", "full_ppl", "sharing_penalty"}}; penalty = 100 (PPL_terminal / PPL_full - 1)."""
+    """{R: {"terminal_ppl", "full_ppl", "sharing_penalty", "cacheeval_terminal_ppl", "cacheeval_penalty"}};
+    penalty = 100 (PPL_terminal / PPL_full - 1). Full-cache scoring is the same for both protocols."""
     out = {}
     for depth in depths:
         term = cached_perplexity(model, data, depth, "terminal", max_sequences=max_sequences, device=device)
         full = cached_perplexity(model, data, depth, "full", max_sequences=max_sequences, device=device)
+        step = cached_perplexity(model, data, depth, "terminal", max_sequences=max_sequences, device=device,
+                                 stepwise=True)
         out[depth] = {"terminal_ppl": term["ppl"], "full_ppl": full["ppl"], "tokens": term["tokens"],
-                      "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0)}
+                      "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0),
+                      "cacheeval_terminal_ppl": step["ppl"],
+                      "cacheeval_penalty": 100.0 * (step["ppl"] / full["ppl"] - 1.0)}
         if progress is not None:
             progress()
     return out
