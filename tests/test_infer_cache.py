@@ -131,3 +131,56 @@ def test_bad_cache_requests():
         extend(m, torch.zeros(1, 9, dtype=torch.long), cache, 5)
     with pytest.raises(ValueError, match="depth"):
         extend(m, torch.zeros(1, 2, dtype=torch.long), cache, 0)
+
+
+def test_adaptive_depth_limits_equal_fixed_depth():
+    m = _model("ortho")
+    x = torch.randint(0, 50, (2, 10))
+
+    def run(**kw):
+        cache = TerminalCache(m.cfg, 2, 32)
+        extend(m, x[:, :9], cache, 5)
+        return extend(m, x[:, 9:], cache, 6, return_depths=True, **kw), cache
+
+    (never, used_never), c1 = run(exit_tau=1e-30)
+    ref_cache = TerminalCache(m.cfg, 2, 32)
+    extend(m, x[:, :9], ref_cache, 5)
+    ref6 = extend(m, x[:, 9:], ref_cache, 6)
+    assert (used_never == 6).all() and (never - ref6).abs().max() <= 1e-6
+    (always, used_always), c2 = run(exit_tau=1e9, min_depth=3)
+    ref_cache = TerminalCache(m.cfg, 2, 32)
+    extend(m, x[:, :9], ref_cache, 5)
+    ref3 = extend(m, x[:, 9:], ref_cache, 3)
+    assert (used_always == 3).all() and (always - ref3).abs().max() <= 1e-6
+    for a, b in zip(c2.banks(), ref_cache.banks()):  # the kept terminal K/V are those of recurrence 3
+        assert torch.equal(a.k[:, :, :10], b.k[:, :, :10]) and torch.equal(a.v[:, :, :10], b.v[:, :, :10])
+
+
+def test_adaptive_depth_rows_match_fixed_depth_at_their_own_exit():
+    """One-token decoding: each row equals a batch-1 run at the fixed depth that row used."""
+    m = _model("parcae-nonorm")
+    x = torch.randint(0, 50, (6, 8))
+    for tau in (0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001):
+        cache = TerminalCache(m.cfg, 6, 32)
+        extend(m, x[:, :7], cache, 5)
+        logits, used = extend(m, x[:, 7:], cache, 24, exit_tau=tau, min_depth=1, return_depths=True)
+        if len(set(used[:, 0].tolist())) > 1:
+            break
+    assert len(set(used[:, 0].tolist())) > 1, "no threshold separated the rows' exit depths"
+    for row in range(6):
+        single = TerminalCache(m.cfg, 1, 32)
+        ids = torch.tensor([row])
+        extend(m, x[row:row + 1, :7], single, 5, example_ids=ids)
+        ref = extend(m, x[row:row + 1, 7:], single, int(used[row, 0]), example_ids=ids)
+        assert (logits[row] - ref[0]).abs().max() <= 1e-5
+
+
+def test_adaptive_depth_bad_settings():
+    m = _model()
+    x = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="terminal cache"):
+        extend(m, x, FullCache(m.cfg, 1, 8, depth=4), 4, exit_tau=0.1)
+    with pytest.raises(ValueError, match="exit_tau"):
+        extend(m, x, TerminalCache(m.cfg, 1, 8), 4, exit_tau=0.0)
+    with pytest.raises(ValueError, match="min_depth"):
+        extend(m, x, TerminalCache(m.cfg, 1, 8), 4, exit_tau=0.1, min_depth=5)

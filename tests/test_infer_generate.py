@@ -92,3 +92,14 @@ def test_bad_generation_requests(model):
         generate(model, TOK, ["x"], depth=0)
     with pytest.raises(ValueError, match="unknown cache mode"):
         generate(model, TOK, ["x"], depth=2, cache_mode="paged", sampling=SamplingConfig(max_new_tokens=4))
+
+
+def test_adaptive_generation_reports_mean_depth(model):
+    fixed = generate(model, TOK, ["abc"], depth=6, sampling=SamplingConfig(max_new_tokens=6))
+    stats = {}
+    never = generate(model, TOK, ["abc"], depth=6, sampling=SamplingConfig(max_new_tokens=6, exit_tau=1e-30),
+                     stats=stats)
+    assert never == fixed and stats["mean_decode_depth"] == 6.0
+    generate(model, TOK, ["abc"], depth=6, sampling=SamplingConfig(max_new_tokens=6, exit_tau=1e9, min_depth=2),
+             stats=stats)
+    assert stats["mean_decode_depth"] == 2.0

@@ -141,17 +141,22 @@ def generate(
     for r in (depth, prefill_depth or depth):
         if not 1 <= r <= model.cfg.max_depth:
             raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+    if sampling.exit_tau is not None and cache != "terminal":
+        raise ValueError("adaptive depth (--exit-tau) needs --cache terminal")
     stream = None
     if len(prompt) == 1:
         print(prompt[0], end="", flush=True)
         stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
+    stats: dict = {}
     texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
-                sampling=sampling, on_token=stream)
+                sampling=sampling, on_token=stream, stats=stats)
     if stream is not None:
         print()
-        return
-    for p, t in zip(prompt, texts):
-        print(f"{p}{t}")
+    else:
+        for p, t in zip(prompt, texts):
+            print(f"{p}{t}")
+    if sampling.exit_tau is not None:
+        print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

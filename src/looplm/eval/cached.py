@@ -35,10 +35,11 @@ def _midpoint_document(doc_ids: torch.Tensor) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_sequences: int = 16,
-                      device="cpu", stepwise: bool = False) -> dict[str, float]:
+                      device="cpu", stepwise: bool = False, exit_tau: float | None = None,
+                      min_depth: int = 1) -> dict[str, float]:
     """{"loss", "ppl", "tokens"} of the second part of each row's midpoint document, scored as one
     chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`."""
-    total, count = 0.0, 0
+    total, count, depth_sum, n_dec = 0.0, 0, 0, 0
     for i in range(min(len(data), max_sequences)):
         b = data.get_batch([i]).to(device)
         start, mid, end = _midpoint_document(b.doc_ids[0])
@@ -47,8 +48,11 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
         cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device)
         extend(model, b.inputs[:, start:mid], cache, depth, example_ids=b.example_ids)
         if stepwise:
-            logits = torch.cat([extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids)
-                                for t in range(mid, end)], dim=1)
+            steps = [extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
+                            exit_tau=exit_tau, min_depth=min_depth, return_depths=True) for t in range(mid, end)]
+            logits = torch.cat([lg for lg, _ in steps], dim=1)
+            depth_sum += sum(int(u.sum()) for _, u in steps)
+            n_dec += len(steps)
         else:
             logits = extend(model, b.inputs[:, mid:end], cache, depth, example_ids=b.example_ids)
         targets = b.targets[:, mid:end]
@@ -58,7 +62,8 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
     if count == 0:
         raise ValueError("no scored tokens for cached perplexity (no supervised targets after the midpoints)")
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
+            "mean_decode_depth": depth_sum / n_dec if n_dec else float(depth)}
 
 
 def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequences: int = 16,

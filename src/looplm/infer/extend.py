@@ -22,13 +22,21 @@ def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
 
 @torch.no_grad()
 def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_ids: torch.Tensor | None = None,
-           seed: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
+           seed: int = 0, pad: torch.Tensor | None = None, exit_tau: float | None = None, min_depth: int = 1,
+           return_depths: bool = False):
     """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
 
     Returns fp32 logits [B, n, V]; the cache grows by n. The initial state is seeded by
     (example id, absolute position), as in the native forward with init="seeded". `pad` [B]
     counts left-padding tokens at the start of each row (batched prompts of different lengths):
     no token attends to them and positions start at 0 at each row's first real token.
+
+    Adaptive depth (SPEC 13, beyond the paper): with `exit_tau`, `depth` is the largest depth and a
+    token stops recurring once r >= `min_depth` and its relative state change
+    |s^r - s^(r-1)| / |s^(r-1)| < exit_tau; its state is frozen and the K/V of its last recurrence
+    become its terminal K/V. Exact per token for one-token decoding; inside a longer chunk,
+    tokens that are still recurring read a stopped token's K/V recomputed from its frozen state.
+    `return_depths` also returns the depth each token used, [B, n].
     """
     B, n = tokens.shape
     c = cache.length
@@ -58,16 +66,41 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     ctx = model.context(x, rope, mask)
     s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
                       example_ids=example_ids, positions=positions, seed=seed)
+    if exit_tau is not None and cache.mode != "terminal":
+        raise ValueError("adaptive depth needs the terminal cache (a full cache would miss the skipped visits)")
+    if exit_tau is not None and (exit_tau <= 0 or not 1 <= min_depth <= depth):
+        raise ValueError(f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, got {exit_tau}, {min_depth}")
+    used = torch.full((B, n), depth, dtype=torch.long, device=device)
+    active = torch.ones(B, n, dtype=torch.bool, device=device)
+    kept: list = [None] * len(model.core)  # adaptive: each token's K/V from its last recurrence
     for r in range(depth):
+        prev = s
         s = model.injection(s, ctx.injected)
         for j, block in enumerate(model.core):
             offsets = ctx.qkv_offsets[j] if ctx.qkv_offsets else None
             s, kv = block(s, rope, mask, offsets, past_kv=cache.core_read(r, j).prefix(c), return_kv=True)
-            for bank in cache.core_writes(r, j, depth):
-                bank.write(c, kv)
+            if exit_tau is None:
+                for bank in cache.core_writes(r, j, depth):
+                    bank.write(c, kv)
+            else:
+                keep = active[:, None, :, None]  # [B, 1, n, 1] against K/V [B, H, n, hd]
+                kept[j] = kv if kept[j] is None else tuple(torch.where(keep, a, b) for a, b in zip(kv, kept[j]))
         s = model.injection.exit(s)
+        if exit_tau is not None:
+            s = torch.where(active[..., None], s, prev)
+            change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
+            stop = active & (change < exit_tau) & (r + 1 >= min_depth)
+            used[stop] = r + 1
+            active &= ~stop
+            if not active.any():
+                break
+    if exit_tau is not None:
+        for j, kv in enumerate(kept):
+            for bank in cache.core_writes(depth - 1, j, depth):
+                bank.write(c, kv)
     for block, bank in zip(model.coda, cache.coda):
         s, kv = block(s, rope, mask, past_kv=bank.prefix(c), return_kv=True)
         bank.write(c, kv)
     cache.length = c + n
-    return model.head(model.norm(s)).float()
+    logits = model.head(model.norm(s)).float()
+    return (logits, used) if return_depths else logits

@@ -32,6 +32,10 @@ class SamplingConfig:
     """Seed of the sampler."""
     stop: tuple[str, ...] = ()
     """Stop a prompt's generation when its text contains one of these strings (cut before it)."""
+    exit_tau: float | None = None
+    """Adaptive decode depth: stop a token's recurrence once its relative state change < exit_tau (terminal cache)."""
+    min_depth: int = 1
+    """Adaptive decode depth: fewest recurrences per decoded token."""
 
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -60,11 +64,12 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 def generate(
     model, tokenizer: Tokenizer, prompts: Sequence[str], *, depth: int, prefill_depth: int | None = None,
     cache_mode: str = "terminal", sampling: SamplingConfig | None = None,
-    on_token: Callable[[int, str], None] | None = None,
+    on_token: Callable[[int, str], None] | None = None, stats: dict | None = None,
 ) -> list[str]:
     """Continue each prompt; returns the generated texts (stop strings and EOS excluded).
 
-    `on_token(row, text_piece)` is called as text is produced (streaming).
+    `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
+    receives "mean_decode_depth" (the mean recurrences per decode step, < depth with adaptive exit).
     """
     cfg = sampling or SamplingConfig()
     prefill_depth = prefill_depth or depth
@@ -75,6 +80,8 @@ def generate(
     for r in (depth, prefill_depth):
         if not 1 <= r <= model.cfg.max_depth:
             raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+    if cfg.exit_tau is not None and cache_mode != "terminal":
+        raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
     encoded = [tokenizer.encode(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
@@ -95,6 +102,7 @@ def generate(
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     out_ids: list[list[int]] = [[] for _ in range(B)]
     texts, done = [""] * B, [False] * B
+    depths_used: list[float] = []
     for _ in range(cfg.max_new_tokens):
         nxt = choose(logits, cfg, gen)
         for i in range(B):
@@ -111,5 +119,10 @@ def generate(
             texts[i], done[i] = text, stopped
         if all(done):
             break
-        logits = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad)[:, -1]
+        logits, used = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad,
+                              exit_tau=cfg.exit_tau, min_depth=cfg.min_depth, return_depths=True)
+        logits = logits[:, -1]
+        depths_used.append(float(used.float().mean()))
+    if stats is not None:
+        stats["mean_decode_depth"] = sum(depths_used) / len(depths_used) if depths_used else float(depth)
     return texts
