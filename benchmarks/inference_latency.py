@@ -36,6 +36,18 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def greedy_decode(model, cache, tok: torch.Tensor, depth: int, n: int) -> float:
+    """Seconds for n one-token greedy decode steps against `cache`, starting from `tok` [B, 1]."""
+    t = time.perf_counter()
+    for _ in range(n):
+        tok = extend(model, tok, cache, depth)[:, -1:].argmax(-1)
+    return time.perf_counter() - t
+
+
+def mean_std(v: list[float]) -> tuple[float, float]:
+    return statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -72,21 +84,14 @@ def main() -> None:
                     continue
                 cache = make_cache(arm, cfg, 1, CTX + n_dec, R)
                 pt = timed(lambda: extend(model, prompt, cache, R))
-                tok = prompt[:, -1:]
-
-                def decode():
-                    nonlocal tok
-                    for _ in range(n_dec):
-                        tok = extend(model, tok, cache, R)[:, -1:].argmax(-1)
-
-                dt = timed(decode)
+                dt = greedy_decode(model, cache, prompt[:, -1:], R, n_dec)
                 if rnd:
                     prefill[arm].append(CTX / pt)
                     arms[arm].append(n_dec / dt)
         bytes_per_seq = {m: make_cache(m, cfg, 1, CTX + n_dec, R).nbytes for m in ("terminal", "full")}
         row = {
-            "prefill_tok_s": {k: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) for k, v in prefill.items()},
-            "decode_tok_s": {k: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) for k, v in arms.items()},
+            "prefill_tok_s": {k: mean_std(v) for k, v in prefill.items()},
+            "decode_tok_s": {k: mean_std(v) for k, v in arms.items()},
             "cache_bytes_per_sequence": bytes_per_seq,
             "bytes_ratio_terminal_over_full": bytes_per_seq["terminal"] / bytes_per_seq["full"],
         }
@@ -105,19 +110,12 @@ def main() -> None:
             assert cache.nbytes <= budget
             x = torch.randint(0, 258, (B, CTX))
             extend(model, x, cache, R)
-            tok = x[:, -1:]
-
-            def decode():
-                nonlocal tok
-                for _ in range(n_dec):
-                    tok = extend(model, tok, cache, R)[:, -1:].argmax(-1)
-
-            dt = timed(decode)
+            dt = greedy_decode(model, cache, x[:, -1:], R, n_dec)
             if rnd:
                 serving[arm].append(B * n_dec / dt)
     result["serving_R5"] = {
         "cache_budget_bytes": budget, "batch": {"full": b_full, "terminal": int(b_term)},
-        "decode_tok_s": {k: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) for k, v in serving.items()},
+        "decode_tok_s": {k: mean_std(v) for k, v in serving.items()},
     }
     print(f"serving: {json.dumps(result['serving_R5'])}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

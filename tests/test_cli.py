@@ -286,3 +286,31 @@ def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
         assert cli.main(["generate", run, *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error:") and msg in err and "Traceback" not in err
+
+
+def test_eval_decoding_protocols_from_jsonl(tmp_path, capsys):
+    """`looplm eval` with choice tasks, GSM8K-format JSONL and cached generation on generator tasks."""
+    job = tiny_job(tmp_path)
+    Trainer(job).fit()
+    choice = tmp_path / "choice.jsonl"
+    choice.write_text('{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}\n'
+                      '{"context": "+2,2= ", "choices": ["4", "5", "6"], "gold": 0}\n')
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text('{"question": "1+1?", "answer": "so #### 2"}\n')
+    out_json = tmp_path / "report.json"
+    rc = main(["eval", str(job.train.out_dir), "--depths", "1", "2", "--task-examples", "0", "--max-sequences", "4",
+               "--sharing-sequences", "0", "--generation-examples", "6", "--choice-tasks", str(choice),
+               "--gsm8k", str(gsm), "--output", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for title in ("generator tasks, greedy generation", "choice tasks (acc / acc_norm)", "GSM8K-format exact match"):
+        assert title in out
+    report = json.loads(out_json.read_text())
+    assert report["choice"]["1"]["n"] == 2 and report["gsm8k"]["2"]["n"] == 1
+    assert report["generation"]["1"]["n"] >= 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "x", "choices": ["a"], "gold": 0}\n')
+    assert main(["eval", str(job.train.out_dir), "--depths", "1", "--task-examples", "0", "--sharing-sequences", "0",
+                 "--max-sequences", "2", "--choice-tasks", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "\rerror: " in err and "bad.jsonl" in err and "Traceback" not in err

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from looplm.data import TaskConfig, build_datasets, generate_examples
 from looplm.eval.cached import sharing_table
@@ -28,6 +29,18 @@ class EvalConfig:
     """Sequences per forward pass."""
     sharing_sequences: int = 32
     """Held-out rows for terminal-KV vs full-KV perplexity and the sharing penalty (0 skips)."""
+    cache: Literal["terminal", "full"] = "terminal"
+    """KV cache for the decoding-based protocols below (choice tasks, generation)."""
+    prefill_depth: int | None = None
+    """Prefill depth R_pre for the decoding-based protocols (default: the evaluated depth)."""
+    generation_examples: int = 0
+    """Generator-task examples scored by greedy generation with the cache (exact match; 0 skips)."""
+    choice_tasks: Path | None = None
+    """JSONL of {"context", "choices", "gold"}: acc and acc_norm by cached decoding at each depth."""
+    gsm8k: Path | None = None
+    """GSM8K-format JSONL ({"question", "answer" with '#### N'}): exact match of the final number."""
+    gsm8k_max_new_tokens: int = 256
+    """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
     output: Path | None = None
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
 
@@ -58,7 +71,36 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
     if cfg.sharing_sequences > 0:
         sharing = sharing_table(model, val, cfg.depths, max_sequences=cfg.sharing_sequences, device=device,
                                 progress=progress)
-    return {"perplexity": ppl, "tasks": acc, "sharing": sharing}
+    report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
+    report.update(decoding_report(model, tokenizer, cfg, tasks, data, job["train"]["seed"], device))
+    return report
+
+
+def decoding_report(model, tokenizer, cfg: EvalConfig, tasks: TaskConfig, data: dict, seed: int, device) -> dict:
+    """Protocols scored by decoding with a KV cache, per depth: generation exact match, choice tasks, GSM8K."""
+    from looplm.eval.choice import load_choice_jsonl, score_choices
+    from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
+
+    kw = dict(prefill_depth=cfg.prefill_depth, cache_mode=cfg.cache)
+    out: dict = {}
+    if cfg.generation_examples > 0 and data["source"] == "tasks":
+        examples = held_out_examples(tasks, cfg.generation_examples, cfg.task_seed, data["n_task_examples"], seed)
+        out["generation"] = {r: {k: v for k, v in exact_match_generator_tasks(model, tokenizer, examples, depth=r, **kw).items()
+                                 if k in ("acc", "n", "by_kind")} for r in cfg.depths}
+    if cfg.choice_tasks is not None:
+        items = load_choice_jsonl(cfg.choice_tasks)
+        out["choice"] = {r: {k: v for k, v in score_choices(model, tokenizer, items, depth=r, device=device, **kw).items()
+                             if k != "items"} for r in cfg.depths}
+    if cfg.gsm8k is not None:
+        items = load_gsm8k_jsonl(cfg.gsm8k)
+        longest = max(len(tokenizer.encode(f"Question: {it.question}\nAnswer:")) for it in items)
+        room = min(cfg.gsm8k_max_new_tokens, model.cfg.max_seq_len - longest)
+        if room < 1:
+            raise ValueError(f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "
+                             f"max_seq_len={model.cfg.max_seq_len}")
+        out["gsm8k"] = {r: {k: v for k, v in exact_match_gsm8k(model, tokenizer, items, depth=r, max_new_tokens=room,
+                                                               **kw).items() if k in ("acc", "n")} for r in cfg.depths}
+    return out
 
 
 def format_report(report: dict) -> str:
@@ -82,6 +124,13 @@ def format_report(report: dict) -> str:
                   f"{'R':>4} {'full':>9} {'terminal':>9} {'penalty':>9} {'decode':>9} {'penalty':>9}"]
         lines += [f"{r:>4} {v['full_ppl']:>9.4f} {v['terminal_ppl']:>9.4f} {v['sharing_penalty']:>8.3f}% "
                   f"{v['cacheeval_terminal_ppl']:>9.4f} {v['cacheeval_penalty']:>8.3f}%" for r, v in sh.items()]
+    for key, title in (("generation", "generator tasks, greedy generation with the cache"),
+                       ("choice", "choice tasks (acc / acc_norm)"), ("gsm8k", "GSM8K-format exact match")):
+        if report.get(key):
+            lines += ["", f"{title}:"]
+            for r, v in report[key].items():
+                extra = f" / {100 * v['acc_norm']:.1f}%" if "acc_norm" in v else ""
+                lines.append(f"{r:>4} {100 * v['acc']:>6.1f}%{extra}  (n={v['n']})")
     return "\n".join(lines)
 
 

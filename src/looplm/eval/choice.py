@@ -1,0 +1,134 @@
+"""Multiple-choice scoring by cached decoding (SPEC 8, "Choice tasks").
+
+lm-eval-harness formatting: trailing whitespace of the context moves into the continuation, and
+the target tokens are enc(context + continuation)[len(enc(context)):]. The context is prefilled at
+`prefill_depth`, then the target is fed one decode step at a time (teacher forcing) at `depth`;
+the first target token is scored by the prefill's last logits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from looplm.data import Tokenizer
+from looplm.infer.cache import make_cache
+from looplm.infer.extend import extend
+
+
+@dataclass(frozen=True)
+class ChoiceItem:
+    """One multiple-choice question: `choices[gold]` is the right continuation of `context`."""
+
+    context: str
+    choices: tuple[str, ...]
+    gold: int
+
+
+def load_choice_jsonl(path: str | Path) -> list[ChoiceItem]:
+    """Read lines {"context": str, "choices": [str, ...] (>= 2), "gold": int}; blank lines are skipped."""
+    path = Path(path)
+    items = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            for key in ("context", "choices", "gold"):
+                if key not in row:
+                    raise ValueError(f"{where}: missing field {key!r}")
+            context, choices, gold = row["context"], row["choices"], row["gold"]
+            if not isinstance(context, str):
+                raise ValueError(f"{where}: 'context' must be a string")
+            if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+                raise ValueError(f"{where}: 'choices' must be a list of strings")
+            if len(choices) < 2:
+                raise ValueError(f"{where}: need at least 2 choices, got {len(choices)}")
+            if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
+                raise ValueError(f"{where}: 'gold' must be an index in 0..{len(choices) - 1}, got {gold!r}")
+            items.append(ChoiceItem(context, tuple(choices), gold))
+    return items
+
+
+def split_context(context: str, choice: str) -> tuple[str, str]:
+    """(context without trailing whitespace, that whitespace + choice)."""
+    stripped = context.rstrip()
+    return stripped, context[len(stripped):] + choice
+
+
+def pick(logliks: Sequence[float], lengths: Sequence[int]) -> tuple[int, int]:
+    """(argmax of log-likelihood, argmax of log-likelihood per character); ties go to the first."""
+    if len(logliks) != len(lengths) or not logliks:
+        raise ValueError("need one length per log-likelihood, and at least one choice")
+    best = max(range(len(logliks)), key=lambda i: (logliks[i], -i))
+    norm = [ll / max(n, 1) for ll, n in zip(logliks, lengths)]
+    best_norm = max(range(len(norm)), key=lambda i: (norm[i], -i))
+    return best, best_norm
+
+
+@torch.no_grad()
+def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: str, *, depth: int,
+                       prefill_depth: int | None = None, cache_mode: str = "terminal", example_id: int = 0,
+                       device="cpu") -> tuple[float, bool]:
+    """(sum of ln p over the target tokens, whether every target token was the argmax)."""
+    prefill_depth = prefill_depth or depth
+    ctx_ids = tokenizer.encode(context)
+    if not ctx_ids:
+        raise ValueError("choice context is empty (nothing to prefill)")
+    target = tokenizer.encode(context + continuation)[len(ctx_ids):]
+    if not target:
+        raise ValueError(f"continuation {continuation!r} adds no tokens to the context")
+    need = len(ctx_ids) + len(target) - 1  # the last target token is never fed
+    if need > model.cfg.max_seq_len:
+        raise ValueError(f"context + continuation need {need} tokens, the model context is {model.cfg.max_seq_len}")
+    dtype = next(model.parameters()).dtype
+    cache = make_cache(cache_mode, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
+    ids = torch.tensor([example_id], device=device)
+    logits = extend(model, torch.tensor([ctx_ids], device=device), cache, prefill_depth, example_ids=ids)[0, -1]
+    total, greedy = 0.0, True
+    for t, tok in enumerate(target):
+        logp = torch.log_softmax(logits.double(), -1)
+        total += float(logp[tok])
+        greedy &= int(logits.argmax()) == tok
+        if t + 1 < len(target):
+            logits = extend(model, torch.tensor([[tok]], device=device), cache, depth, example_ids=ids)[0, -1]
+    return total, greedy
+
+
+def score_choices(model, tokenizer: Tokenizer, items: Sequence[ChoiceItem], *, depth: int,
+                  prefill_depth: int | None = None, cache_mode: str = "terminal", device="cpu") -> dict:
+    """{"acc", "acc_norm", "n", "items": [{"loglik", "greedy", "pred", "pred_norm", "gold"}, ...]}.
+
+    A fresh batch-1 cache per (item, choice); the seeded initial state uses the item index as the
+    example id, so results do not depend on anything else.
+    """
+    if not items:
+        raise ValueError("no choice items to score")
+    details, hits, hits_norm = [], 0, 0
+    for idx, item in enumerate(items):
+        if not item.context.strip():
+            raise ValueError(f"item {idx}: empty context")
+        logliks, greedy, lengths = [], [], []
+        for choice in item.choices:
+            ctx, cont = split_context(item.context, choice)
+            ll, g = score_continuation(model, tokenizer, ctx, cont, depth=depth, prefill_depth=prefill_depth,
+                                       cache_mode=cache_mode, example_id=idx, device=device)
+            logliks.append(ll)
+            greedy.append(g)
+            lengths.append(len(cont))
+        pred, pred_norm = pick(logliks, lengths)
+        hits += pred == item.gold
+        hits_norm += pred_norm == item.gold
+        details.append({"loglik": logliks, "greedy": greedy, "pred": pred, "pred_norm": pred_norm, "gold": item.gold})
+    n = len(items)
+    return {"acc": hits / n, "acc_norm": hits_norm / n, "n": n, "items": details}

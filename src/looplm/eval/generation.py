@@ -1,0 +1,199 @@
+"""Generation tasks scored by exact match (SPEC 8, "Generation").
+
+Greedy decoding with a KV cache (terminal by default) and stop strings. The seeded initial state
+uses each example's index in the evaluated list as its example id (as `task_accuracy` does), so a
+result does not depend on the batch size. Also: GSM8K-style final-number matching and pass@k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import torch
+
+from looplm.data import Example, Tokenizer
+from looplm.data.tasks import check_answer
+from looplm.infer.cache import make_cache
+from looplm.infer.extend import extend
+
+
+@dataclass(frozen=True)
+class GenItem:
+    """One GSM8K-style problem: `gold` is the normalised final number of `answer`."""
+
+    question: str
+    answer: str
+    gold: str
+
+
+# a comma-grouped number (1,234,567.5) or a plain one (-3, 3.50)
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+
+
+def normalize_number(text: str) -> str | None:
+    """'1,234' -> '1234', '3.50' -> '3.5', '2.0' -> '2', '-0' -> '0'; None when not a number."""
+    try:
+        d = Decimal(text.strip().replace(",", ""))
+    except InvalidOperation:
+        return None
+    if not d.is_finite():
+        return None
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def extract_final_number(text: str) -> str | None:
+    """The last number in `text`, normalised (see `normalize_number`), or None."""
+    found = _NUMBER.findall(text)
+    return normalize_number(found[-1]) if found else None
+
+
+def load_gsm8k_jsonl(path: str | Path) -> list[GenItem]:
+    """Read lines {"question": str, "answer": str}; the gold is the number after the last '####'."""
+    path = Path(path)
+    items = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            for key in ("question", "answer"):
+                if key not in row:
+                    raise ValueError(f"{where}: missing field {key!r}")
+                if not isinstance(row[key], str):
+                    raise ValueError(f"{where}: {key!r} must be a string")
+            if "####" not in row["answer"]:
+                raise ValueError(f"{where}: 'answer' has no '#### <number>' final answer")
+            raw = row["answer"].rsplit("####", 1)[1]
+            gold = normalize_number(raw)
+            if gold is None:
+                raise ValueError(f"{where}: final answer {raw.strip()!r} after '####' is not a number")
+            items.append(GenItem(row["question"], row["answer"], gold))
+    return items
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer: Tokenizer, prompts: Sequence[str], example_ids: Sequence[int], *, depth: int,
+                    prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 16,
+                    stop: Sequence[str] = ("\n",)) -> list[str]:
+    """Greedy continuations (cut before the first stop string; EOS ends a row) of left-padded prompts."""
+    prefill_depth = prefill_depth or depth
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    encoded = [tokenizer.encode(p) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+    device = next(model.parameters()).device
+    B, L = len(encoded), max(len(ids) for ids in encoded)
+    max_len = L + max_new_tokens - 1  # the last generated token is never fed back
+    if max_len > model.cfg.max_seq_len:
+        raise ValueError(f"prompts of {L} tokens with max_new_tokens={max_new_tokens} exceed the model context "
+                         f"max_seq_len={model.cfg.max_seq_len}")
+    pad = torch.tensor([L - len(ids) for ids in encoded], device=device)
+    tokens = torch.full((B, L), tokenizer.pad_id, dtype=torch.long, device=device)
+    for i, ids in enumerate(encoded):
+        tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
+    ids_arg = torch.tensor(list(example_ids), dtype=torch.long, device=device)
+    cache = make_cache(cache_mode, model.cfg, B, max_len, max(depth, prefill_depth), device=device,
+                       dtype=next(model.parameters()).dtype)
+    logits = extend(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    for step in range(max_new_tokens):
+        nxt = logits.argmax(-1)
+        for i in range(B):
+            if done[i]:
+                continue
+            tok = int(nxt[i])
+            if tok == tokenizer.eos_id:
+                done[i] = True
+                continue
+            out[i].append(tok)
+            text = tokenizer.decode(out[i])
+            done[i] = any(s and s in text for s in stop)
+        if all(done) or step + 1 == max_new_tokens:
+            break
+        logits = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad)[:, -1]
+    texts = []
+    for ids in out:
+        text = tokenizer.decode(ids)
+        cuts = [text.index(s) for s in stop if s and s in text]
+        texts.append(text[: min(cuts)] if cuts else text)
+    return texts
+
+
+def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    outputs = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        outputs += greedy_generate(model, tokenizer, chunk, range(start, start + len(chunk)), **kw)
+    return outputs
+
+
+def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[Example], *, depth: int,
+                                prefill_depth: int | None = None, cache_mode: str = "terminal",
+                                max_new_tokens: int = 16, batch_size: int = 16) -> dict:
+    """Greedy-generate after each prompt (stop at a newline); correct = `check_answer`.
+
+    Returns {"acc", "n", "by_kind": {kind: acc}, "correct": [bool], "outputs": [str]}.
+    """
+    if not examples:
+        raise ValueError("no task examples to evaluate")
+    outputs = _batched(model, tokenizer, [ex.prompt for ex in examples], batch_size, depth=depth,
+                       prefill_depth=prefill_depth, cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=("\n",))
+    correct = [check_answer(ex, out) for ex, out in zip(examples, outputs)]
+    by_kind = defaultdict(list)
+    for ex, ok in zip(examples, correct):
+        by_kind[ex.kind].append(ok)
+    return {
+        "acc": sum(correct) / len(correct),
+        "n": len(examples),
+        "by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
+        "correct": correct,
+        "outputs": outputs,
+    }
+
+
+def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, depth: int,
+                      prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 256,
+                      prompt_template: str = "Question: {question}\nAnswer:",
+                      stop: Sequence[str] = ("\n\n", "Question:"), batch_size: int = 8) -> dict:
+    """Greedy-generate an answer per question; correct when its final number equals the gold.
+
+    Returns {"acc", "n", "correct": [bool], "predictions": [str | None], "outputs": [str]}.
+    """
+    if not items:
+        raise ValueError("no GSM8K items to evaluate")
+    prompts = [prompt_template.format(question=it.question) for it in items]
+    outputs = _batched(model, tokenizer, prompts, batch_size, depth=depth, prefill_depth=prefill_depth,
+                       cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=tuple(stop))
+    preds = [extract_final_number(o) for o in outputs]
+    correct = [p is not None and p == it.gold for p, it in zip(preds, items)]
+    return {"acc": sum(correct) / len(correct), "n": len(items), "correct": correct, "predictions": preds,
+            "outputs": outputs}

@@ -1,0 +1,175 @@
+import itertools
+import json
+
+import pytest
+import torch
+
+from looplm.config import ModelConfig
+from looplm.data import ByteTokenizer, Example
+from looplm.data.tasks import TaskConfig, check_answer, generate_examples
+from looplm.eval.generation import (
+    GenItem,
+    exact_match_generator_tasks,
+    exact_match_gsm8k,
+    extract_final_number,
+    load_gsm8k_jsonl,
+    pass_at_k,
+)
+from looplm.eval.tasks import task_accuracy
+from looplm.infer.generate import SamplingConfig, generate
+from looplm.model import LoopedLM
+
+CFG = ModelConfig(vocab_size=258, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+NL = 10
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    m = LoopedLM(CFG).eval()
+    with torch.no_grad():  # make "\n" the argmax wherever the (frequent) byte 145 was, so answers end
+        w = m.head.weight
+        w[[NL, 145]] = w[[145, NL]].clone()
+    return m
+
+
+def native_greedy(model, prompt, depth, example_id, steps):
+    """Greedy tokens by repeated native forwards (no cache)."""
+    ids = ByteTokenizer().encode(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids]), depth, init="seeded", example_ids=torch.tensor([example_id])).logits
+            t = int(logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t == NL:
+                break
+    return out
+
+
+def constructed_examples(model, depth, n=8, steps=6):
+    """Task examples whose answers are (or are not) the model's own greedy line: the outcome is known."""
+    base = generate_examples(TaskConfig(max_difficulty=2), n, seed=1)
+    examples, expected = [], []
+    for i, ex in enumerate(base):
+        toks = native_greedy(model, ex.prompt, depth, i, steps)
+        line = toks[:-1] if toks and toks[-1] == NL else None
+        if line and all(33 <= t < 127 for t in line) and i % 3 != 2:
+            examples.append(Example(ex.prompt, bytes(line).decode(), ex.kind, ex.difficulty))
+            expected.append(True)
+        else:
+            examples.append(Example(ex.prompt, "#wrong", ex.kind, ex.difficulty))
+            expected.append(False)
+    return examples, expected
+
+
+@pytest.mark.parametrize("text, want", [
+    ("The answer is 42.", "42"),
+    ("-3", "-3"),
+    ("from 5 to -3 degrees", "-3"),
+    ("It costs $1,234 in total", "1234"),
+    ("pay 3.50 now", "3.5"),
+    ("2.0", "2"),
+    ("1,234,567.50", "1234567.5"),
+    ("values 1, 2, 3", "3"),
+    ("no digits here", None),
+    ("", None),
+    ("x=7\n#### 18", "18"),
+])
+def test_extract_final_number(text, want):
+    assert extract_final_number(text) == want
+
+
+def brute_pass_at_k(n, c, k):
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_brute_force():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 0)
+
+
+def test_generator_tasks_full_cache_matches_native_and_task_accuracy(model, single_thread):
+    depth = 2
+    examples, expected = constructed_examples(model, depth)
+    assert any(expected) and not all(expected), "the constructed case should mix right and wrong answers"
+    out = exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=depth, cache_mode="full",
+                                      max_new_tokens=8, batch_size=3)
+    assert out["correct"] == expected
+    assert out["n"] == len(examples)
+    assert out["acc"] == pytest.approx(sum(expected) / len(expected))
+    ref = task_accuracy(model, ByteTokenizer(), examples, [depth])[depth]
+    assert out["acc"] == pytest.approx(ref["acc"])
+    assert out["by_kind"] == pytest.approx(ref["by_kind"])
+
+
+def test_generator_tasks_independent_of_batching(model, single_thread):
+    examples = generate_examples(TaskConfig(max_difficulty=2), 6, seed=3)
+    runs = [exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=2, max_new_tokens=6, batch_size=b)
+            for b in (1, 4, 16)]
+    assert runs[0]["outputs"] == runs[1]["outputs"] == runs[2]["outputs"]
+    assert runs[0]["correct"] == runs[1]["correct"] == runs[2]["correct"]
+
+
+def test_generator_tasks_matches_generate(model, single_thread):
+    # one example alone gets example id 0, exactly as `generate` numbers a single prompt
+    examples = generate_examples(TaskConfig(max_difficulty=2), 4, seed=5)
+    for ex in examples:
+        for mode in ("terminal", "full"):
+            mine = exact_match_generator_tasks(model, ByteTokenizer(), [ex], depth=3, cache_mode=mode, max_new_tokens=6)
+            text = generate(model, ByteTokenizer(), [ex.prompt], depth=3, cache_mode=mode,
+                            sampling=SamplingConfig(max_new_tokens=6, stop=("\n",)))[0]
+            assert mine["outputs"] == [text]
+            assert mine["correct"] == [check_answer(ex, text)]
+
+
+def test_gsm8k_exact_match(model, monkeypatch, single_thread):
+    import looplm.eval.generation as gen
+
+    items = [GenItem("q1", "... #### 12", "12"), GenItem("q2", "#### 1,000", "1000"), GenItem("q3", "#### 5", "5")]
+    replies = {"Question: q1\nAnswer:": "so 3*4 = 12.", "Question: q2\nAnswer:": "It is 1,000.00",
+               "Question: q3\nAnswer:": "no idea"}
+    monkeypatch.setattr(gen, "greedy_generate", lambda m, t, prompts, ids, **kw: [replies[p] for p in prompts])
+    out = exact_match_gsm8k(model, ByteTokenizer(), items, depth=1)
+    assert out["correct"] == [True, True, False]
+    assert out["acc"] == pytest.approx(2 / 3)
+    assert out["predictions"] == ["12", "1000", None]
+
+
+def test_gsm8k_runs_on_model(model, single_thread):
+    out = exact_match_gsm8k(model, ByteTokenizer(), [GenItem("1+1?", "#### 2", "2")], depth=2, max_new_tokens=8)
+    assert out["n"] == 1 and out["acc"] in (0.0, 1.0)
+
+
+def test_load_gsm8k_jsonl(tmp_path):
+    p = tmp_path / "gsm.jsonl"
+    p.write_text(json.dumps({"question": "How many?", "answer": "2+2=4\n#### 1,234"}) + "\n\n"
+                 + json.dumps({"question": "Q", "answer": "#### -3.50"}) + "\n")
+    items = load_gsm8k_jsonl(p)
+    assert [it.gold for it in items] == ["1234", "-3.5"]
+    assert items[0].question == "How many?"
+
+
+@pytest.mark.parametrize("line, msg", [
+    ("not json", "invalid JSON"),
+    (json.dumps({"question": "Q"}), "missing field 'answer'"),
+    (json.dumps({"answer": "#### 1"}), "missing field 'question'"),
+    (json.dumps({"question": "Q", "answer": "42"}), "no '####"),
+    (json.dumps({"question": "Q", "answer": "#### many"}), "not a number"),
+    (json.dumps({"question": 3, "answer": "#### 1"}), "must be a string"),
+])
+def test_load_gsm8k_jsonl_errors(tmp_path, line, msg):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"question": "Q", "answer": "#### 1"}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=msg) as err:
+        load_gsm8k_jsonl(p)
+    assert f"{p}:2" in str(err.value)
