@@ -16,12 +16,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-import torch
-
 from looplm.data import Example, Tokenizer
 from looplm.data.tasks import check_answer
-from looplm.infer.cache import make_cache
-from looplm.infer.extend import extend
+from looplm.infer.generate import SamplingConfig, generate
 
 
 @dataclass(frozen=True)
@@ -95,55 +92,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-@torch.no_grad()
 def greedy_generate(model, tokenizer: Tokenizer, prompts: Sequence[str], example_ids: Sequence[int], *, depth: int,
                     prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 16,
                     stop: Sequence[str] = ("\n",)) -> list[str]:
-    """Greedy continuations (cut before the first stop string; EOS ends a row) of left-padded prompts."""
-    prefill_depth = prefill_depth or depth
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    encoded = [tokenizer.encode(p) for p in prompts]
-    for i, ids in enumerate(encoded):
-        if not ids:
-            raise ValueError(f"prompt {i} is empty")
-    device = next(model.parameters()).device
-    B, L = len(encoded), max(len(ids) for ids in encoded)
-    max_len = L + max_new_tokens - 1  # the last generated token is never fed back
-    if max_len > model.cfg.max_seq_len:
-        raise ValueError(f"prompts of {L} tokens with max_new_tokens={max_new_tokens} exceed the model context "
-                         f"max_seq_len={model.cfg.max_seq_len}")
-    pad = torch.tensor([L - len(ids) for ids in encoded], device=device)
-    tokens = torch.full((B, L), tokenizer.pad_id, dtype=torch.long, device=device)
-    for i, ids in enumerate(encoded):
-        tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
-    ids_arg = torch.tensor(list(example_ids), dtype=torch.long, device=device)
-    cache = make_cache(cache_mode, model.cfg, B, max_len, max(depth, prefill_depth), device=device,
-                       dtype=next(model.parameters()).dtype)
-    logits = extend(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    for step in range(max_new_tokens):
-        nxt = logits.argmax(-1)
-        for i in range(B):
-            if done[i]:
-                continue
-            tok = int(nxt[i])
-            if tok == tokenizer.eos_id:
-                done[i] = True
-                continue
-            out[i].append(tok)
-            text = tokenizer.decode(out[i])
-            done[i] = any(s and s in text for s in stop)
-        if all(done) or step + 1 == max_new_tokens:
-            break
-        logits = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad)[:, -1]
-    texts = []
-    for ids in out:
-        text = tokenizer.decode(ids)
-        cuts = [text.index(s) for s in stop if s and s in text]
-        texts.append(text[: min(cuts)] if cuts else text)
-    return texts
+    """Greedy continuations (cut before the first stop string; EOS ends a row), each row seeded by
+    its own example id so results do not depend on batching."""
+    return generate(model, tokenizer, prompts, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
+                    sampling=SamplingConfig(max_new_tokens=max_new_tokens, stop=tuple(stop)), example_ids=example_ids)
 
 
 def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:

@@ -65,11 +65,14 @@ def generate(
     model, tokenizer: Tokenizer, prompts: Sequence[str], *, depth: int, prefill_depth: int | None = None,
     cache_mode: str = "terminal", sampling: SamplingConfig | None = None,
     on_token: Callable[[int, str], None] | None = None, stats: dict | None = None,
+    example_ids: Sequence[int] | None = None,
 ) -> list[str]:
     """Continue each prompt; returns the generated texts (stop strings and EOS excluded).
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
     receives "mean_decode_depth" (the mean recurrences per decode step, < depth with adaptive exit).
+    `example_ids` seed each row's initial state (default 0..B-1); give each example a fixed id so
+    its result does not depend on the batch it was run in.
     """
     cfg = sampling or SamplingConfig()
     prefill_depth = prefill_depth or depth
@@ -86,7 +89,7 @@ def generate(
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        if len(ids) + cfg.max_new_tokens > model.cfg.max_seq_len:
+        if len(ids) + cfg.max_new_tokens - 1 > model.cfg.max_seq_len:  # the last new token is never fed
             raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
                              f"the context max_seq_len={model.cfg.max_seq_len}")
     device = next(model.parameters()).device
@@ -95,15 +98,15 @@ def generate(
     tokens = torch.full((B, L), tokenizer.pad_id, dtype=torch.long, device=device)
     for i, ids in enumerate(encoded):
         tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
-    ids_arg = torch.arange(B, device=device)
-    cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens, max(depth, prefill_depth), device=device,
+    ids_arg = torch.arange(B, device=device) if example_ids is None else torch.tensor(list(example_ids), device=device)
+    cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens - 1, max(depth, prefill_depth), device=device,
                        dtype=next(model.parameters()).dtype)
     logits = extend(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     out_ids: list[list[int]] = [[] for _ in range(B)]
     texts, done = [""] * B, [False] * B
     depths_used: list[float] = []
-    for _ in range(cfg.max_new_tokens):
+    for step in range(cfg.max_new_tokens):
         nxt = choose(logits, cfg, gen)
         for i in range(B):
             if done[i]:
@@ -117,7 +120,7 @@ def generate(
             if on_token is not None and not stopped and text.startswith(texts[i]):
                 on_token(i, text[len(texts[i]):])
             texts[i], done[i] = text, stopped
-        if all(done):
+        if all(done) or step + 1 == cfg.max_new_tokens:
             break
         logits, used = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad,
                               exit_tau=cfg.exit_tau, min_depth=cfg.min_depth, return_depths=True)
