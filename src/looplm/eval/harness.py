@@ -1,0 +1,85 @@
+"""lm-evaluation-harness model adapter (optional extra: `pip install -e ".[lm-eval]"`).
+
+    lm_eval --model looplm --model_args checkpoint=runs/tiny,depth=5,cache=terminal --tasks ...
+
+(after `import looplm.eval.harness`, which registers the model name). Every request is scored by
+decoding with a KV cache, as in the paper's protocol (SPEC 8): prefill the context at
+`prefill_depth`, then feed the continuation one token at a time at `depth`.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from looplm.checkpoint import load_model
+from looplm.eval.choice import score_continuation
+from looplm.eval.generation import greedy_generate
+
+
+@register_model("looplm")
+class LoopLMHarness(LM):
+    """`checkpoint` (run or checkpoint folder) or an already loaded `model` + `tokenizer`."""
+
+    def __init__(self, checkpoint: str | None = None, model=None, tokenizer=None, depth: int = 5,
+                 prefill_depth: int | None = None, cache: str = "terminal", device: str = "cpu",
+                 max_gen_toks: int = 64, **_ignored):
+        super().__init__()
+        if model is None:
+            if checkpoint is None:
+                raise ValueError("looplm harness model needs checkpoint=PATH")
+            model, tokenizer, _ = load_model(checkpoint, device)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.depth, self.prefill_depth, self.cache = int(depth), prefill_depth and int(prefill_depth), cache
+        self._device, self.max_gen_toks = device, int(max_gen_toks)
+
+    def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
+        if not self.tokenizer.encode(context):  # an empty context starts from the end-of-text token
+            return self._score_after_eos(continuation, example_id)
+        return score_continuation(self.model, self.tokenizer, context, continuation, depth=self.depth,
+                                  prefill_depth=self.prefill_depth, cache_mode=self.cache,
+                                  example_id=example_id, device=self._device)
+
+    @torch.no_grad()
+    def _score_after_eos(self, text: str, example_id: int) -> tuple[float, bool]:
+        ids = self.tokenizer.encode(text)
+        x = torch.tensor([[self.tokenizer.eos_id, *ids]], device=self._device)
+        total, greedy = 0.0, True
+        window = self.model.cfg.max_seq_len
+        for start in range(0, len(ids), window - 1):  # non-overlapping windows, each after an EOS
+            chunk = torch.cat([x[:, :1], x[:, 1 + start:1 + start + window - 1]], dim=1)
+            logits = self.model(chunk, self.depth, init="seeded",
+                                example_ids=torch.tensor([example_id], device=self._device)).logits
+            logp = torch.log_softmax(logits[0, :-1].double(), -1)
+            target = chunk[0, 1:]
+            total += float(logp.gather(-1, target[:, None]).sum())
+            greedy &= bool((logits[0, :-1].argmax(-1) == target).all())
+        return total, greedy
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        return [self._score(*req.args[:2], example_id=stable_id(req.args[0])) for req in requests]
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        return [self._score_after_eos(req.args[0], example_id=stable_id(req.args[0]))[0] for req in requests]
+
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            room = self.model.cfg.max_seq_len - len(self.tokenizer.encode(context)) + 1
+            n = max(1, min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), room))
+            out += greedy_generate(self.model, self.tokenizer, [context], [stable_id(context)], depth=self.depth,
+                                   prefill_depth=self.prefill_depth, cache_mode=self.cache, max_new_tokens=n,
+                                   stop=tuple(until))
+        return out
+
+
+def stable_id(context: str) -> int:
+    """Example id for the seeded initial state: a hash of the context, so the choices of one item
+    share it and the result does not depend on the order in which the harness sends requests."""
+    return zlib.crc32(context.encode("utf-8")) & 0x7FFFFFFF
