@@ -103,3 +103,31 @@ def test_cached_perplexity_full_cache_equals_native_and_penalty_formula(tmp_path
     step_full = cached_perplexity(m, val, 3, "full", max_sequences=3, stepwise=True)
     assert math.isclose(step_full["ppl"], full["ppl"], rel_tol=1e-5)
     assert table[1]["cacheeval_penalty"] == 0.0
+
+
+def test_cacheeval_span_protocol(tmp_path):
+    from looplm.data import build_datasets
+    from looplm.eval.cached import _document_with_room, cached_perplexity
+
+    assert _document_with_room(torch.tensor([0, 0, 1, 1, 1, 2]), 3) == 2
+    assert _document_with_room(torch.tensor([0, 0, 1, 1, 1, 2]), 4) is None
+    tok = ByteTokenizer()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text("to be or not to be, that is the question. " * 3)
+    _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
+    torch.manual_seed(0)
+    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                             max_seq_len=48)).eval()
+    got = cached_perplexity(m, val, 2, "full", max_sequences=2, stepwise=True, span=(16, 8))
+    total, count = 0.0, 0
+    for i in range(2):
+        b = val.get_batch([i])
+        s = _document_with_room(b.doc_ids[0], 24)
+        with torch.no_grad():
+            logits = m(b.inputs[:, s:s + 24], 2, init="seeded", example_ids=b.example_ids).logits
+        t = b.targets[:, s + 16:s + 24]
+        total += F.cross_entropy(logits[:, 16:].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum").item()
+        count += int((t != -100).sum())
+    assert got["tokens"] == count and math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)

@@ -33,16 +33,38 @@ def _midpoint_document(doc_ids: torch.Tensor) -> tuple[int, int, int]:
     return start, max(mid, start + 1), end
 
 
+def _document_with_room(doc_ids: torch.Tensor, need: int) -> int | None:
+    """Start of the first document segment of a row with at least `need` tokens, or None."""
+    ids = doc_ids.tolist()
+    start = 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or ids[t] != ids[start]:
+            if t - start >= need:
+                return start
+            start = t
+    return None
+
+
 @torch.no_grad()
 def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_sequences: int = 16,
                       device="cpu", stepwise: bool = False, exit_tau: float | None = None,
-                      min_depth: int = 1) -> dict[str, float]:
+                      min_depth: int = 1, span: tuple[int, int] | None = None) -> dict[str, float]:
     """{"loss", "ppl", "tokens"} of the second part of each row's midpoint document, scored as one
-    chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`."""
+    chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`.
+
+    `span=(P, C)` fixes the split instead (the paper's CacheEval uses 1,024 + 512): P prompt tokens
+    from the start of the row's first document that is long enough, then C scored targets; rows
+    without such a document are skipped."""
     total, count, depth_sum, n_dec = 0.0, 0, 0, 0
     for i in range(min(len(data), max_sequences)):
         b = data.get_batch([i]).to(device)
-        start, mid, end = _midpoint_document(b.doc_ids[0])
+        if span is None:
+            start, mid, end = _midpoint_document(b.doc_ids[0])
+        else:
+            found = _document_with_room(b.doc_ids[0], sum(span))
+            if found is None:
+                continue
+            start, mid, end = found, found + span[0], found + span[0] + span[1]
         if end - mid < 1:
             continue
         cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device)
@@ -67,15 +89,15 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
 
 
 def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequences: int = 16,
-                  device="cpu", progress=None) -> dict[int, dict[str, float]]:
+                  device="cpu", progress=None, span: tuple[int, int] | None = None) -> dict[int, dict[str, float]]:
     """{R: {"terminal_ppl", "full_ppl", "sharing_penalty", "cacheeval_terminal_ppl", "cacheeval_penalty"}};
     penalty = 100 (PPL_terminal / PPL_full - 1). Full-cache scoring is the same for both protocols."""
     out = {}
     for depth in depths:
-        term = cached_perplexity(model, data, depth, "terminal", max_sequences=max_sequences, device=device)
-        full = cached_perplexity(model, data, depth, "full", max_sequences=max_sequences, device=device)
-        step = cached_perplexity(model, data, depth, "terminal", max_sequences=max_sequences, device=device,
-                                 stepwise=True)
+        kw = dict(max_sequences=max_sequences, device=device, span=span)
+        term = cached_perplexity(model, data, depth, "terminal", **kw)
+        full = cached_perplexity(model, data, depth, "full", **kw)
+        step = cached_perplexity(model, data, depth, "terminal", stepwise=True, **kw)
         out[depth] = {"terminal_ppl": term["ppl"], "full_ppl": full["ppl"], "tokens": term["tokens"],
                       "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0),
                       "cacheeval_terminal_ppl": step["ppl"],

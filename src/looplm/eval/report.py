@@ -29,6 +29,9 @@ class EvalConfig:
     """Sequences per forward pass."""
     sharing_sequences: int = 32
     """Held-out rows for terminal-KV vs full-KV perplexity and the sharing penalty (0 skips)."""
+    cacheeval_span: tuple[int, int] | None = None
+    """(P, C) for the sharing table: P prompt tokens then C scored targets from the start of a long enough
+    document (the paper's CacheEval: 1024 512); default: each row's midpoint document, split at the midpoint."""
     cache: Literal["terminal", "full"] = "terminal"
     """KV cache for the decoding-based protocols below (choice tasks, generation)."""
     prefill_depth: int | None = None
@@ -70,7 +73,7 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
     sharing = None
     if cfg.sharing_sequences > 0:
         sharing = sharing_table(model, val, cfg.depths, max_sequences=cfg.sharing_sequences, device=device,
-                                progress=progress)
+                                progress=progress, span=cfg.cacheeval_span)
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, tasks, data, job["train"]["seed"], device))
     return report
