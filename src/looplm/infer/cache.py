@@ -11,7 +11,11 @@ positions [length, length + n) of each bank, never concatenated.
   bank, which reproduces the parallel forward exactly when every chunk uses the cache's depth.
   Rule for other depths: a chunk run at fewer recurrences than the cache's depth fills its missing
   visits with its terminal K/V; a chunk run deeper than the cache reads the prefix's last visit
-  bank for its extra recurrences.
+  bank for its extra recurrences and leaves its terminal K/V there.
+
+A chunk's K/V are written into the bank its layer reads, at [length, length + n), before it
+attends to [0, length + n) (see `Attention`); positions past `length` are scratch until the
+pointer moves, so a recurrence whose K/V are not kept is simply overwritten by the next one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ class KVBank:
 
     def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, :length], self.v[:, :, :length]
+
+    def buffer(self, length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(K, V, length) for attention to write a chunk at `length` and read [0, length + n)."""
+        return self.k, self.v, length
 
     def write(self, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         k, v = kv
@@ -66,9 +74,9 @@ class KVCache:
         """The bank core layer j reads at recurrence r (0-based)."""
         raise NotImplementedError
 
-    def core_writes(self, r: int, j: int, depth: int) -> list[KVBank]:
-        """The banks that receive this chunk's K/V of core layer j at recurrence r of `depth`."""
-        raise NotImplementedError
+    def core_fill(self, j: int, depth: int) -> list[KVBank]:
+        """Banks besides the read banks that receive a `depth`-recurrence chunk's terminal K/V."""
+        return []
 
 
 class TerminalCache(KVCache):
@@ -82,10 +90,7 @@ class TerminalCache(KVCache):
         return [*self.prelude, *self.core, *self.coda]
 
     def core_read(self, r, j):
-        return self.core[j]
-
-    def core_writes(self, r, j, depth):
-        return [self.core[j]] if r == depth - 1 else []  # SPEC 7: only the last recurrence is kept
+        return self.core[j]  # SPEC 7: every recurrence reads the terminal bank; the last one's K/V stay
 
 
 class FullCache(KVCache):
@@ -104,11 +109,8 @@ class FullCache(KVCache):
     def core_read(self, r, j):
         return self.core[min(r, self.depth - 1)][j]
 
-    def core_writes(self, r, j, depth):
-        if r < depth - 1:
-            return [self.core[r][j]] if r < self.depth else []
-        # the last recurrence also fills every visit this chunk did not reach
-        return [self.core[v][j] for v in range(min(r, self.depth - 1), self.depth)] if r < self.depth else []
+    def core_fill(self, j, depth):
+        return [self.core[v][j] for v in range(depth, self.depth)]  # visits a shallower chunk did not reach
 
 
 def make_cache(mode: str, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw) -> KVCache:

@@ -61,8 +61,7 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
 
     x = model.embed(tokens)
     for block, bank in zip(model.prelude, cache.prelude):
-        x, kv = block(x, rope, mask, past_kv=bank.prefix(c), return_kv=True)
-        bank.write(c, kv)
+        x = block(x, rope, mask, kv_buffer=bank.buffer(c))
     ctx = model.context(x, rope, mask)
     s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
                       example_ids=example_ids, positions=positions, seed=seed)
@@ -72,19 +71,16 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
         raise ValueError(f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, got {exit_tau}, {min_depth}")
     used = torch.full((B, n), depth, dtype=torch.long, device=device)
     active = torch.ones(B, n, dtype=torch.bool, device=device)
-    kept: list = [None] * len(model.core)  # adaptive: each token's K/V from its last recurrence
+    kept: list = [None] * len(model.core)  # each token's K/V from its last recurrence
     for r in range(depth):
         prev = s
         s = model.injection(s, ctx.injected)
         for j, block in enumerate(model.core):
             offsets = ctx.qkv_offsets[j] if ctx.qkv_offsets else None
-            s, kv = block(s, rope, mask, offsets, past_kv=cache.core_read(r, j).prefix(c), return_kv=True)
-            if exit_tau is None:
-                for bank in cache.core_writes(r, j, depth):
-                    bank.write(c, kv)
-            else:
-                keep = active[:, None, :, None]  # [B, 1, n, 1] against K/V [B, H, n, hd]
-                kept[j] = kv if kept[j] is None else tuple(torch.where(keep, a, b) for a, b in zip(kv, kept[j]))
+            s, kv = block(s, rope, mask, offsets, kv_buffer=cache.core_read(r, j).buffer(c), return_kv=True)
+            keep = active[:, None, :, None]  # [B, 1, n, 1] against K/V [B, H, n, hd]
+            kept[j] = kv if kept[j] is None or exit_tau is None else tuple(
+                torch.where(keep, a, b) for a, b in zip(kv, kept[j]))
         s = model.injection.exit(s)
         if exit_tau is not None:
             s = torch.where(active[..., None], s, prev)
@@ -94,13 +90,13 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
             active &= ~stop
             if not active.any():
                 break
-    if exit_tau is not None:
-        for j, kv in enumerate(kept):
-            for bank in cache.core_writes(depth - 1, j, depth):
-                bank.write(c, kv)
+    for j, kv in enumerate(kept):
+        if exit_tau is not None:  # stopped tokens keep the K/V of their exit recurrence
+            cache.core_read(depth - 1, j).write(c, kv)
+        for bank in cache.core_fill(j, depth):
+            bank.write(c, kv)
     for block, bank in zip(model.coda, cache.coda):
-        s, kv = block(s, rope, mask, past_kv=bank.prefix(c), return_kv=True)
-        bank.write(c, kv)
+        s = block(s, rope, mask, kv_buffer=bank.buffer(c))
     cache.length = c + n
     logits = model.head(model.norm(s)).float()
     return (logits, used) if return_depths else logits

@@ -66,12 +66,14 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         qkv_offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_buffer: tuple[torch.Tensor, torch.Tensor, int] | None = None,
         return_kv: bool = False,
     ):
-        """Attend from x [B, n, d] to `past_kv` (earlier tokens' K after RoPE, and V, each
-        [B, H_kv, P, hd]) followed by x itself. With a past, `mask` [B or 1, 1, n, P + n] must be
-        given. `return_kv` also returns this chunk's (K, V) so a cache can store them."""
+        """Attend from x [B, n, d] to itself, or with `kv_buffer` = (K, V, c) (preallocated
+        [B, H_kv, max_len, hd] buffers holding c earlier tokens' K after RoPE and V) to those c
+        tokens and itself: this chunk's K/V are written in place at [c, c + n) and attention reads
+        the buffer views [0, c + n), so nothing is concatenated. With a buffer, `mask`
+        [B or 1, 1, n, c + n] must be given. `return_kv` also returns this chunk's (K, V)."""
         B, L, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if qkv_offsets is not None:
@@ -83,11 +85,14 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_all, v_all = k, v
-        if past_kv is not None:
-            k_all, v_all = torch.cat((past_kv[0], k), dim=2), torch.cat((past_kv[1], v), dim=2)
+        if kv_buffer is not None:
+            k_buf, v_buf, c = kv_buffer
+            k_buf[:, :, c:c + L] = k
+            v_buf[:, :, c:c + L] = v
+            k_all, v_all = k_buf[:, :, :c + L], v_buf[:, :, :c + L]
         gqa = self.n_heads != self.n_kv_heads
         if mask is None:
-            if past_kv is not None and past_kv[0].shape[2] > 0:
+            if kv_buffer is not None and kv_buffer[2] > 0:
                 raise ValueError("attention over a cached prefix needs an explicit mask")
             y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, enable_gqa=gqa)
         else:
@@ -117,8 +122,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg)
 
-    def forward(self, x, rope, mask, qkv_offsets=None, past_kv=None, return_kv=False):
-        a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, past_kv, return_kv)
+    def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False):
+        a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, kv_buffer, return_kv)
         a, kv = a if return_kv else (a, None)
         h = x + a
         out = h + self.ffn(self.ffn_norm(h))
