@@ -8,13 +8,13 @@ the first target token is scored by the prefill's last logits.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from looplm.eval.records import read_records
 from looplm.data import Tokenizer
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
@@ -31,32 +31,18 @@ class ChoiceItem:
 
 def load_choice_jsonl(path: str | Path) -> list[ChoiceItem]:
     """Read lines {"context": str, "choices": [str, ...] (>= 2), "gold": int}; blank lines are skipped."""
-    path = Path(path)
     items = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            for key in ("context", "choices", "gold"):
-                if key not in row:
-                    raise ValueError(f"{where}: missing field {key!r}")
-            context, choices, gold = row["context"], row["choices"], row["gold"]
-            if not isinstance(context, str):
-                raise ValueError(f"{where}: 'context' must be a string")
-            if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-                raise ValueError(f"{where}: 'choices' must be a list of strings")
-            if len(choices) < 2:
-                raise ValueError(f"{where}: need at least 2 choices, got {len(choices)}")
-            if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
-                raise ValueError(f"{where}: 'gold' must be an index in 0..{len(choices) - 1}, got {gold!r}")
-            items.append(ChoiceItem(context, tuple(choices), gold))
+    for where, row in read_records(path, ("context", "choices", "gold")):
+        context, choices, gold = row["context"], row["choices"], row["gold"]
+        if not isinstance(context, str):
+            raise ValueError(f"{where}: 'context' must be a string")
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise ValueError(f"{where}: 'choices' must be a list of strings")
+        if len(choices) < 2:
+            raise ValueError(f"{where}: need at least 2 choices, got {len(choices)}")
+        if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
+            raise ValueError(f"{where}: 'gold' must be an index in 0..{len(choices) - 1}, got {gold!r}")
+        items.append(ChoiceItem(context, tuple(choices), gold))
     return items
 
 

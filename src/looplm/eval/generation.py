@@ -7,7 +7,6 @@ result does not depend on the batch size. Also: GSM8K-style final-number matchin
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from looplm.eval.records import read_records
 from looplm.data import Example, Tokenizer
 from looplm.data.tasks import check_answer
 from looplm.infer.generate import SamplingConfig, generate
@@ -55,31 +55,18 @@ def extract_final_number(text: str) -> str | None:
 
 def load_gsm8k_jsonl(path: str | Path) -> list[GenItem]:
     """Read lines {"question": str, "answer": str}; the gold is the number after the last '####'."""
-    path = Path(path)
     items = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            for key in ("question", "answer"):
-                if key not in row:
-                    raise ValueError(f"{where}: missing field {key!r}")
-                if not isinstance(row[key], str):
-                    raise ValueError(f"{where}: {key!r} must be a string")
-            if "####" not in row["answer"]:
-                raise ValueError(f"{where}: 'answer' has no '#### <number>' final answer")
-            raw = row["answer"].rsplit("####", 1)[1]
-            gold = normalize_number(raw)
-            if gold is None:
-                raise ValueError(f"{where}: final answer {raw.strip()!r} after '####' is not a number")
-            items.append(GenItem(row["question"], row["answer"], gold))
+    for where, row in read_records(path, ("question", "answer")):
+        for key in ("question", "answer"):
+            if not isinstance(row[key], str):
+                raise ValueError(f"{where}: {key!r} must be a string")
+        if "####" not in row["answer"]:
+            raise ValueError(f"{where}: 'answer' has no '#### <number>' final answer")
+        raw = row["answer"].rsplit("####", 1)[1]
+        gold = normalize_number(raw)
+        if gold is None:
+            raise ValueError(f"{where}: final answer {raw.strip()!r} after '####' is not a number")
+        items.append(GenItem(row["question"], row["answer"], gold))
     return items
 
 
