@@ -32,9 +32,6 @@ class KVBank:
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
-    def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, :length], self.v[:, :, :length]
-
     def buffer(self, length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(K, V, length) for attention to write a chunk at `length` and read [0, length + n)."""
         return self.k, self.v, length

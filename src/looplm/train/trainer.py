@@ -11,7 +11,6 @@ same global batch as one process.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import time
@@ -28,7 +27,7 @@ from looplm.data import iter_documents, load_tokenizer
 from looplm.depth import DepthSampler, build_sampler
 from looplm.model import LoopedLM
 from looplm.train import distributed as D
-from looplm.train.config import TrainJob, job_from_dict
+from looplm.train.config import TrainJob
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.metrics import MetricsLogger
 from looplm.train.schedule import wsd_multiplier
@@ -221,7 +220,7 @@ class Trainer:
                 ce_sum = microbatch_loss(self.wrapped, batch, depth, self.job.depth.bptt_window, state0, self._autocast())
                 (ce_sum * scale).backward()
             stats[i, 0], stats[i, 1] = ce_sum.item(), batch.n_targets
-        stats = all_reduce_sum(stats, env)
+        stats = D.all_reduce_sum(stats, env)
         for depth, (loss_sum, n) in zip(depths, stats.tolist()):
             self.sampler.observe(depth, loss_sum, int(n))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
@@ -250,7 +249,7 @@ class Trainer:
             total[0] += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
                                         ignore_index=IGNORE_INDEX, reduction="sum").item()
             total[1] += batch.n_targets
-        total = all_reduce_sum(total, self.env)
+        total = D.all_reduce_sum(total, self.env)
         return float(total[0] / max(total[1], 1))
 
     # -- the loop -------------------------------------------------------------------------------
@@ -371,12 +370,4 @@ class Trainer:
 
 
 def all_reduce_scalar(x: int, env: D.DistEnv) -> int:
-    return int(all_reduce_sum(torch.tensor([x], dtype=torch.int64), env).item())
-
-
-def all_reduce_sum(t: torch.Tensor, env: D.DistEnv) -> torch.Tensor:
-    return D.all_reduce_sum(t, env)
-
-
-def load_job(path: Path) -> TrainJob:
-    return job_from_dict(json.loads((Path(path) / "config.json").read_text()))
+    return int(D.all_reduce_sum(torch.tensor([x], dtype=torch.int64), env).item())
