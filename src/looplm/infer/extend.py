@@ -6,6 +6,8 @@ against a cache of the c earlier tokens, writes its own K/V into the cache and r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from looplm.infer.cache import KVCache
@@ -23,7 +25,7 @@ def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
 @torch.no_grad()
 def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_ids: torch.Tensor | None = None,
            seed: int = 0, pad: torch.Tensor | None = None, exit_tau: float | None = None, min_depth: int = 1,
-           return_depths: bool = False):
+           return_depths: bool = False, return_endpoint: bool = False, initial: Callable | None = None):
     """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
 
     Returns fp32 logits [B, n, V]; the cache grows by n. The initial state is seeded by
@@ -36,7 +38,13 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     |s^r - s^(r-1)| / |s^(r-1)| < exit_tau; its state is frozen and the K/V of its last recurrence
     become its terminal K/V. Exact per token for one-token decoding; inside a longer chunk,
     tokens that are still recurring read a stopped token's K/V recomputed from its frozen state.
-    `return_depths` also returns the depth each token used, [B, n].
+    `return_depths` also returns the depth each token used, [B, n]. `return_endpoint` also returns
+    each token's endpoint z^R, the state that entered the coda, [B, n, d] (last in the tuple; RL
+    rollout-state reuse saves it, SPEC 10).
+
+    `initial(e, rope, mask)` replaces the seeded initial state by a function of the chunk's prelude
+    output (the distilled prefill's student endpoint, SPEC 9; see `looplm.infer.prefill`). It sees
+    only the chunk, so it needs an empty cache.
     """
     B, n = tokens.shape
     c = cache.length
@@ -47,6 +55,8 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     if c + n > cache.max_len:
         raise ValueError(f"{c} cached + {n} new tokens exceed the cache length {cache.max_len}")
     model.check_inputs(tokens, depth)
+    if initial is not None and c > 0:
+        raise ValueError(f"a student-predicted initial state needs an empty cache, this one holds {c} tokens")
     device = tokens.device
     positions = (c + torch.arange(n, device=device)).expand(B, n)
     mask = chunk_mask(c, n, device)
@@ -63,8 +73,11 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     for block, bank in zip(model.prelude, cache.prelude):
         x = block(x, rope, mask, kv_buffer=bank.buffer(c))
     ctx = model.context(x, rope, mask)
-    s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
-                      example_ids=example_ids, positions=positions, seed=seed)
+    if initial is not None:
+        s = initial(x, rope, mask)
+    else:
+        s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
+                          example_ids=example_ids, positions=positions, seed=seed)
     if exit_tau is not None and cache.mode != "terminal":
         raise ValueError("adaptive depth needs the terminal cache (a full cache would miss the skipped visits)")
     if exit_tau is not None and (exit_tau <= 0 or not 1 <= min_depth <= depth):
@@ -95,8 +108,10 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
             cache.core_read(depth - 1, j).write(c, kv)
         for bank in cache.core_fill(j, depth):
             bank.write(c, kv)
+    endpoint = s
     for block, bank in zip(model.coda, cache.coda):
         s = block(s, rope, mask, kv_buffer=bank.buffer(c))
     cache.length = c + n
     logits = model.head(model.norm(s)).float()
-    return (logits, used) if return_depths else logits
+    out = (logits,) + ((used,) if return_depths else ()) + ((endpoint,) if return_endpoint else ())
+    return out if len(out) > 1 else logits

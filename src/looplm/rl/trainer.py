@@ -1,0 +1,334 @@
+"""The RL loop (`looplm rl`): GRPO on verifiable problems with a choice of update estimator (SPEC 10).
+
+One step: draw `prompts_per_step` problems; sample `group_size` completions of each with
+terminal-KV decoding at depth R, saving endpoints; reward each completion; group-normalise the
+advantages; score and backpropagate the clipped token-level loss with the estimator (`bptt`,
+`recompute` or `reuse`); clip; AdamW. The saved endpoints are used before that optimizer step and
+never after. Prompts, sampling seeds and example ids are functions of (seed, step), so a resumed
+run continues exactly. Output: `<out_dir>/metrics.jsonl` (reward, pass@1, lengths, the time split
+between rollout and update, greedy held-out accuracy) and checkpoints that `looplm eval` and
+`looplm generate` read like training checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+from looplm import checkpoint as ckpt
+from looplm.data import TaskConfig
+from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
+from looplm.eval.report import held_out_examples
+from looplm.rl.estimators import score_and_backward
+from looplm.rl.grpo import action_logprobs, clipped_policy_loss, group_advantages
+from looplm.rl.rewards import ProblemSource, get_reward
+from looplm.rl.rollout import rollout
+from looplm.train.config import jsonable
+from looplm.train.metrics import MetricsLogger
+from looplm.train.trainer import flat_diff, param_groups
+
+# Settings that may change when a run is resumed; everything else must match.
+RESUMABLE = {"steps", "resume", "progress", "device", "eval_every", "checkpoint_every", "keep_checkpoints"}
+
+
+@dataclass
+class RLConfig:
+    """GRPO post-training with rollout-state reuse (SPEC 10)."""
+
+    estimator: Literal["bptt", "recompute", "reuse"] = "reuse"
+    """Update estimator: bptt (replay all R recurrences with grad), recompute (rebuild endpoints without grad, then
+    the one-recurrence Neumann update) or reuse (the endpoints saved during the rollout, then the same update)."""
+    neumann: int = 4
+    """State products v <- g + J^T v in the recompute/reuse update (Neumann-(b-1); the paper's Neumann-4 is 4)."""
+    depth: int = 6
+    """Recurrences R for rollouts and updates (the paper's RL runs use 6)."""
+    steps: int = 40
+    """RL steps (one rollout batch and one optimizer step each)."""
+    prompts_per_step: int = 16
+    """Problems per step."""
+    group_size: int = 8
+    """Sampled completions per problem (G >= 2; advantages are normalised within each group)."""
+    max_new_tokens: int = 8
+    """Longest completion (tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature; the policy scored in the update is softmax(logits / temperature)."""
+    source: str = "tasks"
+    """'tasks' (the generator's tasks, by default those the checkpoint was trained on) or a GSM8K-format JSONL."""
+    task_kinds: tuple[str, ...] = ()
+    """Generator task kinds (default: the checkpoint's training tasks)."""
+    min_difficulty: int | None = None
+    """Smallest task difficulty (default: the checkpoint's)."""
+    max_difficulty: int | None = None
+    """Largest task difficulty (default: the checkpoint's)."""
+    prompt_template: str = "Question: {question}\nAnswer:"
+    """Prompt for GSM8K-format items ({question} is replaced)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (default: a newline for tasks; a blank line and 'Question:' for GSM8K)."""
+    reward: str = "auto"
+    """Reward function: auto (exact for tasks, final_number for GSM8K), exact, digits, final_number, or a registered name."""
+    lr: float = 1e-4
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.98
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    clip_eps: float = 0.2
+    """PPO ratio clipping epsilon."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the starting model (0: no reference model is kept)."""
+    eval_every: int = 10
+    """Greedy exact match on held-out problems every this many steps, and before the first (0 disables)."""
+    eval_examples: int = 200
+    """Held-out problems for that evaluation (generator tasks: prompts unseen in pretraining)."""
+    eval_jsonl: Path | None = None
+    """GSM8K-format JSONL to evaluate on when the source is a JSONL file."""
+    checkpoint_every: int = 20
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    seed: int = 0
+    """Seed of prompt draws and sampling."""
+    out_dir: Path = Path("runs/rl")
+    """Run folder for checkpoints and metrics.jsonl (never the source checkpoint's run folder)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks CUDA when available."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def validate(self, max_depth: int) -> None:
+        if not 1 <= self.depth <= max_depth:
+            raise ValueError(f"depth must be in 1..{max_depth}, got {self.depth}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
+        for name in ("steps", "prompts_per_step", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.neumann < 0:
+            raise ValueError(f"neumann must be >= 0, got {self.neumann}")
+        if self.temperature <= 0 or self.lr <= 0 or self.clip_eps <= 0:
+            raise ValueError("temperature, lr and clip_eps must be > 0")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+class RLTrainer:
+    def __init__(self, checkpoint: Path, cfg: RLConfig):
+        self.cfg = cfg
+        self.source_path = ckpt.resolve(Path(checkpoint))
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_root = self.out_dir / "checkpoints"
+        if _inside(self.source_path, self.out_dir):
+            raise ValueError(f"out_dir {self.out_dir} holds the source checkpoint {self.source_path}; "
+                             "choose another --out-dir (RL never writes into the source run)")
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.model, self.tokenizer, self.job = ckpt.load_model(self.source_path, self.device)
+        cfg.validate(self.model.cfg.max_depth)
+        self.reference = None
+        if cfg.kl_coef:
+            self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        self.tasks = self._tasks()
+        self.problems = ProblemSource(cfg.source, tasks=self.tasks, prompt_template=cfg.prompt_template, seed=cfg.seed)
+        self.reward_fn = get_reward(cfg.reward, cfg.source)
+        self.stop = cfg.stop or (("\n",) if cfg.source == "tasks" else ("\n\n", "Question:"))
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
+                                           betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        self.step, self.elapsed = 0, 0.0
+        resume_from = self._find_resume()
+        self.logger = MetricsLogger(self.out_dir, enabled=True, tensorboard=False, wandb=False)
+        if resume_from is not None:
+            self._load(resume_from)
+            self.logger.truncate_after(self.step)
+        self._eval_set = None
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _tasks(self) -> TaskConfig | None:
+        if self.cfg.source != "tasks":
+            return None
+        trained = self.job["data"]["tasks"]
+        tasks = TaskConfig(kinds=tuple(self.cfg.task_kinds or trained["kinds"]),
+                           min_difficulty=self.cfg.min_difficulty or trained["min_difficulty"],
+                           max_difficulty=self.cfg.max_difficulty or trained["max_difficulty"])
+        tasks.validate()
+        return tasks
+
+    def config_dict(self) -> dict:
+        return jsonable(dataclasses.asdict(self.cfg))
+
+    def _find_resume(self) -> Path | None:
+        latest = self.ckpt_root / "latest"
+        if not latest.exists():
+            return None
+        if not self.cfg.resume:
+            raise ValueError(f"{self.out_dir} already holds RL checkpoints; pass --resume to continue or choose "
+                             "another --out-dir")
+        path = self.ckpt_root / latest.read_text().strip()
+        ckpt.verify(path)
+        saved = ckpt.read_json(path, "config.json")["rl"]
+        diffs = [d for d in flat_diff(saved["config"], self.config_dict()) if d.split(":")[0] not in RESUMABLE]
+        if saved["source"] != str(self.source_path):
+            diffs.append(f"source: {saved['source']} -> {self.source_path}")
+        if diffs:
+            raise ckpt.CheckpointError(f"cannot resume into a different RL config ({'; '.join(diffs[:4])})")
+        return path
+
+    # -- one RL step ----------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg, model = self.cfg, self.model
+        G, n_rows = cfg.group_size, cfg.prompts_per_step * cfg.group_size
+        t0 = time.perf_counter()
+        problems = self.problems.draw(self.step, cfg.prompts_per_step)
+        ro = rollout(model, self.tokenizer, [p.prompt for p in problems], group_size=G, depth=cfg.depth,
+                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop=self.stop,
+                     seed=cfg.seed * 1_000_003 + self.step, first_example_id=self.step * n_rows)
+        rewards = torch.tensor([self.reward_fn(problems[i // G].reference, text) for i, text in enumerate(ro.texts)],
+                               dtype=torch.float32, device=self.device)
+        advantages = group_advantages(rewards, G)
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(ro.tokens, cfg.depth, init="seeded", example_ids=ro.example_ids).logits
+                ref_logp = action_logprobs(ref_logits, ro.targets, cfg.temperature)
+        t1 = time.perf_counter()
+        stats: dict = {}
+
+        def objective(logits: torch.Tensor) -> torch.Tensor:
+            logp = action_logprobs(logits, ro.targets, cfg.temperature)
+            loss, s = clipped_policy_loss(logp, advantages, ro.mask, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                                          ref_logp=ref_logp)
+            stats.update(s)  # how far the scored policy is from the sampling one (terminal KV, one recurrence)
+            stats["logp_gap"] = float(((logp.detach() - ro.logprobs).abs() * ro.mask).sum() / ro.mask.sum())
+            return loss
+
+        out = score_and_backward(cfg.estimator, model, ro, objective, depth=cfg.depth, neumann_steps=cfg.neumann)
+        t2 = time.perf_counter()
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        self.step += 1
+        correct = (rewards >= 1).float().view(-1, G)
+        lengths = torch.tensor(ro.completion_lengths, dtype=torch.float32)
+        r = rewards.view(-1, G)
+        record = {
+            "reward": float(rewards.mean()), "pass@1": float(correct.mean()), f"pass@{G}": float(correct.amax(1).mean()),
+            "completion_len": float(lengths.mean()), "completion_len_max": int(lengths.max()),
+            "stopped_frac": sum(ro.stopped) / len(ro.stopped),
+            "uniform_group_frac": float((r.amax(1) == r.amin(1)).float().mean()),
+            "loss": out["loss"], "grad_norm": grad_norm, **stats,
+            "rollout_s": t1 - t0, "update_s": t2 - t1, "optim_s": t3 - t2, "rollout_frac": (t1 - t0) / (t3 - t0),
+        }
+        if "residual" in out:
+            record["endpoint_residual"] = out["residual"]
+        return record
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self) -> float | None:
+        """Greedy exact match on held-out problems at the RL depth (None when there is no eval set)."""
+        cfg = self.cfg
+        if cfg.source == "tasks":
+            if self._eval_set is None:
+                data = self.job["data"]
+                self._eval_set = held_out_examples(self.tasks, cfg.eval_examples, seed=cfg.seed + 4242,
+                                                   n_train=data["n_task_examples"], train_seed=self.job["train"]["seed"])
+            res = exact_match_generator_tasks(self.model, self.tokenizer, self._eval_set, depth=cfg.depth,
+                                              max_new_tokens=cfg.max_new_tokens, batch_size=64)
+            return res["acc"]
+        if cfg.eval_jsonl is None:
+            return None
+        if self._eval_set is None:
+            self._eval_set = load_gsm8k_jsonl(cfg.eval_jsonl)[:cfg.eval_examples]
+        return exact_match_gsm8k(self.model, self.tokenizer, self._eval_set, depth=cfg.depth,
+                                 max_new_tokens=cfg.max_new_tokens, prompt_template=cfg.prompt_template,
+                                 stop=self.stop)["acc"]
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc=f"rl {cfg.estimator}", unit="step", dynamic_ncols=True)
+        evals = {}
+        last = None
+        if cfg.eval_every and self.step == 0:
+            evals[0] = self.evaluate()
+            self.logger.log({"eval_acc": evals[0]}, 0)
+        while self.step < cfg.steps:
+            t0 = time.perf_counter()
+            record = self.train_step()
+            self.elapsed += time.perf_counter() - t0
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"non-finite loss at RL step {self.step}; lower --lr")
+            record["elapsed_s"] = self.elapsed
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                record["eval_acc"] = evals[self.step] = self.evaluate()
+            self.logger.log(record, self.step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward']:.3f}", roll=f"{record['rollout_s']:.2f}s",
+                                upd=f"{record['update_s']:.2f}s")
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                last = self.save()
+        if bar is not None:
+            bar.close()
+        self.logger.close()
+        return {"step": self.step, "checkpoint": str(last or self.latest_checkpoint()), "out_dir": str(self.out_dir),
+                "eval_acc": evals, "elapsed_s": self.elapsed}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def latest_checkpoint(self) -> Path | None:
+        latest = self.ckpt_root / "latest"
+        return self.ckpt_root / latest.read_text().strip() if latest.exists() else None
+
+    def save(self) -> Path:
+        """An atomic checkpoint `looplm eval`/`generate` can read: the source job config plus an "rl" entry."""
+        name = f"step_{self.step:07d}"
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
+        tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
+        config = dict(self.job, rl={"config": self.config_dict(), "source": str(self.source_path)})
+        state = {"step": self.step, "elapsed_s": self.elapsed, "optimizer": optim_meta}
+
+        def populate(tmp: Path) -> None:
+            ckpt.save_tensors(tmp, "model.safetensors", self.model.state_dict())
+            ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
+            ckpt.write_json(tmp, "trainer_state.json", state)
+            ckpt.write_json(tmp, "config.json", config)
+            self.tokenizer.save(tmp)
+
+        target = ckpt.write_atomic(self.ckpt_root / name, populate)
+        tmp_latest = self.ckpt_root / ".latest.tmp"
+        tmp_latest.write_text(name)
+        tmp_latest.replace(self.ckpt_root / "latest")
+        for old in sorted(p for p in self.ckpt_root.glob("step_*") if p.is_dir())[:-max(1, self.cfg.keep_checkpoints)]:
+            shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def _load(self, path: Path) -> None:
+        weights = ckpt.load_tensors(path, "model.safetensors")
+        ckpt.check_model_shapes(self.model.state_dict(), weights, path)
+        self.model.load_state_dict(weights)
+        state = ckpt.read_json(path, "trainer_state.json")
+        optim_sd = ckpt.unflatten_optimizer_state(ckpt.load_tensors(path, "optimizer.safetensors"), state["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+        self.step, self.elapsed = state["step"], state["elapsed_s"]

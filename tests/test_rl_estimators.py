@@ -1,0 +1,241 @@
+"""Update estimators (SPEC 10, paper A.2): the Neumann update against closed forms and dense
+Jacobians, reuse vs recompute, and the saved-state checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from looplm.data import ByteTokenizer
+from looplm.model import LoopedLM
+from looplm.rl import (
+    ESTIMATORS, SavedStateError, SavedStates, action_logprobs, check_saved_states, clipped_policy_loss,
+    endpoint_backward, group_advantages, neumann_backward, rollout, score_and_backward, token_hash,
+)
+from looplm.rl.estimators import bptt_backward, recompute_endpoints
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+torch_f64 = torch.float64
+
+
+# -- a linear contractive recurrence with a known Jacobian ----------------------------------------
+def _linear_problem(kappa: float = 0.7, d: int = 6, m: int = 3, k: int = 4):
+    gen = torch.Generator().manual_seed(3)
+    A = torch.randn(d, d, generator=gen, dtype=torch_f64)
+    A = (kappa * A / torch.linalg.matrix_norm(A, ord=2)).requires_grad_()  # ||A||_2 = kappa < 1
+    W = torch.randn(d, m, generator=gen, dtype=torch_f64).requires_grad_()
+    H = torch.randn(k, d, generator=gen, dtype=torch_f64).requires_grad_()
+    x = torch.randn(m, generator=gen, dtype=torch_f64)
+    y = torch.randn(k, generator=gen, dtype=torch_f64)
+    recurrence = lambda z: A @ z + W @ x  # noqa: E731  F(z; theta) with J = A, B^T v = (v z^T, v x^T)
+    head = lambda z: 0.5 * ((H @ z - y) ** 2).sum()  # noqa: E731  direct parameter H
+    return A, W, H, x, y, recurrence, head
+
+
+def _neumann_grads(A, W, H, recurrence, head, z, steps):
+    for p in (A, W, H):
+        p.grad = None
+    neumann_backward(recurrence, head, z, steps)
+    return A.grad.clone(), W.grad.clone(), H.grad.clone()
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 5, 8])
+def test_neumann_b_equals_the_closed_form_on_a_linear_recurrence(b):
+    A, W, H, x, y, recurrence, head = _linear_problem()
+    z = torch.randn(A.shape[0], dtype=torch_f64, generator=torch.Generator().manual_seed(5))  # any state
+    with torch.no_grad():
+        z_bar = A @ z + W @ x
+        r = H @ z_bar - y
+        g, c_H = H.T @ r, torch.outer(r, z_bar)
+        v = sum(torch.linalg.matrix_power(A.T, k) @ g for k in range(b))  # sum_{k<b} (J^T)^k g
+    got_A, got_W, got_H = _neumann_grads(A, W, H, recurrence, head, z, steps=b - 1)
+    torch.testing.assert_close(got_A, torch.outer(v, z), rtol=1e-12, atol=1e-12)  # B_A^T v
+    torch.testing.assert_close(got_W, torch.outer(v, x), rtol=1e-12, atol=1e-12)  # B_W^T v
+    torch.testing.assert_close(got_H, c_H, rtol=1e-12, atol=1e-12)  # the direct head gradient c
+
+
+def test_neumann_approaches_the_implicit_gradient_within_the_contraction_bound():
+    kappa = 0.7
+    A, W, H, x, y, recurrence, head = _linear_problem(kappa)
+    d = A.shape[0]
+    with torch.no_grad():
+        z_star = torch.linalg.solve(torch.eye(d, dtype=torch_f64) - A, W @ x)  # the fixed point
+        r = H @ z_star - y
+        g = H.T @ r
+        v_inf = torch.linalg.solve(torch.eye(d, dtype=torch_f64) - A.T, g)  # (I - J^T)^{-1} g
+        implicit = torch.cat([torch.outer(v_inf, z_star).flatten(), torch.outer(v_inf, x).flatten(),
+                              torch.outer(r, z_star).flatten()])
+        B_norm = torch.cat([z_star, x]).norm()  # ||B||_2 for B^T v = (v z*^T, v x^T)
+    errors = []
+    for b in range(1, 25):
+        got = torch.cat([t.flatten() for t in _neumann_grads(A, W, H, recurrence, head, z_star, steps=b - 1)])
+        err = float((got - implicit).norm())
+        assert err <= float(B_norm * g.norm()) * kappa**b / (1 - kappa) + 1e-12  # paper A.2 bound
+        errors.append(err)
+    assert all(e2 < e1 for e1, e2 in zip(errors, errors[1:]))  # strictly closer with every product
+    assert errors[-1] < 1e-3 * errors[0]
+
+
+# -- the Neumann update of a LoopedLM against a dense Jacobian -----------------------------------
+def _model(tiny_model_config, **kw):
+    model = LoopedLM(tiny_model_config(**kw))
+    model.double()
+    return model
+
+
+def test_model_neumann_update_matches_a_dense_jacobian_reference(tiny_model_config):
+    model = _model(tiny_model_config, d_model=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=11)
+    tokens = torch.tensor([[1, 4, 2, 7], [3, 3, 9, 0]])
+    targets = torch.tensor([[4, 2, 7, 5], [3, 9, 0, 1]])
+    mask = torch.tensor([[False, True, True, True], [False, False, True, True]])
+    adv = torch.tensor([0.7, -1.3], dtype=torch_f64)
+    ids = torch.tensor([0, 1])
+    z = recompute_endpoints(model, tokens, ids, 3) + 0.05 * torch.randn(2, 4, 8, dtype=torch_f64)  # off the trajectory
+
+    def objective(logits):
+        return clipped_policy_loss(action_logprobs(logits, targets), adv, mask)[0]
+
+    steps = 3
+    model.zero_grad()
+    endpoint_backward(model, tokens, z, objective, steps)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # reference: J as a dense [N*L*d, N*L*d] matrix, v = sum_{k<=steps} (J^T)^k g by matrix powers,
+    # then c + B^T v by plain autograd of <F(z), v> and of the head at a fixed z_bar
+    from looplm.model.blocks import rope_tables
+
+    positions = torch.arange(4).expand(2, 4)
+    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
+
+    def F(state):
+        ctx = model.context(model.run_prelude(tokens, rope, None), rope, None)
+        return model.recurrence(state, ctx)
+
+    J = torch.autograd.functional.jacobian(F, z).reshape(z.numel(), z.numel())
+    z_bar = F(z).detach().requires_grad_()
+    model.zero_grad()
+    objective(model.run_coda(z_bar, rope, None)).backward()
+    g = z_bar.grad.flatten()
+    c = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    v = sum(torch.linalg.matrix_power(J.T, k) @ g for k in range(steps + 1))
+    model.zero_grad()
+    (F(z) * v.view_as(z)).sum().backward()
+    for n, p in model.named_parameters():
+        want = c[n] + (p.grad if p.grad is not None else torch.zeros_like(p))
+        torch.testing.assert_close(got[n], want, rtol=1e-8, atol=1e-10, msg=n)
+    assert all(got[n].abs().sum() > 0 for n in ("embed.weight", "prelude.0.attn.wq.weight", "core.1.ffn.w2.weight",
+                                                "coda.0.ffn.w1.weight", "head.weight"))
+
+
+def test_neumann_update_approaches_bptt_at_a_fixed_point(tiny_model_config):
+    """Near a fixed point, full BPTT through many recurrences tends to the implicit gradient, and so
+    does the Neumann update at the endpoint as the number of state products grows (paper A.2)."""
+    model = _model(tiny_model_config)
+    with torch.no_grad():  # a strongly contractive core: small block outputs, decay 1/e
+        for block in model.core:
+            for lin in (block.attn.wo, block.ffn.w2):
+                lin.weight.mul_(0.2)
+    tokens = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    ids = torch.tensor([0, 1])
+    adv = torch.tensor([1.0, -0.5], dtype=torch_f64)
+
+    def objective(logits):
+        return clipped_policy_loss(action_logprobs(logits, targets), adv, mask)[0]
+
+    def flat():
+        out = torch.cat([p.grad.flatten() for p in model.parameters()])
+        model.zero_grad()
+        return out
+
+    R = 60
+    model.zero_grad()
+    bptt_backward(model, tokens, ids, R, objective)
+    bptt = flat()
+    z = recompute_endpoints(model, tokens, ids, R)
+    errs = []
+    for steps in (0, 1, 2, 4, 8, 16):
+        endpoint_backward(model, tokens, z, objective, steps)
+        errs.append(float((flat() - bptt).norm() / bptt.norm()))
+    assert all(e2 < e1 for e1, e2 in zip(errs, errs[1:])), errs  # geometric: ~0.06, 0.02, ..., 1e-8
+    assert errs[0] > 1e-2 and errs[-1] < 1e-6, errs
+
+
+# -- reuse vs recompute and the saved-state checks -----------------------------------------------
+@pytest.fixture
+def setup(tiny_model_config):
+    tok = ByteTokenizer()
+    model = LoopedLM(tiny_model_config(vocab_size=tok.vocab_size, max_seq_len=48))
+    ro = rollout(model, tok, ["+12,34=", "+5,6="], group_size=3, depth=3, max_new_tokens=5, seed=7)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0]), 3)
+
+    def objective(logits):
+        return clipped_policy_loss(action_logprobs(logits, ro.targets), adv, ro.mask)[0]
+
+    return model, ro, objective
+
+
+def _grads(model):
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out
+
+
+def test_reuse_and_recompute_are_identical_given_the_same_endpoints(setup):
+    model, ro, objective = setup
+    model.zero_grad()
+    score_and_backward("recompute", model, ro, objective, depth=3, neumann_steps=4)
+    recompute = _grads(model)
+    endpoints = recompute_endpoints(model, ro.tokens, ro.example_ids, 3)
+    same = SavedStates(endpoints, 3, ro.states.version, ro.states.tokens)
+    score_and_backward("reuse", model, ro, objective, depth=3, neumann_steps=4, states=same)
+    reuse = _grads(model)
+    for n in recompute:
+        assert torch.equal(recompute[n], reuse[n]), n
+
+
+def test_every_estimator_gives_a_gradient_to_every_parameter(setup):
+    model, ro, objective = setup
+    for est in ESTIMATORS:
+        model.zero_grad()
+        out = score_and_backward(est, model, ro, objective, depth=3, neumann_steps=2)
+        assert torch.isfinite(torch.tensor(out["loss"]))
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()), est
+
+
+def test_stale_saved_states_are_rejected_after_an_optimizer_step(setup):
+    model, ro, objective = setup
+    score_and_backward("reuse", model, ro, objective, depth=3)  # fine before the step
+    torch.optim.SGD(model.parameters(), lr=1e-3).step()
+    with pytest.raises(SavedStateError, match="stale saved states"):
+        score_and_backward("reuse", model, ro, objective, depth=3)
+    with pytest.raises(SavedStateError, match="stale"):  # any in-place parameter change counts
+        fresh = rollout(model, ByteTokenizer(), ["+1,2="], group_size=2, depth=3, max_new_tokens=2)
+        with torch.no_grad():
+            next(model.parameters()).add_(0.0)
+        check_saved_states(fresh.states, model, fresh.tokens, fresh.example_ids, 3)
+
+
+def test_mismatched_and_missing_saved_states_are_rejected(setup):
+    model, ro, objective = setup
+    s = ro.states
+    other = ro.tokens.clone()
+    other[0, 1] += 1
+    with pytest.raises(SavedStateError, match="token hash mismatch"):
+        check_saved_states(s, model, other, ro.example_ids, 3)
+    with pytest.raises(SavedStateError, match="token hash mismatch"):  # same tokens, other s0 seeds
+        check_saved_states(s, model, ro.tokens, ro.example_ids + 1, 3)
+    with pytest.raises(SavedStateError, match="depth 3, the update runs at depth 4"):
+        check_saved_states(s, model, ro.tokens, ro.example_ids, 4)
+    with pytest.raises(SavedStateError, match="none were given"):
+        check_saved_states(None, model, ro.tokens, ro.example_ids, 3)
+    with pytest.raises(SavedStateError, match="none were given"):
+        score_and_backward("reuse", model, ro, objective, depth=3,
+                           states=SavedStates(None, 3, s.version, s.tokens))
+    wrong_shape = SavedStates(s.endpoints[:, :-1], 3, s.version, s.tokens)
+    with pytest.raises(SavedStateError, match="shape"):
+        check_saved_states(wrong_shape, model, ro.tokens, ro.example_ids, 3)
+    assert token_hash(ro.tokens, ro.example_ids) == s.tokens
+    with pytest.raises(ValueError, match="unknown estimator"):
+        score_and_backward("implicit", model, ro, objective, depth=3)

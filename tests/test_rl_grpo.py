@@ -1,0 +1,67 @@
+"""GRPO objective (SPEC 10): group-normalised advantages and the clipped token-level loss against
+hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from looplm.rl import action_logprobs, clipped_policy_loss, group_advantages
+
+
+def test_group_advantages_hand_example():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 1.0, 2.0, 2.0])
+    adv = group_advantages(rewards, 4)
+    s1 = math.sqrt((4 * 0.25) / 3)  # group 1: mean 0.5, sample std sqrt(1/3)
+    s3 = math.sqrt((1 + 1 + 0 + 0) / 3)  # group 3: mean 2
+    want = [0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), 0.5 / (s1 + 1e-4),
+            0, 0, 0, 0,  # a uniform group has no advantage
+            1 / (s3 + 1e-4), -1 / (s3 + 1e-4), 0, 0]
+    torch.testing.assert_close(adv, torch.tensor(want), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        group_advantages(rewards, 1)
+    with pytest.raises(ValueError, match="do not split"):
+        group_advantages(rewards, 5)
+
+
+def test_clipped_loss_hand_example():
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    logp = torch.log(torch.tensor([[1.5, 1.1, 7.0], [0.5, 1.5, 1.0]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[True, True, False], [True, True, False]])  # the ratio-7 token is not an action
+    adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    loss, stats = clipped_policy_loss(logp, adv, mask, old_logp=old, clip_eps=0.2)
+    # per token -min(r A, clip(r) A): row 0: -min(3.0, 2.4) = -2.4, -min(2.2, 2.2) = -2.2;
+    # row 1: -min(-0.5, -0.8) = 0.8, -min(-1.5, -1.2) = 1.5; mean over the 4 actions
+    assert loss.item() == pytest.approx((-2.4 - 2.2 + 0.8 + 1.5) / 4)
+    assert stats["clip_frac"] == pytest.approx(3 / 4)  # |r - 1| > 0.2 for ratios 1.5, 0.5, 1.5
+    loss.backward()
+    # clipped branches carry no gradient; unclipped ones d(-r A)/dlogp = -r A, divided by 4 tokens
+    want = torch.tensor([[0.0, -1.1 * 2 / 4, 0.0], [0.0, 1.5 / 4, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, want)
+
+
+def test_one_inner_iteration_gives_the_policy_gradient_and_kl_penalty():
+    logp = torch.log(torch.tensor([[0.2, 0.5], [0.9, 0.3]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    ref = torch.log(torch.tensor([[0.3, 0.5], [0.6, 0.3]], dtype=torch.float64))
+    loss, stats = clipped_policy_loss(logp, adv, mask, kl_coef=0.1, ref_logp=ref)
+    diff = ref - logp.detach()
+    kl = (diff.exp() - diff - 1)  # k3: e^0.405 - 0.405 - 1 = 0.0945, 0, e^-0.405 - ... = 0.0721, 0
+    assert stats["kl"] == pytest.approx(float(kl.mean()))
+    assert loss.item() == pytest.approx(-float(adv.mean()) + 0.1 * float(kl.mean()))  # ratio = 1: -A mean + KL
+    loss.backward()
+    want = (-adv[:, None] + 0.1 * (1 - diff.exp())) / 4  # d/dlogp of -r A and of the k3 KL
+    torch.testing.assert_close(logp.grad, want)
+    with pytest.raises(ValueError, match="reference"):
+        clipped_policy_loss(logp, adv, mask, kl_coef=0.1)
+
+
+def test_action_logprobs_at_a_temperature():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]]])
+    got = action_logprobs(logits, torch.tensor([[0, 2]]), temperature=2.0)
+    p0 = math.exp(1.0) / (math.exp(1.0) + 1 + math.exp(-0.5))
+    p1 = math.exp(1.5) / (2 * math.exp(0.25) + math.exp(1.5))
+    torch.testing.assert_close(got, torch.tensor([[math.log(p0), math.log(p1)]]))

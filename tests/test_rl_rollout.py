@@ -1,0 +1,113 @@
+"""Rollouts (SPEC 10): the scoring layout, saved endpoints against native forwards and an unbatched
+terminal-KV replay, sampling log-probabilities, stop handling, rewards and problem sources."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from looplm.data import ByteTokenizer, Example, TaskConfig
+from looplm.infer.cache import make_cache
+from looplm.infer.extend import extend
+from looplm.model import LoopedLM
+from looplm.rl import REWARDS, ProblemSource, get_reward, register_reward, rollout
+from looplm.rl.rewards import answer_digits
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+PROMPTS = ["+12,34=", "+5,678=", "+9,9="]
+
+
+@pytest.fixture
+def model(tiny_model_config):
+    return LoopedLM(tiny_model_config(vocab_size=ByteTokenizer().vocab_size, max_seq_len=48)).eval()
+
+
+def test_layout_and_depth_one_endpoints_equal_the_native_forward(model):
+    """At R = 1 terminal K/V are the only K/V, so every saved endpoint (prompt and completion)
+    and every sampling log-prob must equal a native parallel forward over the scored rows."""
+    tok = ByteTokenizer()
+    ro = rollout(model, tok, PROMPTS, group_size=2, depth=1, max_new_tokens=6, seed=3)
+    N, L = ro.tokens.shape
+    assert N == 6 and ro.group_size == 2
+    for i in range(N):
+        prompt = tok.encode(PROMPTS[i // 2])
+        P, T = len(prompt), ro.completion_lengths[i]
+        row = prompt + ro.completions[i]
+        assert ro.tokens[i, :P + T - 1].tolist() == row[:-1]
+        assert ro.targets[i, :P + T - 1].tolist() == row[1:]
+        assert ro.mask[i].nonzero()[:, 0].tolist() == list(range(P - 1, P + T - 1))
+        assert (ro.tokens[i, P + T - 1:] == tok.pad_id).all()
+    native = model(ro.tokens, 1, init="seeded", example_ids=ro.example_ids)
+    for i in range(N):
+        n = int(ro.mask[i].nonzero().max()) + 1
+        torch.testing.assert_close(ro.states.endpoints[i, :n], native.endpoint[i, :n], rtol=1e-5, atol=1e-5)
+    logp = torch.log_softmax(native.logits, -1).gather(-1, ro.targets[..., None])[..., 0]
+    torch.testing.assert_close(ro.logprobs[ro.mask], logp[ro.mask], rtol=1e-4, atol=1e-5)
+
+
+def test_endpoints_at_depth_match_an_unbatched_terminal_replay(model):
+    """R = 4: prompt endpoints equal the native forward (prefill is one parallel chunk); every
+    endpoint equals a replay of that row alone (no padding) through a fresh terminal cache."""
+    tok = ByteTokenizer()
+    R = 4
+    ro = rollout(model, tok, PROMPTS, group_size=2, depth=R, max_new_tokens=5, seed=11, first_example_id=40)
+    native = model(ro.tokens, R, init="seeded", example_ids=ro.example_ids).endpoint
+    for i in (0, 3, 5):
+        prompt = tok.encode(PROMPTS[i // 2])
+        P, T = len(prompt), ro.completion_lengths[i]
+        torch.testing.assert_close(ro.states.endpoints[i, :P], native[i, :P], rtol=1e-5, atol=1e-5)
+        cache = make_cache("terminal", model.cfg, 1, 48, R)
+        ids = torch.tensor([40 + i])
+        with torch.no_grad():
+            _, z = extend(model, torch.tensor([prompt]), cache, R, example_ids=ids, return_endpoint=True)
+            zs = [z[0]]
+            for t in ro.completions[i][:-1]:
+                zs.append(extend(model, torch.tensor([[t]]), cache, R, example_ids=ids, return_endpoint=True)[1][0])
+        torch.testing.assert_close(ro.states.endpoints[i, :P + T - 1], torch.cat(zs), rtol=1e-5, atol=1e-5)
+
+
+def test_stop_strings_end_a_row_and_are_cut_from_the_text(model):
+    tok = ByteTokenizer()
+    nl = tok.encode("\n")[0]
+    with torch.no_grad():  # make the newline the likeliest token, so most rows stop early
+        model.head.weight[nl] += 3 * model.head.weight.norm(dim=1).max()
+    ro = rollout(model, tok, PROMPTS, group_size=4, depth=2, max_new_tokens=6, stop=("\n",), seed=0)
+    assert any(ro.stopped)
+    for c, text, stopped in zip(ro.completions, ro.texts, ro.stopped):
+        if stopped:
+            assert c[-1] == nl and "\n" not in tok.decode(c[:-1])
+            assert text == tok.decode(c[:-1])
+        else:
+            assert len(c) == 6 and "\n" not in text
+    with pytest.raises(ValueError, match="temperature"):
+        rollout(model, tok, PROMPTS, group_size=2, depth=2, max_new_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        rollout(model, tok, PROMPTS, group_size=2, depth=2, max_new_tokens=45)
+
+
+def test_rewards_and_sources(tmp_path):
+    ex = Example("+57,48=", "105", "add_msd", 2)
+    assert get_reward("auto", "tasks")(ex, "105") == 1.0
+    assert get_reward("exact", "tasks")(ex, "104") == 0.0
+    assert answer_digits(ex, "104") == pytest.approx(2 / 3)
+    assert answer_digits(ex, "1050") == pytest.approx(2 / 3)  # an extra character costs one
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}?", "answer": f"so #### {i},000"}) for i in range(5)))
+    src = ProblemSource(str(path), prompt_template="Q: {question}\nA:", seed=1)
+    drawn = [p for step in range(3) for p in src.draw(step, 2)]
+    assert sorted(p.prompt for p in drawn[:5]) == [f"Q: q{i}?\nA:" for i in range(5)]  # one epoch, each once
+    reward = get_reward("auto", str(path))
+    assert reward(drawn[0].reference, f"it is {drawn[0].reference.gold[:-3]},000.") == 1.0
+    assert reward(drawn[0].reference, "no idea") == 0.0
+    tasks = ProblemSource("tasks", tasks=TaskConfig(kinds=("add_msd",), max_difficulty=2))
+    assert [p.prompt for p in tasks.draw(3, 4)] == [p.prompt for p in tasks.draw(3, 4)]  # pure in (seed, step)
+    assert [p.prompt for p in tasks.draw(3, 4)] != [p.prompt for p in tasks.draw(4, 4)]
+    register_reward("always", lambda ref, text: 1.0)
+    assert get_reward("always", "tasks")(ex, "") == 1.0
+    REWARDS.pop("always")
+    with pytest.raises(ValueError, match="unknown reward"):
+        get_reward("nope", "tasks")
+    with pytest.raises(ValueError, match="neither 'tasks'"):
+        ProblemSource(str(tmp_path / "missing.jsonl"))
