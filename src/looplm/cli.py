@@ -3,6 +3,7 @@
   looplm train tiny [--train.steps N ...]     train a preset (override any field), then report
   looplm eval CHECKPOINT [--depths 1 2 5 ...]  perplexity and task accuracy against depth
   looplm generate CHECKPOINT --prompt TEXT    continue prompts with a terminal (or full) KV cache
+  looplm distill TEACHER [--steps N ...]      distil a prefill student (SPEC 9), then compare prefill arms
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
 """
@@ -18,8 +19,10 @@ import tyro
 
 from looplm.checkpoint import CheckpointError
 from looplm.data import DataError
+from looplm.distill.config import DistillConfig
 from looplm.eval.report import EvalConfig
 from looplm.infer.generate import SamplingConfig
+from looplm.infer.prefill import PrefillArm
 from looplm.train.config import JOB_PRESETS, TrainJob
 
 USER_ERRORS = (ValueError, CheckpointError, DataError, FileNotFoundError, FloatingPointError)
@@ -37,14 +40,14 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=False)
 
 
-def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path) -> dict:
+def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path, prefill=None) -> dict:
     from looplm.eval.report import depth_report, format_report, write_report
 
     n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + -(-cfg.task_examples // cfg.batch_size)
-                                   + (cfg.sharing_sequences > 0))
+                                   + (cfg.sharing_sequences > 0) + len(prefill or ()))
     bar = _progress(n_batches, "eval")
     try:
-        report = depth_report(model, tokenizer, job, cfg, device=device, progress=lambda: bar.update(1))
+        report = depth_report(model, tokenizer, job, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
     finally:
         bar.close()
     print(format_report(report))
@@ -91,6 +94,8 @@ def evaluate(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     cfg: Annotated[EvalConfig, tyro.conf.arg(name="")] = EvalConfig(),
     device: str = "cpu",
+    prefill: tuple[PrefillArm, ...] = ("teacher",),
+    student: Path | None = None,
 ) -> None:
     """Native perplexity over a list of depths and exact-match accuracy on the generator's tasks.
 
@@ -98,6 +103,9 @@ def evaluate(
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
         cfg: What to measure.
         device: Torch device to evaluate on (cpu, cuda, cuda:1, ...).
+        prefill: Prefill arms to compare (teacher, student, r1, r2): each arm's continuation perplexity and
+            generator-task exact match per depth (the paper's Table 5); teacher alone adds nothing.
+        student: Distilled student (`looplm distill` output) for the student arm.
     """
     import torch
 
@@ -110,7 +118,12 @@ def evaluate(
             if not 1 <= r <= model.cfg.max_depth:
                 raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
         out = cfg.output or path.parent.parent / "eval.json"
-        _report(model, tokenizer, job, cfg, device, out)
+        arms = None
+        if tuple(prefill) != ("teacher",):
+            from looplm.distill.evaluate import build_arms
+
+            arms = build_arms(model, prefill, student)
+        _report(model, tokenizer, job, cfg, device, out, prefill=arms)
     print(f"\nreport: {out}")
 
 
@@ -122,6 +135,8 @@ def generate(
     cache: Literal["terminal", "full"] = "terminal",
     sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig(max_new_tokens=16, stop=("\n",)),
     device: str = "cpu",
+    prefill: PrefillArm = "teacher",
+    student: Path | None = None,
 ) -> None:
     """Continue prompts with a KV cache; a single prompt is streamed as it is generated.
 
@@ -133,6 +148,9 @@ def generate(
         cache: terminal (one KV bank per physical layer) or full (one bank per layer visit).
         sampling: Token choice and stopping.
         device: Torch device (cpu, cuda, ...).
+        prefill: How the prompt enters the cache: teacher (at prefill_depth), student (distilled prefill,
+            needs --student and the terminal cache), r1 or r2 (the model at 1 or 2 recurrences).
+        student: Distilled student (`looplm distill` output) for --prefill student.
     """
     from looplm.checkpoint import load_model
     from looplm.infer.generate import generate as run
@@ -147,9 +165,12 @@ def generate(
     if len(prompt) == 1:
         print(prompt[0], end="", flush=True)
         stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
+    from looplm.distill.evaluate import build_arms
+
+    (arm,) = build_arms(model, (prefill,), student)
     stats: dict = {}
     texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
-                sampling=sampling, on_token=stream, stats=stats)
+                sampling=sampling, on_token=stream, stats=stats, prefill=arm)
     if stream is not None:
         print()
     else:
@@ -159,10 +180,46 @@ def generate(
         print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
 
 
+def distill(
+    teacher: Annotated[Path, tyro.conf.Positional],
+    cfg: Annotated[DistillConfig, tyro.conf.arg(name="")] = DistillConfig(),
+) -> None:
+    """Distil a prefill student from a trained looped model (SPEC 9), then compare the prefill arms.
+
+    The student (in_proj + copies of the core blocks) learns to predict the frozen teacher's depth-R
+    endpoint from the prelude output. When training ends, prints each prefill arm's continuation
+    perplexity and generator-task exact match: teacher, distilled student, R = 1, R = 2 (Table 5).
+
+    Args:
+        teacher: The teacher checkpoint folder, or its run folder (its latest checkpoint is used).
+        cfg: Student, optimisation and run settings.
+    """
+    from looplm.distill.evaluate import arms_after_distill, format_prefill_table
+    from looplm.distill.trainer import DistillTrainer
+    from looplm.eval.report import write_report
+
+    trainer = DistillTrainer(teacher, cfg)
+    summary = trainer.fit()
+    print(f"\ndistilled {summary['step']} steps in {summary['elapsed_s']:.0f} s; held-out relative state error "
+          f"{summary['val_rel_err']:.4f} (after one teacher recurrence {summary['val_rel_err_next']:.4f}), "
+          f"KL {summary['val_kl']:.4f}")
+    report = {"distill": summary}
+    if cfg.report_rows or cfg.report_examples:
+        trainer.student.eval()
+        report["prefill"] = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.job, trainer.val_data,
+                                               trainer.student, cfg.depth, rows=cfg.report_rows,
+                                               n_examples=cfg.report_examples, device=trainer.device)
+        print(f"\nprefill arms at R = {cfg.depth} (decoding at R with the terminal cache; blocks = block passes "
+              f"per prompt token):\n{format_prefill_table(report['prefill'])}")
+    write_report(report, trainer.out_dir / "report.json")
+    print(f"\nstudent:  {summary['checkpoint']}\nmetrics:  {trainer.out_dir / 'metrics.jsonl'}\n"
+          f"report:   {trainer.out_dir / 'report.json'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         tyro.extras.subcommand_cli_from_dict(
-            {"train": train, "eval": evaluate, "generate": generate}, prog="looplm", args=argv,
+            {"train": train, "eval": evaluate, "generate": generate, "distill": distill}, prog="looplm", args=argv,
             description="looplm: looped language models shaped around fixed points",
         )
     except USER_ERRORS as err:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from looplm.data import IGNORE_INDEX, PackedDataset
 from looplm.infer import extend, make_cache
+from looplm.infer.prefill import Prefill
 
 
 def _midpoint_document(doc_ids: torch.Tensor) -> tuple[int, int, int]:
@@ -48,13 +49,15 @@ def _document_with_room(doc_ids: torch.Tensor, need: int) -> int | None:
 @torch.no_grad()
 def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_sequences: int = 16,
                       device="cpu", stepwise: bool = False, exit_tau: float | None = None,
-                      min_depth: int = 1, span: tuple[int, int] | None = None) -> dict[str, float]:
+                      min_depth: int = 1, span: tuple[int, int] | None = None,
+                      prefill: Prefill | None = None) -> dict[str, float]:
     """{"loss", "ppl", "tokens"} of the second part of each row's midpoint document, scored as one
     chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`.
 
     `span=(P, C)` fixes the split instead (the paper's CacheEval uses 1,024 + 512): P prompt tokens
     from the start of the row's first document that is long enough, then C scored targets; rows
-    without such a document are skipped."""
+    without such a document are skipped. `prefill` writes the first part (`looplm.infer.prefill`:
+    distilled student, R = 1 or 2; default: the model at `depth`); the rest is scored at `depth`."""
     total, count, depth_sum, n_dec = 0.0, 0, 0, 0
     for i in range(min(len(data), max_sequences)):
         b = data.get_batch([i]).to(device)
@@ -68,7 +71,7 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
         if end - mid < 1:
             continue
         cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device)
-        extend(model, b.inputs[:, start:mid], cache, depth, example_ids=b.example_ids)
+        (prefill or Prefill())(model, b.inputs[:, start:mid], cache, depth, example_ids=b.example_ids)
         if stepwise:
             steps = [extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
                             exit_tau=exit_tau, min_depth=min_depth, return_depths=True) for t in range(mid, end)]

@@ -19,6 +19,7 @@ from looplm.eval.records import read_records
 from looplm.data import Example, Tokenizer
 from looplm.data.tasks import check_answer
 from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.prefill import Prefill
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def greedy_generate(model, tokenizer: Tokenizer, prompts: Sequence[str], example_ids: Sequence[int], *, depth: int,
                     prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 16,
-                    stop: Sequence[str] = ("\n",)) -> list[str]:
+                    stop: Sequence[str] = ("\n",), prefill: Prefill | None = None) -> list[str]:
     """Greedy continuations (cut before the first stop string; EOS ends a row), each row seeded by
-    its own example id so results do not depend on batching."""
+    its own example id so results do not depend on batching; `prefill` picks the prefill arm."""
     return generate(model, tokenizer, prompts, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
-                    sampling=SamplingConfig(max_new_tokens=max_new_tokens, stop=tuple(stop)), example_ids=example_ids)
+                    sampling=SamplingConfig(max_new_tokens=max_new_tokens, stop=tuple(stop)), example_ids=example_ids,
+                    prefill=prefill)
 
 
 def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
@@ -100,15 +102,17 @@ def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
 
 def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[Example], *, depth: int,
                                 prefill_depth: int | None = None, cache_mode: str = "terminal",
-                                max_new_tokens: int = 16, batch_size: int = 16) -> dict:
+                                max_new_tokens: int = 16, batch_size: int = 16, prefill: Prefill | None = None) -> dict:
     """Greedy-generate after each prompt (stop at a newline); correct = `check_answer`.
 
-    Returns {"acc", "n", "by_kind": {kind: acc}, "correct": [bool], "outputs": [str]}.
+    Returns {"acc", "n", "by_kind": {kind: acc}, "correct": [bool], "outputs": [str]}. `prefill`
+    picks the prefill arm (`looplm.infer.prefill`; default: the model at prefill_depth).
     """
     if not examples:
         raise ValueError("no task examples to evaluate")
     outputs = _batched(model, tokenizer, [ex.prompt for ex in examples], batch_size, depth=depth,
-                       prefill_depth=prefill_depth, cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=("\n",))
+                       prefill_depth=prefill_depth, cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=("\n",),
+                       prefill=prefill)
     correct = [check_answer(ex, out) for ex, out in zip(examples, outputs)]
     by_kind = defaultdict(list)
     for ex, ok in zip(examples, correct):

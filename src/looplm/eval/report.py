@@ -54,8 +54,12 @@ def held_out_examples(tasks: TaskConfig, n: int, seed: int, n_train: int, train_
     return [ex for ex in generate_examples(tasks, n, seed) if ex.prompt not in seen]
 
 
-def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", progress=None) -> dict:
-    """{"perplexity": {R: ...}, "tasks": {R: ...} or None} for a trained model and its job config."""
+def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", progress=None, prefill=None) -> dict:
+    """{"perplexity": {R: ...}, "tasks": {R: ...} or None} for a trained model and its job config.
+
+    `prefill`, a list of `looplm.infer.prefill.Prefill` arms, adds "prefill": each arm's continuation
+    perplexity (on `sharing_sequences` rows) and generator-task exact match (on `generation_examples`,
+    or `task_examples` when that is 0) at each depth, the paper's Table 5 (`looplm.distill.evaluate`)."""
     data = job["data"]
     tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
     _, val = build_datasets(
@@ -76,6 +80,14 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
                                 progress=progress, span=cfg.cacheeval_span)
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, tasks, data, job["train"]["seed"], device))
+    if prefill:
+        from looplm.distill.evaluate import prefill_table
+
+        n_gen = cfg.generation_examples or cfg.task_examples
+        examples = held_out_examples(tasks, n_gen, cfg.task_seed, data["n_task_examples"], job["train"]["seed"]) \
+            if data["source"] == "tasks" and n_gen > 0 else []
+        report["prefill"] = prefill_table(model, tokenizer, val, examples, prefill, cfg.depths, device=device,
+                                          rows=cfg.sharing_sequences, batch_size=cfg.batch_size, progress=progress)
     return report
 
 
@@ -134,6 +146,11 @@ def format_report(report: dict) -> str:
             for r, v in report[key].items():
                 extra = f" / {100 * v['acc_norm']:.1f}%" if "acc_norm" in v else ""
                 lines.append(f"{r:>4} {100 * v['acc']:>6.1f}%{extra}  (n={v['n']})")
+    if report.get("prefill"):
+        from looplm.distill.evaluate import format_prefill_table
+
+        lines += ["", "prefill arms (decoding at R with the terminal cache; blocks = block passes per prompt token):",
+                  format_prefill_table(report["prefill"])]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import torch
 from looplm.data import Tokenizer
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
+from looplm.infer.prefill import Prefill
 
 
 @dataclass
@@ -65,14 +66,16 @@ def generate(
     model, tokenizer: Tokenizer, prompts: Sequence[str], *, depth: int, prefill_depth: int | None = None,
     cache_mode: str = "terminal", sampling: SamplingConfig | None = None,
     on_token: Callable[[int, str], None] | None = None, stats: dict | None = None,
-    example_ids: Sequence[int] | None = None,
+    example_ids: Sequence[int] | None = None, prefill: Prefill | None = None,
 ) -> list[str]:
     """Continue each prompt; returns the generated texts (stop strings and EOS excluded).
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
     receives "mean_decode_depth" (the mean recurrences per decode step, < depth with adaptive exit).
     `example_ids` seed each row's initial state (default 0..B-1); give each example a fixed id so
-    its result does not depend on the batch it was run in.
+    its result does not depend on the batch it was run in. `prefill` chooses how the prompts enter
+    the cache (`looplm.infer.prefill`: teacher at prefill_depth, distilled student, R = 1 or 2);
+    default: the model at prefill_depth.
     """
     cfg = sampling or SamplingConfig()
     prefill_depth = prefill_depth or depth
@@ -101,7 +104,7 @@ def generate(
     ids_arg = torch.arange(B, device=device) if example_ids is None else torch.tensor(list(example_ids), device=device)
     cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens - 1, max(depth, prefill_depth), device=device,
                        dtype=next(model.parameters()).dtype)
-    logits = extend(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
+    logits = (prefill or Prefill())(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     out_ids: list[list[int]] = [[] for _ in range(B)]
     texts, done = [""] * B, [False] * B

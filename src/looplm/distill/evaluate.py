@@ -1,0 +1,79 @@
+"""Quality of each prefill arm (the paper's Table 5): teacher prefill, distilled prefill, R = 1 and R = 2.
+
+Decoding is the same for every arm (the teacher at depth R with the terminal cache); only the way
+the prompt enters the cache differs (`looplm.infer.prefill`). Per arm and depth:
+- continuation perplexity: prefill each held-out row's midpoint document up to the midpoint with
+  the arm, score the rest of that document at R as one chunk (`cached_perplexity`);
+- generator-task exact match: prefill the prompt with the arm, then greedy decoding at R.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from looplm.eval.cached import cached_perplexity
+from looplm.eval.generation import exact_match_generator_tasks
+from looplm.infer.prefill import Prefill
+
+
+def prefill_table(model, tokenizer, val, examples: Sequence, arms: Sequence[Prefill], depths: Sequence[int], *,
+                  rows: int = 32, device="cpu", batch_size: int = 16, progress=None) -> dict:
+    """{arm: {R: {"continuation_ppl", "tokens", "acc", "n", "block_passes"}}}; "acc" is None without examples,
+    "continuation_ppl" None when rows = 0."""
+    table: dict = {}
+    for arm in arms:
+        table[arm.arm] = {}
+        for r in depths:
+            ppl = cached_perplexity(model, val, r, "terminal", max_sequences=rows, device=device,
+                                    prefill=arm) if rows > 0 else None
+            acc = exact_match_generator_tasks(model, tokenizer, examples, depth=r, prefill=arm,
+                                              batch_size=batch_size) if examples else None
+            table[arm.arm][r] = {"continuation_ppl": ppl["ppl"] if ppl else None, "tokens": ppl["tokens"] if ppl else 0,
+                                 "acc": acc["acc"] if acc else None, "n": acc["n"] if acc else 0,
+                                 "block_passes": arm.block_passes(model.cfg, r)}
+            if progress is not None:
+                progress()
+    return table
+
+
+def format_prefill_table(table: dict) -> str:
+    """One row per (depth, arm): block passes per prompt token, continuation PPL, exact match."""
+    head = f"{'R':>4} {'prefill':>8} {'blocks':>7} {'cont. ppl':>10} {'acc':>7}"
+    lines = [head, "-" * len(head)]
+    depths = sorted({r for per_arm in table.values() for r in per_arm})
+    for r in depths:
+        for arm, per_depth in table.items():
+            v = per_depth[r]
+            ppl = f"{v['continuation_ppl']:>10.4f}" if v["continuation_ppl"] is not None else f"{'-':>10}"
+            acc = f"{100 * v['acc']:>6.1f}%" if v["acc"] is not None else f"{'-':>7}"
+            lines.append(f"{r:>4} {arm:>8} {v['block_passes']:>7} {ppl} {acc}")
+    return "\n".join(lines)
+
+
+def build_arms(model, names: Sequence[str], student_path=None) -> list[Prefill]:
+    """Prefill arms by name for `model`; the student arm loads `student_path` (refused if it was
+    distilled from another teacher)."""
+    student = None
+    if "student" in names:
+        if student_path is None:
+            raise ValueError("--prefill student needs --student PATH (a `looplm distill` checkpoint or run folder)")
+        from looplm.distill.checkpoint import load_student
+
+        student, _ = load_student(student_path, model)
+    return [Prefill(name, student if name == "student" else None) for name in dict.fromkeys(names)]
+
+
+def arms_after_distill(model, tokenizer, job: dict, val, student, depth: int, *, rows: int, n_examples: int,
+                       device="cpu") -> dict:
+    """The Table-5 comparison `looplm distill` prints when it ends: teacher, student, r1 and r2 at `depth`
+    on held-out rows of the teacher's data and fresh generator examples."""
+    from looplm.data import TaskConfig
+    from looplm.eval.report import EvalConfig, held_out_examples
+
+    data = job["data"]
+    examples = []
+    if data["source"] == "tasks" and n_examples > 0:
+        tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
+        examples = held_out_examples(tasks, n_examples, EvalConfig.task_seed, data["n_task_examples"], job["train"]["seed"])
+    arms = [Prefill("teacher"), Prefill("student", student), Prefill("r1"), Prefill("r2")]
+    return prefill_table(model, tokenizer, val, examples, arms, (depth,), rows=rows, device=device)

@@ -1,0 +1,257 @@
+"""Distillation of the prefill student against a frozen teacher (SPEC 9).
+
+Per step: a microbatch of the teacher's own training data; targets computed online by the frozen
+teacher at depth R (seeded initial state, so a row's target is a pure function of the row); loss
+    MSE(z_hat, z^R) / E + beta * KL(p_T || p_S),
+E = mean((z^R)^2) measured once on held-out rows in fp64 and checkpointed; p_T and p_S are the
+frozen coda and head applied to z^R (no grad) and z_hat (the gradient flows through the frozen
+coda into the student). AdamW (0.9, 0.95), no weight decay, clip 1.0, linear warmup then cosine
+to 0.1x. Data order is a pure function of (seed, step) and the student has no randomness, so a
+resumed run reproduces an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from looplm import checkpoint as ckpt
+from looplm.data import Batch, TaskConfig, batch_indices, build_datasets
+from looplm.distill.checkpoint import load_student, teacher_hash, write_student
+from looplm.distill.config import RESUMABLE, DistillConfig
+from looplm.distill.student import EndpointStudent
+from looplm.model.blocks import causal_document_mask, rope_tables
+from looplm.model.state import initial_state
+from looplm.train.metrics import MetricsLogger
+from looplm.train.schedule import wsd_multiplier
+
+
+@dataclass
+class Targets:
+    """What the frozen teacher gives one microbatch: the student's input and its targets."""
+
+    prelude: torch.Tensor  # e [B, L, d]
+    endpoint: torch.Tensor  # z^R [B, L, d]
+    logits: torch.Tensor  # p_T as fp32 logits [B, L, V]
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+    ctx: object  # the teacher's per-forward Context (for one more recurrence)
+
+
+@torch.no_grad()
+def teacher_targets(teacher, batch: Batch, depth: int) -> Targets:
+    """Prelude output, depth-R endpoint and logits of the frozen teacher, from the seeded state (SPEC 2)."""
+    rope = rope_tables(batch.positions, teacher.cfg.head_dim, teacher.cfg.rope_base)
+    mask = causal_document_mask(batch.doc_ids)
+    e = teacher.run_prelude(batch.inputs, rope, mask)
+    ctx = teacher.context(e, rope, mask)
+    s = initial_state("seeded", tuple(e.shape), device=e.device, dtype=e.dtype, example_ids=batch.example_ids,
+                      positions=batch.positions)
+    for _ in range(depth):
+        s = teacher.recurrence(s, ctx)
+    return Targets(e, s, teacher.run_coda(s, rope, mask), rope, mask, ctx)
+
+
+def distill_loss(teacher, z_hat: torch.Tensor, t: Targets, energy: float, kl_weight: float):
+    """(loss, normalized MSE, KL) averaged over every token of the microbatch (SPEC 9)."""
+    mse = (z_hat.float() - t.endpoint.float()).pow(2).mean() / energy
+    log_p_s = teacher.run_coda(z_hat, t.rope, t.mask).log_softmax(-1).flatten(0, 1)
+    log_p_t = t.logits.log_softmax(-1).flatten(0, 1)
+    kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean")  # sum_v p_T (ln p_T - ln p_S), token mean
+    return mse + kl_weight * kl, mse, kl
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token |a - b| / |b|, [B, L]."""
+    return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-12)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+class DistillTrainer:
+    def __init__(self, teacher_path: Path, cfg: DistillConfig):
+        from looplm.train.trainer import flat_diff
+
+        cfg.validate()
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.teacher_path = ckpt.resolve(Path(teacher_path))
+        self.teacher, self.tokenizer, self.job = ckpt.load_model(self.teacher_path, self.device)
+        self.teacher.requires_grad_(False)
+        tcfg = self.teacher.cfg
+        if not 1 <= cfg.depth <= tcfg.max_depth:
+            raise ValueError(f"depth must be in 1..{tcfg.max_depth}, got {cfg.depth}")
+        self.teacher_sha = teacher_hash(self.teacher)
+        self.seq_len = cfg.seq_len or self.job["data"]["seq_len"]
+        if self.seq_len > tcfg.max_seq_len:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the teacher's context max_seq_len={tcfg.max_seq_len}")
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_root = self.out_dir / "checkpoints"
+        resume_from = None
+        if (self.ckpt_root / "latest").exists():
+            if not cfg.resume:
+                raise ValueError(f"{self.out_dir} already holds checkpoints; pass --resume to continue "
+                                 f"or choose another --out-dir")
+            resume_from = ckpt.resolve(self.out_dir)
+            saved = ckpt.read_json(resume_from, "student.json")["config"]
+            diffs = [d for d in flat_diff(saved, cfg.to_dict()) if d.split(":")[0] not in RESUMABLE]
+            if diffs:
+                raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
+        data = self.job["data"]
+        tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
+        self.train_data, self.val_data = build_datasets(
+            data["source"], self.tokenizer, seq_len=self.seq_len, holdout=data["holdout"],
+            cache_dir=Path(data["cache_dir"]), text_field=data["text_field"], task_config=tasks,
+            n_task_examples=data["n_task_examples"], seed=self.job["train"]["seed"])
+        n_val = len(self.val_data)
+        self.calib_rows = list(range(min(cfg.calibration_rows, n_val)))
+        self.val_rows = list(range(len(self.calib_rows), min(n_val, len(self.calib_rows) + cfg.val_rows)))
+        torch.manual_seed(cfg.seed)
+        self.student = EndpointStudent.from_teacher(self.teacher, cfg.student_blocks, cfg.init).train()
+        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           eps=1e-8, weight_decay=cfg.weight_decay)
+        self.step, self.elapsed = 0, 0.0
+        self.logger = MetricsLogger(self.out_dir, enabled=True, tensorboard=False, wandb=False, config=cfg.to_dict())
+        if resume_from is not None:
+            self._load(resume_from)
+            self.logger.truncate_after(self.step)
+        else:
+            self.energy = self.calibrate()
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _batch(self, data, rows) -> Batch:
+        return data.get_batch(rows).to(self.device)
+
+    @torch.no_grad()
+    def calibrate(self) -> float:
+        """E = mean((z^R)^2) over the calibration rows, accumulated in fp64 (SPEC 9)."""
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for start in range(0, len(self.calib_rows), self.cfg.micro_batch):
+            t = teacher_targets(self.teacher, self._batch(self.val_data, self.calib_rows[start:start + self.cfg.micro_batch]),
+                                self.cfg.depth)
+            total += t.endpoint.double().pow(2).sum().cpu()
+            count += t.endpoint.numel()
+        energy = float(total / count)
+        if not energy > 0:
+            raise FloatingPointError(f"teacher endpoint energy E = {energy}; cannot normalize the state loss")
+        return energy
+
+    def lr_at(self, step: int) -> float:
+        # warmup over `warmup` steps, then cosine from 1 to 0.1x across the run (SPEC 9)
+        return self.cfg.lr * wsd_multiplier(step, self.cfg.steps, self.cfg.warmup / self.cfg.steps, decay_frac=1.0)
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        lr = self.lr_at(self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        rows = batch_indices(len(self.train_data), self.step, 0, cfg.micro_batch, 1, cfg.seed)
+        t = teacher_targets(self.teacher, self._batch(self.train_data, rows), cfg.depth)
+        z_hat = self.student(t.prelude, t.rope, t.mask)
+        loss, mse, kl = distill_loss(self.teacher, z_hat, t, self.energy, cfg.kl_weight)
+        loss.backward()
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": loss.item(), "mse_norm": mse.item(), "kl": kl.item(), "grad_norm": float(grad_norm), "lr": lr}
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Token means over the validation rows: loss terms, relative state error |z_hat - z^R| / |z^R|,
+        and the same error after the one teacher recurrence that distilled prefill runs next."""
+        self.student.eval()
+        sums = dict.fromkeys(("loss", "mse_norm", "kl", "rel_err", "rel_err_next"), 0.0)
+        n_tok = 0
+        for start in range(0, len(self.val_rows), self.cfg.micro_batch):
+            t = teacher_targets(self.teacher, self._batch(self.val_data, self.val_rows[start:start + self.cfg.micro_batch]),
+                                self.cfg.depth)
+            z_hat = self.student(t.prelude, t.rope, t.mask)
+            k = t.endpoint.shape[0] * t.endpoint.shape[1]
+            for name, v in zip(("loss", "mse_norm", "kl"), distill_loss(self.teacher, z_hat, t, self.energy, self.cfg.kl_weight)):
+                sums[name] += v.item() * k
+            sums["rel_err"] += relative_error(z_hat, t.endpoint).sum().item()
+            nxt = relative_error(self.teacher.recurrence(z_hat, t.ctx), self.teacher.recurrence(t.endpoint, t.ctx))
+            sums["rel_err_next"] += nxt.sum().item()
+            n_tok += k
+        self.student.train()
+        return {f"val_{k}": v / max(n_tok, 1) for k, v in sums.items()}
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True)
+        last, val = None, {}
+        while self.step < cfg.steps:
+            t0 = time.perf_counter()
+            rec = self.train_step()
+            self.elapsed += time.perf_counter() - t0
+            if not math.isfinite(rec["loss"]):
+                raise FloatingPointError(f"non-finite distillation loss at step {self.step}; lower --lr")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", mse=f"{rec['mse_norm']:.4f}", kl=f"{rec['kl']:.4f}")
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                self.logger.log({**rec, "energy": self.energy, "elapsed_s": self.elapsed}, self.step)
+            if (cfg.val_every and self.step % cfg.val_every == 0) or self.step == cfg.steps:
+                val = self.validate()
+                self.logger.log(val, self.step)
+                if bar is not None:
+                    bar.write(f"step {self.step}: val rel. state error {val['val_rel_err']:.4f}, "
+                              f"after one recurrence {val['val_rel_err_next']:.4f}, KL {val['val_kl']:.4f}")
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                last = self.save()
+        if bar is not None:
+            bar.close()
+        self.logger.close()
+        if not val:
+            val = self.validate()
+        return {"step": self.step, "checkpoint": str(last or ckpt.resolve(self.out_dir)), "energy": self.energy,
+                "elapsed_s": self.elapsed, **val}
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self) -> Path:
+        name = f"step_{self.step:07d}"
+        tensors, optim_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
+        meta = {"teacher_sha256": self.teacher_sha, "teacher_path": str(self.teacher_path), "depth": self.cfg.depth,
+                "init": self.cfg.init, "config": self.cfg.to_dict()}
+        state = {"step": self.step, "energy": self.energy, "elapsed_s": self.elapsed, "optimizer": optim_meta}
+
+        def populate(tmp: Path) -> None:
+            write_student(tmp, self.student, meta)
+            ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
+            ckpt.write_json(tmp, "distill_state.json", state)
+
+        target = ckpt.write_atomic(self.ckpt_root / name, populate)
+        tmp_latest = self.ckpt_root / ".latest.tmp"
+        tmp_latest.write_text(name)
+        tmp_latest.replace(self.ckpt_root / "latest")
+        for old in sorted(p for p in self.ckpt_root.glob("step_*") if p.is_dir())[:-max(1, self.cfg.keep_checkpoints)]:
+            shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def _load(self, path: Path) -> None:
+        student, _ = load_student(path, self.teacher)  # refuses a checkpoint of another teacher
+        self.student.load_state_dict(student.state_dict())
+        state = ckpt.read_json(path, "distill_state.json")
+        optim = ckpt.unflatten_optimizer_state(ckpt.load_tensors(path, "optimizer.safetensors"), state["optimizer"])
+        optim["state"] = {int(k): v for k, v in optim["state"].items()}
+        self.optimizer.load_state_dict(optim)
+        self.step, self.energy, self.elapsed = state["step"], state["energy"], state["elapsed_s"]

@@ -1,0 +1,193 @@
+"""Distilled prefill (SPEC 9): the student, its prefill path, its loss and its checkpoints."""
+
+import math
+
+import pytest
+import torch
+
+from looplm.checkpoint import CheckpointError
+from looplm.config import ModelConfig
+from looplm.distill import EndpointStudent, load_student, save_student, teacher_hash
+from looplm.distill.trainer import Targets, distill_loss, relative_error
+from looplm.infer import TerminalCache, extend
+from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.prefill import Prefill, student_prefill
+from looplm.model import LoopedLM
+from looplm.model.blocks import rope_tables
+from looplm.data import ByteTokenizer
+
+
+def _teacher(injection="parcae-nonorm", seed=0, **kw):
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    cfg = ModelConfig(injection=injection, **{**shape, **kw})
+    return LoopedLM(cfg).eval()
+
+
+def _rope(model, B, L):
+    return rope_tables(torch.arange(L).expand(B, L), model.cfg.head_dim, model.cfg.rope_base)
+
+
+class OracleStudent(torch.nn.Module):
+    """Returns the teacher's exact depth-R endpoint of fixed tokens (seeded state), whatever e is."""
+
+    def __init__(self, endpoint):
+        super().__init__()
+        self.endpoint, self.n_blocks = endpoint, 2
+
+    def forward(self, e, rope, mask):
+        return self.endpoint
+
+
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "parcae-decay", "ortho", "huginn-linear", "deq-qkv"])
+def test_oracle_student_prefill_equals_teacher_prefill_plus_one_recurrence(injection, single_thread):
+    m, R = _teacher(injection), 4
+    x = torch.randint(0, 50, (2, 20))
+    ids = torch.tensor([3, 7])
+    with torch.no_grad():
+        z_R = m(x, R, init="seeded", example_ids=ids).endpoint
+        native_next = m(x, R + 1, init="seeded", example_ids=ids).logits  # independent: the native forward
+    ref_cache = TerminalCache(m.cfg, 2, 32)
+    ref = extend(m, x, ref_cache, R + 1, example_ids=ids)  # teacher prefill at R, then one more recurrence
+    cache = TerminalCache(m.cfg, 2, 32)
+    got = student_prefill(m, OracleStudent(z_R), x, cache, example_ids=ids)
+    assert cache.length == ref_cache.length == 20
+    assert (got - native_next).abs().max() <= 1e-5
+    assert (got - ref).abs().max() <= 1e-5
+    for a, b in zip(cache.banks(), ref_cache.banks(), strict=True):  # prelude, both core layers, coda
+        assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
+    # decoding is unchanged: the next token reads the same terminal banks either way
+    nxt = torch.randint(0, 50, (2, 1))
+    assert (extend(m, nxt, cache, R, example_ids=ids) - extend(m, nxt, ref_cache, R, example_ids=ids)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "parcae-decay", "ortho", "additive"])
+def test_teacher_init_outputs_one_recurrence_from_zero_state(injection, single_thread):
+    m = _teacher(injection)
+    with torch.no_grad():  # train the injection away from its init so diag(dt) W is not trivial
+        for p in m.injection.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randint(0, 50, (2, 16))
+    rope = _rope(m, 2, 16)
+    student = EndpointStudent.from_teacher(m, init="teacher")
+    with torch.no_grad():
+        e = m.run_prelude(x, rope, None)
+        ref = m(x, 1, init="zero").endpoint
+        got = student(e, rope, None)
+        rand = EndpointStudent.from_teacher(m, init="random")(e, rope, None)
+    assert (got - ref).abs().max() <= 1e-5
+    assert (rand - ref).abs().max() > 1e-2  # the random-init ablation is not the teacher
+
+
+def test_teacher_init_refuses_nonlinear_injections_and_copies_blocks_cyclically():
+    with pytest.raises(ValueError, match="random init"):
+        EndpointStudent.from_teacher(_teacher("huginn-linear"))
+    m = _teacher()
+    s = EndpointStudent.from_teacher(m, n_blocks=3)
+    assert torch.equal(s.blocks[2].ffn.w1.weight, m.core[0].ffn.w1.weight)
+    EndpointStudent.from_teacher(_teacher("deq-qkv"), init="random")  # random init works for any teacher
+
+
+def test_student_prefill_of_a_padded_batch_equals_each_row_alone(single_thread):
+    tok = ByteTokenizer()
+    m_byte = _teacher(vocab_size=tok.vocab_size)
+    student = EndpointStudent.from_teacher(m_byte, init="teacher").eval()
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a student that is not the teacher's one recurrence
+    arm = Prefill("student", student)
+    prompts = ["+12,345=", "+7,8=", "+100,99="]
+    sampling = SamplingConfig(max_new_tokens=12)
+    batched = generate(m_byte, tok, prompts, depth=3, prefill=arm, example_ids=[0, 1, 2], sampling=sampling)
+    alone = [generate(m_byte, tok, [p], depth=3, prefill=arm, example_ids=[i], sampling=sampling)[0]
+             for i, p in enumerate(prompts)]
+    assert batched == alone and any(batched)
+    # the prefill logits themselves: left-padded rows against each row alone
+    enc = [tok.encode(p) for p in prompts]
+    L = max(map(len, enc))
+    x = torch.tensor([[tok.pad_id] * (L - len(ids)) + ids for ids in enc])
+    pad = torch.tensor([L - len(ids) for ids in enc])
+    got = arm(m_byte, x, TerminalCache(m_byte.cfg, 3, L), 3, pad=pad, example_ids=torch.arange(3))[:, -1]
+    for i, ids in enumerate(enc):
+        one = arm(m_byte, torch.tensor([ids]), TerminalCache(m_byte.cfg, 1, L), 3, example_ids=torch.tensor([i]))
+        assert (got[i] - one[0, -1]).abs().max() <= 1e-5
+    # and the arm matters: this student's prefill is not the teacher's
+    cache_a, cache_b = TerminalCache(m_byte.cfg, 1, 32), TerminalCache(m_byte.cfg, 1, 32)
+    x = torch.tensor([tok.encode(prompts[0])])
+    assert (arm(m_byte, x, cache_a, 3) - Prefill("teacher")(m_byte, x, cache_b, 3)).abs().max() > 1e-4
+
+
+def test_prefill_arms_validate_and_count_block_passes():
+    m = _teacher()
+    s = EndpointStudent.from_teacher(m)
+    assert Prefill("teacher").block_passes(m.cfg, 5) == 12  # SPEC 9: 1 + 10 + 1
+    assert Prefill("student", s).block_passes(m.cfg, 5) == 6  # 1 + 2 + 2 + 1
+    assert Prefill("r1").block_passes(m.cfg, 5) == 4 and Prefill("r2").block_passes(m.cfg, 5) == 6
+    with pytest.raises(ValueError, match="--student"):
+        Prefill("student")
+    with pytest.raises(ValueError, match="unknown prefill arm"):
+        Prefill("r3")
+    from looplm.infer import FullCache
+
+    with pytest.raises(ValueError, match="terminal"):
+        student_prefill(m, s, torch.zeros(1, 4, dtype=torch.long), FullCache(m.cfg, 1, 8, depth=2))
+    cache = TerminalCache(m.cfg, 1, 16)
+    extend(m, torch.zeros(1, 4, dtype=torch.long), cache, 2)
+    with pytest.raises(ValueError, match="empty cache"):
+        student_prefill(m, s, torch.zeros(1, 4, dtype=torch.long), cache)
+
+
+def test_distill_loss_matches_a_direct_computation_and_trains_only_the_student(single_thread):
+    m = _teacher()
+    m.requires_grad_(False)
+    x = torch.randint(0, 50, (2, 12))
+    rope = _rope(m, 2, 12)
+    with torch.no_grad():
+        out = m(x, 3, init="seeded")
+        e = m.run_prelude(x, rope, None)
+    student = EndpointStudent.from_teacher(m, init="random")
+    z_hat = student(e, rope, None)
+    t = Targets(e, out.endpoint, out.logits, rope, None, None)
+    energy = 0.37
+    loss, mse, kl = distill_loss(m, z_hat, t, energy, kl_weight=0.5)
+    # direct, in fp64: per-element MSE over E; KL(p_T || p_S) summed over the vocabulary, averaged over tokens
+    ref_mse = ((z_hat.double() - out.endpoint.double()) ** 2).sum() / z_hat.numel() / energy
+    log_p_s = torch.log_softmax(m.run_coda(z_hat, rope, None).double(), -1)
+    log_p_t = torch.log_softmax(out.logits.double(), -1)
+    ref_kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1).mean()
+    assert math.isclose(mse.item(), ref_mse.item(), rel_tol=1e-5)
+    assert math.isclose(kl.item(), ref_kl.item(), rel_tol=1e-4, abs_tol=1e-7)
+    assert math.isclose(loss.item(), ref_mse.item() + 0.5 * ref_kl.item(), rel_tol=1e-4)
+    loss.backward()
+    assert all(p.grad is None for p in m.parameters())  # the teacher is frozen
+    assert student.in_proj.weight.grad is not None and student.in_proj.weight.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in student.blocks.parameters())
+    # relative error helper against its definition
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    assert torch.allclose(relative_error(a, b), (a - b).norm(dim=-1) / b.norm(dim=-1))
+
+
+def test_student_checkpoint_refuses_another_teacher(tmp_path):
+    teacher, other = _teacher(seed=0), _teacher(seed=1)
+    student = EndpointStudent.from_teacher(teacher)
+    with torch.no_grad():
+        student.in_proj.weight.mul_(1.5)
+    save_student(tmp_path / "s", student, teacher, depth=5)
+    loaded, meta = load_student(tmp_path / "s", teacher)
+    assert meta["depth"] == 5 and meta["teacher_sha256"] == teacher_hash(teacher)
+    for (k, a), (_, b) in zip(student.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
+    with pytest.raises(CheckpointError, match="another teacher"):
+        load_student(tmp_path / "s", other)
+    with torch.no_grad():  # one changed weight is another teacher
+        teacher.coda[0].ffn.w2.weight[0, 0] += 1e-3
+    with pytest.raises(CheckpointError, match="another teacher"):
+        load_student(tmp_path / "s", teacher)
+
+
+def test_teacher_hash_depends_on_every_weight_and_not_on_the_object():
+    a, b = _teacher(seed=0), _teacher(seed=0)
+    assert teacher_hash(a) == teacher_hash(b)
+    with torch.no_grad():
+        b.injection.A_log[3] += 1e-6
+    assert teacher_hash(a) != teacher_hash(b)
