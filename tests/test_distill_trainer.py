@@ -1,0 +1,120 @@
+"""`looplm distill`: the loss falls on a toy teacher, E is calibrated once, resume reproduces a run, and
+`--prefill` / `--student` in generate and eval (SPEC 9)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from _jobs import one_thread, read_metrics, shared_cache, tiny_job
+
+from looplm import checkpoint as ckpt
+from looplm.cli import main
+from looplm.distill import load_student
+from looplm.distill.config import DistillConfig
+from looplm.distill.trainer import DistillTrainer, teacher_targets
+from looplm.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A 32-wide 1/2/1 teacher trained 8 steps on the task generator (the shrunken tiny job)."""
+    tmp = tmp_path_factory.mktemp("teacher")
+    with one_thread():
+        Trainer(tiny_job(tmp, "teacher", cache=shared_cache(tmp_path_factory))).fit()
+    return ckpt.resolve(tmp / "teacher")
+
+
+def _cfg(tmp_path, name="distill", **kw) -> DistillConfig:
+    base = dict(out_dir=tmp_path / name, depth=3, steps=30, micro_batch=4, calibration_rows=8, val_rows=8,
+                val_every=0, log_every=1, checkpoint_every=1000, progress=False, device="cpu", report_rows=0,
+                report_examples=0)
+    return DistillConfig(**{**base, **kw})
+
+
+def test_loss_falls_on_a_toy_teacher_and_energy_is_calibrated_in_fp64(teacher, tmp_path):
+    tr = DistillTrainer(teacher, _cfg(tmp_path, init="random", lr=3e-3))
+    # E against a direct fp64 computation over the calibration rows
+    t = teacher_targets(tr.teacher, tr.val_data.get_batch(tr.calib_rows), 3)
+    assert math.isclose(tr.energy, t.endpoint.double().pow(2).mean().item(), rel_tol=1e-9)
+    before = tr.validate()
+    summary = tr.fit()
+    losses = [r["loss"] for r in read_metrics(tmp_path / "distill") if "loss" in r]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:3]) / 3, losses
+    assert summary["val_rel_err"] < 0.7 * before["val_rel_err"], (before, summary)
+    assert summary["val_loss"] < before["val_loss"]
+    # the checkpoint records the energy and refuses nothing for its own teacher
+    state = ckpt.read_json(ckpt.resolve(tmp_path / "distill"), "distill_state.json")
+    assert state["energy"] == tr.energy and state["step"] == 30
+    student, meta = load_student(tmp_path / "distill", tr.teacher)
+    assert meta["depth"] == 3 and meta["init"] == "random"
+
+
+def test_teacher_init_starts_closer_than_random_init(teacher, tmp_path):
+    """Near a fixed point the one-recurrence state from zero is already a fair guess of z^R."""
+    errs = {init: DistillTrainer(teacher, _cfg(tmp_path, init, init=init)).validate()["val_rel_err"]
+            for init in ("teacher", "random")}
+    assert errs["teacher"] < errs["random"], errs
+
+
+def test_resume_reproduces_an_uninterrupted_run(teacher, tmp_path):
+    full = DistillTrainer(teacher, _cfg(tmp_path, "full", steps=6))
+    full.fit()
+    part = DistillTrainer(teacher, _cfg(tmp_path, "part", steps=6))
+    for _ in range(3):
+        part.train_step()
+    part.save()
+    with pytest.raises(ValueError, match="--resume"):
+        DistillTrainer(teacher, _cfg(tmp_path, "part", steps=6))
+    with pytest.raises(ckpt.CheckpointError, match="different config"):
+        DistillTrainer(teacher, _cfg(tmp_path, "part", steps=6, lr=2e-3, resume=True))
+    resumed = DistillTrainer(teacher, _cfg(tmp_path, "part", steps=6, resume=True))
+    assert resumed.step == 3 and resumed.energy == full.energy
+    resumed.fit()
+    for (k, a), b in zip(full.student.state_dict().items(), resumed.student.state_dict().values()):
+        assert torch.equal(a, b), k
+    tail = lambda name: [r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r][-3:]  # noqa: E731
+    assert tail("full") == tail("part")
+
+
+def test_cli_distill_then_generate_and_eval_with_each_prefill_arm(teacher, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(["distill", str(teacher), "--out-dir", str(out), "--depth", "2", "--steps", "4", "--micro-batch", "2",
+               "--calibration-rows", "4", "--val-rows", "4", "--no-progress", "--device", "cpu",
+               "--report-rows", "4", "--report-examples", "8"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["prefill"]) == {"teacher", "student", "r1", "r2"}
+    assert report["prefill"]["student"]["2"]["block_passes"] == 6 and report["prefill"]["teacher"]["2"]["block_passes"] == 6
+    for arm in ("teacher", "student", "r1", "r2"):
+        assert arm in printed
+    # generate with the student's prefill; and the arms table from looplm eval
+    assert main(["generate", str(teacher), "--prompt", "+12,34=", "--depth", "2", "--prefill", "student",
+                 "--student", str(out), "--max-new-tokens", "4"]) == 0
+    eval_json = tmp_path / "eval.json"
+    assert main(["eval", str(teacher), "--depths", "2", "--prefill", "teacher", "student", "r1",
+                 "--student", str(out), "--max-sequences", "4", "--task-examples", "8", "--sharing-sequences", "4",
+                 "--output", str(eval_json)]) == 0
+    table = json.loads(eval_json.read_text())["prefill"]
+    assert list(table) == ["teacher", "student", "r1"] and 0 < table["student"]["2"]["n"] <= 8  # seen prompts dropped
+    assert "prefill arms" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_student_of_another_teacher_and_a_missing_student(teacher, tmp_path, tmp_path_factory, capsys):
+    other = tmp_path / "other"
+    Trainer(tiny_job(tmp_path, "other", cache=shared_cache(tmp_path_factory), train__seed=1, train__steps=2)).fit()
+    out = tmp_path / "s"
+    assert main(["distill", str(other), "--out-dir", str(out), "--steps", "1", "--micro-batch", "2",
+                 "--calibration-rows", "2", "--val-rows", "2", "--no-progress", "--device", "cpu",
+                 "--report-rows", "0", "--report-examples", "0"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(teacher), "--prefill", "student", "--student", str(out)]) == 2
+    assert "another teacher" in capsys.readouterr().err
+    assert main(["generate", str(teacher), "--prefill", "student"]) == 2
+    assert "--student" in capsys.readouterr().err
