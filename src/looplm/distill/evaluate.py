@@ -10,6 +10,7 @@ the prompt enters the cache differs (`looplm.infer.prefill`). Per arm and depth:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from looplm.eval.cached import cached_perplexity
 from looplm.eval.generation import exact_match_generator_tasks
@@ -50,6 +51,25 @@ def format_prefill_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def teacher_data(job: dict, tokenizer, seq_len: int | None = None):
+    """(train, held-out) PackedDatasets of the data a teacher checkpoint's job trained on, cut into
+    rows of `seq_len` tokens (default: the job's)."""
+    from looplm.data import build_datasets
+
+    data = job["data"]
+    return build_datasets(data["source"], tokenizer, seq_len=seq_len or data["seq_len"], holdout=data["holdout"],
+                          cache_dir=Path(data["cache_dir"]), text_field=data["text_field"], task_config=job_tasks(job),
+                          n_task_examples=data["n_task_examples"], seed=job["train"]["seed"])
+
+
+def job_tasks(job: dict):
+    """The generator-task config of a teacher checkpoint's job."""
+    from looplm.data import TaskConfig
+
+    tasks = job["data"]["tasks"]
+    return TaskConfig(**{**tasks, "kinds": tuple(tasks["kinds"])})
+
+
 def build_arms(model, names: Sequence[str], student_path=None) -> list[Prefill]:
     """Prefill arms by name for `model`; the student arm loads `student_path` (refused if it was
     distilled from another teacher)."""
@@ -67,13 +87,12 @@ def arms_after_distill(model, tokenizer, job: dict, val, student, depth: int, *,
                        device="cpu") -> dict:
     """The Table-5 comparison `looplm distill` prints when it ends: teacher, student, r1 and r2 at `depth`
     on held-out rows of the teacher's data and fresh generator examples."""
-    from looplm.data import TaskConfig
     from looplm.eval.report import EvalConfig, held_out_examples
 
     data = job["data"]
     examples = []
     if data["source"] == "tasks" and n_examples > 0:
-        tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
-        examples = held_out_examples(tasks, n_examples, EvalConfig.task_seed, data["n_task_examples"], job["train"]["seed"])
+        examples = held_out_examples(job_tasks(job), n_examples, EvalConfig.task_seed, data["n_task_examples"],
+                                     job["train"]["seed"])
     arms = [Prefill("teacher"), Prefill("student", student), Prefill("r1"), Prefill("r2")]
     return prefill_table(model, tokenizer, val, examples, arms, (depth,), rows=rows, device=device)

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from looplm import checkpoint as ckpt
-from looplm.data import Batch, TaskConfig, batch_indices, build_datasets
+from looplm.data import Batch, batch_indices
 from looplm.distill.checkpoint import load_student, teacher_hash, write_student
 from looplm.distill.config import RESUMABLE, DistillConfig
+from looplm.distill.evaluate import teacher_data
 from looplm.distill.student import EndpointStudent
 from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.model.state import initial_state
@@ -109,12 +110,7 @@ class DistillTrainer:
             diffs = [d for d in flat_diff(saved, cfg.to_dict()) if d.split(":")[0] not in RESUMABLE]
             if diffs:
                 raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
-        data = self.job["data"]
-        tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
-        self.train_data, self.val_data = build_datasets(
-            data["source"], self.tokenizer, seq_len=self.seq_len, holdout=data["holdout"],
-            cache_dir=Path(data["cache_dir"]), text_field=data["text_field"], task_config=tasks,
-            n_task_examples=data["n_task_examples"], seed=self.job["train"]["seed"])
+        self.train_data, self.val_data = teacher_data(self.job, self.tokenizer, self.seq_len)
         n_val = len(self.val_data)
         self.calib_rows = list(range(min(cfg.calibration_rows, n_val)))
         self.val_rows = list(range(len(self.calib_rows), min(n_val, len(self.calib_rows) + cfg.val_rows)))
