@@ -17,9 +17,7 @@ import dataclasses
 import math
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
@@ -28,6 +26,7 @@ from looplm import checkpoint as ckpt
 from looplm.data import TaskConfig
 from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
 from looplm.eval.report import held_out_examples
+from looplm.rl.config import RLConfig
 from looplm.rl.estimators import score_and_backward
 from looplm.rl.grpo import action_logprobs, clipped_policy_loss, group_advantages
 from looplm.rl.rewards import ProblemSource, get_reward
@@ -38,90 +37,6 @@ from looplm.train.trainer import flat_diff, param_groups
 
 # Settings that may change when a run is resumed; everything else must match.
 RESUMABLE = {"steps", "resume", "progress", "device", "eval_every", "checkpoint_every", "keep_checkpoints"}
-
-
-@dataclass
-class RLConfig:
-    """GRPO post-training with rollout-state reuse (SPEC 10)."""
-
-    estimator: Literal["bptt", "recompute", "reuse"] = "reuse"
-    """Update estimator: bptt (replay all R recurrences with grad), recompute (rebuild endpoints without grad, then
-    the one-recurrence Neumann update) or reuse (the endpoints saved during the rollout, then the same update)."""
-    neumann: int = 4
-    """State products v <- g + J^T v in the recompute/reuse update (Neumann-(b-1); the paper's Neumann-4 is 4)."""
-    depth: int = 6
-    """Recurrences R for rollouts and updates (the paper's RL runs use 6)."""
-    steps: int = 40
-    """RL steps (one rollout batch and one optimizer step each)."""
-    prompts_per_step: int = 16
-    """Problems per step."""
-    group_size: int = 8
-    """Sampled completions per problem (G >= 2; advantages are normalised within each group)."""
-    max_new_tokens: int = 8
-    """Longest completion (tokens)."""
-    temperature: float = 1.0
-    """Sampling temperature; the policy scored in the update is softmax(logits / temperature)."""
-    source: str = "tasks"
-    """'tasks' (the generator's tasks, by default those the checkpoint was trained on) or a GSM8K-format JSONL."""
-    task_kinds: tuple[str, ...] = ()
-    """Generator task kinds (default: the checkpoint's training tasks)."""
-    min_difficulty: int | None = None
-    """Smallest task difficulty (default: the checkpoint's)."""
-    max_difficulty: int | None = None
-    """Largest task difficulty (default: the checkpoint's)."""
-    prompt_template: str = "Question: {question}\nAnswer:"
-    """Prompt for GSM8K-format items ({question} is replaced)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings (default: a newline for tasks; a blank line and 'Question:' for GSM8K)."""
-    reward: str = "auto"
-    """Reward function: auto (exact for tasks, final_number for GSM8K), exact, digits, final_number, or a registered name."""
-    lr: float = 1e-4
-    """AdamW learning rate (constant)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay on matrices."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.98
-    """AdamW beta2."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    clip_eps: float = 0.2
-    """PPO ratio clipping epsilon."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the starting model (0: no reference model is kept)."""
-    eval_every: int = 10
-    """Greedy exact match on held-out problems every this many steps, and before the first (0 disables)."""
-    eval_examples: int = 200
-    """Held-out problems for that evaluation (generator tasks: prompts unseen in pretraining)."""
-    eval_jsonl: Path | None = None
-    """GSM8K-format JSONL to evaluate on when the source is a JSONL file."""
-    checkpoint_every: int = 20
-    """Write a checkpoint every this many steps (and at the end)."""
-    keep_checkpoints: int = 2
-    """How many recent checkpoints to keep."""
-    seed: int = 0
-    """Seed of prompt draws and sampling."""
-    out_dir: Path = Path("runs/rl")
-    """Run folder for checkpoints and metrics.jsonl (never the source checkpoint's run folder)."""
-    resume: bool = False
-    """Continue from the latest checkpoint in out_dir."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks CUDA when available."""
-    progress: bool = True
-    """Show a progress bar."""
-
-    def validate(self, max_depth: int) -> None:
-        if not 1 <= self.depth <= max_depth:
-            raise ValueError(f"depth must be in 1..{max_depth}, got {self.depth}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
-        for name in ("steps", "prompts_per_step", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.neumann < 0:
-            raise ValueError(f"neumann must be >= 0, got {self.neumann}")
-        if self.temperature <= 0 or self.lr <= 0 or self.clip_eps <= 0:
-            raise ValueError("temperature, lr and clip_eps must be > 0")
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -135,9 +50,11 @@ class RLTrainer:
         self.source_path = ckpt.resolve(Path(checkpoint))
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
-        if _inside(self.source_path, self.out_dir):
-            raise ValueError(f"out_dir {self.out_dir} holds the source checkpoint {self.source_path}; "
-                             "choose another --out-dir (RL never writes into the source run)")
+        src = self.source_path
+        source_run = src.parent.parent if src.parent.name == "checkpoints" else src
+        if _inside(src, self.out_dir) or _inside(self.out_dir, source_run):
+            raise ValueError(f"out_dir {self.out_dir} overlaps the source run {source_run}; choose another --out-dir "
+                             "(RL never writes into the source run)")
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.model, self.tokenizer, self.job = ckpt.load_model(self.source_path, self.device)
@@ -247,9 +164,12 @@ class RLTrainer:
         cfg = self.cfg
         if cfg.source == "tasks":
             if self._eval_set is None:
-                data = self.job["data"]
-                self._eval_set = held_out_examples(self.tasks, cfg.eval_examples, seed=cfg.seed + 4242,
-                                                   n_train=data["n_task_examples"], train_seed=self.job["train"]["seed"])
+                data = self.job["data"]  # unseen prompts can be rare (short sums are all seen): draw 10x
+                self._eval_set = held_out_examples(self.tasks, 10 * cfg.eval_examples, seed=cfg.seed + 4242,
+                                                   n_train=data["n_task_examples"],
+                                                   train_seed=self.job["train"]["seed"])[:cfg.eval_examples]
+                if not self._eval_set:
+                    raise ValueError("every drawn evaluation problem occurs in the pretraining data; set --eval-every 0")
             res = exact_match_generator_tasks(self.model, self.tokenizer, self._eval_set, depth=cfg.depth,
                                               max_new_tokens=cfg.max_new_tokens, batch_size=64)
             return res["acc"]

@@ -1,0 +1,91 @@
+"""Configuration of `looplm rl` (SPEC 10); standard library only, so the CLI reads it cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass
+class RLConfig:
+    """GRPO post-training with rollout-state reuse (SPEC 10)."""
+
+    estimator: Literal["bptt", "recompute", "reuse"] = "reuse"
+    """Update estimator: bptt (replay all R recurrences with grad), recompute (rebuild endpoints without grad, then
+    the one-recurrence Neumann update) or reuse (the endpoints saved during the rollout, then the same update)."""
+    neumann: int = 4
+    """State products v <- g + J^T v in the recompute/reuse update (Neumann-(b-1); the paper's Neumann-4 is 4)."""
+    depth: int = 6
+    """Recurrences R for rollouts and updates (the paper's RL runs use 6)."""
+    steps: int = 40
+    """RL steps (one rollout batch and one optimizer step each)."""
+    prompts_per_step: int = 16
+    """Problems per step."""
+    group_size: int = 8
+    """Sampled completions per problem (G >= 2; advantages are normalised within each group)."""
+    max_new_tokens: int = 8
+    """Longest completion (tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature; the policy scored in the update is softmax(logits / temperature)."""
+    source: str = "tasks"
+    """'tasks' (the generator's tasks, by default those the checkpoint was trained on) or a GSM8K-format JSONL."""
+    task_kinds: tuple[str, ...] = ()
+    """Generator task kinds (default: the checkpoint's training tasks)."""
+    min_difficulty: int | None = None
+    """Smallest task difficulty (default: the checkpoint's)."""
+    max_difficulty: int | None = None
+    """Largest task difficulty (default: the checkpoint's)."""
+    prompt_template: str = "Question: {question}\nAnswer:"
+    """Prompt for GSM8K-format items ({question} is replaced)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (default: a newline for tasks; a blank line and 'Question:' for GSM8K)."""
+    reward: str = "auto"
+    """Reward function: auto (exact for tasks, final_number for GSM8K), exact, digits, final_number, or a registered name."""
+    lr: float = 1e-4
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.98
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    clip_eps: float = 0.2
+    """PPO ratio clipping epsilon."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the starting model (0: no reference model is kept)."""
+    eval_every: int = 10
+    """Greedy exact match on held-out problems every this many steps, and before the first (0 disables)."""
+    eval_examples: int = 200
+    """Held-out problems for that evaluation (generator tasks: prompts unseen in pretraining)."""
+    eval_jsonl: Path | None = None
+    """GSM8K-format JSONL to evaluate on when the source is a JSONL file."""
+    checkpoint_every: int = 20
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    seed: int = 0
+    """Seed of prompt draws and sampling."""
+    out_dir: Path = Path("runs/rl")
+    """Run folder for checkpoints and metrics.jsonl (never the source checkpoint's run folder)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks CUDA when available."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def validate(self, max_depth: int) -> None:
+        if not 1 <= self.depth <= max_depth:
+            raise ValueError(f"depth must be in 1..{max_depth}, got {self.depth}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
+        for name in ("steps", "prompts_per_step", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.neumann < 0:
+            raise ValueError(f"neumann must be >= 0, got {self.neumann}")
+        if self.temperature <= 0 or self.lr <= 0 or self.clip_eps <= 0:
+            raise ValueError("temperature, lr and clip_eps must be > 0")

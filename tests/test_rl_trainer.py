@@ -1,0 +1,110 @@
+"""`looplm rl` end to end on a tiny checkpoint: metrics, checkpoints, resume, every estimator, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _jobs import read_metrics, tiny_job
+
+from looplm import checkpoint as ckpt
+from looplm.cli import main
+from looplm.data import ByteTokenizer
+from looplm.model import LoopedLM
+from looplm.rl import REWARDS, register_reward
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A run folder holding one checkpoint of a random tiny model, as `looplm train` writes it."""
+    root = tmp_path_factory.mktemp("rl") / "pretrain"
+    job = tiny_job(root.parent, "pretrain")
+    job.model.vocab_size = ByteTokenizer().vocab_size
+    torch.manual_seed(0)
+    model = LoopedLM(job.model)
+
+    def populate(tmp: Path) -> None:
+        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
+        ckpt.write_json(tmp, "config.json", job.to_dict())
+        ByteTokenizer().save(tmp)
+
+    ckpt.write_atomic(root / "checkpoints" / "step_0000001", populate)
+    (root / "checkpoints" / "latest").write_text("step_0000001")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def length_reward():
+    # a random model never answers correctly; reward the completion length so groups differ
+    register_reward("length", lambda ref, text: float(len(text)))
+    yield
+    REWARDS.pop("length")
+
+
+def rl_args(source: Path, out: Path, *extra) -> list[str]:
+    return ["rl", str(source), "--out-dir", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "3",
+            "--depth", "2", "--max-new-tokens", "4", "--eval-every", "0", "--reward", "length", "--lr", "1e-3",
+            "--device", "cpu", "--no-progress", *map(str, extra)]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return ckpt.load_tensors(ckpt.resolve(path), "model.safetensors")
+
+
+@pytest.mark.parametrize("estimator", ["bptt", "recompute", "reuse"])
+def test_rl_run_writes_metrics_and_a_loadable_checkpoint(source, tmp_path, capsys, estimator):
+    out = tmp_path / estimator
+    assert main(rl_args(source, out, "--estimator", estimator, "--eval-every", "2", "--eval-examples", "4")) == 0
+    printed = capsys.readouterr().out
+    assert "held-out greedy exact match: step 0:" in printed and f"2 RL steps ({estimator})" in printed
+    records = read_metrics(out)
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("reward", "pass@1", "pass@3", "completion_len", "rollout_s", "update_s", "rollout_frac", "grad_norm"):
+        assert all(key in r for r in steps), key
+    assert ("endpoint_residual" in steps[0]) == (estimator != "bptt")
+    assert [r["step"] for r in records if "eval_acc" in r] == [0, 2]
+    model, _, config = ckpt.load_model(out)  # `looplm eval` / `generate` read it like a training checkpoint
+    assert config["rl"]["config"]["estimator"] == estimator
+    before, after = weights(source), weights(out)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved
+    assert weights(source).keys() == before.keys()
+
+
+def test_resume_continues_exactly(source, tmp_path):
+    assert main(rl_args(source, tmp_path / "full", "--checkpoint-every", "1")) == 0
+    assert main(rl_args(source, tmp_path / "split", "--steps", "1")) == 0
+    assert main(rl_args(source, tmp_path / "split", "--resume")) == 0
+    full, split = weights(tmp_path / "full"), weights(tmp_path / "split")
+    for k in full:
+        torch.testing.assert_close(split[k], full[k], rtol=0, atol=0, msg=k)
+    rewards = lambda out: [r["reward"] for r in read_metrics(out) if "reward" in r]  # noqa: E731
+    assert rewards(tmp_path / "split") == rewards(tmp_path / "full")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--group-size", "1"), "group_size must be >= 2"),
+    (("--depth", "0"), "depth must be in 1.."),
+    (("--neumann", "-1"), "neumann must be >= 0"),
+    (("--source", "nowhere.jsonl"), "neither 'tasks' nor a GSM8K-format JSONL"),
+    (("--reward", "nope"), "unknown reward"),
+])
+def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):
+    assert main(rl_args(source, tmp_path / "bad", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_never_writes_into_the_source_run_or_over_a_run(source, tmp_path, capsys):
+    assert main(rl_args(source, source / "rl")) == 2
+    assert "never writes into the source run" in capsys.readouterr().err
+    assert main(rl_args(source, tmp_path / "once", "--steps", "1")) == 0
+    assert main(rl_args(source, tmp_path / "once", "--steps", "1")) == 2
+    assert "already holds RL checkpoints" in capsys.readouterr().err
+    assert main(rl_args(source, tmp_path / "once", "--resume", "--lr", "5e-3")) == 2  # a changed setting
+    assert "different RL config" in capsys.readouterr().err
+    assert json.loads((ckpt.resolve(source) / "config.json").read_text()).get("rl") is None
