@@ -67,6 +67,19 @@ def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
     return target
 
 
+def save_step(root: Path, step: int, populate: Callable[[Path], None], keep: int) -> Path:
+    """Write checkpoint `root/step_<step>` atomically (see `write_atomic`), point `root/latest` at it
+    and delete all but the `keep` newest step folders."""
+    name = f"step_{step:07d}"
+    target = write_atomic(Path(root) / name, populate)
+    tmp_latest = Path(root) / ".latest.tmp"
+    tmp_latest.write_text(name)
+    tmp_latest.replace(Path(root) / "latest")
+    for old in sorted(p for p in Path(root).glob("step_*") if p.is_dir())[:-max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
 def verify(path: Path) -> dict:
     """Check the manifest's SHA-256 sums; return the manifest. Raises CheckpointError."""
     path = Path(path)

@@ -13,7 +13,6 @@ resumed run reproduces an uninterrupted one.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,7 +223,6 @@ class DistillTrainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
-        name = f"step_{self.step:07d}"
         tensors, optim_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
         meta = {"teacher_sha256": self.teacher_sha, "teacher_path": str(self.teacher_path), "depth": self.cfg.depth,
                 "init": self.cfg.init, "config": self.cfg.to_dict()}
@@ -235,13 +233,7 @@ class DistillTrainer:
             ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
             ckpt.write_json(tmp, "distill_state.json", state)
 
-        target = ckpt.write_atomic(self.ckpt_root / name, populate)
-        tmp_latest = self.ckpt_root / ".latest.tmp"
-        tmp_latest.write_text(name)
-        tmp_latest.replace(self.ckpt_root / "latest")
-        for old in sorted(p for p in self.ckpt_root.glob("step_*") if p.is_dir())[:-max(1, self.cfg.keep_checkpoints)]:
-            shutil.rmtree(old, ignore_errors=True)
-        return target
+        return ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)
 
     def _load(self, path: Path) -> None:
         student, _ = load_student(path, self.teacher)  # refuses a checkpoint of another teacher
