@@ -60,14 +60,16 @@ def test_rl_run_writes_metrics_and_a_loadable_checkpoint(source, tmp_path, capsy
     out = tmp_path / estimator
     assert main(rl_args(source, out, "--estimator", estimator, "--eval-every", "2", "--eval-examples", "4")) == 0
     printed = capsys.readouterr().out
-    assert "held-out greedy exact match: step 0:" in printed and f"2 RL steps ({estimator})" in printed
+    assert "step 0: eval_reward" in printed and "eval_greedy_pass@1" in printed
+    assert f"2 RL steps ({estimator})" in printed
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("reward", "pass@1", "pass@3", "completion_len", "rollout_s", "update_s", "rollout_frac", "grad_norm"):
         assert all(key in r for r in steps), key
     assert ("endpoint_residual" in steps[0]) == (estimator != "bptt")
-    assert [r["step"] for r in records if "eval_acc" in r] == [0, 2]
+    assert [r["step"] for r in records if "eval_reward" in r] == [0, 2]
+    assert [r["step"] for r in records if "eval_greedy_pass@1" in r] == [0, 2]
     model, _, config = ckpt.load_model(out)  # `looplm eval` / `generate` read it like a training checkpoint
     assert config["rl"]["config"]["estimator"] == estimator
     before, after = weights(source), weights(out)

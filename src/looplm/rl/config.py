@@ -57,9 +57,13 @@ class RLConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to the starting model (0: no reference model is kept)."""
     eval_every: int = 10
-    """Greedy exact match on held-out problems every this many steps, and before the first (0 disables)."""
-    eval_examples: int = 200
-    """Held-out problems for that evaluation (generator tasks: prompts unseen in pretraining)."""
+    """Evaluate every this many steps and before the first (0 disables): mean reward of sampled completions and
+    greedy pass@1 on fixed problems."""
+    eval_examples: int = 128
+    """Evaluation problems: fresh generator draws from the RL task distribution (a seed no RL step uses), or the
+    first items of eval_jsonl."""
+    eval_samples: int = 4
+    """Sampled completions per evaluation problem (fixed sampling seed, so evaluations differ only by the model)."""
     eval_jsonl: Path | None = None
     """GSM8K-format JSONL to evaluate on when the source is a JSONL file."""
     checkpoint_every: int = 20
@@ -82,7 +86,7 @@ class RLConfig:
             raise ValueError(f"depth must be in 1..{max_depth}, got {self.depth}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
-        for name in ("steps", "prompts_per_step", "max_new_tokens"):
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.neumann < 0:

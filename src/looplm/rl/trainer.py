@@ -24,12 +24,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from looplm import checkpoint as ckpt
 from looplm.data import TaskConfig
-from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
-from looplm.eval.report import held_out_examples
+from looplm.data import generate_examples
+from looplm.eval.generation import greedy_generate, load_gsm8k_jsonl
 from looplm.rl.config import RLConfig
 from looplm.rl.estimators import score_and_backward
 from looplm.rl.grpo import action_logprobs, clipped_policy_loss, group_advantages
-from looplm.rl.rewards import ProblemSource, get_reward
+from looplm.rl.rewards import Problem, ProblemSource, get_reward
 from looplm.rl.rollout import rollout
 from looplm.train.config import jsonable
 from looplm.train.metrics import MetricsLogger
@@ -159,27 +159,37 @@ class RLTrainer:
         return record
 
     # -- evaluation -----------------------------------------------------------------------------
-    def evaluate(self) -> float | None:
-        """Greedy exact match on held-out problems at the RL depth (None when there is no eval set)."""
+    def _eval_problems(self) -> list[Problem]:
         cfg = self.cfg
-        if cfg.source == "tasks":
-            if self._eval_set is None:
-                data = self.job["data"]  # unseen prompts can be rare (short sums are all seen): draw 10x
-                self._eval_set = held_out_examples(self.tasks, 10 * cfg.eval_examples, seed=cfg.seed + 4242,
-                                                   n_train=data["n_task_examples"],
-                                                   train_seed=self.job["train"]["seed"])[:cfg.eval_examples]
-                if not self._eval_set:
-                    raise ValueError("every drawn evaluation problem occurs in the pretraining data; set --eval-every 0")
-            res = exact_match_generator_tasks(self.model, self.tokenizer, self._eval_set, depth=cfg.depth,
-                                              max_new_tokens=cfg.max_new_tokens, batch_size=64)
-            return res["acc"]
-        if cfg.eval_jsonl is None:
-            return None
         if self._eval_set is None:
-            self._eval_set = load_gsm8k_jsonl(cfg.eval_jsonl)[:cfg.eval_examples]
-        return exact_match_gsm8k(self.model, self.tokenizer, self._eval_set, depth=cfg.depth,
-                                 max_new_tokens=cfg.max_new_tokens, prompt_template=cfg.prompt_template,
-                                 stop=self.stop)["acc"]
+            if cfg.source == "tasks":  # fresh draws from the RL distribution, with a seed no RL step uses
+                examples = generate_examples(self.tasks, cfg.eval_examples, seed=2_000_003 * (cfg.seed + 1) - 1)
+                self._eval_set = [self.problems.problem(ex) for ex in examples]
+            elif cfg.eval_jsonl is not None:
+                self._eval_set = [self.problems.problem(it) for it in load_gsm8k_jsonl(cfg.eval_jsonl)[:cfg.eval_examples]]
+            else:
+                self._eval_set = []
+        return self._eval_set
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """On fixed evaluation problems at the RL depth: the mean reward of `eval_samples` sampled
+        completions each (fixed sampling seed, the rollout temperature) and greedy pass@1."""
+        cfg, problems = self.cfg, self._eval_problems()
+        if not problems:
+            return {}
+        sampled, greedy = [], []
+        for start in range(0, len(problems), 32):
+            chunk = problems[start:start + 32]
+            ro = rollout(self.model, self.tokenizer, [p.prompt for p in chunk], group_size=cfg.eval_samples,
+                         depth=cfg.depth, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                         stop=self.stop, seed=start + 17, first_example_id=10**9 + start * cfg.eval_samples)
+            sampled += [self.reward_fn(chunk[i // cfg.eval_samples].reference, t) for i, t in enumerate(ro.texts)]
+            texts = greedy_generate(self.model, self.tokenizer, [p.prompt for p in chunk],
+                                    range(10**9 + start, 10**9 + start + len(chunk)), depth=cfg.depth,
+                                    max_new_tokens=cfg.max_new_tokens, stop=self.stop)
+            greedy += [self.reward_fn(p.reference, t) >= 1 for p, t in zip(chunk, texts)]
+        return {"eval_reward": sum(sampled) / len(sampled), "eval_greedy_pass@1": sum(greedy) / len(greedy)}
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -193,7 +203,8 @@ class RLTrainer:
         last = None
         if cfg.eval_every and self.step == 0:
             evals[0] = self.evaluate()
-            self.logger.log({"eval_acc": evals[0]}, 0)
+            if evals[0]:
+                self.logger.log(evals[0], 0)
         while self.step < cfg.steps:
             t0 = time.perf_counter()
             record = self.train_step()
@@ -202,7 +213,8 @@ class RLTrainer:
                 raise FloatingPointError(f"non-finite loss at RL step {self.step}; lower --lr")
             record["elapsed_s"] = self.elapsed
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                record["eval_acc"] = evals[self.step] = self.evaluate()
+                evals[self.step] = self.evaluate()
+                record.update(evals[self.step])
             self.logger.log(record, self.step)
             if bar is not None:
                 bar.update(1)
@@ -214,7 +226,7 @@ class RLTrainer:
             bar.close()
         self.logger.close()
         return {"step": self.step, "checkpoint": str(last or self.latest_checkpoint()), "out_dir": str(self.out_dir),
-                "eval_acc": evals, "elapsed_s": self.elapsed}
+                "evals": evals, "elapsed_s": self.elapsed}
 
     # -- checkpoints ----------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:
