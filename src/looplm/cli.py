@@ -4,6 +4,7 @@
   looplm eval CHECKPOINT [--depths 1 2 5 ...]  perplexity and task accuracy against depth
   looplm generate CHECKPOINT --prompt TEXT    continue prompts with a terminal (or full) KV cache
   looplm distill TEACHER [--steps N ...]      distil a prefill student (SPEC 9), then compare prefill arms
+  looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (SPEC 11): JSON report, plots, summary
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
 """
@@ -17,6 +18,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from looplm.analyze.report import AnalyzeConfig
 from looplm.checkpoint import CheckpointError
 from looplm.data import DataError
 from looplm.distill.config import DistillConfig
@@ -216,10 +218,56 @@ def distill(
           f"report:   {trainer.out_dir / 'report.json'}")
 
 
+def analyze(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    cfg: Annotated[AnalyzeConfig, tyro.conf.arg(name="")] = AnalyzeConfig(),
+    device: str = "cpu",
+    threads: int = 1,
+) -> None:
+    """Fixed-point diagnostics (SPEC 11): convergence depth, KV settling, carryover alignment,
+    joint vs frozen-prefix solves and the sharing penalty against depth, on held-out data.
+
+    Args:
+        checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        cfg: What to measure.
+        device: Torch device (cpu, cuda, ...).
+        threads: Intra-op CPU threads (0: torch's default, one per core). One is fastest for small
+            models and on a shared machine, where idle threads spin-wait.
+    """
+    import torch
+
+    from looplm.analyze.report import analyze as run, format_summary, require_recurrence, write_outputs
+    from looplm.checkpoint import load_model, resolve
+    from looplm.eval.report import validation_data
+
+    start = time.time()
+    cfg.validate()
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0, got {threads}")
+    path = resolve(checkpoint)
+    require_recurrence(path)
+    model, tokenizer, job = load_model(path, device)
+    cfg.validate(model.cfg.max_depth)
+    data = validation_data(tokenizer, job)
+    bar = _progress(cfg.work_units(len(data)), "analyze")
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        analysis = run(model, tokenizer, job, cfg, device=device, data=data,
+                       progress=lambda desc, n: (bar.set_description(desc, refresh=False), bar.update(n)))
+    finally:
+        torch.set_num_threads(default_threads)
+        bar.close()
+    out = cfg.output or path.parent.parent / "analyze"
+    paths = write_outputs(analysis, out, plots=cfg.plots)
+    print(format_summary(analysis.report))
+    print(f"\nwrote {', '.join(p.name for p in paths)} to {out} in {time.time() - start:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         tyro.extras.subcommand_cli_from_dict(
-            {"train": train, "eval": evaluate, "generate": generate, "distill": distill}, prog="looplm", args=argv,
+            {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze}, prog="looplm", args=argv,
             description="looplm: looped language models shaped around fixed points",
         )
     except USER_ERRORS as err:

@@ -54,6 +54,22 @@ def held_out_examples(tasks: TaskConfig, n: int, seed: int, n_train: int, train_
     return [ex for ex in generate_examples(tasks, n, seed) if ex.prompt not in seen]
 
 
+def job_tasks(job: dict) -> TaskConfig:
+    """The generator-task config of a checkpoint's job."""
+    return TaskConfig(**{**job["data"]["tasks"], "kinds": tuple(job["data"]["tasks"]["kinds"])})
+
+
+def validation_data(tokenizer, job: dict):
+    """The held-out split (a PackedDataset) of the data a checkpoint's job trained on."""
+    data = job["data"]
+    _, val = build_datasets(
+        data["source"], tokenizer, seq_len=data["seq_len"], holdout=data["holdout"], cache_dir=Path(data["cache_dir"]),
+        text_field=data["text_field"], task_config=job_tasks(job), n_task_examples=data["n_task_examples"],
+        seed=job["train"]["seed"],
+    )
+    return val
+
+
 def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", progress=None, prefill=None) -> dict:
     """{"perplexity": {R: ...}, "tasks": {R: ...} or None} for a trained model and its job config.
 
@@ -61,12 +77,8 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
     perplexity (on `sharing_sequences` rows) and generator-task exact match (on `generation_examples`,
     or `task_examples` when that is 0) at each depth, the paper's Table 5 (`looplm.distill.evaluate`)."""
     data = job["data"]
-    tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
-    _, val = build_datasets(
-        data["source"], tokenizer, seq_len=data["seq_len"], holdout=data["holdout"], cache_dir=Path(data["cache_dir"]),
-        text_field=data["text_field"], task_config=tasks, n_task_examples=data["n_task_examples"],
-        seed=job["train"]["seed"],
-    )
+    tasks = job_tasks(job)
+    val = validation_data(tokenizer, job)
     ppl = native_perplexity(model, val, cfg.depths, batch_size=cfg.batch_size, max_sequences=cfg.max_sequences,
                             device=device, progress=progress)
     acc = None

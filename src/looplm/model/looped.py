@@ -73,12 +73,21 @@ class LoopedLM(nn.Module):
             x = block(x, rope, mask)
         return x
 
-    def recurrence(self, s: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """One recurrence F: inject, the core blocks in turn, then the exit map (SPEC 2)."""
+    def recurrence(self, s: torch.Tensor, ctx: Context, *, return_kv: bool = False, kv_buffers: list | None = None):
+        """One recurrence F: inject, the core blocks in turn, then the exit map (SPEC 2).
+
+        `return_kv` also returns each core layer's (K, V) of this recurrence (diagnostics, SPEC 11);
+        `kv_buffers` gives core layer j the buffer (K, V, c) of c earlier tokens to attend to
+        (see `Attention`; `ctx.mask` must then cover them)."""
         s = self.injection(s, ctx.injected)
+        kvs = []
         for i, block in enumerate(self.core):
-            s = block(s, ctx.rope, ctx.mask, ctx.qkv_offsets[i] if ctx.qkv_offsets else None)
-        return self.injection.exit(s)
+            out = block(s, ctx.rope, ctx.mask, ctx.qkv_offsets[i] if ctx.qkv_offsets else None,
+                        kv_buffers[i] if kv_buffers else None, return_kv)
+            s, kv = out if return_kv else (out, None)
+            kvs.append(kv)
+        s = self.injection.exit(s)
+        return (s, kvs) if return_kv else s
 
     def run_coda(self, z: torch.Tensor, rope, mask) -> torch.Tensor:
         for block in self.coda:

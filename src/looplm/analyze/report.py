@@ -1,0 +1,294 @@
+"""The fixed-point report of `looplm analyze`: every SPEC 11 measurement of one checkpoint.
+
+Held-out rows are run past the trained depth once; that trajectory gives the convergence profile
+(up to the horizon), the KV settling table (at the KV depths) and the carryover alignment (at the
+horizon). Fixed-point solves run on their own spans; the sharing penalty reuses looplm.eval.cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from looplm.analyze.carryover import carryover_alignment, summarize
+from looplm.analyze.convergence import convergence_depths, convergence_profile
+from looplm.analyze.kv_settling import KVSums, kv_recurrences
+from looplm.analyze.solves import SolveRule, span_solves
+from looplm.analyze.trajectory import run_trajectory, start
+
+Progress = Callable[[str, int], None]
+"""progress(description, units done since the last call)."""
+
+
+@dataclass
+class AnalyzeConfig:
+    """What `looplm analyze` measures (SPEC 11)."""
+
+    horizon: int = 64
+    """Observation horizon H: recurrences run for the convergence profile and the carryover endpoint."""
+    tau: float = 0.02
+    """Convergence threshold on the token-wise relative state change (the paper: 0.02; 0.01 in App. C.4)."""
+    sequences: int = 16
+    """Held-out rows for the convergence profile, KV settling and carryover alignment."""
+    batch_size: int = 8
+    """Rows per forward pass."""
+    position_interval: int = 128
+    """Width of the position buckets for the median convergence depth per position interval."""
+    kv_depths: tuple[int, ...] = (5, 25, 64, 160)
+    """Depths r at which the KV change |K^(r+span) - K^r| / |K^r| is measured (may exceed max_depth)."""
+    kv_span: int = 5
+    """Recurrences between the two K/V compared by the KV settling table."""
+    solve_spans: int = 16
+    """Held-out spans for the fixed-point solves (0 skips them)."""
+    solve_length: int | None = None
+    """Tokens per span: a prefix and the current token (the last); None: a whole held-out row."""
+    solve: SolveRule = field(default_factory=SolveRule)
+    """The solve budget and qualification rule (fp32, math attention kernel)."""
+    control_depth: int = 5
+    """Depth R of the control: the prefix frozen after R plain recurrences instead of solved."""
+    sharing_depths: tuple[int, ...] = (5, 16, 32)
+    """Depths of the terminal-KV sharing penalty (looplm.eval.cached; empty skips it)."""
+    sharing_sequences: int = 16
+    """Held-out rows for the sharing penalty."""
+    output: Path | None = None
+    """Folder for report.json, summary.txt and the PNG plots (default: <run>/analyze next to the checkpoint)."""
+    plots: bool = True
+    """Write the PNG plots."""
+
+    def validate(self, max_depth: int | None = None) -> None:
+        """ValueError with a one-line reason for settings that cannot work."""
+        if self.horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {self.horizon}")
+        if not self.tau > 0:
+            raise ValueError(f"tau must be > 0, got {self.tau}")
+        for name in ("sequences", "batch_size", "position_interval", "kv_span", "control_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.solve_spans < 0 or self.sharing_sequences < 0:
+            raise ValueError("solve-spans and sharing-sequences must be >= 0")
+        if self.kv_depths:
+            kv_recurrences(self.kv_depths, self.kv_span)
+        if self.solve_length is not None and self.solve_length < 2:
+            raise ValueError(f"solve-length must be >= 2 (a prefix and a current token), got {self.solve_length}")
+        self.solve.validate()
+        if max_depth is not None:
+            for r in self.sharing_depths:
+                if not 1 <= r <= max_depth:
+                    raise ValueError(f"sharing depths must be in 1..{max_depth} (the model's max_depth), got {r}")
+
+    def work_units(self, n_rows: int) -> int:
+        """Progress units `analyze` reports for a dataset of `n_rows` held-out rows."""
+        batches = -(-min(n_rows, self.sequences) // self.batch_size)
+        solves = 4 * -(-min(n_rows, self.solve_spans) // self.batch_size)
+        return batches + solves + (len(self.sharing_depths) if self.sharing_sequences else 0)
+
+
+@dataclass
+class Analysis:
+    report: dict
+    """The JSON-able report."""
+    depth: torch.Tensor
+    """Convergence depth per profiled token (NEVER = -1), flat."""
+    position: torch.Tensor
+    """RoPE position per profiled token, flat."""
+
+
+def require_recurrence(checkpoint: Path) -> None:
+    """ValueError when a checkpoint's model has no recurrent core to analyze (n_core < 1). An
+    unreadable config is left to `load_model`, which names the problem."""
+    try:
+        n_core = json.loads((Path(checkpoint) / "config.json").read_text())["model"]["n_core"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if not isinstance(n_core, int) or n_core < 1:
+        raise ValueError(f"{checkpoint}: the model has no recurrent core (n_core={n_core}); "
+                         "fixed-point diagnostics need a looped model")
+
+
+def _batches(n: int, size: int):
+    for lo in range(0, n, size):
+        yield list(range(lo, min(n, lo + size)))
+
+
+def _median(x: torch.Tensor) -> float | None:
+    return float(torch.quantile(x.double(), 0.5)) if x.numel() else None
+
+
+def _max(x: torch.Tensor) -> float | None:
+    return float(x.max()) if x.numel() else None
+
+
+@torch.no_grad()
+def profile_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Convergence profile, KV settling and carryover alignment over the first `cfg.sequences` rows."""
+    n = min(len(data), cfg.sequences)
+    kv_at = kv_recurrences(cfg.kv_depths, cfg.kv_span) if cfg.kv_depths else ()
+    sums = KVSums(cfg.kv_depths, cfg.kv_span) if cfg.kv_depths else None
+    changes, positions, cos, amp = [], [], [], []
+    for idx in _batches(n, cfg.batch_size):
+        b = data.get_batch(idx).to(device)
+        begin = start(model, b.inputs, doc_ids=b.doc_ids, positions=b.positions, example_ids=b.example_ids)
+        traj = run_trajectory(model, begin, cfg.horizon, kv_at=kv_at,
+                              on_step=lambda r: progress(f"trajectory r={r}", 0) if r % 16 == 0 else None)
+        changes.append(traj.change)
+        positions.append(begin.positions)
+        if sums is not None:
+            sums.add(traj.kv)
+        align = carryover_alignment(model.injection, traj.endpoint, begin.ctx.injected)
+        if align is not None:
+            cos.append(align["cos"].flatten())
+            amp.append(align["amplification"].flatten())
+        progress("trajectories", 1)
+    change, pos = torch.cat(changes, dim=1), torch.cat(positions, dim=0)
+    carry = {"injection": model.cfg.injection, "depth": cfg.horizon}
+    if cos:
+        carry.update(cos=summarize(torch.cat(cos)), amplification=summarize(torch.cat(amp)))
+    else:
+        carry["note"] = "no core-entrance injection (DEQ-QKV): carryover is not defined"
+    out = {"convergence": convergence_profile(change, pos, cfg.tau, cfg.position_interval),
+           "kv_settling": sums.table() if sums is not None else [], "carryover": carry}
+    return out, convergence_depths(change, cfg.tau).flatten(), pos.flatten()
+
+
+def solve_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> dict:
+    """Joint vs frozen-prefix solves over the first `cfg.solve_spans` rows (see analyze.solves)."""
+    n = min(len(data), cfg.solve_spans)
+    length = data.seq_len if cfg.solve_length is None else min(cfg.solve_length, data.seq_len)
+    parts: dict[str, list] = {}
+    for idx in _batches(n, cfg.batch_size):
+        b = data.get_batch(idx).to(device)
+        cut = slice(0, length)
+        out = span_solves(model, b.inputs[:, cut], doc_ids=b.doc_ids[:, cut], positions=b.positions[:, cut],
+                          example_ids=b.example_ids, rule=cfg.solve, control_depth=cfg.control_depth,
+                          progress=progress)
+        for k, v in out.items():
+            parts.setdefault(k, []).append(v.cpu())
+    r = {k: torch.cat(v) for k, v in parts.items()}
+    pair = r["prefix_qualified"] & r["joint_qualified"] & r["frozen_qualified"]
+    ctrl = pair & r["control_qualified"]
+    return {
+        "spans": n, "span_tokens": length, "rule": dataclasses.asdict(cfg.solve), "control_depth": cfg.control_depth,
+        "qualified": {name: int(r[f"{name}_qualified"].sum()) for name in ("prefix", "joint", "frozen", "control")},
+        "qualified_pairs": int(pair.sum()),
+        "median_depth": {name: _median(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
+                         for name in ("prefix", "joint", "frozen")},
+        "max_depth": {name: _max(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
+                      for name in ("prefix", "joint", "frozen")},
+        "gap": {"median": _median(r["gap"][pair]), "max": _max(r["gap"][pair])},
+        "kl": {"median": _median(r["kl"][pair]), "max": _max(r["kl"][pair])},
+        "control": {"spans": int(ctrl.sum()), "gap_median": _median(r["control_gap"][ctrl]),
+                    "kl_median": _median(r["control_kl"][ctrl])},
+    }
+
+
+def analyze(model, tokenizer, job: dict, cfg: AnalyzeConfig, device="cpu", progress: Progress | None = None,
+            data=None) -> Analysis:
+    """All SPEC 11 diagnostics of a trained model on its held-out data (`data`: a PackedDataset to
+    use instead of the job's validation split)."""
+    from looplm.eval.cached import sharing_table
+    from looplm.eval.report import validation_data
+
+    progress = progress or (lambda desc, n: None)
+    cfg.validate(model.cfg.max_depth)
+    data = validation_data(tokenizer, job) if data is None else data
+    if len(data) == 0:
+        raise ValueError("no held-out sequences to analyze")
+    seconds = {}
+    t = time.perf_counter()
+    report, depth, pos = profile_rows(model, data, cfg, device, progress)
+    seconds["profile"] = time.perf_counter() - t
+    report["solves"] = None
+    if cfg.solve_spans:
+        t = time.perf_counter()
+        report["solves"] = solve_rows(model, data, cfg, device, progress)
+        seconds["solves"] = time.perf_counter() - t
+    report["sharing"] = None
+    if cfg.sharing_depths and cfg.sharing_sequences:
+        t = time.perf_counter()
+        report["sharing"] = sharing_table(model, data, cfg.sharing_depths, max_sequences=cfg.sharing_sequences,
+                                          device=device, progress=lambda: progress("sharing", 1))
+        seconds["sharing"] = time.perf_counter() - t
+    report["model"] = {k: model.cfg.to_dict()[k] for k in ("injection", "d_model", "n_prelude", "n_core", "n_coda")}
+    report["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    report["seconds"] = seconds
+    return Analysis(report, depth, pos)
+
+
+# -- output ----------------------------------------------------------------------------------------
+def _fmt(x, spec: str = ".3g") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.3g}%"
+
+
+def format_summary(report: dict) -> str:
+    """A one-screen plain-text summary of the report."""
+    c = report["convergence"]
+    lines = [f"fixed-point diagnostics ({report['model']['injection']}, {c['tokens']} held-out tokens, "
+             f"horizon {c['horizon']}, tau {c['tau']:g})",
+             f"  converged: {100 * c['fraction_converged']:.1f}% of tokens; median convergence depth "
+             f"{_fmt(c['median_depth'])}; never: {c['never']}",
+             f"  Spearman(position, depth) = {_fmt(c['spearman_position_depth'])}; median depth per "
+             f"{c['intervals'][0]['end'] - c['intervals'][0]['start']}-position interval: "
+             + ", ".join(f"{b['start']}: {_fmt(b['median_depth'])}" for b in c["intervals"][:6])
+             + (" ..." if len(c["intervals"]) > 6 else ""),
+             f"  relative change (median) at r = 1, 5, 16, H: "
+             + ", ".join(_fmt(c["change"]["median"][r - 1]) for r in (1, 5, 16, c["horizon"]) if r <= c["horizon"])]
+    if report["kv_settling"]:
+        rows = report["kv_settling"]
+        span = report["config"]["kv_span"]
+        lines += ["", f"KV settling: |X^(r+{span}) - X^r| / |X^r| (norm vs r={rows[0]['depth']}), per core layer"]
+        for j in sorted({row["layer"] for row in rows}):
+            cells = [f"r={row['depth']}: K {_pct(row['K_change'])} V {_pct(row['V_change'])} "
+                     f"({_fmt(row['K_norm_ratio'], '.3f')}x)" for row in rows if row["layer"] == j]
+            lines.append(f"  layer {j}: " + "; ".join(cells))
+    co = report["carryover"]
+    lines += [""]
+    if "cos" in co:
+        lines.append(f"carryover at r={co['depth']}: cos(carryover, q) median {co['cos']['median']:.3f} "
+                     f"[{co['cos']['q10']:.3f}, {co['cos']['q90']:.3f}]; amplification median "
+                     f"{co['amplification']['median']:.3f}x [{co['amplification']['q10']:.3f}, "
+                     f"{co['amplification']['q90']:.3f}]")
+    else:
+        lines.append(f"carryover: {co['note']}")
+    s = report.get("solves")
+    if s:
+        q = s["qualified"]
+        lines += ["", f"fixed-point solves ({s['spans']} spans of {s['span_tokens']} tokens, <= {s['rule']['max_depth']} "
+                      f"recurrences, fp32, math attention):",
+                  f"  qualified: prefix {q['prefix']}, joint {q['joint']}, frozen {q['frozen']}; all three: "
+                  f"{s['qualified_pairs']}; median depth prefix {_fmt(s['median_depth']['prefix'])}, joint "
+                  f"{_fmt(s['median_depth']['joint'])}",
+                  f"  joint vs frozen-prefix: state gap median {_fmt(s['gap']['median'])} (max {_fmt(s['gap']['max'])}), "
+                  f"KL median {_fmt(s['kl']['median'])}",
+                  f"  depth-{s['control_depth']} prefix control ({s['control']['spans']} spans): state gap median "
+                  f"{_fmt(s['control']['gap_median'])}, KL median {_fmt(s['control']['kl_median'])}"]
+    if report.get("sharing"):
+        lines += ["", "terminal-KV sharing penalty (chunk / one-token decode): "
+                  + "; ".join(f"R={r}: {v['sharing_penalty']:.3f}% / {v['cacheeval_penalty']:.3f}%"
+                              for r, v in report["sharing"].items())]
+    return "\n".join(lines)
+
+
+def write_outputs(analysis: Analysis, folder: Path, plots: bool = True) -> list[Path]:
+    """report.json, summary.txt and (with `plots`) the PNG figures in `folder`; returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "report.json", folder / "summary.txt"]
+    paths[0].write_text(json.dumps(analysis.report, indent=1, default=str))
+    paths[1].write_text(format_summary(analysis.report) + "\n")
+    if plots:
+        from looplm.analyze.plots import write_plots
+
+        paths += write_plots(analysis, folder)
+    return paths
+

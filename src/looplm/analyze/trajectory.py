@@ -1,0 +1,91 @@
+"""Recurrent trajectories past the trained depth: per-recurrence state change and core K/V (SPEC 11).
+
+The model's own pieces are reused (prelude, context, recurrence with `return_kv`); the recurrence
+is called directly, so a trajectory may run beyond `max_depth` (the cap applies to `forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from looplm.model.blocks import causal_document_mask, rope_tables
+from looplm.model.looped import Context
+from looplm.model.state import initial_state
+
+
+def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Token-wise |new - old| / |old| over the last dimension, in fp32 or wider (SPEC 11 delta_t^r)."""
+    dtype = torch.promote_types(new.dtype, torch.float32)
+    new, old = new.to(dtype), old.to(dtype)
+    return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-30)
+
+
+def kv_token_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Token-wise relative change of a K or V tensor [B, H, L, hd] (heads and channels together), [B, L]."""
+    return relative_change(new.transpose(1, 2).flatten(2), old.transpose(1, 2).flatten(2))
+
+
+@dataclass
+class Start:
+    """What every recurrence of one batch shares: the context and the initial state."""
+
+    ctx: Context
+    state0: torch.Tensor
+    """s^0 [B, L, d] (evaluation-time seeded initialisation unless asked otherwise)."""
+    positions: torch.Tensor
+    """RoPE positions [B, L] (document-local for packed rows)."""
+
+
+@torch.no_grad()
+def start(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+          example_ids: torch.Tensor | None = None, init: str = "seeded", seed: int = 0) -> Start:
+    """Run the prelude once and build the per-forward context and s^0, as `LoopedLM.forward` does."""
+    B, L = tokens.shape
+    if positions is None:
+        positions = torch.arange(L, device=tokens.device).expand(B, L)
+    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
+    mask = causal_document_mask(doc_ids)
+    e = model.run_prelude(tokens, rope, mask)
+    s0 = initial_state(init, (B, L, model.cfg.d_model), device=e.device, dtype=e.dtype,
+                       example_ids=example_ids, positions=positions, seed=seed)
+    return Start(model.context(e, rope, mask), s0, positions)
+
+
+@dataclass
+class Trajectory:
+    """Quantities recorded along s^0 -> s^1 -> ... -> s^steps."""
+
+    change: torch.Tensor
+    """delta^r for r = 1..horizon: |s^r - s^(r-1)| / |s^(r-1)| per token, [horizon, B, L]."""
+    endpoint: torch.Tensor
+    """s^horizon [B, L, d]."""
+    kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    """recurrence r -> per core layer (K, V) [B, H_kv, L, hd] computed during recurrence r."""
+
+
+@torch.no_grad()
+def run_trajectory(model, begin: Start, horizon: int, *, kv_at: tuple[int, ...] = (),
+                   on_step: Callable[[int], None] | None = None) -> Trajectory:
+    """Iterate the recurrence max(horizon, max(kv_at)) times from `begin.state0`; record the
+    token-wise relative change up to `horizon`, the state at `horizon` and the core K/V at `kv_at`."""
+    if horizon < 1:
+        raise ValueError(f"horizon must be >= 1, got {horizon}")
+    steps = max(horizon, *kv_at) if kv_at else horizon
+    want = set(kv_at)
+    s = begin.state0
+    changes, endpoint, kv = [], None, {}
+    for r in range(1, steps + 1):
+        new, kvs = model.recurrence(s, begin.ctx, return_kv=True)
+        if r <= horizon:
+            changes.append(relative_change(new, s))
+        if r == horizon:
+            endpoint = new
+        if r in want:
+            kv[r] = kvs
+        s = new
+        if on_step is not None:
+            on_step(r)
+    return Trajectory(torch.stack(changes), endpoint, kv)

@@ -1,0 +1,292 @@
+"""Fixed-point diagnostics (looplm.analyze) on constructed models with known answers."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+from torch import nn
+
+from looplm.analyze import (
+    NEVER,
+    SolveRule,
+    carryover_alignment,
+    convergence_depths,
+    convergence_profile,
+    kv_settling,
+    run_trajectory,
+    solve,
+    span_solves,
+    spearman,
+    start,
+)
+from looplm.model import LoopedLM
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+
+class ScaleCore(nn.Module):
+    """A core layer x -> lam * x that reports its input as K and V (a known, exact map)."""
+
+    def __init__(self, lam: float, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.lam, self.h, self.hd = lam, n_kv_heads, head_dim
+
+    def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False):
+        out = self.lam * x
+        if not return_kv:
+            return out
+        B, L, _ = x.shape
+        kv = x.reshape(B, L, self.h, self.hd).transpose(1, 2)
+        return out, (kv, kv)
+
+
+def scaled_model(make_cfg, lam: float, *, zero_input: bool = False) -> LoopedLM:
+    """Additive injection and a ScaleCore: F(s) = lam (s + e), an exact contraction toward
+    s* = lam e / (1 - lam) for |lam| < 1 (the identity for lam = 1 and e = 0)."""
+    cfg = make_cfg(injection="additive", n_core=1, d_model=16, n_heads=2, n_kv_heads=2, max_depth=1024)
+    model = LoopedLM(cfg).double().eval()  # fp64 so that closed forms hold to many digits
+    model.core = nn.ModuleList([ScaleCore(lam, cfg.n_kv_heads, cfg.head_dim)])
+    if zero_input:
+        with torch.no_grad():
+            model.embed.weight.zero_()  # e = 0: the prelude maps a zero stream to zero
+    return model
+
+
+def tokens(B=3, L=10, vocab=50):
+    return torch.randint(0, vocab, (B, L), generator=torch.Generator().manual_seed(1))
+
+
+# -- convergence ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("lam,tau", [(0.5, 0.02), (0.8, 0.02), (0.9, 0.01), (0.3, 0.05)])
+def test_exact_contraction_converges_at_the_predicted_depth(tiny_model_config, lam, tau):
+    model = scaled_model(tiny_model_config, lam)
+    x = tokens()
+    traj = run_trajectory(model, start(model, x, init="zero"), horizon=64)
+    # From s^0 = 0: s^r = (1 - lam^r) s*, so delta^r = lam^(r-1) (1 - lam) / (1 - lam^(r-1)) for r >= 2,
+    # the same for every token; delta^r < tau  <=>  lam^(r-1) < tau / (1 - lam + tau).
+    r = torch.arange(2, 65, dtype=torch.float64)
+    expected = lam ** (r - 1) * (1 - lam) / (1 - lam ** (r - 1))
+    torch.testing.assert_close(traj.change[1:].double(), expected[:, None, None].expand_as(traj.change[1:]),
+                               rtol=1e-6, atol=1e-12)
+    predicted = math.floor(math.log(tau / (1 - lam + tau)) / math.log(lam)) + 1
+    assert (convergence_depths(traj.change, tau) == predicted).all()
+
+
+def test_identity_core_is_converged_at_depth_zero(tiny_model_config):
+    model = scaled_model(tiny_model_config, 1.0, zero_input=True)  # F(s) = s
+    x = tokens()
+    begin = start(model, x, example_ids=torch.arange(3))
+    assert begin.state0.abs().sum() > 0  # seeded, non-zero start
+    traj = run_trajectory(model, begin, horizon=16)
+    assert traj.change.abs().max() == 0
+    prof = convergence_profile(traj.change, begin.positions, tau=0.02)
+    assert (convergence_depths(traj.change, 0.02) == 0).all()
+    assert prof["fraction_converged"] == 1.0 and prof["median_depth"] == 0 and prof["histogram"][0] == x.numel()
+
+
+def test_two_cycle_never_converges(tiny_model_config):
+    model = scaled_model(tiny_model_config, -1.0, zero_input=True)  # F(s) = -s: delta = 2 forever
+    begin = start(model, tokens(), example_ids=torch.arange(3))
+    traj = run_trajectory(model, begin, horizon=16)
+    torch.testing.assert_close(traj.change, torch.full_like(traj.change, 2.0))
+    assert (convergence_depths(traj.change, 0.02) == NEVER).all()
+    prof = convergence_profile(traj.change, begin.positions, tau=0.02)
+    assert prof["fraction_converged"] == 0.0 and prof["median_depth"] is None and prof["never"] == 30
+
+
+def test_convergence_rule_on_handmade_changes():
+    t = 0.1
+    change = torch.tensor([
+        [0.5, 0.05, 0.5, 0.5],
+        [0.05, 0.05, 0.5, 0.05],
+        [0.05, 0.2, 0.05, 0.05],
+        [0.05, 0.05, 0.05, 0.2],
+    ])  # [H = 4, 4 tokens]
+    # token 0: below from r = 2 on -> depth 1; token 1: rises at r = 3 -> depth 3; token 2 -> 2; token 3: never
+    assert convergence_depths(change, t).tolist() == [1, 3, 2, NEVER]
+    with pytest.raises(ValueError, match="tau"):
+        convergence_depths(change, 0.0)
+
+
+def test_trajectory_matches_the_native_forward(tiny_model_config):
+    model = LoopedLM(tiny_model_config(injection="parcae-decay")).eval()
+    x, ids = tokens(), torch.arange(3)
+    out = model(x, 6, init="seeded", example_ids=ids, return_states=True)
+    traj = run_trajectory(model, start(model, x, example_ids=ids), horizon=6)
+    states = [None, *out.states]
+    for r in range(2, 7):  # delta^r from the forward's own states
+        ref = (states[r] - states[r - 1]).norm(dim=-1) / states[r - 1].norm(dim=-1)
+        torch.testing.assert_close(traj.change[r - 1], ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(traj.endpoint, out.endpoint)
+
+
+def test_profile_intervals_and_spearman_against_a_naive_loop():
+    g = torch.Generator().manual_seed(3)
+    H, B, L = 12, 4, 40
+    change = torch.rand(H, B, L, generator=g) * torch.linspace(1, 0.001, H)[:, None, None] ** 1.5
+    positions = torch.arange(L).expand(B, L)
+    prof = convergence_profile(change, positions, tau=0.05, interval=16)
+    depth = convergence_depths(change, 0.05)
+    for b in prof["intervals"]:
+        sel = [int(depth[i, p]) for i in range(B) for p in range(L)
+               if b["start"] <= p < b["end"] and depth[i, p] != NEVER]
+        assert b["median_depth"] == (statistics.median(sel) if sel else None)
+    assert [b["start"] for b in prof["intervals"]] == [0, 16, 32]
+    assert sum(prof["histogram"]) + prof["never"] == B * L
+
+
+def test_spearman_matches_scipy_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 7, (200,), generator=g)
+    y = x + torch.randint(0, 5, (200,), generator=g)
+    assert spearman(x, y) == pytest.approx(stats.spearmanr(x.numpy(), y.numpy()).statistic, abs=1e-12)
+    assert spearman(torch.ones(5), torch.arange(5)) is None
+
+
+# -- KV settling --------------------------------------------------------------------------------
+def test_kv_settling_of_an_exact_contraction(tiny_model_config):
+    lam, span, depths = 0.9, 5, (5, 25, 40)
+    model = scaled_model(tiny_model_config, lam)
+    kv_at = sorted({r for d in depths for r in (d, d + span)})
+    traj = run_trajectory(model, start(model, tokens(), init="zero"), horizon=4, kv_at=tuple(kv_at))
+    rows = kv_settling(traj.kv, depths, span)
+    # K^r is the core input s^(r-1) + e = (1/lam - lam^(r-1)) s*, so
+    # |K^(r+k) - K^r| / |K^r| = lam^r (1 - lam^k) / (1 - lam^r) and |K^r| / |K^5| = (1 - lam^r) / (1 - lam^5).
+    for row in rows:
+        r = row["depth"]
+        change = lam**r * (1 - lam**span) / (1 - lam**r)
+        assert row["K_change"] == pytest.approx(change, rel=1e-4)
+        assert row["V_change"] == pytest.approx(change, rel=1e-4)
+        assert row["K_norm_ratio"] == pytest.approx((1 - lam**r) / (1 - lam**5), rel=1e-5)
+
+
+# -- carryover -----------------------------------------------------------------------------------
+def test_orthoinj_amplification_is_one(tiny_model_config):
+    model = LoopedLM(tiny_model_config(injection="ortho")).eval()
+    begin = start(model, tokens(), example_ids=torch.arange(3))
+    traj = run_trajectory(model, begin, horizon=8)
+    out = carryover_alignment(model.injection, traj.endpoint, begin.ctx.injected)
+    # <carryover, q> = <r, q> eps / (|q|^2 + eps) with eps = 1e-6: amplification 1 up to eps
+    assert out["amplification"].sub(1).abs().max() < 1e-5
+    assert out["cos"].abs().max() < 1e-3  # fp32 rounding of r - alpha q, relative to a small carryover
+
+
+def test_parcae_carryover_against_a_direct_computation(tiny_model_config):
+    model = LoopedLM(tiny_model_config(injection="parcae-nonorm")).eval()
+    with torch.no_grad():
+        model.injection.A_log.normal_(0, 0.5)  # a per-channel decay
+    begin = start(model, tokens(), example_ids=torch.arange(3))
+    traj = run_trajectory(model, begin, horizon=8)
+    inj = model.injection
+    dt = torch.log1p(torch.exp(inj.dt_raw.double()))
+    lam = torch.exp(-dt * torch.exp(inj.A_log.double()))
+    e = model.run_prelude(tokens(), begin.ctx.rope, None).double()
+    q = dt * (e @ inj.W.weight.double().T)
+    c = lam * traj.endpoint.double()
+    out = carryover_alignment(inj, traj.endpoint, begin.ctx.injected)
+    cq = (c * q).sum(-1)
+    torch.testing.assert_close(out["amplification"], 1 + cq / q.square().sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["cos"], cq / (c.norm(dim=-1) * q.norm(dim=-1)), rtol=1e-5, atol=1e-6)
+    assert (out["amplification"] - 1).abs().mean() > 0.05  # not OrthoInj's 1
+    assert carryover_alignment(LoopedLM(tiny_model_config(injection="deq-qkv")).injection, c, q) is None
+
+
+# -- fixed-point solves --------------------------------------------------------------------------
+def contractive_model(make_cfg) -> LoopedLM:
+    """A real looped model (attention, SwiGLU) with core weights large enough that tokens interact,
+    still contractive thanks to Parcae's decay 1/sqrt(5)."""
+    model = LoopedLM(make_cfg(injection="parcae-decay", max_depth=1024)).eval()
+    with torch.no_grad():
+        for block in model.core:
+            for p in block.parameters():
+                if p.ndim == 2:
+                    p.mul_(6.0)
+    return model
+
+
+def test_joint_and_frozen_prefix_solves_agree_on_a_contractive_model(tiny_model_config):
+    model = contractive_model(tiny_model_config)
+    x, ids = tokens(3, 12), torch.arange(3)
+    out = span_solves(model, x, example_ids=ids, rule=SolveRule(max_depth=400), control_depth=2)
+    for name in ("prefix", "joint", "frozen", "control"):
+        assert out[f"{name}_qualified"].all(), name
+    assert out["gap"].max() < 1e-6
+    assert out["kl"].abs().max() < 1e-9
+    # The prefix matters: freezing a depth-2 prefix instead leaves a far larger gap.
+    assert out["control_gap"].min() > 1e3 * out["gap"].max()
+    # The joint solve reached the fixed point of the native forward (an independent path).
+    native = model(x, 300, init="seeded", example_ids=ids).endpoint[:, -1]
+    assert out["joint_depth"].max() < 300
+    begin = start(model, x, example_ids=ids)
+    joint = solve(lambda s: model.recurrence(s, begin.ctx, return_kv=True), begin.state0, SolveRule(max_depth=400))
+    assert ((joint.state[:, -1] - native).norm(dim=-1) / native.norm(dim=-1)).max() < 1e-5
+
+
+def test_solve_with_a_document_mask_matches_a_masked_span(tiny_model_config):
+    """Packed rows: the current token's document starts mid-span, so its frozen prefix attention must
+    follow the document mask; the solve then equals one on the document alone."""
+    model = contractive_model(tiny_model_config)
+    x = tokens(2, 12)
+    doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 8 + [1] * 4])
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.cat([torch.arange(8), torch.arange(4)])])
+    out = span_solves(model, x, doc_ids=doc, positions=pos, example_ids=torch.arange(2), rule=SolveRule(max_depth=400))
+    assert out["joint_qualified"].all() and out["frozen_qualified"].all()
+    assert out["gap"].max() < 1e-6 and out["kl"].abs().max() < 1e-9
+
+
+def test_rule_on_a_scalar_contraction_matches_a_naive_loop():
+    """A scalar geometric contraction: the qualifying depth is where 8 steps in a row first change
+    the state by <= tol (confirmation and the final check then pass trivially)."""
+    lam, target = 0.7, 3.0
+    s0 = torch.full((1, 1, 4), 1000.0, dtype=torch.float64)
+    step = lambda s: (target + lam * (s - target), [])  # noqa: E731
+    rule = SolveRule(max_depth=300)
+    got = solve(step, s0, rule)
+    # Naive loop: record |s^r - s^(r-1)| / |s^(r-1)| and find the end of the first 8-run <= tol.
+    # The first recurrence has no earlier K/V to compare with, so it never counts as stable.
+    s, run, expected = 1000.0, 0, None
+    for r in range(1, 300):
+        new = target + lam * (s - target)
+        run = run + 1 if (r > 1 and abs(new - s) / abs(s) <= rule.tol) else 0
+        s = new
+        if run == rule.stable_steps:
+            expected = r
+            break
+    assert got.qualified.item() and got.depth.item() == expected
+    assert got.steps == expected + rule.confirm_steps + 1
+
+
+def test_solve_rule_rejects_a_two_cycle_and_a_slow_drift(tiny_model_config):
+    model = scaled_model(tiny_model_config, -1.0, zero_input=True)  # F(s) = -s
+    begin = start(model, tokens(), example_ids=torch.arange(3))
+    cyc = solve(lambda s: model.recurrence(s, begin.ctx, return_kv=True), begin.state0, SolveRule(max_depth=200))
+    assert not cyc.qualified.any() and (cyc.depth == -1).all() and cyc.steps == 200
+    # Per-step change 4e-6 <= tol passes the stable run, but the drift over the confirmation exceeds 5e-5.
+    drift = solve(lambda s: (s * (1 + 4e-6), []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=300))
+    assert not drift.qualified.any()
+    slow = solve(lambda s: (s * (1 + 2e-6), []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=300))
+    assert slow.qualified.all()  # 16 x 2e-6 stays within the drift bound
+
+
+def test_rows_are_judged_separately():
+    lam = 0.5
+    s0 = torch.ones(2, 3, 4, dtype=torch.float64)
+    sign = torch.tensor([1.0, -1.0], dtype=torch.float64)[:, None, None]
+
+    def step(s):  # row 0 contracts toward 2, row 1 flips sign forever
+        return torch.where(sign > 0, 2 + lam * (s - 2), -s), []
+
+    out = solve(step, s0, SolveRule(max_depth=120))
+    assert out.qualified.tolist() == [True, False]
+    assert out.depth[0] > 0 and out.depth[1] == -1
+    torch.testing.assert_close(out.state[0], torch.full((3, 4), 2.0, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("bad", [dict(tol=0), dict(drift_tol=-1), dict(stable_steps=0), dict(max_depth=10)])
+def test_solve_rule_validation(bad):
+    with pytest.raises(ValueError):
+        SolveRule(**bad).validate()

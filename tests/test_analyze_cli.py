@@ -1,0 +1,111 @@
+"""`looplm analyze`: report, plots and summary from a trained checkpoint, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from _jobs import one_thread, shared_cache, tiny_job
+
+from looplm import checkpoint as ckpt
+from looplm.cli import main
+from looplm.eval.report import validation_data
+from looplm.model.state import initial_state
+from looplm.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+FAST = ["--horizon", "6", "--sequences", "3", "--batch-size", "2", "--kv-depths", "2", "4", "--kv-span", "2",
+        "--solve-spans", "2", "--solve-length", "16", "--solve.max-depth", "200", "--sharing-depths", "1", "2",
+        "--sharing-sequences", "2"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run folder with the checkpoint of a 2-step tiny run."""
+    root = tmp_path_factory.mktemp("analyze")
+    with one_thread():
+        Trainer(tiny_job(root, "run", cache=shared_cache(tmp_path_factory), train__steps=2)).fit()
+    return root / "run"
+
+
+def test_analyze_writes_report_plots_and_summary(run_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["analyze", str(run_dir), *FAST, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "summary.txt").read_text().strip() in printed
+    for name in ("convergence_hist", "position_depth", "relative_change", "sharing_depth"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert set(report) >= {"convergence", "kv_settling", "carryover", "solves", "sharing", "model", "config"}
+    assert sorted(report["sharing"]) == ["1", "2"]
+    assert {row["depth"] for row in report["kv_settling"]} == {2, 4} and len(report["kv_settling"]) == 2 * 2
+    assert report["solves"]["spans"] == 2 and report["solves"]["span_tokens"] == 16
+    assert "amplification" in report["carryover"]
+
+    # The convergence profile against the native forward on the same held-out rows (an independent
+    # path: LoopedLM.forward with the seeded state) and a plain loop over the rule.
+    model, tokenizer, job = ckpt.load_model(run_dir)
+    b = validation_data(tokenizer, job).get_batch([0, 1, 2])
+    with torch.no_grad():
+        states = model(b.inputs, 6, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
+                       example_ids=b.example_ids, return_states=True).states
+    s0 = initial_state("seeded", states[0].shape, device="cpu", dtype=torch.float32, example_ids=b.example_ids,
+                       positions=b.positions)
+    trajectory = [s0, *states]
+    tau, H = report["convergence"]["tau"], 6
+    hist, never = [0] * H, 0
+    for i in range(3):
+        for t in range(b.inputs.shape[1]):
+            delta = [None] + [float((trajectory[r][i, t] - trajectory[r - 1][i, t]).norm()
+                                    / trajectory[r - 1][i, t].norm()) for r in range(1, H + 1)]
+            c = H  # walk back while the change of recurrence c is below tau
+            while c > 0 and delta[c] < tau:
+                c -= 1
+            if c == H:
+                never += 1
+            else:
+                hist[c] += 1
+    assert report["convergence"]["never"] == never
+    assert report["convergence"]["histogram"] == hist
+    assert report["convergence"]["tokens"] == 3 * b.inputs.shape[1]
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--horizon", "0"], "horizon must be >= 1, got 0"),
+    (["--tau", "0"], "tau must be > 0, got 0.0"),
+    (["--tau", "-0.5"], "tau must be > 0, got -0.5"),
+    (["--kv-span", "0"], "kv-span must be >= 1"),
+    (["--kv-depths", "0", "5"], "KV depths must be >= 1"),
+    (["--solve.tol", "0"], "solve tolerances must be > 0"),
+    (["--sharing-depths", "100"], "sharing depths must be in 1..64"),
+])
+def test_bad_settings_are_one_line_errors(run_dir, tmp_path, capsys, flags, message):
+    assert main(["analyze", str(run_dir), *flags, "--output", str(tmp_path / "o")]) == 2
+    assert message in _error(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_without_a_recurrent_core(run_dir, tmp_path, capsys):
+    path = ckpt.resolve(shutil.copytree(run_dir, tmp_path / "run", symlinks=True))
+    config = ckpt.read_json(path, "config.json")
+    config["model"]["n_core"] = 0
+    ckpt.write_json(path, "config.json", config)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["sha256"]["config.json"] = ckpt._sha256(path / "config.json")
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert main(["analyze", str(path)]) == 2
+    assert "no recurrent core (n_core=0)" in _error(capsys)
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    assert main(["analyze", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoint folder" in _error(capsys)
