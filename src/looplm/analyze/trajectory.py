@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.model.looped import Context
-from looplm.model.state import initial_state
+from looplm.model.state import StateInit
 
 
 def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -41,17 +40,12 @@ class Start:
 
 @torch.no_grad()
 def start(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-          example_ids: torch.Tensor | None = None, init: str = "seeded", seed: int = 0) -> Start:
-    """Run the prelude once and build the per-forward context and s^0, as `LoopedLM.forward` does."""
-    B, L = tokens.shape
+          example_ids: torch.Tensor | None = None, init: StateInit = "seeded", seed: int = 0) -> Start:
+    """The prelude, context and s^0 of `LoopedLM.forward` (evaluation-time seeded state by default)."""
     if positions is None:
-        positions = torch.arange(L, device=tokens.device).expand(B, L)
-    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
-    mask = causal_document_mask(doc_ids)
-    e = model.run_prelude(tokens, rope, mask)
-    s0 = initial_state(init, (B, L, model.cfg.d_model), device=e.device, dtype=e.dtype,
-                       example_ids=example_ids, positions=positions, seed=seed)
-    return Start(model.context(e, rope, mask), s0, positions)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
+    ctx, s0 = model.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, example_ids=example_ids, seed=seed)
+    return Start(ctx, s0, positions)
 
 
 @dataclass

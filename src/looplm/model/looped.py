@@ -123,19 +123,8 @@ class LoopedLM(nn.Module):
         for a global batch themselves).
         """
         self.check_inputs(tokens, depth)
-        B, L = tokens.shape
-        if positions is None:
-            positions = torch.arange(L, device=tokens.device).expand(B, L)
-        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
-        mask = causal_document_mask(doc_ids)
-        e = self.run_prelude(tokens, rope, mask)
-        ctx = self.context(e, rope, mask)
-        if state0 is None:
-            state0 = initial_state(
-                init, (B, L, self.cfg.d_model), device=e.device, dtype=e.dtype,
-                example_ids=example_ids, positions=positions, seed=seed, generator=generator,
-            )
-        s = state0.detach().to(e.dtype)
+        ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
+                            example_ids=example_ids, seed=seed, generator=generator)
         n_grad = depth if bptt_window is None else min(depth, bptt_window)
         states = [] if return_states else None
         for r in range(depth):
@@ -144,8 +133,35 @@ class LoopedLM(nn.Module):
                 s = self.recurrence(s, ctx)
             if states is not None:
                 states.append(s)
-        logits = self.run_coda(s, rope, mask) if compute_logits else None
+        logits = self.run_coda(s, ctx.rope, ctx.mask) if compute_logits else None
         return LoopOutput(logits=logits, endpoint=s, states=states)
+
+    def begin(
+        self,
+        tokens: torch.Tensor,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        init: StateInit = "gaussian",
+        state0: torch.Tensor | None = None,
+        example_ids: torch.Tensor | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Context, torch.Tensor]:
+        """(context, s^0) of `forward`: the prelude runs once, then the recurrence can start
+        (also used by diagnostics that iterate the recurrence themselves)."""
+        B, L = tokens.shape
+        if positions is None:
+            positions = torch.arange(L, device=tokens.device).expand(B, L)
+        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
+        mask = causal_document_mask(doc_ids)
+        e = self.run_prelude(tokens, rope, mask)
+        if state0 is None:
+            state0 = initial_state(
+                init, (B, L, self.cfg.d_model), device=e.device, dtype=e.dtype,
+                example_ids=example_ids, positions=positions, seed=seed, generator=generator,
+            )
+        return self.context(e, rope, mask), state0.detach().to(e.dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
