@@ -45,8 +45,10 @@ TINY = (
 
 
 def _set(job: TrainJob, dotted: str, value) -> None:
-    section, name = dotted.split(".")
-    obj = getattr(job, section)
+    *path, name = dotted.split(".")
+    obj = job
+    for part in path:
+        obj = getattr(obj, part)
     if not hasattr(obj, name):
         raise AttributeError(f"no config field {dotted}")
     setattr(obj, name, value)
@@ -78,7 +80,7 @@ def tiny_flags(tmp_path: Path, name: str = "run", *, cache: Path | None = None, 
     argv: list[str] = []
     for key, value in values.items():
         if isinstance(value, bool):  # tyro: --section.flag / --section.no-flag
-            section, name = key.split(".")
+            section, name = key.rsplit(".", 1)
             argv.append(_flag(key) if value else _flag(f"{section}.no_{name}"))
         elif isinstance(value, (tuple, list)):
             argv += [_flag(key), *map(str, value)]

@@ -1,4 +1,8 @@
-"""Data parallelism on CPU (gloo): 2 ranks x micro_batch 2 == 1 process x micro_batch 4."""
+"""Data parallelism on CPU (gloo): 2 ranks x micro_batch 2 == 1 process x micro_batch 4.
+
+All three runs use the learned depth prior with no warmup and a large prior learning rate, so its
+logits move every step: the ranks draw identical depths only if every rank's prior sees the same
+globally reduced, token-weighted microbatch losses."""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from _jobs import free_port, one_thread, shared_cache, step_records, subprocess_env, tiny_job
 
 from looplm.checkpoint import load_tensors
+from looplm.depth.pln import pln_pmf
 from looplm.train.distributed import DistEnv, init_distributed, wrap_model
 from looplm.train.trainer import Trainer
 
@@ -47,12 +53,13 @@ RANK_SCRIPT = textwrap.dedent("""
         summary = trainer.fit()
         with open(os.path.join(reports, f"{job.train.parallel}-rank{env.rank}.json"), "w") as f:
             json.dump({"depths": drawn, "step": summary["step"], "world_size": env.world_size,
-                       "wrapped": type(trainer.wrapped).__name__}, f)
+                       "wrapped": type(trainer.wrapped).__name__, "prior": trainer.sampler.state_dict()}, f)
     D.shutdown(env)
 """)
 
 TORCHRUN_TIMEOUT = 300
 STEPS = 6
+LEARNED_PRIOR = dict(depth__sampler="learned", depth__learned__warmup_updates=0, depth__learned__lr=0.5)
 
 
 def torchrun(tmp_path, jobs, nproc=2) -> dict[str, list[dict]]:
@@ -79,7 +86,7 @@ def single_process(tmp_path_factory):
     """The reference: one process, micro_batch 4 x grad_accum 2."""
     root = tmp_path_factory.mktemp("single")
     job = tiny_job(root, "single", cache=shared_cache(tmp_path_factory), train__steps=STEPS,
-                   train__checkpoint_every=100)
+                   train__checkpoint_every=100, **LEARNED_PRIOR)
     with one_thread():
         trainer = Trainer(job)
         trainer.fit()
@@ -91,7 +98,7 @@ def two_ranks(tmp_path_factory):
     """The same global batch on 2 gloo ranks x micro_batch 2, once with DDP and once with FSDP2."""
     root = tmp_path_factory.mktemp("torchrun")
     jobs = [tiny_job(root, parallel, cache=shared_cache(tmp_path_factory), train__steps=STEPS,
-                     train__checkpoint_every=100, train__micro_batch=2, train__parallel=parallel)
+                     train__checkpoint_every=100, train__micro_batch=2, train__parallel=parallel, **LEARNED_PRIOR)
             for parallel in ("ddp", "fsdp")]
     return {job.train.parallel: job for job in jobs}, torchrun(root, jobs)
 
@@ -111,6 +118,11 @@ def test_two_ranks_match_one_process(single_process, two_ranks, parallel, wrappe
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     assert reports[0]["depths"] == [ref[s]["depths"] for s in sorted(ref)]
     assert [got[s]["depths"] for s in sorted(got)] == [ref[s]["depths"] for s in sorted(ref)]
+    # the learned prior took the same steps on every rank, and the same as one process
+    priors = [r["prior"] for r in reports]
+    assert priors[0]["n"] == STEPS and priors[0]["logits"] == priors[1]["logits"]
+    np.testing.assert_allclose(priors[0]["logits"], single_process.sampler.state_dict()["logits"], rtol=1e-6, atol=1e-9)
+    assert not np.allclose(priors[0]["logits"], np.log(pln_pmf(5.0, 0.5, 64)), atol=1e-3)  # the logits did move
     # same global batch -> the same loss curve (up to float reduction order)
     for s in ref:
         assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5), s

@@ -65,6 +65,25 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, cache):
     assert (full.ckpt_root / "latest").read_text().strip() == "step_0000008"
 
 
+def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
+    """A learned prior whose logits move every step resumes onto the same trajectory (logits, Adam
+    state, baselines, draw counter), so the depths and losses match an uninterrupted run."""
+    prior = dict(depth__sampler="learned", depth__learned__warmup_updates=1, depth__learned__lr=0.3,
+                 depth__learned__entropy_weight=0.01)
+    full = Trainer(job(tmp_path, cache, "full", train__checkpoint_every=100, **prior))
+    full.fit()
+    Trainer(job(tmp_path, cache, "split", train__checkpoint_every=100, train__stop_after=3, **prior)).fit()
+    second = Trainer(job(tmp_path, cache, "split", train__checkpoint_every=100, train__resume=True, **prior))
+    assert second.step == 3 and second.sampler.n == 3
+    second.fit()
+    assert second.sampler.state_dict() == full.sampler.state_dict()
+    assert losses(second.out_dir) == losses(full.out_dir)
+    records = [r for r in read_metrics(full.out_dir) if "depth/pmf" in r]
+    assert len(records) == 8 and records[-1]["depth/updates"] == 8
+    assert records[0]["depth/pmf"] != records[-1]["depth/pmf"]
+    assert (full.out_dir / "depth_prior.png").stat().st_size > 10_000
+
+
 def test_resume_restores_optimizer_state(tmp_path, cache):
     """The optimizer state goes through flatten -> safetensors/JSON -> unflatten unchanged."""
     a = Trainer(job(tmp_path, cache, train__stop_after=2))

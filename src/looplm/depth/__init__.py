@@ -1,6 +1,9 @@
-"""Depth samplers (fixed, PLN, uniform) behind one interface (SPEC 3)."""
+"""Depth samplers (fixed, PLN, uniform, learned) behind one interface (SPEC 3, 4)."""
 
+from looplm.depth.config import DepthConfig, LearnedPriorConfig
+from looplm.depth.learned import LearnedDepthPrior
 from looplm.depth.pln import calibrate_mu, pln_pmf
-from looplm.depth.samplers import DepthConfig, DepthSampler, FixedDepth, PLNDepth, UniformDepth, build_sampler
+from looplm.depth.samplers import DepthSampler, FixedDepth, PLNDepth, UniformDepth, build_sampler
 
-__all__ = ["DepthConfig", "DepthSampler", "FixedDepth", "PLNDepth", "UniformDepth", "build_sampler", "calibrate_mu", "pln_pmf"]
+__all__ = ["DepthConfig", "DepthSampler", "FixedDepth", "LearnedDepthPrior", "LearnedPriorConfig", "PLNDepth",
+           "UniformDepth", "build_sampler", "calibrate_mu", "pln_pmf"]

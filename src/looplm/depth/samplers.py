@@ -3,40 +3,17 @@
 A sampler draws one recurrence count per microbatch. Draws are a pure function of (seed, draw
 counter), so every rank draws the same depth without communication and a resumed run draws the
 same depths as an uninterrupted one (the counter is checkpointed). The learned depth prior
-(SPEC 4) implements the same interface and uses `observe`/`update` for its feedback.
+(SPEC 4, `looplm.depth.learned`) implements the same interface and uses `observe`/`update` for its
+feedback.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Literal
-
 import numpy as np
 
+from looplm.depth.config import DepthConfig
 from looplm.depth.pln import pln_pmf, pmf_mean
-
-
-@dataclass
-class DepthConfig:
-    """How training chooses the recurrence count R of each microbatch (SPEC 3)."""
-
-    sampler: Literal["fixed", "pln", "uniform"] = "pln"
-    """fixed: always `depth`; pln: capped Poisson-lognormal with mean `depth`; uniform: U(low..high)."""
-    depth: float = 5.0
-    """Fixed R, or the target mean of the PLN prior."""
-    low: int = 1
-    """Smallest depth of the uniform sampler."""
-    high: int = 9
-    """Largest depth of the uniform sampler."""
-    sigma: float = 0.5
-    """Standard deviation of ln(lambda) for PLN."""
-    cap: int = 64
-    """Largest depth any sampler may draw (the PLN cap bucket)."""
-    bptt_window: int | None = 10
-    """Backprop window b: only the last min(R, b) recurrences get gradients; None = full BPTT."""
-    seed: int = 0
-    """Seed of the depth draws (independent of the model seed)."""
 
 
 class DepthSampler(ABC):
@@ -124,4 +101,11 @@ def build_sampler(cfg: DepthConfig) -> DepthSampler:
         return PLNDepth(cfg.depth, cfg.sigma, cfg.cap, cfg.seed)
     if cfg.sampler == "uniform":
         return UniformDepth(cfg.low, cfg.high, cfg.cap, cfg.seed)
-    raise ValueError(f"unknown depth sampler {cfg.sampler!r}; choose fixed, pln or uniform")
+    if cfg.sampler == "learned":
+        from looplm.depth.learned import LearnedDepthPrior, initial_logits, logits_from_run
+
+        lc = cfg.learned
+        logits = (logits_from_run(lc.init_from) if lc.init_from is not None
+                  else initial_logits(lc.init, cfg.cap, cfg.depth, cfg.sigma, cfg.low, cfg.high))
+        return LearnedDepthPrior(logits, cfg.depth, lc, cfg.seed)
+    raise ValueError(f"unknown depth sampler {cfg.sampler!r}; choose fixed, pln, uniform or learned")

@@ -131,7 +131,7 @@ def job_from_dict(data: dict) -> TrainJob:
     train_cfg = dict(data["train"], out_dir=Path(data["train"]["out_dir"]))
     return TrainJob(
         model=ModelConfig.from_dict(data["model"]),
-        depth=DepthConfig(**data["depth"]),
+        depth=DepthConfig.from_dict(data["depth"]),
         data=DataConfig(**data_cfg),
         train=TrainConfig(**train_cfg),
         eval=EvalConfig(**{**data["eval"], "depths": tuple(data["eval"]["depths"]),

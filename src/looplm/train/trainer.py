@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX, Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
 from looplm.data import iter_documents, load_tokenizer
-from looplm.depth import DepthSampler, build_sampler
+from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
+from looplm.depth.plot import plot_prior
 from looplm.model import LoopedLM
 from looplm.train import distributed as D
 from looplm.train.config import TrainJob
@@ -304,6 +305,8 @@ class Trainer:
         if bar is not None:
             bar.close()
         self.logger.close()
+        if env.is_main and isinstance(self.sampler, LearnedDepthPrior):
+            plot_prior(self.logger.path, self.out_dir / "depth_prior.png", title=str(self.out_dir))
         return {"step": self.step, "checkpoint": str(last or self.latest_checkpoint()), "out_dir": str(self.out_dir),
                 "tokens": self.tokens_seen, "elapsed_s": self.elapsed}
 
