@@ -21,16 +21,22 @@ def _save(fig, path: Path) -> Path:
 
 
 def convergence_histogram(report: dict, path: Path) -> Path:
-    """Tokens per convergence depth at tau, with the never-converged tokens as the last bar."""
+    """Tokens per convergence depth at tau (log scale), with the never-converged tokens as the last bar."""
     c = report["convergence"]
-    hist, H = c["histogram"], c["horizon"]
+    hist = c["histogram"]
+    top = max([d for d, n in enumerate(hist) if n] or [0])
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.bar(range(H), hist, width=1.0, color="tab:blue", label="converged")
-    ax.bar([H + 1], [c["never"]], width=1.0, color="tab:red", label=f"not within {H}")
+    ax.bar(range(top + 1), hist[:top + 1], width=0.9, color="tab:blue", label="converged")
+    ax.bar([top + 2], [c["never"]], width=0.9, color="tab:red", label=f"not within {c['horizon']}")
+    ax.set_xticks(list(range(0, top + 1, max(1, (top + 1) // 10))) + [top + 2],
+                  [str(d) for d in range(0, top + 1, max(1, (top + 1) // 10))] + ["never"])
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.5)  # a bar of one token stays visible
     ax.set_xlabel("convergence depth (recurrences)")
     ax.set_ylabel("tokens")
+    median = c["median_depth"]
     ax.set_title(f"convergence depth at tau={c['tau']:g}: {100 * c['fraction_converged']:.1f}% converged, "
-                 f"median {c['median_depth'] if c['median_depth'] is not None else '-'}", fontsize=10)
+                 f"median {median if median is not None else '-'}", fontsize=10)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -46,9 +52,12 @@ def position_vs_depth(report: dict, depth: torch.Tensor, position: torch.Tensor,
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     jitter = (torch.rand(d.shape, generator=torch.Generator().manual_seed(1)) - 0.5) * 0.6
     ax.scatter(p, d + jitter, s=3, alpha=0.25, color="tab:blue", label="tokens (jittered)")
-    mids = [(b["start"] + b["end"]) / 2 for b in c["intervals"] if b["median_depth"] is not None]
-    meds = [b["median_depth"] for b in c["intervals"] if b["median_depth"] is not None]
-    ax.plot(mids, meds, "o-", color="tab:orange", label="interval median")
+    last = float(position.max())
+    label = "interval median"
+    for b in c["intervals"]:
+        if b["median_depth"] is not None:  # a segment over the positions the interval covers
+            ax.hlines(b["median_depth"], b["start"], min(b["end"] - 1, last), color="tab:orange", lw=2.5, label=label)
+            label = None
     rho = c["spearman_position_depth"]
     ax.set_title(f"position vs convergence depth (Spearman {rho:.3f})" if rho is not None
                  else "position vs convergence depth", fontsize=10)

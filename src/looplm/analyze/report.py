@@ -154,7 +154,7 @@ def profile_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) ->
         carry["note"] = "no core-entrance injection (DEQ-QKV): carryover is not defined"
     out = {"convergence": convergence_profile(change, pos, cfg.tau, cfg.position_interval),
            "kv_settling": sums.table() if sums is not None else [], "carryover": carry}
-    return out, convergence_depths(change, cfg.tau).flatten(), pos.flatten()
+    return out, convergence_depths(change, cfg.tau).flatten().cpu(), pos.flatten().cpu()
 
 
 def solve_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> dict:
