@@ -270,6 +270,14 @@ def test_solve_rule_rejects_a_two_cycle_and_a_slow_drift(tiny_model_config):
     assert not drift.qualified.any()
     slow = solve(lambda s: (s * (1 + 2e-6), []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=300))
     assert slow.qualified.all()  # 16 x 2e-6 stays within the drift bound
+    # A still state whose layer K/V keep moving does not qualify either.
+    clock = iter(range(1, 10_000))
+
+    def moving_kv(s):
+        k = torch.ones(1, 1, 2, 3, dtype=torch.float64) * (1 + 1e-3 * next(clock))
+        return s, [(k, k.clone())]
+
+    assert not solve(moving_kv, torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=100)).qualified.any()
 
 
 def test_rows_are_judged_separately():

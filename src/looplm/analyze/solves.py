@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from looplm.analyze.trajectory import Start, kv_token_change, relative_change, start
+from looplm.analyze.trajectory import Start, relative_change, start
 from looplm.model.looped import Context
 
 Step = Callable[[torch.Tensor], tuple[torch.Tensor, list]]
@@ -30,8 +30,8 @@ Step = Callable[[torch.Tensor], tuple[torch.Tensor, list]]
 
 @dataclass
 class SolveRule:
-    """When a solve counts as converged (SPEC 11): the max per-token relative state change and
-    per-layer K/V change stay <= `tol` for `stable_steps` consecutive recurrences; then for
+    """When a solve counts as converged (SPEC 11): the max per-token relative state change and the
+    per-layer relative K/V change (over the row's iterated tokens) stay <= `tol` for `stable_steps` consecutive recurrences; then for
     `confirm_steps` recurrences the state drifts at most `drift_tol` (per token, relative) from where
     the stable run ended; then one more recurrence changes it by at most `tol`. A failed
     confirmation or final check starts the search again. Cycles never pass."""
@@ -98,8 +98,8 @@ def solve(step: Step, state0: torch.Tensor, rule: SolveRule, on_step: Callable[[
             change = torch.full_like(change, float("inf"))  # no earlier K/V to compare with yet
         else:
             for (k, v), (k0, v0) in zip(kvs, last_kv):
-                change = torch.maximum(change, _row_max(kv_token_change(k, k0)))
-                change = torch.maximum(change, _row_max(kv_token_change(v, v0)))
+                change = torch.maximum(change, relative_change(k.flatten(1), k0.flatten(1)))  # per layer
+                change = torch.maximum(change, relative_change(v.flatten(1), v0.flatten(1)))
         small = change <= rule.tol
         before = phase.clone()
         drift = _row_max(relative_change(new, anchor))

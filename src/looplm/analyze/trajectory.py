@@ -22,11 +22,6 @@ def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-30)
 
 
-def kv_token_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Token-wise relative change of a K or V tensor [B, H, L, hd] (heads and channels together), [B, L]."""
-    return relative_change(new.transpose(1, 2).flatten(2), old.transpose(1, 2).flatten(2))
-
-
 @dataclass
 class Start:
     """What every recurrence of one batch shares: the context and the initial state."""
