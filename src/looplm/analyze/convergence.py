@@ -41,7 +41,8 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float | None:
     return None if denom == 0 else float((rx * ry).sum() / denom)
 
 
-def _median(x: torch.Tensor) -> float | None:
+def median_or_none(x: torch.Tensor) -> float | None:
+    """The (interpolated) median of a tensor's values; None when it is empty."""
     return float(torch.quantile(x.double(), 0.5)) if x.numel() else None
 
 
@@ -64,7 +65,7 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
         if inside.any():
             d = depth[inside & done]
             buckets.append({"start": lo, "end": lo + interval, "tokens": int(inside.sum()),
-                            "fraction_converged": float(done[inside].float().mean()), "median_depth": _median(d)})
+                            "fraction_converged": float(done[inside].float().mean()), "median_depth": median_or_none(d)})
     flat = change.flatten(1).double()
     q = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1)
     return {
@@ -72,7 +73,7 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
         "horizon": H,
         "tokens": int(depth.numel()),
         "fraction_converged": float(done.float().mean()),
-        "median_depth": _median(depth[done]),
+        "median_depth": median_or_none(depth[done]),
         "histogram": hist.tolist(),
         "never": int((~done).sum()),
         "intervals": buckets,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from looplm.analyze.carryover import carryover_alignment, summarize
-from looplm.analyze.convergence import convergence_depths, convergence_profile
+from looplm.analyze.convergence import convergence_depths, convergence_profile, median_or_none
 from looplm.analyze.kv_settling import KVSums, kv_recurrences
 from looplm.analyze.solves import SolveRule, span_solves
 from looplm.analyze.trajectory import run_trajectory, start
@@ -117,10 +117,6 @@ def _batches(n: int, size: int):
         yield list(range(lo, min(n, lo + size)))
 
 
-def _median(x: torch.Tensor) -> float | None:
-    return float(torch.quantile(x.double(), 0.5)) if x.numel() else None
-
-
 def _max(x: torch.Tensor) -> float | None:
     return float(x.max()) if x.numel() else None
 
@@ -177,14 +173,15 @@ def solve_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> d
         "spans": n, "span_tokens": length, "rule": dataclasses.asdict(cfg.solve), "control_depth": cfg.control_depth,
         "qualified": {name: int(r[f"{name}_qualified"].sum()) for name in ("prefix", "joint", "frozen", "control")},
         "qualified_pairs": int(pair.sum()),
-        "median_depth": {name: _median(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
+        "median_depth": {name: median_or_none(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
                          for name in ("prefix", "joint", "frozen")},
         "max_depth": {name: _max(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
                       for name in ("prefix", "joint", "frozen")},
-        "gap": {"median": _median(r["gap"][pair]), "max": _max(r["gap"][pair])},
-        "kl": {"median": _median(r["kl"][pair]), "max": _max(r["kl"][pair])},
-        "control": {"spans": int(ctrl.sum()), "gap_median": _median(r["control_gap"][ctrl]),
-                    "kl_median": _median(r["control_kl"][ctrl])},
+        "gap": {"median": median_or_none(r["gap"][pair]), "max": _max(r["gap"][pair])},
+        "kl": {"median": median_or_none(r["kl"][pair]), "max": _max(r["kl"][pair])},
+        "control": {"spans": int(ctrl.sum()), "gap_median": median_or_none(r["control_gap"][ctrl]),
+                    "kl_median": median_or_none(r["control_kl"][ctrl])},
+        "per_span": {k: v.tolist() for k, v in r.items()},
     }
 
 
