@@ -65,7 +65,8 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
         if inside.any():
             d = depth[inside & done]
             buckets.append({"start": lo, "end": lo + interval, "tokens": int(inside.sum()),
-                            "fraction_converged": float(done[inside].float().mean()), "median_depth": median_or_none(d)})
+                            "fraction_converged": float(done[inside].float().mean()),
+                            "median_depth": median_or_none(d)})
     flat = change.flatten(1).double()
     q = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1)
     return {

@@ -122,7 +122,8 @@ def _max(x: torch.Tensor) -> float | None:
 
 
 @torch.no_grad()
-def profile_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def profile_rows(model, data, cfg: AnalyzeConfig, device,
+                 progress: Progress) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Convergence profile, KV settling and carryover alignment over the first `cfg.sequences` rows."""
     n = min(len(data), cfg.sequences)
     kv_at = kv_recurrences(cfg.kv_depths, cfg.kv_span) if cfg.kv_depths else ()
@@ -260,12 +261,13 @@ def format_summary(report: dict) -> str:
     s = report.get("solves")
     if s:
         q = s["qualified"]
-        lines += ["", f"fixed-point solves ({s['spans']} spans of {s['span_tokens']} tokens, <= {s['rule']['max_depth']} "
-                      f"recurrences, fp32, math attention):",
+        lines += ["", f"fixed-point solves ({s['spans']} spans of {s['span_tokens']} tokens, "
+                      f"<= {s['rule']['max_depth']} recurrences, fp32, math attention):",
                   f"  qualified: prefix {q['prefix']}, joint {q['joint']}, frozen {q['frozen']}; all three: "
                   f"{s['qualified_pairs']}; median depth prefix {_fmt(s['median_depth']['prefix'])}, joint "
                   f"{_fmt(s['median_depth']['joint'])}",
-                  f"  joint vs frozen-prefix: state gap median {_fmt(s['gap']['median'])} (max {_fmt(s['gap']['max'])}), "
+                  f"  joint vs frozen-prefix: state gap median {_fmt(s['gap']['median'])} "
+                  f"(max {_fmt(s['gap']['max'])}), "
                   f"KL median {_fmt(s['kl']['median'])}",
                   f"  depth-{s['control_depth']} prefix control ({s['control']['spans']} spans): state gap median "
                   f"{_fmt(s['control']['gap_median'])}, KL median {_fmt(s['control']['kl_median'])}"]

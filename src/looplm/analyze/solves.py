@@ -31,10 +31,11 @@ Step = Callable[[torch.Tensor], tuple[torch.Tensor, list]]
 @dataclass
 class SolveRule:
     """When a solve counts as converged (SPEC 11): the max per-token relative state change and the
-    per-layer relative K/V change (over the row's iterated tokens) stay <= `tol` for `stable_steps` consecutive recurrences; then for
-    `confirm_steps` recurrences the state drifts at most `drift_tol` (per token, relative) from where
-    the stable run ended; then one more recurrence changes it by at most `tol`. A failed
-    confirmation or final check starts the search again. Cycles never pass."""
+    per-layer relative K/V change (over the row's iterated tokens) stay <= `tol` for `stable_steps`
+    consecutive recurrences; then for `confirm_steps` recurrences the state drifts at most
+    `drift_tol` (per token, relative) from where the stable run ended; then one more recurrence
+    changes it by at most `tol`. A failed confirmation or final check starts the search again.
+    Cycles never pass."""
 
     max_depth: int = 1024
     """Largest number of recurrences a solve may run."""
