@@ -28,7 +28,7 @@ from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
 from looplm.model import LoopedLM
 from looplm.train import distributed as D
-from looplm.train.config import TrainJob
+from looplm.train.config import TrainJob, job_from_dict
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.metrics import MetricsLogger
 from looplm.train.schedule import wsd_multiplier
@@ -155,7 +155,7 @@ class Trainer:
                              f"or choose another --train.out-dir")
         path = self.ckpt_root / latest.read_text().strip()
         ckpt.verify(path)
-        saved = ckpt.read_json(path, "config.json")
+        saved = job_from_dict(ckpt.read_json(path, "config.json")).to_dict()  # fills fields added since
         now = self.job.to_dict()
         saved["model"]["vocab_size"] = now["model"]["vocab_size"] = 0  # set from the tokenizer
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
