@@ -224,10 +224,6 @@ def _fmt(x, spec: str = ".3g") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.3g}%"
-
-
 def format_summary(report: dict) -> str:
     """A one-screen plain-text summary of the report."""
     c = report["convergence"]
@@ -243,19 +239,23 @@ def format_summary(report: dict) -> str:
              + ", ".join(_fmt(c["change"]["median"][r - 1]) for r in (1, 5, 16, c["horizon"]) if r <= c["horizon"])]
     if report["kv_settling"]:
         rows = report["kv_settling"]
-        span = report["config"]["kv_span"]
-        lines += ["", f"KV settling: |X^(r+{span}) - X^r| / |X^r| (norm vs r={rows[0]['depth']}), per core layer"]
+        depths = sorted({row["depth"] for row in rows})
+        cell = {(row["layer"], row["depth"]): row for row in rows}
+        lines += ["", f"KV settling: |X^(r+{report['config']['kv_span']}) - X^r| / |X^r| in % per core layer, "
+                      f"and |K^r| / |K^{depths[0]}|",
+                  f"{'':>14}" + "".join(f"{'r=' + str(r):>11}" for r in depths)]
         for j in sorted({row["layer"] for row in rows}):
-            cells = [f"r={row['depth']}: K {_pct(row['K_change'])} V {_pct(row['V_change'])} "
-                     f"({_fmt(row['K_norm_ratio'], '.3f')}x)" for row in rows if row["layer"] == j]
-            lines.append(f"  layer {j}: " + "; ".join(cells))
+            for key, label in (("K_change", "K"), ("V_change", "V"), ("K_norm_ratio", "|K|")):
+                scale, spec = (1, ".4f") if key == "K_norm_ratio" else (100, ".3g")
+                lines.append(f"  layer {j} {label:<4}" + "".join(
+                    f"{_fmt(None if cell[j, r][key] is None else scale * cell[j, r][key], spec):>11}" for r in depths))
     co = report["carryover"]
     lines += [""]
     if "cos" in co:
-        lines.append(f"carryover at r={co['depth']}: cos(carryover, q) median {co['cos']['median']:.3f} "
-                     f"[{co['cos']['q10']:.3f}, {co['cos']['q90']:.3f}]; amplification median "
-                     f"{co['amplification']['median']:.3f}x [{co['amplification']['q10']:.3f}, "
-                     f"{co['amplification']['q90']:.3f}]")
+        lines += [f"carryover alignment at r={co['depth']} (median, 10-90% of tokens):",
+                  f"  cos(carryover, q) {co['cos']['median']:.3f} [{co['cos']['q10']:.3f}, {co['cos']['q90']:.3f}]; "
+                  f"amplification 1 + <carryover, q>/|q|^2 = {co['amplification']['median']:.4f}x "
+                  f"[{co['amplification']['q10']:.4f}, {co['amplification']['q90']:.4f}]"]
     else:
         lines.append(f"carryover: {co['note']}")
     s = report.get("solves")
@@ -272,9 +272,9 @@ def format_summary(report: dict) -> str:
                   f"  depth-{s['control_depth']} prefix control ({s['control']['spans']} spans): state gap median "
                   f"{_fmt(s['control']['gap_median'])}, KL median {_fmt(s['control']['kl_median'])}"]
     if report.get("sharing"):
-        lines += ["", "terminal-KV sharing penalty (chunk / one-token decode): "
-                  + "; ".join(f"R={r}: {v['sharing_penalty']:.3f}% / {v['cacheeval_penalty']:.3f}%"
-                              for r, v in report["sharing"].items())]
+        lines += ["", "terminal-KV sharing penalty, 100 (PPL_terminal / PPL_full - 1), chunk / one-token decode:",
+                  "  " + "; ".join(f"R={r}: {v['sharing_penalty']:.3f}% / {v['cacheeval_penalty']:.3f}%"
+                                   for r, v in report["sharing"].items())]
     return "\n".join(lines)
 
 
