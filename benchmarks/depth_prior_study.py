@@ -12,6 +12,7 @@ depth sampler or the injection changes. Each trained arm is then evaluated here 
 
     python benchmarks/depth_prior_study.py --out runs/study              # all arms, skips finished work
     python benchmarks/depth_prior_study.py --out runs/study --arms pln5 fixed5 --jobs 2
+    python benchmarks/depth_prior_study.py --out runs/study --report-only   # tables from finished arms
 
 Training commands, per-arm results (`<out>/<arm>/study.json`) and the Markdown tables
 (`benchmarks/results/depth_prior_study.md`, `.json`) are written as it goes.
@@ -41,17 +42,17 @@ LEARNED = ["--depth.sampler", "learned"]
 
 # name -> (what it tests, data args, arm args, steps)
 ARMS: dict[str, tuple[str, list[str], list[str], int]] = {
-    "fixed5": ("fixed R=5, full BPTT", TEXT, FIXED5, 300),
-    "pln5": ("PLN-5, b=10, parcae-decay", TEXT, [], 300),
-    "learned0": ("learned prior, lambda_H=0 (prior lr 1e-2)", TEXT, LEARNED + ["--depth.learned.lr", "1e-2"], 300),
+    "fixed5": ("fixed R=5, full BPTT", TEXT, FIXED5, 200),
+    "pln5": ("PLN-5, b=10, parcae-nonorm (the default injection)", TEXT, [], 200),
+    "learned0": ("learned prior, lambda_H=0 (prior lr 1e-2)", TEXT, LEARNED + ["--depth.learned.lr", "1e-2"], 200),
     "learned001": ("learned prior, lambda_H=0.01 (prior lr 1e-2)", TEXT,
-                   LEARNED + ["--depth.learned.lr", "1e-2", "--depth.learned.entropy-weight", "0.01"], 300),
-    "learned0_lr1e-3": ("learned prior, lambda_H=0, the paper's prior lr 1e-3", TEXT, LEARNED, 300),
-    "nonorm": ("PLN-5, parcae-nonorm", TEXT, ["--model.injection", "parcae-nonorm"], 300),
-    "ortho": ("PLN-5, OrthoInj", TEXT, ["--model.injection", "ortho"], 300),
-    "huginn": ("PLN-5, huginn-linear", TEXT, ["--model.injection", "huginn-linear"], 300),
-    "add_fixed5": ("reversed addition, fixed R=5 full BPTT", TASKS_ADD, FIXED5, 400),
-    "add_pln5": ("reversed addition, PLN-5 b=10", TASKS_ADD, [], 400),
+                   LEARNED + ["--depth.learned.lr", "1e-2", "--depth.learned.entropy-weight", "0.01"], 200),
+    "learned0_lr1e-3": ("learned prior, lambda_H=0, the paper's prior lr 1e-3", TEXT, LEARNED, 200),
+    "decay": ("PLN-5, parcae-decay", TEXT, ["--model.injection", "parcae-decay"], 200),
+    "ortho": ("PLN-5, OrthoInj", TEXT, ["--model.injection", "ortho"], 200),
+    "huginn": ("PLN-5, huginn-linear", TEXT, ["--model.injection", "huginn-linear"], 200),
+    "add_fixed5": ("reversed addition, fixed R=5 full BPTT", TASKS_ADD, FIXED5, 300),
+    "add_pln5": ("reversed addition, PLN-5 b=10", TASKS_ADD, [], 300),
 }
 NATIVE_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 SHARING_DEPTHS = (5, 16)
@@ -166,13 +167,37 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_native(results: list[dict], out: Path) -> None:
+    """Native perplexity against test-time depth, one line per arm (text and task arms apart)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [("Shakespeare (byte level)", [r for r in results if "accuracy" not in r]),
+              ("reversed addition", [r for r in results if "accuracy" in r])]
+    groups = [g for g in groups if g[1]]
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], groups):
+        for res in rows:
+            nat = {int(k): v["ppl"] for k, v in res["native"].items()}
+            ax.plot(list(nat), list(nat.values()), "o-", ms=3, label=res["arm"])
+        ax.set(xscale="log", xlabel="test-time depth R", ylabel="native perplexity", title=title)
+        ax.axvline(5, color="grey", lw=0.5, ls="--")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/study"))
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--jobs", type=int, default=1, help="arms trained at once (threads are split between them)")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every arm's steps (quick checks)")
-    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate trained arms without training")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the tables from <out>/*/study.json")
     args = ap.parse_args()
     if not (ROOT / SHAKESPEARE).exists() and any(ARMS[a][1] is TEXT for a in args.arms):
         print(f"error: {SHAKESPEARE} not found (the text arms need the shared Shakespeare corpus)", file=sys.stderr)
@@ -186,19 +211,20 @@ def main() -> int:
             print(f"[{time.strftime('%H:%M:%S')}] trained {name} in {dt:.0f} s", flush=True)
         return name
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        names = list(pool.map(run, args.arms))
-    results = []
+    names = []
+    if not args.report_only:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            names = list(pool.map(run, args.arms))
     for name in names:
         t0 = time.time()
-        res = evaluate_arm(name, out)
-        results.append(res)
+        evaluate_arm(name, out)
         print(f"[{time.strftime('%H:%M:%S')}] evaluated {name} in {time.time() - t0:.0f} s", flush=True)
     every = sorted((json.loads(p.read_text()) for p in out.glob("*/study.json")), key=lambda r: list(ARMS).index(r["arm"]))
     text = markdown(every)
     res_dir = ROOT / "benchmarks" / "results"
     (res_dir / "depth_prior_study.md").write_text(text)
     (res_dir / "depth_prior_study.json").write_text(json.dumps(every, indent=1))
+    plot_native(every, ROOT / "docs" / "study_native_ppl.png")
     print(text)
     return 0
 

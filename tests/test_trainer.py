@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from _jobs import losses, read_metrics, shared_cache, step_records, tiny_job
 
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX
+from looplm.depth import DepthConfig, LearnedPriorConfig, build_sampler
 from looplm.model import LoopedLM
 from looplm.train.trainer import Trainer
 
@@ -82,6 +84,13 @@ def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
     assert len(records) == 8 and records[-1]["depth/updates"] == 8
     assert records[0]["depth/pmf"] != records[-1]["depth/pmf"]
     assert (full.out_dir / "depth_prior.png").stat().st_size > 10_000
+    # the frozen arm can start from this run's learned shape
+    frozen = build_sampler(DepthConfig(sampler="learned", learned=LearnedPriorConfig(init_from=full.out_dir, frozen=True)))
+    np.testing.assert_allclose(frozen.pmf(), full.sampler.pmf(), rtol=1e-12)
+    pln = Trainer(job(tmp_path, cache, "pln", train__stop_after=1))
+    pln.fit()
+    with pytest.raises(ValueError, match="not trained with a learned depth prior"):
+        build_sampler(DepthConfig(sampler="learned", learned=LearnedPriorConfig(init_from=pln.out_dir)))
 
 
 def test_resume_restores_optimizer_state(tmp_path, cache):
