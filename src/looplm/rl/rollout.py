@@ -144,30 +144,30 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     gen = torch.Generator(device=device).manual_seed(seed)
     fed_z: list[torch.Tensor] = []  # endpoint of completion token j, [N, d], for j fed
     chosen, chosen_lp = [], []
-    done = torch.zeros(N, dtype=torch.bool)
+    done = [False] * N
     ended = [False] * N
     lengths = [0] * N
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
-        chosen.append(nxt)
+        chosen.append(nxt.tolist())
         chosen_lp.append(logp.gather(-1, nxt[:, None])[:, 0])
         for i in range(N):
             if done[i]:
                 continue
             lengths[i] += 1
-            tok = int(nxt[i])
             # an active row has sampled at every step so far: its tokens are chosen[0..step]
-            if tok == tokenizer.eos_id or (stop and _cut_at_stop(tokenizer.decode([int(t[i]) for t in chosen]), stop)[1]):
+            if chosen[-1][i] == tokenizer.eos_id or (stop and _cut_at_stop(tokenizer.decode([t[i] for t in chosen]),
+                                                                           stop)[1]):
                 done[i] = ended[i] = True
-        if bool(done.all()) or step + 1 == max_new_tokens:
+        if all(done) or step + 1 == max_new_tokens:
             break
         logits, z = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad, return_endpoint=True)
         logits = logits[:, -1]
         fed_z.append(z[:, 0])
 
     # the scoring layout: real tokens first, positions 0.. (the same seeds as in decoding)
-    completions = [[int(chosen[j][i]) for j in range(lengths[i])] for i in range(N)]
+    completions = [[chosen[j][i] for j in range(lengths[i])] for i in range(N)]
     L = max(len(e) + len(c) - 1 for e, c in zip(encoded, completions))
     d = model.cfg.d_model
     tokens = torch.full((N, L), tokenizer.pad_id, dtype=torch.long, device=device)
