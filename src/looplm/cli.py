@@ -5,6 +5,7 @@
   looplm generate CHECKPOINT --prompt TEXT    continue prompts with a terminal (or full) KV cache
   looplm distill TEACHER [--steps N ...]      distil a prefill student (SPEC 9), then compare prefill arms
   looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (SPEC 11): JSON report, plots, summary
+  looplm rl CHECKPOINT [--estimator reuse]    GRPO post-training with rollout-state reuse (SPEC 10)
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
 """
@@ -25,6 +26,7 @@ from looplm.distill.config import DistillConfig
 from looplm.eval.report import EvalConfig
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
+from looplm.rl.config import RLConfig
 from looplm.train.config import JOB_PRESETS, TrainJob
 
 USER_ERRORS = (ValueError, CheckpointError, DataError, FileNotFoundError, FloatingPointError)
@@ -264,10 +266,32 @@ def analyze(
     print(f"\nwrote {', '.join(p.name for p in paths)} to {out} in {time.time() - start:.0f} s")
 
 
+def rl(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    cfg: Annotated[RLConfig, tyro.conf.arg(name="")] = RLConfig(),
+) -> None:
+    """GRPO post-training on verifiable problems with terminal-KV rollouts and a choice of update
+    estimator: bptt, recompute, or reuse of the endpoints saved during the rollout (SPEC 10).
+
+    Args:
+        checkpoint: The starting checkpoint (a checkpoint folder or a run folder); it is only read.
+        cfg: RL settings; output goes to --out-dir (metrics.jsonl, checkpoints).
+    """
+    from looplm.rl.trainer import RLTrainer
+
+    trainer = RLTrainer(checkpoint, cfg)
+    summary = trainer.fit()
+    for step, ev in sorted(summary["evals"].items()):
+        if ev:
+            print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+    print(f"{summary['step']} RL steps ({cfg.estimator}) in {summary['elapsed_s']:.0f} s\n"
+          f"checkpoint: {summary['checkpoint']}\nmetrics:    {trainer.out_dir / 'metrics.jsonl'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         tyro.extras.subcommand_cli_from_dict(
-            {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze}, prog="looplm", args=argv,
+            {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze, "rl": rl}, prog="looplm", args=argv,
             description="looplm: looped language models shaped around fixed points",
         )
     except USER_ERRORS as err:
