@@ -110,3 +110,17 @@ def test_never_writes_into_the_source_run_or_over_a_run(source, tmp_path, capsys
     assert main(rl_args(source, tmp_path / "once", "--resume", "--lr", "5e-3")) == 2  # a changed setting
     assert "different RL config" in capsys.readouterr().err
     assert json.loads((ckpt.resolve(source) / "config.json").read_text()).get("rl") is None
+
+
+def test_gsm8k_jsonl_source_with_a_kl_penalty(source, tmp_path):
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) for i in range(6)))
+    out = tmp_path / "gsm"
+    args = rl_args(source, out, "--source", data, "--eval-jsonl", data, "--eval-every", "1", "--eval-examples", "3",
+                   "--eval-samples", "2", "--kl-coef", "0.05", "--prompt-template", "Q:{question}\nA:",
+                   "--estimator", "bptt")  # bptt scores with the native forward, as the reference does
+    assert main(args) == 0
+    records = [r for r in read_metrics(out) if "reward" in r]
+    assert len(records) == 2 and all(r["kl"] >= 0 for r in records)
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step scores the starting model itself
+    assert all("eval_reward" in r for r in records)
