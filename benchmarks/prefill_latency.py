@@ -117,6 +117,7 @@ def main() -> None:
                                      f"({row['speedup_vs_teacher'][a]['mean']:.2f}x)" for a in ARMS)
               + f"; load {row['load_avg_1min']['mean']:.1f}", flush=True)
     if args.rows or args.examples:
+        torch.set_num_threads(1)  # quality does not depend on it; small decode steps run faster on one thread
         _, val = teacher_data(job, tokenizer)
         table = arms_after_distill(model, tokenizer, job, val, student, args.depth, rows=args.rows,
                                    n_examples=args.examples, device=device)

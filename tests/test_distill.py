@@ -191,3 +191,36 @@ def test_teacher_hash_depends_on_every_weight_and_not_on_the_object():
     with torch.no_grad():
         b.injection.A_log[3] += 1e-6
     assert teacher_hash(a) != teacher_hash(b)
+
+
+
+class OneRow:
+    """A held-out set of one 20-token row, as a PackedDataset gives it."""
+
+    def __init__(self):
+        self.x = torch.randint(0, 50, (1, 20))
+
+    def __len__(self):
+        return 1
+
+    def get_batch(self, idx):
+        from looplm.data import Batch
+
+        zeros = torch.zeros_like(self.x)
+        return Batch(self.x, self.x, zeros, torch.arange(20)[None], torch.tensor([0]))
+
+
+def test_bank_error_against_a_direct_computation(single_thread):
+    from looplm.distill.evaluate import bank_error
+
+    m, rows = _teacher(), OneRow()
+    assert bank_error(m, rows, Prefill("teacher"), 4) == 0.0
+    x, ids = rows.x[:, :10], torch.tensor([0])
+    ref, r1 = TerminalCache(m.cfg, 1, 10), TerminalCache(m.cfg, 1, 10)
+    extend(m, x, ref, 4, example_ids=ids)
+    extend(m, x, r1, 1, example_ids=ids)
+    banks = list(zip(ref.banks()[1:], r1.banks()[1:]))  # core and coda banks; the prelude's are equal
+    num = sum((b.k - a.k).pow(2).sum() + (b.v - a.v).pow(2).sum() for a, b in banks)
+    den = sum(a.k.pow(2).sum() + a.v.pow(2).sum() for a, _ in banks)
+    want = math.sqrt(num / den)
+    assert want > 0.01 and abs(bank_error(m, rows, Prefill("r1"), 4) - want) < 1e-5
