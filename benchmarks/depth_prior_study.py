@@ -53,6 +53,11 @@ ARMS: dict[str, tuple[str, list[str], list[str], int]] = {
     "huginn": ("PLN-5, huginn-linear", TEXT, ["--model.injection", "huginn-linear"], 200),
     "add_fixed5": ("reversed addition, fixed R=5 full BPTT", TASKS_ADD, FIXED5, 300),
     "add_pln5": ("reversed addition, PLN-5 b=10", TASKS_ADD, [], 300),
+    "msd_fixed5": ("add_msd, the main job's task and budget, fixed R=5 full BPTT", [], FIXED5, 600),
+    "msd_pln5": ("add_msd, the main job itself (PLN-5 b=10)", [], [], 600),
+    "learned01_ga4": ("learned prior, lambda_H=0.1, 4 draws per update (4 x 4 rows)", TEXT,
+                      LEARNED + ["--depth.learned.lr", "1e-2", "--depth.learned.entropy-weight", "0.1",
+                                 "--train.micro-batch", "4", "--train.grad-accum", "4"], 200),
 }
 NATIVE_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 SHARING_DEPTHS = (5, 16)
@@ -163,7 +168,8 @@ def markdown(results: list[dict]) -> str:
         lines += ["", "| arm | " + " | ".join(f"acc R={r}" for r in ds) + " |", "|---|" + "---|" * len(ds)]
         for res in acc:
             lines.append(f"| {res['arm']} | " + " | ".join(f"{100 * res['accuracy'][r]:.1f}%" for r in ds) + " |")
-    lines += ["", "Commands:", ""] + [f"- {r['arm']}: `{r['command']}`" for r in results]
+    lines += ["", "Training commands (run from the repository root):", ""]
+    lines += [f"- {r['arm']}: `{r['command'].replace(str(ROOT) + '/', '')}`" for r in results]
     return "\n".join(lines) + "\n"
 
 
