@@ -45,7 +45,7 @@ class AnalyzeConfig:
     """Depths r at which the KV change |K^(r+span) - K^r| / |K^r| is measured (may exceed max_depth)."""
     kv_span: int = 5
     """Recurrences between the two K/V compared by the KV settling table."""
-    solve_spans: int = 16
+    solve_spans: int = 8
     """Held-out spans for the fixed-point solves (0 skips them)."""
     solve_length: int | None = None
     """Tokens per span: a prefix and the current token (the last); None: a whole held-out row."""
@@ -55,7 +55,7 @@ class AnalyzeConfig:
     """Depth R of the control: the prefix frozen after R plain recurrences instead of solved."""
     sharing_depths: tuple[int, ...] = (5, 16, 32)
     """Depths of the terminal-KV sharing penalty (looplm.eval.cached; empty skips it)."""
-    sharing_sequences: int = 16
+    sharing_sequences: int = 8
     """Held-out rows for the sharing penalty."""
     output: Path | None = None
     """Folder for report.json, summary.txt and the PNG plots (default: <run>/analyze next to the checkpoint)."""
