@@ -81,7 +81,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def mean_std(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "median": statistics.median(xs), "n": len(xs), "rounds": xs}
 
 
 def main() -> None:
@@ -161,7 +162,7 @@ def main() -> None:
         s = entry["speedup_vs_reuse"]
         print(f"R={R}: bptt {entry['time_s']['bptt']['mean']*1e3:.0f} ms, recompute "
               f"{entry['time_s']['recompute']['mean']*1e3:.0f} ms, reuse {entry['time_s']['reuse']['mean']*1e3:.0f} ms; "
-              f"bptt/reuse {s['bptt']['mean']:.2f}x +- {s['bptt']['std']:.2f}, recompute/reuse "
+              f"bptt/reuse {s['bptt']['mean']:.2f}x +- {s['bptt']['std']:.2f} (median {s['bptt']['median']:.2f}x), recompute/reuse "
               f"{s['recompute']['mean']:.2f}x +- {s['recompute']['std']:.2f}; cos(reuse, recompute) "
               f"{entry['cosine']['reuse_vs_recompute']:.4f}, cos(reuse, bptt) {entry['cosine']['reuse_vs_bptt']:.4f}",
               flush=True)
