@@ -6,8 +6,8 @@
 
 Speed: each arm prefills one random prompt of L tokens into a fresh terminal cache (`looplm.infer.
 prefill`; speed does not depend on the tokens). One warm-up round, then `--rounds` rounds that
-rotate the arm order, so load from other processes falls on every arm alike; per arm mean and std
-of the seconds, and the per-round ratio teacher time / arm time (mean and std). The load average
+rotate the arm order, so load from other processes falls on every arm alike; per arm mean, std and
+median of the seconds, and of the per-round ratio teacher time / arm time. The load average
 is recorded every round.
 Quality (same arms, decoding at R with the terminal cache; `looplm.distill.evaluate`): continuation
 perplexity of held-out rows of the teacher's data (prefill to each row's midpoint document, score
@@ -36,7 +36,7 @@ ARMS = ("teacher", "student", "r1", "r2")
 
 
 def mean_std(v: list[float]) -> dict:
-    return {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0}
+    return {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "median": statistics.median(v)}
 
 
 def cpu_name() -> str:
