@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from looplm.checkpoint import CheckpointError
-from looplm.config import ModelConfig
+from looplm.config import INJECTIONS, ModelConfig
 from looplm.distill import EndpointStudent, load_student, save_student, teacher_hash
 from looplm.distill.trainer import Targets, distill_loss, relative_error
 from looplm.infer import TerminalCache, extend
@@ -39,7 +39,7 @@ class OracleStudent(torch.nn.Module):
         return self.endpoint
 
 
-@pytest.mark.parametrize("injection", ["parcae-nonorm", "parcae-decay", "ortho", "huginn-linear", "deq-qkv"])
+@pytest.mark.parametrize("injection", INJECTIONS)
 def test_oracle_student_prefill_equals_teacher_prefill_plus_one_recurrence(injection, single_thread):
     m, R = _teacher(injection), 4
     x = torch.randint(0, 50, (2, 20))
