@@ -82,19 +82,12 @@ def teacher_data(job: dict, tokenizer, seq_len: int | None = None):
     """(train, held-out) PackedDatasets of the data a teacher checkpoint's job trained on, cut into
     rows of `seq_len` tokens (default: the job's)."""
     from looplm.data import build_datasets
+    from looplm.eval.report import job_tasks
 
     data = job["data"]
     return build_datasets(data["source"], tokenizer, seq_len=seq_len or data["seq_len"], holdout=data["holdout"],
                           cache_dir=Path(data["cache_dir"]), text_field=data["text_field"], task_config=job_tasks(job),
                           n_task_examples=data["n_task_examples"], seed=job["train"]["seed"])
-
-
-def job_tasks(job: dict):
-    """The generator-task config of a teacher checkpoint's job."""
-    from looplm.data import TaskConfig
-
-    tasks = job["data"]["tasks"]
-    return TaskConfig(**{**tasks, "kinds": tuple(tasks["kinds"])})
 
 
 def build_arms(model, names: Sequence[str], student_path=None) -> list[Prefill]:
@@ -114,7 +107,7 @@ def arms_after_distill(model, tokenizer, job: dict, val, student, depth: int, *,
                        device="cpu") -> dict:
     """The Table-5 comparison `looplm distill` prints when it ends: teacher, student, r1 and r2 at `depth`
     on held-out rows of the teacher's data and fresh generator examples."""
-    from looplm.eval.report import EvalConfig, held_out_examples
+    from looplm.eval.report import EvalConfig, held_out_examples, job_tasks
 
     data = job["data"]
     examples = []
