@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -235,7 +234,6 @@ class RLTrainer:
 
     def save(self) -> Path:
         """An atomic checkpoint `looplm eval`/`generate` can read: the source job config plus an "rl" entry."""
-        name = f"step_{self.step:07d}"
         optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
         tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
         config = dict(self.job, rl={"config": self.config_dict(), "source": str(self.source_path)})
@@ -248,13 +246,7 @@ class RLTrainer:
             ckpt.write_json(tmp, "config.json", config)
             self.tokenizer.save(tmp)
 
-        target = ckpt.write_atomic(self.ckpt_root / name, populate)
-        tmp_latest = self.ckpt_root / ".latest.tmp"
-        tmp_latest.write_text(name)
-        tmp_latest.replace(self.ckpt_root / "latest")
-        for old in sorted(p for p in self.ckpt_root.glob("step_*") if p.is_dir())[:-max(1, self.cfg.keep_checkpoints)]:
-            shutil.rmtree(old, ignore_errors=True)
-        return target
+        return ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)
 
     def _load(self, path: Path) -> None:
         weights = ckpt.load_tensors(path, "model.safetensors")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,8 +324,7 @@ class Trainer:
     def save(self) -> Path:
         """Atomically write a checkpoint of the current step; every rank must call it."""
         model_sd, optim_sd = self._full_state()
-        name = f"step_{self.step:07d}"
-        target = self.ckpt_root / name
+        target = self.ckpt_root / f"step_{self.step:07d}"
         if self.env.is_main:
             tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
             state = {
@@ -342,19 +340,9 @@ class Trainer:
                 ckpt.write_json(tmp, "config.json", self.job.to_dict())
                 self.tokenizer.save(tmp)
 
-            ckpt.write_atomic(target, populate)
-            tmp_latest = self.ckpt_root / ".latest.tmp"
-            tmp_latest.write_text(name)
-            tmp_latest.replace(self.ckpt_root / "latest")
-            self._prune()
+            ckpt.save_step(self.ckpt_root, self.step, populate, self.job.train.keep_checkpoints)
         D.barrier(self.env)
         return target
-
-    def _prune(self) -> None:
-        keep = max(1, self.job.train.keep_checkpoints)
-        steps = sorted(p for p in self.ckpt_root.glob("step_*") if p.is_dir())
-        for old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _load(self, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
