@@ -98,27 +98,22 @@ def train_arm(name: str, out: Path, threads: int, steps_scale: float) -> float:
 
 
 def evaluate_arm(name: str, out: Path) -> dict:
-    from looplm.checkpoint import read_json, resolve
-    from looplm.checkpoint import load_model
-    from looplm.data import TaskConfig, build_datasets
+    from looplm.checkpoint import load_model, read_json, resolve
     from looplm.eval.cached import sharing_table
     from looplm.eval.perplexity import native_perplexity
-    from looplm.eval.report import held_out_examples
+    from looplm.eval.report import held_out_examples, job_tasks, validation_data
     from looplm.eval.tasks import task_accuracy
 
     run = out / name
     path = resolve(run)
     model, tokenizer, job = load_model(path, "cpu")
     data = job["data"]
-    tasks = TaskConfig(**{**data["tasks"], "kinds": tuple(data["tasks"]["kinds"])})
-    _, val = build_datasets(data["source"], tokenizer, seq_len=data["seq_len"], holdout=data["holdout"],
-                            cache_dir=Path(data["cache_dir"]), text_field=data["text_field"], task_config=tasks,
-                            n_task_examples=data["n_task_examples"], seed=job["train"]["seed"])
+    tasks = job_tasks(job)
+    val = validation_data(tokenizer, job)
     result: dict = {"arm": name, "what": ARMS[name][0], "command": (run / "command.txt").read_text().strip(),
                     "checkpoint": str(path)}
     with torch.no_grad():
-        result["native"] = {r: v for r, v in native_perplexity(model, val, NATIVE_DEPTHS, batch_size=32,
-                                                               max_sequences=64).items()}
+        result["native"] = native_perplexity(model, val, NATIVE_DEPTHS, batch_size=32, max_sequences=64)
         result["sharing"] = sharing_table(model, val, SHARING_DEPTHS, max_sequences=32)
         if data["source"] == "tasks":
             examples = held_out_examples(tasks, 600, 1234, data["n_task_examples"], job["train"]["seed"])
