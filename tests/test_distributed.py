@@ -18,7 +18,8 @@ from _jobs import free_port, one_thread, shared_cache, step_records, subprocess_
 
 from looplm.checkpoint import load_tensors
 from looplm.depth.pln import pln_pmf
-from looplm.train.distributed import DistEnv, init_distributed, wrap_model
+from looplm.train.distributed import DistEnv, init_distributed
+from looplm.train.parallelize import wrap_model
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread

@@ -132,7 +132,7 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
 
     # Reference: one forward over the concatenated global batch, same inputs and noise.
     seed, L = t.job.train.seed, t.job.data.seq_len
-    batches = [t._batch(t.train_data, 0, i, 2, seed) for i in range(2)]
+    batches = [t._host_batch(t.train_data, 0, i, 2, seed) for i in range(2)]
     noise = [t._noise(0, i, L) for i in range(2)]
     n = [b.n_targets for b in batches]
     assert res.n_targets == sum(n)

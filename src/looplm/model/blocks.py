@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from looplm.config import ModelConfig
+
+AttentionKernel = Literal["sdpa", "flex"]
+"""How document masks are applied: a boolean mask through SDPA (any device; on CUDA it leaves the
+flash kernel for the math/efficient one), or a FlexAttention block mask (skips whole blocks that
+cross documents; compiled on CUDA)."""
+
+# FlexAttention is only fast compiled; inside an already compiled block dynamo inlines this.
+_compiled_flex_attention = None
+
+
+def _flex(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+    global _compiled_flex_attention
+    if q.device.type == "cpu":  # eager flex (exact, unfused) keeps CPU tests free of inductor builds
+        if torch.compiler.is_compiling():
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +73,8 @@ class Attention(nn.Module):
     """Causal grouped-query attention through `F.scaled_dot_product_attention`.
 
     `qkv_offsets` are additive terms for Q, K and V (DEQ-QKV injection, SPEC 2); `mask` is a
-    boolean [B, 1, L, S] (True = attend) or None for plain causal attention.
+    boolean [B, 1, L, S] (True = attend), a FlexAttention `BlockMask` (from `document_mask`), or
+    None for plain causal attention.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -91,7 +116,11 @@ class Attention(nn.Module):
             v_buf[:, :, c:c + L] = v
             k_all, v_all = k_buf[:, :, :c + L], v_buf[:, :, :c + L]
         gqa = self.n_heads != self.n_kv_heads
-        if mask is None:
+        if isinstance(mask, BlockMask):
+            if kv_buffer is not None:
+                raise ValueError("FlexAttention block masks serve the parallel forward; caches use boolean masks")
+            y = _flex(q, k_all, v_all, mask, gqa)
+        elif mask is None:
             if kv_buffer is not None and kv_buffer[2] > 0:
                 raise ValueError("attention over a cached prefix needs an explicit mask")
             y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, enable_gqa=gqa)
@@ -142,6 +171,28 @@ def causal_document_mask(doc_ids: torch.Tensor | None) -> torch.Tensor | None:
     causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (same_doc & causal)[:, None]
+
+
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """The mask of `causal_document_mask` as a FlexAttention block mask, built once per batch and
+    reused by every layer visit of every recurrence."""
+    B, L = doc_ids.shape
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(causal_same_document, B, None, L, L, device=doc_ids.device)
+
+
+def document_mask(doc_ids: torch.Tensor | None, kernel: AttentionKernel = "sdpa"):
+    """The attention mask of packed rows for `kernel`: None (plain causal) without segments."""
+    if doc_ids is None:
+        return None
+    if kernel == "flex":
+        return document_block_mask(doc_ids)
+    if kernel != "sdpa":
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose sdpa or flex")
+    return causal_document_mask(doc_ids)
 
 
 def init_embedding_(w: torch.Tensor) -> None:

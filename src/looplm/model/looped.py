@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from looplm.config import ModelConfig
-from looplm.model.blocks import Block, RMSNorm, causal_document_mask, init_embedding_, rope_tables
+from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
 from looplm.model.injection import build_injection
 from looplm.model.state import StateInit, initial_state
 
@@ -113,6 +113,7 @@ class LoopedLM(nn.Module):
         generator: torch.Generator | None = None,
         return_states: bool = False,
         compute_logits: bool = True,
+        attention: AttentionKernel = "sdpa",
     ) -> LoopOutput:
         """Run the model at `depth` recurrences.
 
@@ -120,11 +121,12 @@ class LoopedLM(nn.Module):
         are the RoPE positions (default 0..L-1). `bptt_window` b: only the last min(R, b)
         recurrences record autograd (SPEC 3; None = full BPTT); the injected input keeps its
         gradient in each of them. `state0` overrides `init` (used by trainers that draw the noise
-        for a global batch themselves).
+        for a global batch themselves). `attention` picks how document masks are applied ('flex':
+        one FlexAttention block mask per forward, the fast path on CUDA).
         """
         self.check_inputs(tokens, depth)
         ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
-                            example_ids=example_ids, seed=seed, generator=generator)
+                            example_ids=example_ids, seed=seed, generator=generator, attention=attention)
         n_grad = depth if bptt_window is None else min(depth, bptt_window)
         states = [] if return_states else None
         for r in range(depth):
@@ -147,6 +149,7 @@ class LoopedLM(nn.Module):
         example_ids: torch.Tensor | None = None,
         seed: int = 0,
         generator: torch.Generator | None = None,
+        attention: AttentionKernel = "sdpa",
     ) -> tuple[Context, torch.Tensor]:
         """(context, s^0) of `forward`: the prelude runs once, then the recurrence can start
         (also used by diagnostics that iterate the recurrence themselves)."""
@@ -154,7 +157,7 @@ class LoopedLM(nn.Module):
         if positions is None:
             positions = torch.arange(L, device=tokens.device).expand(B, L)
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
-        mask = causal_document_mask(doc_ids)
+        mask = document_mask(doc_ids, attention)
         e = self.run_prelude(tokens, rope, mask)
         if state0 is None:
             state0 = initial_state(

@@ -68,8 +68,19 @@ class TrainConfig:
     """Global gradient-norm clip (0 disables)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute dtype: auto = bf16 autocast on CUDA and on CPUs with native bf16 (AMX/AVX512-BF16), else fp32."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    """Data parallelism under torchrun: DDP, or FSDP2 (fully_shard per block)."""
+    parallel: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """Data parallelism under torchrun: DDP, FSDP2 (fully_shard per block; bf16 compute with fp32 gradient
+    reduction when precision is bf16), or HSDP (FSDP2 sharded within a node, replicated across nodes)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile every block and the injection (auto: on for CUDA, off on CPU); the recompile count after
+    warm-up is logged as compile_recompiles."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA)."""
+    activation_checkpointing: Literal["none", "block"] = "none"
+    """'block' recomputes each block's insides in backward, keeping only its input (fits full BPTT at large R)."""
+    prefetch: bool = True
+    """Assemble the next step's batches on a background thread while this step computes (pinned memory and
+    non_blocking copies on CUDA)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: auto picks CUDA when available."""
     seed: int = 0

@@ -1,18 +1,28 @@
-"""Process group setup and data-parallel wrapping, applied from outside the model (torchrun).
+"""The process group and every collective looplm issues (one place owns them all).
 
-A single process needs no launcher. Under `torchrun` the environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT) selects gloo on CPU and nccl on GPU; the model is wrapped in DDP,
-or sharded with FSDP2 (`fully_shard` on every block, then on the root).
+A single process needs no launcher. Under `torchrun` (RANK and WORLD_SIZE in the environment,
+even for one process) the process joins a group: nccl when training on CUDA, gloo on CPU.
+Wrapping the model for data parallelism lives in `looplm.train.parallelize`.
+
+Why one module: a backend serves some device types only. NCCL has no CPU backend, so an
+`all_reduce` of a CPU tensor in an NCCL group fails ("No backend type associated with device type
+cpu"). The helpers here move every tensor to `DistEnv.comm_device` (the device the group serves),
+check it with `check_served`, reduce, and hand the result back on the caller's device. The
+trainer, evaluation, the learned depth prior's feedback, RL and distillation reduce through them;
+`tests/test_distributed.py` checks that no other module calls `torch.distributed` collectives.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective was handed a tensor on a device its process group's backend does not serve."""
 
 
 @dataclass
@@ -21,6 +31,13 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    """Where the model computes."""
+    comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where collectives run: a device the group's backend serves (cuda:<local rank> under nccl)."""
+    joined: bool = False
+    """A process group exists (launched by torchrun), even with a single rank."""
+    local_world_size: int = 1
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE): the shard group of HSDP."""
 
     @property
     def is_main(self) -> bool:
@@ -28,7 +45,7 @@ class DistEnv:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.joined
 
 
 def resolve_device(pref: str) -> torch.device:
@@ -39,56 +56,117 @@ def resolve_device(pref: str) -> torch.device:
     return torch.device(pref)
 
 
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def served_device_types(group=None) -> set[str]:
+    """Device types ('cpu', 'cuda', ...) the group's backends serve."""
+    pg = group or dist.group.WORLD
+    return {d.type for d in pg._device_types}
+
+
+def comm_device_for(device: torch.device, served: set[str]) -> torch.device:
+    """The device collectives use when the model computes on `device`: `device` itself when the
+    backend serves it (nccl with CUDA, gloo with CPU), else the CPU when that is served."""
+    if device.type in served:
+        return device
+    if "cpu" in served:
+        return torch.device("cpu")
+    raise CollectiveDeviceError(
+        f"the process group's backend ({dist.get_backend()}) serves {', '.join(sorted(served))}, "
+        f"but the model computes on {device}; launch with a backend that serves it (nccl for cuda, gloo for cpu)")
+
+
 def init_distributed(device_pref: str = "auto") -> DistEnv:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); else a single process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """Join the process group when launched by torchrun; else a single process without one."""
     device = resolve_device(device_pref)
-    if world <= 1:
+    if not launched_by_torchrun():
         return DistEnv(device=device)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device,
+                   comm_device=comm_device_for(device, served_device_types()), joined=True,
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
-def wrap_model(model: nn.Module, env: DistEnv, parallel: str) -> nn.Module:
-    """DDP or FSDP2 around a single-device model; the model itself is returned on one process."""
-    if not env.distributed:
-        return model
-    if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-    if parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for stack in ("prelude", "core", "coda"):
-            for block in getattr(model, stack):
-                fully_shard(block)
-        fully_shard(model)
-        return model
-    raise ValueError(f"unknown parallel mode {parallel!r}; choose ddp or fsdp")
+def check_served(t: torch.Tensor, group=None) -> None:
+    """Raise CollectiveDeviceError when `t` lies on a device the group's backend cannot serve."""
+    served = served_device_types(group)
+    if t.device.type not in served:
+        raise CollectiveDeviceError(
+            f"collective on a {t.device.type} tensor, but the process group's backend ({dist.get_backend(group)}) "
+            f"serves only {', '.join(sorted(served))}")
 
 
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    if env.distributed:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    """Sum `t` over ranks; the result has `t`'s device and dtype (`t` itself is not modified)."""
+    if not env.distributed:
+        return t
+    x = t.detach().to(env.comm_device, copy=True)
+    check_served(x)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x.to(t.device)
+
+
+def all_reduce_sums(values: list[float], env: DistEnv) -> list[float]:
+    """Sum a few Python numbers over ranks in one float64 collective."""
+    if not env.distributed:
+        return list(values)
+    return all_reduce_sum(torch.tensor(values, dtype=torch.float64), env).tolist()
+
+
+def all_reduce_int(x: int, env: DistEnv) -> int:
+    """Sum an integer over ranks."""
+    if not env.distributed:
+        return int(x)
+    return int(all_reduce_sum(torch.tensor([x], dtype=torch.int64), env).item())
+
+
+def all_reduce_gradients(params, env: DistEnv, *, average: bool = True) -> None:
+    """Sum (or average) the gradients of `params` over ranks, in place, in one flat collective.
+
+    For trainers that call model pieces directly (RL estimators, the distillation student), where
+    DDP's forward hook cannot see the backward; every rank must pass the same parameters in the
+    same order. A parameter without a gradient on every rank contributes zeros."""
+    if not env.distributed:
+        return
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                      for p in params])
+    flat = all_reduce_sum(flat, env)
+    if average:
+        flat /= env.world_size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        g = flat[offset:offset + n].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        offset += n
 
 
 def barrier(env: DistEnv) -> None:
     if env.distributed:
-        dist.barrier()
+        # nccl's barrier needs to know the device; gloo ignores device_ids
+        dist.barrier(device_ids=[env.comm_device.index] if env.comm_device.type == "cuda" else None)
 
 
 def broadcast_object(obj, env: DistEnv):
+    """Rank 0's `obj` on every rank (pickled; moved through comm_device)."""
     if not env.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, device=env.comm_device)
     return box[0]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
 from looplm.model import LoopedLM
 from looplm.train import distributed as D
-from looplm.train.config import TrainJob, job_from_dict
+from looplm.train import parallelize as P
+from looplm.train.config import TrainConfig, TrainJob, job_from_dict
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.metrics import MetricsLogger
 from looplm.train.schedule import wsd_multiplier
@@ -36,7 +38,8 @@ from looplm.train.schedule import wsd_multiplier
 RESUMABLE_CHANGES = {
     "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
-    "train.device", "data.cache_dir",
+    "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
+    "train.prefetch",
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
@@ -80,11 +83,20 @@ def flat_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def microbatch_loss(model, batch: Batch, depth: int, bptt_window, state0, autocast) -> torch.Tensor:
+def use_compile(t: TrainConfig, device: torch.device) -> bool:
+    return t.compile == "on" or (t.compile == "auto" and device.type == "cuda")
+
+
+def attention_kernel(t: TrainConfig, device: torch.device) -> str:
+    """FlexAttention block masks on CUDA (SDPA leaves the flash kernel for boolean masks)."""
+    return t.attention if t.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+
+
+def microbatch_loss(model, batch: Batch, depth: int, bptt_window, state0, autocast, attention: str = "sdpa") -> torch.Tensor:
     """Sum of next-token CE over the batch's supervised targets at `depth`."""
     with autocast:
         out = model(batch.inputs, depth, bptt_window=bptt_window, doc_ids=batch.doc_ids,
-                    positions=batch.positions, state0=state0)
+                    positions=batch.positions, state0=state0, attention=attention)
     return F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -113,10 +125,21 @@ class Trainer:
         self.model = LoopedLM(m).to(self.env.device)
         self.dtype = resolve_dtype(t.precision, self.env.device)
         self.sampler: DepthSampler = build_sampler(job.depth)
-        self.wrapped = D.wrap_model(self.model, self.env, t.parallel)
+        # Wrapped from outside, in torchtitan's order: checkpointing, compile, data parallelism.
+        self.attention = attention_kernel(t, self.env.device)
+        self.compiled = use_compile(t, self.env.device)
+        P.apply_activation_checkpointing(self.model, t.activation_checkpointing)
+        if self.compiled:
+            P.apply_compile(self.model)
+        self.wrapped = P.wrap_model(self.model, self.env, t.parallel,
+                                    param_dtype=self.dtype if self.dtype != torch.float32 else None)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+            fused=self.env.device.type == "cuda",
         )
+        self.recompiles_baseline: int | None = None  # compiled frames after warm-up
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="looplm-batches") if t.prefetch else None
+        self._prefetched: tuple[int, Future] | None = None
         self.step = 0
         self.depth_metrics: dict[str, float] = {}
         self.tokens_seen = 0
@@ -193,10 +216,26 @@ class Trainer:
         z = torch.randn((t.micro_batch * env.world_size, L, d), generator=gen, device=env.device)
         return z[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch] / math.sqrt(d)
 
-    def _batch(self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int) -> Batch:
+    def _host_batch(self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int) -> Batch:
+        """This rank's slice of a global microbatch, on the host (pinned when feeding a GPU)."""
         t, env = self.job.train, self.env
         idx = batch_indices(len(data), step, micro, t.micro_batch * env.world_size, n_micro, seed)
-        return data.get_batch(idx[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch]).to(env.device)
+        batch = data.get_batch(idx[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch])
+        return Batch(*(x.pin_memory() for x in vars(batch).values())) if env.device.type == "cuda" else batch
+
+    def _host_step_batches(self, step: int) -> list[Batch]:
+        t = self.job.train
+        return [self._host_batch(self.train_data, step, i, t.grad_accum, t.seed) for i in range(t.grad_accum)]
+
+    def _step_batches(self, step: int) -> list[Batch]:
+        """The step's host batches (assembled ahead on the prefetch thread) and the next step's order."""
+        if self._prefetched is not None and self._prefetched[0] == step:
+            host = self._prefetched[1].result()
+        else:
+            host = self._host_step_batches(step)
+        if self._prefetcher is not None:
+            self._prefetched = (step + 1, self._prefetcher.submit(self._host_step_batches, step + 1))
+        return host
 
     def _autocast(self):
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
@@ -206,21 +245,26 @@ class Trainer:
         lr = t.lr * wsd_multiplier(self.step, t.steps, t.warmup_frac, t.decay_frac)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        batches = [self._batch(self.train_data, self.step, i, t.grad_accum, t.seed) for i in range(t.grad_accum)]
+        host = self._step_batches(self.step)
+        n_targets = [b.n_targets for b in host]  # counted on the host: no device sync
+        batches = [b.to(env.device, non_blocking=True) for b in host]
         depths = [self.sampler.draw() for _ in range(t.grad_accum)]
-        n_global = all_reduce_scalar(sum(b.n_targets for b in batches), env)
+        n_global = D.all_reduce_int(sum(n_targets), env)
         scale = env.world_size / max(n_global, 1)  # DDP/FSDP average gradients over ranks
-        stats = torch.zeros(t.grad_accum, 2, dtype=torch.float64)
+        ce_sums = []
         for i, (batch, depth) in enumerate(zip(batches, depths)):
             sync = contextlib.nullcontext()
             if env.distributed and t.parallel == "ddp" and i < t.grad_accum - 1:
                 sync = self.wrapped.no_sync()
             with sync:
                 state0 = self._noise(self.step, i, batch.inputs.shape[1])
-                ce_sum = microbatch_loss(self.wrapped, batch, depth, self.job.depth.bptt_window, state0, self._autocast())
+                ce_sum = microbatch_loss(self.wrapped, batch, depth, self.job.depth.bptt_window, state0,
+                                         self._autocast(), self.attention)
                 (ce_sum * scale).backward()
-            stats[i, 0], stats[i, 1] = ce_sum.item(), batch.n_targets
-        stats = D.all_reduce_sum(stats, env)
+            ce_sums.append(ce_sum.detach().double())
+        # (CE sum, targets) per microbatch, summed over ranks: the learned prior's feedback (SPEC 4)
+        stats = torch.stack([torch.stack(ce_sums), torch.tensor(n_targets, dtype=torch.float64, device=env.device)], 1)
+        stats = D.all_reduce_sum(stats, env).cpu()
         for depth, (loss_sum, n) in zip(depths, stats.tolist()):
             self.sampler.observe(depth, loss_sum, int(n))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
@@ -237,20 +281,38 @@ class Trainer:
         the deterministic seeded initial state."""
         t = self.job.train
         depth = depth or max(1, round(self.sampler.mean()))
-        n_val = len(self.val_data)
-        total = torch.zeros(2, dtype=torch.float64)
+        ce_sum, n_targets = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
         for i in range(t.eval_batches):
-            idx = batch_indices(n_val, 0, i, t.micro_batch * self.env.world_size, t.eval_batches, seed=1)
-            idx = idx[self.env.rank * t.micro_batch:(self.env.rank + 1) * t.micro_batch]
-            batch = self.val_data.get_batch(idx).to(self.env.device)
+            host = self._host_batch(self.val_data, 0, i, t.eval_batches, seed=1)
+            n_targets += host.n_targets
+            batch = host.to(self.env.device, non_blocking=True)
             with self._autocast():
                 out = self.wrapped(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                                   init="seeded", example_ids=batch.example_ids)
-            total[0] += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
-                                        ignore_index=IGNORE_INDEX, reduction="sum").item()
-            total[1] += batch.n_targets
-        total = D.all_reduce_sum(total, self.env)
+                                   init="seeded", example_ids=batch.example_ids, attention=self.attention)
+            ce_sum += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
+                                      ignore_index=IGNORE_INDEX, reduction="sum").double()
+        total = D.all_reduce_sum(torch.stack([ce_sum, torch.tensor(float(n_targets), dtype=torch.float64,
+                                                                   device=self.env.device)]), self.env).tolist()
         return float(total[0] / max(total[1], 1))
+
+    def warm_up_compile(self) -> None:
+        """Compile every graph training and evaluation use before the first step: a forward and
+        backward at a depth past the backprop window (so the no-grad prefix runs too), then the
+        gradients are dropped. Drawn depths replay these graphs; later compiles are recompiles."""
+        t, env = self.job.train, self.env
+        b = self.job.depth.bptt_window
+        depth = min(self.job.depth.cap, (b + 1) if b is not None else 2)
+        batch = self._host_batch(self.train_data, 0, 0, t.grad_accum, t.seed).to(env.device)
+        state0 = self._noise(0, 0, batch.inputs.shape[1])
+        microbatch_loss(self.wrapped, batch, depth, b, state0, self._autocast(), self.attention).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            microbatch_loss(self.wrapped, batch, 1, None, state0, self._autocast(), self.attention)
+        self.recompiles_baseline = P.compiled_frames()
+
+    def recompiles(self) -> int:
+        """Graphs compiled since the warm-up (0 means drawn depths replayed the warm-up graphs)."""
+        return P.compiled_frames() - self.recompiles_baseline if self.recompiles_baseline is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -264,6 +326,12 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=end, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        if self.compiled and self.step < end:
+            t0 = time.perf_counter()
+            self.warm_up_compile()
+            if bar is not None:
+                bar.write(f"compiled blocks and injection in {time.perf_counter() - t0:.1f} s "
+                          f"({P.compiled_frames()} graphs)")
         window_t, window_tokens, window_depths, last = time.perf_counter(), 0, [], None
         while self.step < end:
             t0 = time.perf_counter()
@@ -291,6 +359,8 @@ class Trainer:
                     "model_tflops_per_s": rate * mean_flops_per_token(self.job.model, self.job.data.seq_len, window_depths, self.job.depth.bptt_window) / 1e12,
                     "expected_flops_per_token": exp_flops, "elapsed_s": self.elapsed,
                 }
+                if self.compiled:
+                    record["compile_recompiles"] = self.recompiles()
                 record.update({f"depth/{k}": v for k, v in self.depth_metrics.items()})
                 self.logger.log(record, self.step)
                 window_t, window_tokens, window_depths = now, 0, []
@@ -303,6 +373,9 @@ class Trainer:
                 last = self.save()
         if bar is not None:
             bar.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetched = None
         self.logger.close()
         if env.is_main and isinstance(self.sampler, LearnedDepthPrior):
             plot_prior(self.logger.path, self.out_dir / "depth_prior.png", title=str(self.out_dir))
@@ -359,6 +432,3 @@ class Trainer:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.flops_seen, self.elapsed = state["flops_seen"], state["elapsed_s"]
 
-
-def all_reduce_scalar(x: int, env: D.DistEnv) -> int:
-    return int(D.all_reduce_sum(torch.tensor([x], dtype=torch.int64), env).item())
