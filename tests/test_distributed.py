@@ -7,9 +7,11 @@ globally reduced, token-weighted microbatch losses."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,8 @@ from _jobs import free_port, one_thread, shared_cache, step_records, subprocess_
 
 from looplm.checkpoint import load_tensors
 from looplm.depth.pln import pln_pmf
-from looplm.train.distributed import DistEnv, init_distributed
+from looplm.train import distributed as D
+from looplm.train.distributed import CollectiveDeviceError, DistEnv, init_distributed
 from looplm.train.parallelize import wrap_model
 from looplm.train.trainer import Trainer
 
@@ -26,10 +29,14 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op 
 
 # Runs one rank: for each job file, rebuild the job, train it, record the depths this rank drew.
 # One launch trains several jobs because starting torchrun and its ranks costs most of the time.
+# Every torch.distributed collective (looplm's and the DDP/FSDP2 internals that go through the
+# Python API) is wrapped by a recorder that checks each tensor argument lies on a device the
+# group's backend serves and on the env's comm_device, and notes who called it.
 RANK_SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import functools, json, os, sys
 
     import torch
+    import torch.distributed as dist
 
     from looplm.train import distributed as D
     from looplm.train.config import job_from_dict
@@ -37,6 +44,25 @@ RANK_SCRIPT = textwrap.dedent("""
 
     torch.set_num_threads(1)
     reports, job_files = sys.argv[1], sys.argv[2:]
+    calls = []
+
+    def recording(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            served = D.served_device_types()
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            caller = sys._getframe(1).f_code.co_filename
+            for t in tensors:
+                assert t.device.type in served, (name, t.device, served, caller)
+            calls.append({"op": name, "caller": caller, "devices": sorted({str(t.device) for t in tensors})})
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for op in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "broadcast_object_list", "all_gather_object", "reduce", "barrier"):
+        setattr(dist, op, recording(op, getattr(dist, op)))
+
     for name in job_files:
         job = job_from_dict(json.loads(open(name).read()))
         trainer = Trainer(job)
@@ -52,9 +78,12 @@ RANK_SCRIPT = textwrap.dedent("""
 
         trainer.train_step = recording_step
         summary = trainer.fit()
+        looplm_calls = [c for c in calls if "looplm" in c["caller"]]
         with open(os.path.join(reports, f"{job.train.parallel}-rank{env.rank}.json"), "w") as f:
             json.dump({"depths": drawn, "step": summary["step"], "world_size": env.world_size,
-                       "wrapped": type(trainer.wrapped).__name__, "prior": trainer.sampler.state_dict()}, f)
+                       "wrapped": type(trainer.wrapped).__name__, "prior": trainer.sampler.state_dict(),
+                       "comm_device": str(env.comm_device), "looplm_calls": looplm_calls, "n_calls": len(calls)}, f)
+        calls.clear()
     D.shutdown(env)
 """)
 
@@ -100,17 +129,25 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchrun")
     jobs = [tiny_job(root, parallel, cache=shared_cache(tmp_path_factory), train__steps=STEPS,
                      train__checkpoint_every=100, train__micro_batch=2, train__parallel=parallel, **LEARNED_PRIOR)
-            for parallel in ("ddp", "fsdp")]
+            for parallel in ("ddp", "fsdp", "hsdp")]
     return {job.train.parallel: job for job in jobs}, torchrun(root, jobs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp", "FSDP")])
+@pytest.mark.parametrize(("parallel", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp", "FSDP"), ("hsdp", "FSDP")])
 def test_two_ranks_match_one_process(single_process, two_ranks, parallel, wrapper):
     jobs, all_reports = two_ranks
     job, reports = jobs[parallel], all_reports[parallel]
     assert [r["world_size"] for r in reports] == [2, 2]
     assert wrapper in reports[0]["wrapped"]
+    # every collective looplm issued came from the one module that owns them, on the comm device
+    for r in reports:
+        assert r["comm_device"] == "cpu"
+        assert r["looplm_calls"], "no collective recorded: the recorder is not wired in"
+        assert {Path(c["caller"]).name for c in r["looplm_calls"]} == {"distributed.py"}, r["looplm_calls"]
+        assert all(c["caller"].endswith("looplm/train/distributed.py") for c in r["looplm_calls"])
+        assert all(d == "cpu" for c in r["looplm_calls"] for d in c["devices"])
+        assert {"all_reduce", "barrier"} <= {c["op"] for c in r["looplm_calls"]}
     assert all(r["step"] == STEPS for r in reports)
     # every rank drew the same depth for every microbatch, and the same as one process
     assert reports[0]["depths"] == reports[1]["depths"]
@@ -147,3 +184,77 @@ def test_single_process_environment(monkeypatch):
     model = torch.nn.Linear(2, 2)
     assert wrap_model(model, env, "ddp") is model  # nothing to wrap on one process
 
+
+
+# -- collectives on the device the backend serves ------------------------------------------------
+@pytest.fixture
+def group(request):
+    """A one-rank process group with the given backend string; destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend=request.param, store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group", ["cuda:gloo"], indirect=True)
+def test_nccl_like_group_rejects_cpu_tensors(group, monkeypatch):
+    """`cuda:gloo` is a group with no CPU backend, like NCCL: the crash of multi-GPU runs
+    (trainer statistics all-reduced as CPU tensors) reproduced on a CPU machine."""
+    import torch.distributed as dist
+
+    assert D.served_device_types() == {"cuda"}
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        dist.all_reduce(torch.zeros(2))  # what the trainer did before collectives moved their tensors
+    with pytest.raises(CollectiveDeviceError, match="cpu tensor.*serves only cuda"):
+        D.check_served(torch.zeros(2))
+    # the helpers pick the device the group serves, and refuse a model device it cannot serve
+    assert D.comm_device_for(torch.device("cuda", 3), D.served_device_types()) == torch.device("cuda", 3)
+    with pytest.raises(CollectiveDeviceError, match="computes on cpu"):
+        D.comm_device_for(torch.device("cpu"), D.served_device_types())
+    # so a trainer launched with such a group fails at start-up, naming the mismatch
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(CollectiveDeviceError, match="cuda:gloo"):
+        init_distributed("cpu")
+    # and a helper handed a wrong comm device raises before the collective is issued
+    wrong = DistEnv(device=torch.device("cpu"), comm_device=torch.device("cpu"), joined=True)
+    with pytest.raises(CollectiveDeviceError):
+        D.all_reduce_sum(torch.ones(2), wrong)
+
+
+@pytest.mark.parametrize("group", ["gloo"], indirect=True)
+def test_helpers_reduce_on_comm_device_and_return_on_callers(group, monkeypatch):
+    import torch.distributed as dist
+
+    seen = []
+    real = dist.all_reduce
+
+    def recording(t, *args, **kwargs):
+        seen.append((t.device, t.dtype))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recording)
+    env = DistEnv(device=torch.device("cpu"), comm_device=torch.device("cpu"), joined=True)
+    x = torch.tensor([1.5, 2.0], dtype=torch.float64)
+    y = D.all_reduce_sum(x, env)
+    assert y is not x and torch.equal(y, x) and y.device == x.device  # one rank: the sum is the value
+    assert D.all_reduce_int(7, env) == 7 and D.all_reduce_sums([0.25, 3.0], env) == [0.25, 3.0]
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 4.0)
+    D.all_reduce_gradients([p], env)
+    assert torch.equal(p.grad, torch.full((3,), 4.0))
+    assert seen and all(d == torch.device("cpu") for d, _ in seen)
+    # without a group nothing is issued
+    seen.clear()
+    assert D.all_reduce_int(3, DistEnv()) == 3 and not seen
+
+
+def test_no_module_calls_collectives_directly():
+    """One place owns every collective: no other module of the package calls torch.distributed's."""
+    src = Path(__file__).resolve().parents[1] / "src" / "looplm"
+    ops = r"\b(?:dist|torch\.distributed)\.(all_reduce|broadcast|all_gather|reduce_scatter|barrier|reduce|send|recv|gather|scatter)\w*\("
+    offenders = [f"{p.relative_to(src)}:{i}" for p in src.rglob("*.py") if p.name != "distributed.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(ops, line)]
+    assert not offenders, offenders
+    assert re.search(ops, (src / "train" / "distributed.py").read_text())  # the pattern does match real calls

@@ -9,6 +9,12 @@ from .packing import (
     epoch_permutation,
     prepare_caches,
 )
+from .pretokenized import (
+    is_pretokenized,
+    open_pretokenized,
+    pretokenized_info,
+    tokenize_corpus,
+)
 from .sources import DataError, Document, describe_source, iter_documents
 from .tasks import TASKS, Example, TaskConfig, check_answer, generate_examples, get_task
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_tokenizer
@@ -33,7 +39,11 @@ __all__ = [
     "epoch_permutation",
     "generate_examples",
     "get_task",
+    "is_pretokenized",
     "iter_documents",
     "load_tokenizer",
+    "open_pretokenized",
     "prepare_caches",
+    "pretokenized_info",
+    "tokenize_corpus",
 ]

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +59,14 @@ class _CacheWriter:
         self._supervised.write(supervised.astype(np.uint8, copy=False).tobytes())
         self.n_tokens += len(ids)
 
-    def close(self, meta: dict[str, object]) -> None:
-        """Flush everything and write ``doc_starts.npy`` and ``meta.json`` last."""
+    def close(self, meta: dict[str, object]) -> dict[str, object]:
+        """Flush everything and write ``doc_starts.npy`` and ``meta.json`` last; return the meta."""
         self._tokens.close()
         self._supervised.close()
         np.save(self.directory / "doc_starts.npy", np.frombuffer(self._starts, dtype=np.int64))
         meta = dict(meta, dtype=np.dtype(self.dtype).name, n_tokens=self.n_tokens, n_docs=len(self._starts))
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+        return meta
 
     def abort(self) -> None:
         self._tokens.close()
@@ -77,9 +78,13 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _write_docs(
-    docs: Iterable[tuple[Document, int]], tokenizer: Tokenizer, writers: Sequence[_CacheWriter]
+    docs: Iterable[tuple[Document, int]],
+    tokenizer: Tokenizer,
+    writers: Sequence[_CacheWriter],
+    on_chunk: Callable[[int], None] | None = None,
 ) -> None:
-    """Tokenize ``(document, writer index)`` pairs in chunks and append them to ``writers``."""
+    """Tokenize ``(document, writer index)`` pairs in chunks and append them to ``writers``;
+    ``on_chunk(n)`` is told after each chunk how many documents it wrote."""
     eos = tokenizer.eos_id
     chunk: list[tuple[Document, int]] = []
 
@@ -103,6 +108,8 @@ def _write_docs(
                 sup = np.zeros(len(ids), dtype=np.uint8)
                 sup[len(prompt) :] = 1
             writers[which].add(ids, sup)
+        if on_chunk is not None and chunk:
+            on_chunk(len(chunk))
         chunk.clear()
 
     for item in docs:
@@ -123,6 +130,95 @@ def _task_splits(
     seen = {ex.prompt for ex in train}
     val = [ex for ex in generate_examples(config, n_val, val_seed) if ex.prompt not in seen]
     return train, val
+
+
+ProgressFn = Callable[[int, int | None], None]
+"""``progress(documents, total)``: documents counted (``total`` None) or written so far."""
+_COUNT_REPORT_EVERY = 4096  # documents between progress reports of the counting pass
+
+
+def write_splits(
+    source: str,
+    tokenizer: Tokenizer,
+    directory: Path,
+    *,
+    holdout: float,
+    text_field: str = "text",
+    task_config: TaskConfig | None = None,
+    n_task_examples: int = 20000,
+    seed: int = 0,
+    source_desc: str | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, dict[str, object]]:
+    """Tokenize ``source`` into ``directory/train`` and ``directory/val``; return each split's meta.
+
+    The one writer behind both the content-keyed start-up cache (:func:`prepare_caches`) and
+    ``looplm tokenize`` (:mod:`looplm.data.pretokenized`), so both produce identical files for
+    the same inputs. The split folders must not exist yet. It does not clean up after a
+    failure: callers write into a temporary folder that they remove or move into place.
+    ``progress`` (see :data:`ProgressFn`) lets long runs report how far they are.
+    """
+    if not 0.0 < holdout < 1.0:
+        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+    opts = dict(text_field=text_field, task_config=task_config, n_task_examples=n_task_examples, seed=seed)
+    desc = source_desc if source_desc is not None else describe_source(source, **opts)  # type: ignore[arg-type]
+    directory = Path(directory)
+    dtype = _token_dtype(tokenizer.vocab_size)
+    writers = [_CacheWriter(directory / "train", dtype), _CacheWriter(directory / "val", dtype)]
+    try:
+        if source == "tasks":
+            train, val = _task_splits(task_config or TaskConfig(), n_task_examples, holdout, seed)
+            if not val:
+                raise DataError("task validation set is empty: every validation prompt also occurs in training")
+            n_docs = len(train) + len(val)
+            docs: Iterable[tuple[Document, int]] = [
+                (Document(ex.text, answer_start=len(ex.prompt)), which)
+                for which, exs in ((0, train), (1, val))
+                for ex in exs
+            ]
+        else:
+            # First pass only counts documents, so the held-out set can be an exact,
+            # deterministic fraction without holding the corpus in memory.
+            n_docs = 0
+            for _ in iter_documents(source, **opts):  # type: ignore[arg-type]
+                n_docs += 1
+                if progress is not None and n_docs % _COUNT_REPORT_EVERY == 0:
+                    progress(n_docs, None)
+            if n_docs < 2:
+                raise DataError(f"data source {source!r} has 1 document; a held-out split needs at least 2")
+            n_val = min(n_docs - 1, max(1, round(n_docs * holdout)))
+            is_val = np.zeros(n_docs, dtype=bool)
+            is_val[np.random.default_rng([seed, n_docs]).choice(n_docs, n_val, replace=False)] = True
+            docs = ((doc, int(is_val[i])) for i, doc in enumerate(iter_documents(source, **opts)))  # type: ignore[arg-type]
+        written = 0
+
+        def on_chunk(n: int) -> None:
+            nonlocal written
+            written += n
+            if progress is not None:
+                progress(written, n_docs)
+
+        if progress is not None:
+            progress(0, n_docs)
+        _write_docs(docs, tokenizer, writers, on_chunk)
+        return {
+            split: writer.close(
+                {
+                    "version": CACHE_VERSION,
+                    "split": split,
+                    "source": desc,
+                    "tokenizer": tokenizer.fingerprint(),
+                    "tokenizer_name": tokenizer.name,
+                    "vocab_size": tokenizer.vocab_size,
+                    "eos_id": tokenizer.eos_id,
+                }
+            )
+            for split, writer in zip(("train", "val"), writers)
+        }
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
 
 
 def prepare_caches(
@@ -160,41 +256,8 @@ def prepare_caches(
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cache_dir))
-    dtype = _token_dtype(tokenizer.vocab_size)
-    writers = [_CacheWriter(tmp / "train", dtype), _CacheWriter(tmp / "val", dtype)]
     try:
-        if source == "tasks":
-            train, val = _task_splits(task_config or TaskConfig(), n_task_examples, holdout, seed)
-            if not val:
-                raise DataError("task validation set is empty: every validation prompt also occurs in training")
-            docs: Iterable[tuple[Document, int]] = [
-                (Document(ex.text, answer_start=len(ex.prompt)), which)
-                for which, exs in ((0, train), (1, val))
-                for ex in exs
-            ]
-        else:
-            # First pass only counts documents, so the held-out set can be an exact,
-            # deterministic fraction without holding the corpus in memory.
-            n_docs = sum(1 for _ in iter_documents(source, **opts))  # type: ignore[arg-type]
-            if n_docs < 2:
-                raise DataError(f"data source {source!r} has 1 document; a held-out split needs at least 2")
-            n_val = min(n_docs - 1, max(1, round(n_docs * holdout)))
-            is_val = np.zeros(n_docs, dtype=bool)
-            is_val[np.random.default_rng([seed, n_docs]).choice(n_docs, n_val, replace=False)] = True
-            docs = ((doc, int(is_val[i])) for i, doc in enumerate(iter_documents(source, **opts)))  # type: ignore[arg-type]
-        _write_docs(docs, tokenizer, writers)
-        for split, writer in zip(("train", "val"), writers):
-            writer.close(
-                {
-                    "version": CACHE_VERSION,
-                    "split": split,
-                    "source": desc,
-                    "tokenizer": tokenizer.fingerprint(),
-                    "tokenizer_name": tokenizer.name,
-                    "vocab_size": tokenizer.vocab_size,
-                    "eos_id": tokenizer.eos_id,
-                }
-            )
+        write_splits(source, tokenizer, tmp, holdout=holdout, source_desc=desc, **opts)  # type: ignore[arg-type]
         try:
             os.replace(tmp, final)
         except OSError:
@@ -203,8 +266,6 @@ def prepare_caches(
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
-        for w in writers:
-            w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return train_dir, val_dir
@@ -311,7 +372,15 @@ def build_datasets(
     n_task_examples: int = 20000,
     seed: int = 0,
 ) -> tuple[PackedDataset, PackedDataset]:
-    """Train and validation datasets for ``source`` (see :func:`prepare_caches`)."""
+    """Train and validation datasets for ``source`` (see :func:`prepare_caches`); a folder written
+    by ``looplm tokenize`` is read as it is (its tokenizer must be ``tokenizer``)."""
+    from .pretokenized import is_pretokenized, open_pretokenized
+
+    if is_pretokenized(source):
+        saved, train, val = open_pretokenized(source, seq_len)
+        if saved.fingerprint() != tokenizer.fingerprint():
+            raise DataError(f"{source} was tokenized with another tokenizer ({saved.name}) than this run's ({tokenizer.name})")
+        return train, val
     train_dir, val_dir = prepare_caches(
         source,
         tokenizer,

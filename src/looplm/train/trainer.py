@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX, Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
-from looplm.data import iter_documents, load_tokenizer
+from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
 from looplm.model import LoopedLM
@@ -164,6 +164,9 @@ class Trainer:
         build_sampler(j.depth)
         if j.model.max_depth < j.depth.cap:
             raise ValueError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
+        if j.train.attention == "flex" and D.resolve_device(j.train.device).type != "cuda":
+            raise ValueError("train.attention flex: FlexAttention has no backward on CPU in torch; "
+                             "train with --train.attention sdpa (or auto) on CPU")
         for r in j.eval.depths:
             if not 1 <= r <= j.model.max_depth:
                 raise ValueError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
@@ -187,6 +190,8 @@ class Trainer:
 
     def _build_tokenizer(self) -> Tokenizer:
         d = self.job.data
+        if is_pretokenized(d.source):  # `looplm tokenize` output carries its tokenizer
+            return open_pretokenized(d.source, d.seq_len)[0]
 
         def corpus():
             return (doc.text for doc in iter_documents(d.source, text_field=d.text_field, task_config=d.tasks,

@@ -1,0 +1,156 @@
+"""What wraps the model for training: torch.compile without recompiles across drawn depths,
+FlexAttention document masks equal to the boolean-mask SDPA path, and activation checkpointing
+that keeps the gradients and sheds the activations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _jobs import shared_cache, step_records, tiny_job
+
+from looplm.model import LoopedLM
+from looplm.model.blocks import causal_document_mask, document_block_mask
+from looplm.train.parallelize import apply_activation_checkpointing, apply_compile, compiled_frames
+from looplm.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return shared_cache(tmp_path_factory)
+
+
+def packed_rows(vocab: int, B: int = 3, L: int = 40):
+    """Tokens, document ids and per-document positions of packed rows with uneven documents."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (B, L), generator=g)
+    doc = torch.zeros(B, L, dtype=torch.long)
+    for b, cuts in enumerate(([7, 19, 33], [1], [])):
+        for c in cuts:
+            doc[b, c:] += 1
+    starts = torch.cat([torch.ones(B, 1, dtype=torch.bool), doc[:, 1:] != doc[:, :-1]], 1)
+    idx = torch.arange(L).expand(B, L)
+    positions = idx - torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 1).values
+    return tokens, doc, positions
+
+
+# -- FlexAttention ------------------------------------------------------------------------------
+def test_block_mask_is_the_causal_document_mask():
+    _, doc, _ = packed_rows(10, L=150)
+    bm = document_block_mask(doc)
+    dense = causal_document_mask(doc)[:, 0]
+    B, L = doc.shape
+    q, kv = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    by_hand = (q >= kv) & (doc[:, :, None] == doc[:, None, :])  # causal, same document
+    assert torch.equal(dense, by_hand)
+    mod = bm.mask_mod
+    from_block_mask = torch.stack([mod(torch.tensor(b), torch.tensor(0), q, kv) for b in range(B)])
+    assert torch.equal(from_block_mask, by_hand)
+
+
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "deq-qkv"])
+def test_flex_attention_logits_equal_sdpa(tiny_model_config, injection):
+    """fp32 on CPU, forward only (torch's FlexAttention has no CPU backward; training uses it on CUDA)."""
+    cfg = tiny_model_config(injection=injection, max_seq_len=64)
+    model = LoopedLM(cfg)
+    tokens, doc, positions = packed_rows(cfg.vocab_size)
+    with torch.no_grad():
+        outs = {kernel: model(tokens, 4, doc_ids=doc, positions=positions, init="seeded", attention=kernel).logits
+                for kernel in ("sdpa", "flex")}
+        plain = model(tokens, 4, positions=positions, init="seeded").logits
+    torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, outs["sdpa"], atol=1e-3)  # the masks matter
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
+def test_flex_attention_gradients_equal_sdpa_on_cuda(tiny_model_config):
+    cfg = tiny_model_config(max_seq_len=64)
+    model = LoopedLM(cfg).cuda()
+    tokens, doc, positions = (t.cuda() for t in packed_rows(cfg.vocab_size))
+    grads = {}
+    for kernel in ("sdpa", "flex"):
+        model.zero_grad()
+        model(tokens, 4, doc_ids=doc, positions=positions, init="seeded", attention=kernel).logits.logsumexp(-1).mean().backward()
+        grads[kernel] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n in grads["sdpa"]:
+        torch.testing.assert_close(grads["flex"][n], grads["sdpa"][n], rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_trainer_attention_kernel(tmp_path, cache):
+    assert Trainer(tiny_job(tmp_path, "auto", cache=cache)).attention == "sdpa"  # auto on CPU
+    with pytest.raises(ValueError, match="FlexAttention has no backward on CPU"):
+        Trainer(tiny_job(tmp_path, "flex", cache=cache, train__attention="flex"))
+
+
+# -- activation checkpointing -------------------------------------------------------------------
+def peak_activation_bytes(model, tokens, depth) -> int:
+    """Peak bytes of activations alive during forward + backward, tracked per tensor by torch's
+    MemTracker (a dispatch mode: every op output is counted until it is freed)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(model)
+    with mt:
+        model(tokens, depth).logits.logsumexp(-1).mean().backward()
+    peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return next(v for k, v in peak.items() if "ACT" in str(k))
+
+
+def test_block_checkpointing_keeps_gradients_and_sheds_activations(tiny_model_config):
+    cfg = tiny_model_config(max_seq_len=64, d_model=64, ffn_dim=256)
+    plain = LoopedLM(cfg)
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, "block")
+    assert list(wrapped.state_dict()) == list(plain.state_dict())  # checkpoints stay loadable
+    tokens, doc, positions = packed_rows(cfg.vocab_size, L=64)
+    grads = []
+    for m in (plain, wrapped):
+        out = m(tokens, 6, doc_ids=doc, positions=positions, init="seeded", bptt_window=None)
+        out.logits.logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in zip(m.state_dict(), m.parameters())})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+    # full BPTT: activations grow with R; checkpointing keeps each block's input only
+    tokens = tokens[:, :48]
+    a4, a16 = (peak_activation_bytes(plain, tokens, r) for r in (4, 16))
+    c4, c16 = (peak_activation_bytes(wrapped, tokens, r) for r in (4, 16))
+    assert a16 > 3 * a4  # the measurement sees depth
+    assert c16 < a16 / 4, (c16, a16)
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compiled_training_matches_eager_without_recompiles(tmp_path, cache):
+    """20 steps with PLN-drawn depths and a backprop window of 2 (so the no-grad prefix runs on
+    most microbatches): same losses and depths as eager, and no graph compiled after warm-up."""
+    common = dict(cache=cache, train__steps=20, depth__bptt_window=2, depth__depth=3.0)
+    eager = Trainer(tiny_job(tmp_path, "eager", train__compile="off", **common))
+    eager.fit()
+    compiled = Trainer(tiny_job(tmp_path, "compiled", train__compile="on", **common))
+    assert compiled.compiled and not eager.compiled
+    compiled.fit()
+    ref, got = step_records(eager.out_dir), step_records(compiled.out_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, 21))
+    drawn = [r for s in ref for r in ref[s]["depths"]]
+    assert min(drawn) <= 2 < max(drawn) and len(set(drawn)) >= 4, drawn  # with and without a prefix
+    for s in ref:
+        assert got[s]["depths"] == ref[s]["depths"]
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=2e-4, abs=1e-5), s
+        assert got[s]["compile_recompiles"] == 0, s
+        assert "compile_recompiles" not in ref[s]
+    # the counter sees a recompile: a new sequence length compiles the blocks again
+    before = compiled_frames()
+    with torch.no_grad():
+        compiled.model(torch.zeros(1, 17, dtype=torch.long), 2)
+    assert compiled_frames() > before
+
+
+def test_compile_wraps_blocks_in_place(tiny_model_config):
+    model = LoopedLM(tiny_model_config())
+    names = list(model.state_dict())
+    apply_compile(model)
+    assert list(model.state_dict()) == names
+    assert all(b._compiled_call_impl is not None for b in (*model.prelude, *model.core, *model.coda))
