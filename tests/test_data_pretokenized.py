@@ -286,3 +286,23 @@ def test_tokenize_command_end_to_end(tmp_path: Path) -> None:
         assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
         assert res.stdout == ""
     assert not (tmp_path / "new").exists()
+
+
+def test_training_reads_a_pretokenized_folder(tmp_path: Path) -> None:
+    """`--data.source OUT` trains from the folder as it is: its splits, its tokenizer, and the
+    end-of-training report reads the same folder."""
+    from _jobs import tiny_job
+
+    from looplm.train.trainer import Trainer
+
+    out = tokenize_corpus(make_folder(tmp_path / "corpus", n=40), tmp_path / "tok", tokenizer="bpe",
+                          bpe_vocab_size=300, holdout=0.1, progress=False)
+    job = tiny_job(tmp_path, "run", data__source=str(out), data__tokenizer="byte", train__steps=2,
+                   model__max_seq_len=32, data__seq_len=32)
+    trainer = Trainer(job)
+    assert trainer.tokenizer.fingerprint() == open_pretokenized(out, 32)[0].fingerprint()
+    assert trainer.job.model.vocab_size == trainer.tokenizer.vocab_size != 258  # BPE, not the byte flag
+    assert trainer.train_data.cache_dir == out / "train" and trainer.val_data.cache_dir == out / "val"
+    assert not (tmp_path / "cache").exists()  # nothing was tokenized again
+    trainer.fit()
+    assert trainer.step == 2

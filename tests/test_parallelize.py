@@ -12,7 +12,7 @@ from _jobs import shared_cache, step_records, tiny_job
 
 from looplm.model import LoopedLM
 from looplm.model.blocks import causal_document_mask, document_block_mask
-from looplm.train.parallelize import apply_activation_checkpointing, apply_compile, compiled_frames
+from looplm.train.parallelize import apply_activation_checkpointing, apply_compile, compiled_graphs
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -142,10 +142,10 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path, cache):
         assert got[s]["compile_recompiles"] == 0, s
         assert "compile_recompiles" not in ref[s]
     # the counter sees a recompile: a new sequence length compiles the blocks again
-    before = compiled_frames()
+    before = compiled_graphs()
     with torch.no_grad():
         compiled.model(torch.zeros(1, 17, dtype=torch.long), 2)
-    assert compiled_frames() > before
+    assert compiled_graphs() > before
 
 
 def test_compile_wraps_blocks_in_place(tiny_model_config):
@@ -154,3 +154,26 @@ def test_compile_wraps_blocks_in_place(tiny_model_config):
     apply_compile(model)
     assert list(model.state_dict()) == names
     assert all(b._compiled_call_impl is not None for b in (*model.prelude, *model.core, *model.coda))
+
+
+def test_trainer_with_checkpointing_matches_and_saves_plain_keys(tmp_path, cache):
+    """Block checkpointing changes memory, not the run: same losses, and checkpoints that load
+    into a plain model (and a resumed run may switch it off)."""
+    from looplm.checkpoint import load_model, load_tensors
+
+    runs = {}
+    for mode in ("none", "block"):
+        trainer = Trainer(tiny_job(tmp_path, mode, cache=cache, train__steps=3, depth__bptt_window=None,
+                                   train__activation_checkpointing=mode))
+        trainer.fit()
+        runs[mode] = trainer
+    ref, got = step_records(runs["none"].out_dir), step_records(runs["block"].out_dir)
+    for s in ref:
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5)
+    plain = load_tensors(runs["none"].latest_checkpoint(), "model.safetensors")
+    wrapped = load_tensors(runs["block"].latest_checkpoint(), "model.safetensors")
+    assert wrapped.keys() == plain.keys()
+    load_model(runs["block"].latest_checkpoint(), "cpu")  # loads into an unwrapped LoopedLM
+    resumed = Trainer(tiny_job(tmp_path, "block", cache=cache, train__steps=3, depth__bptt_window=None,
+                               train__activation_checkpointing="none", train__resume=True))
+    assert resumed.step == 3

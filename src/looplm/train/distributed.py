@@ -15,6 +15,7 @@ trainer, evaluation, the learned depth prior's feedback, RL and distillation red
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -90,9 +91,13 @@ def init_distributed(device_pref: str = "auto") -> DistEnv:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device,
-                   comm_device=comm_device_for(device, served_device_types()), joined=True,
-                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    env = DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device,
+                  comm_device=comm_device_for(device, served_device_types()), joined=True,
+                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    if env.is_main:
+        print(f"process group: {dist.get_backend()}, {world} rank(s), model on {device}, "
+              f"collectives on {env.comm_device}", file=sys.stderr)
+    return env
 
 
 def check_served(t: torch.Tensor, group=None) -> None:

@@ -50,11 +50,13 @@ def apply_compile(model: nn.Module) -> None:
     model.injection.compile()
 
 
-def compiled_frames() -> int:
-    """Frames dynamo has compiled in this process so far (a recompile adds one)."""
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far: a recompile (a guard that failed, e.g. a
+    new mask kind, grad mode or shape) adds one; the same code on another module instance does not.
+    (dynamo's frame count misses guard-failure recompiles of an already compiled frame.)"""
     from torch._dynamo.utils import counters
 
-    return int(counters["frames"]["total"])
+    return int(counters["stats"]["unique_graphs"])
 
 
 def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: torch.dtype | None = None) -> nn.Module:

@@ -137,7 +137,7 @@ class Trainer:
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
             fused=self.env.device.type == "cuda",
         )
-        self.recompiles_baseline: int | None = None  # compiled frames after warm-up
+        self.recompiles_baseline: int | None = None  # graphs compiled by the end of warm-up
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="looplm-batches") if t.prefetch else None
         self._prefetched: tuple[int, Future] | None = None
         self.step = 0
@@ -313,11 +313,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             microbatch_loss(self.wrapped, batch, 1, None, state0, self._autocast(), self.attention)
-        self.recompiles_baseline = P.compiled_frames()
+        self.recompiles_baseline = P.compiled_graphs()
 
     def recompiles(self) -> int:
         """Graphs compiled since the warm-up (0 means drawn depths replayed the warm-up graphs)."""
-        return P.compiled_frames() - self.recompiles_baseline if self.recompiles_baseline is not None else 0
+        return P.compiled_graphs() - self.recompiles_baseline if self.recompiles_baseline is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -336,7 +336,7 @@ class Trainer:
             self.warm_up_compile()
             if bar is not None:
                 bar.write(f"compiled blocks and injection in {time.perf_counter() - t0:.1f} s "
-                          f"({P.compiled_frames()} graphs)")
+                          f"({P.compiled_graphs()} graphs)")
         window_t, window_tokens, window_depths, last = time.perf_counter(), 0, [], None
         while self.step < end:
             t0 = time.perf_counter()
