@@ -6,6 +6,7 @@
   looplm distill TEACHER [--steps N ...]      distil a prefill student (SPEC 9), then compare prefill arms
   looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (SPEC 11): JSON report, plots, summary
   looplm rl CHECKPOINT [--estimator reuse]    GRPO post-training with rollout-state reuse (SPEC 10)
+  looplm tokenize SRC OUT [--tokenizer bpe]   tokenize a corpus once into a folder to train from
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
 """
@@ -197,13 +198,22 @@ def distill(
     Args:
         teacher: The teacher checkpoint folder, or its run folder (its latest checkpoint is used).
         cfg: Student, optimisation and run settings.
+
+    Runs on one process, or data parallel under `torchrun --nproc_per_node N` (--micro-batch is
+    the global rows per step and must be divisible by N); rank 0 writes and reports.
     """
     from looplm.distill.evaluate import arms_after_distill, format_prefill_table
     from looplm.distill.trainer import DistillTrainer
     from looplm.eval.report import write_report
+    from looplm.train import distributed as D
 
     trainer = DistillTrainer(teacher, cfg)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    finally:
+        D.shutdown(trainer.env)  # the collectives end with fit; the arms report runs on rank 0 alone
+    if not trainer.env.is_main:
+        return
     print(f"\ndistilled {summary['step']} steps in {summary['elapsed_s']:.0f} s; held-out relative state error "
           f"{summary['val_rel_err']:.4f} (after one teacher recurrence {summary['val_rel_err_next']:.4f}), "
           f"KL {summary['val_kl']:.4f}")
@@ -276,11 +286,20 @@ def rl(
     Args:
         checkpoint: The starting checkpoint (a checkpoint folder or a run folder); it is only read.
         cfg: RL settings; output goes to --out-dir (metrics.jsonl, checkpoints).
+
+    Runs on one process, or data parallel under `torchrun --nproc_per_node N` (--prompts-per-step
+    is the global prompt count and must be divisible by N); rank 0 writes and prints.
     """
     from looplm.rl.trainer import RLTrainer
+    from looplm.train import distributed as D
 
     trainer = RLTrainer(checkpoint, cfg)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    finally:
+        D.shutdown(trainer.env)
+    if not trainer.env.is_main:
+        return
     for step, ev in sorted(summary["evals"].items()):
         if ev:
             print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
@@ -288,10 +307,61 @@ def rl(
           f"checkpoint: {summary['checkpoint']}\nmetrics:    {trainer.out_dir / 'metrics.jsonl'}")
 
 
+def tokenize(
+    src: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="SRC")],
+    out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
+    tokenizer: str = "byte",
+    bpe_vocab_size: int = 4096,
+    holdout: float = 0.05,
+    text_field: str = "text",
+    seed: int = 0,
+    n_task_examples: int = 200_000,
+) -> None:
+    """Tokenize a corpus once into a folder that training reads directly (--data.source OUT),
+    instead of tokenizing it at the start of every fresh run.
+
+    OUT gets the train and validation token caches, the tokenizer and a pretokenized.json marker;
+    it is written to a temporary sibling and renamed into place only when complete.
+
+    Args:
+        src: The corpus: a text file or folder (*.txt, *.md), a .jsonl file, hf:<name>[:<split>] or tasks.
+        out: Folder to write: new, empty, or an earlier `looplm tokenize` output (kept if made from the
+            same inputs, else replaced).
+        tokenizer: byte, bpe (trained on the corpus) or a path to a tokenizer.json or saved tokenizer folder.
+        bpe_vocab_size: Vocabulary size when training a BPE tokenizer.
+        holdout: Fraction of documents held out for validation.
+        text_field: Field of each JSONL record (or HF dataset row) that holds the text.
+        seed: Seed of the held-out draw (and of the generator for source tasks).
+        n_task_examples: Training examples drawn from the task generator (source tasks).
+    """
+    import shlex
+
+    from looplm.data.pretokenized import pretokenized_info, tokenize_corpus
+
+    start = time.time()
+    try:  # to tell "kept as it was" from "written" below
+        before = pretokenized_info(out)
+    except DataError:
+        before = None
+    path = tokenize_corpus(src, out, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size, holdout=holdout,
+                           text_field=text_field, seed=seed, n_task_examples=n_task_examples)
+    info = pretokenized_info(path)
+    if info == before:
+        print(f"up to date (same source, tokenizer, holdout and seed): {path}")
+    else:
+        print(f"wrote {path} in {time.time() - start:.0f} s")
+    print(f"tokenizer: {info['tokenizer']}, vocabulary {info['vocab_size']:,}, eos id {info['eos_id']}")
+    for split, counts in info["splits"].items():
+        print(f"{split + ':':6} {counts['tokens']:>14,} tokens  {counts['docs']:>11,} documents")
+    print(f"\ntrain on it with (any preset; the folder's tokenizer is used):\n"
+          f"  looplm train tiny --data.source {shlex.quote(str(path))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         tyro.extras.subcommand_cli_from_dict(
-            {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze, "rl": rl}, prog="looplm", args=argv,
+            {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze, "rl": rl,
+             "tokenize": tokenize}, prog="looplm", args=argv,
             description="looplm: looped language models shaped around fixed points",
         )
     except USER_ERRORS as err:

@@ -8,6 +8,14 @@ frozen coda and head applied to z^R (no grad) and z_hat (the gradient flows thro
 coda into the student). AdamW (0.9, 0.95), no weight decay, clip 1.0, linear warmup then cosine
 to 0.1x. Data order is a pure function of (seed, step) and the student has no randomness, so a
 resumed run reproduces an uninterrupted one.
+
+Data parallel under torchrun (gloo on CPU, nccl on CUDA; `looplm.train.distributed` owns the group
+and every collective): `micro_batch` stays the global rows per step, rank r takes its contiguous
+slice of them, and each rank's loss is scaled so that the all-reduced (averaged) gradient equals
+the single-process gradient of the global token mean. No DDP: the student is called directly, so
+gradients are all-reduced explicitly before clipping. The energy calibration and validation shard
+their rows over ranks and sum in one collective, so every rank holds the same numbers. Rank 0
+alone writes checkpoints and metrics; every rank loads on resume.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from looplm.distill.evaluate import teacher_data
 from looplm.distill.student import EndpointStudent
 from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.model.state import initial_state
+from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
 from looplm.train.schedule import wsd_multiplier
 
@@ -72,21 +81,18 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1).clamp_min(1e-12)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available")
-    return torch.device(name)
-
-
 class DistillTrainer:
-    def __init__(self, teacher_path: Path, cfg: DistillConfig):
+    def __init__(self, teacher_path: Path, cfg: DistillConfig, env: D.DistEnv | None = None):
         from looplm.train.trainer import flat_diff
 
         cfg.validate()
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
+        if cfg.micro_batch % self.env.world_size:
+            raise ValueError(f"micro_batch {cfg.micro_batch} (rows per step over all ranks) must be divisible by "
+                             f"the number of ranks, {self.env.world_size}")
+        self.local_batch = cfg.micro_batch // self.env.world_size
+        self.device = self.env.device
         self.teacher_path = ckpt.resolve(Path(teacher_path))
         self.teacher, self.tokenizer, self.job = ckpt.load_model(self.teacher_path, self.device)
         self.teacher.requires_grad_(False)
@@ -118,7 +124,8 @@ class DistillTrainer:
         self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            eps=1e-8, weight_decay=cfg.weight_decay)
         self.step, self.elapsed = 0, 0.0
-        self.logger = MetricsLogger(self.out_dir, enabled=True, tensorboard=False, wandb=False, config=cfg.to_dict())
+        self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=False, wandb=False,
+                                    config=cfg.to_dict())
         if resume_from is not None:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
@@ -129,16 +136,23 @@ class DistillTrainer:
     def _batch(self, data, rows) -> Batch:
         return data.get_batch(rows).to(self.device)
 
+    def _my_rows(self, rows: list[int]) -> list[int]:
+        """This rank's share of held-out `rows` (every world_size-th, from its rank)."""
+        return rows[self.env.rank::self.env.world_size]
+
     @torch.no_grad()
     def calibrate(self) -> float:
-        """E = mean((z^R)^2) over the calibration rows, accumulated in fp64 (SPEC 9)."""
+        """E = mean((z^R)^2) over the calibration rows, accumulated in fp64 (SPEC 9). The rows are
+        shared out over ranks and the fp64 sums reduced, so every rank gets the same E."""
         total, count = torch.zeros((), dtype=torch.float64), 0
-        for start in range(0, len(self.calib_rows), self.cfg.micro_batch):
-            t = teacher_targets(self.teacher, self._batch(self.val_data, self.calib_rows[start:start + self.cfg.micro_batch]),
+        rows = self._my_rows(self.calib_rows)
+        for start in range(0, len(rows), self.local_batch):
+            t = teacher_targets(self.teacher, self._batch(self.val_data, rows[start:start + self.local_batch]),
                                 self.cfg.depth)
             total += t.endpoint.double().pow(2).sum().cpu()
             count += t.endpoint.numel()
-        energy = float(total / count)
+        total, count = D.all_reduce_sums([float(total), float(count)], self.env)
+        energy = total / count
         if not energy > 0:
             raise FloatingPointError(f"teacher endpoint energy E = {energy}; cannot normalize the state loss")
         return energy
@@ -152,27 +166,40 @@ class DistillTrainer:
         lr = self.lr_at(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        env, b = self.env, self.local_batch
         rows = batch_indices(len(self.train_data), self.step, 0, cfg.micro_batch, 1, cfg.seed)
-        t = teacher_targets(self.teacher, self._batch(self.train_data, rows), cfg.depth)
+        mine = rows[env.rank * b:(env.rank + 1) * b]  # this rank's slice of the global batch
+        t = teacher_targets(self.teacher, self._batch(self.train_data, mine), cfg.depth)
         z_hat = self.student(t.prelude, t.rope, t.mask)
         loss, mse, kl = distill_loss(self.teacher, z_hat, t, self.energy, cfg.kl_weight)
-        loss.backward()
+        # Every term is a mean over this rank's tokens (the MSE over tokens x d). Weighting each rank's
+        # mean by its share of the global tokens, times world_size because the gradients are averaged
+        # over ranks, makes the reduced gradient that of the global token mean (scale 1 on one rank).
+        n_local = t.endpoint.shape[0] * t.endpoint.shape[1]
+        n_global = D.all_reduce_int(n_local, env)
+        (loss * (n_local * env.world_size / n_global)).backward()
+        D.all_reduce_gradients(self.student.parameters(), env)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss": loss.item(), "mse_norm": mse.item(), "kl": kl.item(), "grad_norm": float(grad_norm), "lr": lr}
+        # global token means (on one process exactly the local values: x * n / n is exact in fp64)
+        sums = D.all_reduce_sums([v.item() * n_local for v in (loss, mse, kl)], env)
+        loss_g, mse_g, kl_g = (v / n_global for v in sums)
+        return {"loss": loss_g, "mse_norm": mse_g, "kl": kl_g, "grad_norm": float(grad_norm), "lr": lr}
 
     @torch.no_grad()
     def validate(self) -> dict:
         """Token means over the validation rows: loss terms, relative state error |z_hat - z^R| / |z^R|,
-        and the same error after the one teacher recurrence that distilled prefill runs next."""
+        and the same error after the one teacher recurrence that distilled prefill runs next. Every rank
+        must call it: each scores its share of the rows and the sums are reduced, so all ranks agree."""
         self.student.eval()
         sums = dict.fromkeys(("loss", "mse_norm", "kl", "rel_err", "rel_err_next"), 0.0)
         n_tok = 0
-        for start in range(0, len(self.val_rows), self.cfg.micro_batch):
-            t = teacher_targets(self.teacher, self._batch(self.val_data, self.val_rows[start:start + self.cfg.micro_batch]),
+        rows = self._my_rows(self.val_rows)
+        for start in range(0, len(rows), self.local_batch):
+            t = teacher_targets(self.teacher, self._batch(self.val_data, rows[start:start + self.local_batch]),
                                 self.cfg.depth)
             z_hat = self.student(t.prelude, t.rope, t.mask)
             k = t.endpoint.shape[0] * t.endpoint.shape[1]
@@ -183,13 +210,14 @@ class DistillTrainer:
             sums["rel_err_next"] += nxt.sum().item()
             n_tok += k
         self.student.train()
-        return {f"val_{k}": v / max(n_tok, 1) for k, v in sums.items()}
+        *totals, n_tok = D.all_reduce_sums([*sums.values(), n_tok], self.env)
+        return {f"val_{k}": v / max(n_tok, 1) for k, v in zip(sums, totals)}
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg
         bar = None
-        if cfg.progress:
+        if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True)
@@ -223,17 +251,23 @@ class DistillTrainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
-        tensors, optim_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
-        meta = {"teacher_sha256": self.teacher_sha, "teacher_path": str(self.teacher_path), "depth": self.cfg.depth,
-                "init": self.cfg.init, "config": self.cfg.to_dict()}
-        state = {"step": self.step, "energy": self.energy, "elapsed_s": self.elapsed, "optimizer": optim_meta}
+        """Atomically write a checkpoint of the current step; every rank must call it (rank 0 writes:
+        the student and optimizer are identical on every rank), and all wait until it is written."""
+        target = self.ckpt_root / f"step_{self.step:07d}"
+        if self.env.is_main:
+            tensors, optim_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
+            meta = {"teacher_sha256": self.teacher_sha, "teacher_path": str(self.teacher_path),
+                    "depth": self.cfg.depth, "init": self.cfg.init, "config": self.cfg.to_dict()}
+            state = {"step": self.step, "energy": self.energy, "elapsed_s": self.elapsed, "optimizer": optim_meta}
 
-        def populate(tmp: Path) -> None:
-            write_student(tmp, self.student, meta)
-            ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
-            ckpt.write_json(tmp, "distill_state.json", state)
+            def populate(tmp: Path) -> None:
+                write_student(tmp, self.student, meta)
+                ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
+                ckpt.write_json(tmp, "distill_state.json", state)
 
-        return ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)
+            target = ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)
+        D.barrier(self.env)
+        return target
 
     def _load(self, path: Path) -> None:
         student, _ = load_student(path, self.teacher)  # refuses a checkpoint of another teacher

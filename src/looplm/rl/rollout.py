@@ -111,10 +111,14 @@ class Rollout:
 
 @torch.no_grad()
 def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: int, depth: int,
-            max_new_tokens: int, temperature: float = 1.0, stop: Sequence[str] = (), seed: int = 0,
+            max_new_tokens: int, temperature: float = 1.0, stop: Sequence[str] = (), seed: int | Sequence[int] = 0,
             first_example_id: int = 0) -> Rollout:
     """Sample `group_size` completions of every prompt at `depth` with a terminal KV cache, saving
-    each fed token's endpoint. Rows are grouped: row i*G + j is completion j of prompt i."""
+    each fed token's endpoint. Rows are grouped: row i*G + j is completion j of prompt i.
+
+    `seed`: one int seeds one generator for the whole batch; a sequence gives one seed per prompt,
+    and each prompt's group then samples from its own generator, so a group's completions do not
+    depend on which other prompts share the batch (data-parallel RL splits the prompts over ranks)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if temperature <= 0:
@@ -123,6 +127,8 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts:
         raise ValueError("no prompts given")
+    if not isinstance(seed, int) and len(seed) != len(prompts):
+        raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts; give one seed, or one per prompt")
     encoded = [tokenizer.encode(p) for p in prompts for _ in range(group_size)]
     if any(not ids for ids in encoded):
         raise ValueError("a prompt is empty")
@@ -141,7 +147,11 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
                        dtype=next(model.parameters()).dtype)
     logits, z_prompt = extend(model, left, cache, depth, example_ids=ids_arg, pad=pad, return_endpoint=True)
     logits = logits[:, -1]
-    gen = torch.Generator(device=device).manual_seed(seed)
+    if isinstance(seed, int):
+        gens = [torch.Generator(device=device).manual_seed(seed)]
+    else:
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seed]
+    rows_per_gen = N // len(gens)
     fed_z: list[torch.Tensor] = []  # endpoint of completion token j, [N, d], for j fed
     chosen, chosen_lp = [], []
     done = [False] * N
@@ -149,7 +159,9 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     lengths = [0] * N
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
-        nxt = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+        probs = logp.exp()
+        nxt = torch.cat([torch.multinomial(probs[k * rows_per_gen:(k + 1) * rows_per_gen], 1, generator=g)[:, 0]
+                         for k, g in enumerate(gens)])
         chosen.append(nxt.tolist())
         chosen_lp.append(logp.gather(-1, nxt[:, None])[:, 0])
         for i in range(N):

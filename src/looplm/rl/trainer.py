@@ -8,6 +8,15 @@ never after. Prompts, sampling seeds and example ids are functions of (seed, ste
 run continues exactly. Output: `<out_dir>/metrics.jsonl` (reward, pass@1, lengths, the time split
 between rollout and update, greedy held-out accuracy) and checkpoints that `looplm eval` and
 `looplm generate` read like training checkpoints.
+
+Data parallel under torchrun (gloo on CPU, nccl on CUDA; `looplm.train.distributed` owns the group
+and every collective): `prompts_per_step` stays the global prompt count, rank r rolls out and
+scores its contiguous share of the prompts (whole GRPO groups, so the group-normalised advantages
+are unchanged), and every prompt samples from its own generator seeded by (seed, step, prompt
+index), so N ranks draw exactly the rollouts of one process. No DDP (the estimators call model
+pieces directly): each rank's loss is scaled by its share of the global action tokens and the
+gradients are all-reduced before clipping, which gives the single-process gradient of the global
+token-mean loss. Metrics are reduced over ranks; rank 0 alone writes checkpoints and metrics.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from looplm.rl.estimators import score_and_backward
 from looplm.rl.grpo import action_logprobs, clipped_policy_loss, group_advantages
 from looplm.rl.rewards import Problem, ProblemSource, get_reward
 from looplm.rl.rollout import rollout
+from looplm.train import distributed as D
 from looplm.train.config import jsonable
 from looplm.train.metrics import MetricsLogger
 from looplm.train.trainer import flat_diff, param_groups
@@ -38,13 +48,19 @@ from looplm.train.trainer import flat_diff, param_groups
 RESUMABLE = {"steps", "resume", "progress", "device", "eval_every", "checkpoint_every", "keep_checkpoints"}
 
 
+def sampling_seed(seed: int, step: int, prompt: int) -> int:
+    """Seed of the generator that samples the completions of prompt `prompt` (its index among the
+    step's `prompts_per_step`, over all ranks) at RL step `step`: independent of the rank layout."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + prompt) % 2**63
+
+
 def _inside(path: Path, folder: Path) -> bool:
     path, folder = path.resolve(), folder.resolve()
     return path == folder or folder in path.parents
 
 
 class RLTrainer:
-    def __init__(self, checkpoint: Path, cfg: RLConfig):
+    def __init__(self, checkpoint: Path, cfg: RLConfig, env: D.DistEnv | None = None):
         self.cfg = cfg
         self.source_path = ckpt.resolve(Path(checkpoint))
         self.out_dir = Path(cfg.out_dir)
@@ -54,8 +70,12 @@ class RLTrainer:
         if _inside(src, self.out_dir) or _inside(self.out_dir, source_run):
             raise ValueError(f"out_dir {self.out_dir} overlaps the source run {source_run}; choose another --out-dir "
                              "(RL never writes into the source run)")
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
+        if cfg.prompts_per_step % self.env.world_size:
+            raise ValueError(f"prompts_per_step {cfg.prompts_per_step} (prompts per step over all ranks) must be "
+                             f"divisible by the number of ranks, {self.env.world_size}")
+        self.local_prompts = cfg.prompts_per_step // self.env.world_size
+        self.device = self.env.device
         self.model, self.tokenizer, self.job = ckpt.load_model(self.source_path, self.device)
         cfg.validate(self.model.cfg.max_depth)
         self.reference = None
@@ -69,7 +89,7 @@ class RLTrainer:
                                            betas=(cfg.beta1, cfg.beta2), eps=1e-8)
         self.step, self.elapsed = 0, 0.0
         resume_from = self._find_resume()
-        self.logger = MetricsLogger(self.out_dir, enabled=True, tensorboard=False, wandb=False)
+        self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=False, wandb=False)
         if resume_from is not None:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
@@ -108,13 +128,16 @@ class RLTrainer:
 
     # -- one RL step ----------------------------------------------------------------------------
     def train_step(self) -> dict:
-        cfg, model = self.cfg, self.model
+        """One RL step; every rank must call it (it reduces over ranks)."""
+        cfg, model, env = self.cfg, self.model, self.env
         G, n_rows = cfg.group_size, cfg.prompts_per_step * cfg.group_size
         t0 = time.perf_counter()
-        problems = self.problems.draw(self.step, cfg.prompts_per_step)
+        first = env.rank * self.local_prompts  # this rank's prompts: first .. first + local_prompts - 1
+        problems = self.problems.draw(self.step, cfg.prompts_per_step)[first:first + self.local_prompts]
         ro = rollout(model, self.tokenizer, [p.prompt for p in problems], group_size=G, depth=cfg.depth,
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop=self.stop,
-                     seed=cfg.seed * 1_000_003 + self.step, first_example_id=self.step * n_rows)
+                     seed=[sampling_seed(cfg.seed, self.step, first + i) for i in range(len(problems))],
+                     first_example_id=self.step * n_rows + first * G)
         rewards = torch.tensor([self.reward_fn(problems[i // G].reference, text) for i, text in enumerate(ro.texts)],
                                dtype=torch.float32, device=self.device)
         advantages = group_advantages(rewards, G)
@@ -125,6 +148,13 @@ class RLTrainer:
                 ref_logp = action_logprobs(ref_logits, ro.targets, cfg.temperature)
         t1 = time.perf_counter()
         stats: dict = {}
+        # The loss is a mean over this rank's action tokens. Scaled by this rank's share of the global
+        # action tokens, times world_size because the gradients are averaged over ranks, the reduced
+        # gradient is that of the token mean over every rank's rollouts (the scale is 1 on one rank;
+        # every estimator is linear in the loss, the Neumann update included).
+        n_local = int(ro.mask.sum())
+        n_global = D.all_reduce_int(n_local, env)
+        scale = n_local * env.world_size / n_global
 
         def objective(logits: torch.Tensor) -> torch.Tensor:
             logp = action_logprobs(logits, ro.targets, cfg.temperature)
@@ -132,9 +162,11 @@ class RLTrainer:
                                           ref_logp=ref_logp)
             stats.update(s)  # how far the scored policy is from the sampling one (terminal KV, one recurrence)
             stats["logp_gap"] = float(((logp.detach() - ro.logprobs).abs() * ro.mask).sum() / ro.mask.sum())
-            return loss
+            stats["loss"] = float(loss.detach())
+            return loss * scale
 
         out = score_and_backward(cfg.estimator, model, ro, objective, depth=cfg.depth, neumann_steps=cfg.neumann)
+        D.all_reduce_gradients(model.parameters(), env)
         t2 = time.perf_counter()
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
@@ -143,18 +175,34 @@ class RLTrainer:
         t3 = time.perf_counter()
         self.step += 1
         correct = (rewards >= 1).float().view(-1, G)
-        lengths = torch.tensor(ro.completion_lengths, dtype=torch.float32)
         r = rewards.view(-1, G)
+        lengths = ro.completion_lengths
+        n_real = sum(ro.prompt_lengths) + sum(lengths) - len(lengths)  # non-pad tokens scored
+        # Sums over this rank's rows, groups and action tokens, and each rank's longest completion (an
+        # all-gather by a sum), reduced over ranks in one collective: the means are one process's.
+        local = {
+            "reward": (float(rewards.sum()), n_rows), "pass@1": (float(correct.sum()), n_rows),
+            f"pass@{G}": (float(correct.amax(1).sum()), cfg.prompts_per_step),
+            "completion_len": (float(sum(lengths)), n_rows), "stopped_frac": (float(sum(ro.stopped)), n_rows),
+            "uniform_group_frac": (float((r.amax(1) == r.amin(1)).float().sum()), cfg.prompts_per_step),
+            **{k: (v * n_local, n_global) for k, v in stats.items()},  # token means: loss, clip_frac, kl, logp_gap
+        }
+        if "residual" in out:  # a mean over the scored tokens (exact for reuse; recompute also counts padding)
+            local["endpoint_residual"] = (out["residual"] * n_real, None)  # count: n_real over ranks, below
+        longest = [0.0] * env.world_size
+        longest[env.rank] = float(max(lengths))
+        *reduced, n_real_global = D.all_reduce_sums([total for total, _ in local.values()] + longest + [n_real], env)
+        mean = {k: total / (count or n_real_global) for (k, (_, count)), total in zip(local.items(), reduced)}
         record = {
-            "reward": float(rewards.mean()), "pass@1": float(correct.mean()), f"pass@{G}": float(correct.amax(1).mean()),
-            "completion_len": float(lengths.mean()), "completion_len_max": int(lengths.max()),
-            "stopped_frac": sum(ro.stopped) / len(ro.stopped),
-            "uniform_group_frac": float((r.amax(1) == r.amin(1)).float().mean()),
-            "loss": out["loss"], "grad_norm": grad_norm, **stats,
+            "reward": mean["reward"], "pass@1": mean["pass@1"], f"pass@{G}": mean[f"pass@{G}"],
+            "completion_len": mean["completion_len"], "completion_len_max": int(max(reduced[len(local):])),
+            "stopped_frac": mean["stopped_frac"], "uniform_group_frac": mean["uniform_group_frac"],
+            "loss": mean["loss"], "grad_norm": grad_norm, **{k: mean[k] for k in stats if k != "loss"},
+            # this rank's timings
             "rollout_s": t1 - t0, "update_s": t2 - t1, "optim_s": t3 - t2, "rollout_frac": (t1 - t0) / (t3 - t0),
         }
         if "residual" in out:
-            record["endpoint_residual"] = out["residual"]
+            record["endpoint_residual"] = mean["endpoint_residual"]
         return record
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -177,8 +225,14 @@ class RLTrainer:
         cfg, problems = self.cfg, self._eval_problems()
         if not problems:
             return {}
+        # Every rank must call this. Ranks share the work by whole chunks of 32 problems, chunk k on rank
+        # k mod world_size: each chunk's sampling seed and example ids are functions of its position
+        # alone, so a chunk scores the same wherever it runs and the reduced means equal one process's
+        # exactly, while the ranks split the cost (rank 0 alone would leave the others idle at a barrier).
         sampled, greedy = [], []
-        for start in range(0, len(problems), 32):
+        for k, start in enumerate(range(0, len(problems), 32)):
+            if k % self.env.world_size != self.env.rank:
+                continue
             chunk = problems[start:start + 32]
             ro = rollout(self.model, self.tokenizer, [p.prompt for p in chunk], group_size=cfg.eval_samples,
                          depth=cfg.depth, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -188,13 +242,15 @@ class RLTrainer:
                                     range(10**9 + start, 10**9 + start + len(chunk)), depth=cfg.depth,
                                     max_new_tokens=cfg.max_new_tokens, stop=self.stop)
             greedy += [self.reward_fn(p.reference, t) >= 1 for p, t in zip(chunk, texts)]
-        return {"eval_reward": sum(sampled) / len(sampled), "eval_greedy_pass@1": sum(greedy) / len(greedy)}
+        total_reward, n_sampled, n_solved, n_greedy = D.all_reduce_sums(
+            [float(sum(sampled)), float(len(sampled)), float(sum(greedy)), float(len(greedy))], self.env)
+        return {"eval_reward": total_reward / n_sampled, "eval_greedy_pass@1": n_solved / n_greedy}
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg
         bar = None
-        if cfg.progress:
+        if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc=f"rl {cfg.estimator}", unit="step", dynamic_ncols=True)
@@ -233,20 +289,26 @@ class RLTrainer:
         return self.ckpt_root / latest.read_text().strip() if latest.exists() else None
 
     def save(self) -> Path:
-        """An atomic checkpoint `looplm eval`/`generate` can read: the source job config plus an "rl" entry."""
+        """An atomic checkpoint `looplm eval`/`generate` can read: the source job config plus an "rl" entry.
+        Every rank must call it: rank 0 writes (the model and optimizer are identical on every rank), and
+        all wait until it is written."""
         optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
-        tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
-        config = dict(self.job, rl={"config": self.config_dict(), "source": str(self.source_path)})
-        state = {"step": self.step, "elapsed_s": self.elapsed, "optimizer": optim_meta}
+        target = self.ckpt_root / f"step_{self.step:07d}"
+        if self.env.is_main:
+            tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
+            config = dict(self.job, rl={"config": self.config_dict(), "source": str(self.source_path)})
+            state = {"step": self.step, "elapsed_s": self.elapsed, "optimizer": optim_meta}
 
-        def populate(tmp: Path) -> None:
-            ckpt.save_tensors(tmp, "model.safetensors", self.model.state_dict())
-            ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
-            ckpt.write_json(tmp, "trainer_state.json", state)
-            ckpt.write_json(tmp, "config.json", config)
-            self.tokenizer.save(tmp)
+            def populate(tmp: Path) -> None:
+                ckpt.save_tensors(tmp, "model.safetensors", self.model.state_dict())
+                ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
+                ckpt.write_json(tmp, "trainer_state.json", state)
+                ckpt.write_json(tmp, "config.json", config)
+                self.tokenizer.save(tmp)
 
-        return ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)
+            target = ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)
+        D.barrier(self.env)
+        return target
 
     def _load(self, path: Path) -> None:
         weights = ckpt.load_tensors(path, "model.safetensors")
