@@ -156,8 +156,9 @@ def timed(step, device) -> float:
     return time.perf_counter() - t
 
 
-def time_steps(step, device, warmup: int, steps: int) -> tuple[float, float | None, float]:
-    """(median step seconds, peak GiB or None, first-step seconds incl. compile). Warm-up goes on
+def time_steps(step, device, warmup: int, steps: int) -> tuple[float, float | None, float, int]:
+    """(median step seconds, peak GiB or None, first-step seconds incl. compile, graphs compiled
+    during the timed steps: should be 0). Warm-up goes on
     (up to 10 steps) while steps still compile graphs, so no compile lands in a timed step."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -168,9 +169,10 @@ def time_steps(step, device, warmup: int, steps: int) -> tuple[float, float | No
         dt = timed(step, device)
         first = dt if first is None else first
         n += 1
+    before = compiled_graphs()
     times = [timed(step, device) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return statistics.median(times), peak, first
+    return statistics.median(times), peak, first, compiled_graphs() - before
 
 
 def packed_doc_ids(B: int, L: int, device, *, lo: int, hi: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,8 +243,8 @@ def plain_arm(cfg, B, L, device, dtype):
 # -- one-rank process-group runs of the real trainers --------------------------------------------
 def torchrun_runs(device: torch.device, tiny: bool, root: Path, timeout: int) -> list[dict]:
     dev = device.type
-    train_flags = ["--train.steps", "12", "--train.log-every", "4", "--train.eval-every", "6", "--train.progress", "False",
-                   "--train.device", dev, "--train.tensorboard", "False", "--data.n-task-examples", "4000",
+    train_flags = ["--train.steps", "12", "--train.log-every", "4", "--train.eval-every", "6", "--train.no-progress",
+                   "--train.device", dev, "--train.no-tensorboard", "--data.n-task-examples", "4000",
                    "--data.cache-dir", str(root / "cache"), "--train.out-dir", str(root / "train"),
                    "--eval.depths", "1", "5", "--eval.task-examples", "16", "--eval.max-sequences", "8"]
     if tiny:
@@ -255,10 +257,10 @@ def torchrun_runs(device: torch.device, tiny: bool, root: Path, timeout: int) ->
         ("train", ["train", "tiny", *train_flags]),
         ("distill", ["distill", str(ckpt), "--steps", "4", "--micro-batch", "4", "--calibration-rows", "8",
                      "--val-rows", "8", "--val-every", "2", "--report-rows", "8", "--report-examples", "8",
-                     "--out-dir", str(root / "distill"), "--device", dev, "--progress", "False"]),
+                     "--out-dir", str(root / "distill"), "--device", dev, "--no-progress"]),
         ("rl", ["rl", str(ckpt), "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "2",
                 "--eval-examples", "8", "--eval-samples", "1", "--out-dir", str(root / "rl"), "--device", dev,
-                "--progress", "False"]),
+                "--no-progress"]),
     ]
     rows = []
     for name, args in jobs:
@@ -335,10 +337,10 @@ def main() -> None:
                 else:
                     step, _keep = looplm_arm(cfg, B, L, device, dtype, compiled=arm == "compiled-flex",
                                              attention=flex if arm == "compiled-flex" else "sdpa", mask=mask)
-                dt, mem, first = time_steps(step, device, warmup, steps)
+                dt, mem, first, late = time_steps(step, device, warmup, steps)
                 tps = B * L / dt
                 row.update(step_s=dt, tokens_per_s=tps, mfu=tps * fpt / peak, peak_gib=mem, first_step_s=first,
-                           graphs_compiled=compiled_graphs() - graphs,
+                           graphs_compiled=compiled_graphs() - graphs, graphs_compiled_in_timed_steps=late,
                            kernel=(flex if arm == "compiled-flex" else "sdpa") if mask != "causal" else "sdpa-causal")
             except torch.OutOfMemoryError as err:
                 row["error"] = f"OOM: {str(err)[:200]}"

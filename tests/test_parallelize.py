@@ -177,3 +177,23 @@ def test_trainer_with_checkpointing_matches_and_saves_plain_keys(tmp_path, cache
     resumed = Trainer(tiny_job(tmp_path, "block", cache=cache, train__steps=3, depth__bptt_window=None,
                                train__activation_checkpointing="none", train__resume=True))
     assert resumed.step == 3
+
+
+@pytest.mark.slow
+def test_compiled_blocks_with_block_masks_do_not_recompile_per_batch(tiny_model_config):
+    """The GPU training path (compiled blocks + FlexAttention), forward only on CPU: every batch
+    brings a new document layout (a new block mask and mask_mod closure) and reuses the graphs."""
+    cfg = tiny_model_config(max_seq_len=128)
+    model, ref = LoopedLM(cfg), LoopedLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    apply_compile(model)
+    counts = []
+    for i in range(3):
+        tokens, doc, positions = packed_rows(cfg.vocab_size, L=128)
+        doc = torch.roll(doc, shifts=17 * i, dims=1)  # another layout per batch
+        with torch.no_grad():
+            got = model(tokens, 3, doc_ids=doc, positions=positions, init="seeded", attention="flex").logits
+            want = ref(tokens, 3, doc_ids=doc, positions=positions, init="seeded", attention="sdpa").logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        counts.append(compiled_graphs())
+    assert counts[0] > 0 and counts[1] == counts[2] == counts[0], counts

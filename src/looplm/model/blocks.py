@@ -24,9 +24,9 @@ _compiled_flex_attention = None
 
 def _flex(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
     global _compiled_flex_attention
+    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
     if q.device.type == "cpu":  # eager flex (exact, unfused) keeps CPU tests free of inductor builds
-        if torch.compiler.is_compiling():
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
