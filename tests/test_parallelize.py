@@ -197,3 +197,41 @@ def test_compiled_blocks_with_block_masks_do_not_recompile_per_batch(tiny_model_
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         counts.append(compiled_graphs())
     assert counts[0] > 0 and counts[1] == counts[2] == counts[0], counts
+
+
+def test_fsdp_gets_bf16_compute_with_fp32_gradient_reduction(monkeypatch, tiny_model_config):
+    """The wiring of FSDP2's mixed precision (gloo on CPU cannot run bf16 FSDP, so fully_shard
+    is recorded instead of run): every block, then the root, with one policy."""
+    import torch.distributed.fsdp as fsdp
+
+    from looplm.train.distributed import DistEnv
+    from looplm.train.parallelize import wrap_model
+
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append((module, kw)))
+    model = LoopedLM(tiny_model_config())
+    env = DistEnv(world_size=2, joined=True)
+    assert wrap_model(model, env, "fsdp", param_dtype=torch.bfloat16) is model
+    assert [m for m, _ in calls] == [*model.prelude, *model.core, *model.coda, model]
+    policies = {kw["mp_policy"] for _, kw in calls}
+    assert len(policies) == 1
+    policy = policies.pop()
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    calls.clear()
+    wrap_model(model, env, "fsdp")  # fp32 training: no casts
+    assert calls[0][1]["mp_policy"].param_dtype is None and calls[0][1]["mp_policy"].reduce_dtype is None
+    with pytest.raises(ValueError, match="choose ddp, fsdp or hsdp"):
+        wrap_model(model, env, "zero3")
+
+
+def test_prefetched_batches_are_the_batches(tmp_path, cache):
+    """The background thread assembles the same batches in the same order: identical runs."""
+    runs = {}
+    for prefetch in (True, False):
+        trainer = Trainer(tiny_job(tmp_path, f"prefetch-{prefetch}", cache=cache, train__steps=4,
+                                   train__prefetch=prefetch))
+        assert (trainer._prefetcher is not None) == prefetch
+        trainer.fit()
+        runs[prefetch] = step_records(trainer.out_dir)
+    assert [r["loss"] for r in runs[True].values()] == [r["loss"] for r in runs[False].values()]
+    assert [r["depths"] for r in runs[True].values()] == [r["depths"] for r in runs[False].values()]
