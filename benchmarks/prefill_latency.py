@@ -9,7 +9,7 @@ prefill`; speed does not depend on the tokens). One warm-up round, then `--round
 rotate the arm order, so load from other processes falls on every arm alike; per arm mean, std and
 median of the seconds, and of the per-round ratio teacher time / arm time. The load average
 is recorded every round.
-Quality (same arms, decoding at R with the terminal cache; `looplm.distill.evaluate`): continuation
+Quality (same arms, decoding at R with the terminal cache; `looplm.eval.prefill_arms`): continuation
 perplexity of held-out rows of the teacher's data (prefill to each row's midpoint document, score
 the rest) and generator-task exact match (prefill the prompt, greedy decoding).
 """
@@ -28,7 +28,8 @@ import torch
 
 from looplm.checkpoint import load_model, resolve
 from looplm.distill import load_student
-from looplm.distill.evaluate import arms_after_distill, format_prefill_table, teacher_data
+from looplm.distill.evaluate import arms_after_distill, teacher_data
+from looplm.eval.prefill_arms import format_prefill_table
 from looplm.infer import TerminalCache
 from looplm.infer.prefill import Prefill
 

@@ -1,4 +1,4 @@
-"""Document sources: the task generator, text files, folders, JSONL and HF datasets."""
+"""Document sources: the task generator, built-in corpora, text files, folders, JSONL and HF datasets."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .corpus import CORPORA, describe_corpus, iter_corpus
 from .tasks import TaskConfig, generate_examples
 
 MAX_CHUNK_CHARS = 64 * 1024
@@ -120,6 +121,9 @@ def _iter_raw(
         for ex in generate_examples(task_config or TaskConfig(), n_task_examples, seed):
             yield Document(ex.text, answer_start=len(ex.prompt))
         return
+    if source in CORPORA:
+        yield from (Document(text) for text in iter_corpus(source))
+        return
     if source.startswith("hf:"):
         yield from _iter_hf(source, text_field)
         return
@@ -146,7 +150,7 @@ def iter_documents(
     """Yield the non-empty documents of ``source``.
 
     ``source`` is ``"tasks"`` (the procedural generator, ``n_task_examples`` examples
-    from ``seed``), a text file, a folder (all ``*.txt``/``*.md`` recursively, sorted),
+    from ``seed``), the name of a built-in corpus (``"shakespeare"``), a text file, a folder (all ``*.txt``/``*.md`` recursively, sorted),
     a ``.jsonl`` file (``text_field`` of each line) or ``"hf:<name>[:<split>]"``.
     Raises :class:`DataError` on missing, empty or malformed sources.
     """
@@ -173,6 +177,8 @@ def describe_source(
     if source == "tasks":
         cfg = asdict(task_config or TaskConfig())
         return json.dumps({"source": "tasks", "config": cfg, "n": n_task_examples, "seed": seed}, sort_keys=True)
+    if source in CORPORA:
+        return describe_corpus(source)
     if source.startswith("hf:"):
         name, split = _parse_hf(source)
         return json.dumps({"source": "hf", "name": name, "split": split, "field": text_field}, sort_keys=True)

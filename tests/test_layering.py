@@ -1,0 +1,44 @@
+"""Dependencies point one way: model <- infer <- eval / analyze / distill / rl <- cli.
+
+Scans every import statement (top-level and inside functions) of the lower packages."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "looplm"
+
+# package -> the looplm packages/modules it may import
+ALLOWED = {
+    "model": {"config", "model"},
+    "infer": {"config", "model", "infer", "data"},
+    "eval": {"config", "model", "infer", "data", "eval", "checkpoint"},
+    "analyze": {"config", "model", "infer", "data", "eval", "analyze", "checkpoint"},
+    "data": {"data"},
+}
+
+
+def looplm_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("looplm."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("looplm.")}
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_lower_layers_do_not_reach_up(package):
+    bad = {f"{p.relative_to(SRC)} -> looplm.{m}" for p in (SRC / package).rglob("*.py")
+           for m in looplm_imports(p) - ALLOWED[package]}
+    assert not bad, sorted(bad)
+
+
+def test_scanner_sees_function_level_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from looplm.distill.evaluate import x\n    import looplm.rl.trainer\n")
+    assert looplm_imports(f) == {"distill", "rl"}
