@@ -211,7 +211,7 @@ class OneRow:
 
 
 def test_bank_error_against_a_direct_computation(single_thread):
-    from looplm.distill.evaluate import bank_error
+    from looplm.eval.prefill_arms import bank_error
 
     m, rows = _teacher(), OneRow()
     assert bank_error(m, rows, Prefill("teacher"), 4) == 0.0

@@ -36,15 +36,31 @@ def _cfg(tmp_path, name="distill", **kw) -> DistillConfig:
     return DistillConfig(**{**base, **kw})
 
 
+def expected_lr(step: int, steps: int, warmup: int, peak: float) -> float:
+    """SPEC 9 schedule in closed form, for the update after `step` steps (u = step + 1 updates done):
+    linear warm-up u / W to the peak, reached exactly at u = W; then a cosine from the peak at u = W
+    to 0.1x at u = steps over the remaining steps."""
+    u = step + 1
+    if u <= warmup:
+        return peak * u / warmup
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (u - warmup) / (steps - warmup))))
+
+
 def test_loss_falls_on_a_toy_teacher_and_energy_is_calibrated_in_fp64(teacher, tmp_path):
     tr = DistillTrainer(teacher, _cfg(tmp_path, init="random", lr=3e-3))
-    # E against a direct fp64 computation over the calibration rows
-    t = teacher_targets(tr.teacher, tr.val_data.get_batch(tr.calib_rows), 3)
+    # E against a direct fp64 computation over 8 evenly spaced training rows
+    n = len(tr.train_data)
+    t = teacher_targets(tr.teacher, tr.train_data.get_batch([i * n // 8 for i in range(8)]), 3)
     assert math.isclose(tr.energy, t.endpoint.double().pow(2).mean().item(), rel_tol=1e-9)
     before = tr.validate()
     summary = tr.fit()
-    losses = [r["loss"] for r in read_metrics(tmp_path / "distill") if "loss" in r]
+    records = [r for r in read_metrics(tmp_path / "distill") if "loss" in r]
+    losses = [r["loss"] for r in records]
     assert len(losses) == 30
+    # metrics step s logs the lr of the s-th update: the peak at step 8 (the default warm-up), 0.1x at 30
+    assert [r["lr"] for r in records] == pytest.approx([expected_lr(s - 1, 30, 8, 3e-3) for s in range(1, 31)],
+                                                       rel=1e-12)
+    assert records[7]["lr"] == 3e-3 and records[-1]["lr"] == pytest.approx(3e-4, rel=1e-12)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:3]) / 3, losses
     assert summary["val_rel_err"] < 0.7 * before["val_rel_err"], (before, summary)
     assert summary["val_loss"] < before["val_loss"]
@@ -53,6 +69,34 @@ def test_loss_falls_on_a_toy_teacher_and_energy_is_calibrated_in_fp64(teacher, t
     assert state["energy"] == tr.energy and state["step"] == 30
     student, meta = load_student(tmp_path / "distill", tr.teacher)
     assert meta["depth"] == 3 and meta["init"] == "random"
+
+
+def test_energy_is_calibrated_on_training_rows_not_held_out_rows(teacher, tmp_path):
+    """Paper §3.2: the teacher-state energy is calibrated on training data. The rows are spread evenly
+    over the training split (row i * n // k), the same on every rank."""
+    tr = DistillTrainer(teacher, _cfg(tmp_path, calibration_rows=5, val_rows=4))
+    n = len(tr.train_data)
+    assert n >= 10  # the spread rows are not simply the first five
+    rows = [i * n // 5 for i in range(5)]
+    t = teacher_targets(tr.teacher, tr.train_data.get_batch(rows), 3)
+    want = float(t.endpoint.double().pow(2).sum() / t.endpoint.numel())
+    assert math.isclose(tr.energy, want, rel_tol=1e-9)
+    held_out = teacher_targets(tr.teacher, tr.val_data.get_batch(list(range(5))), 3).endpoint.double().pow(2).mean()
+    assert not math.isclose(tr.energy, float(held_out), rel_tol=1e-6)  # the split matters
+    assert tr.val_rows == [0, 1, 2, 3]  # validation stays on held-out rows
+
+
+@pytest.mark.parametrize("steps, warmup", [(30, 8), (12, 3), (10, 1), (6, 0), (4, 8)])
+def test_lr_warms_up_to_the_peak_then_cosine_decays_to_a_tenth(teacher, tmp_path, steps, warmup):
+    tr = DistillTrainer(teacher, _cfg(tmp_path, steps=steps, warmup=warmup, lr=2e-3, calibration_rows=1))
+    got = [tr.lr_at(t) for t in range(steps)]
+    assert got == pytest.approx([expected_lr(t, steps, warmup, 2e-3) for t in range(steps)], rel=1e-12, abs=0)
+    if 0 < warmup <= steps:
+        assert got[warmup - 1] == 2e-3  # exactly the peak at the end of warm-up, and never above it
+        assert got[:warmup] == sorted(got[:warmup]) and got[0] == pytest.approx(2e-3 / warmup, rel=1e-12)
+    if warmup < steps:
+        assert got[warmup:] == sorted(got[warmup:], reverse=True) and max(got) <= 2e-3
+        assert got[-1] == pytest.approx(2e-4, rel=1e-12)  # the last update runs at 0.1x
 
 
 def test_teacher_init_starts_closer_than_random_init(teacher, tmp_path):

@@ -3,6 +3,8 @@ Jacobians, reuse vs recompute, and the saved-state checks."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from looplm.rl import (
     ESTIMATORS, SavedStateError, SavedStates, action_logprobs, check_saved_states, clipped_policy_loss,
     endpoint_backward, group_advantages, neumann_backward, rollout, score_and_backward, token_hash,
 )
-from looplm.rl.estimators import bptt_backward, recompute_endpoints
+from looplm.rl.estimators import bptt_backward, recompute_endpoints, reference_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 torch_f64 = torch.float64
@@ -239,3 +241,41 @@ def test_mismatched_and_missing_saved_states_are_rejected(setup):
     assert token_hash(ro.tokens, ro.example_ids) == s.tokens
     with pytest.raises(ValueError, match="unknown estimator"):
         score_and_backward("implicit", model, ro, objective, depth=3)
+
+
+def test_reference_logits_follow_each_estimators_scoring_path(setup):
+    """The KL reference is scored along the path the estimator scores the policy with: a copy of the
+    policy gets exactly the logits the policy loss sees (KL 0), for every estimator; recompute's is
+    the reference's native forward one recurrence deeper, and a moved reference gives a positive KL."""
+    model, ro, _ = setup
+    seen = {}
+
+    def capture(est):
+        def objective(logits):
+            seen[est] = logits.detach().clone()
+            return logits.float().logsumexp(-1).mean()
+        return objective
+
+    twin = copy.deepcopy(model).requires_grad_(False)
+    moved = copy.deepcopy(twin)
+    with torch.no_grad():
+        for p in moved.core.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    for est in ESTIMATORS:
+        model.zero_grad()
+        score_and_backward(est, model, ro, capture(est), depth=3, neumann_steps=1)
+        assert torch.equal(reference_logits(est, twin, model, ro, depth=3), seen[est]), est
+        logp = action_logprobs(seen[est], ro.targets)
+        ref = action_logprobs(reference_logits(est, moved, model, ro, depth=3), ro.targets)
+        adv = torch.zeros(ro.tokens.shape[0])
+        assert clipped_policy_loss(logp, adv, ro.mask, ref_logp=logp)[1]["kl"] == 0.0
+        assert clipped_policy_loss(logp, adv, ro.mask, ref_logp=ref)[1]["kl"] > 1e-6, est
+    with torch.no_grad():  # recompute scores F(z^R) of the native forward: the native forward at R + 1
+        native = moved(ro.tokens, 4, init="seeded", example_ids=ro.example_ids).logits
+    torch.testing.assert_close(reference_logits("recompute", moved, model, ro, depth=3), native, rtol=1e-5, atol=1e-5)
+    # reuse reads the policy's saved endpoints, refused once the policy has moved
+    torch.optim.SGD(model.parameters(), lr=1e-3).step()
+    with pytest.raises(SavedStateError, match="stale"):
+        reference_logits("reuse", twin, model, ro, depth=3)
+    with pytest.raises(ValueError, match="unknown estimator"):
+        reference_logits("implicit", twin, model, ro, depth=3)

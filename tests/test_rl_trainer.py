@@ -118,9 +118,22 @@ def test_gsm8k_jsonl_source_with_a_kl_penalty(source, tmp_path):
     out = tmp_path / "gsm"
     args = rl_args(source, out, "--source", data, "--eval-jsonl", data, "--eval-every", "1", "--eval-examples", "3",
                    "--eval-samples", "2", "--kl-coef", "0.05", "--prompt-template", "Q:{question}\nA:",
-                   "--estimator", "bptt")  # bptt scores with the native forward, as the reference does
+                   "--estimator", "bptt")
     assert main(args) == 0
     records = [r for r in read_metrics(out) if "reward" in r]
     assert len(records) == 2 and all(r["kl"] >= 0 for r in records)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step scores the starting model itself
     assert all("eval_reward" in r for r in records)
+
+
+@pytest.mark.parametrize("estimator", ["bptt", "recompute", "reuse"])
+def test_kl_is_zero_while_the_policy_is_the_reference_with_every_estimator(source, tmp_path, estimator):
+    """The reference is scored along the estimator's own path (native depth R; one recurrence from
+    rebuilt or saved endpoints), so the first step, which scores the starting model itself, logs a KL
+    of 0; once the parameters move the KL is positive."""
+    out = tmp_path / estimator
+    assert main(rl_args(source, out, "--estimator", estimator, "--kl-coef", "0.05")) == 0
+    kl = [r["kl"] for r in read_metrics(out) if "reward" in r]
+    assert len(kl) == 2
+    assert 0 <= kl[0] < 1e-7, kl
+    assert kl[1] > 1e-6, kl

@@ -37,13 +37,15 @@ class DistillConfig:
     grad_clip: float = 1.0
     """Gradient-norm clip (0 disables)."""
     warmup: int = 8
-    """Linear warmup steps; then cosine decay to 0.1x over the run."""
+    """Linear warmup steps: the lr rises to the peak, reached at the last of them; then a cosine decay to 0.1x over
+    the remaining steps (the last step runs at 0.1x)."""
     kl_weight: float = 1.0
     """beta in loss = MSE(z_hat, z^R)/E + beta * KL(p_T || p_S) (KL through the frozen coda and head)."""
     calibration_rows: int = 64
-    """Held-out rows on which the energy E = mean((z^R)^2) is measured once (fp64) and checkpointed."""
+    """Training rows, evenly spaced over the training split, on which the energy E = mean((z^R)^2) is measured once
+    (fp64) and checkpointed."""
     val_rows: int = 32
-    """Further held-out rows for validation (relative state error and KL)."""
+    """Held-out rows for validation (relative state error and KL): the first rows of the held-out split."""
     val_every: int = 50
     """Validate every this many steps and at the end (0: only at the end)."""
     log_every: int = 10

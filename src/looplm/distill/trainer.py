@@ -3,11 +3,12 @@
 Per step: a microbatch of the teacher's own training data; targets computed online by the frozen
 teacher at depth R (seeded initial state, so a row's target is a pure function of the row); loss
     MSE(z_hat, z^R) / E + beta * KL(p_T || p_S),
-E = mean((z^R)^2) measured once on held-out rows in fp64 and checkpointed; p_T and p_S are the
-frozen coda and head applied to z^R (no grad) and z_hat (the gradient flows through the frozen
-coda into the student). AdamW (0.9, 0.95), no weight decay, clip 1.0, linear warmup then cosine
-to 0.1x. Data order is a pure function of (seed, step) and the student has no randomness, so a
-resumed run reproduces an uninterrupted one.
+E = mean((z^R)^2) measured once on training rows in fp64 and checkpointed (paper §3.2: a fixed
+teacher-state energy calibrated on training data); p_T and p_S are the frozen coda and head applied
+to z^R (no grad) and z_hat (the gradient flows through the frozen coda into the student). AdamW
+(0.9, 0.95), no weight decay, clip 1.0, linear warmup to the peak, then cosine to 0.1x over the
+remaining steps (`lr_multiplier`). Data order is a pure function of (seed, step) and the student
+has no randomness, so a resumed run reproduces an uninterrupted one.
 
 Data parallel under torchrun (gloo on CPU, nccl on CUDA; `looplm.train.distributed` owns the group
 and every collective): `micro_batch` stays the global rows per step, rank r takes its contiguous
@@ -38,7 +39,6 @@ from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.model.state import initial_state
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
-from looplm.train.schedule import wsd_multiplier
 
 
 @dataclass
@@ -74,6 +74,26 @@ def distill_loss(teacher, z_hat: torch.Tensor, t: Targets, energy: float, kl_wei
     log_p_t = t.logits.log_softmax(-1).flatten(0, 1)
     kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean")  # sum_v p_T (ln p_T - ln p_S), token mean
     return mse + kl_weight * kl, mse, kl
+
+
+def lr_multiplier(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
+    """Learning-rate multiplier of the update that follows `step` optimizer steps (SPEC 9): with
+    u = step + 1 updates done once it is applied, u / warmup while u <= warmup (linear, the peak 1
+    exactly at the last warm-up step), then floor + (1 - floor)(1 + cos(pi (u - warmup) / (steps -
+    warmup))) / 2 (a cosine from the peak down to `floor`, reached at the run's last step)."""
+    u = step + 1
+    if u <= warmup:
+        return u / warmup
+    frac = min(1.0, (u - warmup) / (steps - warmup))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def calibration_rows(n_train: int, count: int) -> list[int]:
+    """`count` training rows (at most `n_train`), evenly spaced over the split: row i * n_train // count.
+    A pure function of the split's size, so every rank and a resumed run pick the same rows, and the
+    rows sample the whole split rather than its first (possibly corpus-ordered) stretch."""
+    count = min(count, n_train)
+    return [i * n_train // count for i in range(count)]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -116,9 +136,9 @@ class DistillTrainer:
             if diffs:
                 raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
         self.train_data, self.val_data = teacher_data(self.job, self.tokenizer, self.seq_len)
-        n_val = len(self.val_data)
-        self.calib_rows = list(range(min(cfg.calibration_rows, n_val)))
-        self.val_rows = list(range(len(self.calib_rows), min(n_val, len(self.calib_rows) + cfg.val_rows)))
+        # E on training rows, as the paper calibrates it (§3.2); validation on held-out rows
+        self.calib_rows = calibration_rows(len(self.train_data), cfg.calibration_rows)
+        self.val_rows = list(range(min(len(self.val_data), cfg.val_rows)))
         torch.manual_seed(cfg.seed)
         self.student = EndpointStudent.from_teacher(self.teacher, cfg.student_blocks, cfg.init).train()
         self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -137,17 +157,18 @@ class DistillTrainer:
         return data.get_batch(rows).to(self.device)
 
     def _my_rows(self, rows: list[int]) -> list[int]:
-        """This rank's share of held-out `rows` (every world_size-th, from its rank)."""
+        """This rank's share of `rows` (every world_size-th, from its rank)."""
         return rows[self.env.rank::self.env.world_size]
 
     @torch.no_grad()
     def calibrate(self) -> float:
-        """E = mean((z^R)^2) over the calibration rows, accumulated in fp64 (SPEC 9). The rows are
-        shared out over ranks and the fp64 sums reduced, so every rank gets the same E."""
+        """E = mean((z^R)^2) over the calibration rows of the training split, accumulated in fp64
+        (SPEC 9; on training data as in the paper, §3.2). The rows are shared out over ranks and the
+        fp64 sums reduced, so every rank gets the same E."""
         total, count = torch.zeros((), dtype=torch.float64), 0
         rows = self._my_rows(self.calib_rows)
         for start in range(0, len(rows), self.local_batch):
-            t = teacher_targets(self.teacher, self._batch(self.val_data, rows[start:start + self.local_batch]),
+            t = teacher_targets(self.teacher, self._batch(self.train_data, rows[start:start + self.local_batch]),
                                 self.cfg.depth)
             total += t.endpoint.double().pow(2).sum().cpu()
             count += t.endpoint.numel()
@@ -158,8 +179,8 @@ class DistillTrainer:
         return energy
 
     def lr_at(self, step: int) -> float:
-        # warmup over `warmup` steps, then cosine from 1 to 0.1x across the run (SPEC 9)
-        return self.cfg.lr * wsd_multiplier(step, self.cfg.steps, self.cfg.warmup / self.cfg.steps, decay_frac=1.0)
+        # the cosine starts where the warm-up ends, so the peak is reached whatever the run's length (SPEC 9)
+        return self.cfg.lr * lr_multiplier(step, self.cfg.steps, self.cfg.warmup)
 
     def train_step(self) -> dict:
         cfg = self.cfg

@@ -13,6 +13,10 @@ v <- g + J^T v with J^T v the VJP of z_bar w.r.t. z through the one recorded rec
 B^T v (injection, core, and the prelude through the injected input) is added to c. Near a fixed
 point this is the truncated implicit gradient c + B^T sum_{k<=steps} (J^T)^k g ("Neumann-4" = 4
 state products).
+
+The KL penalty's reference log-probabilities (`reference_logits`) are scored along the path the
+estimator scores the policy with, so the penalty is exactly 0 while the policy equals the reference
+(see that function for the choice made for each estimator).
 """
 
 from __future__ import annotations
@@ -52,16 +56,21 @@ def neumann_backward(recurrence: Callable[[torch.Tensor], torch.Tensor], head: C
     return loss.detach(), z_bar.detach()
 
 
+def _recurrence_inputs(model, tokens: torch.Tensor):
+    """RoPE tables and the per-forward context (prelude output, injected input) of causal rows
+    `tokens` [N, L] starting at position 0: what one recurrence F(z; x) and the coda read."""
+    B, L = tokens.shape
+    positions = torch.arange(L, device=tokens.device).expand(B, L)
+    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
+    return rope, model.context(model.run_prelude(tokens, rope, None), rope, None)
+
+
 def endpoint_backward(model, tokens: torch.Tensor, endpoint: torch.Tensor, objective: Objective,
                       steps: int) -> dict:
     """The one-recurrence Neumann update of `model` at the endpoints [N, L, d] of `tokens` [N, L]
     (causal rows starting at position 0). Returns {"loss", "residual"}: residual is the mean
     relative change |F(z) - z| / |z| over the tokens, a distance from the fixed point."""
-    B, L = tokens.shape
-    positions = torch.arange(L, device=tokens.device).expand(B, L)
-    rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
-    e = model.run_prelude(tokens, rope, None)
-    ctx = model.context(e, rope, None)
+    rope, ctx = _recurrence_inputs(model, tokens)
     loss, z_bar = neumann_backward(lambda z: model.recurrence(z, ctx), lambda z: objective(model.run_coda(z, rope, None)),
                                    endpoint, steps)
     norm = endpoint.float().norm(dim=-1)
@@ -82,6 +91,49 @@ def recompute_endpoints(model, tokens, example_ids, depth: int) -> torch.Tensor:
     """z^R of a native forward without autograd (the recompute baseline's first pass)."""
     with torch.no_grad():
         return model(tokens, depth, init="seeded", example_ids=example_ids, compute_logits=False).endpoint
+
+
+@torch.no_grad()
+def endpoint_logits(model, tokens: torch.Tensor, endpoint: torch.Tensor) -> torch.Tensor:
+    """coda(F(z)) without autograd: the fp32 logits [N, L, V] the one-recurrence update scores at the
+    endpoints z [N, L, d] of `tokens` (the same operations as `endpoint_backward`'s forward)."""
+    rope, ctx = _recurrence_inputs(model, tokens)
+    return model.run_coda(model.recurrence(endpoint, ctx), rope, None)
+
+
+@torch.no_grad()
+def reference_logits(estimator: str, reference, policy, rollout: Rollout, *, depth: int,
+                     states: SavedStates | None = None) -> torch.Tensor:
+    """The frozen `reference` model's fp32 logits [N, L, V] of `rollout`, scored along the path that
+    `score_and_backward(estimator, policy, ...)` scores the policy with (SPEC 10, optional KL).
+
+    The KL penalty compares the two models' log-probabilities of the same actions. Scoring the
+    reference along another path than the policy (e.g. its native depth-R forward while reuse scores
+    one recurrence from terminal-KV endpoints) adds the gap between the paths to the KL: it is then
+    not 0 at the start, where policy == reference, and the penalty pulls the policy towards the other
+    path instead of towards the reference. Per estimator:
+    - `bptt`: the reference's native forward at depth R, seeded as in the rollout (exact).
+    - `recompute`: the reference's own endpoints, rebuilt the same way (native forward at R without
+      autograd), then its one recurrence and coda: exactly the reference's distribution on the
+      policy's scoring path, for R + 1 no-grad recurrences (about the native forward it replaces).
+    - `reuse`: the reference's one recurrence and coda on the policy's saved endpoints (checked
+      against `policy` as the update checks them). Its own endpoints on that path would come from
+      terminal-KV decoding, i.e. replaying the rollout sequentially with the reference (as costly as
+      the rollout); a native forward would cost R recurrences and still be off the terminal-KV path.
+      One recurrence keeps reuse's cost independent of R, equals the policy's scored logits exactly
+      while the parameters agree, and afterwards differs from the reference's own one-recurrence
+      distribution only through the endpoint gap z^R(policy) - z^R(reference), damped by the
+      contraction of F near a fixed point.
+    """
+    tokens, ids = rollout.tokens, rollout.example_ids
+    if estimator == "bptt":
+        return reference(tokens, depth, init="seeded", example_ids=ids).logits
+    if estimator == "recompute":
+        return endpoint_logits(reference, tokens, recompute_endpoints(reference, tokens, ids, depth))
+    if estimator == "reuse":
+        endpoint = check_saved_states(rollout.states if states is None else states, policy, tokens, ids, depth)
+        return endpoint_logits(reference, tokens, endpoint)
+    raise ValueError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
 
 
 def score_and_backward(estimator: str, model, rollout: Rollout, objective: Objective, *, depth: int,

@@ -4,7 +4,9 @@
   completions of that prompt; std is the sample (Bessel-corrected) standard deviation.
 - per action token t: ratio = exp(logp_t - old_t); loss_t = -min(ratio A, clip(ratio, 1-eps, 1+eps) A)
   + beta * KL_t with the unbiased, non-negative estimator KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-  of KL(pi || pi_ref); the loss is the mean of loss_t over every action token of the batch.
+  of KL(pi || pi_ref); the loss is the mean of loss_t over every action token of the batch. `ref_t`
+  must be scored along the same path as `logp_t` (the estimator's; `estimators.reference_logits`),
+  or the gap between the two paths biases the KL away from 0 where pi == pi_ref.
 With one inner iteration (SPEC 10) `old` is the detached `logp` itself, so ratio = 1 carries the
 gradient of logp and clipping is inactive; it matters when old log-probs come from elsewhere.
 """

@@ -3,11 +3,12 @@
 One step: draw `prompts_per_step` problems; sample `group_size` completions of each with
 terminal-KV decoding at depth R, saving endpoints; reward each completion; group-normalise the
 advantages; score and backpropagate the clipped token-level loss with the estimator (`bptt`,
-`recompute` or `reuse`); clip; AdamW. The saved endpoints are used before that optimizer step and
-never after. Prompts, sampling seeds and example ids are functions of (seed, step), so a resumed
-run continues exactly. Output: `<out_dir>/metrics.jsonl` (reward, pass@1, lengths, the time split
-between rollout and update, greedy held-out accuracy) and checkpoints that `looplm eval` and
-`looplm generate` read like training checkpoints.
+`recompute` or `reuse`), the optional KL penalty's reference log-probabilities scored along the
+same path as the policy's (`reference_logits`); clip; AdamW. The saved endpoints are used before
+that optimizer step and never after. Prompts, sampling seeds and example ids are functions of
+(seed, step), so a resumed run continues exactly. Output: `<out_dir>/metrics.jsonl` (reward,
+pass@1, lengths, the time split between rollout and update, greedy held-out accuracy) and
+checkpoints that `looplm eval` and `looplm generate` read like training checkpoints.
 
 Data parallel under torchrun (gloo on CPU, nccl on CUDA; `looplm.train.distributed` owns the group
 and every collective): `prompts_per_step` stays the global prompt count, rank r rolls out and
@@ -35,7 +36,7 @@ from looplm.data import TaskConfig
 from looplm.data import generate_examples
 from looplm.eval.generation import greedy_generate, load_gsm8k_jsonl
 from looplm.rl.config import RLConfig
-from looplm.rl.estimators import score_and_backward
+from looplm.rl.estimators import reference_logits, score_and_backward
 from looplm.rl.grpo import action_logprobs, clipped_policy_loss, group_advantages
 from looplm.rl.rewards import Problem, ProblemSource, get_reward
 from looplm.rl.rollout import rollout
@@ -142,10 +143,9 @@ class RLTrainer:
                                dtype=torch.float32, device=self.device)
         advantages = group_advantages(rewards, G)
         ref_logp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(ro.tokens, cfg.depth, init="seeded", example_ids=ro.example_ids).logits
-                ref_logp = action_logprobs(ref_logits, ro.targets, cfg.temperature)
+        if self.reference is not None:  # scored along the estimator's path: KL = 0 while policy == reference
+            ref_logits = reference_logits(cfg.estimator, self.reference, model, ro, depth=cfg.depth)
+            ref_logp = action_logprobs(ref_logits, ro.targets, cfg.temperature)
         t1 = time.perf_counter()
         stats: dict = {}
         # The loss is a mean over this rank's action tokens. Scaled by this rank's share of the global
