@@ -218,6 +218,52 @@ def test_check_model_shapes_reports_missing_and_unexpected(tmp_path):
     ckpt.check_model_shapes(a, dict(a), tmp_path)
 
 
+# -- the backprop window in config.json (SPEC 3) --------------------------------------------------
+def record_depth(checkpoint, run_dir, **depth_fields) -> None:
+    """Rewrite the checkpoint's depth settings (as an older or hand-written config.json would hold
+    them) for a resume from `run_dir`."""
+    config = ckpt.read_json(checkpoint, "config.json")
+    config["depth"].update(depth_fields)
+    config["train"]["out_dir"] = str(run_dir)
+    ckpt.write_json(checkpoint, "config.json", config)
+    rewrite_manifest(checkpoint)
+
+
+def resume(run_dir, tmp_path_factory, **overrides) -> Trainer:
+    return Trainer(tiny_job(run_dir.parent, "run", cache=shared_cache(tmp_path_factory), train__steps=2,
+                            train__resume=True, **overrides))
+
+
+def test_config_records_the_resolved_window(checkpoint):
+    depth = ckpt.read_json(checkpoint, "config.json")["depth"]
+    assert (depth["sampler"], depth["bptt_window"]) == ("pln", 10)  # the tiny preset: 'auto' is 10 for PLN
+
+
+@pytest.mark.parametrize("recorded", [10, "auto"])
+def test_explicit_or_auto_window_resumes_into_the_default(checkpoint, run_dir, tmp_path_factory, recorded):
+    record_depth(checkpoint, run_dir, bptt_window=recorded)
+    t = resume(run_dir, tmp_path_factory)
+    assert t.step == 2 and t.job.depth.bptt_window == 10
+
+
+def test_other_explicit_window_resumes_only_with_that_window(checkpoint, run_dir, tmp_path_factory):
+    record_depth(checkpoint, run_dir, bptt_window=4)
+    with pytest.raises(ckpt.CheckpointError, match="depth.bptt_window: 4 -> 10"):
+        resume(run_dir, tmp_path_factory)
+    t = resume(run_dir, tmp_path_factory, depth__bptt_window=4)
+    assert t.step == 2 and t.job.depth.bptt_window == 4
+
+
+def test_old_fixed_depth_checkpoint_keeps_its_explicit_window(checkpoint, run_dir, tmp_path_factory):
+    """Before the window depended on the sampler, a fixed depth recorded b = 10. Such a run resumes
+    with that explicit window; the new default (full BPTT) would train differently and is refused."""
+    record_depth(checkpoint, run_dir, sampler="fixed", depth=12.0, bptt_window=10)
+    with pytest.raises(ckpt.CheckpointError, match="depth.bptt_window: 10 -> None"):
+        resume(run_dir, tmp_path_factory, depth__sampler="fixed", depth__depth=12.0)
+    t = resume(run_dir, tmp_path_factory, depth__sampler="fixed", depth__depth=12.0, depth__bptt_window=10)
+    assert t.step == 2 and t.job.depth.bptt_window == 10
+
+
 # -- optimizer state ----------------------------------------------------------------------------
 def test_optimizer_state_flatten_round_trip(tmp_path):
     from torch.distributed.checkpoint.state_dict import (

@@ -194,11 +194,40 @@ def test_draw_depends_only_on_seed_and_counter():
     DepthConfig(sampler="uniform", low=2, high=65),
     DepthConfig(sampler="learned-ish"),  # type: ignore[arg-type]
     DepthConfig(sampler="pln", bptt_window=0),
+    DepthConfig(sampler="fixed", depth=3, bptt_window=-2),
+    DepthConfig(sampler="pln", bptt_window="full"),  # type: ignore[arg-type]
     DepthConfig(sampler="fixed", depth=1, cap=0),
 ])
 def test_bad_configs_raise(cfg):
     with pytest.raises(ValueError):
         build_sampler(cfg)
+
+
+# -- the backprop window (SPEC 3: b = 10 for the sampled priors, b = R for the fixed-depth baseline) --
+def test_default_window_is_full_bptt_for_fixed_depth_and_10_for_sampled_priors():
+    assert DepthConfig().bptt_window == "auto"
+    # fixed depth is the paper's full-BPTT baseline: no truncation at any R (None = full BPTT)
+    for r in (1, 5, 16, 64):
+        assert DepthConfig(sampler="fixed", depth=r).effective_bptt_window() is None
+    for sampler in ("pln", "uniform", "learned"):
+        assert DepthConfig(sampler=sampler).effective_bptt_window() == 10
+
+
+@pytest.mark.parametrize("preset", ["tiny", "S", "M", "L"])
+def test_presets_train_pln_with_b_10_and_a_fixed_depth_with_full_bptt(preset):
+    from looplm.train.config import job_from_dict, job_preset
+
+    job = job_preset(preset)
+    assert (job.depth.sampler, job.resolved().depth.bptt_window) == ("pln", 10)
+    job.depth.sampler, job.depth.depth = "fixed", 32.0  # `looplm train S --depth.sampler fixed --depth.depth 32`
+    assert job.resolved().depth.bptt_window is None
+    assert job_from_dict(job.resolved().to_dict()).depth.bptt_window is None  # recorded resolved
+
+
+@pytest.mark.parametrize("sampler", ["fixed", "pln", "uniform", "learned"])
+@pytest.mark.parametrize("window", [1, 4, 10, 32, None])
+def test_explicit_window_is_kept(sampler, window):
+    assert DepthConfig(sampler=sampler, depth=5, bptt_window=window).effective_bptt_window() == window
 
 
 def test_successive_draws_are_independent():

@@ -100,7 +100,8 @@ def test_popart_scale_and_advantage_by_hand():
     m = step(s, [(2, 1.0, 1), (7, 2.0, 1)])
     assert m["scale"] == 1.0  # n = 0
     c = [-math.exp(-1.0), -math.exp(-2.0)]
-    assert m["advantage_abs"] == pytest.approx(0.5 * (abs(c[0]) + abs(c[1])))  # baseline 0 before step 1
+    # the first observation initialises the baseline (mean of c), so |c_i - mean| = |c0 - c1| / 2 each
+    assert m["advantage_abs"] == pytest.approx(abs(c[0] - c[1]) / 2)
     assert s.base_cost == pytest.approx(sum(c) / 2) and s.var_cost == pytest.approx(((c[0] - c[1]) / 2) ** 2)
     m = step(s, [(3, 1.5, 1)])
     assert m["scale"] == pytest.approx(math.sqrt(0.25) / abs((c[0] - c[1]) / 2))  # std(CE) / std(cost)
@@ -109,6 +110,42 @@ def test_popart_scale_and_advantage_by_hand():
     z = prior(reward="ce", warmup_updates=1000)
     step(z, [(5, 1.0, 1)])
     assert step(z, [(5, 1.0, 1)])["scale"] == 1.0  # 1e-12 / 1e-12
+
+
+def test_first_update_centres_on_the_first_observation_by_hand():
+    """Paper App. B.3: the first (token-)weighted CE initialises the baseline. With no warmup the very
+    first update already steps the logits, against that baseline rather than against 0."""
+    lr, eps = 0.1, 1e-8  # the prior's Adam eps
+    s = prior(reward="ce", warmup_updates=0, lr=lr, mean_weight=0.0, entropy_weight=0.0)
+    phi0 = np.log(pln_pmf(5.0, 0.5, CAP))
+    # depth 2: CE 1.0 on 1 target; depth 7: CE 3.0 on 3 targets -> w = (1/4, 3/4), weighted mean 2.5,
+    # within-step variance 1/4 * 1.5^2 + 3/4 * 0.5^2 = 0.75; cost = CE, so the cost baseline is the same
+    m = step(s, [(2, 1.0, 1), (7, 3.0, 3)])
+    assert (s.base_ce, s.var_ce, s.base_cost, s.var_cost) == pytest.approx((2.5, 0.75, 2.5, 0.75))
+    assert m["scale"] == 1.0
+    # advantages 1.0 - 2.5 = -1.5 and 3.0 - 2.5 = 0.5; token-weighted |A| = 0.375 + 0.375
+    # (with a zero baseline they would be 1 and 3, |A| = 2.5)
+    assert m["advantage_abs"] == pytest.approx(0.75)
+    # dJ/dphi = sum_i w_i a_i (onehot(R_i) - p) with sum_i w_i a_i = 0: -0.375 at depth 2, +0.375 at 7,
+    # 0 elsewhere. Adam's first step moves by lr * g / (|g| + eps) (bias corrections cancel).
+    g = np.zeros(CAP)
+    g[1], g[6] = 0.25 * -1.5, 0.75 * 0.5
+    want = phi0 - lr * g / (np.abs(g) + eps)
+    np.testing.assert_allclose(s.logits.detach().numpy(), want, rtol=0, atol=1e-12)
+    assert s.pmf()[1] > pln_pmf(5.0, 0.5, CAP)[1]  # the cheaper depth gained mass
+
+
+@pytest.mark.parametrize("reward", ["inv_ppl", "ce"])
+def test_single_first_observation_has_zero_advantage(reward):
+    """One microbatch in the first update is its own baseline: zero advantage, so (without the mean and
+    entropy terms) the logits do not move; the scale starts at one and the variances at 0."""
+    s = prior(reward=reward, warmup_updates=0, lr=0.5, mean_weight=0.0, entropy_weight=0.0)
+    start = s.logits.detach().clone()
+    m = step(s, [(9, 1.7, 40)])
+    assert m["advantage_abs"] == 0.0 and m["scale"] == 1.0
+    cost = 1.7 if reward == "ce" else -math.exp(-1.7)
+    assert (s.base_ce, s.var_ce, s.base_cost, s.var_cost) == pytest.approx((1.7, 0.0, cost, 0.0))
+    assert torch.equal(s.logits.detach(), start)
 
 
 @pytest.mark.parametrize("reward,expected", [("inv_ppl", -math.exp(-1.3)), ("ce", 1.3),

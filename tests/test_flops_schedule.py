@@ -49,6 +49,78 @@ def test_flops_per_token_hand_computed(key):
     assert flops_per_token(cfg, L, depth, window) == pytest.approx(HAND[key], rel=1e-12)
 
 
+def spec5_flops(d, V, H, H_kv, hd, F, n_prelude, n_core, n_coda, L, R, b, inj_u, static_extra=0):
+    """SPEC 5 (paper App. B.3) written out: per-token multiply-accumulate units, FLOPs = 6 train + 2 fwd."""
+    norm_u = 4 * d
+    layer_u = norm_u + 2 * d * hd * (H + H_kv) + H * hd * L + 3 * d * F
+    static_u = (d + V + d * V) + norm_u + (n_prelude + n_coda) * layer_u + static_extra
+    g = R if b is None else min(R, b)
+    f = R - g
+    rec_u = n_core * layer_u + inj_u
+    return 6 * (static_u + g * rec_u) + 2 * f * rec_u
+
+
+# DEQ-QKV (SPEC 2, paper App. B.4) has no entrance injection (inj_u = 0); its bias-free projections of e
+# into Q (H*hd), K and V (H_kv*hd each) in every core layer are computed once per forward, since e does
+# not change across recurrences: static += n_core * d * hd * (H + 2 H_kv). (Adding the offsets to Q/K/V
+# is elementwise, like the residual additions layer_u leaves out.) Additive s' = s + e: inj_u = d.
+# By hand for CFG at L = 16 (layer_u = 9856, static_u = 21522 as above):
+#   deq-qkv:  static_u = 21522 + 2*32*8*(4 + 2*2) = 21522 + 4096 = 25618;  rec_u = 2*9856 = 19712
+#     R = 4, b = 1:    6*(25618 + 19712) + 2*3*19712 = 271980 + 118272 = 390252
+#     R = 3, b = None: 6*(25618 + 3*19712) = 6*84754 = 508524
+#   additive: rec_u = 19712 + 32 = 19744
+#     R = 5, b = 2:    6*(21522 + 2*19744) + 2*3*19744 = 366060 + 118464 = 484524
+#     R = 2, b = None: 6*(21522 + 2*19744) = 366060
+INJECTION_HAND = {
+    ("deq-qkv", 4, 1): 390252,
+    ("deq-qkv", 3, None): 508524,
+    ("additive", 5, 2): 484524,
+    ("additive", 2, None): 366060,
+}
+
+
+@pytest.mark.parametrize("key", list(INJECTION_HAND))
+def test_flops_deq_qkv_and_additive_hand_computed(key):
+    injection, depth, window = key
+    cfg = ModelConfig(**{**CFG.to_dict(), "injection": injection})
+    assert flops_per_token(cfg, L, depth, window) == pytest.approx(INJECTION_HAND[key], rel=1e-12)
+
+
+@pytest.mark.parametrize("injection", ["deq-qkv", "additive"])
+@pytest.mark.parametrize("depth,window", [(1, None), (1, 10), (5, 2), (7, None), (12, 10), (64, 10)])
+def test_flops_deq_qkv_and_additive_follow_spec5(injection, depth, window):
+    cfg = ModelConfig(**{**CFG.to_dict(), "injection": injection, "max_seq_len": 64})
+    d, H, H_kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if injection == "deq-qkv":
+        inj_u, extra = 0, cfg.n_core * d * hd * (H + 2 * H_kv)
+    else:
+        inj_u, extra = d, 0
+    want = spec5_flops(d, cfg.vocab_size, H, H_kv, hd, cfg.ffn_dim, cfg.n_prelude, cfg.n_core, cfg.n_coda,
+                       48, depth, window, inj_u, extra)
+    assert flops_per_token(cfg, 48, depth, window) == pytest.approx(want, rel=1e-12)
+
+
+def test_deq_qkv_projections_are_counted_once_per_forward():
+    from looplm.model import LoopedLM
+
+    deq = ModelConfig(**{**CFG.to_dict(), "injection": "deq-qkv"})
+    # the projection MACs per token equal the projections' weight count in the model
+    n_proj = sum(p.numel() for p in LoopedLM(deq).injection.parameters())
+    assert n_proj == 2 * 32 * 8 * (4 + 2 * 2) == 4096
+    # ...counted once (6x, with gradient) whatever R: a recurrence costs only the core layers
+    layer_u = 9856
+    assert flops_per_token(deq, L, 6, None) - flops_per_token(deq, L, 5, None) == pytest.approx(6 * 2 * layer_u)
+    assert flops_per_token(deq, L, 6, 2) - flops_per_token(deq, L, 5, 2) == pytest.approx(2 * 2 * layer_u)
+    add = ModelConfig(**{**CFG.to_dict(), "injection": "additive"})
+    assert flops_per_token(deq, L, 1, None) - flops_per_token(add, L, 1, None) == pytest.approx(6 * (4096 - 32))
+    assert sum(p.numel() for p in LoopedLM(add).injection.parameters()) == 0  # s + e: d additions only
+
+
+def test_flops_reject_an_unresolved_window():
+    with pytest.raises(TypeError, match="effective_bptt_window"):
+        flops_per_token(CFG, L, 5, "auto")  # type: ignore[arg-type]
+
+
 def test_flops_window_semantics():
     # a window >= R is full BPTT; each extra no-grad recurrence costs 2 rec_u, each grad one 6 rec_u
     rec_u = 20928

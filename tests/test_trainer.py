@@ -114,9 +114,27 @@ def test_resume_restores_optimizer_state(tmp_path, cache):
 
 
 # -- gradient accumulation is a token mean over the global batch --------------------------------
+def keep_first_targets(t: Trainer, micro: int, keep: int) -> None:
+    """Make microbatch `micro` of every step supervise only its first `keep` targets (the rest
+    ignored), so the step's microbatches hold different numbers of targets by construction."""
+    host_batch = t._host_batch
+
+    def patched(data, step, i, n_micro, seed):
+        b = host_batch(data, step, i, n_micro, seed)
+        if i == micro:
+            flat = b.targets.flatten().clone()
+            supervised = (flat != IGNORE_INDEX).nonzero().flatten()
+            flat[supervised[keep:]] = IGNORE_INDEX
+            b.targets = flat.view_as(b.targets)
+        return b
+
+    t._host_batch = patched
+
+
 def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=3, depth__bptt_window=None,
                     train__grad_clip=0.0, train__grad_accum=2))
+    keep_first_targets(t, micro=1, keep=5)  # 5 targets against ~100: per-microbatch means would differ
     init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
     captured = {}
 
@@ -135,6 +153,7 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
     batches = [t._host_batch(t.train_data, 0, i, 2, seed) for i in range(2)]
     noise = [t._noise(0, i, L) for i in range(2)]
     n = [b.n_targets for b in batches]
+    assert n[1] == 5 and n[0] > 5 * n[1]
     assert res.n_targets == sum(n)
     ref = LoopedLM(t.job.model)
     ref.load_state_dict(init)
@@ -150,16 +169,99 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
     for name, p in ref.named_parameters():
         torch.testing.assert_close(captured[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
-    # The check is sensitive to the weighting: a mean of per-microbatch means differs whenever
-    # the microbatches hold different numbers of supervised targets.
-    if n[0] != n[1]:
-        ref.zero_grad()
-        per_micro = []
-        for b, z in zip(batches, noise):
-            o = ref(b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, state0=z)
-            per_micro.append(F.cross_entropy(o.logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE_INDEX))
-        (sum(per_micro) / 2).backward()
-        assert any(not torch.allclose(captured[k], p.grad, rtol=1e-4, atol=1e-7) for k, p in ref.named_parameters())
+    # The check is sensitive to the weighting: a mean of per-microbatch means differs, since the
+    # microbatches hold different numbers of supervised targets (asserted above).
+    ref.zero_grad()
+    per_micro = []
+    for b, z in zip(batches, noise):
+        o = ref(b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, state0=z)
+        per_micro.append(F.cross_entropy(o.logits.flatten(0, 1), b.targets.flatten(), ignore_index=IGNORE_INDEX))
+    (sum(per_micro) / 2).backward()
+    assert any(not torch.allclose(captured[k], p.grad, rtol=1e-4, atol=1e-7) for k, p in ref.named_parameters())
+
+
+# -- the backprop window (SPEC 3) ------------------------------------------------------------------
+def captured_step_grads(t: Trainer) -> tuple[dict, dict]:
+    """(initial weights, gradients of one train_step as they reach the optimizer)."""
+    init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    captured = {}
+    original_step = t.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        captured.update({n: p.grad.detach().clone() for n, p in t.model.named_parameters()})
+        return original_step(*args, **kwargs)
+
+    t.optimizer.step = capture_then_step
+    t.train_step()
+    return init, captured
+
+
+def test_fixed_depth_defaults_to_full_bptt(tmp_path, cache):
+    """--depth.sampler fixed --depth.depth 12 without a window trains with full BPTT (the paper's
+    fixed-depth baseline), not with the sampled priors' b = 10: its gradient equals autograd through
+    all 12 recurrences, and differs from the truncated one (the first 2 recurrences contribute)."""
+    depth = 12
+    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=depth, train__grad_clip=0.0,
+                    train__grad_accum=1))
+    assert t.job.depth.bptt_window is None
+    init, captured = captured_step_grads(t)
+    batch = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
+    state0 = t._noise(0, 0, t.job.data.seq_len)
+
+    def reference(window):
+        ref = LoopedLM(t.job.model)
+        ref.load_state_dict(init)
+        out = ref(batch.inputs, depth, bptt_window=window, doc_ids=batch.doc_ids, positions=batch.positions,
+                  state0=state0)
+        F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX).backward()
+        return torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
+
+    got = torch.cat([g.flatten() for _, g in sorted(captured.items())])
+    full, truncated = reference(None), reference(10)
+    gap = (full - truncated).norm()
+    assert gap > 0  # the first depth - 10 recurrences carry gradient
+    assert (got - full).norm() <= 0.01 * gap
+
+
+@pytest.mark.parametrize(("overrides", "line", "recorded"), [
+    ({"depth__sampler": "fixed", "depth__depth": 16}, "depth: fixed R = 16, backprop window b = R (full BPTT)", None),
+    ({}, "depth: pln mean 5, backprop window b = 10 (truncated)", 10),
+    ({"depth__sampler": "learned"}, "depth: learned prior (init pln, target mean 5), backprop window b = 10 (truncated)", 10),
+    ({"depth__sampler": "fixed", "depth__depth": 16, "depth__bptt_window": 4},
+     "depth: fixed R = 16, backprop window b = 4 (truncated)", 4),
+    ({"depth__sampler": "uniform", "depth__low": 2, "depth__high": 6},
+     "depth: uniform 2..6, backprop window b = 10 (full BPTT: no depth above 6 is drawn)", 10),
+])
+def test_start_line_and_config_record_the_resolved_window(tmp_path, cache, capsys, overrides, line, recorded):
+    """The start-up line names the window the run trains with, and config.json records it resolved
+    (None = full BPTT), so a checkpoint says what was trained."""
+    t = Trainer(job(tmp_path, cache, train__steps=2, **overrides))
+    t.fit()
+    assert [x for x in capsys.readouterr().out.splitlines() if x.startswith("depth:")] == [line]
+    config = ckpt.read_json(t.latest_checkpoint(), "config.json")
+    assert config["depth"]["bptt_window"] == recorded
+
+
+def test_expected_flops_follow_the_learned_pmf(tmp_path, cache):
+    """With a learned prior the logged expected FLOPs/token is the expectation over that step's pmf
+    (SPEC 5), not over the initial one."""
+    from looplm.train.flops import flops_per_token
+
+    t = Trainer(job(tmp_path, cache, train__steps=4, depth__sampler="learned",
+                    depth__learned__warmup_updates=0, depth__learned__lr=0.5))
+    t.fit()
+    records = [r for r in read_metrics(t.out_dir) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    pmfs = [np.array(r["depth/pmf"]) for r in records]
+    initial = build_sampler(t.job.depth).pmf()
+    assert not np.allclose(pmfs[0], initial, rtol=0, atol=1e-6)  # the prior moved from the first update
+    assert not np.allclose(pmfs[0], pmfs[-1], rtol=0, atol=1e-6)
+    L, b = t.job.data.seq_len, 10  # the learned prior's window (paper App. B.3)
+    per_depth = np.array([flops_per_token(t.job.model, L, r, b) for r in range(1, 65)])
+    logged = [r["expected_flops_per_token"] for r in records]
+    for got, p in zip(logged, pmfs):
+        assert got == pytest.approx(float(p @ per_depth), rel=1e-12)
+    assert logged[0] != pytest.approx(float(initial @ per_depth), rel=1e-9)
 
 
 def test_train_step_is_deterministic_in_seed(tmp_path, cache):

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+# Backprop window b of the sampled-depth priors (PLN, uniform, learned): paper App. B.3, b_max = 10.
+SAMPLED_BPTT_WINDOW = 10
+
 
 @dataclass
 class LearnedPriorConfig:
@@ -54,12 +57,23 @@ class DepthConfig:
     """Standard deviation of ln(lambda) for PLN."""
     cap: int = 64
     """Largest depth any sampler may draw (the PLN cap bucket)."""
-    bptt_window: int | None = 10
-    """Backprop window b: only the last min(R, b) recurrences get gradients; None = full BPTT."""
+    bptt_window: int | None | Literal["auto"] = "auto"
+    """Backprop window b: only the last min(R, b) recurrences get gradients. None = full BPTT;
+    auto = full BPTT (b = R) for fixed, 10 for pln, uniform and learned (the paper's settings)."""
     seed: int = 0
     """Seed of the depth draws (independent of the model seed)."""
     learned: LearnedPriorConfig = field(default_factory=LearnedPriorConfig)
     """The learned prior's settings (sampler 'learned')."""
+
+    def effective_bptt_window(self) -> int | None:
+        """The backprop window this config trains with: `bptt_window` with 'auto' resolved by the
+        sampler (SPEC 3: full BPTT for the fixed-depth baseline, b = 10 for the sampled priors)."""
+        b = self.bptt_window
+        if b == "auto":
+            return None if self.sampler == "fixed" else SAMPLED_BPTT_WINDOW
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"bptt_window must be >= 1, None (full BPTT) or 'auto', got {b!r}")
+        return b
 
     @classmethod
     def from_dict(cls, data: dict) -> "DepthConfig":

@@ -7,8 +7,9 @@ optimizer step the prior turns the microbatch CEs l_i into costs c_i = -omega(l_
 
     J(phi) = sum_i w_i * sg[s * (c_i - b_c)] * ln p(R_i) + lambda_m * (E_p[R] - R_target)^2 - lambda_H * H(p)
 
-with token weights w_i = N_i / sum N, an EMA cost baseline b_c (taken before this step) and a
-PopArt-like scale s = std(l) / std(c) that puts cost advantages in CE units. Its own Adam steps on J
+with token weights w_i = N_i / sum N, an EMA cost baseline b_c (taken before this step; the first
+update's observation initialises it, paper App. B.3) and a PopArt-like scale s = std(l) / std(c)
+that puts cost advantages in CE units. Its own Adam steps on J
 only after `warmup_updates` updates; until then only the baselines move.
 
 The gradient is computed in closed form here (`objective_gradient`); the tests check it against
@@ -136,6 +137,15 @@ class LearnedDepthPrior(DepthSampler):
         w = n_tok / n_tok.sum()
         omega = reward_fn(cfg.reward)
         cost = np.array([-omega(l) for l in ce], dtype=np.float64)
+        moments = {name: _weighted_moments(x, w) for name, x in (("ce", ce), ("cost", cost))}
+        if self.n == 0:
+            # The first token-weighted observation initialises the baselines and their variances
+            # (SPEC 4 step 5; paper App. B.3: "the first weighted CE initializes the baseline"), so the
+            # first update's advantages are centred on it rather than on 0.
+            for name, (mean, var) in moments.items():
+                setattr(self, f"base_{name}", mean)
+                setattr(self, f"var_{name}", var)
+        # s starts at one (SPEC 4 step 2; paper App. B.3) and is a ratio of EMA stds afterwards.
         scale = 1.0 if self.n == 0 else (max(math.sqrt(self.var_ce), STD_FLOOR) / max(math.sqrt(self.var_cost), STD_FLOOR))
         advantages = scale * (cost - self.base_cost)
         self.last = {"scale": scale, "advantage_abs": float(np.dot(w, np.abs(advantages))),
@@ -146,17 +156,14 @@ class LearnedDepthPrior(DepthSampler):
             self.logits.grad = torch.from_numpy(grad)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        nu = cfg.ema_decay
-        for name, x in (("ce", ce), ("cost", cost)):
-            mean, var = _weighted_moments(x, w)
-            base, v = getattr(self, f"base_{name}"), getattr(self, f"var_{name}")
-            if self.n == 0:
-                base, v = mean, var
-            else:
+        if self.n > 0:  # EMA of the baselines and variances (at n = 0 they were initialised above)
+            nu = cfg.ema_decay
+            for name, (mean, var) in moments.items():
+                base, v = getattr(self, f"base_{name}"), getattr(self, f"var_{name}")
                 v = nu * v + (1 - nu) * var + nu * (1 - nu) * (mean - base) ** 2
                 base = nu * base + (1 - nu) * mean
-            setattr(self, f"base_{name}", base)
-            setattr(self, f"var_{name}", v)
+                setattr(self, f"base_{name}", base)
+                setattr(self, f"var_{name}", v)
         self.n += 1
         p = masked_softmax(self._phi(), self.active)
         if not np.isfinite(p).all() or (p[self.active] <= 0).any():

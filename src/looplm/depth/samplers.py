@@ -91,8 +91,7 @@ class UniformDepth(DepthSampler):
 def build_sampler(cfg: DepthConfig) -> DepthSampler:
     if cfg.cap < 1:
         raise ValueError(f"depth cap must be >= 1, got {cfg.cap}")
-    if cfg.bptt_window is not None and cfg.bptt_window < 1:
-        raise ValueError(f"bptt_window must be >= 1 or None, got {cfg.bptt_window}")
+    cfg.effective_bptt_window()  # validates an explicit window
     if cfg.sampler == "fixed":
         if cfg.depth != int(cfg.depth):
             raise ValueError(f"fixed depth must be an integer, got {cfg.depth}")

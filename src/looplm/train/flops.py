@@ -32,7 +32,11 @@ def _units(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int, bptt_window: int | None) -> float:
-    """FLOPs/token = 6 train_u + 2 fwd_u for one forward+backward at `depth` (SPEC 5)."""
+    """FLOPs/token = 6 train_u + 2 fwd_u for one forward+backward at `depth` (SPEC 5).
+
+    `bptt_window` is the resolved window (`DepthConfig.effective_bptt_window()`; None = full BPTT)."""
+    if isinstance(bptt_window, str):
+        raise TypeError(f"bptt_window {bptt_window!r} is unresolved; pass DepthConfig.effective_bptt_window()")
     static_u, layer_u, inj_u = _units(cfg, seq_len)
     g = depth if bptt_window is None else min(depth, bptt_window)
     f = depth - g

@@ -111,7 +111,10 @@ class StepResult:
 
 class Trainer:
     def __init__(self, job: TrainJob, env: D.DistEnv | None = None):
-        self.job = job
+        # The resolved job: `depth.bptt_window` is the window this run trains with ('auto' replaced by
+        # full BPTT for a fixed depth, 10 for the sampled priors; SPEC 3), so every use of
+        # `self.job.depth.bptt_window` below, the FLOPs counts and config.json see the resolved value.
+        self.job = job = job.resolved()
         self.env = env or D.init_distributed(job.train.device)
         t, m = job.train, job.model
         self._validate()
@@ -180,7 +183,9 @@ class Trainer:
                              f"or choose another --train.out-dir")
         path = self.ckpt_root / latest.read_text().strip()
         ckpt.verify(path)
-        saved = job_from_dict(ckpt.read_json(path, "config.json")).to_dict()  # fills fields added since
+        # fills fields added since, and resolves the window (checkpoints record it resolved; explicit
+        # values of older ones stay as they are, so they resume into the same explicit or 'auto' window)
+        saved = job_from_dict(ckpt.read_json(path, "config.json")).resolved().to_dict()
         now = self.job.to_dict()
         saved["model"]["vocab_size"] = now["model"]["vocab_size"] = 0  # set from the tokenizer
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
@@ -320,12 +325,35 @@ class Trainer:
         return P.compiled_graphs() - self.recompiles_baseline if self.recompiles_baseline is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------
+    def depth_summary(self) -> str:
+        """One line naming the depth sampler and the backprop window it trains with (SPEC 3),
+        e.g. 'depth: pln mean 5, backprop window b = 10 (truncated)'."""
+        d, b = self.job.depth, self.job.depth.bptt_window
+        if d.sampler == "fixed":
+            what = f"fixed R = {int(d.depth)}"
+        elif d.sampler == "pln":
+            what = f"pln mean {d.depth:g}"
+        elif d.sampler == "uniform":
+            what = f"uniform {d.low}..{d.high}"
+        else:
+            lc = d.learned
+            init = f"from {lc.init_from}" if lc.init_from is not None else lc.init
+            what = f"learned prior (init {init}{', frozen' if lc.frozen else ''}, target mean {d.depth:g})"
+        deepest = int(np.flatnonzero(self.sampler.pmf()).max()) + 1
+        if b is None:
+            window = "b = R (full BPTT)"
+        elif b >= deepest:
+            window = f"b = {b} (full BPTT: no depth above {deepest} is drawn)"
+        else:
+            window = f"b = {b} (truncated)"
+        return f"depth: {what}, backprop window {window}"
+
     def fit(self) -> dict:
         t, env = self.job.train, self.env
         end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
         tokens_per_step = t.micro_batch * env.world_size * t.grad_accum * self.job.data.seq_len
-        exp_flops = expected_flops_per_token(self.job.model, self.job.data.seq_len, self.sampler.pmf(),
-                                             self.job.depth.bptt_window)
+        if env.is_main:
+            print(self.depth_summary(), flush=True)
         bar = None
         if env.is_main and t.progress:
             from tqdm.auto import tqdm
@@ -362,7 +390,10 @@ class Trainer:
                     "mean_depth_window": float(np.mean(window_depths)), "tokens": self.tokens_seen,
                     "tokens_per_s": rate, "flops": self.flops_seen,
                     "model_tflops_per_s": rate * mean_flops_per_token(self.job.model, self.job.data.seq_len, window_depths, self.job.depth.bptt_window) / 1e12,
-                    "expected_flops_per_token": exp_flops, "elapsed_s": self.elapsed,
+                    # over the current pmf: a learned prior moves it every update (SPEC 5)
+                    "expected_flops_per_token": expected_flops_per_token(
+                        self.job.model, self.job.data.seq_len, self.sampler.pmf(), self.job.depth.bptt_window),
+                    "elapsed_s": self.elapsed,
                 }
                 if self.compiled:
                     record["compile_recompiles"] = self.recompiles()
