@@ -66,46 +66,198 @@ def test_task_accuracy_equals_greedy_decoding():
     assert got["acc"] == sum(greedy) / len(greedy)
 
 
-def test_cached_perplexity_full_cache_equals_native_and_penalty_formula(tmp_path):
+class _Packed:
+    """Hand-made packed rows: (token ids, document lengths, unsupervised positions, whether the row's last
+    document continues into the next row). Targets are -100 at each document's last token (the next token
+    lies in another document) and at the unsupervised positions; positions restart at each document."""
+
+    def __init__(self, rows, vocab=50, seed=0):
+        from looplm.data import Batch
+
+        g = torch.Generator().manual_seed(seed)
+        self.batches = []
+        for i, (lengths, unsupervised, continues) in enumerate(rows):
+            L = sum(lengths)
+            x = torch.randint(0, vocab, (1, L + 1), generator=g)
+            doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
+            pos = torch.cat([torch.arange(n) for n in lengths])[None]
+            y = x[:, 1:].clone()
+            ends = torch.tensor(lengths).cumsum(0) - 1
+            y[0, ends[:-1] if continues else ends] = -100
+            y[0, list(unsupervised)] = -100
+            self.batches.append(Batch(inputs=x[:, :-1], targets=y, doc_ids=doc, positions=pos,
+                                      example_ids=torch.tensor([i])))
+
+    def __len__(self):
+        return len(self.batches)
+
+    def get_batch(self, idx):
+        (i,) = idx
+        return self.batches[i]
+
+
+class _Keep:
+    """`data` with every target outside `keep` (a set of (row, t)) set to -100."""
+
+    def __init__(self, data, keep):
+        self.data, self.keep = data, keep
+
+    def __len__(self):
+        return len(self.data)
+
+    def get_batch(self, idx):
+        from looplm.data import Batch
+
+        b = self.data.get_batch(idx)
+        y = torch.full_like(b.targets, -100)
+        for row, t in self.keep:
+            if row == idx[0]:
+                y[0, t] = b.targets[0, t]
+        return Batch(b.inputs, y, b.doc_ids, b.positions, b.example_ids)
+
+
+# Rows of 16 positions (midpoint 8). Target t is y[t] = x[t + 1], scored by the logits at input t; the
+# second half is 8 <= t < 16. Row 0: documents [0,5) [5,11) [11,14) [14,16+) (the last continues into the
+# next row), targets 4, 10, 13 cross a document end and 12 is unsupervised -> {8, 9, 11, 14, 15}.
+# Row 1: [0,11) [11,14) [14,16), all documents end in the row -> {8, 9, 11, 12, 14}.
+# Row 2: [0,8) [8,16), a document starting exactly at the midpoint -> {8, ..., 14}.
+_ROWS = [((5, 6, 3, 2), (12,), True), ((11, 3, 2), (), False), ((8, 8), (), False)]
+_SCORED = {(0, t) for t in (8, 9, 11, 14, 15)} | {(1, t) for t in (8, 9, 11, 12, 14)} | {(2, t) for t in range(8, 15)}
+
+
+def _tiny(vocab=50, max_seq_len=32, seed=0):
+    torch.manual_seed(seed)
+    return LoopedLM(ModelConfig(vocab_size=vocab, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                max_seq_len=max_seq_len)).eval()
+
+
+def test_sharing_rows_score_every_second_half_target_and_full_cache_equals_native():
+    """The row-halves protocol scores every supervised target of the second half of each row (chunk and
+    decode alike), and with the full cache it equals the native forward (document-masked) on them."""
+    from looplm.eval.cached import cached_perplexity
+
+    m, data = _tiny(), _Packed(_ROWS)
+    candidates = {(i, t) for i in range(len(data)) for t in range(16) if data.get_batch([i]).targets[0, t] != -100}
+    assert _SCORED <= candidates
+
+    def n_scored(keep, mode, stepwise):  # how many of the targets in `keep` the protocol scores
+        try:
+            return cached_perplexity(m, _Keep(data, keep), 2, mode, stepwise=stepwise)["tokens"]
+        except ValueError:  # nothing scored
+            return 0
+
+    for mode, stepwise in (("full", False), ("terminal", False), ("terminal", True)):
+        # every pair of _SCORED is scored and no other supervised target is: the scored set is _SCORED
+        assert n_scored(_SCORED, mode, stepwise) == len(_SCORED), (mode, stepwise)
+        assert n_scored(candidates - _SCORED, mode, stepwise) == 0, (mode, stepwise)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(len(data)):
+            b = data.get_batch([i])
+            logits = m(b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
+                       example_ids=b.example_ids).logits[0]
+            for row, t in _SCORED:
+                if row == i:
+                    total += F.cross_entropy(logits[t], b.targets[0, t]).item()
+    ref = total / len(_SCORED)
+    for stepwise in (False, True):
+        got = cached_perplexity(m, data, 3, "full", stepwise=stepwise)
+        assert got["tokens"] == len(_SCORED)
+        assert math.isclose(got["loss"], ref, rel_tol=1e-5)
+
+
+def _terminal_reference_ce(m, data, depth, stepwise):
+    """Mean CE over `_SCORED` with the terminal cache, target by target: a fresh cache per target, the
+    target's document prefilled from its start up to the midpoint (if it starts before it), then the
+    document's second-half inputs up to the target's input fed as one chunk or one token at a time."""
+    from looplm.infer import TerminalCache, extend
+
+    total = 0.0
+    for i, t in sorted(_SCORED):
+        b = data.get_batch([i])
+        doc = b.doc_ids[0]
+        start = int((doc == doc[t]).nonzero()[0, 0])
+        first = max(start, 8)
+        cache = TerminalCache(m.cfg, 1, 16)
+        if start < first:
+            extend(m, b.inputs[:, start:first], cache, depth, example_ids=b.example_ids)
+        if stepwise:
+            for u in range(first, t + 1):
+                logits = extend(m, b.inputs[:, u:u + 1], cache, depth, example_ids=b.example_ids)
+        else:
+            logits = extend(m, b.inputs[:, first:t + 1], cache, depth, example_ids=b.example_ids)
+        total += F.cross_entropy(logits[0, -1], b.targets[0, t]).item()
+    return total / len(_SCORED)
+
+
+def _native_ce(m, data, depth):
+    total = 0.0
+    with torch.no_grad():
+        for i, t in _SCORED:
+            b = data.get_batch([i])
+            logits = m(b.inputs, depth, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
+                       example_ids=b.example_ids).logits[0]
+            total += F.cross_entropy(logits[t], b.targets[0, t]).item()
+    return total / len(_SCORED)
+
+
+def test_sharing_table_penalties_match_independent_ces():
+    """Penalties from separately computed CEs: full = the native forward, terminal = a per-target loop."""
+    from looplm.eval.cached import sharing_table
+
+    m, data = _tiny(), _Packed(_ROWS)
+    table = sharing_table(m, data, [1, 3])
+    for R in (1, 3):
+        full = math.exp(_native_ce(m, data, R))
+        chunk = math.exp(_terminal_reference_ce(m, data, R, stepwise=False))
+        decode = math.exp(_terminal_reference_ce(m, data, R, stepwise=True))
+        row = table[R]
+        assert row["tokens"] == len(_SCORED)
+        assert math.isclose(row["full_ppl"], full, rel_tol=1e-5)
+        assert math.isclose(row["terminal_ppl"], chunk, rel_tol=1e-5)
+        assert math.isclose(row["cacheeval_terminal_ppl"], decode, rel_tol=1e-5)
+        assert math.isclose(row["sharing_penalty"], 100 * (chunk / full - 1), abs_tol=1e-3)
+        assert math.isclose(row["cacheeval_penalty"], 100 * (decode / full - 1), abs_tol=1e-3)
+    assert abs(table[1]["sharing_penalty"]) < 1e-6 and abs(table[1]["cacheeval_penalty"]) < 1e-6  # one bank per layer
+    assert table[3]["terminal_ppl"] != table[3]["full_ppl"]  # an untrained model at R = 3 does depend on the banks
+
+
+def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
+    """Real packed rows: the full cache (chunk and decode) equals one document-masked native forward over
+    each row, scored on the supervised targets t >= L // 2."""
     from looplm.data import build_datasets
-    from looplm.eval.cached import _midpoint_document, cached_perplexity, sharing_table
+    from looplm.eval.cached import cached_perplexity
 
     tok = ByteTokenizer()
     docs = tmp_path / "docs"
     docs.mkdir()
-    for i in range(6):
-        (docs / f"{i}.txt").write_text(("the quick brown fox %d jumps. " % i) * (3 + i))
+    for i in range(16):
+        (docs / f"{i}.txt").write_text("fox %d jumps. " % i * (1 + i % 3))
     _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
-    torch.manual_seed(0)
-    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                             max_seq_len=48)).eval()
-    full = cached_perplexity(m, val, 3, "full", max_sequences=3)
-    # reference: the native forward over each midpoint document, scoring its second part
+    rows = min(4, len(val))
+    assert any(len(set(val.get_batch([i]).doc_ids[0, 24:].tolist())) > 1 for i in range(rows))  # packed halves
+    m = _tiny(tok.vocab_size, 48)
     total, count = 0.0, 0
-    for i in range(min(3, len(val))):
-        b = val.get_batch([i])
-        start, mid, end = _midpoint_document(b.doc_ids[0])
-        with torch.no_grad():
-            logits = m(b.inputs[:, start:end], 3, init="seeded", example_ids=b.example_ids).logits
-        t = b.targets[:, mid:end]
-        total += F.cross_entropy(logits[:, mid - start:].flatten(0, 1), t.flatten(), ignore_index=-100,
-                                 reduction="sum").item()
-        count += int((t != -100).sum())
-    assert count == full["tokens"]
-    assert math.isclose(full["ppl"], math.exp(total / count), rel_tol=1e-5)
-    table = sharing_table(m, val, [1, 3], max_sequences=3)
-    assert table[1]["sharing_penalty"] == 0.0  # at R = 1 the terminal bank is the only bank
-    row = table[3]
-    assert math.isclose(row["sharing_penalty"], 100 * (row["terminal_ppl"] / row["full_ppl"] - 1))
-    assert row["terminal_ppl"] != row["full_ppl"]  # an untrained model at R = 3 does depend on the banks
-    assert math.isclose(row["cacheeval_penalty"], 100 * (row["cacheeval_terminal_ppl"] / row["full_ppl"] - 1))
-    # one-token decoding with the full cache is the native forward too
-    step_full = cached_perplexity(m, val, 3, "full", max_sequences=3, stepwise=True)
-    assert math.isclose(step_full["ppl"], full["ppl"], rel_tol=1e-5)
-    assert table[1]["cacheeval_penalty"] == 0.0
+    with torch.no_grad():
+        for i in range(rows):
+            b = val.get_batch([i])
+            logits = m(b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
+                       example_ids=b.example_ids).logits
+            t = b.targets[:, 24:]
+            total += F.cross_entropy(logits[:, 24:].flatten(0, 1), t.flatten(), ignore_index=-100,
+                                     reduction="sum").item()
+            count += int((t != -100).sum())
+    for stepwise in (False, True):
+        got = cached_perplexity(m, val, 3, "full", max_sequences=rows, stepwise=stepwise)
+        assert got["tokens"] == count
+        assert math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
 
 
 def test_cacheeval_span_protocol(tmp_path):
+    """App. D.4 with P prompt and C continuation targets: in the first document of P + C tokens, starting
+    at s, prefill inputs s .. s+P-1; the prefill's last logits score target s+P-1 (the token x[s+P]); then
+    inputs s+P .. s+P+C-2 are teacher-forced, scoring targets s+P .. s+P+C-2. C targets; the cache ends
+    at P + C - 1 tokens (the model's context here is exactly P + C - 1)."""
     from looplm.data import build_datasets
     from looplm.eval.cached import _document_with_room, cached_perplexity
 
@@ -117,17 +269,36 @@ def test_cacheeval_span_protocol(tmp_path):
     for i in range(4):
         (docs / f"{i}.txt").write_text("to be or not to be, that is the question. " * 3)
     _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
-    torch.manual_seed(0)
-    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                             max_seq_len=48)).eval()
-    got = cached_perplexity(m, val, 2, "full", max_sequences=2, stepwise=True, span=(16, 8))
+    P, C = 16, 8
+    m = _tiny(tok.vocab_size, P + C - 1)
     total, count = 0.0, 0
     for i in range(2):
         b = val.get_batch([i])
-        s = _document_with_room(b.doc_ids[0], 24)
-        with torch.no_grad():
-            logits = m(b.inputs[:, s:s + 24], 2, init="seeded", example_ids=b.example_ids).logits
-        t = b.targets[:, s + 16:s + 24]
-        total += F.cross_entropy(logits[:, 16:].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum").item()
+        doc = b.doc_ids[0].tolist()
+        s = next(a for a in range(len(doc)) if (a == 0 or doc[a] != doc[a - 1]) and doc[a:a + P + C] == [doc[a]] * (P + C))
+        with torch.no_grad():  # no cache: the prompt and the C - 1 fed continuation tokens in one forward
+            logits = m(b.inputs[:, s:s + P + C - 1], 2, init="seeded", example_ids=b.example_ids).logits
+        t = b.targets[:, s + P - 1:s + P + C - 1]
+        total += F.cross_entropy(logits[:, P - 1:].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum").item()
         count += int((t != -100).sum())
-    assert got["tokens"] == count and math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
+    assert count == 2 * C
+    for stepwise in (True, False):
+        got = cached_perplexity(m, val, 2, "full", max_sequences=2, stepwise=stepwise, span=(P, C))
+        assert got["tokens"] == count and math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
+    term = cached_perplexity(m, val, 2, "terminal", max_sequences=2, stepwise=True, span=(P, C))
+    assert term["tokens"] == count and term["mean_decode_depth"] == 2.0
+
+
+def test_cached_perplexity_runs_in_the_model_dtype():
+    """A bf16 model gets bf16 caches: finite results close to the fp32 model's, on the same targets."""
+    import copy
+
+    from looplm.eval.cached import cached_perplexity
+
+    m, data = _tiny(), _Packed(_ROWS)
+    m16 = copy.deepcopy(m).to(torch.bfloat16)
+    for mode, stepwise, span in (("terminal", True, None), ("full", False, (5, 3))):
+        ref = cached_perplexity(m, data, 3, mode, stepwise=stepwise, span=span)
+        got = cached_perplexity(m16, data, 3, mode, stepwise=stepwise, span=span)
+        assert got["tokens"] == ref["tokens"]
+        assert math.isfinite(got["loss"]) and abs(got["loss"] - ref["loss"]) < 0.05

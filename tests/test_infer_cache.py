@@ -233,3 +233,57 @@ def test_terminal_chunk_matches_naive_masked_reference(injection):
             s, _, _ = _naive_chunk_block(blk, s, pos, K[li], V[li], cfg)
         ref = m.head(m.norm(s))
     assert (got - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "deq-qkv"])
+@pytest.mark.parametrize("r_pre,r_dec", [(2, 4), (1, 3), (4, 2)])
+def test_full_cache_with_other_decode_depth_matches_naive_reference(injection, r_pre, r_dec):
+    """Full cache (a bank per layer visit, built at max(R_pre, R_dec) visits) with R_dec != R_pre.
+
+    The rule, per token: a token that ran R recurrences has core K/V for visits 0..R-1; a later token at
+    recurrence r reads each earlier token's recurrence-min(r, R - 1) K/V. So at R_dec > R_pre a decode
+    reads the prompt's terminal K/V in the banks the prefill never reached (r >= R_pre), and at
+    R_dec < R_pre it reads the prompt's recurrence-r K/V (r < R_dec), never the deeper banks. The
+    reference keeps every token's per-recurrence K/V in lists and attends by hand (no cache, no SDPA)."""
+    m = _model(injection)
+    cfg, P, n_steps, n_chunk = m.cfg, 6, 4, 3
+    T = P + n_steps + n_chunk
+    x = torch.randint(0, 50, (1, T))
+    cache = FullCache(cfg, 1, 32, depth=max(r_pre, r_dec))
+    got = [extend(m, x[:, :P], cache, r_pre)]  # prefill at R_pre
+    got += [extend(m, x[:, t:t + 1], cache, r_dec) for t in range(P, P + n_steps)]  # one-token decodes at R_dec
+    got.append(extend(m, x[:, P + n_steps:], cache, r_dec))  # then a chunk at R_dec
+    got = torch.cat(got, dim=1)[0]
+
+    depth_of = [r_pre] * P + [r_dec] * (T - P)
+    pre_kv = [([], []) for _ in range(cfg.n_prelude)]
+    coda_kv = [([], []) for _ in range(cfg.n_coda)]
+    core_kv = []  # core_kv[t][r][j] = (k, v) of token t at recurrence r, core layer j
+    ref = []
+    with torch.no_grad():
+        for t in range(T):
+            h = m.embed.weight[x[0, t]]
+            for blk, (K, V) in zip(m.prelude, pre_kv):
+                h, k, v = _naive_block(blk, h, t, K, V, cfg)
+                K.append(k), V.append(v)
+            q = m.injection.prepare(h[None, None])[0, 0]
+            offs = m.injection.qkv_offsets(h[None, None])
+            s = seeded_normal(torch.tensor([0]), torch.tensor([[t]]), cfg.d_model)[0, 0] / math.sqrt(cfg.d_model)
+            mine = []
+            for r in range(depth_of[t]):
+                s = m.injection(s[None, None], q[None, None])[0, 0]
+                visit = []
+                for j, blk in enumerate(m.core):
+                    read = [core_kv[u][min(r, depth_of[u] - 1)][j] for u in range(t)]
+                    o = tuple(z[0, 0] for z in offs[j]) if offs else None
+                    s, k, v = _naive_block(blk, s, t, [a for a, _ in read], [b for _, b in read], cfg, o)
+                    visit.append((k, v))
+                mine.append(visit)
+                s = m.injection.exit(s[None, None])[0, 0]
+            core_kv.append(mine)
+            for blk, (K, V) in zip(m.coda, coda_kv):
+                s, k, v = _naive_block(blk, s, t, K, V, cfg)
+                K.append(k), V.append(v)
+            ref.append(m.head(m.norm(s)))
+    assert (got - torch.stack(ref)).abs().max() <= 1e-4
+

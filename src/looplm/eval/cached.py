@@ -1,14 +1,30 @@
 """Cached perplexity: terminal-KV vs full-KV scoring and the sharing penalty (SPEC 8).
 
-Per held-out row: take the document that crosses the row's midpoint, prefill it up to the
-midpoint at depth R, then score the rest of that document as one parallel chunk against the
-cache. Starting the prefill at the document's first token means no attention crosses a document
-boundary. With the full cache this equals the native forward over the same tokens; with the
-terminal cache the chunk reads the prefix only through terminal banks.
+Index convention: row position t holds input token x[t] and target y[t] = x[t + 1]; the logits
+computed at input position t score target t. Every document segment is read from its own start
+(the cache starts there), so no attention crosses a document boundary and positions match the
+native forward's.
 
-`stepwise=True` is the CacheEval protocol (App. D.4): the same targets are scored by
-teacher-forced one-token decoding, so each continuation token also reads the earlier continuation
-tokens through the cache (terminal banks, for the terminal cache) instead of their same-recurrence K/V.
+Two protocols choose the scored targets:
+
+- **Row halves** (default; §5.1, "prefill the first half, score the second half"): every supervised
+  target t in the second half of the row, L // 2 <= t < L. The document that straddles the midpoint
+  is prefilled from its start up to the midpoint; a document that starts at or after the midpoint
+  has nothing before it to prefill (its cache starts empty). Its targets are then scored as one
+  parallel chunk over inputs [first, end) (`stepwise=False`), or by teacher-forced one-token decoding
+  of the same inputs (`stepwise=True`): the same target set either way. A chunk over an empty cache
+  is the native forward (App. D.3), so in the chunk column only the straddling document's targets
+  read a prefix through terminal banks; in the decode column every token reads its predecessors
+  through the cache.
+- **CacheEval spans** (`span=(P, C)`, App. D.4): in the first document of the row that holds at least
+  P + C tokens, starting at s, the prompt x[s .. s+P-1] is prefilled; the prefill's last logits (input
+  s+P-1) score the first continuation target y[s+P-1] = x[s+P]; then the C - 1 continuation tokens
+  x[s+P .. s+P+C-2] are teacher-forced one at a time (`stepwise=True`) or as one chunk, scoring
+  y[s+P .. s+P+C-2]. So C targets are scored and the cache ends at P + C - 1 tokens (the paper's
+  1,024 + 512 grows the cache from 1,024 to 1,535).
+
+With the full cache both protocols equal the native forward on the same targets; with the terminal
+cache earlier tokens are read only through their terminal banks.
 """
 
 from __future__ import annotations
@@ -24,26 +40,28 @@ from looplm.infer import extend, make_cache
 from looplm.infer.prefill import Prefill
 
 
-def _midpoint_document(doc_ids: torch.Tensor) -> tuple[int, int, int]:
-    """(start, mid, end) of the document segment that crosses the middle of a row."""
-    L = doc_ids.shape[0]
-    mid = L // 2
-    seg = doc_ids[mid]
-    where = (doc_ids == seg).nonzero()[:, 0]
-    start, end = int(where[0]), int(where[-1]) + 1
-    return start, max(mid, start + 1), end
+def _segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each document segment of a row, in order."""
+    ids = doc_ids.tolist()
+    out, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or ids[t] != ids[start]:
+            out.append((start, t))
+            start = t
+    return out
+
+
+def _second_half_segments(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, first, end) for each document segment with inputs in the second half of the row:
+    the segment is read from `start`, inputs [start, first) are prefilled and targets [first, end)
+    scored; first = max(start, L // 2)."""
+    mid = doc_ids.shape[0] // 2
+    return [(s, max(s, mid), e) for s, e in _segments(doc_ids) if e > mid]
 
 
 def _document_with_room(doc_ids: torch.Tensor, need: int) -> int | None:
     """Start of the first document segment of a row with at least `need` tokens, or None."""
-    ids = doc_ids.tolist()
-    start = 0
-    for t in range(1, len(ids) + 1):
-        if t == len(ids) or ids[t] != ids[start]:
-            if t - start >= need:
-                return start
-            start = t
-    return None
+    return next((s for s, e in _segments(doc_ids) if e - s >= need), None)
 
 
 @torch.no_grad()
@@ -51,41 +69,53 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
                       device="cpu", stepwise: bool = False, exit_tau: float | None = None,
                       min_depth: int = 1, span: tuple[int, int] | None = None,
                       prefill: Prefill | None = None) -> dict[str, float]:
-    """{"loss", "ppl", "tokens"} of the second part of each row's midpoint document, scored as one
-    chunk after a prefill of its first part, with a `mode` ("terminal" or "full") cache at `depth`.
+    """{"loss", "ppl", "tokens", "mean_decode_depth"} with a `mode` ("terminal" or "full") cache at
+    `depth`, under the row-halves protocol (default) or CacheEval spans (`span=(P, C)`; the paper uses
+    1,024 + 512; rows without a document of P + C tokens are skipped). See the module docstring for
+    exactly which targets are scored; "tokens" counts them.
 
-    `span=(P, C)` fixes the split instead (the paper's CacheEval uses 1,024 + 512): P prompt tokens
-    from the start of the row's first document that is long enough, then C scored targets; rows
-    without such a document are skipped. `prefill` writes the first part (`looplm.infer.prefill`:
-    distilled student, R = 1 or 2; default: the model at `depth`); the rest is scored at `depth`."""
+    `stepwise=True` scores by teacher-forced one-token decoding instead of one parallel chunk (same
+    targets). `prefill` writes the prompt part (`looplm.infer.prefill`: distilled student, R = 1 or 2;
+    default: the model at `depth`); the rest is scored at `depth`. Caches use the model's dtype."""
+    dtype = next(model.parameters()).dtype
     total, count, depth_sum, n_dec = 0.0, 0, 0, 0
     for i in range(min(len(data), max_sequences)):
         b = data.get_batch([i]).to(device)
         if span is None:
-            start, mid, end = _midpoint_document(b.doc_ids[0])
+            # (context start, first fed input after the prompt, end of fed inputs, first scored target)
+            plans = [(s, first, e, first) for s, first, e in _second_half_segments(b.doc_ids[0])]
         else:
-            found = _document_with_room(b.doc_ids[0], sum(span))
-            if found is None:
+            P, C = span
+            if P < 1 or C < 1:
+                raise ValueError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
+            s = _document_with_room(b.doc_ids[0], P + C)
+            plans = [] if s is None else [(s, s + P, s + P + C - 1, s + P - 1)]
+        for start, fed, end, scored in plans:
+            targets = b.targets[:, scored:end]
+            n = int((targets != IGNORE_INDEX).sum())
+            if n == 0:
                 continue
-            start, mid, end = found, found + span[0], found + span[0] + span[1]
-        if end - mid < 1:
-            continue
-        cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device)
-        (prefill or Prefill())(model, b.inputs[:, start:mid], cache, depth, example_ids=b.example_ids)
-        if stepwise:
-            steps = [extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
-                            exit_tau=exit_tau, min_depth=min_depth, return_depths=True) for t in range(mid, end)]
-            logits = torch.cat([lg for lg, _ in steps], dim=1)
-            depth_sum += sum(int(u.sum()) for _, u in steps)
-            n_dec += len(steps)
-        else:
-            logits = extend(model, b.inputs[:, mid:end], cache, depth, example_ids=b.example_ids)
-        targets = b.targets[:, mid:end]
-        total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="sum").item()
-        count += int((targets != IGNORE_INDEX).sum())
+            cache = make_cache(mode, model.cfg, 1, end - start, depth, device=device, dtype=dtype)
+            logits = []
+            if fed > start:
+                out = (prefill or Prefill())(model, b.inputs[:, start:fed], cache, depth, example_ids=b.example_ids)
+                if scored < fed:  # CacheEval: the prefill's last logits score the first target
+                    logits.append(out[:, scored - fed:])
+            if end > fed and stepwise:
+                for t in range(fed, end):
+                    lg, used = extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
+                                      exit_tau=exit_tau, min_depth=min_depth, return_depths=True)
+                    logits.append(lg)
+                    depth_sum += int(used.sum())
+                    n_dec += 1
+            elif end > fed:
+                logits.append(extend(model, b.inputs[:, fed:end], cache, depth, example_ids=b.example_ids))
+            logits = torch.cat(logits, dim=1)
+            total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                     reduction="sum").item()
+            count += n
     if count == 0:
-        raise ValueError("no scored tokens for cached perplexity (no supervised targets after the midpoints)")
+        raise ValueError("no scored tokens for cached perplexity (no supervised targets in the scored part of any row)")
     loss = total / count
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
             "mean_decode_depth": depth_sum / n_dec if n_dec else float(depth)}
@@ -93,18 +123,24 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
 
 def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequences: int = 16,
                   device="cpu", progress=None, span: tuple[int, int] | None = None) -> dict[int, dict[str, float]]:
-    """{R: {"terminal_ppl", "full_ppl", "sharing_penalty", "cacheeval_terminal_ppl", "cacheeval_penalty"}};
-    penalty = 100 (PPL_terminal / PPL_full - 1). Full-cache scoring is the same for both protocols."""
+    """{R: {"terminal_ppl", "full_ppl", "sharing_penalty", "cacheeval_terminal_ppl", "cacheeval_penalty",
+    "tokens", "span"}}; penalty = 100 (PPL_terminal / PPL_full - 1). The chunk ("terminal_ppl") and
+    decode ("cacheeval_terminal_ppl") columns score the same "tokens" targets (`cached_perplexity`);
+    full-cache scoring is the same for both protocols. "span" is the (P, C) used, or None for row halves."""
     out = {}
     for depth in depths:
         kw = dict(max_sequences=max_sequences, device=device, span=span)
         term = cached_perplexity(model, data, depth, "terminal", **kw)
         full = cached_perplexity(model, data, depth, "full", **kw)
         step = cached_perplexity(model, data, depth, "terminal", stepwise=True, **kw)
+        if not term["tokens"] == full["tokens"] == step["tokens"]:
+            raise RuntimeError(f"sharing protocols scored different targets: {term['tokens']}, {full['tokens']}, "
+                               f"{step['tokens']}")
         out[depth] = {"terminal_ppl": term["ppl"], "full_ppl": full["ppl"], "tokens": term["tokens"],
                       "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0),
                       "cacheeval_terminal_ppl": step["ppl"],
-                      "cacheeval_penalty": 100.0 * (step["ppl"] / full["ppl"] - 1.0)}
+                      "cacheeval_penalty": 100.0 * (step["ppl"] / full["ppl"] - 1.0),
+                      "span": None if span is None else tuple(span)}
         if progress is not None:
             progress()
     return out

@@ -30,8 +30,9 @@ class EvalConfig:
     sharing_sequences: int = 32
     """Held-out rows for terminal-KV vs full-KV perplexity and the sharing penalty (0 skips)."""
     cacheeval_span: tuple[int, int] | None = None
-    """(P, C) for the sharing table: P prompt tokens then C scored targets from the start of a long enough
-    document (the paper's CacheEval: 1024 512); default: each row's midpoint document, split at the midpoint."""
+    """(P, C) for the sharing table: P prompt tokens from the start of a long enough document, then C scored
+    targets, the first by the prefill's last logits (the paper's CacheEval, App. D.4: 1024 512); default: every
+    supervised target in the second half of each row, each document read from its own start."""
     cache: Literal["terminal", "full"] = "terminal"
     """KV cache for the decoding-based protocols below (choice tasks, generation)."""
     prefill_depth: int | None = None
@@ -75,7 +76,7 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
 
     `prefill`, a list of `looplm.infer.prefill.Prefill` arms, adds "prefill": each arm's continuation
     perplexity (on `sharing_sequences` rows) and generator-task exact match (on `generation_examples`,
-    or `task_examples` when that is 0) at each depth, the paper's Table 5 (`looplm.distill.evaluate`)."""
+    or `task_examples` when that is 0) at each depth, the paper's Table 5 (`looplm.eval.prefill_arms`)."""
     data = job["data"]
     tasks = job_tasks(job)
     val = validation_data(tokenizer, job)
@@ -93,7 +94,7 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, tasks, data, job["train"]["seed"], device))
     if prefill:
-        from looplm.distill.evaluate import prefill_table
+        from looplm.eval.prefill_arms import prefill_table
 
         n_gen = cfg.generation_examples or cfg.task_examples
         examples = held_out_examples(tasks, n_gen, cfg.task_seed, data["n_task_examples"], job["train"]["seed"]) \
@@ -145,9 +146,22 @@ def format_report(report: dict) -> str:
         lines.append(row)
     if report.get("sharing"):
         sh = report["sharing"]
-        n = next(iter(sh.values()))["tokens"]
-        lines += ["", f"terminal-KV sharing (prefill to each row's midpoint, score the rest of that document; {n} tokens;",
-                  "chunk = one parallel pass, decode = teacher-forced one-token decoding as in CacheEval):",
+        first = next(iter(sh.values()))
+        n, span = first["tokens"], first.get("span")
+        if span is None:
+            caption = [f"terminal-KV sharing, {n} targets: every supervised target in the second half of each row, "
+                       "each document",
+                       "read from its own start (the part before the midpoint prefilled at R); chunk = each document's "
+                       "second-half",
+                       "tokens in one parallel pass, decode = the same targets by teacher-forced one-token decoding:"]
+        else:
+            P, C = span
+            caption = [f"terminal-KV sharing, {n} targets (CacheEval, App. D.4): per row, {P} prompt tokens from a "
+                       "document's start",
+                       f"prefilled at R, their last logits scoring the first of {C} continuation targets; chunk = the "
+                       f"other {C - 1}",
+                       f"in one parallel pass, decode = {C - 1} teacher-forced one-token decodes:"]
+        lines += ["", *caption,
                   f"{'R':>4} {'full':>9} {'terminal':>9} {'penalty':>9} {'decode':>9} {'penalty':>9}"]
         lines += [f"{r:>4} {v['full_ppl']:>9.4f} {v['terminal_ppl']:>9.4f} {v['sharing_penalty']:>8.3f}% "
                   f"{v['cacheeval_terminal_ppl']:>9.4f} {v['cacheeval_penalty']:>8.3f}%" for r, v in sh.items()]
@@ -159,7 +173,7 @@ def format_report(report: dict) -> str:
                 extra = f" / {100 * v['acc_norm']:.1f}%" if "acc_norm" in v else ""
                 lines.append(f"{r:>4} {100 * v['acc']:>6.1f}%{extra}  (n={v['n']})")
     if report.get("prefill"):
-        from looplm.distill.evaluate import format_prefill_table
+        from looplm.eval.prefill_arms import format_prefill_table
 
         lines += ["", "prefill arms (decoding at R with the terminal cache; blocks = block passes per prompt token):",
                   format_prefill_table(report["prefill"])]
