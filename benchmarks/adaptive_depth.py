@@ -2,8 +2,9 @@
 
     python benchmarks/adaptive_depth.py runs/tiny [--rows 64] [--out benchmarks/results/adaptive_depth.json]
 
-On held-out rows of the checkpoint's own data, each row's midpoint document is prefilled at R=5
-with the terminal cache and the rest of it is decoded one token at a time (teacher forced,
+On held-out rows of the checkpoint's own data, every supervised target in the second half of each
+row is scored: each document is read from its own start, its part before the midpoint prefilled at
+R = 5 with the terminal cache, and its second-half tokens decoded one at a time (teacher forced,
 CacheEval style), either at a fixed depth R or with adaptive exit (stop once the relative state
 change falls below tau, between min and max depth). Reports perplexity and the mean depth used.
 """

@@ -10,8 +10,8 @@ rotate the arm order, so load from other processes falls on every arm alike; per
 median of the seconds, and of the per-round ratio teacher time / arm time. The load average
 is recorded every round.
 Quality (same arms, decoding at R with the terminal cache; `looplm.eval.prefill_arms`): continuation
-perplexity of held-out rows of the teacher's data (prefill to each row's midpoint document, score
-the rest) and generator-task exact match (prefill the prompt, greedy decoding).
+perplexity of held-out rows of the teacher's data (each document read from its own start, its part
+before the row's midpoint prefilled with the arm, its second-half targets scored at R) and generator-task exact match (prefill the prompt, greedy decoding).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ TINY = (
     ("model.ffn_dim", 64),
     ("model.max_seq_len", 64),
     ("data.seq_len", 64),
+    ("data.source", "tasks"),  # the preset reads Shakespeare; tests use the faster task generator
     ("data.n_task_examples", 2000),
     ("train.steps", 8),
     ("train.micro_batch", 4),
@@ -41,6 +42,7 @@ TINY = (
     ("eval.task_examples", 20),
     ("eval.max_sequences", 8),
     ("eval.batch_size", 16),
+    ("eval.sample_tokens", 8),
 )
 
 

@@ -103,3 +103,33 @@ def test_adaptive_generation_reports_mean_depth(model):
     generate(model, TOK, ["abc"], depth=6, sampling=SamplingConfig(max_new_tokens=6, exit_tau=1e9, min_depth=2),
              stats=stats)
     assert stats["mean_decode_depth"] == 2.0
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(temperature=-1.0), r"temperature must be >= 0 \(0 = greedy decoding\), got -1.0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(temperature=float("inf")), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(1 = all tokens\), got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), r"top_k must be >= 0 \(0 = all tokens\), got -1"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    (dict(stop=("\n", "")), "stop strings must be non-empty"),
+    (dict(exit_tau=0.0), "exit_tau must be > 0"),
+    (dict(min_depth=0), "min_depth must be >= 1"),
+])
+def test_sampling_config_rejects_out_of_range_fields(model, fields, message):
+    cfg = SamplingConfig(**fields)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
+    with pytest.raises(ValueError, match=message):  # generate checks before any work
+        generate(model, TOK, ["ab"], depth=2, sampling=cfg)
+
+
+def test_sampling_config_edges_are_accepted(model):
+    """The documented edges stay valid: temperature 0 (greedy), top_p 1 and top_k 0 (all tokens)."""
+    for cfg in (SamplingConfig(), SamplingConfig(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=1),
+                SamplingConfig(temperature=1e-3, top_p=1e-9, top_k=1), SamplingConfig(exit_tau=1e-9, min_depth=2)):
+        cfg.validate()
+    with pytest.raises(ValueError, match="min_depth 3 exceeds the decode depth 2"):
+        generate(model, TOK, ["ab"], depth=2, sampling=SamplingConfig(exit_tau=0.1, min_depth=3))

@@ -126,17 +126,42 @@ def test_project_off_bf16_inputs_use_fp32_inner_products():
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
 
 
-def test_ortho_carryover_is_contractive():
-    """|Q_u Lambda (s1 - s2)| <= max(decay) |s1 - s2| (SPEC 2): the carryover never expands."""
+@pytest.mark.parametrize("eps", [0.0, 1e-6, 0.3])
+def test_ortho_carryover_is_the_projected_contraction(eps):
+    """The carryover is linear in s with matrix Q_u Lambda, Q_u = I - u u^T / (|u|^2 + eps) (SPEC 2,
+    paper 4.2), written out here in float64 per token. Only the projection gives its two
+    properties: the direction u is (for eps = 0: exactly) annihilated, u^T Q_u Lambda =
+    eps / (|u|^2 + eps) u^T Lambda, and |Q_u Lambda|_2 <= |Lambda|_2 < 1. Tokens with |u|^2 from
+    ~eps to >> eps make the eps placement in alpha = <r,u>/(|u|^2 + eps) visible."""
     torch.manual_seed(6)
-    inj = build_injection(tiny(injection="ortho", ortho_eps=0.0))
-    perturb_(inj, 0.3)
-    u = inj.prepare(torch.randn(64, D))
-    s1, s2 = torch.randn(64, D), torch.randn(64, D)
-    lhs = (inj.carryover(s1, u) - inj.carryover(s2, u)).double().norm(dim=-1)
-    bound = inj.decay().double().abs().max() * (s1 - s2).double().norm(dim=-1)
-    assert (lhs <= bound * (1 + 1e-5)).all()
-    assert inj.decay().max() < 1
+    inj = build_injection(tiny(injection="ortho", ortho_eps=eps))
+    perturb_(inj, 0.3)  # a non-uniform decay: Lambda is not a multiple of I, so Q_u and Lambda do not commute
+    decay = inj.decay().double()
+    assert decay.max() < 1 and decay.max() - decay.min() > 0.1
+    e = torch.randn(6, D) * torch.tensor([0.02, 0.1, 0.3, 1.0, 3.0, 10.0])[:, None]
+    u = inj.prepare(e)
+    u64 = u.double()
+    eye = torch.eye(D, dtype=torch.float64)
+    for t_, ut in enumerate(u64):
+        # the module's carryover applied to the basis vectors: its matrix, column by column
+        J = inj.carryover(torch.eye(D), u[t_].expand(D, D)).double().T
+        Q = eye - torch.outer(ut, ut) / (ut @ ut + eps)
+        want = Q @ torch.diag(decay)
+        torch.testing.assert_close(J, want, rtol=0, atol=2e-6)
+        # the projection direction: u^T J = eps/(|u|^2+eps) u^T Lambda (0 for eps = 0)
+        shrink = eps / (ut @ ut + eps)
+        torch.testing.assert_close(ut @ J, shrink * (ut * decay), rtol=0, atol=2e-6 * ut.norm().item())
+        if eps == 0.0:
+            assert (ut @ J).norm() <= 1e-6 * ut.norm() * decay.max()  # vs |u^T Lambda| ~ |u| decay without it
+        # contractive: the largest singular value of Q_u Lambda never exceeds max(decay) < 1
+        assert torch.linalg.matrix_norm(J, ord=2) <= decay.max() * (1 + 1e-6)
+    # the same on state differences: the carryover of s1 - s2 has (for eps = 0) no component along u
+    s1, s2 = 5 * torch.randn(6, D), 5 * torch.randn(6, D)
+    diff = (inj.carryover(s1, u) - inj.carryover(s2, u)).double()
+    along = (diff * u64).sum(-1) / u64.norm(dim=-1)
+    want = (eps / (u64.pow(2).sum(-1) + eps)) * ((decay * (s1 - s2).double()) * u64).sum(-1) / u64.norm(dim=-1)
+    torch.testing.assert_close(along, want, rtol=0, atol=1e-4)
+    assert (diff.norm(dim=-1) <= decay.max() * (s1 - s2).double().norm(dim=-1) * (1 + 1e-5)).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,12 +277,40 @@ def test_additive_closed_form():
     torch.testing.assert_close(inj(s, inj.prepare(e)), s + e, rtol=0, atol=0)
 
 
+def reference_split(name: str, inj, cfg: ModelConfig, s: torch.Tensor, e: torch.Tensor):
+    """SPEC 2's update s' = carryover + q written out in float64 from the raw parameters:
+    q depends on e alone, the carryover on s (and q for OrthoInj) and vanishes at s = 0."""
+    s, e = s.double(), e.double()
+    if name == "additive":  # s' = s + e
+        return s, e
+    if name == "huginn-linear":  # s' = A [s; e] + b, A = [A_s | A_e] in R^{d x 2d}
+        A = torch.cat([inj.A_state.weight, inj.A_input.weight], 1).double()
+        return s @ A[:, :D].T, e @ A[:, D:].T + inj.A_input.bias.double()
+    dt = torch.log1p(torch.exp(inj.dt_raw.double()))  # softplus
+    decay = torch.exp(-dt * torch.exp(inj.A_log.double()))
+    e_tilde = rms_norm64(e, inj.prelude_norm.weight, cfg.norm_eps) if name == "parcae-decay" else e
+    q = dt * (e_tilde @ inj.W.weight.double().T)
+    r = decay * s
+    if name == "ortho":  # r - alpha q, alpha = <r, q> / (|q|^2 + eps)
+        r = r - ((r * q).sum(-1, keepdim=True) / (q.pow(2).sum(-1, keepdim=True) + cfg.ortho_eps)) * q
+    return r, q
+
+
 @pytest.mark.parametrize("name", [n for n in INJECTIONS if n != "deq-qkv"])
-def test_carryover_plus_injected_input(name):
-    """SPEC 11 convention: s' = carryover(s, q) + q for every scheme but DEQ-QKV."""
+def test_carryover_and_injected_input_match_the_equations(name):
+    """SPEC 11 reads `carryover(s, q)` as the part of s' that comes from the state and `prepare(e)`
+    as the injected input q; both are checked against the float64 equations above (not against
+    each other), and so is their sum, the update itself."""
     torch.manual_seed(11)
-    inj = build_injection(tiny(injection=name))
+    cfg = tiny(injection=name)
+    inj = build_injection(cfg)
     perturb_(inj)
-    e, s = torch.randn(3, D), torch.randn(3, D)
+    e, s = torch.randn(3, 5, D), 2 * torch.randn(3, 5, D)
+    carry_ref, q_ref = reference_split(name, inj, cfg, s, e)
     q = inj.prepare(e)
-    torch.testing.assert_close(inj(s, q), inj.carryover(s, q) + q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(q.double(), q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inj.carryover(s, q).double(), carry_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inj(s, q).double(), carry_ref + q_ref, rtol=1e-5, atol=1e-5)
+    # the split is not trivial: the carryover is neither s itself (but for additive) nor 0
+    assert (carry_ref - s.double()).abs().max() > 1e-2 or name == "additive"
+    assert torch.equal(inj.carryover(torch.zeros_like(s), q), torch.zeros_like(s))

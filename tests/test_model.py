@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from looplm.config import INJECTIONS, ModelConfig
 from looplm.model import LoopedLM, build_injection
-from looplm.model.blocks import rope_tables
+from looplm.model.blocks import RMSNorm, rope_tables
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -296,3 +296,69 @@ def test_unknown_injection_rejected():
 def test_inconsistent_shapes_rejected(overrides):
     with pytest.raises(ValueError):
         tiny(**overrides).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Initialisation statistics (SPEC 1-2)
+# ---------------------------------------------------------------------------------------------
+def truncated_normal_moments(c: float) -> tuple[float, float]:
+    """E[x^2], E[x^4] of a standard normal truncated to [-c, c] (integration by parts)."""
+    phi = math.exp(-c * c / 2) / math.sqrt(2 * math.pi)
+    mass = math.erf(c / math.sqrt(2))
+    return 1 - 2 * c * phi / mass, 3 - (2 * c**3 + 6 * c) * phi / mass
+
+
+def assert_truncated_normal(name: str, w: torch.Tensor, std: float, cut: float = 3.0, k: float = 5.0) -> None:
+    """w ~ N(0, std^2) truncated to +-cut*std: every value within the cut; the empirical mean and
+    standard deviation within k standard errors of the truncated law's (sigma*sqrt(m2), with the
+    standard error of a sample std, sigma*sqrt((m4 - m2^2) / (4 m2 n))); on large tensors the tails
+    reach the cut and the empirical CDF stays within the Kolmogorov-Smirnov 0.1% band."""
+    x = w.detach().double().flatten()
+    n, bound = x.numel(), cut * std
+    m2, m4 = truncated_normal_moments(cut)
+    sd = std * math.sqrt(m2)
+    se_sd = std * math.sqrt((m4 - m2**2) / (4 * m2 * n))
+    assert x.abs().max() <= bound * (1 + 1e-6), f"{name}: max |w| {x.abs().max():.5f} beyond {cut} sigma = {bound:.5f}"
+    assert abs(x.mean()) <= k * sd / math.sqrt(n), f"{name}: mean {x.mean():.2e}"
+    assert abs(x.std() - sd) <= k * se_sd, f"{name}: std {x.std():.6f}, want {sd:.6f} +- {k * se_sd:.1e} (n={n})"
+    if n >= 50_000:
+        # P(no value within 1% of a cut) < 1e-7 here: a narrower cut fails this
+        assert x.abs().max() >= 0.99 * bound, f"{name}: max |w| {x.abs().max():.5f} never reaches the cut {bound:.5f}"
+        z = x.sort().values / std
+        normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+        lo, hi = normal.cdf(torch.tensor(-cut, dtype=torch.float64)), normal.cdf(torch.tensor(cut, dtype=torch.float64))
+        cdf = (normal.cdf(z) - lo) / (hi - lo)
+        ranks = torch.arange(1, n + 1, dtype=torch.float64)
+        ks = torch.maximum(ranks / n - cdf, cdf - (ranks - 1) / n).max()
+        assert ks <= 1.95 / math.sqrt(n), f"{name}: KS distance {ks:.2e} from the truncated normal"
+
+
+def test_initialisation_statistics():
+    """Embedding: truncated normal std 1/sqrt(d) cut at +-3 sigma; every other linear weight (the
+    blocks' attention and SwiGLU, the head as model/looped.py sets it, Huginn-Linear's A = [A_s | A_e])
+    truncated normal std 0.02 cut at +-3 sigma; b = 0; RMSNorm gains 1 (SPEC 1, 2). A model wide
+    enough that most layers have >= 65k weights, so the empirical std is pinned to ~0.3-1.3%."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=32,
+                      injection="huginn-linear")
+    model = LoopedLM(cfg)
+    d = cfg.d_model
+    assert_truncated_normal("embed", model.embed.weight, 1 / math.sqrt(d))
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not name.startswith("injection.")}
+    n_blocks = cfg.n_prelude + cfg.n_core + cfg.n_coda
+    assert len(linears) == 7 * n_blocks + 1 and "head" in linears  # wq wk wv wo w1 w2 w3 per block, the head
+    for name, lin in linears.items():
+        assert lin.bias is None, name
+        assert_truncated_normal(name, lin.weight, 0.02)
+    assert_truncated_normal("all block linears", torch.cat([m.weight.flatten() for n, m in linears.items()
+                                                             if n != "head"]), 0.02)
+    inj = model.injection
+    A = torch.cat([inj.A_state.weight, inj.A_input.weight], 1)
+    assert A.shape == (d, 2 * d)
+    assert_truncated_normal("huginn A", A, 0.02)
+    for half in ("A_state", "A_input"):
+        assert_truncated_normal(f"huginn {half}", getattr(inj, half).weight, 0.02)
+    assert torch.equal(inj.A_input.bias.detach(), torch.zeros(d)) and inj.A_state.bias is None
+    gains = [m.weight for m in model.modules() if isinstance(m, RMSNorm) and m.weight is not None]
+    assert len(gains) == 2 * n_blocks + 1 and all(torch.equal(g.detach(), torch.ones(d)) for g in gains)

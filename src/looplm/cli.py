@@ -60,6 +60,21 @@ def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path
     return report
 
 
+def _prefill_arms(model, names, student_path=None) -> list:
+    """Prefill arms by name for `model`; the student arm loads a `looplm distill` checkpoint
+    (refused if it was distilled from another teacher)."""
+    from looplm.infer.prefill import Prefill
+
+    student = None
+    if "student" in names:
+        if student_path is None:
+            raise ValueError("--prefill student needs --student PATH (a `looplm distill` checkpoint or run folder)")
+        from looplm.distill.checkpoint import load_student
+
+        student, _ = load_student(student_path, model)
+    return [Prefill(name, student if name == "student" else None) for name in dict.fromkeys(names)]
+
+
 def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: ignore[valid-type]
     """Train a looped LM from a preset (tiny, S, M, L); any field can be overridden.
 
@@ -125,9 +140,7 @@ def evaluate(
         out = cfg.output or path.parent.parent / "eval.json"
         arms = None
         if tuple(prefill) != ("teacher",):
-            from looplm.distill.evaluate import build_arms
-
-            arms = build_arms(model, prefill, student)
+            arms = _prefill_arms(model, prefill, student)
         _report(model, tokenizer, job, cfg, device, out, prefill=arms)
     print(f"\nreport: {out}")
 
@@ -160,6 +173,10 @@ def generate(
     from looplm.checkpoint import load_model
     from looplm.infer.generate import generate as run
 
+    try:
+        sampling.validate()  # before the checkpoint loads
+    except ValueError as err:
+        raise ValueError(f"{err}; see looplm generate --help") from None
     model, tokenizer, _ = load_model(checkpoint, device)
     for r in (depth, prefill_depth or depth):
         if not 1 <= r <= model.cfg.max_depth:
@@ -170,9 +187,7 @@ def generate(
     if len(prompt) == 1:
         print(prompt[0], end="", flush=True)
         stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
-    from looplm.distill.evaluate import build_arms
-
-    (arm,) = build_arms(model, (prefill,), student)
+    (arm,) = _prefill_arms(model, (prefill,), student)
     stats: dict = {}
     texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
                 sampling=sampling, on_token=stream, stats=stats, prefill=arm)
@@ -202,7 +217,8 @@ def distill(
     Runs on one process, or data parallel under `torchrun --nproc_per_node N` (--micro-batch is
     the global rows per step and must be divisible by N); rank 0 writes and reports.
     """
-    from looplm.distill.evaluate import arms_after_distill, format_prefill_table
+    from looplm.distill.evaluate import arms_after_distill
+    from looplm.eval.prefill_arms import format_prefill_table
     from looplm.distill.trainer import DistillTrainer
     from looplm.eval.report import write_report
     from looplm.train import distributed as D
@@ -357,13 +373,112 @@ def tokenize(
           f"  looplm train tiny --data.source {shlex.quote(str(path))}")
 
 
+def _parse_error_line(report: str, args: list[str]) -> str:
+    """tyro's boxed parse-error report collapsed into one line:
+    `error: <what> (did you mean ...?); see looplm <subcommand> --help`.
+
+    The box holds sections between horizontal rules; in each, unindented lines are the message
+    and indented lines list arguments (4 spaces: the name and metavar, 8 or more: helptext,
+    dropped). Anything that is not such a box is joined as it is."""
+    import re
+
+    lines = [line.rstrip() for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", report).splitlines()]
+    lines = [line for line in lines if line.strip()]
+    boxed = bool(lines) and lines[0].lstrip().startswith("╭")
+    title = lines[0].strip(" ╭─╮") if lines else ""
+    if boxed:  # UTF-8 box: `╭─ title ─╮`, `│ line │`, `╰─╯`
+        lines = [line.strip()[2:-1] for line in lines if line.lstrip().startswith("│")]
+    elif len(lines) > 1 and not lines[1].strip(" -"):  # ASCII layout: ` title`, ` ----`, `  line`
+        boxed, lines = True, [line[2:] for line in lines[2:]]
+    sections: list[list[tuple[int, str]]] = [[]]
+    for line in lines:
+        if not line.strip(" ─-"):  # a rule between sections
+            sections.append([])
+        else:
+            sections[-1].append((len(line) - len(line.lstrip()), line.strip()))
+    if not boxed:
+        message = " ".join(line for sec in sections for _, line in sec)
+    else:
+        parts, metavar, similar = [], "", {}  # similar: unknown option (or None) -> the names tyro suggests
+        for sec in filter(None, sections):
+            head = " ".join(line for indent, line in sec if indent == 0)
+            items = [line for indent, line in sec if 0 < indent < 8]
+            names = list(dict.fromkeys(i.split()[0] for i in items if i.startswith("-")))[:3]
+            m = re.match(r"(?:Perhaps you meant|Arguments similar to (\S+)):$", head)
+            if m:
+                similar[m[1]] = names
+            elif head.startswith("Argument helptext"):  # `--train.steps INT`: the expected type
+                words = items[0].split() if items else []
+                metavar = words[1] if len(words) == 2 and words[0].startswith("-") else ""
+            elif not head.startswith("For full helptext"):  # replaced by the pointer below
+                parts.append(head + (" " + ", ".join(items) if items else ""))
+        message = "; ".join(parts)
+        first = (title.split() or [""])[0].lower()
+        if title.lower() not in ("value error", "required options") and not message.lower().startswith(first):
+            message = f"{title}: {message}"  # the title says what is wrong: `Missing subcommand: Expected one of {...}`
+        m = re.match(r"Unrecognized options: ([^;]*)", message)
+        if m:  # tyro also lists the value that followed an unknown option (`--train.stpes 3`): drop it
+            tokens = m[1].split(", ")
+            unknown = [tok for tok in tokens if tok.startswith("-") or not any(
+                prev.startswith("-") and prev in tokens and cur == tok for prev, cur in zip(args, args[1:]))]
+            if None in similar and len(unknown) == 1:
+                similar[unknown[0]] = similar.pop(None)
+            shown = [tok + (f" (did you mean {' or '.join(similar[tok])}?)" if similar.get(tok) else "")
+                     for tok in unknown]
+            message = f"unrecognized option{'s' if len(shown) > 1 else ''} {', '.join(shown)}{message[m.end(1):]}"
+        m = re.match(r"Error parsing (\S+?):\s*(.*)", message)
+        if m:
+            message = f"invalid value for {m[1]}{f' (expects {metavar})' if metavar else ''}: {m[2]}"
+        message = re.sub(r"^Missing from (.+?):", r"missing required input for \1:", message)
+    message = re.sub(r"\s+", " ", re.sub(r"^error:\s*", "", message, flags=re.I)).strip(" .") or "invalid command line"
+    message = re.sub(r"\.?(;|$)", r"\1", message)  # no sentence stops before the separators
+    message = re.sub(r"(^|; |: )([A-Z])(?=[a-z])", lambda m: m[1] + m[2].lower(), message)
+    if len(message) > 300:
+        message = message[:297] + "..."
+    prog = ["looplm"]  # the subcommand whose --help lists what was expected
+    if args and args[0] in _SUBCOMMANDS:
+        prog.append(args[0])
+        if args[0] == "train" and len(args) > 1 and args[1] in JOB_PRESETS:
+            prog.append(args[1])
+    return f"error: {message}; see {' '.join(prog)} --help"
+
+
+def _deferred(fn):
+    """`fn` with the same signature and docs for tyro, but calling it only returns the call:
+    main runs it after parsing, outside the capture of tyro's error report."""
+    import functools
+
+    @functools.wraps(fn)
+    def parsed(*args, **kwargs):
+        return functools.partial(fn, *args, **kwargs)
+
+    return parsed
+
+
 def main(argv: list[str] | None = None) -> int:
+    import contextlib
+    import io
+
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    report, rejected = io.StringIO(), False
     try:
-        tyro.extras.subcommand_cli_from_dict(
-            {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze, "rl": rl,
-             "tokenize": tokenize}, prog="looplm", args=argv,
-            description="looplm: looped language models shaped around fixed points",
-        )
+        try:
+            with contextlib.redirect_stderr(report):  # tyro's parse errors: a box, then SystemExit(2)
+                run = tyro.extras.subcommand_cli_from_dict(
+                    {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
+                    description="looplm: looped language models shaped around fixed points",
+                )
+        except SystemExit as exit_:
+            rejected = exit_.code == 2
+            if not rejected:
+                raise  # --help (exit 0)
+        finally:
+            if not rejected:
+                sys.stderr.write(report.getvalue())  # anything else printed while parsing (warnings)
+        if rejected:
+            print(_parse_error_line(report.getvalue(), args), file=sys.stderr)
+            return 2
+        run()
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -371,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+_SUBCOMMANDS = {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze,
+                "rl": rl, "tokenize": tokenize}
 
 
 if __name__ == "__main__":

@@ -14,16 +14,21 @@ from looplm.data import IGNORE_INDEX, PackedDataset
 @torch.no_grad()
 def native_perplexity(
     model, data: PackedDataset, depths: Sequence[int], *, batch_size: int = 8, max_sequences: int | None = 64,
-    device: torch.device | str = "cpu", progress=None,
+    device: torch.device | str = "cpu", progress=None, tokenizer=None,
 ) -> dict[int, dict[str, float]]:
-    """{depth: {"loss", "ppl", "tokens", "state_change"}} over the first `max_sequences` sequences
-    of `data`, with the deterministic seeded initial state so results do not depend on batching.
+    """{depth: {"loss", "ppl", "tokens", "state_change", "bits_per_byte"}} over the first
+    `max_sequences` sequences of `data`, with the deterministic seeded initial state so results do
+    not depend on batching.
+
+    `bits_per_byte` (with a `tokenizer`): the summed CE in bits over the UTF-8 bytes of the scored
+    target tokens' text, comparable across tokenizers (end-of-text targets add bits, no bytes).
 
     `state_change` is the token mean of |s^R - s^(R-1)| / |s^(R-1)| at the last recurrence (SPEC 11):
     how far the recurrence still is from a fixed point at depth R (None at R = 1)."""
     n = len(data) if max_sequences is None else min(len(data), max_sequences)
     if n == 0:
         raise ValueError("no evaluation sequences")
+    n_bytes = scored_bytes(data, n, tokenizer) if tokenizer is not None else None
     results = {}
     for depth in depths:
         total, count, change, n_tok = 0.0, 0, 0.0, 0
@@ -42,5 +47,15 @@ def native_perplexity(
                 progress()
         loss = total / max(count, 1)
         results[depth] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
-                          "state_change": change / n_tok if n_tok else None}
+                          "state_change": change / n_tok if n_tok else None,
+                          "bits_per_byte": total / math.log(2) / n_bytes if n_bytes else None}
     return results
+
+
+def scored_bytes(data: PackedDataset, n: int, tokenizer) -> int:
+    """UTF-8 bytes of the text of the supervised targets in the first `n` sequences of `data`."""
+    total = 0
+    for i in range(n):
+        targets = data.get_batch([i]).targets[0]
+        total += len(tokenizer.decode(targets[targets != IGNORE_INDEX].tolist()).encode("utf-8"))
+    return total

@@ -45,6 +45,14 @@ class EvalConfig:
     """GSM8K-format JSONL ({"question", "answer" with '#### N'}): exact match of the final number."""
     gsm8k_max_new_tokens: int = 256
     """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
+    sample_depths: tuple[int, ...] = ()
+    """Depths at which to continue `sample_prompt` (one sample each, same seed: what depth changes)."""
+    sample_prompt: str = "KING.\n"
+    """Prompt of the samples."""
+    sample_tokens: int = 200
+    """Tokens per sample."""
+    sample_temperature: float = 0.8
+    """Sampling temperature of the samples (seeded, so a run prints the same text each time)."""
     output: Path | None = None
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
 
@@ -81,7 +89,7 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
     tasks = job_tasks(job)
     val = validation_data(tokenizer, job)
     ppl = native_perplexity(model, val, cfg.depths, batch_size=cfg.batch_size, max_sequences=cfg.max_sequences,
-                            device=device, progress=progress)
+                            device=device, progress=progress, tokenizer=tokenizer)
     acc = None
     if data["source"] == "tasks" and cfg.task_examples > 0:
         examples = held_out_examples(tasks, cfg.task_examples, cfg.task_seed, data["n_task_examples"], job["train"]["seed"])
@@ -93,6 +101,8 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
                                 progress=progress, span=cfg.cacheeval_span)
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, tasks, data, job["train"]["seed"], device))
+    if cfg.sample_depths:
+        report["samples"] = depth_samples(model, tokenizer, cfg, device)
     if prefill:
         from looplm.eval.prefill_arms import prefill_table
 
@@ -131,15 +141,28 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, tasks: TaskConfig, data: 
     return out
 
 
+def depth_samples(model, tokenizer, cfg: EvalConfig, device) -> dict:
+    """One seeded continuation of `cfg.sample_prompt` per depth with the terminal cache, the same
+    seed and initial state at every depth, so the texts differ only by depth."""
+    from looplm.infer.generate import SamplingConfig, generate
+
+    sampling = SamplingConfig(max_new_tokens=cfg.sample_tokens, temperature=cfg.sample_temperature, seed=cfg.task_seed)
+    texts = {r: generate(model, tokenizer, [cfg.sample_prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
+    return {"prompt": cfg.sample_prompt, "temperature": cfg.sample_temperature, "tokens": cfg.sample_tokens,
+            "seed": cfg.task_seed, "by_depth": texts}
+
+
 def format_report(report: dict) -> str:
     """A plain-text table: one row per depth."""
     ppl, acc = report["perplexity"], report["tasks"]
     kinds = list(next(iter(acc.values()))["by_kind"]) if acc else []
-    head = f"{'R':>4} {'val ppl':>9} {'dstate':>8}" + (f" {'acc':>7}" + "".join(f" {k:>7}" for k in kinds) if acc else "")
+    bpb = any(p.get("bits_per_byte") is not None for p in ppl.values())
+    head = f"{'R':>4} {'val ppl':>9}" + (f" {'bits/byte':>9}" if bpb else "") + f" {'dstate':>8}" + \
+        (f" {'acc':>7}" + "".join(f" {k:>7}" for k in kinds) if acc else "")
     lines = [head, "-" * len(head)]
     for depth, p in ppl.items():
         dstate = f"{p['state_change']:>8.4f}" if p.get("state_change") is not None else f"{'-':>8}"
-        row = f"{depth:>4} {p['ppl']:>9.4f} {dstate}"
+        row = f"{depth:>4} {p['ppl']:>9.4f}" + (f" {p['bits_per_byte']:>9.4f}" if bpb else "") + f" {dstate}"
         if acc:
             a = acc[depth]
             row += f" {100 * a['acc']:>6.1f}%" + "".join(f" {100 * a['by_kind'][k]:>6.1f}%" for k in kinds)
@@ -172,6 +195,12 @@ def format_report(report: dict) -> str:
             for r, v in report[key].items():
                 extra = f" / {100 * v['acc_norm']:.1f}%" if "acc_norm" in v else ""
                 lines.append(f"{r:>4} {100 * v['acc']:>6.1f}%{extra}  (n={v['n']})")
+    if report.get("samples"):
+        sm = report["samples"]
+        lines += ["", f"samples of {sm['tokens']} tokens from the same prompt and seed (temperature "
+                      f"{sm['temperature']:g}), by depth:"]
+        for r, text in sm["by_depth"].items():
+            lines += [f"--- R = {r} ---", sm["prompt"] + text]
     if report.get("prefill"):
         from looplm.eval.prefill_arms import format_prefill_table
 

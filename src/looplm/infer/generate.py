@@ -6,6 +6,7 @@ the terminal cache the two are independent because decoding reads only terminal 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,24 @@ class SamplingConfig:
     """Adaptive decode depth: stop a token's recurrence once its relative state change < exit_tau (terminal cache)."""
     min_depth: int = 1
     """Adaptive decode depth: fewest recurrences per decoded token."""
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line reason when a field is out of range (`generate` calls it)."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # also rejects nan
+            raise ValueError(f"top_p must be in (0, 1] (1 = all tokens), got {self.top_p}")
+        for s in self.stop:
+            if not s:
+                raise ValueError("stop strings must be non-empty, got ''")
+        if self.exit_tau is not None and not self.exit_tau > 0:
+            raise ValueError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
+        if self.min_depth < 1:
+            raise ValueError(f"min_depth must be >= 1, got {self.min_depth}")
 
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -81,13 +100,14 @@ def generate(
     prefill_depth = prefill_depth or depth
     if not prompts:
         raise ValueError("no prompts given")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    cfg.validate()
     for r in (depth, prefill_depth):
         if not 1 <= r <= model.cfg.max_depth:
             raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
     if cfg.exit_tau is not None and cache_mode != "terminal":
         raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
+    if cfg.exit_tau is not None and cfg.min_depth > depth:
+        raise ValueError(f"min_depth {cfg.min_depth} exceeds the decode depth {depth}")
     encoded = [tokenizer.encode(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
