@@ -1,4 +1,4 @@
-"""Adaptive per-token decode depth vs fixed depth: quality against mean depth (SPEC 13).
+"""Adaptive per-token decode depth vs fixed depth: quality against mean depth (design §13).
 
     python benchmarks/adaptive_depth.py runs/tiny [--rows 64] [--out benchmarks/results/adaptive_depth.json]
 

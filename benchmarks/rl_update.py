@@ -1,4 +1,4 @@
-"""RL update estimators side by side (SPEC 10): scoring + backward time, peak memory and
+"""RL update estimators side by side (design §10): scoring + backward time, peak memory and
 whole-model gradient cosines of `bptt`, `recompute` and `reuse` on one real rollout batch.
 
 For each depth R: roll out G completions of P generator problems at R with the checkpoint (terminal

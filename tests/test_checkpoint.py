@@ -218,7 +218,7 @@ def test_check_model_shapes_reports_missing_and_unexpected(tmp_path):
     ckpt.check_model_shapes(a, dict(a), tmp_path)
 
 
-# -- the backprop window in config.json (SPEC 3) --------------------------------------------------
+# -- the backprop window in config.json (design §3) --------------------------------------------------
 def record_depth(checkpoint, run_dir, **depth_fields) -> None:
     """Rewrite the checkpoint's depth settings (as an older or hand-written config.json would hold
     them) for a resume from `run_dir`."""

@@ -1,4 +1,4 @@
-"""Depth priors and samplers (SPEC 3) against the paper's PLN-5 table, an independent
+"""Depth priors and samplers (design §3) against the paper's PLN-5 table, an independent
 trapezoid-rule integral of the Poisson-lognormal, and sampling statistics."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from looplm.depth import DepthConfig, FixedDepth, PLNDepth, UniformDepth, build_sampler, calibrate_mu, pln_pmf
 from looplm.depth.pln import pln_pmf_given_mu
 
-# The paper's PLN-5 pmf over R = 1..64 (SPEC appendix, copied verbatim).
+# The paper's PLN-5 pmf over R = 1..64 (design appendix; the paper's table, copied verbatim).
 PAPER_PLN5 = np.array([
     0.05768747546482591, 0.1271367387177668, 0.1634086392890813, 0.1619074983340164,
     0.13796282734225382, 0.10698272319110169, 0.07804764707860895, 0.05470693907876852,
@@ -81,7 +81,7 @@ def test_other_targets_have_requested_mean(target):
 
 @pytest.mark.parametrize("mu,atol", [(0.3, 1e-10), (1.26129, 1e-10), (2.5, 1e-6)])
 def test_gauss_hermite_matches_independent_quadrature(mu, atol):
-    # 64-node Gauss-Hermite (SPEC 3) is exact to ~1e-12 near the PLN-5 mu; at larger mu the
+    # 64-node Gauss-Hermite (design §3) is exact to ~1e-12 near the PLN-5 mu; at larger mu the
     # Poisson factor is sharply peaked in ln(lambda) and its quadrature error grows (~6e-8 at 2.5).
     np.testing.assert_allclose(pln_pmf_given_mu(mu), trapezoid_pln_pmf(mu), rtol=0, atol=atol)
 
@@ -203,7 +203,7 @@ def test_bad_configs_raise(cfg):
         build_sampler(cfg)
 
 
-# -- the backprop window (SPEC 3: b = 10 for the sampled priors, b = R for the fixed-depth baseline) --
+# -- the backprop window (design §3: b = 10 for the sampled priors, b = R for the fixed-depth baseline) --
 def test_default_window_is_full_bptt_for_fixed_depth_and_10_for_sampled_priors():
     assert DepthConfig().bptt_window == "auto"
     # fixed depth is the paper's full-BPTT baseline: no truncation at any R (None = full BPTT)

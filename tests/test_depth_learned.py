@@ -1,4 +1,4 @@
-"""The learned depth prior (SPEC 4) against independent references: autograd of the objective, finite
+"""The learned depth prior (design §4) against independent references: autograd of the objective, finite
 differences of the entropy, hand-computed baseline sequences, and a synthetic bandit."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def prior(**cfg) -> LearnedDepthPrior:
 
 
 def autograd_objective_gradient(logits, active, depths, adv, w, target, lam_m, lam_h):
-    """J(phi) written directly in torch and differentiated by autograd (the SPEC 4 objective)."""
+    """J(phi) written directly in torch and differentiated by autograd (the design §4 objective)."""
     phi = torch.tensor(np.where(active, logits, 0.0), dtype=torch.float64, requires_grad=True)
     mask = torch.tensor(active)
     logp = torch.log_softmax(phi.masked_fill(~mask, -math.inf), 0)

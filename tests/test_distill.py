@@ -1,4 +1,4 @@
-"""Distilled prefill (SPEC 9): the student, its prefill path, its loss and its checkpoints."""
+"""Distilled prefill (design §9): the student, its prefill path, its loss and its checkpoints."""
 
 import math
 
@@ -120,7 +120,7 @@ def test_student_prefill_of_a_padded_batch_equals_each_row_alone(single_thread):
 def test_prefill_arms_validate_and_count_block_passes():
     m = _teacher()
     s = EndpointStudent.from_teacher(m)
-    assert Prefill("teacher").block_passes(m.cfg, 5) == 12  # SPEC 9: 1 + 10 + 1
+    assert Prefill("teacher").block_passes(m.cfg, 5) == 12  # design §9: 1 + 10 + 1
     assert Prefill("student", s).block_passes(m.cfg, 5) == 6  # 1 + 2 + 2 + 1
     assert Prefill("r1").block_passes(m.cfg, 5) == 4 and Prefill("r2").block_passes(m.cfg, 5) == 6
     with pytest.raises(ValueError, match="--student"):

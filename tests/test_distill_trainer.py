@@ -1,5 +1,5 @@
 """`looplm distill`: the loss falls on a toy teacher, E is calibrated once, resume reproduces a run, and
-`--prefill` / `--student` in generate and eval (SPEC 9)."""
+`--prefill` / `--student` in generate and eval (design §9)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _cfg(tmp_path, name="distill", **kw) -> DistillConfig:
 
 
 def expected_lr(step: int, steps: int, warmup: int, peak: float) -> float:
-    """SPEC 9 schedule in closed form, for the update after `step` steps (u = step + 1 updates done):
+    """design §9 schedule in closed form, for the update after `step` steps (u = step + 1 updates done):
     linear warm-up u / W to the peak, reached exactly at u = W; then a cosine from the peak at u = W
     to 0.1x at u = steps over the remaining steps."""
     u = step + 1

@@ -159,7 +159,9 @@ def test_two_ranks_match_one_process(single_process, two_ranks, parallel, wrappe
     # the learned prior took the same steps on every rank, and the same as one process
     priors = [r["prior"] for r in reports]
     assert priors[0]["n"] == STEPS and priors[0]["logits"] == priors[1]["logits"]
-    np.testing.assert_allclose(priors[0]["logits"], single_process.sampler.state_dict()["logits"], rtol=1e-6, atol=1e-9)
+    # rtol 1e-5: the prior's advantages are CE differences centred on the step's own mean (design §4), so the
+    # ~1e-7 relative differences of the CE sums (float reduction order across ranks) grow ~10x in the logits
+    np.testing.assert_allclose(priors[0]["logits"], single_process.sampler.state_dict()["logits"], rtol=1e-5, atol=1e-8)
     assert not np.allclose(priors[0]["logits"], np.log(pln_pmf(5.0, 0.5, 64)), atol=1e-3)  # the logits did move
     # same global batch -> the same loss curve (up to float reduction order)
     for s in ref:

@@ -1,5 +1,5 @@
-"""Training FLOPs (SPEC 5) against hand-computed numbers, and the warmup-stable-decay multiplier
-(SPEC 6) against its closed form."""
+"""Training FLOPs (design §5) against hand-computed numbers, and the warmup-stable-decay multiplier
+(design §6) against its closed form."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ CFG = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64
                   injection="parcae-nonorm")
 L = 16
 
-# Worked by hand from SPEC 5 for CFG at L = 16:
+# Worked by hand from design §5 for CFG at L = 16:
 #   norm_u   = 4d = 128
 #   layer_u  = 128 + 2*32*8*(4+2) + 4*8*16 + 3*32*64 = 128 + 3072 + 512 + 6144 = 9856
 #   inj_u    = d^2 + 6d = 1024 + 192 = 1216            (diagonal)
@@ -50,7 +50,7 @@ def test_flops_per_token_hand_computed(key):
 
 
 def spec5_flops(d, V, H, H_kv, hd, F, n_prelude, n_core, n_coda, L, R, b, inj_u, static_extra=0):
-    """SPEC 5 (paper App. B.3) written out: per-token multiply-accumulate units, FLOPs = 6 train + 2 fwd."""
+    """design §5 (paper App. B.3) written out: per-token multiply-accumulate units, FLOPs = 6 train + 2 fwd."""
     norm_u = 4 * d
     layer_u = norm_u + 2 * d * hd * (H + H_kv) + H * hd * L + 3 * d * F
     static_u = (d + V + d * V) + norm_u + (n_prelude + n_coda) * layer_u + static_extra
@@ -60,7 +60,7 @@ def spec5_flops(d, V, H, H_kv, hd, F, n_prelude, n_core, n_coda, L, R, b, inj_u,
     return 6 * (static_u + g * rec_u) + 2 * f * rec_u
 
 
-# DEQ-QKV (SPEC 2, paper App. B.4) has no entrance injection (inj_u = 0); its bias-free projections of e
+# DEQ-QKV (design §2, paper App. B.4) has no entrance injection (inj_u = 0); its bias-free projections of e
 # into Q (H*hd), K and V (H_kv*hd each) in every core layer are computed once per forward, since e does
 # not change across recurrences: static += n_core * d * hd * (H + 2 H_kv). (Adding the offsets to Q/K/V
 # is elementwise, like the residual additions layer_u leaves out.) Additive s' = s + e: inj_u = d.
@@ -151,7 +151,7 @@ def test_expected_flops_is_pmf_weighted_sum():
 
 
 # ---------------------------------------------------------------------------------------------
-# Warmup-stable-decay multiplier (SPEC 6): T = 1000, W = 50, D = 100
+# Warmup-stable-decay multiplier (design §6): T = 1000, W = 50, D = 100
 # ---------------------------------------------------------------------------------------------
 T, W, D = 1000, 50, 100
 

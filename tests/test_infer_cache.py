@@ -1,4 +1,4 @@
-"""Caches and the chunked extend path (SPEC 7) against the native forward and a naive reference."""
+"""Caches and the chunked extend path (design §7) against the native forward and a naive reference."""
 
 import math
 

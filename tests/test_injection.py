@@ -1,4 +1,4 @@
-"""Input-injection schemes (SPEC 2) against closed forms written out in float64 in this file."""
+"""Input-injection schemes (design §2) against closed forms written out in float64 in this file."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def along_u(s_new: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("s_scale", [1e-3, 1.0, 30.0])
 def test_ortho_component_along_u_is_u(s_scale):
-    """eps = 0: <s', u>/|u|^2 = 1 for random s and e (SPEC 2). In fp32 the residual of the
+    """eps = 0: <s', u>/|u|^2 = 1 for random s and e (design §2). In fp32 the residual of the
     projection is ~1e-7 * |r|/|u|, so the tolerance is 1e-6 scaled by that ratio when |s| >> |u|."""
     torch.manual_seed(1)
     inj = build_injection(tiny(injection="ortho", ortho_eps=0.0))
@@ -128,7 +128,7 @@ def test_project_off_bf16_inputs_use_fp32_inner_products():
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6, 0.3])
 def test_ortho_carryover_is_the_projected_contraction(eps):
-    """The carryover is linear in s with matrix Q_u Lambda, Q_u = I - u u^T / (|u|^2 + eps) (SPEC 2,
+    """The carryover is linear in s with matrix Q_u Lambda, Q_u = I - u u^T / (|u|^2 + eps) (design §2,
     paper 4.2), written out here in float64 per token. Only the projection gives its two
     properties: the direction u is (for eps = 0: exactly) annihilated, u^T Q_u Lambda =
     eps / (|u|^2 + eps) u^T Lambda, and |Q_u Lambda|_2 <= |Lambda|_2 < 1. Tokens with |u|^2 from
@@ -174,7 +174,7 @@ def test_parcae_decay_init(name):
     assert decay.shape == (D,) and dt.shape == (D,)
     assert (decay - 1 / math.sqrt(5)).abs().max() <= 1e-7
     assert (dt - 0.5 * math.log(5)).abs().max() <= 1e-6
-    # input gain of SPEC 2 (dt ~ 0.805) and a = exp(A_log) = 1
+    # input gain of design §2 (dt ~ 0.805) and a = exp(A_log) = 1
     assert abs(dt[0].item() - 0.8047) < 1e-4
     assert torch.equal(inj.A_log.detach(), torch.zeros(D))
     assert torch.equal(inj.W.weight.detach(), torch.eye(D))
@@ -278,7 +278,7 @@ def test_additive_closed_form():
 
 
 def reference_split(name: str, inj, cfg: ModelConfig, s: torch.Tensor, e: torch.Tensor):
-    """SPEC 2's update s' = carryover + q written out in float64 from the raw parameters:
+    """design §2's update s' = carryover + q written out in float64 from the raw parameters:
     q depends on e alone, the carryover on s (and q for OrthoInj) and vanishes at s = 0."""
     s, e = s.double(), e.double()
     if name == "additive":  # s' = s + e
@@ -298,7 +298,7 @@ def reference_split(name: str, inj, cfg: ModelConfig, s: torch.Tensor, e: torch.
 
 @pytest.mark.parametrize("name", [n for n in INJECTIONS if n != "deq-qkv"])
 def test_carryover_and_injected_input_match_the_equations(name):
-    """SPEC 11 reads `carryover(s, q)` as the part of s' that comes from the state and `prepare(e)`
+    """design §11 reads `carryover(s, q)` as the part of s' that comes from the state and `prepare(e)`
     as the injected input q; both are checked against the float64 equations above (not against
     each other), and so is their sum, the update itself."""
     torch.manual_seed(11)

@@ -1,4 +1,4 @@
-"""Tests of LoopedLM (SPEC 1-3): causality, document masking, truncated backprop, per-recurrence
+"""Tests of LoopedLM (design §1-3): causality, document masking, truncated backprop, per-recurrence
 states, input validation and that every injection scheme trains.
 
 References are written independently in this file: an explicit unrolled loop over the model's
@@ -43,7 +43,7 @@ def reference_forward(model: LoopedLM, tokens: torch.Tensor, depth: int, window:
                       return_states: bool = False):
     """An explicit unrolled forward from the model's low-level pieces (no doc mask, positions 0..L-1).
 
-    SPEC 3: the state entering recurrence R-k (k = min(R, b)) is cut from the graph; the injected
+    design §3: the state entering recurrence R-k (k = min(R, b)) is cut from the graph; the injected
     input q and the DEQ-QKV offsets keep their graph in every recurrence.
     """
     cfg = model.cfg
@@ -165,7 +165,7 @@ def test_tbptt_gradients_match_unrolled_reference(injection, window):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=f"grad of {name} (b={window})")
 
     if window == 1:
-        # SPEC 3: the injected input keeps its gradient, so the prelude and embedding learn
+        # design §3: the injected input keeps its gradient, so the prelude and embedding learn
         # through the last injection even with a one-recurrence window ...
         assert got["embed.weight"].abs().amax() > 0
         assert any(got[n].abs().amax() > 0 for n in got if n.startswith("prelude."))
@@ -299,7 +299,7 @@ def test_inconsistent_shapes_rejected(overrides):
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. Initialisation statistics (SPEC 1-2)
+# 9. Initialisation statistics (design §1-2)
 # ---------------------------------------------------------------------------------------------
 def truncated_normal_moments(c: float) -> tuple[float, float]:
     """E[x^2], E[x^4] of a standard normal truncated to [-c, c] (integration by parts)."""
@@ -336,7 +336,7 @@ def assert_truncated_normal(name: str, w: torch.Tensor, std: float, cut: float =
 def test_initialisation_statistics():
     """Embedding: truncated normal std 1/sqrt(d) cut at +-3 sigma; every other linear weight (the
     blocks' attention and SwiGLU, the head as model/looped.py sets it, Huginn-Linear's A = [A_s | A_e])
-    truncated normal std 0.02 cut at +-3 sigma; b = 0; RMSNorm gains 1 (SPEC 1, 2). A model wide
+    truncated normal std 0.02 cut at +-3 sigma; b = 0; RMSNorm gains 1 (design §1, 2). A model wide
     enough that most layers have >= 65k weights, so the empirical std is pinned to ~0.3-1.3%."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=32,

@@ -1,4 +1,4 @@
-"""Update estimators (SPEC 10, paper A.2): the Neumann update against closed forms and dense
+"""Update estimators (design §10, paper A.2): the Neumann update against closed forms and dense
 Jacobians, reuse vs recompute, and the saved-state checks."""
 
 from __future__ import annotations

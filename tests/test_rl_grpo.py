@@ -1,4 +1,4 @@
-"""GRPO objective (SPEC 10): group-normalised advantages and the clipped token-level loss against
+"""GRPO objective (design §10): group-normalised advantages and the clipped token-level loss against
 hand-computed values."""
 
 from __future__ import annotations

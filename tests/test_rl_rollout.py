@@ -1,4 +1,4 @@
-"""Rollouts (SPEC 10): the scoring layout, saved endpoints against native forwards and an unbatched
+"""Rollouts (design §10): the scoring layout, saved endpoints against native forwards and an unbatched
 terminal-KV replay, sampling log-probabilities, stop handling, rewards and problem sources."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Initial recurrent state s0 (SPEC 2): determinism, batch independence and N(0, 1/d) statistics
+"""Initial recurrent state s0 (design §2): determinism, batch independence and N(0, 1/d) statistics
 checked against closed-form moments of the normal distribution."""
 
 from __future__ import annotations

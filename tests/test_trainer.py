@@ -180,7 +180,7 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
     assert any(not torch.allclose(captured[k], p.grad, rtol=1e-4, atol=1e-7) for k, p in ref.named_parameters())
 
 
-# -- the backprop window (SPEC 3) ------------------------------------------------------------------
+# -- the backprop window (design §3) ------------------------------------------------------------------
 def captured_step_grads(t: Trainer) -> tuple[dict, dict]:
     """(initial weights, gradients of one train_step as they reach the optimizer)."""
     init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
@@ -244,7 +244,7 @@ def test_start_line_and_config_record_the_resolved_window(tmp_path, cache, capsy
 
 def test_expected_flops_follow_the_learned_pmf(tmp_path, cache):
     """With a learned prior the logged expected FLOPs/token is the expectation over that step's pmf
-    (SPEC 5), not over the initial one."""
+    (design §5), not over the initial one."""
     from looplm.train.flops import flops_per_token
 
     t = Trainer(job(tmp_path, cache, train__steps=4, depth__sampler="learned",

@@ -3,9 +3,9 @@
   looplm train tiny [--train.steps N ...]     train a preset (override any field), then report
   looplm eval CHECKPOINT [--depths 1 2 5 ...]  perplexity and task accuracy against depth
   looplm generate CHECKPOINT --prompt TEXT    continue prompts with a terminal (or full) KV cache
-  looplm distill TEACHER [--steps N ...]      distil a prefill student (SPEC 9), then compare prefill arms
-  looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (SPEC 11): JSON report, plots, summary
-  looplm rl CHECKPOINT [--estimator reuse]    GRPO post-training with rollout-state reuse (SPEC 10)
+  looplm distill TEACHER [--steps N ...]      distil a prefill student (design §9), then compare prefill arms
+  looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (design §11): JSON report, plots, summary
+  looplm rl CHECKPOINT [--estimator reuse]    GRPO post-training with rollout-state reuse (design §10)
   looplm tokenize SRC OUT [--tokenizer bpe]   tokenize a corpus once into a folder to train from
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
@@ -204,7 +204,7 @@ def distill(
     teacher: Annotated[Path, tyro.conf.Positional],
     cfg: Annotated[DistillConfig, tyro.conf.arg(name="")] = DistillConfig(),
 ) -> None:
-    """Distil a prefill student from a trained looped model (SPEC 9), then compare the prefill arms.
+    """Distil a prefill student from a trained looped model (design §9), then compare the prefill arms.
 
     The student (in_proj + copies of the core blocks) learns to predict the frozen teacher's depth-R
     endpoint from the prelude output. When training ends, prints each prefill arm's continuation
@@ -252,7 +252,7 @@ def analyze(
     device: str = "cpu",
     threads: int = 1,
 ) -> None:
-    """Fixed-point diagnostics (SPEC 11): convergence depth, KV settling, carryover alignment,
+    """Fixed-point diagnostics (design §11): convergence depth, KV settling, carryover alignment,
     joint vs frozen-prefix solves and the sharing penalty against depth, on held-out data.
 
     Args:
@@ -297,7 +297,7 @@ def rl(
     cfg: Annotated[RLConfig, tyro.conf.arg(name="")] = RLConfig(),
 ) -> None:
     """GRPO post-training on verifiable problems with terminal-KV rollouts and a choice of update
-    estimator: bptt, recompute, or reuse of the endpoints saved during the rollout (SPEC 10).
+    estimator: bptt, recompute, or reuse of the endpoints saved during the rollout (design §10).
 
     Args:
         checkpoint: The starting checkpoint (a checkpoint folder or a run folder); it is only read.

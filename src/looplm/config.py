@@ -1,7 +1,7 @@
 """Model configuration and named size presets.
 
 Light on imports (only the standard library) so that the CLI, checkpoints and tests can read a
-config without building a model. SPEC 1 gives the paper's sizes; `tiny` is the CPU preset.
+config without building a model. design §1 gives the paper's sizes; `tiny` is the CPU preset.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ INJECTIONS: tuple[str, ...] = ("parcae-decay", "parcae-nonorm", "ortho", "huginn
 
 @dataclass
 class ModelConfig:
-    """Shape of a looped LM: prelude -> (injection -> core) x R -> coda (SPEC 1-2)."""
+    """Shape of a looped LM: prelude -> (injection -> core) x R -> coda (design §1-2)."""
 
     vocab_size: int = 258
     """Vocabulary size (set from the tokenizer when training)."""
@@ -37,13 +37,13 @@ class ModelConfig:
     max_seq_len: int = 256
     """Longest sequence (context) the model accepts."""
     injection: InjectionName = "parcae-nonorm"
-    """Input-injection scheme (SPEC 2): parcae-decay, parcae-nonorm, ortho, huginn-linear, deq-qkv, additive."""
+    """Input-injection scheme (design §2): parcae-decay, parcae-nonorm, ortho, huginn-linear, deq-qkv, additive."""
     rope_base: float = 1e6
-    """RoPE base frequency (SPEC 1)."""
+    """RoPE base frequency (design §1)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     ortho_eps: float = 1e-6
-    """Stabilizer of the OrthoInj projection alpha = <r,u>/(|u|^2 + eps) (SPEC 2)."""
+    """Stabilizer of the OrthoInj projection alpha = <r,u>/(|u|^2 + eps) (design §2)."""
     max_depth: int = 64
     """Largest recurrence count R the model accepts (the depth prior's cap)."""
 
@@ -79,7 +79,7 @@ class ModelConfig:
         return cls(**data)
 
 
-# SPEC 1: the paper's sizes (head_dim 64, 1/2/1 blocks). Vocabulary is set by the tokenizer.
+# design §1: the paper's sizes (head_dim 64, 1/2/1 blocks). Vocabulary is set by the tokenizer.
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=256),
     "S": ModelConfig(d_model=1536, n_heads=24, n_kv_heads=6, ffn_dim=4352, max_seq_len=8192),

@@ -1,4 +1,4 @@
-"""Fixed-point diagnostics (SPEC 11): convergence profile, KV settling, carryover alignment,
+"""Fixed-point diagnostics (design §11): convergence profile, KV settling, carryover alignment,
 joint vs frozen-prefix fixed-point solves and the sharing penalty against depth."""
 
 from .carryover import carryover_alignment

@@ -1,4 +1,4 @@
-"""Carryover alignment at the endpoint (SPEC 2, 11).
+"""Carryover alignment at the endpoint (design §2, 11).
 
 Every injection but DEQ-QKV enters a recurrence as s' = carryover(s, q) + q (model/injection.py):
 for Parcae the carryover is Lambda s (per-channel decay), for OrthoInj the decayed state with its

@@ -1,4 +1,4 @@
-"""Convergence profile: token-wise convergence depth at tau and how it varies with position (SPEC 11).
+"""Convergence profile: token-wise convergence depth at tau and how it varies with position (design §11).
 
 delta_t^r = |h_t^r - h_t^(r-1)| / |h_t^(r-1)| is the change made by recurrence r. A token is converged
 at depth c, the earliest c in 0..H-1 after which every further recurrence up to the horizon H changes

@@ -1,4 +1,4 @@
-"""KV settling: how much each core layer's keys and values still move deep in the recurrence (SPEC 11).
+"""KV settling: how much each core layer's keys and values still move deep in the recurrence (design §11).
 
 For core layer j at depth r with span k: |K_j^(r+k) - K_j^r| / |K_j^r| (Frobenius norm over every
 token of the batch; the same for V), where K_j^r are the keys layer j computes during recurrence r

@@ -1,4 +1,4 @@
-"""The fixed-point report of `looplm analyze`: every SPEC 11 measurement of one checkpoint.
+"""The fixed-point report of `looplm analyze`: every design §11 measurement of one checkpoint.
 
 Held-out rows are run past the trained depth once; that trajectory gives the convergence profile
 (up to the horizon), the KV settling table (at the KV depths) and the carryover alignment (at the
@@ -29,7 +29,7 @@ Progress = Callable[[str, int], None]
 
 @dataclass
 class AnalyzeConfig:
-    """What `looplm analyze` measures (SPEC 11)."""
+    """What `looplm analyze` measures (design §11)."""
 
     horizon: int = 64
     """Observation horizon H: recurrences run for the convergence profile and the carryover endpoint."""
@@ -188,7 +188,7 @@ def solve_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> d
 
 def analyze(model, tokenizer, job: dict, cfg: AnalyzeConfig, device="cpu", progress: Progress | None = None,
             data=None) -> Analysis:
-    """All SPEC 11 diagnostics of a trained model on its held-out data (`data`: a PackedDataset to
+    """All design §11 diagnostics of a trained model on its held-out data (`data`: a PackedDataset to
     use instead of the job's validation split)."""
     from looplm.eval.cached import sharing_table
     from looplm.eval.report import validation_data

@@ -1,4 +1,4 @@
-"""Fixed-point solves: joint iteration vs current-token iteration against a frozen prefix (SPEC 11, A.1).
+"""Fixed-point solves: joint iteration vs current-token iteration against a frozen prefix (design §11, A.1).
 
 A span is P prefix tokens and one current token. Three solves start from the evaluation-time seeded
 state: prefix-only (the P tokens iterate together), joint (all P + 1 tokens iterate together) and
@@ -30,7 +30,7 @@ Step = Callable[[torch.Tensor], tuple[torch.Tensor, list]]
 
 @dataclass
 class SolveRule:
-    """When a solve counts as converged (SPEC 11): the max per-token relative state change and the
+    """When a solve counts as converged (design §11): the max per-token relative state change and the
     per-layer relative K/V change (over the row's iterated tokens) stay <= `tol` for `stable_steps`
     consecutive recurrences; then for `confirm_steps` recurrences the state drifts at most
     `drift_tol` (per token, relative) from where the stable run ended; then one more recurrence

@@ -1,4 +1,4 @@
-"""Recurrent trajectories past the trained depth: per-recurrence state change and core K/V (SPEC 11).
+"""Recurrent trajectories past the trained depth: per-recurrence state change and core K/V (design §11).
 
 The model's own pieces are reused (prelude, context, recurrence with `return_kv`); the recurrence
 is called directly, so a trajectory may run beyond `max_depth` (the cap applies to `forward`).
@@ -16,7 +16,7 @@ from looplm.model.state import StateInit
 
 
 def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Token-wise |new - old| / |old| over the last dimension, in fp32 or wider (SPEC 11 delta_t^r)."""
+    """Token-wise |new - old| / |old| over the last dimension, in fp32 or wider (design §11 delta_t^r)."""
     dtype = torch.promote_types(new.dtype, torch.float32)
     new, old = new.to(dtype), old.to(dtype)
     return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-30)

@@ -1,4 +1,4 @@
-"""Depth samplers (fixed, PLN, uniform, learned) behind one interface (SPEC 3, 4)."""
+"""Depth samplers (fixed, PLN, uniform, learned) behind one interface (design §3, 4)."""
 
 from looplm.depth.config import DepthConfig, LearnedPriorConfig
 from looplm.depth.learned import LearnedDepthPrior

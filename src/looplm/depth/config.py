@@ -1,4 +1,4 @@
-"""Typed configuration of the training depth sampler (SPEC 3) and of the learned depth prior (SPEC 4)."""
+"""Typed configuration of the training depth sampler (design §3) and of the learned depth prior (design §4)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ SAMPLED_BPTT_WINDOW = 10
 
 @dataclass
 class LearnedPriorConfig:
-    """Settings of the learned depth prior (SPEC 4); used when `sampler` is 'learned'."""
+    """Settings of the learned depth prior (design §4); used when `sampler` is 'learned'."""
 
     init: Literal["pln", "uniform", "restricted"] = "pln"
     """Initial logits: ln of the capped PLN pmf with mean `depth`; uniform over 1..cap; or uniform over
@@ -42,11 +42,11 @@ class LearnedPriorConfig:
 
 @dataclass
 class DepthConfig:
-    """How training chooses the recurrence count R of each microbatch (SPEC 3)."""
+    """How training chooses the recurrence count R of each microbatch (design §3)."""
 
     sampler: Literal["fixed", "pln", "uniform", "learned"] = "pln"
     """fixed: always `depth`; pln: capped Poisson-lognormal with mean `depth`; uniform: U(low..high);
-    learned: a categorical prior trained from prediction feedback toward mean `depth` (SPEC 4)."""
+    learned: a categorical prior trained from prediction feedback toward mean `depth` (design §4)."""
     depth: float = 5.0
     """Fixed R, or the target mean of the PLN prior and of the learned prior."""
     low: int = 1
@@ -67,7 +67,7 @@ class DepthConfig:
 
     def effective_bptt_window(self) -> int | None:
         """The backprop window this config trains with: `bptt_window` with 'auto' resolved by the
-        sampler (SPEC 3: full BPTT for the fixed-depth baseline, b = 10 for the sampled priors)."""
+        sampler (design §3: full BPTT for the fixed-depth baseline, b = 10 for the sampled priors)."""
         b = self.bptt_window
         if b == "auto":
             return None if self.sampler == "fixed" else SAMPLED_BPTT_WINDOW

@@ -1,4 +1,4 @@
-"""The learned depth prior (SPEC 4): a categorical over 1..cap trained by REINFORCE on prediction feedback.
+"""The learned depth prior (design §4): a categorical over 1..cap trained by REINFORCE on prediction feedback.
 
 The prior is a vector of float64 logits phi outside the model optimizer. Each microbatch draws its
 depth R_i from softmax(phi) (a pure function of (seed, counter), so every rank draws the same
@@ -123,7 +123,7 @@ class LearnedDepthPrior(DepthSampler):
             self._pending.append((int(depth), float(loss_sum) / n_targets, int(n_targets)))
 
     def update(self) -> dict:
-        """One prior update from the microbatches observed since the last call (SPEC 4 steps 1-6)."""
+        """One prior update from the microbatches observed since the last call (design §4 steps 1-6)."""
         if self._pending:
             self._step(self._pending)
         self._pending = []
@@ -140,12 +140,12 @@ class LearnedDepthPrior(DepthSampler):
         moments = {name: _weighted_moments(x, w) for name, x in (("ce", ce), ("cost", cost))}
         if self.n == 0:
             # The first token-weighted observation initialises the baselines and their variances
-            # (SPEC 4 step 5; paper App. B.3: "the first weighted CE initializes the baseline"), so the
+            # (design §4 step 5; paper App. B.3: "the first weighted CE initializes the baseline"), so the
             # first update's advantages are centred on it rather than on 0.
             for name, (mean, var) in moments.items():
                 setattr(self, f"base_{name}", mean)
                 setattr(self, f"var_{name}", var)
-        # s starts at one (SPEC 4 step 2; paper App. B.3) and is a ratio of EMA stds afterwards.
+        # s starts at one (design §4 step 2; paper App. B.3) and is a ratio of EMA stds afterwards.
         scale = 1.0 if self.n == 0 else (max(math.sqrt(self.var_ce), STD_FLOOR) / max(math.sqrt(self.var_cost), STD_FLOOR))
         advantages = scale * (cost - self.base_cost)
         self.last = {"scale": scale, "advantage_abs": float(np.dot(w, np.abs(advantages))),

@@ -1,4 +1,4 @@
-"""Capped Poisson-lognormal (PLN) depth prior (SPEC 3).
+"""Capped Poisson-lognormal (PLN) depth prior (design §3).
 
 R = min(cap, 1 + N), N ~ Poisson(lambda), ln lambda ~ N(mu, sigma^2). The pmf integrates the
 Poisson pmf over ln lambda with 64-node Gauss-Hermite quadrature; the cap bucket takes the

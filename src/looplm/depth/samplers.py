@@ -1,9 +1,9 @@
-"""Training depth samplers: one interface, fixed / PLN / uniform implementations (SPEC 3).
+"""Training depth samplers: one interface, fixed / PLN / uniform implementations (design §3).
 
 A sampler draws one recurrence count per microbatch. Draws are a pure function of (seed, draw
 counter), so every rank draws the same depth without communication and a resumed run draws the
 same depths as an uninterrupted one (the counter is checkpointed). The learned depth prior
-(SPEC 4, `looplm.depth.learned`) implements the same interface and uses `observe`/`update` for its
+(design §4, `looplm.depth.learned`) implements the same interface and uses `observe`/`update` for its
 feedback.
 """
 
@@ -66,7 +66,7 @@ class FixedDepth(DepthSampler):
 
 
 class PLNDepth(DepthSampler):
-    """Capped PLN-mu (Huginn's prior), mean calibrated by bisection (SPEC 3)."""
+    """Capped PLN-mu (Huginn's prior), mean calibrated by bisection (design §3)."""
 
     def __init__(self, target: float = 5.0, sigma: float = 0.5, cap: int = 64, seed: int = 0):
         super().__init__(cap, seed)

@@ -1,4 +1,4 @@
-"""Student checkpoints, tied to their teacher by a content hash of the teacher's weights (SPEC 9).
+"""Student checkpoints, tied to their teacher by a content hash of the teacher's weights (design §9).
 
 A student checkpoint is a looplm checkpoint folder (atomic write, SHA-256 manifest; see
 `looplm.checkpoint`) holding

@@ -1,4 +1,4 @@
-"""Typed configuration of `looplm distill` (SPEC 9 defaults)."""
+"""Typed configuration of `looplm distill` (design §9 defaults)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 @dataclass
 class DistillConfig:
-    """Distil a non-recurrent student that predicts a frozen teacher's depth-R endpoint (SPEC 9)."""
+    """Distil a non-recurrent student that predicts a frozen teacher's depth-R endpoint (design §9)."""
 
     out_dir: Path = Path("runs/distill")
     """Run folder: checkpoints (with the teacher's content hash), metrics.jsonl, report.json."""

@@ -1,4 +1,4 @@
-"""The distilled-prefill student S_psi: predicts the teacher's depth-R endpoint from the prelude output (SPEC 9).
+"""The distilled-prefill student S_psi: predicts the teacher's depth-R endpoint from the prelude output (design §9).
 
     z_hat = Blocks(in_proj(e~))      a bias-free d x d in_proj, then copies of the core blocks, no final norm
 
@@ -38,7 +38,7 @@ class EndpointStudent(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Random init (the ablation): in_proj and block matrices truncated normal std 0.02 (SPEC 1)."""
+        """Random init (the ablation): in_proj and block matrices truncated normal std 0.02 (design §1)."""
         nn.init.trunc_normal_(self.in_proj.weight, std=0.02, a=-0.06, b=0.06)
         for block in self.blocks:
             block.reset_parameters()
@@ -64,7 +64,7 @@ class EndpointStudent(nn.Module):
     def from_teacher(cls, teacher, n_blocks: int | None = None, init: StudentInit = "teacher") -> "EndpointStudent":
         """A student shaped after `teacher` (a LoopedLM); `n_blocks` defaults to the core's block count.
 
-        Teacher init (SPEC 9) needs an injection that is linear and bias-free in e~ at a zero state
+        Teacher init (design §9) needs an injection that is linear and bias-free in e~ at a zero state
         (parcae-decay, parcae-nonorm, ortho, additive); block i copies core block i mod n_core.
         """
         inj = teacher.injection

@@ -1,4 +1,4 @@
-"""Distillation of the prefill student against a frozen teacher (SPEC 9).
+"""Distillation of the prefill student against a frozen teacher (design §9).
 
 Per step: a microbatch of the teacher's own training data; targets computed online by the frozen
 teacher at depth R (seeded initial state, so a row's target is a pure function of the row); loss
@@ -55,7 +55,7 @@ class Targets:
 
 @torch.no_grad()
 def teacher_targets(teacher, batch: Batch, depth: int) -> Targets:
-    """Prelude output, depth-R endpoint and logits of the frozen teacher, from the seeded state (SPEC 2)."""
+    """Prelude output, depth-R endpoint and logits of the frozen teacher, from the seeded state (design §2)."""
     rope = rope_tables(batch.positions, teacher.cfg.head_dim, teacher.cfg.rope_base)
     mask = causal_document_mask(batch.doc_ids)
     e = teacher.run_prelude(batch.inputs, rope, mask)
@@ -68,7 +68,7 @@ def teacher_targets(teacher, batch: Batch, depth: int) -> Targets:
 
 
 def distill_loss(teacher, z_hat: torch.Tensor, t: Targets, energy: float, kl_weight: float):
-    """(loss, normalized MSE, KL) averaged over every token of the microbatch (SPEC 9)."""
+    """(loss, normalized MSE, KL) averaged over every token of the microbatch (design §9)."""
     mse = (z_hat.float() - t.endpoint.float()).pow(2).mean() / energy
     log_p_s = teacher.run_coda(z_hat, t.rope, t.mask).log_softmax(-1).flatten(0, 1)
     log_p_t = t.logits.log_softmax(-1).flatten(0, 1)
@@ -77,7 +77,7 @@ def distill_loss(teacher, z_hat: torch.Tensor, t: Targets, energy: float, kl_wei
 
 
 def lr_multiplier(step: int, steps: int, warmup: int, floor: float = 0.1) -> float:
-    """Learning-rate multiplier of the update that follows `step` optimizer steps (SPEC 9): with
+    """Learning-rate multiplier of the update that follows `step` optimizer steps (design §9): with
     u = step + 1 updates done once it is applied, u / warmup while u <= warmup (linear, the peak 1
     exactly at the last warm-up step), then floor + (1 - floor)(1 + cos(pi (u - warmup) / (steps -
     warmup))) / 2 (a cosine from the peak down to `floor`, reached at the run's last step)."""
@@ -163,7 +163,7 @@ class DistillTrainer:
     @torch.no_grad()
     def calibrate(self) -> float:
         """E = mean((z^R)^2) over the calibration rows of the training split, accumulated in fp64
-        (SPEC 9; on training data as in the paper, §3.2). The rows are shared out over ranks and the
+        (design §9; on training data as in the paper, §3.2). The rows are shared out over ranks and the
         fp64 sums reduced, so every rank gets the same E."""
         total, count = torch.zeros((), dtype=torch.float64), 0
         rows = self._my_rows(self.calib_rows)
@@ -179,7 +179,7 @@ class DistillTrainer:
         return energy
 
     def lr_at(self, step: int) -> float:
-        # the cosine starts where the warm-up ends, so the peak is reached whatever the run's length (SPEC 9)
+        # the cosine starts where the warm-up ends, so the peak is reached whatever the run's length (design §9)
         return self.cfg.lr * lr_multiplier(step, self.cfg.steps, self.cfg.warmup)
 
     def train_step(self) -> dict:

@@ -1,4 +1,4 @@
-"""Cached perplexity: terminal-KV vs full-KV scoring and the sharing penalty (SPEC 8).
+"""Cached perplexity: terminal-KV vs full-KV scoring and the sharing penalty (design §8).
 
 Index convention: row position t holds input token x[t] and target y[t] = x[t + 1]; the logits
 computed at input position t score target t. Every document segment is read from its own start

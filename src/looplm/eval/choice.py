@@ -1,4 +1,4 @@
-"""Multiple-choice scoring by cached decoding (SPEC 8, "Choice tasks").
+"""Multiple-choice scoring by cached decoding (design §8, "Choice tasks").
 
 lm-eval-harness formatting: trailing whitespace of the context moves into the continuation, and
 the target tokens are enc(context + continuation)[len(enc(context)):]. The context is prefilled at

@@ -1,4 +1,4 @@
-"""Generation tasks scored by exact match (SPEC 8, "Generation").
+"""Generation tasks scored by exact match (design §8, "Generation").
 
 Greedy decoding with a KV cache (terminal by default) and stop strings. The seeded initial state
 uses each example's index in the evaluated list as its example id (as `task_accuracy` does), so a

@@ -3,7 +3,7 @@
     lm_eval --model looplm --model_args checkpoint=runs/tiny,depth=5,cache=terminal --tasks ...
 
 (after `import looplm.eval.harness`, which registers the model name). Every request is scored by
-decoding with a KV cache, as in the paper's protocol (SPEC 8): prefill the context at
+decoding with a KV cache, as in the paper's protocol (design §8): prefill the context at
 `prefill_depth`, then feed the continuation one token at a time at `depth`.
 """
 

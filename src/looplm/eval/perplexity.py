@@ -1,4 +1,4 @@
-"""Native perplexity: one parallel forward per depth, exp(token-mean CE) (SPEC 8)."""
+"""Native perplexity: one parallel forward per depth, exp(token-mean CE) (design §8)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def native_perplexity(
     `bits_per_byte` (with a `tokenizer`): the summed CE in bits over the UTF-8 bytes of the scored
     target tokens' text, comparable across tokenizers (end-of-text targets add bits, no bytes).
 
-    `state_change` is the token mean of |s^R - s^(R-1)| / |s^(R-1)| at the last recurrence (SPEC 11):
+    `state_change` is the token mean of |s^R - s^(R-1)| / |s^(R-1)| at the last recurrence (design §11):
     how far the recurrence still is from a fixed point at depth R (None at R = 1)."""
     n = len(data) if max_sequences is None else min(len(data), max_sequences)
     if n == 0:

@@ -1,4 +1,4 @@
-"""Incremental inference: terminal and full KV caches and the chunked `extend` path (SPEC 7)."""
+"""Incremental inference: terminal and full KV caches and the chunked `extend` path (design §7)."""
 
 from looplm.infer.cache import FullCache, KVBank, KVCache, TerminalCache, make_cache
 from looplm.infer.extend import chunk_mask, extend

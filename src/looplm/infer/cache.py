@@ -1,4 +1,4 @@
-"""KV caches for incremental inference (SPEC 7).
+"""KV caches for incremental inference (design §7).
 
 Both caches are preallocated and carry a length pointer: a chunk of n new tokens is written into
 positions [length, length + n) of each bank, never concatenated.
@@ -87,7 +87,7 @@ class TerminalCache(KVCache):
         return [*self.prelude, *self.core, *self.coda]
 
     def core_read(self, r, j):
-        return self.core[j]  # SPEC 7: every recurrence reads the terminal bank; the last one's K/V stay
+        return self.core[j]  # design §7: every recurrence reads the terminal bank; the last one's K/V stay
 
 
 class FullCache(KVCache):

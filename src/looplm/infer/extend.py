@@ -1,4 +1,4 @@
-"""One `extend` path for prefill, parallel scoring and one-token decoding (SPEC 7).
+"""One `extend` path for prefill, parallel scoring and one-token decoding (design §7).
 
 A chunk of n new tokens at positions c..c+n-1 runs the prelude, the recurrence and the coda
 against a cache of the c earlier tokens, writes its own K/V into the cache and returns logits.
@@ -33,17 +33,17 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     counts left-padding tokens at the start of each row (batched prompts of different lengths):
     no token attends to them and positions start at 0 at each row's first real token.
 
-    Adaptive depth (SPEC 13, beyond the paper): with `exit_tau`, `depth` is the largest depth and a
+    Adaptive depth (design §13, beyond the paper): with `exit_tau`, `depth` is the largest depth and a
     token stops recurring once r >= `min_depth` and its relative state change
     |s^r - s^(r-1)| / |s^(r-1)| < exit_tau; its state is frozen and the K/V of its last recurrence
     become its terminal K/V. Exact per token for one-token decoding; inside a longer chunk,
     tokens that are still recurring read a stopped token's K/V recomputed from its frozen state.
     `return_depths` also returns the depth each token used, [B, n]. `return_endpoint` also returns
     each token's endpoint z^R, the state that entered the coda, [B, n, d] (last in the tuple; RL
-    rollout-state reuse saves it, SPEC 10).
+    rollout-state reuse saves it, design §10).
 
     `initial(e, rope, mask)` replaces the seeded initial state by a function of the chunk's prelude
-    output (the distilled prefill's student endpoint, SPEC 9; see `looplm.infer.prefill`). It sees
+    output (the distilled prefill's student endpoint, design §9; see `looplm.infer.prefill`). It sees
     only the chunk, so it needs an empty cache.
     """
     B, n = tokens.shape

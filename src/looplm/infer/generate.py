@@ -1,7 +1,7 @@
 """Text generation with a KV cache: batched prompts, greedy or seeded sampling, stop strings.
 
 Prefill runs at depth `prefill_depth` (R_pre) and every decoded token at `depth` (R_dec); with
-the terminal cache the two are independent because decoding reads only terminal banks (SPEC 7).
+the terminal cache the two are independent because decoding reads only terminal banks (design §7).
 """
 
 from __future__ import annotations

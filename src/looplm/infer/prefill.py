@@ -1,4 +1,4 @@
-"""Prefill arms: how a prompt is written into an empty terminal cache before decoding (SPEC 7, 9).
+"""Prefill arms: how a prompt is written into an empty terminal cache before decoding (design §7, 9).
 
 - `teacher`: the looped model at R_pre recurrences (`extend`);
 - `student`: distilled prefill. Prelude (bank 0), z_hat = S(e) from the student, one teacher
@@ -29,7 +29,7 @@ PREFILL_ARMS: tuple[str, ...] = ("teacher", "student", "r1", "r2")
 def student_prefill(model, student: nn.Module, tokens: torch.Tensor, cache: KVCache, *,
                     example_ids: torch.Tensor | None = None, seed: int = 0, pad: torch.Tensor | None = None,
                     **kw) -> torch.Tensor:
-    """Distilled prefill of `tokens` [B, n] into an empty terminal `cache` (SPEC 9); fp32 logits [B, n, V].
+    """Distilled prefill of `tokens` [B, n] into an empty terminal `cache` (design §9); fp32 logits [B, n, V].
 
     The student sees the same rope and mask as the teacher's layers (left padding included); one
     teacher recurrence from its prediction writes the core's terminal banks."""
@@ -59,7 +59,7 @@ class Prefill:
         return {"teacher": depth, "student": 1, "r1": 1, "r2": 2}[self.arm]
 
     def block_passes(self, cfg, depth: int) -> int:
-        """Transformer-block passes per prompt token (SPEC 9's cost count; in_proj not counted)."""
+        """Transformer-block passes per prompt token (design §9's cost count; in_proj not counted)."""
         student = self.student.n_blocks if self.arm == "student" else 0
         return cfg.n_prelude + student + self.teacher_depth(depth) * cfg.n_core + cfg.n_coda
 

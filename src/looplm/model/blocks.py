@@ -1,4 +1,4 @@
-"""Pre-norm Llama blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU (SPEC 1)."""
+"""Pre-norm Llama blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU (design §1)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (half-split layout) of x [B, H, L, hd] in fp32 (SPEC 1)."""
+    """Rotate channel pairs (half-split layout) of x [B, H, L, hd] in fp32 (design §1)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
@@ -72,7 +72,7 @@ def _trunc_normal_(w: torch.Tensor, std: float) -> None:
 class Attention(nn.Module):
     """Causal grouped-query attention through `F.scaled_dot_product_attention`.
 
-    `qkv_offsets` are additive terms for Q, K and V (DEQ-QKV injection, SPEC 2); `mask` is a
+    `qkv_offsets` are additive terms for Q, K and V (DEQ-QKV injection, design §2); `mask` is a
     boolean [B, 1, L, S] (True = attend), a FlexAttention `BlockMask` (from `document_mask`), or
     None for plain causal attention.
     """
@@ -142,7 +142,7 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)) (SPEC 1)."""
+    """h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)) (design §1)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -196,5 +196,5 @@ def document_mask(doc_ids: torch.Tensor | None, kernel: AttentionKernel = "sdpa"
 
 
 def init_embedding_(w: torch.Tensor) -> None:
-    """SPEC 1: truncated normal with std 1/sqrt(d), cut at +-3 sigma."""
+    """design §1: truncated normal with std 1/sqrt(d), cut at +-3 sigma."""
     _trunc_normal_(w, 1.0 / math.sqrt(w.shape[1]))

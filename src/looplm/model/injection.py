@@ -1,13 +1,13 @@
-"""Input-injection schemes: how the prelude output enters each recurrence (SPEC 2).
+"""Input-injection schemes: how the prelude output enters each recurrence (design §2).
 
 Every scheme implements one small interface:
 
 - `prepare(e)` -> q: the per-forward injected quantity, computed once from the prelude output
-  (for the diagonal schemes q = dt * (W e~), the injected vector of SPEC 2 / paper 4.2);
+  (for the diagonal schemes q = dt * (W e~), the injected vector of design §2 / paper 4.2);
 - `forward(s, q)` -> s': the injection at the core entrance of one recurrence;
 - `exit(s)` -> s: applied after the core (identity except Huginn-Linear's exit norm);
 - `qkv_offsets(e)` -> per-core-layer additive (dQ, dK, dV) or None (only DEQ-QKV uses it);
-- `carryover(s, q)` -> the part of s' that comes from s (carryover diagnostics, SPEC 11), so
+- `carryover(s, q)` -> the part of s' that comes from s (carryover diagnostics, design §11), so
   that s' = carryover(s, q) + q for every scheme but DEQ-QKV.
 """
 
@@ -54,7 +54,7 @@ class Additive(Injection):
 
 
 class ParcaeDiagonal(Injection):
-    """Diagonal retention: s' = exp(-dt*a) * s + dt * (W e~) (SPEC 2, parcae-decay / parcae-nonorm).
+    """Diagonal retention: s' = exp(-dt*a) * s + dt * (W e~) (design §2, parcae-decay / parcae-nonorm).
 
     dt = softplus(dt_raw), a = exp(A_log), W identity-initialised and bias-free. `prelude_norm`
     makes e~ = RMSNorm(e) with a learned gain (Parcae-Decay); otherwise e~ = e.
@@ -93,7 +93,7 @@ class ParcaeDiagonal(Injection):
 
 
 class OrthoInj(ParcaeDiagonal):
-    """OrthoInj (SPEC 2, paper 4.2): r = decay*s, u = dt*(W e); s' = (r - alpha u) + u,
+    """OrthoInj (design §2, paper 4.2): r = decay*s, u = dt*(W e); s' = (r - alpha u) + u,
     alpha = <r,u>/(|u|^2 + eps) per token in fp32, so the component of s' along u is u (eps = 0)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -105,7 +105,7 @@ class OrthoInj(ParcaeDiagonal):
 
 
 def project_off(r: torch.Tensor, u: torch.Tensor, eps: float) -> torch.Tensor:
-    """r - alpha*u with alpha = <r,u>/(|u|^2 + eps), inner products in fp32 (SPEC 2)."""
+    """r - alpha*u with alpha = <r,u>/(|u|^2 + eps), inner products in fp32 (design §2)."""
     r32, u32 = r.float(), u.float()
     alpha = (r32 * u32).sum(-1, keepdim=True) / (u32.pow(2).sum(-1, keepdim=True) + eps)
     return (r32 - alpha * u32).type_as(r)
@@ -138,7 +138,7 @@ class HuginnLinear(Injection):
 
 
 class DeqQKV(Injection):
-    """DEQ-QKV (SPEC 2, paper B.4): no entrance injection (s' = s); each core attention adds
+    """DEQ-QKV (design §2, paper B.4): no entrance injection (s' = s); each core attention adds
     bias-free Gaussian-initialised projections of e to Q, K and V, shared across recurrences."""
 
     def __init__(self, cfg: ModelConfig):

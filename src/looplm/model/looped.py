@@ -1,4 +1,4 @@
-"""The looped language model: prelude -> (injection -> core) x R -> coda -> logits (SPEC 1-3).
+"""The looped language model: prelude -> (injection -> core) x R -> coda -> logits (design §1-3).
 
 Single-device and training-free: the depth, the backprop window and the initial state are
 arguments of `forward`; parallelism and mixed precision wrap the model from outside.
@@ -74,9 +74,9 @@ class LoopedLM(nn.Module):
         return x
 
     def recurrence(self, s: torch.Tensor, ctx: Context, *, return_kv: bool = False, kv_buffers: list | None = None):
-        """One recurrence F: inject, the core blocks in turn, then the exit map (SPEC 2).
+        """One recurrence F: inject, the core blocks in turn, then the exit map (design §2).
 
-        `return_kv` also returns each core layer's (K, V) of this recurrence (diagnostics, SPEC 11);
+        `return_kv` also returns each core layer's (K, V) of this recurrence (diagnostics, design §11);
         `kv_buffers` gives core layer j the buffer (K, V, c) of c earlier tokens to attend to
         (see `Attention`; `ctx.mask` must then cover them)."""
         s = self.injection(s, ctx.injected)
@@ -119,7 +119,7 @@ class LoopedLM(nn.Module):
 
         tokens [B, L]; `doc_ids` [B, L] confine attention to document segments; `positions` [B, L]
         are the RoPE positions (default 0..L-1). `bptt_window` b: only the last min(R, b)
-        recurrences record autograd (SPEC 3; None = full BPTT); the injected input keeps its
+        recurrences record autograd (design §3; None = full BPTT); the injected input keeps its
         gradient in each of them. `state0` overrides `init` (used by trainers that draw the noise
         for a global batch themselves). `attention` picks how document masks are applied ('flex':
         one FlexAttention block mask per forward, the fast path on CUDA).
@@ -130,7 +130,7 @@ class LoopedLM(nn.Module):
         n_grad = depth if bptt_window is None else min(depth, bptt_window)
         states = [] if return_states else None
         for r in range(depth):
-            # SPEC 3: the first R-b recurrences run without autograd; their output is a constant.
+            # design §3: the first R-b recurrences run without autograd; their output is a constant.
             with torch.set_grad_enabled(torch.is_grad_enabled() and r >= depth - n_grad):
                 s = self.recurrence(s, ctx)
             if states is not None:

@@ -1,4 +1,4 @@
-"""Initial recurrent state s0 (SPEC 2).
+"""Initial recurrent state s0 (design §2).
 
 - "gaussian": N(0, 1/d) per element, fresh each forward (training);
 - "seeded": a deterministic, stateless hash of (seed, example id, position, channel) mapped to
@@ -53,7 +53,7 @@ def initial_state(
     seed: int = 0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """s0 of `shape` [B, L, d] scaled to variance 1/d (SPEC 2)."""
+    """s0 of `shape` [B, L, d] scaled to variance 1/d (design §2)."""
     B, L, d = shape
     if kind == "zero":
         return torch.zeros(shape, device=device, dtype=dtype)

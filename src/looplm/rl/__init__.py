@@ -1,4 +1,4 @@
-"""RL post-training with rollout-state reuse (SPEC 10): rollouts that save endpoints, rewards,
+"""RL post-training with rollout-state reuse (design §10): rollouts that save endpoints, rewards,
 the GRPO objective, the bptt / recompute / reuse update estimators and the training loop."""
 
 from .estimators import ESTIMATORS, endpoint_backward, neumann_backward, score_and_backward

@@ -1,4 +1,4 @@
-"""Configuration of `looplm rl` (SPEC 10); standard library only, so the CLI reads it cheaply."""
+"""Configuration of `looplm rl` (design §10); standard library only, so the CLI reads it cheaply."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Literal
 
 @dataclass
 class RLConfig:
-    """GRPO post-training with rollout-state reuse (SPEC 10)."""
+    """GRPO post-training with rollout-state reuse (design §10)."""
 
     estimator: Literal["bptt", "recompute", "reuse"] = "reuse"
     """Update estimator: bptt (replay all R recurrences with grad), recompute (rebuild endpoints without grad, then

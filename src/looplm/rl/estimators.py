@@ -1,4 +1,4 @@
-"""Update estimators: how the policy loss of a rollout is scored and backpropagated (SPEC 10, A.2).
+"""Update estimators: how the policy loss of a rollout is scored and backpropagated (design §10, A.2).
 
 - `bptt`: replay all R recurrences with autograd and backpropagate through them (the baseline).
 - `recompute`: rerun the R recurrences without autograd to rebuild the endpoints z^R, then the
@@ -105,7 +105,7 @@ def endpoint_logits(model, tokens: torch.Tensor, endpoint: torch.Tensor) -> torc
 def reference_logits(estimator: str, reference, policy, rollout: Rollout, *, depth: int,
                      states: SavedStates | None = None) -> torch.Tensor:
     """The frozen `reference` model's fp32 logits [N, L, V] of `rollout`, scored along the path that
-    `score_and_backward(estimator, policy, ...)` scores the policy with (SPEC 10, optional KL).
+    `score_and_backward(estimator, policy, ...)` scores the policy with (design §10, optional KL).
 
     The KL penalty compares the two models' log-probabilities of the same actions. Scoring the
     reference along another path than the policy (e.g. its native depth-R forward while reuse scores

@@ -1,4 +1,4 @@
-"""The GRPO policy objective: group-normalised advantages and a token-level clipped loss (SPEC 10).
+"""The GRPO policy objective: group-normalised advantages and a token-level clipped loss (design §10).
 
 - advantage of completion j of a prompt: A = (r_j - mean_g r) / (std_g r + 1e-4), over the G
   completions of that prompt; std is the sample (Bessel-corrected) standard deviation.
@@ -7,7 +7,7 @@
   of KL(pi || pi_ref); the loss is the mean of loss_t over every action token of the batch. `ref_t`
   must be scored along the same path as `logp_t` (the estimator's; `estimators.reference_logits`),
   or the gap between the two paths biases the KL away from 0 where pi == pi_ref.
-With one inner iteration (SPEC 10) `old` is the detached `logp` itself, so ratio = 1 carries the
+With one inner iteration (design §10) `old` is the detached `logp` itself, so ratio = 1 carries the
 gradient of logp and clipping is inactive; it matters when old log-probs come from elsewhere.
 """
 

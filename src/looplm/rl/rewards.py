@@ -1,4 +1,4 @@
-"""Verifiable problems for RL and pluggable reward functions (SPEC 10).
+"""Verifiable problems for RL and pluggable reward functions (design §10).
 
 A `Problem` is a prompt and the reference its completions are checked against: a generator
 `Example` (data/tasks.py) or a GSM8K-format `GenItem` (eval/generation.py). A reward function maps

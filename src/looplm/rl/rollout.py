@@ -1,4 +1,4 @@
-"""Rollouts with terminal-KV decoding that save every token's endpoint (SPEC 10, "Rollout").
+"""Rollouts with terminal-KV decoding that save every token's endpoint (design §10, "Rollout").
 
 G completions per prompt are sampled at depth R under the current parameters. Each fed token's
 endpoint z^R (the state that entered the coda) is kept, stamped with the parameter version it was
@@ -62,7 +62,7 @@ class SavedStates:
 def check_saved_states(states: SavedStates | None, model, tokens: torch.Tensor, example_ids: torch.Tensor,
                        depth: int) -> torch.Tensor:
     """The saved endpoints if they describe `model` (unchanged since the rollout), these tokens and
-    this depth; SavedStateError otherwise (SPEC 10: saved states live until the next optimizer step)."""
+    this depth; SavedStateError otherwise (design §10: saved states live until the next optimizer step)."""
     if states is None or states.endpoints is None:
         raise SavedStateError("rollout-state reuse needs the endpoints saved during the rollout, and none were "
                               "given; roll out with the current model or use the 'recompute' estimator")

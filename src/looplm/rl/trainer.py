@@ -1,4 +1,4 @@
-"""The RL loop (`looplm rl`): GRPO on verifiable problems with a choice of update estimator (SPEC 10).
+"""The RL loop (`looplm rl`): GRPO on verifiable problems with a choice of update estimator (design §10).
 
 One step: draw `prompts_per_step` problems; sample `group_size` completions of each with
 terminal-KV decoding at depth R, saving endpoints; reward each completion; group-normalise the

@@ -45,7 +45,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation and run settings (SPEC 6)."""
+    """Optimisation and run settings (design §6)."""
 
     steps: int = 600
     """Optimizer steps T (the warmup-stable-decay schedule spans them)."""
@@ -56,9 +56,9 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_frac: float = 0.05
-    """Warmup length as a fraction of steps (SPEC 6: T/20)."""
+    """Warmup length as a fraction of steps (design §6: T/20)."""
     decay_frac: float = 0.1
-    """Cosine decay length as a fraction of steps (SPEC 6: T/10), to 0.1x."""
+    """Cosine decay length as a fraction of steps (design §6: T/10), to 0.1x."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norm gains or injection parameters)."""
     beta1: float = 0.9
@@ -126,7 +126,7 @@ class TrainJob:
 
     def resolved(self) -> TrainJob:
         """This job with its derived defaults made explicit: the backprop window 'auto' replaced by
-        the window it means for the sampler (SPEC 3). The trainer runs and records (config.json)
+        the window it means for the sampler (design §3). The trainer runs and records (config.json)
         the resolved job, so a checkpoint states the window it was trained with. The other sections
         are shared with this job, not copied."""
         return dataclasses.replace(self, depth=dataclasses.replace(
@@ -176,7 +176,7 @@ def _tiny() -> TrainJob:
 
 
 def _paper(size: str, lr: float) -> TrainJob:
-    # SPEC 1/6: the paper's sizes at 8K context, PLN-5 with b = 10 (the 'auto' window of the sampled
+    # design §1/6: the paper's sizes at 8K context, PLN-5 with b = 10 (the 'auto' window of the sampled
     # priors; a fixed depth set on the command line trains with full BPTT); batch sizes are per rank.
     return TrainJob(
         model=model_preset(size),

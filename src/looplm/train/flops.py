@@ -1,4 +1,4 @@
-"""Training FLOPs per token from the drawn depths (SPEC 5)."""
+"""Training FLOPs per token from the drawn depths (design §5)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from looplm.config import ModelConfig
 
 
 def _units(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """(static_u, layer_u, inj_u): multiply-accumulate units per token (SPEC 5)."""
+    """(static_u, layer_u, inj_u): multiply-accumulate units per token (design §5)."""
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     norm_u = 4 * d
@@ -32,7 +32,7 @@ def _units(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int, bptt_window: int | None) -> float:
-    """FLOPs/token = 6 train_u + 2 fwd_u for one forward+backward at `depth` (SPEC 5).
+    """FLOPs/token = 6 train_u + 2 fwd_u for one forward+backward at `depth` (design §5).
 
     `bptt_window` is the resolved window (`DepthConfig.effective_bptt_window()`; None = full BPTT)."""
     if isinstance(bptt_window, str):

@@ -1,4 +1,4 @@
-"""Warmup-stable-decay learning-rate multiplier (SPEC 6)."""
+"""Warmup-stable-decay learning-rate multiplier (design §6)."""
 
 from __future__ import annotations
 

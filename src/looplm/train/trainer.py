@@ -3,7 +3,7 @@
 One optimizer step = `grad_accum` microbatches. Each microbatch draws its own depth (the same
 on every rank), runs the model with the configured backprop window, and adds its CE sum divided
 by the global target count of the step, so the loss is a token mean over the global batch
-(SPEC 6). Data order, depth draws and initial-state noise are pure functions of (seed, step,
+(design §6). Data order, depth draws and initial-state noise are pure functions of (seed, step,
 microbatch), so a resumed run reproduces an uninterrupted one, and a run on N ranks sees the
 same global batch as one process.
 """
@@ -64,7 +64,7 @@ def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices of the blocks, embedding and head; none on norm gains or on the
     injection's parameters (decay would pull dt/A_log and the identity-initialised W toward 0;
-    SPEC 12)."""
+    design §12)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim >= 2 and not name.startswith("injection.") else no_decay).append(p)
@@ -112,7 +112,7 @@ class StepResult:
 class Trainer:
     def __init__(self, job: TrainJob, env: D.DistEnv | None = None):
         # The resolved job: `depth.bptt_window` is the window this run trains with ('auto' replaced by
-        # full BPTT for a fixed depth, 10 for the sampled priors; SPEC 3), so every use of
+        # full BPTT for a fixed depth, 10 for the sampled priors; design §3), so every use of
         # `self.job.depth.bptt_window` below, the FLOPs counts and config.json see the resolved value.
         self.job = job = job.resolved()
         self.env = env or D.init_distributed(job.train.device)
@@ -219,7 +219,7 @@ class Trainer:
 
     # -- one optimizer step ---------------------------------------------------------------------
     def _noise(self, step: int, micro: int, L: int) -> torch.Tensor:
-        """Initial states N(0, 1/d) for this rank's slice of the global microbatch (SPEC 2)."""
+        """Initial states N(0, 1/d) for this rank's slice of the global microbatch (design §2)."""
         t, env, d = self.job.train, self.env, self.job.model.d_model
         seed = int(np.random.SeedSequence([t.seed, step, micro, 0x5EED]).generate_state(1)[0])
         gen = torch.Generator(device=env.device).manual_seed(seed)
@@ -272,7 +272,7 @@ class Trainer:
                                          self._autocast(), self.attention)
                 (ce_sum * scale).backward()
             ce_sums.append(ce_sum.detach().double())
-        # (CE sum, targets) per microbatch, summed over ranks: the learned prior's feedback (SPEC 4)
+        # (CE sum, targets) per microbatch, summed over ranks: the learned prior's feedback (design §4)
         stats = torch.stack([torch.stack(ce_sums), torch.tensor(n_targets, dtype=torch.float64, device=env.device)], 1)
         stats = D.all_reduce_sum(stats, env).cpu()
         for depth, (loss_sum, n) in zip(depths, stats.tolist()):
@@ -326,7 +326,7 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def depth_summary(self) -> str:
-        """One line naming the depth sampler and the backprop window it trains with (SPEC 3),
+        """One line naming the depth sampler and the backprop window it trains with (design §3),
         e.g. 'depth: pln mean 5, backprop window b = 10 (truncated)'."""
         d, b = self.job.depth, self.job.depth.bptt_window
         if d.sampler == "fixed":
@@ -390,7 +390,7 @@ class Trainer:
                     "mean_depth_window": float(np.mean(window_depths)), "tokens": self.tokens_seen,
                     "tokens_per_s": rate, "flops": self.flops_seen,
                     "model_tflops_per_s": rate * mean_flops_per_token(self.job.model, self.job.data.seq_len, window_depths, self.job.depth.bptt_window) / 1e12,
-                    # over the current pmf: a learned prior moves it every update (SPEC 5)
+                    # over the current pmf: a learned prior moves it every update (design §5)
                     "expected_flops_per_token": expected_flops_per_token(
                         self.job.model, self.job.data.seq_len, self.sampler.pmf(), self.job.depth.bptt_window),
                     "elapsed_s": self.elapsed,
