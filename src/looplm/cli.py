@@ -102,8 +102,8 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
     print(f"\ntrained {summary['step']} steps, {summary['tokens']:,} tokens in {time.time() - start:.0f} s")
     if job.eval.depths:
         model, tokenizer, config = load_model(ckpt_path, env.device)
-        print(f"\nheld-out perplexity and exact-match task accuracy vs test-time depth R (trained with "
-              f"{job.depth.sampler} depth {job.depth.depth:g}):")
+        what = "perplexity and exact-match task accuracy" if job.data.source == "tasks" else "perplexity and bits per byte"
+        print(f"\nheld-out {what} vs test-time depth R (trained with {job.depth.sampler} depth {job.depth.depth:g}):")
         _report(model, tokenizer, config, job.eval, env.device, job.eval.output or trainer.out_dir / "eval.json")
     out = trainer.out_dir
     print(f"\ncheckpoint: {ckpt_path}\nmetrics:    {out / 'metrics.jsonl'}\nreport:     "

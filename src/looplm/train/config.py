@@ -162,9 +162,9 @@ def job_from_dict(data: dict) -> TrainJob:
 
 def _tiny() -> TrainJob:
     # The main job: a 0.87 M-parameter looped LM on the built-in Shakespeare scenes (byte level), sized
-    # to train on 2 CPU cores in about 5-6 minutes (400 steps of 16 x 256 tokens). On real text this shape uses its depth: held-out
-    # perplexity falls from R = 1 to R = 5 and holds to R = 32. The task generator is one option away
-    # (--data.source tasks).
+    # to train on 2 CPU cores in about 5-6 minutes (400 steps of 16 x 256 tokens). On real text this
+    # shape uses its depth: held-out perplexity falls from R = 1 to R = 3-5 and holds to R = 32. The
+    # task generator is one option away (--data.source tasks).
     return TrainJob(
         model=model_preset("tiny"),
         depth=DepthConfig(sampler="pln", depth=5.0),  # b: auto = 10 for PLN, full BPTT if switched to fixed
