@@ -373,6 +373,53 @@ def tokenize(
           f"  looplm train tiny --data.source {shlex.quote(str(path))}")
 
 
+def export(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
+    num_steps: int = 5,
+    prefill_steps: int | None = None,
+    cache: Literal["terminal", "full"] = "terminal",
+) -> None:
+    """Export a checkpoint as a Hugging Face Transformers model folder (needs `pip install looplm[hf]`).
+
+    OUT gets config.json, model.safetensors and the tokenizer; load it with
+    `import looplm; AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.
+
+    Args:
+        checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        out: Folder to write the transformers model into.
+        num_steps: Default recurrences per token (R_dec) of the exported model.
+        prefill_steps: Default recurrences over the prompt in generate (R_pre); default: num_steps.
+        cache: Default KV cache of generate: terminal (one bank per physical layer) or full.
+    """
+    try:
+        from looplm.hf import export as run
+    except ImportError as err:
+        raise ValueError(f"looplm export needs transformers ({err}): pip install 'looplm[hf]'") from None
+    path = run(checkpoint, out, num_steps=num_steps, prefill_steps=prefill_steps, cache_kind=cache)
+    print(f"wrote {path}")
+
+
+def convert(
+    src: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SRC")],
+    out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
+    from_: Annotated[Literal["xllm-loop"], tyro.conf.arg(name="from")],
+    dtype: Literal["fp32", "bf16"] = "fp32",
+) -> None:
+    """Convert another project's released checkpoint (a local folder; nothing is downloaded) into a
+    looplm checkpoint that eval, generate, analyze and export read.
+
+    Args:
+        src: The release folder, e.g. an `hf download IFM/LoopedLM-P2-huginn-s-fixed-r5 --local-dir` copy.
+        out: New (or empty) folder to write the looplm checkpoint into.
+        from_: The source format: xllm-loop (the paper's reference release, Part II Huginn artifacts).
+        dtype: Weights dtype of the checkpoint: fp32 (exact) or bf16.
+    """
+    from looplm.convert import CONVERTERS
+
+    path = CONVERTERS[from_](src, out, dtype=dtype)
+    print(f"wrote {path}\nevaluate it with: looplm eval {path}")
+
 def _parse_error_line(report: str, args: list[str]) -> str:
     """tyro's boxed parse-error report collapsed into one line:
     `error: <what> (did you mean ...?); see looplm <subcommand> --help`.
@@ -489,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _SUBCOMMANDS = {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze,
-                "rl": rl, "tokenize": tokenize}
+                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert}
 
 
 if __name__ == "__main__":

@@ -102,25 +102,30 @@ class ByteTokenizer(Tokenizer):
 
 
 class BPETokenizer(Tokenizer):
-    """Byte-level BPE (HF ``tokenizers``) with ``<eos>`` and ``<pad>`` special tokens."""
+    """Byte-level BPE (HF ``tokenizers``) with ``<eos>`` and ``<pad>`` special tokens.
+
+    A tokenizer made elsewhere may name its end-of-document and padding tokens differently: pass
+    their names as ``eos_token``/``pad_token`` (``save`` records them in tokenizer_config.json).
+    """
 
     name = "bpe"
 
-    def __init__(self, backend: HFTokenizer) -> None:
+    def __init__(self, backend: HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN) -> None:
         """Wrap a ``tokenizers.Tokenizer``; prefer :meth:`train` or :meth:`from_file`."""
-        missing = [t for t in (EOS_TOKEN, PAD_TOKEN) if backend.token_to_id(t) is None]
+        missing = [t for t in dict.fromkeys((eos_token, pad_token)) if backend.token_to_id(t) is None]
         if missing:
             raise ValueError(
                 f"BPE tokenizer lacks required special token(s) {missing}; "
-                f"it must define both {EOS_TOKEN!r} and {PAD_TOKEN!r}"
+                f"it must define both {eos_token!r} and {pad_token!r}"
             )
+        self._names = (eos_token, pad_token)
         # Serialise before changing runtime flags so the fingerprint is the file content.
         self._json: str = backend.to_str()
         # Literal "<eos>" in corpus text must stay text, never become the special id.
         backend.encode_special_tokens = True
         self._tok = backend
-        self._eos = int(backend.token_to_id(EOS_TOKEN))
-        self._pad = int(backend.token_to_id(PAD_TOKEN))
+        self._eos = int(backend.token_to_id(eos_token))
+        self._pad = int(backend.token_to_id(pad_token))
         self._vocab = int(backend.get_vocab_size(with_added_tokens=True))
 
     @classmethod
@@ -142,8 +147,8 @@ class BPETokenizer(Tokenizer):
         return cls(backend)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> BPETokenizer:
-        """Load a ``tokenizer.json``; it must define ``<eos>`` and ``<pad>``."""
+    def from_file(cls, path: str | Path, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN) -> BPETokenizer:
+        """Load a ``tokenizer.json``; it must define ``eos_token`` and ``pad_token`` (default ``<eos>``, ``<pad>``)."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"tokenizer file not found: {path}")
@@ -152,7 +157,7 @@ class BPETokenizer(Tokenizer):
         except Exception as exc:  # the Rust side raises a bare Exception
             raise ValueError(f"cannot read tokenizer file {path}: {exc}") from exc
         try:
-            return cls(backend)
+            return cls(backend, eos_token, pad_token)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
 
@@ -178,14 +183,21 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
 
+    def _special_names(self) -> dict:
+        """The eos/pad names when they are not looplm's own (empty otherwise, keeping old fingerprints)."""
+        if self._names == (EOS_TOKEN, PAD_TOKEN):
+            return {}
+        return {"eos_token": self._names[0], "pad_token": self._names[1]}
+
     def canonical_description(self) -> str:
-        return self._json
+        names = self._special_names()
+        return self._json + ("\n" + json.dumps(names, sort_keys=True) if names else "")
 
     def save(self, directory: Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / BPE_FILE).write_text(self._json)
-        (directory / CONFIG_FILE).write_text(json.dumps({"type": "bpe"}) + "\n")
+        (directory / CONFIG_FILE).write_text(json.dumps({"type": "bpe", **self._special_names()}) + "\n")
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self._vocab})"
@@ -200,11 +212,13 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         if (directory / BPE_FILE).is_file():
             return BPETokenizer.from_file(directory / BPE_FILE)
         raise ValueError(f"no {CONFIG_FILE} or {BPE_FILE} in {directory}")
-    kind = json.loads(cfg_path.read_text()).get("type")
+    cfg = json.loads(cfg_path.read_text())
+    kind = cfg.get("type")
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        return BPETokenizer.from_file(directory / BPE_FILE)
+        names = cfg.get("eos_token", EOS_TOKEN), cfg.get("pad_token", PAD_TOKEN)
+        return BPETokenizer.from_file(directory / BPE_FILE, *names)
     raise ValueError(f"{cfg_path}: unknown tokenizer type {kind!r} (expected 'byte' or 'bpe')")
 
 

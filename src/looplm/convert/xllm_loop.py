@@ -1,0 +1,500 @@
+"""Convert a checkpoint of the paper's reference release (github ifm-ai/xllm-loop; the Part II
+artifacts `IFM/LoopedLM-P2-huginn-*`) into a looplm checkpoint that `looplm.checkpoint.load_model` reads.
+
+The source is a local folder in the release's artifact layout (xllm/paper_part2/artifacts.py):
+
+  config.json                     {"model": <ModelConf fields>,
+                                   "tokenizer": {"type": "huggingface", "path": "tokenizer"}}
+  model.safetensors.index.json    {"metadata": {...}, "weight_map": {tensor name: shard file}}
+  model-0000i-of-0000N.safetensors  the release model's state dict in BF16
+  artifact_manifest.json          size and SHA-256 of every file, and manifest_sha256 of the manifest itself
+  tokenizer/                      tokenizer.json, tokenizer_config.json, special_tokens_map.json
+
+The model is the release's `DepthControlledHuginn` (arch 'huginn', xllm/models/looped.py): physical layers
+0..P-1 are the prelude, P..P+C-1 the recurrent core and the rest the coda; every recurrence applies the
+input injection and then the core layers; the prelude output is optionally RMS-normalised (Parcae-Decay)
+and the state optionally passes a parameter-free RMSNorm after each recurrence (Huginn-Linear).
+
+Its blocks come from the upstream xllm library (ifm-ai/xllm, xllm/modules): pre-norm attention and
+SwiGLU FFN (silu(fc1 x) * fc3 x -> fc2) with plain residuals, scale 1/sqrt(head_dim), query head h
+reading kv head h // (heads / kv_heads), no biases.
+
+Tensor transforms (release -> looplm):
+- RMSNorm weights are stored as offsets from 1 (GroupRMSNorm: zero init, gain = weight + 1; `norm_offset`);
+- RoPE rotates interleaved channel pairs (2j, 2j+1) of each head (complex multiply on x.reshape(..., -1, 2)),
+  looplm the half-split pairs
+  (j, j + hd/2): the rows of wq and wk are permuted per head so that both give the same scores;
+- the diagonal injection's `dt_bias` and `A_log` have looplm's meaning (dt = softplus(dt_bias),
+  a = exp(A_log)) and are copied unchanged; the linear injection's W [d, 2d] acting on [s; e] is
+  split into looplm's A_state (columns :d) and A_input (columns d:, with the bias).
+
+Nothing is downloaded and nothing is unpickled: a folder holding pickle weights (.bin, .pt, ...)
+is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from looplm.checkpoint import CheckpointError, save_tensors, write_atomic, write_json
+from looplm.config import ModelConfig
+
+MANIFEST = "artifact_manifest.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER_DIR = "tokenizer"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.float32}
+RELEASE_MAX_SEQ_LEN = 8192  # the release trains and evaluates at 8,192 tokens
+
+# ModelConf defaults (xllm/config.py) of the fields the conversion reads: config.json holds a recipe's
+# fields, and a field it omits has its default.
+_DEFAULTS: dict = {
+    "arch": "transformer", "num_layers": 8, "model_dim": 1024, "num_heads": 1, "num_kv_heads": None,
+    "head_dim": None, "v_head_dim": None, "qknorm": False, "attn_act_func": "softmax", "apply_attn_gate": False,
+    "apply_bias_term": False, "ffn_hidden_dim": 2048, "num_values": 0, "num_experts": 0, "vocab_size": -1,
+    "output_size": -1, "layernorm_num_groups": 1, "norm_affine": True, "rmsnorm_eps": 1e-6, "apply_rmsnorm": False,
+    "residual_func": "base", "rope_base": 100000.0, "rope_head_dim": None, "swiglu": False, "scale_emb": False,
+    "loop_times": 1, "huginn_prelude_layers": 1, "huginn_recurrent_layers": None, "huginn_coda_layers": 1,
+    "huginn_state_init": "zero", "huginn_input_injection": "diagonal", "huginn_hierarchical_state": "none",
+    "huginn_depth_control": False, "huginn_sampling_scheme": "fixed", "huginn_poisson_lognormal_target_mean": 5.0,
+    "huginn_poisson_lognormal_sigma": 0.5, "huginn_poisson_lognormal_max": 64, "huginn_backprop_depth": None,
+    "huginn_depth_prior": "none", "huginn_depth_prior_entropy": 0.0, "huginn_prelude_norm": "none",
+    "huginn_recurrent_exit_norm": "none", "huginn_prelude_orthogonal": False, "huginn_ortho_projection_eps": 1e-6,
+}
+# Fields whose other values change the forward in ways looplm's model does not have: (field, required value).
+_REQUIRED = (
+    ("arch", "huginn"), ("apply_rmsnorm", True), ("swiglu", True), ("qknorm", False), ("apply_attn_gate", False),
+    ("attn_act_func", "softmax"), ("scale_emb", False), ("num_experts", 0),
+    ("num_values", 0), ("layernorm_num_groups", 1), ("norm_affine", True), ("huginn_hierarchical_state", "none"),
+)
+
+
+def _refuse(message: str) -> CheckpointError:
+    return CheckpointError(message)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise _refuse(f"{path.parent}: no {path.name}; not an xllm-loop release folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _refuse(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise _refuse(f"{path} does not hold a JSON object")
+    return data
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _inside(src: Path, name: str) -> Path:
+    """`src / name` for a relative path that stays inside src."""
+    if not isinstance(name, str) or not name or name.startswith("/") or ".." in Path(name).parts:
+        raise _refuse(f"{src}: file name {name!r} points outside the folder")
+    return src / name
+
+
+# -- the folder: pickles, manifest, tensors ---------------------------------------------------------
+def _refuse_pickles(src: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
+            raise _refuse(f"{src}: {path.relative_to(src)} is a pickle file; looplm convert reads only "
+                          "safetensors and never unpickles (remove it or convert it to safetensors first)")
+
+
+def _verify_manifest(src: Path) -> dict | None:
+    """Check artifact_manifest.json when present: its own digest and every listed file's size and
+    SHA-256. Returns the manifest (None without one)."""
+    path = src / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = _read_json(path)
+    records = manifest.get("files")
+    if not isinstance(records, list):
+        raise _refuse(f"{path}: no 'files' list")
+    if "manifest_sha256" in manifest:
+        payload = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        if digest != manifest["manifest_sha256"]:
+            raise _refuse(f"{path}: manifest_sha256 mismatch (the manifest was edited or damaged)")
+    for record in records:
+        if not isinstance(record, dict) or "path" not in record or "sha256" not in record:
+            raise _refuse(f"{path}: a file record lacks 'path' or 'sha256'")
+        f = _inside(src, record["path"])
+        if not f.is_file():
+            raise _refuse(f"{src}: {record['path']} is listed in {MANIFEST} but missing")
+        if "size_bytes" in record and f.stat().st_size != record["size_bytes"]:
+            raise _refuse(f"{src}: {record['path']} has the wrong size (manifest: {record['size_bytes']} bytes)")
+        if _sha256(f) != record["sha256"]:
+            raise _refuse(f"{src}: {record['path']} does not match {MANIFEST} (SHA-256 mismatch)")
+    return manifest
+
+
+def _covered(src: Path, manifest: dict | None, names: list[str]) -> None:
+    """With a manifest, every file the conversion reads must be one it verified."""
+    if manifest is None:
+        return
+    listed = {r["path"] for r in manifest["files"]}
+    unlisted = [n for n in names if n not in listed]
+    if unlisted:
+        raise _refuse(f"{src}: {unlisted[0]} is read but not listed in {MANIFEST}")
+
+
+def _shard_map(src: Path) -> dict[str, str]:
+    """tensor name -> shard file, from the index (or one model.safetensors)."""
+    if (src / INDEX).is_file():
+        weight_map = _read_json(src / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise _refuse(f"{src / INDEX}: no 'weight_map'")
+        for shard in set(weight_map.values()):
+            if not str(shard).endswith(".safetensors"):
+                raise _refuse(f"{src / INDEX}: shard {shard!r} is not a .safetensors file")
+            _inside(src, shard)
+        return dict(weight_map)
+    if (src / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(src / SINGLE), "pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+    raise _refuse(f"{src}: no {INDEX} or {SINGLE}")
+
+
+def _load_tensors(src: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = src / shard
+        if not path.is_file():
+            raise _refuse(f"{src}: shard {shard} named in {INDEX} is missing")
+        try:
+            tensors = load_file(str(path))
+        except Exception as err:  # safetensors raises its own error types
+            raise _refuse(f"{src}: cannot read {shard} ({err})") from None
+        expected = {k for k, v in weight_map.items() if v == shard}
+        if set(tensors) != expected:
+            extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+            raise _refuse(f"{src}: {shard} does not hold the tensors {INDEX} assigns it "
+                          f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        state.update(tensors)
+    return state
+
+
+# -- config ------------------------------------------------------------------------------------------
+def _field(model: dict, name: str):
+    return model.get(name, _DEFAULTS[name])
+
+
+@dataclasses.dataclass
+class _Release:
+    """What the conversion needs from the release's model fields."""
+
+    cfg: ModelConfig
+    n_layers: int
+    scheme: str  # diagonal | linear
+    prelude_norm: bool
+    linear_bias: bool
+    state_init: str
+    fields: dict
+
+
+def _scheme(model: dict) -> tuple[str, str, bool, bool]:
+    """(looplm injection, release injection kind, prelude norm, exit norm) of the release fields."""
+    kind = _field(model, "huginn_input_injection")
+    if kind == "none":
+        raise _refuse("huginn_input_injection 'none' (no injection) has no looplm equivalent")
+    if kind not in ("diagonal", "linear"):
+        raise _refuse(f"unknown huginn_input_injection {kind!r}")
+    controlled = bool(_field(model, "huginn_depth_control"))
+    # Plain Huginn (no depth control) always builds the diagonal injection and neither norm.
+    prelude_norm = controlled and _field(model, "huginn_prelude_norm") == "rms"
+    exit_norm = controlled and _field(model, "huginn_recurrent_exit_norm") == "parameterless_rms"
+    ortho = controlled and bool(_field(model, "huginn_prelude_orthogonal"))
+    if controlled and _field(model, "huginn_prelude_norm") not in ("none", "rms"):
+        raise _refuse(f"unknown huginn_prelude_norm {_field(model, 'huginn_prelude_norm')!r}")
+    if controlled and _field(model, "huginn_recurrent_exit_norm") not in ("none", "parameterless_rms"):
+        raise _refuse(f"unknown huginn_recurrent_exit_norm {_field(model, 'huginn_recurrent_exit_norm')!r}")
+    if not controlled or kind == "diagonal":
+        kind = "diagonal"
+    if kind == "linear":
+        if prelude_norm or not exit_norm:
+            raise _refuse("looplm's huginn-linear injection has the parameter-free exit norm and no prelude norm; "
+                          "this linear-injection config differs")
+        return "huginn-linear", kind, False, True
+    if exit_norm:
+        raise _refuse("a recurrent exit norm with the diagonal injection has no looplm equivalent")
+    if ortho and prelude_norm:
+        raise _refuse("OrthoInj with a prelude norm has no looplm equivalent")
+    if ortho:
+        return "ortho", kind, False, False
+    return ("parcae-decay" if prelude_norm else "parcae-nonorm"), kind, prelude_norm, False
+
+
+def _release(config: dict, tokenizer_vocab: int) -> _Release:
+    model = config.get("model")
+    if not isinstance(model, dict):
+        raise _refuse("config.json has no 'model' section")
+    for name, want in _REQUIRED:
+        if _field(model, name) != want:
+            raise _refuse(f"config.json model.{name} = {_field(model, name)!r}: looplm converts only {name} = {want!r}")
+    if _field(model, "residual_func") not in ("base", "add"):  # both: out = h + residual
+        raise _refuse(f"config.json model.residual_func = {_field(model, 'residual_func')!r}: looplm converts "
+                      "only the plain residual (base)")
+    d, heads = int(_field(model, "model_dim")), int(_field(model, "num_heads"))
+    kv = int(_field(model, "num_kv_heads") or heads)
+    head_dim = int(_field(model, "head_dim") or d // heads)
+    if head_dim * heads != d:
+        raise _refuse(f"head_dim {head_dim} x num_heads {heads} != model_dim {d}: looplm derives head_dim = d / heads")
+    if _field(model, "v_head_dim") not in (None, head_dim):
+        raise _refuse(f"v_head_dim {_field(model, 'v_head_dim')} != head_dim {head_dim} has no looplm equivalent")
+    if _field(model, "rope_head_dim") not in (None, head_dim):
+        raise _refuse(f"rope_head_dim {_field(model, 'rope_head_dim')} != head_dim {head_dim}: "
+                      "looplm rotates whole heads")
+    vocab = int(_field(model, "vocab_size"))
+    vocab = tokenizer_vocab if vocab == -1 else vocab
+    if _field(model, "output_size") not in (-1, vocab):
+        raise _refuse(f"output_size {_field(model, 'output_size')} != vocab_size {vocab} has no looplm equivalent")
+    n_layers = int(_field(model, "num_layers"))
+    n_prelude, n_coda = int(_field(model, "huginn_prelude_layers")), int(_field(model, "huginn_coda_layers"))
+    n_core = _field(model, "huginn_recurrent_layers")
+    n_core = n_layers - n_prelude - n_coda if n_core is None else int(n_core)
+    if n_prelude + n_core + n_coda != n_layers or n_core < 1:
+        raise _refuse(f"prelude {n_prelude} + core {n_core} + coda {n_coda} layers != num_layers {n_layers}")
+    injection, kind, prelude_norm, _ = _scheme(model)
+    max_depth = max(64, int(_field(model, "loop_times")), int(_field(model, "huginn_poisson_lognormal_max")))
+    cfg = ModelConfig(
+        vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=int(_field(model, "ffn_hidden_dim")),
+        n_prelude=n_prelude, n_core=n_core, n_coda=n_coda, max_seq_len=RELEASE_MAX_SEQ_LEN, injection=injection,
+        rope_base=float(_field(model, "rope_base")), norm_eps=float(_field(model, "rmsnorm_eps")),
+        ortho_eps=float(_field(model, "huginn_ortho_projection_eps")), max_depth=max_depth,
+    )
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise _refuse(f"config.json model section gives an invalid looplm shape: {err}") from None
+    return _Release(cfg, n_layers, kind, prelude_norm, bool(_field(model, "apply_bias_term")),
+                    str(_field(model, "huginn_state_init")), model)
+
+
+def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
+    """The release model's state-dict names and shapes for these fields."""
+    c = rel.cfg
+    d, hd, f = c.d_model, c.head_dim, c.ffn_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, d),
+                                          "output.final_norm.weight": (d,), "output.output.weight": (c.vocab_size, d)}
+    for i in range(rel.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attention.norm.weight": (d,), p + "attention.wq.weight": (c.n_heads * hd, d),
+            p + "attention.wk.weight": (c.n_kv_heads * hd, d), p + "attention.wv.weight": (c.n_kv_heads * hd, d),
+            p + "attention.wo.weight": (d, c.n_heads * hd), p + "nffn.norm.weight": (d,),
+            p + "nffn.fc1.weight": (f, d), p + "nffn.fc3.weight": (f, d), p + "nffn.fc2.weight": (d, f),
+        })
+    if rel.scheme == "linear":
+        shapes["input_injection.adapter.weight"] = (d, 2 * d)
+        if rel.linear_bias:
+            shapes["input_injection.adapter.bias"] = (d,)
+    else:
+        shapes.update({"input_injection.input_adapter.weight": (d, d), "input_injection.A_log": (d,),
+                       "input_injection.dt_bias": (d,)})
+    if rel.prelude_norm:
+        shapes["huginn_prelude_norm_module.weight"] = (d,)
+    return shapes
+
+
+# -- tensors -----------------------------------------------------------------------------------------
+def interleaved_to_half_split(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Permute the output rows of a q/k projection [n_heads*head_dim, d] per head so that the rows
+    (2j, 2j+1) that interleaved RoPE rotates together become (j, j + head_dim/2), the pair that
+    half-split RoPE rotates with the same frequency j. Scores q.k are unchanged (both permuted)."""
+    perm = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    return w.reshape(n_heads, head_dim, -1)[:, perm].reshape(n_heads * head_dim, -1)
+
+
+def _map_state(state: dict[str, torch.Tensor], rel: _Release, norm_offset: float) -> dict[str, torch.Tensor]:
+    """Release state dict (float32) -> looplm LoopedLM state dict (float32)."""
+    c, hd = rel.cfg, rel.cfg.head_dim
+    out = {"embed.weight": state["embed.weight"], "norm.weight": state["output.final_norm.weight"] + norm_offset,
+           "head.weight": state["output.output.weight"]}
+    blocks = [f"prelude.{i}" for i in range(c.n_prelude)] + [f"core.{i}" for i in range(c.n_core)] + \
+             [f"coda.{i}" for i in range(c.n_coda)]
+    for i, name in enumerate(blocks):  # physical layer order: prelude, core, coda
+        p = f"layers.{i}."
+        out.update({
+            f"{name}.attn_norm.weight": state[p + "attention.norm.weight"] + norm_offset,
+            f"{name}.attn.wq.weight": interleaved_to_half_split(state[p + "attention.wq.weight"], c.n_heads, hd),
+            f"{name}.attn.wk.weight": interleaved_to_half_split(state[p + "attention.wk.weight"], c.n_kv_heads, hd),
+            f"{name}.attn.wv.weight": state[p + "attention.wv.weight"],
+            f"{name}.attn.wo.weight": state[p + "attention.wo.weight"],
+            f"{name}.ffn_norm.weight": state[p + "nffn.norm.weight"] + norm_offset,
+            f"{name}.ffn.w1.weight": state[p + "nffn.fc1.weight"],  # SwiGLU gate: silu(fc1 x) * fc3 x
+            f"{name}.ffn.w3.weight": state[p + "nffn.fc3.weight"],
+            f"{name}.ffn.w2.weight": state[p + "nffn.fc2.weight"],
+        })
+    d = c.d_model
+    if rel.scheme == "linear":  # W [s; e] + b  ->  A_state s + (A_input e + b)
+        w = state["input_injection.adapter.weight"]
+        out["injection.A_state.weight"] = w[:, :d]
+        out["injection.A_input.weight"] = w[:, d:]
+        out["injection.A_input.bias"] = state.get("input_injection.adapter.bias", torch.zeros(d))
+    else:  # same parametrisation: dt = softplus(dt_bias) = softplus(dt_raw), a = exp(A_log)
+        out["injection.W.weight"] = state["input_injection.input_adapter.weight"]
+        out["injection.dt_raw"] = state["input_injection.dt_bias"]
+        out["injection.A_log"] = state["input_injection.A_log"]
+        if rel.prelude_norm:
+            out["injection.prelude_norm.weight"] = state["huginn_prelude_norm_module.weight"] + norm_offset
+    return out
+
+
+# -- tokenizer ---------------------------------------------------------------------------------------
+def _special_name(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _tokenizer(src: Path, config: dict):
+    """The release tokenizer as a looplm BPETokenizer with the release's eos/pad names.
+    Returns (tokenizer, files read, note)."""
+    from looplm.data.tokenizer import BPETokenizer
+
+    section = config.get("tokenizer")
+    if not isinstance(section, dict) or section.get("type") != "huggingface":
+        raise _refuse("config.json has no huggingface 'tokenizer' section; looplm checkpoints need the tokenizer")
+    folder = str(section.get("path") or TOKENIZER_DIR)
+    if Path(folder).is_absolute() or ".." in Path(folder).parts:
+        folder = TOKENIZER_DIR  # a path on the training machine: the artifact holds it under tokenizer/
+    tok_dir = src / folder
+    read = [f"{folder}/tokenizer.json"]
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise _refuse(f"{src}: no {folder}/tokenizer.json")
+    names: dict[str, str | None] = {"eos_token": None, "pad_token": None}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (tok_dir / fname).is_file():
+            read.append(f"{folder}/{fname}")
+            data = _read_json(tok_dir / fname)
+            for key in names:
+                names[key] = names[key] or _special_name(data.get(key))
+    if names["eos_token"] is None:
+        raise _refuse(f"{tok_dir}: no eos_token in special_tokens_map.json or tokenizer_config.json")
+    note = None
+    if names["pad_token"] is None:
+        names["pad_token"], note = names["eos_token"], "no pad_token in the release tokenizer: padding uses eos"
+    try:
+        tok = BPETokenizer.from_file(tok_dir / "tokenizer.json", names["eos_token"], names["pad_token"])
+    except ValueError as err:
+        raise _refuse(str(err)) from None
+    return tok, read, note
+
+
+# -- job dict ----------------------------------------------------------------------------------------
+def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str) -> dict:
+    """config.json as a looplm training run of this model would write it (TrainJob.resolved().to_dict())."""
+    from looplm.depth.config import DepthConfig, LearnedPriorConfig
+    from looplm.train.config import job_preset
+
+    scheme = _field(model, "huginn_sampling_scheme")
+    window = _field(model, "huginn_backprop_depth")
+    window = None if window is None else int(window)
+    if _field(model, "huginn_depth_prior") == "learned":
+        depth = DepthConfig(sampler="learned", depth=float(_field(model, "huginn_poisson_lognormal_target_mean")),
+                            sigma=float(_field(model, "huginn_poisson_lognormal_sigma")),
+                            cap=int(_field(model, "huginn_poisson_lognormal_max")), bptt_window=window,
+                            learned=LearnedPriorConfig(
+                                entropy_weight=float(_field(model, "huginn_depth_prior_entropy"))))
+    elif scheme == "poisson-lognormal-capped":
+        depth = DepthConfig(sampler="pln", depth=float(_field(model, "huginn_poisson_lognormal_target_mean")),
+                            sigma=float(_field(model, "huginn_poisson_lognormal_sigma")),
+                            cap=int(_field(model, "huginn_poisson_lognormal_max")), bptt_window=window)
+    else:
+        depth = DepthConfig(sampler="fixed", depth=float(_field(model, "loop_times")), bptt_window=window)
+    job = job_preset("S")
+    job = dataclasses.replace(
+        job, model=cfg, depth=depth,
+        data=dataclasses.replace(job.data, tokenizer=tokenizer_path, bpe_vocab_size=cfg.vocab_size,
+                                 seq_len=min(job.data.seq_len, cfg.max_seq_len)),
+    )
+    return job.resolved().to_dict()
+
+
+# -- entry point -------------------------------------------------------------------------------------
+def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_offset: float = 1.0) -> Path:
+    """Convert the xllm-loop release folder `src` into the looplm checkpoint folder `out` (new or empty).
+
+    `dtype` of the written weights: 'fp32' (default, exact: every BF16 value and BF16 + 1 is an FP32
+    value) or 'bf16' (the norm gains weight + 1 are then rounded). `norm_offset` is added to the
+    stored RMSNorm weights (the release stores gain - 1). Raises CheckpointError (a ValueError) with
+    a one-line reason for anything it cannot convert exactly.
+    """
+    src, out = Path(src), Path(out)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose fp32 or bf16")
+    if not src.is_dir():
+        raise _refuse(f"no release folder at {src}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise _refuse(f"{out} exists and is not empty; choose a new output folder")
+    if out.resolve() == src.resolve():
+        raise _refuse("the output folder must differ from the source folder")
+    _refuse_pickles(src)
+    manifest = _verify_manifest(src)
+    config = _read_json(src / "config.json")
+    tokenizer, tok_files, tok_note = _tokenizer(src, config)
+    rel = _release(config, tokenizer.vocab_size)
+    if tokenizer.vocab_size != rel.cfg.vocab_size:
+        raise _refuse(f"the release tokenizer has {tokenizer.vocab_size} tokens, the model {rel.cfg.vocab_size}")
+    weight_map = _shard_map(src)
+    _covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
+                             *sorted(set(weight_map.values())), *tok_files])
+
+    expected = _expected_shapes(rel)
+    unknown = sorted(set(weight_map) - set(expected))
+    missing = sorted(set(expected) - set(weight_map))
+    if unknown:
+        raise _refuse(f"{src}: unknown tensor {unknown[0]} ({len(unknown)} unknown): not a {rel.cfg.injection} "
+                      f"looped model of this config")
+    if missing:
+        raise _refuse(f"{src}: missing tensor {missing[0]} ({len(missing)} missing)")
+    state = _load_tensors(src, weight_map)
+    for key, shape in expected.items():
+        t = state[key]
+        if tuple(t.shape) != shape:
+            raise _refuse(f"{src}: {key} has shape {tuple(t.shape)}, config.json implies {shape}")
+        if not t.is_floating_point():
+            raise _refuse(f"{src}: {key} is {t.dtype}, expected a floating-point tensor")
+    mapped = _map_state({k: state[k].float() for k in expected}, rel, norm_offset)
+    target = DTYPES[dtype]
+    mapped = {k: v.to(target).contiguous() for k, v in mapped.items()}
+    job = _job_dict(rel.cfg, rel.fields, str(out.resolve()))  # the checkpoint folder holds the tokenizer
+    provenance = {
+        "from": "xllm-loop", "source": str(src.resolve()),
+        "manifest_sha256": manifest.get("manifest_sha256") if manifest else None,
+        "manifest_verified": manifest is not None, "dtype": str(target).removeprefix("torch."),
+        "norm_offset": norm_offset, "rope": "interleaved pairs permuted to half-split",
+        "release_state_init": rel.state_init, "release_loop_times": int(_field(rel.fields, "loop_times")),
+        "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
+        "notes": [n for n in (tok_note,) if n] + [
+            "evaluation state: the release seeds s0 with its own hash (identity_recurrent_state); looplm's "
+            "init='seeded' draws a different N(0, 1/d) state, so seeded evaluations match only in distribution"],
+    }
+
+    def populate(tmp: Path) -> None:
+        save_tensors(tmp, "model.safetensors", mapped)
+        write_json(tmp, "config.json", job)
+        write_json(tmp, "conversion.json", provenance)
+        tokenizer.save(tmp)
+
+    if out.is_dir():
+        out.rmdir()  # empty (checked above): write_atomic renames the finished folder into place
+    return write_atomic(out, populate)

@@ -1,0 +1,83 @@
+"""`export(checkpoint, out)`: a looplm checkpoint as a transformers model folder.
+
+The folder holds config.json (`LoopedLMConfig`), model.safetensors and the tokenizer files of a
+`PreTrainedTokenizerFast`, so `AutoModelForCausalLM.from_pretrained(out)` and
+`AutoTokenizer.from_pretrained(out)` load it offline (after `import looplm`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character standing for each byte 0..255 in byte-level vocabularies: printable
+    Latin-1 bytes stand for themselves, the others are shifted to 256, 257, ... in byte order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    symbols, shift = [], 0
+    for b in range(256):
+        if b in keep:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(256 + shift))
+            shift += 1
+    return symbols
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A fast tokenizer equal to looplm's ByteTokenizer: ids 0..255 are the UTF-8 bytes, 256 `<eos>`,
+    257 `<pad>`; no special token is added and left padding is the default."""
+    vocab = {symbol: b for b, symbol in enumerate(_byte_symbols())}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
+    assert backend.token_to_id(EOS_TOKEN) == 256 and backend.token_to_id(PAD_TOKEN) == 257
+    return _wrap(backend, 256, 257)
+
+
+def _wrap(backend: HFTokenizer, eos_id: int, pad_id: int) -> PreTrainedTokenizerFast:
+    # split_special_tokens: a literal "<eos>" in text stays text, as in looplm's tokenizers.
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=backend.id_to_token(eos_id),
+                                   pad_token=backend.id_to_token(pad_id), padding_side="left",
+                                   split_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    """The transformers tokenizer of a looplm tokenizer (byte or BPE)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return byte_tokenizer()
+    if isinstance(tokenizer, BPETokenizer):
+        return _wrap(HFTokenizer.from_str(tokenizer.canonical_description()), tokenizer.eos_id, tokenizer.pad_id)
+    raise ValueError(f"cannot export tokenizer {tokenizer!r}: expected a looplm ByteTokenizer or BPETokenizer")
+
+
+def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
+           prefill_steps: int | None = None, cache_kind: str = "terminal") -> Path:
+    """Write the looplm checkpoint (a checkpoint or run folder) as a transformers folder `out`;
+    `num_steps` (default 5), `prefill_steps` and `cache_kind` become the config's generation defaults."""
+    import torch
+
+    from looplm.checkpoint import load_model
+    from looplm.hf.modeling import LoopedLMForCausalLM
+
+    model, tokenizer, _ = load_model(checkpoint)
+    fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind}
+    if num_steps is not None:
+        fields["num_steps"] = num_steps
+    hf = LoopedLMForCausalLM.from_looplm(model, tokenizer, dtype=next(model.parameters()).dtype, **fields)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        hf.save_pretrained(out)
+    hf_tokenizer(tokenizer).save_pretrained(out)
+    (out / "looplm_export.json").write_text(json.dumps({"source": str(Path(checkpoint).resolve()),
+                                                       "tokenizer": tokenizer.name}, indent=1) + "\n")
+    return out

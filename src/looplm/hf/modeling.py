@@ -1,0 +1,341 @@
+"""`LoopedLMForCausalLM`: a transformers causal-LM adapter over `looplm.model.LoopedLM`.
+
+Thin on purpose: a forward without a cache is `LoopedLM.forward` (autograd, labels), a forward
+with a `LoopedCache` is `looplm.infer.extend` against a looplm terminal (or full) KV cache, so
+`model.generate(...)` prefills at `prefill_steps` and decodes every token at `num_steps`
+recurrences exactly like `looplm.infer.generate.generate`.
+
+The initial recurrent state is always the "seeded" one: a hash of (example id, position) with
+example ids 0..B-1 (the batch row), as in looplm's own generation, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from looplm.hf.configuration import CACHE_KINDS, LoopedLMConfig
+from looplm.infer.cache import KVCache, make_cache
+from looplm.infer.extend import extend
+from looplm.model import LoopedLM
+
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+class LoopedCache(Cache):
+    """A transformers `Cache` holding one looplm KV cache (`TerminalCache` or `FullCache`).
+
+    The looplm cache is preallocated at the first forward, when the batch size is known:
+    `max_len` tokens (default: the model context), for `kind` "terminal" or "full" (default: the
+    call's `cache_kind`, else the config's). It also remembers each row's left padding, taken from
+    the prompt's attention mask. Beam reordering, cropping and batch expansion are not supported."""
+
+    def __init__(self, kind: str | None = None, max_len: int | None = None):
+        super().__init__(layers=[])
+        if kind is not None and kind not in CACHE_KINDS:
+            raise ValueError(f"unknown cache kind {kind!r}; choose terminal or full")
+        self.kind, self.max_len = kind, max_len
+        self.inner: KVCache | None = None
+        self.pad: torch.Tensor | None = None  # [B] left-padding tokens per row
+
+    def allocate(self, config: LoopedLMConfig, batch: int, depth: int, kind: str, device, dtype) -> None:
+        kind = self.kind or kind
+        max_len = self.max_len or config.max_seq_len
+        self.inner = make_cache(kind, config.to_model_config(), batch, max_len, depth, device=device, dtype=dtype)
+        self.kind = kind
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.inner is None else self.inner.batch
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.inner is None else self.inner.length
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1 if self.inner is None else self.inner.max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.inner is None else self.inner.nbytes
+
+    def reset(self) -> None:
+        self.inner, self.pad = None, None
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"LoopedCache does not support {what} (looplm supports greedy and sampled "
+                                  "generation only: no beam search, assisted or contrastive decoding)")
+
+    def update(self, *args, **kwargs):
+        self._unsupported("per-layer update(); it is written by looplm.infer.extend")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("beam reordering")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("cropping")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._unsupported("batch expansion")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch selection")
+
+    def __repr__(self) -> str:
+        return f"LoopedCache(kind={self.kind!r}, length={self.get_seq_length()}, max_len={self.get_max_length()})"
+
+
+def left_padding(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+    """Left-padding counts [B] from a 2D 0/1 attention mask [B, L], or None when there is none.
+    Raises ValueError for masks that are not left padding (zeros, then ones)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim != 2 or tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must be 2D with the shape of input_ids {tuple(shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    real = attention_mask.bool()
+    B, L = real.shape
+    pad = L - real.sum(1)
+    if not torch.equal(real, torch.arange(L, device=real.device)[None, :] >= pad[:, None]):
+        raise ValueError("looplm supports left padding only: each attention_mask row must be zeros, then ones "
+                         "(use padding_side='left')")
+    if bool((pad == L).any()):
+        raise ValueError("an attention_mask row has no real token")
+    return pad if bool(pad.any()) else None
+
+
+class LoopedLMPreTrainedModel(PreTrainedModel):
+    config_class = LoopedLMConfig
+    config: LoopedLMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        """LoopedLM initialises itself (design §1) when it is built; nothing to add here."""
+
+
+class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
+    """A looplm `LoopedLM` (the `model` submodule) as a transformers causal LM.
+
+    forward(input_ids, attention_mask, cache, labels, num_steps, ...) -> CausalLMOutputWithPast.
+    Generation kwargs (or config fields): `num_steps` (R_dec), `prefill_steps` (R_pre),
+    `cache_kind` ("terminal" | "full"), `exit_tau` / `min_depth` (adaptive decode depth).
+    """
+
+    def __init__(self, config: LoopedLMConfig, model: LoopedLM | None = None):
+        super().__init__(config)
+        cfg = config.to_model_config()
+        if model is not None and model.cfg != cfg:
+            raise ValueError(f"the LoopedLM's config {model.cfg} does not match the HF config {cfg}")
+        self.model = model if model is not None else LoopedLM(cfg)
+        self.post_init()
+
+    @classmethod
+    def from_looplm(cls, model: LoopedLM, tokenizer=None, **kwargs) -> "LoopedLMForCausalLM":
+        """Wrap an existing LoopedLM (shares its parameters); `kwargs` set config fields (num_steps=...)."""
+        if tokenizer is not None:
+            kwargs.setdefault("eos_token_id", tokenizer.eos_id)
+            kwargs.setdefault("pad_token_id", tokenizer.pad_id)
+        config = LoopedLMConfig.from_model_config(model.cfg, **kwargs)
+        return cls(config, model=model)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As `PreTrainedModel.from_pretrained`, but weights missing from the checkpoint (or of the
+        wrong shape) are an error, never a random initialisation."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = sorted(info.get("missing_keys") or [])
+        mismatched = list(info.get("mismatched_keys") or [])
+        if missing or mismatched:
+            raise ValueError(f"{args[0] if args else ''}: the checkpoint does not hold every weight of the looplm "
+                             f"model (missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                             f"wrong shape {mismatched[:3]})")
+        return (model, info) if want_info else model
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value):
+        self.model.embed = value
+
+    def get_output_embeddings(self):
+        return self.model.head
+
+    def set_output_embeddings(self, value):
+        self.model.head = value
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _depth(self, name: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.config.max_depth:
+            raise ValueError(f"{name} must be an int in 1..max_depth={self.config.max_depth}, got {value!r}")
+        return value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: LoopedCache | None = None,
+        labels: torch.LongTensor | None = None,
+        num_steps: int | None = None,
+        prefill_steps: int | None = None,
+        cache_kind: str | None = None,
+        exit_tau: float | None = None,
+        min_depth: int | None = None,
+        example_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: LoopedCache | None = None,
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits [B, L, V] (fp32) at `num_steps` recurrences (default config.num_steps).
+
+        `attention_mask` [B, L]: left padding only (zeros, then ones); padded rows match the same
+        prompt unpadded. `labels` [B, L]: mean next-token cross-entropy (shifted inside, -100
+        ignored). With a `LoopedCache` (`cache`, or its old name `past_key_values`) the tokens are
+        appended to it through `looplm.infer.extend` (no autograd): the first chunk of an empty
+        cache runs at `prefill_steps` (default num_steps), later ones at `num_steps`.
+        `example_ids` [B] seed each row's initial state (default 0..B-1).
+        """
+        if inputs_embeds is not None:
+            raise ValueError("looplm takes input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        if output_attentions or output_hidden_states:
+            raise ValueError("looplm does not return attentions or hidden states")
+        if return_dict is False:
+            raise ValueError("looplm returns a CausalLMOutputWithPast only (return_dict=False is not supported)")
+        if cache is None:
+            cache = past_key_values
+        elif past_key_values is not None:
+            raise ValueError("pass either cache or past_key_values, not both")
+        if cache is not None and not isinstance(cache, LoopedCache):
+            raise ValueError(f"looplm needs a looplm.hf.LoopedCache, got {type(cache).__name__}")
+        cfg = self.config
+        depth = self._depth("num_steps", cfg.num_steps if num_steps is None else num_steps)
+        pre = prefill_steps if prefill_steps is not None else cfg.prefill_steps
+        pre = depth if pre is None else self._depth("prefill_steps", pre)
+        kind = cache_kind or cfg.cache_kind
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"unknown cache_kind {kind!r}; choose terminal or full")
+        tau = cfg.exit_tau if exit_tau is None else exit_tau
+        low = cfg.min_depth if min_depth is None else min_depth
+        B, n = input_ids.shape
+        if example_ids is None:
+            example_ids = torch.arange(B, device=input_ids.device)
+
+        if cache is None:
+            pad = left_padding(attention_mask, (B, n))
+            positions = doc_ids = None
+            if pad is not None:
+                idx = torch.arange(n, device=input_ids.device)[None, :]
+                positions = (idx - pad[:, None]).clamp(min=0)
+                doc_ids = (idx >= pad[:, None]).long()  # padding and real tokens never see each other
+            logits = self.model(input_ids, depth, doc_ids=doc_ids, positions=positions, init="seeded",
+                                example_ids=example_ids).logits
+        else:
+            logits = self._extend(input_ids, attention_mask, cache, depth, pre, kind, tau, low, example_ids)
+
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
+                                 f"got {tuple(labels.shape)}")
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                   ignore_index=-100)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def _extend(self, input_ids, attention_mask, cache: LoopedCache, depth, pre, kind, tau, low, example_ids):
+        B, n = input_ids.shape
+        if cache.inner is None:  # the prompt: allocate the looplm cache and prefill
+            cache.allocate(self.config, B, max(depth, pre), kind, input_ids.device, self.model.embed.weight.dtype)
+            cache.pad = left_padding(attention_mask, (B, n))
+            run_depth, tau = pre, None
+        else:
+            c = cache.inner.length
+            if B != cache.inner.batch:
+                raise ValueError(f"the cache holds {cache.inner.batch} rows, input_ids has {B}")
+            if attention_mask is not None:
+                if tuple(attention_mask.shape) != (B, c + n):
+                    raise ValueError(f"attention_mask must cover the {c} cached and {n} new tokens, "
+                                     f"got shape {tuple(attention_mask.shape)}")
+                if not bool(attention_mask[:, c:].bool().all()):
+                    raise ValueError("tokens appended to a cache cannot be padding")
+                old = left_padding(attention_mask[:, :c], (B, c)) if c else None
+                if (old is None) != (cache.pad is None) or (old is not None and not torch.equal(old, cache.pad)):
+                    raise ValueError("the attention_mask does not match the padding the cache was filled with")
+            run_depth = depth
+        if cache.inner.length + n > cache.inner.max_len:
+            raise ValueError(f"{cache.inner.length} cached + {n} new tokens exceed the cache length "
+                             f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})")
+        if tau is not None and cache.inner.mode != "terminal":
+            raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
+        if tau is not None and low > run_depth:
+            raise ValueError(f"min_depth {low} exceeds the decode depth {run_depth}")
+        return extend(self.model, input_ids, cache.inner, run_depth, example_ids=example_ids, pad=cache.pad,
+                      exit_tau=tau, min_depth=low)
+
+    # -- generate ---------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        if generation_mode not in SUPPORTED_MODES or generation_config.num_beams > 1:
+            raise ValueError(f"looplm generate supports greedy search and sampling only, not {generation_mode} "
+                             f"(num_beams={generation_config.num_beams}); use num_beams=1 and no assistant, "
+                             "contrastive or DoLa decoding")
+        if generation_config.prefill_chunk_size is not None:
+            raise ValueError("looplm generate does not support prefill_chunk_size (the prompt is prefilled at once)")
+        if generation_config.cache_implementation is not None:
+            raise ValueError("looplm uses its own cache; choose it with cache_kind='terminal' or 'full', "
+                             f"not cache_implementation={generation_config.cache_implementation!r}")
+        user = model_kwargs.get("cache")
+        if user is not None:
+            if not isinstance(user, LoopedCache):
+                raise ValueError(f"looplm needs a looplm.hf.LoopedCache, got {type(user).__name__}")
+            if user.inner is not None:
+                raise ValueError("looplm generate needs an empty LoopedCache (it cannot continue a filled one)")
+            user._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return  # every step re-runs the whole sequence natively (same tokens as the full cache)
+        if max_cache_length > self.config.max_seq_len:
+            raise ValueError(f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
+                             f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens")
+        model_kwargs["cache"] = LoopedCache(model_kwargs.get("cache_kind"), max_len=max_cache_length)
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        if inputs_embeds is not None:
+            raise ValueError("looplm generate takes input_ids, not inputs_embeds")
+        if isinstance(cache, LoopedCache) and cache.inner is not None:
+            input_ids = input_ids[:, cache.inner.length:]  # only what the cache lacks
+        elif next_sequence_length is not None:
+            input_ids = input_ids[:, -next_sequence_length:]
+        if self.device.type != "meta" and input_ids.device != self.device:  # inputs follow the model
+            input_ids = input_ids.to(self.device)
+            attention_mask = attention_mask.to(self.device) if attention_mask is not None else None
+        inputs = {"input_ids": input_ids.contiguous(), "attention_mask": attention_mask}
+        if cache is not None:
+            inputs["cache"] = cache
+        for key, value in kwargs.items():
+            if key not in ("labels", "next_sequence_length", "position_ids") and key not in inputs:
+                inputs[key] = value
+        return inputs

@@ -1,0 +1,342 @@
+"""Hugging Face Transformers integration (looplm.hf): export, from_pretrained, forward, generate, tokenizers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import looplm.infer.generate as looplm_generate  # noqa: E402
+from looplm import checkpoint as ckpt  # noqa: E402
+from looplm.cli import main  # noqa: E402
+from looplm.config import ModelConfig  # noqa: E402
+from looplm.data import BPETokenizer, ByteTokenizer  # noqa: E402
+from looplm.hf import LoopedCache, LoopedLMConfig, LoopedLMForCausalLM, export  # noqa: E402
+from looplm.infer.generate import SamplingConfig  # noqa: E402
+from looplm.model import LoopedLM  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+TOK = ByteTokenizer()
+PROMPTS = ["x", "a longer prompt", "mid size"]
+TEXTS = ["hello world", "  two  spaces\n\ttab", "ünïcödé 日本 🎉", "literal <eos> and <pad>", "a"]
+
+
+def write_checkpoint(path, model: LoopedLM, tokenizer) -> None:
+    """A looplm checkpoint folder (weights, job config, tokenizer, manifest) as load_model reads it."""
+
+    def populate(tmp):
+        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
+        ckpt.write_json(tmp, "config.json", {"model": model.cfg.to_dict()})
+        tokenizer.save(tmp)
+
+    ckpt.write_atomic(path, populate)
+
+
+def tiny_model(vocab_size=258, **fields) -> LoopedLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=48,
+                      max_depth=16, **fields)
+    return LoopedLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(looplm model, exported folder) of a tiny byte-tokenizer checkpoint."""
+    root = tmp_path_factory.mktemp("hf")
+    model = tiny_model()
+    write_checkpoint(root / "ckpt", model, TOK)
+    export(root / "ckpt", root / "hf", num_steps=3)
+    return model, root / "hf"
+
+
+@pytest.fixture(scope="module")
+def hf_model(exported):
+    return AutoModelForCausalLM.from_pretrained(exported[1]).eval()
+
+
+def padded_batch(prompts, tokenizer=TOK):
+    enc = [tokenizer.encode(p) for p in prompts]
+    L = max(map(len, enc))
+    ids = torch.tensor([[tokenizer.pad_id] * (L - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (L - len(e)) + [1] * len(e) for e in enc])
+    return ids, mask
+
+
+# -- export and from_pretrained ----------------------------------------------------------------------
+def test_export_writes_a_transformers_folder(exported):
+    _, out = exported
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "looplm" and config["num_steps"] == 3 and config["eos_token_id"] == 256
+    assert config["architectures"] == ["LoopedLMForCausalLM"]
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_round_trip_logits_equal_the_native_forward(exported, hf_model, depth):
+    model, _ = exported
+    assert isinstance(hf_model, LoopedLMForCausalLM) and hf_model.dtype == torch.float32
+    ids = torch.tensor([TOK.encode("hello looped world"), TOK.encode("another row of text")[:18]])
+    with torch.no_grad():
+        native = model(ids, depth, init="seeded").logits
+        got = hf_model(ids, num_steps=depth).logits
+    assert got.shape == native.shape
+    assert (got - native).abs().max() <= 1e-5
+
+
+def test_left_padding_in_the_parallel_forward(hf_model):
+    ids, mask = padded_batch(["abc", "a longer row"])
+    with torch.no_grad():
+        padded = hf_model(ids, attention_mask=mask, num_steps=3).logits
+        alone = hf_model(torch.tensor([TOK.encode("abc")]), num_steps=3).logits
+    assert (padded[0, -3:] - alone[0]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="left padding only"):
+        hf_model(ids, attention_mask=mask.flip(1), num_steps=3)
+
+
+def test_save_pretrained_again_keeps_identical_tensors(exported, hf_model, tmp_path):
+    _, out = exported
+    hf_model.save_pretrained(tmp_path)
+    first, second = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
+    assert first.keys() == second.keys() and len(first) == len(hf_model.model.state_dict())
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.config.to_model_config() == hf_model.config.to_model_config()
+
+
+def test_from_looplm_shares_the_parameters():
+    model = tiny_model()
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=2)
+    assert hf.model is model and hf.config.pad_token_id == TOK.pad_id
+    ids = torch.tensor([TOK.encode("shared")])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, model(ids, 2, init="seeded").logits)
+
+
+# -- generate --------------------------------------------------------------------------------------
+def looplm_greedy_ids(monkeypatch, model, prompts, **kw) -> list[list[int]]:
+    """Token ids chosen by looplm's own generate (recorded at its `choose`), cut at EOS."""
+    steps = []
+    choose = looplm_generate.choose
+
+    def record(logits, cfg, gen):
+        nxt = choose(logits, cfg, gen)
+        steps.append(nxt.tolist())
+        return nxt
+
+    monkeypatch.setattr(looplm_generate, "choose", record)
+    texts = looplm_generate.generate(model, TOK, prompts, **kw)
+    monkeypatch.undo()
+    rows = []
+    for i in range(len(prompts)):
+        row = [s[i] for s in steps]
+        rows.append(row[:row.index(TOK.eos_id)] if TOK.eos_id in row else row)
+    assert [TOK.decode(r) for r in rows] == texts
+    return rows
+
+
+def cut_at_eos(out, prompt_len):
+    rows = []
+    for row in out[:, prompt_len:].tolist():
+        rows.append(row[:row.index(TOK.eos_id)] if TOK.eos_id in row else row)
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_greedy_generate_equals_looplm_generate(exported, hf_model, monkeypatch, mode):
+    model, _ = exported
+    want = looplm_greedy_ids(monkeypatch, model, PROMPTS, depth=4, prefill_depth=2, cache_mode=mode,
+                             sampling=SamplingConfig(max_new_tokens=10))
+    ids, mask = padded_batch(PROMPTS)
+    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=4,
+                            prefill_steps=2, cache_kind=mode)
+    assert cut_at_eos(out, ids.shape[1]) == want
+
+
+def test_generate_with_config_defaults_and_without_cache(exported, hf_model, monkeypatch):
+    model, _ = exported
+    sampling = SamplingConfig(max_new_tokens=6)
+    terminal = looplm_greedy_ids(monkeypatch, model, PROMPTS, depth=3, cache_mode="terminal", sampling=sampling)
+    full = looplm_greedy_ids(monkeypatch, model, PROMPTS, depth=3, cache_mode="full", sampling=sampling)
+    ids, mask = padded_batch(PROMPTS)
+    cached = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6)  # config: num_steps 3, terminal
+    assert cut_at_eos(cached, ids.shape[1]) == terminal
+    # no cache: every step re-runs the sequence natively, which the full cache reproduces exactly
+    recomputed = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, use_cache=False)
+    assert cut_at_eos(recomputed, ids.shape[1]) == full
+
+
+def test_sampling_and_return_dict_in_generate(hf_model):
+    ids, mask = padded_batch(PROMPTS)
+
+    def sample():
+        torch.manual_seed(1)
+        return hf_model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True, top_k=20,
+                                 return_dict_in_generate=True, output_scores=True, num_steps=2)
+
+    a, b = sample(), sample()
+    assert torch.equal(a.sequences, b.sequences) and a.sequences.shape[0] == 3
+    assert len(a.scores) == a.sequences.shape[1] - ids.shape[1]
+    assert isinstance(a.cache, LoopedCache) and a.cache.get_seq_length() == a.sequences.shape[1] - 1
+
+
+def test_user_cache_and_text_generation_pipeline(exported, hf_model, monkeypatch):
+    ids, mask = padded_batch(PROMPTS)
+    own = hf_model.generate(ids, attention_mask=mask, max_new_tokens=4, cache=LoopedCache("full"))
+    assert torch.equal(own, hf_model.generate(ids, attention_mask=mask, max_new_tokens=4, cache_kind="full"))
+    from transformers import pipeline
+
+    generator = pipeline("text-generation", model=hf_model, tokenizer=AutoTokenizer.from_pretrained(exported[1]))
+    got = generator("hello", max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+    want = looplm_greedy_ids(monkeypatch, exported[0], ["hello"], depth=3, sampling=SamplingConfig(max_new_tokens=6))
+    assert got == TOK.decode(want[0])
+
+
+def test_adaptive_exit_with_tiny_tau_equals_fixed_depth(hf_model):
+    ids, mask = padded_batch(PROMPTS)
+    fixed = hf_model.generate(ids, attention_mask=mask, max_new_tokens=5, num_steps=4)
+    never = hf_model.generate(ids, attention_mask=mask, max_new_tokens=5, num_steps=4, exit_tau=1e-30)
+    assert torch.equal(fixed, never)
+    with pytest.raises(ValueError, match="terminal cache"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, exit_tau=0.1, cache_kind="full")
+
+
+def test_unsupported_generation_is_a_clear_error(hf_model):
+    ids, mask = padded_batch(PROMPTS)
+    with pytest.raises(ValueError, match="greedy search and sampling only"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2)
+    with pytest.raises(ValueError, match=r"num_steps must be an int in 1\.\.max_depth=16, got 0"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, num_steps=0)
+    with pytest.raises(ValueError, match="exceed the model context"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=60)
+    with pytest.raises(ValueError, match="own cache"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
+
+
+# -- forward: labels and errors ------------------------------------------------------------------------
+def test_labels_give_the_mean_shifted_cross_entropy(hf_model):
+    ids = torch.tensor([TOK.encode("the loss of a row"), TOK.encode("another loss row!")])
+    labels = ids.clone()
+    labels[1, :5] = -100
+    out = hf_model(ids, labels=labels, num_steps=2)
+    logits = out.logits.detach()
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    keep = labels[:, 1:] != -100
+    per_token = -logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert torch.allclose(out.loss, want, atol=1e-6) and torch.allclose(out.loss, per_token[keep].mean(), atol=1e-5)
+    out.loss.backward()
+    assert hf_model.model.head.weight.grad is not None
+    hf_model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("depth", [0, 17, 2.5])
+def test_depth_out_of_range(hf_model, depth):
+    with pytest.raises(ValueError, match=r"num_steps must be an int in 1\.\.max_depth=16"):
+        hf_model(torch.tensor([[1, 2, 3]]), num_steps=depth)
+
+
+def test_config_of_another_model_type_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32}))
+    with pytest.raises(ValueError, match="model_type 'gpt2', not 'looplm'"):
+        LoopedLMForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not 'looplm'"):
+        LoopedLMConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="cache_kind"):
+        LoopedLMConfig(cache_kind="paged")
+    with pytest.raises(ValueError, match="not divisible"):
+        LoopedLMConfig(d_model=30)
+
+
+def test_missing_weights_are_an_error(exported, tmp_path):
+    _, out = exported
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((out / name).read_bytes())
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights.pop("model.head.weight")
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['model.head.weight'\]"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_cache_misuse_is_an_error(hf_model):
+    cache = LoopedCache("terminal", max_len=16)
+    ids = torch.tensor([[1, 2, 3]])
+    hf_model(ids, cache=cache, num_steps=2)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError, match="holds 1 rows, input_ids has 2"):
+        hf_model(torch.tensor([[4], [5]]), cache=cache)
+    with pytest.raises(NotImplementedError, match="beam"):
+        cache.reorder_cache(torch.tensor([0]))
+    with pytest.raises(ValueError, match="LoopedCache"):
+        hf_model(ids, cache=object())
+
+
+# -- tokenizers ------------------------------------------------------------------------------------------
+def test_auto_tokenizer_matches_the_byte_tokenizer(exported):
+    tok = AutoTokenizer.from_pretrained(exported[1])
+    assert (tok.eos_token_id, tok.pad_token_id, len(tok), tok.padding_side) == (256, 257, 258, "left")
+    for text in TEXTS:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == TOK.encode(text)
+        assert tok.decode(ids) == text == TOK.decode(ids)
+    assert tok.decode([104, 105, 256, 257], skip_special_tokens=True) == "hi"
+    batch = tok(["ab", "abcd"], padding=True, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == [257, 257, 97, 98] and batch["attention_mask"][0].tolist() == [0, 0, 1, 1]
+
+
+def test_bpe_checkpoint_exports_its_tokenizer(tmp_path):
+    bpe = BPETokenizer.train(["the cat sat on the mat", "the dog ate the log"] * 20, vocab_size=300)
+    model = tiny_model(vocab_size=bpe.vocab_size)
+    write_checkpoint(tmp_path / "ckpt", model, bpe)
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in ["the cat ate the mat", "unseen wörds <eos>"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == bpe.encode(text) and tok.decode(ids) == bpe.decode(ids)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert (hf.config.eos_token_id, hf.config.pad_token_id) == (bpe.eos_id, bpe.pad_id)
+    ids = torch.tensor([bpe.encode("the cat")])
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids, 5, init="seeded").logits).abs().max() <= 1e-5
+
+
+# -- CLI and registration ----------------------------------------------------------------------------------
+def test_cli_export(tmp_path, capsys):
+    write_checkpoint(tmp_path / "ckpt", tiny_model(), TOK)
+    assert main(["export", tmp_path / "ckpt", tmp_path / "hf", "--num-steps", "4", "--cache", "full"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (config.num_steps, config.cache_kind) == (4, "full")
+    assert main(["export", tmp_path / "nowhere", tmp_path / "hf2"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cli_export_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--num-steps" in out and "Hugging Face" in out
+
+
+def test_import_looplm_registers_lazily():
+    code = ("import sys, looplm; assert 'transformers' not in sys.modules; "
+            "from transformers import AutoConfig, AutoModelForCausalLM; "
+            "cfg = AutoConfig.for_model('looplm', d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64); "
+            "print(type(AutoModelForCausalLM.from_config(cfg)).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "LoopedLMForCausalLM"
