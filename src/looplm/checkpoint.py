@@ -159,13 +159,116 @@ def resolve(path: Path) -> Path:
     return path
 
 
+# -- folders written by `looplm export` (read with json + safetensors only: no transformers here) ------
+HF_EXPORT_INFO = "looplm_export.json"  # {"source", "tokenizer", "job"}: what `looplm export` adds
+HF_LOOPLM_TOKENIZER = "looplm_tokenizer"  # looplm's own tokenizer files (HF's names collide with them)
+_BYTE_PROBE = "hello wörld\t\n 日本 🎉 <>"  # no literal specials: raw `tokenizers` would match them
+
+
+def is_hf_folder(path: Path) -> bool:
+    """True for a transformers folder of a looplm model (config.json with model_type "looplm")."""
+    path = Path(path)
+    if (path / MANIFEST).is_file() or not (path / "config.json").is_file():
+        return False
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == "looplm"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _JobWithoutData(dict):
+    """The job dict of an HF folder that does not say what the model was trained on: reading a
+    missing section (data, train, ...) is a one-line CheckpointError instead of a KeyError."""
+
+    def __init__(self, path: Path, model: dict):
+        super().__init__(model=model)
+        self._path = path
+
+    def __missing__(self, key):
+        raise CheckpointError(f"{self._path}: this Hugging Face folder does not record the training job (no "
+                              f"{HF_EXPORT_INFO} with a job), so there is no held-out data for '{key}'; re-export "
+                              "the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself")
+
+
+def _hf_tokenizer(path: Path):
+    """looplm's tokenizer of an HF folder: the copy `looplm export` wrote, else rebuilt from tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from looplm.data import BPETokenizer, ByteTokenizer, load_tokenizer
+
+    if (path / HF_LOOPLM_TOKENIZER).is_dir():
+        return load_tokenizer(path / HF_LOOPLM_TOKENIZER)
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path}: no tokenizer.json (nor {HF_LOOPLM_TOKENIZER}/) in the Hugging Face folder")
+    hf_cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    names = [hf_cfg.get(k) for k in ("eos_token", "pad_token")]
+    names = [n.get("content") if isinstance(n, dict) else n for n in names]
+    backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    byte = ByteTokenizer()
+    if (backend.get_vocab_size(with_added_tokens=True) == byte.vocab_size and names in ([None, None], ["<eos>", "<pad>"])
+            and backend.token_to_id("<eos>") == byte.eos_id and backend.token_to_id("<pad>") == byte.pad_id
+            and backend.encode(_BYTE_PROBE, add_special_tokens=False).ids == byte.encode(_BYTE_PROBE)):
+        return byte  # the byte tokenizer as `looplm.hf.byte_tokenizer` writes it
+    if None in names:
+        raise CheckpointError(f"{path}: tokenizer_config.json does not name eos_token and pad_token")
+    return BPETokenizer.from_file(path / "tokenizer.json", *names)
+
+
+def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The LoopedLM state dict of an HF folder (model.safetensors or a sharded index; keys 'model.*')."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors in the Hugging Face folder")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_tensors(path, name))
+    return {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+
+
+def load_hf_folder(path: Path):
+    """(model config, tokenizer, weights, job dict) of a folder written by `looplm export`."""
+    import dataclasses
+
+    from looplm.config import ModelConfig
+
+    path = Path(path)
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        model_cfg = ModelConfig(**{k: v for k, v in hf_config.items() if k in names})
+        model_cfg.validate()
+        tokenizer = _hf_tokenizer(path)
+        info = json.loads((path / HF_EXPORT_INFO).read_text()) if (path / HF_EXPORT_INFO).is_file() else {}
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: unreadable Hugging Face config or tokenizer ({err})") from None
+    job = info.get("job")
+    job = {**job, "model": model_cfg.to_dict()} if isinstance(job, dict) else _JobWithoutData(path, model_cfg.to_dict())
+    return model_cfg, tokenizer, _hf_weights(path), job
+
+
 def load_model(path: Path, device: str | torch.device = "cpu"):
-    """(model, tokenizer, job config dict) from a verified checkpoint, in eval mode."""
+    """(model, tokenizer, job config dict) from a verified checkpoint, in eval mode. A folder
+    written by `looplm export` (a transformers folder) loads too; its job dict is the exported
+    checkpoint's, or, when the folder does not record one, just the model config."""
     from looplm.config import ModelConfig
     from looplm.data import load_tokenizer
     from looplm.model import LoopedLM
 
     path = resolve(path)
+    if is_hf_folder(path):
+        model_cfg, tokenizer, weights, job = load_hf_folder(path)
+        if tokenizer.vocab_size != model_cfg.vocab_size:
+            raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {model_cfg.vocab_size}")
+        model = LoopedLM(model_cfg)
+        check_model_shapes(model.state_dict(), weights, path)
+        model.load_state_dict(weights)
+        return model.to(device).eval(), tokenizer, job
     verify(path)
     config = read_json(path, "config.json")
     try:

@@ -60,6 +60,14 @@ def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path
     return report
 
 
+def _run_folder(checkpoint: Path) -> Path:
+    """Where reports about a checkpoint go by default: its run folder (<run>/checkpoints/step_N), or an
+    exported Hugging Face folder itself."""
+    from looplm.checkpoint import is_hf_folder
+
+    return checkpoint if is_hf_folder(checkpoint) else checkpoint.parent.parent
+
+
 def _prefill_arms(model, names, student_path=None) -> list:
     """Prefill arms by name for `model`; the student arm loads a `looplm distill` checkpoint
     (refused if it was distilled from another teacher)."""
@@ -137,7 +145,7 @@ def evaluate(
         for r in cfg.depths:
             if not 1 <= r <= model.cfg.max_depth:
                 raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
-        out = cfg.output or path.parent.parent / "eval.json"
+        out = cfg.output or _run_folder(path) / "eval.json"
         arms = None
         if tuple(prefill) != ("teacher",):
             arms = _prefill_arms(model, prefill, student)
@@ -286,7 +294,7 @@ def analyze(
     finally:
         torch.set_num_threads(default_threads)
         bar.close()
-    out = cfg.output or path.parent.parent / "analyze"
+    out = cfg.output or _run_folder(path) / "analyze"
     paths = write_outputs(analysis, out, plots=cfg.plots)
     print(format_summary(analysis.report))
     print(f"\nwrote {', '.join(p.name for p in paths)} to {out} in {time.time() - start:.0f} s")

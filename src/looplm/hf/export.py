@@ -2,7 +2,9 @@
 
 The folder holds config.json (`LoopedLMConfig`), model.safetensors and the tokenizer files of a
 `PreTrainedTokenizerFast`, so `AutoModelForCausalLM.from_pretrained(out)` and
-`AutoTokenizer.from_pretrained(out)` load it offline (after `import looplm`).
+`AutoTokenizer.from_pretrained(out)` load it offline (after `import looplm`). It also holds
+looplm_export.json (source, tokenizer name, the checkpoint's job config) and looplm_tokenizer/
+(looplm's own tokenizer files), so `looplm eval/generate/analyze OUT` read the folder as a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from looplm.checkpoint import HF_EXPORT_INFO, HF_LOOPLM_TOKENIZER
 from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
 
 
@@ -68,7 +71,7 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     from looplm.checkpoint import load_model
     from looplm.hf.modeling import LoopedLMForCausalLM
 
-    model, tokenizer, _ = load_model(checkpoint)
+    model, tokenizer, job = load_model(checkpoint)
     fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind}
     if num_steps is not None:
         fields["num_steps"] = num_steps
@@ -78,6 +81,11 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     with torch.no_grad():
         hf.save_pretrained(out)
     hf_tokenizer(tokenizer).save_pretrained(out)
-    (out / "looplm_export.json").write_text(json.dumps({"source": str(Path(checkpoint).resolve()),
-                                                       "tokenizer": tokenizer.name}, indent=1) + "\n")
+    # for looplm's own commands (looplm.checkpoint.load_model): its tokenizer files (whose names
+    # collide with transformers' ones, hence a subfolder) and the training job (held-out data)
+    tokenizer.save(out / HF_LOOPLM_TOKENIZER)
+    info = {"source": str(Path(checkpoint).resolve()), "tokenizer": tokenizer.name}
+    if "data" in job:  # a job that records its training data (not a bare HF folder's)
+        info["job"] = dict(job)
+    (out / HF_EXPORT_INFO).write_text(json.dumps(info, indent=1, default=str) + "\n")
     return out

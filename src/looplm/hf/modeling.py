@@ -41,6 +41,8 @@ class LoopedCache(Cache):
         self.kind, self.max_len = kind, max_len
         self.inner: KVCache | None = None
         self.pad: torch.Tensor | None = None  # [B] left-padding tokens per row
+        self.decode_depth: int | None = None  # recurrences per decoded token (num_steps of the call)
+        self.depths_used: list = []  # mean depth per decode step (adaptive exit: < decode_depth)
 
     def allocate(self, config: LoopedLMConfig, batch: int, depth: int, kind: str, device, dtype) -> None:
         kind = self.kind or kind
@@ -71,7 +73,15 @@ class LoopedCache(Cache):
         return 0 if self.inner is None else self.inner.nbytes
 
     def reset(self) -> None:
-        self.inner, self.pad = None, None
+        self.inner, self.pad, self.decode_depth, self.depths_used = None, None, None, []
+
+    @property
+    def mean_decode_depth(self) -> float | None:
+        """Mean recurrences per token over the decode steps (chunks appended after the prompt), as
+        `looplm.infer.generate.generate` reports it in `stats`; the decode depth when there were none."""
+        if not self.depths_used:
+            return None if self.decode_depth is None else float(self.decode_depth)
+        return sum(float(d) for d in self.depths_used) / len(self.depths_used)
 
     def _unsupported(self, what: str):
         raise NotImplementedError(f"LoopedCache does not support {what} (looplm supports greedy and sampled "
@@ -291,10 +301,37 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
         if tau is not None and low > run_depth:
             raise ValueError(f"min_depth {low} exceeds the decode depth {run_depth}")
-        return extend(self.model, input_ids, cache.inner, run_depth, example_ids=example_ids, pad=cache.pad,
-                      exit_tau=tau, min_depth=low)
+        first = cache.inner.length == 0
+        logits = extend(self.model, input_ids, cache.inner, run_depth, example_ids=example_ids, pad=cache.pad,
+                        exit_tau=tau, min_depth=low, return_depths=tau is not None)
+        if tau is not None:
+            logits, used = logits
+        if not first:  # a decode step: its mean depth over the rows (a tensor: no device sync here)
+            cache.decode_depth = run_depth
+            cache.depths_used.append(float(run_depth) if tau is None else used.float().mean())
+        elif cache.decode_depth is None:
+            cache.decode_depth = depth
+        return logits
 
     # -- generate ---------------------------------------------------------------------------------
+    last_generate_stats: dict | None = None
+    _generation_cache: LoopedCache | None = None
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`; afterwards `model.last_generate_stats` is
+        {"mean_decode_depth": ...} (the mean recurrences per decoded token, as looplm's `generate`
+        reports in `stats`: below num_steps with adaptive exit), or None when no cache was used.
+        With return_dict_in_generate=True the output's `cache.mean_decode_depth` holds it too."""
+        self.last_generate_stats, self._generation_cache = None, None
+        try:
+            out = super().generate(*args, **kwargs)
+        finally:
+            cache, self._generation_cache = self._generation_cache, None
+        if cache is not None and cache.inner is not None:
+            self.last_generate_stats = {"mean_decode_depth": cache.mean_decode_depth,
+                                        "decode_steps": len(cache.depths_used)}
+        return out
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         if generation_mode not in SUPPORTED_MODES or generation_config.num_beams > 1:
@@ -313,13 +350,15 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             if user.inner is not None:
                 raise ValueError("looplm generate needs an empty LoopedCache (it cannot continue a filled one)")
             user._is_user_defined = True
+            self._generation_cache = user
             return
         if generation_config.use_cache is False:
             return  # every step re-runs the whole sequence natively (same tokens as the full cache)
         if max_cache_length > self.config.max_seq_len:
             raise ValueError(f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
                              f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens")
-        model_kwargs["cache"] = LoopedCache(model_kwargs.get("cache_kind"), max_len=max_cache_length)
+        model_kwargs["cache"] = self._generation_cache = LoopedCache(model_kwargs.get("cache_kind"),
+                                                                     max_len=max_cache_length)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):

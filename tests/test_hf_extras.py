@@ -1,0 +1,300 @@
+"""looplm.hf beyond export/generate: PEFT LoRA, lm-eval's `hf` backend, exported folders in looplm's
+own commands, and the adaptive-exit depth that `generate()` reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import math
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from _jobs import looplm_cmd, shared_cache, subprocess_env, tiny_job  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from looplm import checkpoint as ckpt  # noqa: E402
+from looplm.config import ModelConfig  # noqa: E402
+from looplm.data import BPETokenizer, ByteTokenizer  # noqa: E402
+from looplm.hf import LoopedLMForCausalLM, export  # noqa: E402
+from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
+from looplm.model import LoopedLM  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+TOK = ByteTokenizer()
+PROMPTS = ["x", "a longer prompt", "mid size"]
+CHOICE_ROWS = [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
+               {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
+               {"context": "+1,1=", "choices": ["2", "7"], "gold": 0},
+               {"context": "ab", "choices": ["c", "d"], "gold": 1}]
+
+
+def tiny_model(vocab_size=258, **fields) -> LoopedLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
+                      max_depth=16, **fields)
+    return LoopedLM(cfg).eval()
+
+
+def write_checkpoint(path, model: LoopedLM, tokenizer, job: dict | None = None) -> None:
+    """A looplm checkpoint folder as load_model reads it; `job` is the rest of its config.json."""
+
+    def populate(tmp):
+        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
+        ckpt.write_json(tmp, "config.json", {**(job or {}), "model": model.cfg.to_dict()})
+        tokenizer.save(tmp)
+
+    ckpt.write_atomic(path, populate)
+
+
+def padded_batch(prompts):
+    enc = [TOK.encode(p) for p in prompts]
+    L = max(map(len, enc))
+    ids = torch.tensor([[TOK.pad_id] * (L - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (L - len(e)) + [1] * len(e) for e in enc])
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(looplm model, checkpoint folder, exported folder); the export defaults to 3 steps, full cache."""
+    root = tmp_path_factory.mktemp("hf_extras")
+    model = tiny_model()
+    write_checkpoint(root / "ckpt", model, TOK)
+    export(root / "ckpt", root / "hf", num_steps=3, cache_kind="full")
+    return model, root / "ckpt", root / "hf"
+
+
+# -- 1. PEFT LoRA ----------------------------------------------------------------------------------------
+CORE_ATTN = [f"model.core.0.attn.{name}" for name in ("wq", "wk", "wv", "wo")]
+
+
+def test_lora_on_a_core_block_trains_and_merges(exported):
+    peft = pytest.importorskip("peft")
+    hf = AutoModelForCausalLM.from_pretrained(exported[2])
+    names = dict(hf.named_modules())
+    assert all(isinstance(names[n], torch.nn.Linear) for n in CORE_ATTN)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=CORE_ATTN)
+    model = peft.get_peft_model(hf, config)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and ".core.0.attn." in n for n in trainable)
+    assert len(trainable) == 2 * len(CORE_ATTN)  # lora_A and lora_B of each projection
+
+    ids = torch.tensor([TOK.encode("the looped cat sat on"), TOK.encode("a mat with a looped hat")[:21]])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    model.train()
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=ids, labels=ids, num_steps=2).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    frozen = hf.model.core[1].attn.wq.weight
+    assert frozen.grad is None  # only the adapters learn
+
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids, num_steps=2).logits
+    merged = model.merge_and_unload()
+    assert isinstance(merged, LoopedLMForCausalLM)
+    assert isinstance(merged.model.core[0].attn.wq, torch.nn.Linear)
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        plain = merged(input_ids=ids, num_steps=2).logits
+    assert (plain - adapted).abs().max() <= 1e-5
+    # and the merged model is still the looplm model: its generate runs on the cache
+    out = merged.generate(ids[:, :5], max_new_tokens=3, do_sample=False, num_steps=2, cache_kind="terminal")
+    assert out.shape == (2, 8)
+
+
+# -- 2. lm-eval's hf backend -------------------------------------------------------------------------------
+def write_choice_task(folder):
+    """The local multiple-choice YAML task of tests/test_eval_harness.py, over CHOICE_ROWS."""
+    data = folder / "choice.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHOICE_ROWS))
+    (folder / "looplm_choice.yaml").write_text(f"""task: looplm_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""")
+    return data
+
+
+def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    import looplm.eval.harness as harness
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    write_choice_task(tmp_path)
+    _, checkpoint, folder = exported
+    tasks = TaskManager(include_path=str(tmp_path))
+    # looplm's adapter seeds each item's initial state by a hash of its context; HF's forward seeds
+    # by batch row (0 at batch_size=1). With the same seed (and the full cache at prefill depth =
+    # depth: the same computation as the parallel forward) they agree.
+    monkeypatch.setattr(harness, "stable_id", lambda context: 0)
+    for depth, extra in ((3, ""), (2, ",num_steps=2")):  # the export's num_steps, then a model_args override
+        args = f"pretrained={folder},backend=causal,device=cpu,batch_size=1,dtype=float32{extra}"
+        res = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=["looplm_choice"], task_manager=tasks)
+        hf_acc = res["results"]["looplm_choice"]["acc,none"]
+        own = harness.LoopLMHarness(checkpoint=str(checkpoint), depth=depth, cache="full")
+        res = lm_eval.simple_evaluate(model=own, tasks=["looplm_choice"], task_manager=tasks)
+        assert math.isclose(hf_acc, res["results"]["looplm_choice"]["acc,none"]), depth
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    hflm = HFLM(pretrained=str(folder), backend="causal", device="cpu", batch_size=1)  # num_steps 3
+    own = harness.LoopLMHarness(checkpoint=str(checkpoint), depth=3, cache="full")
+    assert hflm.max_length == 64  # config.max_position_embeddings -> max_seq_len
+    requests = [Req(r["context"], c) for r in CHOICE_ROWS for c in r["choices"]] + [Req("", "abc")]
+    for (a, greedy_a), (b, greedy_b) in zip(hflm.loglikelihood(requests), own.loglikelihood(requests)):
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) and greedy_a == greedy_b
+
+
+# -- 3. exported folders in looplm's commands --------------------------------------------------------------
+def looplm(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained_like(tmp_path_factory):
+    """(checkpoint, exported folder) of a tiny model with a full job config (the tiny test job's
+    data: the task generator), as `looplm train` writes it."""
+    root = tmp_path_factory.mktemp("hf_job")
+    job = tiny_job(root, cache=shared_cache(tmp_path_factory)).to_dict()
+    model_cfg = ModelConfig.from_dict({**job["model"], "vocab_size": TOK.vocab_size})
+    torch.manual_seed(0)
+    model = LoopedLM(model_cfg).eval()
+    write_checkpoint(root / "ckpt", model, TOK, job)
+    export(root / "ckpt", root / "hf")
+    return root / "ckpt", root / "hf"
+
+
+def test_load_model_reads_an_exported_folder(exported, trained_like, tmp_path):
+    model, checkpoint, folder = exported
+    assert ckpt.is_hf_folder(folder) and not ckpt.is_hf_folder(checkpoint)
+    loaded, tokenizer, job = ckpt.load_model(folder)
+    assert isinstance(tokenizer, ByteTokenizer) and loaded.cfg == model.cfg
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    assert job["model"] == model.cfg.to_dict()
+    with pytest.raises(ckpt.CheckpointError, match="does not record the training job"):
+        job["data"]
+    # with the job: the checkpoint's own
+    _, _, job = ckpt.load_model(trained_like[1])
+    assert job == ckpt.load_model(trained_like[0])[2]
+    # a folder saved by transformers alone (no looplm extras): the tokenizer is rebuilt from its files
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    hf.save_pretrained(tmp_path / "bare")
+    AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "bare")
+    assert not (tmp_path / "bare" / ckpt.HF_EXPORT_INFO).exists()
+    again, tokenizer, job = ckpt.load_model(tmp_path / "bare")
+    assert isinstance(tokenizer, ByteTokenizer) and set(job) == {"model"}
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_load_model_rebuilds_a_bpe_tokenizer(tmp_path):
+    bpe = BPETokenizer.train(["the cat sat on the mat", "the dog ate the log"] * 20, vocab_size=300)
+    write_checkpoint(tmp_path / "ckpt", tiny_model(vocab_size=bpe.vocab_size), bpe)
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    _, tokenizer, _ = ckpt.load_model(tmp_path / "hf")
+    assert tokenizer.fingerprint() == bpe.fingerprint()  # looplm's own copy
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "bare")
+    AutoTokenizer.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "bare")
+    _, tokenizer, _ = ckpt.load_model(tmp_path / "bare")  # rebuilt from transformers' files
+    assert isinstance(tokenizer, BPETokenizer) and (tokenizer.eos_id, tokenizer.pad_id) == (bpe.eos_id, bpe.pad_id)
+    for text in ["the cat ate the mat", "unseen wörds <eos>"]:
+        assert tokenizer.encode(text) == bpe.encode(text)
+
+
+def test_checkpoint_module_does_not_import_transformers():
+    code = ("import sys; from looplm import checkpoint; assert 'transformers' not in sys.modules; "
+            "import ast, pathlib; tree = ast.parse(pathlib.Path(checkpoint.__file__).read_text()); "
+            "names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + "
+            "[n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]; "
+            "assert not [m for m in names if m.startswith(('transformers', 'looplm.hf'))], names")
+    done = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp_path):
+    checkpoint, folder = trained_like
+    res = looplm("generate", folder, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from_ckpt = looplm("generate", checkpoint, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
+    assert res.stdout == from_ckpt.stdout and res.stdout.startswith("+1,2=")
+
+    data = write_choice_task(tmp_path)
+    common = ("--depths", 1, 2, "--choice-tasks", data, "--max-sequences", 4, "--task-examples", 0,
+              "--sharing-sequences", 0)
+    res = looplm("eval", folder, *common, "--output", tmp_path / "hf.json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    ref = looplm("eval", checkpoint, *common, "--output", tmp_path / "ckpt.json")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    got, want = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("hf", "ckpt"))
+    assert sorted(got["choice"]) == ["1", "2"] and got["choice"] == want["choice"]
+    assert got["perplexity"] == want["perplexity"]
+    # without --output the report lands in the exported folder itself, not two levels above it
+    res = looplm("eval", folder, "--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (Path(folder) / "eval.json").is_file() and not (Path(folder).parent.parent / "eval.json").exists()
+
+    # a folder that does not record the training job: generate works, eval is a one-line error
+    bare = exported[2]
+    res = looplm("generate", bare, "--prompt", "hi", "--depth", 2, "--max-new-tokens", 3)
+    assert res.returncode == 0, res.stderr[-3000:]
+    stripped = tmp_path / "stripped"
+    stripped.mkdir()
+    for f in bare.iterdir():
+        if f.is_file() and f.name != ckpt.HF_EXPORT_INFO:
+            (stripped / f.name).write_bytes(f.read_bytes())
+    res = looplm("eval", stripped, *common, "--output", tmp_path / "none.json")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]  # after eval's progress bar
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert len(errors) == 1 and "does not record the training job" in errors[0] and len(errors[0]) < 400
+    assert res.stderr.strip().splitlines()[-1] == errors[0]
+
+
+# -- 4. adaptive exit --------------------------------------------------------------------------------------
+def test_adaptive_exit_reports_looplms_mean_depth(exported):
+    model = exported[0]
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=8)
+    ids, mask = padded_batch(PROMPTS)
+    for tau, low in ((0.05, 2), (0.3, 1), (None, 1)):
+        stats: dict = {}
+        sampling = SamplingConfig(max_new_tokens=8, exit_tau=tau, min_depth=low)
+        texts = generate(model, TOK, PROMPTS, depth=8, cache_mode="terminal", sampling=sampling, stats=stats)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_kind="terminal",
+                          exit_tau=tau, min_depth=low, return_dict_in_generate=True)
+        new = out.sequences[:, ids.shape[1]:]
+        assert TOK.eos_id not in new.tolist()  # no row stops early (else the two feed different tokens)
+        assert [TOK.decode(row) for row in new.tolist()] == texts
+        got = hf.last_generate_stats
+        assert got == {"mean_decode_depth": stats["mean_decode_depth"], "decode_steps": 7}
+        assert out.cache.mean_decode_depth == stats["mean_decode_depth"]
+        if tau is None:
+            assert got["mean_decode_depth"] == 8.0
+        elif tau == 0.05:
+            assert low <= got["mean_decode_depth"] < 8  # it really exits early
+    hf.generate(ids, attention_mask=mask, max_new_tokens=3, use_cache=False)
+    assert hf.last_generate_stats is None
