@@ -148,3 +148,50 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+CHOICE_TASK_YAML = """task: looplm_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def write_choice_task(folder: Path, rows: list[dict]) -> Path:
+    """A local lm-eval multiple-choice task `looplm_choice` (folder/looplm_choice.yaml) over `rows`
+    ({"context", "choices", "gold"}) stored in folder/choice.jsonl; returns the JSONL path."""
+    data = folder / "choice.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "looplm_choice.yaml").write_text(CHOICE_TASK_YAML.format(data=data))
+    return data
+
+
+def write_random_run(root: Path) -> Path:
+    """A run folder `root` holding one checkpoint (step 1) of a random tiny byte-level model, as
+    `looplm train` writes it."""
+    from looplm import checkpoint as ckpt
+    from looplm.data import ByteTokenizer
+    from looplm.model import LoopedLM
+
+    job = tiny_job(root.parent, root.name)
+    job.model.vocab_size = ByteTokenizer().vocab_size
+    torch.manual_seed(0)
+    model = LoopedLM(job.model)
+
+    def populate(tmp: Path) -> None:
+        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
+        ckpt.write_json(tmp, "config.json", job.to_dict())
+        ByteTokenizer().save(tmp)
+
+    ckpt.write_atomic(root / "checkpoints" / "step_0000001", populate)
+    (root / "checkpoints" / "latest").write_text("step_0000001")
+    return root

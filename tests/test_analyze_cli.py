@@ -100,7 +100,7 @@ def test_checkpoint_without_a_recurrent_core(run_dir, tmp_path, capsys):
     config["model"]["n_core"] = 0
     ckpt.write_json(path, "config.json", config)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    manifest["sha256"]["config.json"] = ckpt._sha256(path / "config.json")
+    manifest["sha256"]["config.json"] = ckpt.file_sha256(path / "config.json")
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     assert main(["analyze", str(path)]) == 2
     assert "no recurrent core (n_core=0)" in _error(capsys)

@@ -1,10 +1,10 @@
 """lm-evaluation-harness adapter, run offline on a local task YAML over a JSONL file."""
 
-import json
 import math
 
 import pytest
 import torch
+from _jobs import write_choice_task
 
 lm_eval = pytest.importorskip("lm_eval", reason="optional extra: pip install -e '.[lm-eval]'")
 
@@ -53,25 +53,10 @@ def test_request_types_against_native_forward(adapter):
 
 def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    data = tmp_path / "choice.jsonl"
     rows = [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
             {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
             {"context": "+1,1=", "choices": ["2", "7"], "gold": 0}]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "looplm_choice.yaml").write_text(f"""task: looplm_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-""")
+    write_choice_task(tmp_path, rows)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

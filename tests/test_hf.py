@@ -340,3 +340,15 @@ def test_import_looplm_registers_lazily():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "LoopedLMForCausalLM"
+
+
+def test_config_carries_every_model_field_with_its_default():
+    """LoopedLMConfig spells out ModelConfig's fields for transformers; keep the two in step."""
+    import dataclasses
+
+    from looplm.config import ModelConfig
+    from looplm.hf import LoopedLMConfig
+
+    hf = LoopedLMConfig()
+    for f in dataclasses.fields(ModelConfig):
+        assert getattr(hf, f.name) == f.default, f.name

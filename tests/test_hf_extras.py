@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from _jobs import write_choice_task as write_jobs_choice_task  # noqa: E402
 from _jobs import looplm_cmd, shared_cache, subprocess_env, tiny_job  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -116,23 +117,7 @@ def test_lora_on_a_core_block_trains_and_merges(exported):
 # -- 2. lm-eval's hf backend -------------------------------------------------------------------------------
 def write_choice_task(folder):
     """The local multiple-choice YAML task of tests/test_eval_harness.py, over CHOICE_ROWS."""
-    data = folder / "choice.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in CHOICE_ROWS))
-    (folder / "looplm_choice.yaml").write_text(f"""task: looplm_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
-target_delimiter: ""
-metric_list:
-  - metric: acc
-""")
-    return data
+    return write_jobs_choice_task(folder, CHOICE_ROWS)
 
 
 def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monkeypatch):

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jobs import free_port, one_thread, read_metrics, step_records, subprocess_env, tiny_job
+from _jobs import free_port, one_thread, read_metrics, step_records, subprocess_env, write_random_run
 
 from looplm import checkpoint as ckpt
 from looplm.cli import main
-from looplm.data import ByteTokenizer
-from looplm.model import LoopedLM
 from looplm.rl import REWARDS, register_reward
 from looplm.rl import trainer as rl_trainer
 from looplm.rl.config import RLConfig
@@ -85,19 +83,7 @@ RUNS = {  # name: extra flags; evaluation (40 problems: chunks of 32 and 8, one 
 def source(tmp_path_factory) -> Path:
     """A run folder holding one checkpoint of a random tiny byte-level model."""
     root = tmp_path_factory.mktemp("rl-dp") / "pretrain"
-    job = tiny_job(root.parent, "pretrain")
-    job.model.vocab_size = ByteTokenizer().vocab_size
-    torch.manual_seed(0)
-    model = LoopedLM(job.model)
-
-    def populate(tmp: Path) -> None:
-        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
-        ckpt.write_json(tmp, "config.json", job.to_dict())
-        ByteTokenizer().save(tmp)
-
-    ckpt.write_atomic(root / "checkpoints" / "step_0000001", populate)
-    (root / "checkpoints" / "latest").write_text("step_0000001")
-    return root
+    return write_random_run(root)
 
 
 def rl_args(source: Path, out: Path, extra) -> list[str]:

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jobs import read_metrics, tiny_job
+from _jobs import read_metrics, write_random_run
 
 from looplm import checkpoint as ckpt
 from looplm.cli import main
-from looplm.data import ByteTokenizer
-from looplm.model import LoopedLM
 from looplm.rl import REWARDS, register_reward
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -22,19 +20,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def source(tmp_path_factory) -> Path:
     """A run folder holding one checkpoint of a random tiny model, as `looplm train` writes it."""
     root = tmp_path_factory.mktemp("rl") / "pretrain"
-    job = tiny_job(root.parent, "pretrain")
-    job.model.vocab_size = ByteTokenizer().vocab_size
-    torch.manual_seed(0)
-    model = LoopedLM(job.model)
-
-    def populate(tmp: Path) -> None:
-        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
-        ckpt.write_json(tmp, "config.json", job.to_dict())
-        ByteTokenizer().save(tmp)
-
-    ckpt.write_atomic(root / "checkpoints" / "step_0000001", populate)
-    (root / "checkpoints" / "latest").write_text("step_0000001")
-    return root
+    return write_random_run(root)
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,8 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or does not fit what it is loaded into."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """SHA-256 hex digest of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -49,7 +50,7 @@ def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
     tmp.mkdir()
     try:
         populate(tmp)
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "sha256": files}, indent=1))
         for p in tmp.iterdir():  # flush file contents before the rename makes them visible
             with open(p, "rb") as f:
@@ -97,7 +98,7 @@ def verify(path: Path) -> dict:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise CheckpointError(f"{path}: {name} is corrupt (SHA-256 mismatch)")
     return manifest
 

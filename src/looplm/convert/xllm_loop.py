@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import CheckpointError, save_tensors, write_atomic, write_json
+from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic, write_json
 from looplm.config import ModelConfig
 
 MANIFEST = "artifact_manifest.json"
@@ -91,14 +91,6 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _inside(src: Path, name: str) -> Path:
     """`src / name` for a relative path that stays inside src."""
     if not isinstance(name, str) or not name or name.startswith("/") or ".." in Path(name).parts:
@@ -137,7 +129,7 @@ def _verify_manifest(src: Path) -> dict | None:
             raise _refuse(f"{src}: {record['path']} is listed in {MANIFEST} but missing")
         if "size_bytes" in record and f.stat().st_size != record["size_bytes"]:
             raise _refuse(f"{src}: {record['path']} has the wrong size (manifest: {record['size_bytes']} bytes)")
-        if _sha256(f) != record["sha256"]:
+        if file_sha256(f) != record["sha256"]:
             raise _refuse(f"{src}: {record['path']} does not match {MANIFEST} (SHA-256 mismatch)")
     return manifest
 

@@ -108,10 +108,7 @@ class DistillTrainer:
         cfg.validate()
         self.cfg = cfg
         self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
-        if cfg.micro_batch % self.env.world_size:
-            raise ValueError(f"micro_batch {cfg.micro_batch} (rows per step over all ranks) must be divisible by "
-                             f"the number of ranks, {self.env.world_size}")
-        self.local_batch = cfg.micro_batch // self.env.world_size
+        self.local_batch = D.rank_share(cfg.micro_batch, self.env, "micro_batch")
         self.device = self.env.device
         self.teacher_path = ckpt.resolve(Path(teacher_path))
         self.teacher, self.tokenizer, self.job = ckpt.load_model(self.teacher_path, self.device)

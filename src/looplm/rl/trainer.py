@@ -72,10 +72,7 @@ class RLTrainer:
             raise ValueError(f"out_dir {self.out_dir} overlaps the source run {source_run}; choose another --out-dir "
                              "(RL never writes into the source run)")
         self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
-        if cfg.prompts_per_step % self.env.world_size:
-            raise ValueError(f"prompts_per_step {cfg.prompts_per_step} (prompts per step over all ranks) must be "
-                             f"divisible by the number of ranks, {self.env.world_size}")
-        self.local_prompts = cfg.prompts_per_step // self.env.world_size
+        self.local_prompts = D.rank_share(cfg.prompts_per_step, self.env, "prompts_per_step")
         self.device = self.env.device
         self.model, self.tokenizer, self.job = ckpt.load_model(self.source_path, self.device)
         cfg.validate(self.model.cfg.max_depth)

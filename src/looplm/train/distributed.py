@@ -57,6 +57,14 @@ def resolve_device(pref: str) -> torch.device:
     return torch.device(pref)
 
 
+def rank_share(total: int, env: DistEnv, what: str) -> int:
+    """This rank's equal share of a global per-step count (rows, prompts), which must divide evenly."""
+    if total % env.world_size:
+        raise ValueError(f"{what} {total} (per step over all ranks) must be divisible by the number of ranks, "
+                         f"{env.world_size}")
+    return total // env.world_size
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
