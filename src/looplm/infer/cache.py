@@ -20,6 +20,8 @@ pointer moves, so a recurrence whose K/V are not kept is simply overwritten by t
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from looplm.config import ModelConfig
@@ -32,15 +34,30 @@ class KVBank:
         self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
-    def buffer(self, length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "KVBank":
+        """A bank over existing tensors (views of a larger bank: writes land in it)."""
+        bank = cls.__new__(cls)
+        bank.k, bank.v = k, v
+        return bank
+
+    def buffer(self, length) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
         """(K, V, length) for attention to write a chunk at `length` and read [0, length + n)."""
         return self.k, self.v, length
 
-    def write(self, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        k, v = kv
-        n = k.shape[2]
-        self.k[:, :, start:start + n] = k
-        self.v[:, :, start:start + n] = v
+    def write(self, start, kv: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor | None = None) -> None:
+        """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B] for n = 1);
+        with `keep` [B, n] only where it is True."""
+        rows = None if isinstance(start, int) else torch.arange(self.k.shape[0], device=self.k.device)
+        for buf, new in zip((self.k, self.v), kv):
+            n = new.shape[2]
+            old = buf[:, :, start:start + n] if rows is None else buf[rows, :, start][:, :, None]
+            if keep is not None:
+                new = torch.where(keep[:, None, :, None], new, old)
+            if rows is None:
+                buf[:, :, start:start + n] = new
+            else:
+                buf[rows, :, start] = new[:, :, 0]
 
     @property
     def nbytes(self) -> int:
@@ -71,9 +88,26 @@ class KVCache:
         """The bank core layer j reads at recurrence r (0-based)."""
         raise NotImplementedError
 
-    def core_fill(self, j: int, depth: int) -> list[KVBank]:
-        """Banks besides the read banks that receive a `depth`-recurrence chunk's terminal K/V."""
-        return []
+    def keep_terminal(self, j: int, start, kv, used: torch.Tensor) -> None:
+        """After a chunk: core layer j's terminal K/V `kv` (each token's last recurrence), `used` [B, n]
+        recurrences per token, go to every bank of layer j that a token's recurrences did not write."""
+        raise NotImplementedError
+
+    def view(self, rows: slice, max_len: int | None = None, length=None) -> "KVCache":
+        """The same cache restricted to batch rows `rows` and positions [0, max_len): its banks are
+        views, so what runs on it writes here (the serving engine's slots). `length` is the view's
+        pointer (an int, or per-row lengths [rows] for one-token steps)."""
+        view = copy.copy(self)
+        view.max_len = self.max_len if max_len is None else max_len
+        view.batch = len(range(*rows.indices(self.batch)))
+        view.length = 0 if length is None else length
+
+        def cut(bank: KVBank) -> KVBank:
+            return KVBank.of(bank.k[rows, :, :view.max_len], bank.v[rows, :, :view.max_len])
+
+        view.prelude, view.coda = [cut(b) for b in self.prelude], [cut(b) for b in self.coda]
+        view.core = [cut(b) for b in self.core] if self.mode == "terminal" else [[cut(b) for b in v] for v in self.core]
+        return view
 
 
 class TerminalCache(KVCache):
@@ -88,6 +122,9 @@ class TerminalCache(KVCache):
 
     def core_read(self, r, j):
         return self.core[j]  # design §7: every recurrence reads the terminal bank; the last one's K/V stay
+
+    def keep_terminal(self, j, start, kv, used):
+        self.core[j].write(start, kv)  # a token that stopped early: its exit recurrence's K/V, not later scratch
 
 
 class FullCache(KVCache):
@@ -106,8 +143,9 @@ class FullCache(KVCache):
     def core_read(self, r, j):
         return self.core[min(r, self.depth - 1)][j]
 
-    def core_fill(self, j, depth):
-        return [self.core[v][j] for v in range(depth, self.depth)]  # visits a shallower chunk did not reach
+    def keep_terminal(self, j, start, kv, used):
+        for v in range(int(used.min()), self.depth):  # visits a shallower token did not reach
+            self.core[v][j].write(start, kv, keep=used <= v)
 
 
 def make_cache(mode: str, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw) -> KVCache:

@@ -22,9 +22,15 @@ def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
     return mask[None, None]
 
 
+def _per_row(value, B: int, device, dtype) -> torch.Tensor:
+    """A scalar or per-row [B] setting as a [B, 1] tensor (broadcast over a chunk's tokens)."""
+    t = torch.as_tensor(value, device=device, dtype=dtype)
+    return (t.expand(B) if t.ndim == 0 else t).reshape(B, 1)
+
+
 @torch.no_grad()
-def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_ids: torch.Tensor | None = None,
-           seed: int = 0, pad: torch.Tensor | None = None, exit_tau: float | None = None, min_depth: int = 1,
+def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: torch.Tensor | None = None,
+           seed: int = 0, pad: torch.Tensor | None = None, exit_tau=None, min_depth=1,
            return_depths: bool = False, return_endpoint: bool = False, initial: Callable | None = None):
     """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
 
@@ -42,24 +48,44 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     each token's endpoint z^R, the state that entered the coda, [B, n, d] (last in the tuple; RL
     rollout-state reuse saves it, design §10).
 
+    Continuous batching (`looplm.serve`): `depth`, `exit_tau` and `min_depth` may be per-row tensors
+    [B] (a row's `exit_tau` of 0 never exits; its rows stop at their own depth, frozen like an exit),
+    and `cache.length` may be per-row lengths [B] for one-token steps (n = 1, no `pad`): row b's
+    token sits at position length_b and attends to its row's [0, length_b].
+
     `initial(e, rope, mask)` replaces the seeded initial state by a function of the chunk's prelude
     output (the distilled prefill's student endpoint, design §9; see `looplm.infer.prefill`). It sees
     only the chunk, so it needs an empty cache.
     """
     B, n = tokens.shape
     c = cache.length
+    per_row_length = isinstance(c, torch.Tensor)
     if n < 1:
         raise ValueError("extend needs at least one token")
     if B != cache.batch:
         raise ValueError(f"batch {B} does not match the cache's batch {cache.batch}")
-    if c + n > cache.max_len:
+    device = tokens.device
+    if per_row_length:
+        if n != 1 or pad is not None or initial is not None:
+            raise ValueError("per-row cache lengths take one token per row, without padding or a student")
+        if int(c.max()) + 1 > cache.max_len:
+            raise ValueError(f"{int(c.max())} cached + 1 new token exceed the cache length {cache.max_len}")
+    elif c + n > cache.max_len:
         raise ValueError(f"{c} cached + {n} new tokens exceed the cache length {cache.max_len}")
-    model.check_inputs(tokens, depth)
+    per_row_depth = isinstance(depth, torch.Tensor)
+    limit = _per_row(depth, B, device, torch.long)  # [B, 1] each row's largest depth
+    max_depth = int(depth.max()) if per_row_depth else depth
+    if per_row_depth and int(depth.min()) < 1:
+        raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {int(depth.min())}")
+    model.check_inputs(tokens, max_depth)
     if initial is not None and c > 0:
         raise ValueError(f"a student-predicted initial state needs an empty cache, this one holds {c} tokens")
-    device = tokens.device
-    positions = (c + torch.arange(n, device=device)).expand(B, n)
-    mask = chunk_mask(c, n, device)
+    if per_row_length:
+        positions = c.to(device)[:, None]
+        mask = (torch.arange(cache.max_len, device=device)[None, :] <= positions)[:, None, None, :]
+    else:
+        positions = (c + torch.arange(n, device=device)).expand(B, n)
+        mask = chunk_mask(c, n, device)
     if pad is not None:
         pad = pad.to(device)
         positions = (positions - pad[:, None]).clamp(min=0)
@@ -78,36 +104,40 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth: int, *, example_i
     else:
         s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
                           example_ids=example_ids, positions=positions, seed=seed)
-    if exit_tau is not None and cache.mode != "terminal":
+    adaptive = exit_tau is not None
+    if adaptive and cache.mode != "terminal":
         raise ValueError("adaptive depth needs the terminal cache (a full cache would miss the skipped visits)")
-    if exit_tau is not None and (exit_tau <= 0 or not 1 <= min_depth <= depth):
+    if adaptive and not isinstance(exit_tau, torch.Tensor) and not isinstance(min_depth, torch.Tensor) and (
+            exit_tau <= 0 or not 1 <= min_depth <= max_depth):
         raise ValueError(f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, got {exit_tau}, {min_depth}")
-    used = torch.full((B, n), depth, dtype=torch.long, device=device)
+    frozen = adaptive or per_row_depth  # rows or tokens may stop before the loop ends
+    tau = _per_row(exit_tau if adaptive else 0.0, B, device, torch.float32)
+    floor = _per_row(min_depth, B, device, torch.long)
+    used = limit.expand(B, n).clone()
     active = torch.ones(B, n, dtype=torch.bool, device=device)
     kept: list = [None] * len(model.core)  # each token's K/V from its last recurrence
-    for r in range(depth):
+    for r in range(max_depth):
         prev = s
         s = model.injection(s, ctx.injected)
         for j, block in enumerate(model.core):
             offsets = ctx.qkv_offsets[j] if ctx.qkv_offsets else None
             s, kv = block(s, rope, mask, offsets, kv_buffer=cache.core_read(r, j).buffer(c), return_kv=True)
             keep = active[:, None, :, None]  # [B, 1, n, 1] against K/V [B, H, n, hd]
-            kept[j] = kv if kept[j] is None or exit_tau is None else tuple(
+            kept[j] = kv if kept[j] is None or not frozen else tuple(
                 torch.where(keep, a, b) for a, b in zip(kv, kept[j]))
         s = model.injection.exit(s)
-        if exit_tau is not None:
+        if frozen:
             s = torch.where(active[..., None], s, prev)
-            change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
-            stop = active & (change < exit_tau) & (r + 1 >= min_depth)
+            stop = active & (r + 1 >= limit)
+            if adaptive:
+                change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
+                stop |= active & (change < tau) & (r + 1 >= floor)
             used[stop] = r + 1
             active &= ~stop
             if not active.any():
                 break
     for j, kv in enumerate(kept):
-        if exit_tau is not None:  # stopped tokens keep the K/V of their exit recurrence
-            cache.core_read(depth - 1, j).write(c, kv)
-        for bank in cache.core_fill(j, depth):
-            bank.write(c, kv)
+        cache.keep_terminal(j, c, kv, used)
     endpoint = s
     for block, bank in zip(model.coda, cache.coda):
         s = block(s, rope, mask, kv_buffer=bank.buffer(c))

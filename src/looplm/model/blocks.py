@@ -84,6 +84,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        # design §14: a learned q/k bias added before RoPE (Huginn's qk_bias), zero at init
+        self.q_bias = nn.Parameter(torch.zeros(cfg.n_heads * cfg.head_dim)) if cfg.qk_bias else None
+        self.k_bias = nn.Parameter(torch.zeros(cfg.n_kv_heads * cfg.head_dim)) if cfg.qk_bias else None
 
     def forward(
         self,
@@ -98,12 +101,16 @@ class Attention(nn.Module):
         [B, H_kv, max_len, hd] buffers holding c earlier tokens' K after RoPE and V) to those c
         tokens and itself: this chunk's K/V are written in place at [c, c + n) and attention reads
         the buffer views [0, c + n), so nothing is concatenated. With a buffer, `mask`
-        [B or 1, 1, n, c + n] must be given. `return_kv` also returns this chunk's (K, V)."""
+        [B or 1, 1, n, c + n] must be given. `c` may also be a LongTensor [B] of per-row lengths
+        for a one-token chunk (n = 1): row b writes at c_b and attends to the whole buffer through
+        `mask` [B, 1, 1, S]. `return_kv` also returns this chunk's (K, V)."""
         B, L, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if qkv_offsets is not None:
             dq, dk, dv = qkv_offsets
             q, k, v = q + dq, k + dk, v + dv
+        if self.q_bias is not None:
+            q, k = q + self.q_bias.to(q.dtype), k + self.k_bias.to(k.dtype)
         q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -112,16 +119,24 @@ class Attention(nn.Module):
         k_all, v_all = k, v
         if kv_buffer is not None:
             k_buf, v_buf, c = kv_buffer
-            k_buf[:, :, c:c + L] = k
-            v_buf[:, :, c:c + L] = v
-            k_all, v_all = k_buf[:, :, :c + L], v_buf[:, :, :c + L]
+            if isinstance(c, torch.Tensor):  # per-row lengths [B], one token per row (continuous batching)
+                if L != 1:
+                    raise ValueError(f"per-row cache lengths take one token per row, got {L}")
+                rows = torch.arange(B, device=x.device)
+                k_buf[rows, :, c] = k[:, :, 0]
+                v_buf[rows, :, c] = v[:, :, 0]
+                k_all, v_all = k_buf, v_buf  # the mask marks each row's [0, c_b]
+            else:
+                k_buf[:, :, c:c + L] = k
+                v_buf[:, :, c:c + L] = v
+                k_all, v_all = k_buf[:, :, :c + L], v_buf[:, :, :c + L]
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):
             if kv_buffer is not None:
                 raise ValueError("FlexAttention block masks serve the parallel forward; caches use boolean masks")
             y = _flex(q, k_all, v_all, mask, gqa)
         elif mask is None:
-            if kv_buffer is not None and kv_buffer[2] > 0:
+            if kv_buffer is not None and (isinstance(kv_buffer[2], torch.Tensor) or kv_buffer[2] > 0):
                 raise ValueError("attention over a cached prefix needs an explicit mask")
             y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, enable_gqa=gqa)
         else:
@@ -142,7 +157,11 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)) (design §1)."""
+    """h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)) (design §1).
+
+    `cfg.block_norm` places a second norm on each sublayer (design §14): "sandwich" normalises
+    the residual sum, h = n2(x + Attn(n1 x)), out = n4(h + FFN(n3 h)) (Huginn); "branch"
+    normalises the sublayer output, h = x + n2(Attn(n1 x)), out = h + n4(FFN(n3 h)) (Ouro)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -150,12 +169,22 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg)
+        self.norm_sum = cfg.block_norm == "sandwich"
+        second = cfg.block_norm != "pre"
+        self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
+        self.ffn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
+
+    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """x + y, with the sublayer's second norm on the sum (sandwich) or on y (branch)."""
+        if norm is None:
+            return x + y
+        return norm(x + y) if self.norm_sum else x + norm(y)
 
     def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False):
         a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, kv_buffer, return_kv)
         a, kv = a if return_kv else (a, None)
-        h = x + a
-        out = h + self.ffn(self.ffn_norm(h))
+        h = self._residual(x, a, self.attn_out_norm)
+        out = self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
         return (out, kv) if return_kv else out
 
     def reset_parameters(self, std: float = 0.02) -> None:

@@ -1,0 +1,7 @@
+"""Serving: continuous batching on the terminal KV cache (`Engine`) behind an OpenAI-compatible
+HTTP API (`looplm serve`, `looplm.serve.api`; needs the `serve` extra). design §14."""
+
+from looplm.serve.engine import Engine, EngineConfig, EngineFull, Finish, Request, RequestHandle, Token
+from looplm.serve.slots import SlotPool
+
+__all__ = ["Engine", "EngineConfig", "EngineFull", "Finish", "Request", "RequestHandle", "SlotPool", "Token"]

@@ -1,0 +1,464 @@
+"""Continuous batching on the terminal (or full) KV cache with per-row, per-token depth (design §14).
+
+One engine owns the model and a `SlotPool` of `max_batch` cache slots. Between decode steps it
+prefills waiting requests into free slots (each prompt alone, so its cache equals what
+`looplm generate` builds for it); every decode step feeds one token per running row, each row at
+its own position, depth, adaptive-exit setting and sampling settings (`extend` with per-row
+lengths and depths); a finished or cancelled row frees its slot at once. Greedy outputs therefore
+equal `looplm.infer.generate` on each prompt alone.
+
+The engine is a library class: `submit` a `Request`, read its events from the returned handle (or
+give a `sink` callback), and either drive it with `step()` or run it on its own thread (`start()`).
+`looplm.serve.api` puts it behind an OpenAI-compatible HTTP server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from looplm.data import Tokenizer
+from looplm.infer.extend import extend
+from looplm.infer.generate import SamplingConfig, choose
+from looplm.infer.prefill import Prefill
+from looplm.serve.slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """The engine's capacity and defaults."""
+
+    max_batch: int = 8
+    """Cache slots: sequences decoded together."""
+    max_seq_len: int | None = None
+    """Positions per slot (prompt + generated tokens); default and cap: the model's context."""
+    depth: int = 5
+    """Recurrences per token when a request gives no depth."""
+    max_depth: int | None = None
+    """Deepest request accepted; default: the model's max_depth (terminal) or `depth` (full: the
+    cache keeps one bank per layer visit up to it)."""
+    cache: Literal["terminal", "full"] = "terminal"
+    """terminal: one KV bank per physical layer; full: one bank per layer visit."""
+    max_queue: int = 64
+    """Requests waiting for a slot; more are refused (`EngineFull`, HTTP 429)."""
+
+
+@dataclass
+class Request:
+    """One sequence to generate (an OpenAI choice)."""
+
+    prompt_ids: list[int]
+    max_tokens: int = 16
+    depth: int | None = None
+    """Recurrences per decoded token (R_dec); default: the engine's depth."""
+    prefill_depth: int | None = None
+    """Recurrences over the prompt (R_pre); default: depth."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    exit_tau: float | None = None
+    """Adaptive depth: a token stops recurring once its relative state change < exit_tau."""
+    min_depth: int = 1
+    logprobs: int | None = None
+    """Return each chosen token's log-probability and the `logprobs` most likely alternatives."""
+    example_id: int = 0
+    """Seeds the initial recurrent state by (example id, position), as `generate` does (row 0 alone)."""
+
+
+@dataclass
+class Token:
+    """One generated token. `text` is the new text it releases (empty while it may still turn into
+    a stop string or an incomplete character)."""
+
+    token_id: int
+    text: str
+    depth: int
+    """Recurrences that produced this token's logits (the prefill depth for the first token)."""
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Finish:
+    """The end of a request: `tail` is text not yet released by a `Token` event."""
+
+    reason: Literal["stop", "length", "cancelled", "error"]
+    text: str
+    tail: str
+    prompt_tokens: int
+    completion_tokens: int
+    mean_decode_depth: float
+    error: str | None = None
+
+
+Event = Token | Finish
+
+
+class EngineFull(RuntimeError):
+    """The waiting queue is full (back-pressure: retry later)."""
+
+
+class RequestHandle:
+    """A submitted request: cancel it, or read its events when no sink was given."""
+
+    def __init__(self, request: Request, sampling: SamplingConfig, sink: Callable[[Event], None] | None):
+        self.request, self.sampling = request, sampling
+        self._events: queue.Queue | None = None if sink is not None else queue.Queue()
+        self._sink = sink if sink is not None else self._events.put
+        self._cancelled = threading.Event()
+        self.finish: Finish | None = None
+
+    def cancel(self) -> None:
+        """Stop generating; the slot is freed at the engine's next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Finish):
+            self.finish = event
+        self._sink(event)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Events until (and including) the `Finish` (handles without a sink)."""
+        if self._events is None:
+            raise RuntimeError("this request's events go to its sink")
+        while True:
+            event = self._events.get(timeout=timeout)
+            yield event
+            if isinstance(event, Finish):
+                return
+
+
+@dataclass
+class _Row:
+    """A running sequence in slot i (its index in `Engine._rows`)."""
+
+    handle: RequestHandle
+    depth: int
+    generator: torch.Generator | None
+    next_token: int = -1
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of `text` released
+    depths: list[int] = field(default_factory=list)  # recurrences of each decode step
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """Characters at the end of `text` not to release yet: a proper prefix of a stop string, or an
+    incomplete character (U+FFFD that the next bytes may complete)."""
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    if text.endswith("\ufffd"):
+        hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
+    return hold
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    hits = [text.index(s) for s in stop if s in text]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+class Engine:
+    """Continuous batching over a `SlotPool` (see the module docstring)."""
+
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
+                 prefill: Prefill | None = None):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.config = config = config or EngineConfig()
+        self.prefill = prefill or Prefill()
+        param = next(model.parameters())
+        self.device = param.device
+        cap = model.cfg.max_depth
+        self.max_depth = config.max_depth or (cap if config.cache == "terminal" else config.depth)
+        if not 1 <= config.depth <= self.max_depth <= cap:
+            raise ValueError(f"need 1 <= depth ({config.depth}) <= max_depth ({self.max_depth}) <= the model's "
+                             f"max_depth ({cap})")
+        if config.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {config.max_queue}")
+        max_len = config.max_seq_len or model.cfg.max_seq_len
+        if not 2 <= max_len <= model.cfg.max_seq_len:
+            raise ValueError(f"max_seq_len must be in 2..{model.cfg.max_seq_len} (the model's context), got {max_len}")
+        if self.prefill.arm == "student" and config.cache != "terminal":
+            raise ValueError("distilled prefill writes terminal banks; use the terminal cache")
+        self.pool = SlotPool(model.cfg, config.max_batch, max_len, mode=config.cache, depth=self.max_depth,
+                             device=self.device, dtype=param.dtype)
+        self._rows: list[_Row] = []
+        self._pending: deque[RequestHandle] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        # counters for /metrics
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.finished: dict[str, int] = {}
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, depth sum) of recent steps
+
+    # -- admission -------------------------------------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        return self.pool.max_len
+
+    def check(self, request: Request) -> SamplingConfig:
+        """The request's sampling settings; ValueError with a one-line reason if it cannot run."""
+        sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                  top_k=request.top_k, top_p=request.top_p, seed=request.seed,
+                                  stop=tuple(request.stop), exit_tau=request.exit_tau, min_depth=request.min_depth)
+        sampling.validate()
+        depth = request.depth or self.config.depth
+        for name, r in (("depth", depth), ("prefill_depth", request.prefill_depth or depth)):
+            if not 1 <= r <= self.max_depth:
+                raise ValueError(f"{name} must be in 1..{self.max_depth}, got {r}")
+        if request.exit_tau is not None:
+            if self.config.cache != "terminal":
+                raise ValueError("adaptive depth (exit_tau) needs the terminal cache; this server runs the full cache")
+            if request.min_depth > depth:
+                raise ValueError(f"min_depth {request.min_depth} exceeds the decode depth {depth}")
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        need = len(request.prompt_ids) + request.max_tokens - 1  # the last new token is never fed
+        if need > self.max_len:
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {request.max_tokens} "
+                             f"it needs {need} positions, more than the context of {self.max_len}")
+        if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0..20, got {request.logprobs}")
+        return sampling
+
+    def submit(self, request: Request, sink: Callable[[Event], None] | None = None) -> RequestHandle:
+        """Queue a request (ValueError if it cannot run, EngineFull if the queue is full)."""
+        handle = RequestHandle(request, self.check(request), sink)
+        with self._wake:
+            if len(self._pending) >= self.config.max_queue:
+                raise EngineFull(f"{len(self._pending)} requests are already waiting (max_queue "
+                                 f"{self.config.max_queue}); retry later")
+            self._pending.append(handle)
+            self._wake.notify()
+        return handle
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit waiting requests into free slots, then one decode step. False when idle."""
+        self._drop_cancelled()
+        admitted = self._admit()
+        if self._rows:
+            self._decode()
+            return True
+        return admitted
+
+    def run_until_done(self, handles: Sequence[RequestHandle]) -> list[Finish]:
+        """Drive the engine on this thread until `handles` finish (library use without a thread)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine runs on its own thread; read the handles' events instead")
+        while any(h.finish is None for h in handles):
+            if not self.step() and any(h.finish is None for h in handles):
+                raise RuntimeError("the engine is idle but requests are unfinished")
+        return [h.finish for h in handles]
+
+    def generate(self, requests: Sequence[Request]) -> list[Finish]:
+        """Submit `requests` together and run them to the end (library convenience)."""
+        handles = [self.submit(r, sink=lambda e: None) for r in requests]
+        return self.run_until_done(handles)
+
+    def start(self) -> "Engine":
+        """Run the loop on a daemon thread until `shutdown()`."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="looplm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for row in list(self._rows):
+            self._finish(0, "cancelled")
+        while self._pending:
+            self._pending.popleft().emit(Finish("cancelled", "", "", 0, 0, 0.0))
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                busy = self.step()
+            except Exception as err:  # noqa: BLE001 - the engine must outlive any one batch
+                log.exception("decode step failed; failing the running requests")
+                while self._rows:
+                    self._finish(0, "error", error=f"{type(err).__name__}: {err}")
+                busy = False
+            if not busy:
+                with self._wake:
+                    if not self._pending and not self._stopping:
+                        self._wake.wait(0.1)
+
+    def _drop_cancelled(self) -> None:
+        i = 0
+        while i < len(self._rows):
+            if self._rows[i].handle.cancelled:
+                self._finish(i, "cancelled")  # the last row moves into slot i: look at i again
+            else:
+                i += 1
+        with self._wake:
+            cancelled = [h for h in self._pending if h.cancelled]
+            for h in cancelled:
+                self._pending.remove(h)
+        for h in cancelled:
+            h.emit(Finish("cancelled", "", "", len(h.request.prompt_ids), 0, 0.0))
+
+    def _admit(self) -> bool:
+        admitted = False
+        while self.pool.free:
+            with self._wake:
+                if not self._pending:
+                    break
+                handle = self._pending.popleft()
+            admitted = True
+            try:
+                self._prefill(handle)
+            except Exception as err:  # noqa: BLE001 - one bad prompt must not stop the server
+                log.exception("prefill failed")
+                message = f"{type(err).__name__}: {err}"
+                mine = [i for i, row in enumerate(self._rows) if row.handle is handle]
+                if mine:
+                    self._finish(mine[0], "error", error=message)
+                    continue
+                if len(self._rows) < self.pool.running:  # the slot was claimed but the row not added
+                    self.pool.release(self.pool.running - 1)
+                handle.emit(Finish("error", "", "", len(handle.request.prompt_ids), 0, 0.0, error=message))
+        return admitted
+
+    def _prefill(self, handle: RequestHandle) -> None:
+        req = handle.request
+        depth = req.depth or self.config.depth
+        slot, view = self.pool.claim()
+        tokens = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
+        ids = torch.tensor([req.example_id], device=self.device)
+        logits = self.prefill(self.model, tokens, view, req.prefill_depth or depth, example_ids=ids)[0, -1]
+        self.pool.set_length(slot, len(req.prompt_ids))
+        gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
+        row = _Row(handle, depth, gen)
+        self._rows.append(row)
+        self.prompt_tokens += len(req.prompt_ids)
+        self._accept(slot, logits, self.prefill.teacher_depth(req.prefill_depth or depth))
+
+    def _decode(self) -> None:
+        rows = self._rows
+        tokens = torch.tensor([[r.next_token] for r in rows], dtype=torch.long, device=self.device)
+        depths = [r.depth for r in rows]
+        taus = [r.handle.request.exit_tau for r in rows]
+        kw: dict = {}
+        if any(t is not None for t in taus):
+            kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=self.device)
+            kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in rows], device=self.device)
+        depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=self.device)
+        example_ids = torch.tensor([r.handle.request.example_id for r in rows], device=self.device)
+        logits, used = extend(self.model, tokens, self.pool.decode_view(), depth, example_ids=example_ids,
+                              return_depths=True, **kw)
+        self.pool.advance()
+        used = used[:, 0].tolist()
+        self._recent.append((time.monotonic(), len(rows), sum(used)))
+        for row, u in zip(rows, used):
+            row.depths.append(u)
+        # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
+        for i in range(len(rows) - 1, -1, -1):
+            self._accept(i, logits[i, -1], used[i])
+
+    def _accept(self, slot: int, logits: torch.Tensor, depth: int) -> None:
+        """Choose slot's next token from its last logits [V]; emit it; finish the row if it is done."""
+        row = self._rows[slot]
+        req = row.handle.request
+        tok = int(choose(logits[None], row.handle.sampling, row.generator)[0])
+        if tok == self.tokenizer.eos_id:
+            self._finish(slot, "stop")
+            return
+        row.ids.append(tok)
+        self.generated_tokens += 1
+        text, stopped = _cut_at_stop(self.tokenizer.decode(row.ids), req.stop)
+        row.text = text
+        end = len(text) if stopped else len(text) - _held_back(text, req.stop)
+        piece = text[row.sent:end] if end > row.sent else ""
+        row.sent = max(row.sent, end)
+        event = Token(tok, piece, depth)
+        if req.logprobs is not None:
+            lp = logits.float().log_softmax(-1)
+            event.logprob = float(lp[tok])
+            if req.logprobs:
+                top = lp.topk(min(req.logprobs, lp.numel()))
+                event.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+        row.handle.emit(event)
+        if stopped:
+            self._finish(slot, "stop")
+        elif len(row.ids) >= req.max_tokens:
+            self._finish(slot, "length")
+        else:
+            row.next_token = tok
+
+    def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
+        row = self._rows[slot]
+        req = row.handle.request
+        moved = self.pool.release(slot)
+        last = self._rows.pop()
+        if moved is not None:
+            self._rows[slot] = last
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        depth = sum(row.depths) / len(row.depths) if row.depths else float(row.depth)
+        row.handle.emit(Finish(reason, row.text, row.text[row.sent:], len(req.prompt_ids), len(row.ids), depth, error))
+
+    # -- observability ----------------------------------------------------------------------------
+    def stats(self, window_s: float = 10.0) -> dict:
+        """Numbers for /metrics: queue, running rows, throughput and depth over the last `window_s`."""
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > window_s:
+            self._recent.popleft()
+        recent = list(self._recent)
+        tokens = sum(n for _, n, _ in recent)
+        span = max(now - recent[0][0], 1e-9) if len(recent) > 1 else window_s
+        return {
+            "queue_length": len(self._pending),
+            "running_sequences": len(self._rows),
+            "max_batch": self.pool.max_batch,
+            "generated_tokens_total": self.generated_tokens,
+            "prompt_tokens_total": self.prompt_tokens,
+            "tokens_per_second": tokens / span if tokens else 0.0,
+            "mean_decode_depth": (sum(d for _, _, d in recent) / tokens) if tokens else math.nan,
+            "cache_bytes_in_use": self.pool.bytes_in_use,
+            "cache_bytes_capacity": self.pool.nbytes,
+            "finished_total": dict(self.finished),
+        }
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{c.cache} cache, {c.max_batch} slots x {self.max_len} positions "
+                f"({self.pool.nbytes / 2**20:.1f} MiB), depth {c.depth} (requests up to {self.max_depth}), "
+                f"queue {c.max_queue}")
+
+
+def request_from(prompt_ids: Sequence[int], **fields) -> Request:
+    """A `Request` from keyword fields, ignoring None values (so defaults apply)."""
+    known = {f.name for f in dataclasses.fields(Request)}
+    return Request(list(prompt_ids), **{k: v for k, v in fields.items() if k in known and v is not None})
