@@ -498,6 +498,60 @@ def _parse_error_line(report: str, args: list[str]) -> str:
     return f"error: {message}; see {' '.join(prog)} --help"
 
 
+def serve(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int = 8,
+    max_seq_len: int | None = None,
+    depth: int = 5,
+    max_depth: int | None = None,
+    cache: Literal["terminal", "full"] = "terminal",
+    max_queue: int = 64,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    device: str = "cpu",
+    prefill: PrefillArm = "teacher",
+    student: Path | None = None,
+) -> None:
+    """Serve a checkpoint over an OpenAI-compatible HTTP API with continuous batching (needs
+    `pip install 'looplm[serve]'`): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+    Args:
+        checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        host: Interface to bind (default: this machine only; 0.0.0.0 exposes it to the network).
+        port: TCP port.
+        max_batch: Cache slots, i.e. sequences decoded together (the KV memory is allocated up front).
+        max_seq_len: Positions per slot (prompt + completion); default: the model's context.
+        depth: Recurrences per token when a request does not give `depth`.
+        max_depth: Deepest request accepted; default: the model's max_depth (terminal cache) or --depth (full cache).
+        cache: terminal (one KV bank per physical layer) or full (one bank per layer visit, up to max_depth).
+        max_queue: Requests waiting for a slot; beyond it the server answers 429.
+        api_key: Require `Authorization: Bearer KEY` on /v1/ endpoints.
+        served_model_name: The model id clients pass; default: the checkpoint folder's name.
+        device: Torch device (cpu, cuda, ...).
+        prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
+        student: Distilled student (`looplm distill` output) for --prefill student.
+    """
+    try:
+        import uvicorn
+
+        from looplm.serve.api import create_app
+    except ImportError as err:
+        raise ValueError(f"looplm serve needs the serve extra ({err}): pip install 'looplm[serve]'") from None
+    from looplm.checkpoint import load_model
+    from looplm.serve import Engine, EngineConfig
+
+    model, tokenizer, _ = load_model(checkpoint, device)
+    (arm,) = _prefill_arms(model, (prefill,), student)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
+                                                   max_depth=max_depth, cache=cache, max_queue=max_queue),
+                    prefill=arm)
+    name = served_model_name or checkpoint.resolve().name
+    print(f"serving {name!r} on http://{host}:{port}/v1 ({engine.describe()})", flush=True)
+    uvicorn.run(create_app(engine, name, api_key=api_key), host=host, port=port, log_level="info")
+
+
 def _deferred(fn):
     """`fn` with the same signature and docs for tyro, but calling it only returns the call:
     main runs it after parsing, outside the capture of tyro's error report."""
@@ -544,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _SUBCOMMANDS = {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze,
-                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert}
+                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert, "serve": serve}
 
 
 if __name__ == "__main__":

@@ -194,8 +194,8 @@ class Engine:
         if not 1 <= config.depth <= self.max_depth <= cap:
             raise ValueError(f"need 1 <= depth ({config.depth}) <= max_depth ({self.max_depth}) <= the model's "
                              f"max_depth ({cap})")
-        if config.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {config.max_queue}")
+        if config.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {config.max_queue}")
         max_len = config.max_seq_len or model.cfg.max_seq_len
         if not 2 <= max_len <= model.cfg.max_seq_len:
             raise ValueError(f"max_seq_len must be in 2..{model.cfg.max_seq_len} (the model's context), got {max_len}")
@@ -213,11 +213,17 @@ class Engine:
         self.prompt_tokens = 0
         self.finished: dict[str, int] = {}
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, depth sum) of recent steps
+        self._stats_lock = threading.Lock()  # `stats()` runs on the server's thread
 
     # -- admission -------------------------------------------------------------------------------
     @property
     def max_len(self) -> int:
         return self.pool.max_len
+
+    def depths(self, request: Request) -> tuple[int, int]:
+        """(decode depth, prefill depth) of a request, defaults filled in."""
+        depth = self.config.depth if request.depth is None else request.depth
+        return depth, depth if request.prefill_depth is None else request.prefill_depth
 
     def check(self, request: Request) -> SamplingConfig:
         """The request's sampling settings; ValueError with a one-line reason if it cannot run."""
@@ -225,8 +231,8 @@ class Engine:
                                   top_k=request.top_k, top_p=request.top_p, seed=request.seed,
                                   stop=tuple(request.stop), exit_tau=request.exit_tau, min_depth=request.min_depth)
         sampling.validate()
-        depth = request.depth or self.config.depth
-        for name, r in (("depth", depth), ("prefill_depth", request.prefill_depth or depth)):
+        depth, prefill_depth = self.depths(request)
+        for name, r in (("depth", depth), ("prefill_depth", prefill_depth)):
             if not 1 <= r <= self.max_depth:
                 raise ValueError(f"{name} must be in 1..{self.max_depth}, got {r}")
         if request.exit_tau is not None:
@@ -354,17 +360,17 @@ class Engine:
 
     def _prefill(self, handle: RequestHandle) -> None:
         req = handle.request
-        depth = req.depth or self.config.depth
+        depth, prefill_depth = self.depths(req)
         slot, view = self.pool.claim()
         tokens = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
         ids = torch.tensor([req.example_id], device=self.device)
-        logits = self.prefill(self.model, tokens, view, req.prefill_depth or depth, example_ids=ids)[0, -1]
+        logits = self.prefill(self.model, tokens, view, prefill_depth, example_ids=ids)[0, -1]
         self.pool.set_length(slot, len(req.prompt_ids))
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
         row = _Row(handle, depth, gen)
         self._rows.append(row)
         self.prompt_tokens += len(req.prompt_ids)
-        self._accept(slot, logits, self.prefill.teacher_depth(req.prefill_depth or depth))
+        self._accept(slot, logits, self.prefill.teacher_depth(prefill_depth))
 
     def _decode(self) -> None:
         rows = self._rows
@@ -381,7 +387,11 @@ class Engine:
                               return_depths=True, **kw)
         self.pool.advance()
         used = used[:, 0].tolist()
-        self._recent.append((time.monotonic(), len(rows), sum(used)))
+        now = time.monotonic()
+        with self._stats_lock:
+            self._recent.append((now, len(rows), sum(used)))
+            while now - self._recent[0][0] > 60.0:
+                self._recent.popleft()
         for row, u in zip(rows, used):
             row.depths.append(u)
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
@@ -433,9 +443,8 @@ class Engine:
     def stats(self, window_s: float = 10.0) -> dict:
         """Numbers for /metrics: queue, running rows, throughput and depth over the last `window_s`."""
         now = time.monotonic()
-        while self._recent and now - self._recent[0][0] > window_s:
-            self._recent.popleft()
-        recent = list(self._recent)
+        with self._stats_lock:
+            recent = [r for r in self._recent if now - r[0] <= window_s]
         tokens = sum(n for _, n, _ in recent)
         span = max(now - recent[0][0], 1e-9) if len(recent) > 1 else window_s
         return {

@@ -1,0 +1,362 @@
+"""An OpenAI-compatible HTTP API over the continuous-batching `Engine` (FastAPI; design §14).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with server-sent events or
+not), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors use OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`: 400 for a request that cannot run (checked before
+it is queued), 401 for a wrong API key, 404 for an unknown model, 429 when the queue is full.
+The engine runs on its own thread; each HTTP request waits on an asyncio queue its events are
+posted to. A client that disconnects cancels its requests, and their slots are freed at the
+engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from looplm.serve.engine import Engine, EngineFull, Finish, Request, RequestHandle, Token
+from looplm.serve.protocol import ChatRequest, CompletionRequest
+
+POLL_S = 0.25
+"""How often a waiting request checks whether its client is still connected."""
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *,
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0] if err.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+class _EngineCollector:
+    """Prometheus metrics read from `Engine.stats()` at scrape time."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        gauges = {
+            "queue_length": "Requests waiting for a cache slot",
+            "running_sequences": "Sequences in the running batch",
+            "max_batch": "Cache slots",
+            "tokens_per_second": "Generated tokens per second over the last 10 s",
+            "mean_decode_depth": "Mean recurrences per decoded token over the last 10 s",
+            "cache_bytes_in_use": "KV-cache bytes holding live tokens",
+            "cache_bytes_capacity": "KV-cache bytes preallocated for all slots",
+        }
+        for name, doc in gauges.items():
+            yield GaugeMetricFamily(f"looplm_{name}", doc, value=s[name])
+        for name, doc in (("generated_tokens", "Tokens generated"), ("prompt_tokens", "Prompt tokens prefilled")):
+            yield CounterMetricFamily(f"looplm_{name}", doc, value=s[f"{name}_total"])
+        done = CounterMetricFamily("looplm_requests_finished", "Finished sequences by reason", labels=["reason"])
+        for reason, count in sorted(s["finished_total"].items()):
+            done.add_metric([reason], count)
+        yield done
+
+
+class _Choices:
+    """The engine requests of one HTTP request and the asyncio queue their events arrive on."""
+
+    def __init__(self, engine: Engine, requests: Sequence[Request]):
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        for r in requests:
+            engine.check(r)  # every choice is checked before any is queued
+        self.handles: list[RequestHandle] = []
+        try:
+            for i, r in enumerate(requests):
+                sink = (lambda i: lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, (i, ev)))(i)
+                self.handles.append(engine.submit(r, sink))
+        except EngineFull:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            if h.finish is None:
+                h.cancel()
+
+    async def stream(self, http: HTTPRequest) -> AsyncIterator[tuple[int, Token | Finish]]:
+        """Events until every choice finished; cancels them all if the client goes away."""
+        left = len(self.handles)
+        try:
+            while left:
+                try:
+                    i, ev = await asyncio.wait_for(self.events.get(), POLL_S)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                if isinstance(ev, Finish):
+                    left -= 1
+                yield i, ev
+        finally:
+            self.cancel()  # no-op for finished choices
+
+
+def _usage(prompt_tokens: int, finishes: Sequence[Finish]) -> dict:
+    completion = sum(f.completion_tokens for f in finishes)
+    weight = sum(max(f.completion_tokens, 1) for f in finishes)
+    depth = sum(f.mean_decode_depth * max(f.completion_tokens, 1) for f in finishes) / weight
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "mean_decode_depth": round(depth, 4)}
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` as model `model_name`; the engine thread runs with the app."""
+    tok = engine.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="looplm", summary="OpenAI-compatible looped-LM server", lifespan=lifespan)
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, err: APIError):
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, err: RequestValidationError):
+        message, param = _validation_message(err)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return APIError(err.status_code, str(err.detail), kind).response()
+
+    @app.middleware("http")
+    async def _auth(http: HTTPRequest, call_next):
+        if api_key is not None and http.url.path.startswith("/v1/"):
+            if http.headers.get("authorization", "") != f"Bearer {api_key}":
+                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                "authentication_error", code="invalid_api_key").response()
+        return await call_next(http)
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, model_name):
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
+
+    def start(requests: list[Request]) -> _Choices:
+        try:
+            return _Choices(engine, requests)
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        except EngineFull as err:
+            raise APIError(429, str(err), "rate_limit_exceeded", code="queue_full") from None
+
+    def choice_requests(body, prompts_ids: list[list[int]], max_tokens: int, stop, logprobs) -> list[Request]:
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        return [Request(ids, max_tokens=max_tokens, stop=stop, seed=seed + k, logprobs=logprobs, **body.engine_fields())
+                for ids in prompts_ids for k in range(body.n)]
+
+    def encode(prompt: str | list[int]) -> list[int]:
+        return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running_sequences": len(engine._rows)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "looplm", "max_model_len": engine.max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        check_model(body.model)
+        try:
+            stop = body.stop_strings()
+        except ValueError as err:
+            raise APIError(400, str(err), param="stop") from None
+        prompts = body.prompts()
+        ids = [encode(p) for p in prompts]
+        choices = start(choice_requests(body, ids, body.max_tokens, stop, body.logprobs))
+        rid, name = f"cmpl-{uuid.uuid4().hex}", body.model or model_name
+        prefix = [(tok.decode(i) if isinstance(p, list) else p) if body.echo else "" for p, i in zip(prompts, ids)]
+        n_prompt = sum(len(i) for i in ids)
+
+        def lp_block(tokens: list[Token], offset: int) -> dict:
+            out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for t in tokens:
+                piece = tok.decode([t.token_id])
+                out["tokens"].append(piece)
+                out["token_logprobs"].append(t.logprob)
+                out["top_logprobs"].append({tok.decode([i]): lp for i, lp in (t.top_logprobs or [])} or None)
+                out["text_offset"].append(offset)
+                offset += len(piece)
+            return out
+
+        def chunk(index: int, text: str, finish: str | None, tokens: list[Token], offset: int) -> dict:
+            lp = lp_block(tokens, offset) if body.logprobs is not None else None
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                    "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
+
+        if body.stream:
+            async def events():
+                try:
+                    finishes, offsets = {}, {}
+                    async for i, ev in choices.stream(http):
+                        if i not in offsets:
+                            offsets[i] = 0
+                            head = prefix[i // body.n]
+                            if head:
+                                yield _sse(chunk(i, head, None, [], 0))
+                                offsets[i] = len(head)
+                        if isinstance(ev, Token):
+                            if ev.text or body.logprobs is not None:
+                                yield _sse(chunk(i, ev.text, None, [ev], offsets[i]))
+                                offsets[i] += len(ev.text)
+                        else:
+                            finishes[i] = ev
+                            if ev.reason == "error":
+                                yield _sse(APIError(500, ev.error or "generation failed", "server_error").body())
+                                continue
+                            yield _sse(chunk(i, ev.tail, ev.reason, [], offsets[i]))
+                    if len(finishes) == len(choices.handles):
+                        if body.include_usage():
+                            yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                                        "choices": [], "usage": _usage(n_prompt, list(finishes.values()))})
+                        yield _sse("[DONE]")
+                finally:
+                    choices.cancel()  # the client went away mid-stream
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        tokens: dict[int, list[Token]] = {}
+        finishes: dict[int, Finish] = {}
+        async for i, ev in choices.stream(http):
+            if isinstance(ev, Token):
+                tokens.setdefault(i, []).append(ev)
+            else:
+                finishes[i] = ev
+        if len(finishes) < len(choices.handles):
+            return Response(status_code=499)  # the client went away
+        failed = [f for f in finishes.values() if f.reason == "error"]
+        if failed:
+            raise APIError(500, failed[0].error or "generation failed", "server_error")
+        out = []
+        for i in sorted(finishes):
+            head = prefix[i // body.n]
+            c = chunk(i, head + finishes[i].text, finishes[i].reason, tokens.get(i, []), len(head))["choices"][0]
+            out.append(c)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                "choices": out, "usage": _usage(n_prompt, list(finishes.values()))}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        check_model(body.model)
+        try:
+            stop, logprobs = body.stop_strings(), body.logprob_count()
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        ids = tok.encode(body.render())
+        choices = start(choice_requests(body, [ids], body.budget(), stop, logprobs))
+        rid, name = f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name
+
+        def lp_content(tokens: list[Token]) -> dict | None:
+            if logprobs is None:
+                return None
+
+            def entry(token_id: int, lp: float) -> dict:
+                piece = tok.decode([token_id])
+                return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
+
+            return {"content": [{**entry(t.token_id, t.logprob),
+                                 "top_logprobs": [entry(i, lp) for i, lp in (t.top_logprobs or [])]} for t in tokens]}
+
+        def chunk(index: int, delta: dict, finish: str | None, tokens: list[Token]) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp_content(tokens),
+                                 "finish_reason": finish}]}
+
+        if body.stream:
+            async def events():
+                try:
+                    finishes, opened = {}, set()
+                    async for i, ev in choices.stream(http):
+                        if i not in opened:
+                            opened.add(i)
+                            yield _sse(chunk(i, {"role": "assistant", "content": ""}, None, []))
+                        if isinstance(ev, Token):
+                            if ev.text or logprobs is not None:
+                                yield _sse(chunk(i, {"content": ev.text}, None, [ev]))
+                        else:
+                            finishes[i] = ev
+                            if ev.reason == "error":
+                                yield _sse(APIError(500, ev.error or "generation failed", "server_error").body())
+                                continue
+                            yield _sse(chunk(i, {"content": ev.tail} if ev.tail else {}, ev.reason, []))
+                    if len(finishes) == len(choices.handles):
+                        if body.include_usage():
+                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                                        "model": name, "choices": [], "usage": _usage(len(ids), list(finishes.values()))})
+                        yield _sse("[DONE]")
+                finally:
+                    choices.cancel()  # the client went away mid-stream
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        tokens: dict[int, list[Token]] = {}
+        finishes: dict[int, Finish] = {}
+        async for i, ev in choices.stream(http):
+            if isinstance(ev, Token):
+                tokens.setdefault(i, []).append(ev)
+            else:
+                finishes[i] = ev
+        if len(finishes) < len(choices.handles):
+            return Response(status_code=499)
+        failed = [f for f in finishes.values() if f.reason == "error"]
+        if failed:
+            raise APIError(500, failed[0].error or "generation failed", "server_error")
+        out = [{"index": i, "message": {"role": "assistant", "content": finishes[i].text},
+                "logprobs": lp_content(tokens.get(i, [])), "finish_reason": finishes[i].reason}
+               for i in sorted(finishes)]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
+                "choices": out, "usage": _usage(len(ids), list(finishes.values()))}
+
+    return app

@@ -1,0 +1,140 @@
+"""The OpenAI request bodies the server accepts, as pydantic models, and the chat template.
+
+Fields follow OpenAI's completions and chat completions APIs; looplm's extensions (`depth`,
+`prefill_depth`, `exit_tau`, `min_depth`, `top_k`) ride in the same body (the openai client sends
+them through `extra_body`). Parameters the engine does not implement are accepted only at their
+neutral value, so a client never gets silently different behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CHAT_TEMPLATE = "{role}: {content}\n"
+"""Each message is rendered as `role: content` on its own line, then `assistant:` opens the reply."""
+CHAT_STOP = ("\nuser:", "\nsystem:")
+"""Stop strings added to every chat request, so the reply ends where the template's next turn would start."""
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+    # looplm extensions
+    depth: int | None = Field(None, ge=1)
+    prefill_depth: int | None = Field(None, ge=1)
+    exit_tau: float | None = Field(None, gt=0.0)
+    min_depth: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _neutral_only(self):
+        if self.frequency_penalty or self.presence_penalty:
+            raise ValueError("frequency_penalty and presence_penalty are not supported (use 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return tuple(stops)
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def engine_fields(self) -> dict:
+        """The `looplm.serve.Request` fields every choice of this request shares."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, depth=self.depth,
+                    prefill_depth=self.prefill_depth, exit_tau=self.exit_tau, min_depth=self.min_depth)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt):
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be an empty list")
+        return prompt
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported (leave it unset)")
+        if self.suffix:
+            raise ValueError("suffix (insertion) is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt as text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def budget(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+    def render(self) -> str:
+        """The prompt text: the documented template `CHAT_TEMPLATE`, then `assistant:`."""
+        turns = "".join(CHAT_TEMPLATE.format(role="system" if m.role == "developer" else m.role, content=m.text())
+                        for m in self.messages)
+        return turns + "assistant:"
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return super().stop_strings() + CHAT_STOP
+
+    def logprob_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0

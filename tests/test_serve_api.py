@@ -1,0 +1,261 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP against a
+server started on 127.0.0.1: exactness under concurrency, streaming, chat, disconnects,
+malformed requests, the API key, back-pressure and metrics."""
+
+import concurrent.futures
+import json
+import random
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from _jobs import free_port  # noqa: E402
+
+from looplm.config import ModelConfig  # noqa: E402
+from looplm.data import ByteTokenizer  # noqa: E402
+from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
+from looplm.model import LoopedLM  # noqa: E402
+from looplm.serve import Engine, EngineConfig  # noqa: E402
+from looplm.serve.api import create_app  # noqa: E402
+from looplm.serve.protocol import CHAT_STOP  # noqa: E402
+
+TOK = ByteTokenizer()
+NAME = "tiny-looped"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
+                      max_depth=8)
+    return LoopedLM(cfg).eval()
+
+
+@contextmanager
+def serving(engine: Engine, api_key: str | None = None):
+    """A uvicorn server on a free 127.0.0.1 port in a thread; yields its base URL, then stops it."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, api_key=api_key), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def _client(url: str, key: str = "unused") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _alone(model, prompt: str, depth: int, max_tokens: int, mode: str = "terminal", stop=()) -> str:
+    sampling = SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop))
+    return generate(model, TOK, [prompt], depth=depth, cache_mode=mode, sampling=sampling)[0]
+
+
+def test_openai_client_completions_chat_and_streaming(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=3))
+    with serving(engine) as url:
+        client = _client(url)
+        assert [m.id for m in client.models.list().data] == [NAME]
+        want = _alone(model, "abc", 3, 12)
+        done = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0)
+        assert done.choices[0].text == want and done.choices[0].finish_reason in ("stop", "length")
+        assert done.usage.prompt_tokens == 3 and done.usage.completion_tokens >= 1
+        assert done.usage.model_extra["mean_decode_depth"] == 3.0
+        deep = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0,
+                                         extra_body={"depth": 5})
+        assert deep.choices[0].text == _alone(model, "abc", 5, 12)
+        stream = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        prompt = "system: be brief\nuser: hi\nassistant:"  # the documented template
+        want_chat = _alone(model, prompt, 3, 10, stop=CHAT_STOP)
+        chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+        assert chat.choices[0].message.content == want_chat and chat.choices[0].message.role == "assistant"
+        pieces = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == want_chat
+
+        two = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=5, temperature=0,
+                                        logprobs=2)
+        assert [c.index for c in two.choices] == [0, 1, 2, 3]
+        assert [c.text for c in two.choices] == [_alone(model, p, 3, 5) for p in ("ab", "ab", "cd", "cd")]
+        lp = two.choices[0].logprobs
+        assert 1 <= len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) <= 5
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the chosen token is the top one
+            # (top_logprobs is keyed by token text: two byte tokens that decode to U+FFFD share a key)
+            assert 1 <= len(top) <= 2 and max(top.values()) <= chosen + 1e-6 and chosen <= 0
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_sixteen_concurrent_requests_equal_generate_alone(model, mode):
+    rng = random.Random(0)
+    jobs = [("".join(rng.choice("abcdefgh +=") for _ in range(rng.randint(1, 20))), 1 + i % 4, rng.randint(2, 20))
+            for i in range(16)]
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=4, cache=mode))
+    with serving(engine) as url:
+        client = _client(url)
+
+        def ask(job):
+            prompt, depth, n = job
+            return client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
+                                             extra_body={"depth": depth}).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(ask, jobs))
+    assert got == [_alone(model, p, d, n, mode) for p, d, n in jobs]
+    assert engine.finished.get("cancelled", 0) == 0
+
+
+def _slow(engine: Engine, seconds: float) -> None:
+    decode = engine._decode
+
+    def slow_decode():
+        time.sleep(seconds)
+        decode()
+
+    engine._decode = slow_decode
+
+
+def test_client_disconnect_mid_stream_frees_its_slot(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    _slow(engine, 0.05)  # 50 tokens take >= 2.5 s: the client leaves long before the end
+    with serving(engine) as url:
+        body = {"model": NAME, "prompt": "abc", "max_tokens": 50, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                seen = 0
+                while seen < 2:
+                    seen += next(lines).startswith("data: ")
+                assert engine.pool.running == 1
+            deadline = time.monotonic() + 10
+            while engine.pool.running and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.pool.running == 0 and engine.finished == {"cancelled": 1}
+            assert http.get(f"{url}/health").json()["running_sequences"] == 0
+
+
+def _malformed(n_ctx: int) -> list[tuple[str, object]]:
+    """(path, body) pairs that must each get a 4xx; bodies given as str are sent raw."""
+    ok = {"model": NAME, "prompt": "ab", "max_tokens": 4}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ("/v1/completions", "{not json"), ("/v1/completions", ""), ("/v1/completions", "[1, 2]"),
+        ("/v1/chat/completions", "{\"messages\": "),
+        ("/v1/completions", {**ok, "max_tokens": -1}), ("/v1/completions", {**ok, "max_tokens": 0}),
+        ("/v1/completions", {**ok, "max_tokens": "many"}), ("/v1/completions", {**ok, "prompt": 7}),
+        ("/v1/completions", {**ok, "prompt": []}), ("/v1/completions", {**ok, "prompt": ""}),
+        ("/v1/completions", {"model": NAME}), ("/v1/completions", {**ok, "model": "gpt-4"}),
+        ("/v1/completions", {**ok, "prompt": "x" * n_ctx}), ("/v1/completions", {**ok, "max_tokens": n_ctx}),
+        ("/v1/completions", {**ok, "depth": 0}), ("/v1/completions", {**ok, "depth": 99}),
+        ("/v1/completions", {**ok, "depth": "deep"}), ("/v1/completions", {**ok, "prefill_depth": 0}),
+        ("/v1/completions", {**ok, "exit_tau": -1}), ("/v1/completions", {**ok, "exit_tau": 0.1, "min_depth": 9}),
+        ("/v1/completions", {**ok, "temperature": -0.5}), ("/v1/completions", {**ok, "top_p": 0}),
+        ("/v1/completions", {**ok, "top_p": 1.5}), ("/v1/completions", {**ok, "top_k": -3}),
+        ("/v1/completions", {**ok, "n": 0}), ("/v1/completions", {**ok, "n": 1000}),
+        ("/v1/completions", {**ok, "stop": ""}), ("/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}),
+        ("/v1/completions", {**ok, "logprobs": 50}), ("/v1/completions", {**ok, "presence_penalty": 1.0}),
+        ("/v1/completions", {**ok, "logit_bias": {"5": 10}}), ("/v1/completions", {**ok, "best_of": 3}),
+        ("/v1/completions", {**ok, "prompt": [999999]}), ("/v1/completions", {**ok, "prompt": [-1]}),
+        ("/v1/completions", {**ok, "seed": "s"}), ("/v1/completions", {**ok, "suffix": "end"}),
+        ("/v1/chat/completions", {**chat, "messages": []}),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "hi"}]}),
+        ("/v1/chat/completions", {**chat, "messages": [{"content": "hi"}]}),
+        ("/v1/chat/completions", {**chat, "messages": "hi"}), ("/v1/chat/completions", {**chat, "top_logprobs": 3}),
+        ("/v1/chat/completions", {**chat, "max_tokens": -5}), ("/v1/chat/completions", {**chat, "model": "nope"}),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * n_ctx}]}),
+        ("/v1/chat/completions", {**chat, "depth": 0}), ("/v1/nothing", ok),
+    ]
+    out = []
+    while len(out) < 100:  # the kinds again with other values, to 100 requests
+        for path, body in cases:
+            if isinstance(body, dict) and len(out) >= len(cases):
+                body = {**body, "user": f"u{len(out)}"}
+            out.append((path, body))
+    return out[:100]
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_answering(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    with serving(engine) as url, httpx.Client(timeout=30) as http:
+        statuses = []
+        for path, body in _malformed(engine.max_len):
+            if isinstance(body, str):
+                r = http.post(url + path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(url + path, json=body)
+            statuses.append(r.status_code)
+            assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+            assert r.json()["error"]["message"], r.text
+        assert len(statuses) == 100 and statuses.count(404) >= 2
+        ok = http.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 12,
+                                                     "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _alone(model, "abc", 3, 12)
+    assert engine.pool.running == 0 and not engine._pending
+
+
+def test_api_key_is_required_when_set(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+    with serving(engine, api_key="sekret") as url:
+        with pytest.raises(openai.AuthenticationError):
+            _client(url, "wrong").models.list()
+        assert _client(url, "sekret").completions.create(model=NAME, prompt="a", max_tokens=2).choices
+        assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
+
+
+def test_full_queue_answers_429(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2, max_queue=1))
+    step, paused = engine.step, threading.Event()
+    engine.step = lambda: False if paused.is_set() else step()
+    paused.set()
+    with serving(engine) as url, httpx.Client(timeout=30) as http:
+        body = {"model": NAME, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(http.post, f"{url}/v1/completions", json=body)
+            deadline = time.monotonic() + 10
+            while not engine._pending and time.monotonic() < deadline:
+                time.sleep(0.01)
+            second = http.post(f"{url}/v1/completions", json=body)
+            assert second.status_code == 429
+            assert second.json()["error"]["code"] == "queue_full" and "retry later" in second.json()["error"]["message"]
+            paused.clear()
+            assert first.result(timeout=30).json()["choices"][0]["text"] == _alone(model, "abc", 2, 4)
+
+
+def test_metrics_and_health(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=3, depth=2))
+    with serving(engine) as url, httpx.Client(timeout=30) as http:
+        assert http.get(f"{url}/health").json()["status"] == "ok"
+        http.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0})
+        text = http.get(f"{url}/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    for name in ("looplm_queue_length", "looplm_running_sequences", "looplm_tokens_per_second",
+                 "looplm_mean_decode_depth", "looplm_cache_bytes_in_use", "looplm_cache_bytes_capacity"):
+        assert name in values, name
+    assert values["looplm_generated_tokens_total"] == engine.generated_tokens > 0
+    assert values["looplm_prompt_tokens_total"] == 5
+    assert values["looplm_mean_decode_depth"] == 2.0 and values["looplm_cache_bytes_in_use"] == 0
+    assert values["looplm_cache_bytes_capacity"] == engine.pool.nbytes
+    assert json.dumps(values)  # all plain numbers
