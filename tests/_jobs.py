@@ -185,13 +185,5 @@ def write_random_run(root: Path) -> Path:
     job = tiny_job(root.parent, root.name)
     job.model.vocab_size = ByteTokenizer().vocab_size
     torch.manual_seed(0)
-    model = LoopedLM(job.model)
-
-    def populate(tmp: Path) -> None:
-        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
-        ckpt.write_json(tmp, "config.json", job.to_dict())
-        ByteTokenizer().save(tmp)
-
-    ckpt.write_atomic(root / "checkpoints" / "step_0000001", populate)
-    (root / "checkpoints" / "latest").write_text("step_0000001")
+    ckpt.save_model(root, LoopedLM(job.model), job.to_dict(), ByteTokenizer())
     return root

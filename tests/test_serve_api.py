@@ -259,3 +259,38 @@ def test_metrics_and_health(model):
     assert values["looplm_mean_decode_depth"] == 2.0 and values["looplm_cache_bytes_in_use"] == 0
     assert values["looplm_cache_bytes_capacity"] == engine.pool.nbytes
     assert json.dumps(values)  # all plain numbers
+
+
+def test_looplm_serve_command(tmp_path):
+    """`looplm serve` on a run folder: binds 127.0.0.1, answers, and refuses a bad flag in one line."""
+    import subprocess
+
+    from _jobs import looplm_cmd, subprocess_env, write_random_run
+
+    run = write_random_run(tmp_path / "run")
+    port = free_port()
+    proc = subprocess.Popen(looplm_cmd("serve", str(run), "--port", str(port), "--max-batch", "2", "--depth", "2",
+                                       "--max-seq-len", "64"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "looplm serve did not come up"
+                time.sleep(0.2)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["run"] and models[0]["max_model_len"] == 64
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"prompt": "+12,34=", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"serving 'run' on http://127.0.0.1:{port}/v1 (terminal cache, 2 slots x 64 positions" in out
+    bad = subprocess.run(looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True,
+                         env=subprocess_env())
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--cache" in bad.stderr

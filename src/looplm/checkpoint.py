@@ -81,6 +81,18 @@ def save_step(root: Path, step: int, populate: Callable[[Path], None], keep: int
     return target
 
 
+def save_model(root: Path, model: torch.nn.Module, job: dict, tokenizer, step: int = 1) -> Path:
+    """A run folder `root` whose `checkpoints/step_<step>` holds `model`'s weights, the training job
+    `job` (a `TrainJob.to_dict()`) and `tokenizer`, as `looplm train` writes them (no optimizer
+    state: it loads for inference, not to resume)."""
+    def populate(tmp: Path) -> None:
+        save_tensors(tmp, "model.safetensors", model.state_dict())
+        write_json(tmp, "config.json", job)
+        tokenizer.save(tmp)
+
+    return save_step(Path(root) / "checkpoints", step, populate, keep=1)
+
+
 def verify(path: Path) -> dict:
     """Check the manifest's SHA-256 sums; return the manifest. Raises CheckpointError."""
     path = Path(path)

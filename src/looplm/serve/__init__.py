@@ -1,5 +1,5 @@
 """Serving: continuous batching on the terminal KV cache (`Engine`) behind an OpenAI-compatible
-HTTP API (`looplm serve`, `looplm.serve.api`; needs the `serve` extra). design §14."""
+HTTP API (`looplm serve`, `looplm.serve.api`; needs the `serve` extra). design §15."""
 
 from looplm.serve.engine import Engine, EngineConfig, EngineFull, Finish, Request, RequestHandle, Token
 from looplm.serve.slots import SlotPool

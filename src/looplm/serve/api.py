@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API over the continuous-batching `Engine` (FastAPI; design §14).
+"""An OpenAI-compatible HTTP API over the continuous-batching `Engine` (FastAPI; design §15).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with server-sent events or
 not), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors use OpenAI's body

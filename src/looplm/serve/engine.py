@@ -1,4 +1,4 @@
-"""Continuous batching on the terminal (or full) KV cache with per-row, per-token depth (design §14).
+"""Continuous batching on the terminal (or full) KV cache with per-row, per-token depth (design §15).
 
 One engine owns the model and a `SlotPool` of `max_batch` cache slots. Between decode steps it
 prefills waiting requests into free slots (each prompt alone, so its cache equals what

@@ -1,4 +1,4 @@
-"""The serving engine's KV memory: one cache preallocated for `max_batch` sequences (design §14).
+"""The serving engine's KV memory: one cache preallocated for `max_batch` sequences (design §15).
 
 Running sequences occupy the first `n` batch rows (slots) of the pool, each with its own length.
 A new sequence is prefilled into slot `n` through a one-row view of the pool; a one-token decode

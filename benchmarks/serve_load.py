@@ -1,0 +1,270 @@
+"""Load test of `looplm serve`: continuous batching vs one request at a time, terminal vs full
+cache at the same cache memory, and adaptive exit vs fixed depth, side by side in one run.
+
+    python benchmarks/serve_load.py [--checkpoint runs/tiny] [--clients 16] [--requests 64]
+        [--max-tokens 32] [--depth 5] [--full-slots 4] [--time-limit 120]
+        [--out benchmarks/results/serve_load.json]
+
+Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
+from the arm's), waits for /health, and then `--clients` client threads (this process) send the
+same `--requests` streaming completion requests (prompts: lines of the built-in Shakespeare
+corpus, greedy, `--max-tokens` each, depth `--depth`); a client stops taking new requests after
+`--time-limit` seconds. Per request: latency (send -> last byte) and time to first token.
+Throughput = completion tokens / wall time of the arm.
+
+Arms (the first three are the acceptance's comparison):
+- `continuous terminal`: terminal cache with the slots that fit the memory of `--full-slots`
+  full-cache slots (at 1/2/1 blocks and R = 5: 4 banks per slot vs 12, so 3x the slots);
+- `one at a time terminal`: 1 slot (each request waits for the previous one);
+- `continuous full`: the full cache with `--full-slots` slots (the same bytes);
+- `continuous terminal, same slots as full`: separates the cost per step from the capacity.
+With `--checkpoint` (a trained, depth-using model), two more arms run at `--adaptive-depth`:
+fixed depth vs adaptive exit (`exit_tau`), and their outputs are scored by the checkpoint itself
+(mean log-likelihood per token of the generated text under a native forward at the fixed depth) and
+compared token for token (exact-match rate of the texts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_random_run(folder: Path) -> Path:
+    """A run folder with a random model of the tiny preset's shape (speed does not depend on training)."""
+    from looplm.checkpoint import save_model
+    from looplm.data import ByteTokenizer
+    from looplm.model import LoopedLM
+    from looplm.train.config import job_preset
+
+    job = job_preset("tiny")
+    job.model.vocab_size = ByteTokenizer().vocab_size
+    torch.manual_seed(0)
+    save_model(folder, LoopedLM(job.model), job.to_dict(), ByteTokenizer())
+    return folder
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` prompts: consecutive non-empty lines of the built-in Shakespeare corpus (8-120 characters)."""
+    import random
+
+    from looplm.data.corpus import iter_corpus
+
+    lines = [ln.strip() for doc in iter_corpus("shakespeare") for ln in doc.splitlines()]
+    lines = [ln for ln in lines if 8 <= len(ln) <= 120]
+    rng = random.Random(seed)
+    return [ln + "\n" for ln in rng.sample(lines, n)]
+
+
+class Server:
+    """`looplm serve CHECKPOINT ARGS` on a free port, until `close()`."""
+
+    def __init__(self, checkpoint: Path, args: list[str], threads: int):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "looplm.cli", "serve", str(checkpoint), "--port", str(self.port), *args]
+        self.cmd = cmd
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dict:
+    """Send `jobs` (request bodies) from `clients` threads, streaming; per-request timings."""
+    results: list[dict] = []
+    lock = threading.Lock()
+    queue = list(enumerate(jobs))
+    t0 = time.perf_counter()
+
+    def client():
+        with httpx.Client(timeout=600) as http:
+            while True:
+                with lock:
+                    if not queue or time.perf_counter() - t0 > time_limit:
+                        return
+                    i, body = queue.pop(0)
+                start = time.perf_counter()
+                first, text, usage = None, "", None
+                with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True,
+                                                                        "stream_options": {"include_usage": True}}) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.read()}")
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            usage = chunk["usage"]
+                        for c in chunk.get("choices", []):
+                            if c["text"] and first is None:
+                                first = time.perf_counter()
+                            text += c["text"]
+                end = time.perf_counter()
+                with lock:
+                    results.append({"index": i, "latency_s": end - start, "ttft_s": (first or end) - start,
+                                    "text": text, "completion_tokens": usage["completion_tokens"],
+                                    "mean_decode_depth": usage["mean_decode_depth"]})
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat = sorted(r["latency_s"] for r in results)
+    ttft = sorted(r["ttft_s"] for r in results)
+    tokens = sum(r["completion_tokens"] for r in results)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
+
+    return {"completed": len(results), "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
+            "requests_per_s": len(results) / wall, "latency_p50_s": pct(lat, 0.5), "latency_p95_s": pct(lat, 0.95),
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
+            "mean_decode_depth": sum(r["mean_decode_depth"] * r["completion_tokens"] for r in results) / max(tokens, 1),
+            "results": sorted(results, key=lambda r: r["index"])}
+
+
+def score(checkpoint: Path, texts: list[tuple[str, str]], depth: int) -> float:
+    """Mean log-likelihood per token of each completion given its prompt, native forward at `depth`."""
+    from looplm.checkpoint import load_model
+
+    model, tok, _ = load_model(checkpoint)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for prompt, completion in texts:
+            p, c = tok.encode(prompt), tok.encode(completion)
+            if not c:
+                continue
+            ids = torch.tensor([p + c])
+            lp = model(ids, depth, init="seeded").logits[0, :-1].log_softmax(-1)
+            total += float(lp[torch.arange(len(p) - 1, len(p) + len(c) - 1), ids[0, len(p):]].sum())
+            count += len(c)
+    return total / max(count, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, default=None, help="default: a random model of the tiny preset's shape")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--full-slots", type=int, default=4)
+    ap.add_argument("--time-limit", type=float, default=120.0)
+    ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the server process")
+    ap.add_argument("--adaptive-depth", type=int, default=8)
+    ap.add_argument("--exit-tau", type=float, default=0.05)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
+    args = ap.parse_args()
+
+    from looplm.checkpoint import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = args.checkpoint or write_random_run(Path(tmp) / "random-tiny")
+        model, _, _ = load_model(checkpoint)
+        cfg = model.cfg
+        del model
+        banks_terminal = cfg.n_prelude + cfg.n_core + cfg.n_coda
+        banks_full = cfg.n_prelude + cfg.n_core * args.depth + cfg.n_coda
+        terminal_slots = args.full_slots * banks_full // banks_terminal
+        texts = prompts(args.requests)
+        jobs = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in texts]
+        common = ["--depth", str(args.depth), "--max-queue", str(args.requests)]
+        arms = [
+            ("continuous terminal", ["--cache", "terminal", "--max-batch", str(terminal_slots)], {}),
+            ("one at a time terminal", ["--cache", "terminal", "--max-batch", "1"], {}),
+            ("continuous full", ["--cache", "full", "--max-batch", str(args.full_slots)], {}),
+            (f"continuous terminal, {args.full_slots} slots", ["--cache", "terminal", "--max-batch",
+                                                               str(args.full_slots)], {}),
+        ]
+        if args.checkpoint is not None:
+            R = args.adaptive_depth
+            arms += [
+                (f"fixed depth {R}", ["--cache", "terminal", "--max-batch", str(terminal_slots)], {"depth": R}),
+                (f"adaptive exit tau {args.exit_tau} (max {R})", ["--cache", "terminal", "--max-batch",
+                                                                    str(terminal_slots)],
+                 {"depth": R, "exit_tau": args.exit_tau}),
+            ]
+        rows = []
+        for label, flags, extra in arms:
+            server = Server(checkpoint, common + flags, args.server_threads)
+            try:
+                run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up
+                result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
+                result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
+            finally:
+                server.close()
+            result.update(arm=label, server_flags=" ".join(common + flags), extra_body=extra)
+            rows.append(result)
+            print(f"{label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
+                  f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
+                  f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
+                  f"depth {result['mean_decode_depth']:.2f}", flush=True)
+        quality = None
+        if args.checkpoint is not None:
+            fixed, adaptive = rows[-2], rows[-1]
+            pairs = lambda row: [(texts[r["index"]], r["text"]) for r in row["results"]]  # noqa: E731
+            same = [a["text"] == f["text"] for a, f in zip(adaptive["results"], fixed["results"])
+                    if a["index"] == f["index"]]
+            quality = {"scored_at_depth": args.adaptive_depth,
+                       "fixed_mean_loglik_per_token": score(checkpoint, pairs(fixed), args.adaptive_depth),
+                       "adaptive_mean_loglik_per_token": score(checkpoint, pairs(adaptive), args.adaptive_depth),
+                       "identical_texts": sum(same), "compared": len(same)}
+            print(f"quality: {quality}")
+    for r in rows:
+        for res in r["results"]:
+            res.pop("text")
+    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": platform.platform(),
+              "cpu_count": os.cpu_count(), "torch": torch.__version__, "checkpoint": str(args.checkpoint or "random tiny"),
+              "model": {"d_model": cfg.d_model, "blocks": [cfg.n_prelude, cfg.n_core, cfg.n_coda],
+                        "context": cfg.max_seq_len},
+              "settings": vars(args) | {"out": str(args.out), "checkpoint": str(args.checkpoint)},
+              "arms": rows, "adaptive_quality": quality}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
