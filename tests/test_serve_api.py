@@ -94,6 +94,10 @@ def test_openai_client_completions_chat_and_streaming(model):
         pieces = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == want_chat
+        unbounded = client.chat.completions.create(model=NAME, messages=messages, temperature=0)  # no max_tokens
+        n_prompt = len(TOK.encode(prompt))
+        assert unbounded.usage.prompt_tokens == n_prompt
+        assert unbounded.choices[0].message.content == _alone(model, prompt, 3, 64 - n_prompt + 1, stop=CHAT_STOP)
 
         two = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=5, temperature=0,
                                         logprobs=2)

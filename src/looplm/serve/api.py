@@ -197,7 +197,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running_sequences": len(engine._rows)}
+        return {"status": "ok", "running_sequences": engine.running, "waiting": engine.waiting}
 
     @app.get("/metrics")
     async def metrics():
@@ -296,7 +296,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         except ValueError as err:
             raise APIError(400, str(err)) from None
         ids = tok.encode(body.render())
-        choices = start(choice_requests(body, [ids], body.budget(), stop, logprobs))
+        choices = start(choice_requests(body, [ids], body.budget(len(ids), engine.max_len), stop, logprobs))
         rid, name = f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name
 
         def lp_content(tokens: list[Token]) -> dict | None:

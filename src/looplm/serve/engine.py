@@ -220,6 +220,16 @@ class Engine:
     def max_len(self) -> int:
         return self.pool.max_len
 
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._pending)
+
     def depths(self, request: Request) -> tuple[int, int]:
         """(decode depth, prefill depth) of a request, defaults filled in."""
         depth = self.config.depth if request.depth is None else request.depth
@@ -448,8 +458,8 @@ class Engine:
         tokens = sum(n for _, n, _ in recent)
         span = max(now - recent[0][0], 1e-9) if len(recent) > 1 else window_s
         return {
-            "queue_length": len(self._pending),
-            "running_sequences": len(self._rows),
+            "queue_length": self.waiting,
+            "running_sequences": self.running,
             "max_batch": self.pool.max_batch,
             "generated_tokens_total": self.generated_tokens,
             "prompt_tokens_total": self.prompt_tokens,

@@ -120,8 +120,9 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def budget(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16
+    def budget(self, prompt_tokens: int, context: int) -> int:
+        """max_completion_tokens or max_tokens; unset: the rest of the context (at least 1)."""
+        return self.max_completion_tokens or self.max_tokens or max(1, context - prompt_tokens + 1)
 
     def render(self) -> str:
         """The prompt text: the documented template `CHAT_TEMPLATE`, then `assistant:`."""
