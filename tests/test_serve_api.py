@@ -28,6 +28,7 @@ from looplm.serve.api import create_app  # noqa: E402
 from looplm.serve.protocol import CHAT_STOP  # noqa: E402
 
 TOK = ByteTokenizer()
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 NAME = "tiny-looped"
 
 

@@ -14,6 +14,7 @@ from looplm.model import LoopedLM
 from looplm.serve import Engine, EngineConfig, EngineFull, Finish, Request, Token
 
 TOK = ByteTokenizer()
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")

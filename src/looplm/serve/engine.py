@@ -404,15 +404,17 @@ class Engine:
                 self._recent.popleft()
         for row, u in zip(rows, used):
             row.depths.append(u)
+        greedy = logits[:, -1].argmax(-1).tolist()  # one host sync for every greedy row
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
         for i in range(len(rows) - 1, -1, -1):
-            self._accept(i, logits[i, -1], used[i])
+            self._accept(i, logits[i, -1], used[i], None if rows[i].generator is not None else greedy[i])
 
-    def _accept(self, slot: int, logits: torch.Tensor, depth: int) -> None:
-        """Choose slot's next token from its last logits [V]; emit it; finish the row if it is done."""
+    def _accept(self, slot: int, logits: torch.Tensor, depth: int, token: int | None = None) -> None:
+        """Choose slot's next token from its last logits [V] (or take the greedy `token`); emit it;
+        finish the row if it is done."""
         row = self._rows[slot]
         req = row.handle.request
-        tok = int(choose(logits[None], row.handle.sampling, row.generator)[0])
+        tok = token if token is not None else int(choose(logits[None], row.handle.sampling, row.generator)[0])
         if tok == self.tokenizer.eos_id:
             self._finish(slot, "stop")
             return
