@@ -411,8 +411,9 @@ def export(
 def convert(
     src: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SRC")],
     out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
-    from_: Annotated[Literal["xllm-loop"], tyro.conf.arg(name="from")],
+    from_: Annotated[Literal["xllm-loop", "huginn", "ouro"], tyro.conf.arg(name="from")],
     dtype: Literal["fp32", "bf16"] = "fp32",
+    data: str | None = None,
 ) -> None:
     """Convert another project's released checkpoint (a local folder; nothing is downloaded) into a
     looplm checkpoint that eval, generate, analyze and export read.
@@ -420,12 +421,15 @@ def convert(
     Args:
         src: The release folder, e.g. an `hf download IFM/LoopedLM-P2-huginn-s-fixed-r5 --local-dir` copy.
         out: New (or empty) folder to write the looplm checkpoint into.
-        from_: The source format: xllm-loop (the paper's reference release, Part II Huginn artifacts).
+        from_: The source format: xllm-loop (the paper's reference release, Part II Huginn artifacts),
+            huginn (Huginn-0125, seal-rg/recurrent-pretraining) or ouro (Ouro-1.4B/2.6B).
         dtype: Weights dtype of the checkpoint: fp32 (exact) or bf16.
+        data: Held-out text that `looplm eval` and `analyze` read for this checkpoint (a text file or
+            folder, a .jsonl, or hf:<name>[:<split>]); default: the generator's tasks.
     """
     from looplm.convert import CONVERTERS
 
-    path = CONVERTERS[from_](src, out, dtype=dtype)
+    path = CONVERTERS[from_](src, out, dtype=dtype, data=data)
     print(f"wrote {path}\nevaluate it with: looplm eval {path}")
 
 def _parse_error_line(report: str, args: list[str]) -> str:
@@ -549,6 +553,8 @@ def serve(
                     prefill=arm)
     name = served_model_name or checkpoint.resolve().name
     print(f"serving {name!r} on http://{host}:{port}/v1 ({engine.describe()})", flush=True)
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
     uvicorn.run(create_app(engine, name, api_key=api_key), host=host, port=port, log_level="info")
 
 

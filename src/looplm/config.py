@@ -10,8 +10,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-InjectionName = Literal["parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive"]
+InjectionName = Literal["parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive", "none"]
 INJECTIONS: tuple[str, ...] = ("parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive")
+"""The injection schemes a looplm model trains with (design §2)."""
+ALL_INJECTIONS: tuple[str, ...] = (*INJECTIONS, "none")
+"""Also "none" (design §14): no injection, the input enters through the initial state (Ouro)."""
+# Architecture switches (design §14): each default is looplm's own architecture.
+BlockNorm = Literal["pre", "sandwich", "branch"]
+BLOCK_NORMS: tuple[str, ...] = ("pre", "sandwich", "branch")
+ExitNorm = Literal["auto", "none", "rms", "rms-gain"]
+EXIT_NORMS: tuple[str, ...] = ("auto", "none", "rms", "rms-gain")
+StateKind = Literal["normal", "trunc-normal", "input"]
+STATE_KINDS: tuple[str, ...] = ("normal", "trunc-normal", "input")
 
 
 @dataclass
@@ -37,7 +47,8 @@ class ModelConfig:
     max_seq_len: int = 256
     """Longest sequence (context) the model accepts."""
     injection: InjectionName = "parcae-nonorm"
-    """Input-injection scheme (design §2): parcae-decay, parcae-nonorm, ortho, huginn-linear, deq-qkv, additive."""
+    """Input-injection scheme (design §2): parcae-decay, parcae-nonorm, ortho, huginn-linear, deq-qkv, additive;
+    or none (design §14, with state_init="input")."""
     rope_base: float = 1e6
     """RoPE base frequency (design §1)."""
     norm_eps: float = 1e-6
@@ -46,6 +57,29 @@ class ModelConfig:
     """Stabilizer of the OrthoInj projection alpha = <r,u>/(|u|^2 + eps) (design §2)."""
     max_depth: int = 64
     """Largest recurrence count R the model accepts (the depth prior's cap)."""
+    block_norm: BlockNorm = "pre"
+    """Norm placement in every block (design §14): pre (x + f(n(x))), sandwich (n'(x + f(n(x))),
+    Huginn) or branch (x + n'(f(n(x))), Ouro)."""
+    qk_bias: bool = False
+    """A learned bias added to the queries and keys before RoPE (Huginn)."""
+    embed_scale: float = 1.0
+    """The token embedding is multiplied by this (Huginn: sqrt(d))."""
+    tie_embeddings: bool = False
+    """The head reuses the token embedding matrix (Huginn); it has no weight of its own."""
+    exit_norm: ExitNorm = "auto"
+    """Norm of the state after every recurrence: auto (the injection's own: rms for huginn-linear,
+    none otherwise), none, rms (gain-free) or rms-gain (learned gain, Ouro)."""
+    post_loop_norm: bool = False
+    """Apply the head's final norm to the endpoint once before the coda too (Huginn's ln_f)."""
+    head_norm: bool = True
+    """The head normalises its input (False: it reads the already normalised state, Ouro)."""
+    state_init: StateKind = "normal"
+    """Initial state kind: normal (the `init` argument: gaussian/seeded/zero), trunc-normal (the
+    same noise truncated at +-3 std, Huginn) or input (s0 = the prelude output, Ouro)."""
+    state_std: float = 0.0
+    """Standard deviation of the noise initial state; 0 = 1/sqrt(d_model)."""
+    exit_gate: bool = False
+    """An exit gate Linear(d, 1) on each recurrence's state (Ouro's learned exit, design §14)."""
 
     @property
     def head_dim(self) -> int:
@@ -53,8 +87,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError with a one-line reason when the shape is inconsistent."""
-        if self.injection not in INJECTIONS:
-            raise ValueError(f"unknown injection {self.injection!r}; choose one of {', '.join(INJECTIONS)}")
+        if self.injection not in ALL_INJECTIONS:
+            raise ValueError(f"unknown injection {self.injection!r}; choose one of {', '.join(ALL_INJECTIONS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -66,6 +100,17 @@ class ModelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_prelude < 0 or self.n_coda < 0:
             raise ValueError("n_prelude and n_coda must be >= 0")
+        for name, allowed in (("block_norm", BLOCK_NORMS), ("exit_norm", EXIT_NORMS), ("state_init", STATE_KINDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if not self.embed_scale > 0:
+            raise ValueError(f"embed_scale must be > 0, got {self.embed_scale}")
+        if self.state_std < 0:
+            raise ValueError(f"state_std must be >= 0 (0 = 1/sqrt(d_model)), got {self.state_std}")
+        if self.injection == "none" and self.state_init != "input":
+            raise ValueError("injection 'none' needs state_init='input' (otherwise the input never enters the recurrence)")
+        if self.post_loop_norm and not self.head_norm:
+            raise ValueError("post_loop_norm reuses the head's final norm, so it needs head_norm=True")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -43,12 +43,13 @@ import torch
 
 from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic, write_json
 from looplm.config import ModelConfig
+from looplm.convert.common import INDEX, interleaved_to_half_split
+from looplm.convert.common import load_tensors as _load_tensors
+from looplm.convert.common import refuse_pickles as _refuse_pickles
+from looplm.convert.common import shard_map as _shard_map
 
 MANIFEST = "artifact_manifest.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.float32}
 RELEASE_MAX_SEQ_LEN = 8192  # the release trains and evaluates at 8,192 tokens
 
@@ -99,13 +100,6 @@ def _inside(src: Path, name: str) -> Path:
 
 
 # -- the folder: pickles, manifest, tensors ---------------------------------------------------------
-def _refuse_pickles(src: Path) -> None:
-    for path in sorted(src.rglob("*")):
-        if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
-            raise _refuse(f"{src}: {path.relative_to(src)} is a pickle file; looplm convert reads only "
-                          "safetensors and never unpickles (remove it or convert it to safetensors first)")
-
-
 def _verify_manifest(src: Path) -> dict | None:
     """Check artifact_manifest.json when present: its own digest and every listed file's size and
     SHA-256. Returns the manifest (None without one)."""
@@ -142,46 +136,6 @@ def _covered(src: Path, manifest: dict | None, names: list[str]) -> None:
     unlisted = [n for n in names if n not in listed]
     if unlisted:
         raise _refuse(f"{src}: {unlisted[0]} is read but not listed in {MANIFEST}")
-
-
-def _shard_map(src: Path) -> dict[str, str]:
-    """tensor name -> shard file, from the index (or one model.safetensors)."""
-    if (src / INDEX).is_file():
-        weight_map = _read_json(src / INDEX).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise _refuse(f"{src / INDEX}: no 'weight_map'")
-        for shard in set(weight_map.values()):
-            if not str(shard).endswith(".safetensors"):
-                raise _refuse(f"{src / INDEX}: shard {shard!r} is not a .safetensors file")
-            _inside(src, shard)
-        return dict(weight_map)
-    if (src / SINGLE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(src / SINGLE), "pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE)
-    raise _refuse(f"{src}: no {INDEX} or {SINGLE}")
-
-
-def _load_tensors(src: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        path = src / shard
-        if not path.is_file():
-            raise _refuse(f"{src}: shard {shard} named in {INDEX} is missing")
-        try:
-            tensors = load_file(str(path))
-        except Exception as err:  # safetensors raises its own error types
-            raise _refuse(f"{src}: cannot read {shard} ({err})") from None
-        expected = {k for k, v in weight_map.items() if v == shard}
-        if set(tensors) != expected:
-            extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
-            raise _refuse(f"{src}: {shard} does not hold the tensors {INDEX} assigns it "
-                          f"(missing {missing[:3]}, unexpected {extra[:3]})")
-        state.update(tensors)
-    return state
 
 
 # -- config ------------------------------------------------------------------------------------------
@@ -307,14 +261,6 @@ def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
 
 
 # -- tensors -----------------------------------------------------------------------------------------
-def interleaved_to_half_split(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Permute the output rows of a q/k projection [n_heads*head_dim, d] per head so that the rows
-    (2j, 2j+1) that interleaved RoPE rotates together become (j, j + head_dim/2), the pair that
-    half-split RoPE rotates with the same frequency j. Scores q.k are unchanged (both permuted)."""
-    perm = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
-    return w.reshape(n_heads, head_dim, -1)[:, perm].reshape(n_heads * head_dim, -1)
-
-
 def _map_state(state: dict[str, torch.Tensor], rel: _Release, norm_offset: float) -> dict[str, torch.Tensor]:
     """Release state dict (float32) -> looplm LoopedLM state dict (float32)."""
     c, hd = rel.cfg, rel.cfg.head_dim
@@ -392,7 +338,7 @@ def _tokenizer(src: Path, config: dict):
 
 
 # -- job dict ----------------------------------------------------------------------------------------
-def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str) -> dict:
+def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str, data: str | None = None) -> dict:
     """config.json as a looplm training run of this model would write it (TrainJob.resolved().to_dict())."""
     from looplm.depth.config import DepthConfig, LearnedPriorConfig
     from looplm.train.config import job_preset
@@ -416,18 +362,20 @@ def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str) -> dict:
     job = dataclasses.replace(
         job, model=cfg, depth=depth,
         data=dataclasses.replace(job.data, tokenizer=tokenizer_path, bpe_vocab_size=cfg.vocab_size,
-                                 seq_len=min(job.data.seq_len, cfg.max_seq_len)),
+                                 seq_len=min(job.data.seq_len, cfg.max_seq_len), source=data or job.data.source),
     )
     return job.resolved().to_dict()
 
 
 # -- entry point -------------------------------------------------------------------------------------
-def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_offset: float = 1.0) -> Path:
+def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_offset: float = 1.0,
+                      data: str | None = None) -> Path:
     """Convert the xllm-loop release folder `src` into the looplm checkpoint folder `out` (new or empty).
 
     `dtype` of the written weights: 'fp32' (default, exact: every BF16 value and BF16 + 1 is an FP32
     value) or 'bf16' (the norm gains weight + 1 are then rounded). `norm_offset` is added to the
-    stored RMSNorm weights (the release stores gain - 1). Raises CheckpointError (a ValueError) with
+    stored RMSNorm weights (the release stores gain - 1). `data`: the held-out text source recorded in
+    the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError (a ValueError) with
     a one-line reason for anything it cannot convert exactly.
     """
     src, out = Path(src), Path(out)
@@ -468,7 +416,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     mapped = _map_state({k: state[k].float() for k in expected}, rel, norm_offset)
     target = DTYPES[dtype]
     mapped = {k: v.to(target).contiguous() for k, v in mapped.items()}
-    job = _job_dict(rel.cfg, rel.fields, str(out.resolve()))  # the checkpoint folder holds the tokenizer
+    job = _job_dict(rel.cfg, rel.fields, str(out.resolve()), data)  # the checkpoint folder holds the tokenizer
     provenance = {
         "from": "xllm-loop", "source": str(src.resolve()),
         "manifest_sha256": manifest.get("manifest_sha256") if manifest else None,

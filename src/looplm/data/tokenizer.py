@@ -183,6 +183,11 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
 
+    @property
+    def backend_json(self) -> str:
+        """The ``tokenizer.json`` content of the wrapped HF tokenizer."""
+        return self._json
+
     def _special_names(self) -> dict:
         """The eos/pad names when they are not looplm's own (empty otherwise, keeping old fingerprints)."""
         if self._names == (EOS_TOKEN, PAD_TOKEN):

@@ -36,7 +36,6 @@ from looplm.distill.config import RESUMABLE, DistillConfig
 from looplm.distill.evaluate import teacher_data
 from looplm.distill.student import EndpointStudent
 from looplm.model.blocks import causal_document_mask, rope_tables
-from looplm.model.state import initial_state
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
 
@@ -60,8 +59,7 @@ def teacher_targets(teacher, batch: Batch, depth: int) -> Targets:
     mask = causal_document_mask(batch.doc_ids)
     e = teacher.run_prelude(batch.inputs, rope, mask)
     ctx = teacher.context(e, rope, mask)
-    s = initial_state("seeded", tuple(e.shape), device=e.device, dtype=e.dtype, example_ids=batch.example_ids,
-                      positions=batch.positions)
+    s = teacher.initial_state(e, "seeded", example_ids=batch.example_ids, positions=batch.positions)
     for _ in range(depth):
         s = teacher.recurrence(s, ctx)
     return Targets(e, s, teacher.run_coda(s, rope, mask), rope, mask, ctx)

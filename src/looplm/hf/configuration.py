@@ -46,6 +46,16 @@ class LoopedLMConfig(PretrainedConfig):
     norm_eps: float = 1e-6
     ortho_eps: float = 1e-6
     max_depth: int = 64
+    block_norm: str = "pre"
+    qk_bias: bool = False
+    embed_scale: float = 1.0
+    tie_embeddings: bool = False  # looplm ties inside the model (no head weight); tie_word_embeddings stays False
+    exit_norm: str = "auto"
+    post_loop_norm: bool = False
+    head_norm: bool = True
+    state_init: str = "normal"
+    state_std: float = 0.0
+    exit_gate: bool = False
     # -- test time --
     num_steps: int = 5
     prefill_steps: int | None = None

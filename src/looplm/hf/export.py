@@ -58,7 +58,7 @@ def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     if isinstance(tokenizer, ByteTokenizer):
         return byte_tokenizer()
     if isinstance(tokenizer, BPETokenizer):
-        return _wrap(HFTokenizer.from_str(tokenizer.canonical_description()), tokenizer.eos_id, tokenizer.pad_id)
+        return _wrap(HFTokenizer.from_str(tokenizer.backend_json), tokenizer.eos_id, tokenizer.pad_id)
     raise ValueError(f"cannot export tokenizer {tokenizer!r}: expected a looplm ByteTokenizer or BPETokenizer")
 
 

@@ -12,7 +12,7 @@ import torch
 
 from looplm.infer.cache import KVCache
 from looplm.model.blocks import rope_tables
-from looplm.model.state import initial_state
+from looplm.model.exit_gate import exit_distribution, select_depth, threshold_exit
 
 
 def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
@@ -31,7 +31,8 @@ def _per_row(value, B: int, device, dtype) -> torch.Tensor:
 @torch.no_grad()
 def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: torch.Tensor | None = None,
            seed: int = 0, pad: torch.Tensor | None = None, exit_tau=None, min_depth=1,
-           return_depths: bool = False, return_endpoint: bool = False, initial: Callable | None = None):
+           return_depths: bool = False, return_endpoint: bool = False, initial: Callable | None = None,
+           exit_gate: float | None = None):
     """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
 
     Returns fp32 logits [B, n, V]; the cache grows by n. The initial state is seeded by
@@ -56,6 +57,11 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
     `initial(e, rope, mask)` replaces the seeded initial state by a function of the chunk's prelude
     output (the distilled prefill's student endpoint, design §9; see `looplm.infer.prefill`). It sees
     only the chunk, so it needs an empty cache.
+
+    `exit_gate` q (a model with `cfg.exit_gate`, design §14; Ouro's threshold exit): every `depth`
+    recurrence runs and writes its K/V, and each token's coda and logits read the state of the first
+    recurrence whose cumulative exit probability reaches q (else the last); `return_depths` then
+    gives that recurrence.
     """
     B, n = tokens.shape
     c = cache.length
@@ -102,14 +108,17 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
     if initial is not None:
         s = initial(x, rope, mask)
     else:
-        s = initial_state("seeded", (B, n, model.cfg.d_model), device=device, dtype=x.dtype,
-                          example_ids=example_ids, positions=positions, seed=seed)
+        s = model.initial_state(x, "seeded", positions=positions, example_ids=example_ids, seed=seed)
     adaptive = exit_tau is not None
     if adaptive and cache.mode != "terminal":
         raise ValueError("adaptive depth needs the terminal cache (a full cache would miss the skipped visits)")
     if adaptive and not isinstance(exit_tau, torch.Tensor) and not isinstance(min_depth, torch.Tensor) and (
             exit_tau <= 0 or not 1 <= min_depth <= max_depth):
         raise ValueError(f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, got {exit_tau}, {min_depth}")
+    gated = exit_gate is not None
+    if gated and (model.exit_gate is None or adaptive or per_row_depth):
+        raise ValueError("exit_gate needs a model with an exit gate (cfg.exit_gate), one fixed depth and no exit_tau")
+    visited: list = []  # each recurrence's state, for the gate's exit rule
     frozen = adaptive or per_row_depth  # rows or tokens may stop before the loop ends
     tau = _per_row(exit_tau if adaptive else 0.0, B, device, torch.float32)
     floor = _per_row(min_depth, B, device, torch.long)
@@ -126,6 +135,8 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
             kept[j] = kv if kept[j] is None or not frozen else tuple(
                 torch.where(keep, a, b) for a, b in zip(kv, kept[j]))
         s = model.injection.exit(s)
+        if gated:
+            visited.append(s)
         if frozen:
             s = torch.where(active[..., None], s, prev)
             stop = active & (r + 1 >= limit)
@@ -138,10 +149,14 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
                 break
     for j, kv in enumerate(kept):
         cache.keep_terminal(j, c, kv, used)
+    if gated:  # the gate's exit: each token's state at its exit recurrence enters the coda
+        index = threshold_exit(exit_distribution([model.exit_gate(v) for v in visited]), exit_gate)
+        s, used = select_depth(torch.stack(visited, 2), index), index + 1
     endpoint = s
+    s = model.coda_input(s)
     for block, bank in zip(model.coda, cache.coda):
         s = block(s, rope, mask, kv_buffer=bank.buffer(c))
     cache.length = c + n
-    logits = model.head(model.norm(s)).float()
+    logits = model.logits(s)
     out = (logits,) + ((used,) if return_depths else ()) + ((endpoint,) if return_endpoint else ())
     return out if len(out) > 1 else logits

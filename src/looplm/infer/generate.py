@@ -38,6 +38,9 @@ class SamplingConfig:
     """Adaptive decode depth: stop a token's recurrence once its relative state change < exit_tau (terminal cache)."""
     min_depth: int = 1
     """Adaptive decode depth: fewest recurrences per decoded token."""
+    exit_gate: float | None = None
+    """The model's learned exit gate (Ouro): each token's logits come from the first recurrence whose
+    cumulative exit probability reaches this threshold (every recurrence still runs; design §14)."""
 
     def validate(self) -> None:
         """Raise ValueError with a one-line reason when a field is out of range (`generate` calls it)."""
@@ -56,6 +59,10 @@ class SamplingConfig:
             raise ValueError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
         if self.min_depth < 1:
             raise ValueError(f"min_depth must be >= 1, got {self.min_depth}")
+        if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
+            raise ValueError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
+        if self.exit_gate is not None and self.exit_tau is not None:
+            raise ValueError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
 
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -124,7 +131,8 @@ def generate(
     ids_arg = torch.arange(B, device=device) if example_ids is None else torch.tensor(list(example_ids), device=device)
     cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens - 1, max(depth, prefill_depth), device=device,
                        dtype=next(model.parameters()).dtype)
-    logits = (prefill or Prefill())(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad)[:, -1]
+    gate = {} if cfg.exit_gate is None else {"exit_gate": cfg.exit_gate}
+    logits = (prefill or Prefill())(model, tokens, cache, prefill_depth, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     out_ids: list[list[int]] = [[] for _ in range(B)]
     texts, done = [""] * B, [False] * B
@@ -146,7 +154,7 @@ def generate(
         if all(done) or step + 1 == cfg.max_new_tokens:
             break
         logits, used = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad,
-                              exit_tau=cfg.exit_tau, min_depth=cfg.min_depth, return_depths=True)
+                              exit_tau=cfg.exit_tau, min_depth=cfg.min_depth, return_depths=True, **gate)
         logits = logits[:, -1]
         depths_used.append(float(used.float().mean()))
     if stats is not None:

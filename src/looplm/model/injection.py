@@ -5,10 +5,11 @@ Every scheme implements one small interface:
 - `prepare(e)` -> q: the per-forward injected quantity, computed once from the prelude output
   (for the diagonal schemes q = dt * (W e~), the injected vector of design §2 / paper 4.2);
 - `forward(s, q)` -> s': the injection at the core entrance of one recurrence;
-- `exit(s)` -> s: applied after the core (identity except Huginn-Linear's exit norm);
+- `exit(s)` -> s: applied after the core: the exit norm of `cfg.exit_norm` (design §14; "auto" is
+  the scheme's own: Huginn-Linear's gain-free RMSNorm, none for the others);
 - `qkv_offsets(e)` -> per-core-layer additive (dQ, dK, dV) or None (only DEQ-QKV uses it);
 - `carryover(s, q)` -> the part of s' that comes from s (carryover diagnostics, design §11), so
-  that s' = carryover(s, q) + q for every scheme but DEQ-QKV.
+  that s' = carryover(s, q) + q for every scheme but DEQ-QKV and "none".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import INJECTIONS, ModelConfig
+from looplm.config import ALL_INJECTIONS, ModelConfig
 from looplm.model.blocks import RMSNorm
 
 
@@ -30,6 +31,13 @@ def _inv_softplus(y: float) -> float:
 class Injection(nn.Module):
     """Base class: additive injection s' = s + e (the plain baseline)."""
 
+    exit_norm_kind = "none"
+    """The exit norm `cfg.exit_norm="auto"` resolves to for this scheme."""
+
+    def __init__(self):
+        super().__init__()
+        self.exit_norm: RMSNorm | None = None  # set by build_injection from cfg.exit_norm
+
     def prepare(self, e: torch.Tensor) -> torch.Tensor:
         return e
 
@@ -37,7 +45,7 @@ class Injection(nn.Module):
         return self.carryover(s, q) + q
 
     def exit(self, s: torch.Tensor) -> torch.Tensor:
-        return s
+        return s if self.exit_norm is None else self.exit_norm(s)
 
     def qkv_offsets(self, e: torch.Tensor) -> list | None:
         return None
@@ -51,6 +59,16 @@ class Injection(nn.Module):
 
 class Additive(Injection):
     """s' = s + e: the plain additive baseline."""
+
+
+class NoInjection(Injection):
+    """s' = s: the input enters only through the initial state (Ouro: s0 = e, `state_init="input"`)."""
+
+    def forward(self, s, q):
+        return s
+
+    def prepare(self, e):
+        return e
 
 
 class ParcaeDiagonal(Injection):
@@ -112,14 +130,16 @@ def project_off(r: torch.Tensor, u: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class HuginnLinear(Injection):
-    """s' = A [s; e] + b with A in R^{d x 2d} (std 0.02), b = 0, plus a parameter-free exit RMSNorm."""
+    """s' = A [s; e] + b with A in R^{d x 2d} (std 0.02), b = 0; by default ("auto") a parameter-free
+    exit RMSNorm follows the core (the paper's variant; Huginn-0125 has none: exit_norm="none")."""
+
+    exit_norm_kind = "rms"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.d_model
         self.A_state = nn.Linear(d, d, bias=False)  # the s half of A
         self.A_input = nn.Linear(d, d, bias=True)  # the e half of A, and b
-        self.exit_norm = RMSNorm(d, cfg.norm_eps, gain=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -132,9 +152,6 @@ class HuginnLinear(Injection):
 
     def carryover(self, s, q):
         return self.A_state(s)
-
-    def exit(self, s):
-        return self.exit_norm(s)
 
 
 class DeqQKV(Injection):
@@ -169,7 +186,15 @@ class DeqQKV(Injection):
 
 
 def build_injection(cfg: ModelConfig) -> Injection:
-    """The injection scheme named by `cfg.injection`."""
+    """The injection scheme named by `cfg.injection`, with the exit norm of `cfg.exit_norm`."""
+    inj = _scheme(cfg)
+    kind = inj.exit_norm_kind if cfg.exit_norm == "auto" else cfg.exit_norm
+    if kind != "none":
+        inj.exit_norm = RMSNorm(cfg.d_model, cfg.norm_eps, gain=kind == "rms-gain")
+    return inj
+
+
+def _scheme(cfg: ModelConfig) -> Injection:
     name = cfg.injection
     if name == "parcae-decay":
         return ParcaeDiagonal(cfg, prelude_norm=True, dt_init=0.5 * math.log(5.0))
@@ -183,4 +208,6 @@ def build_injection(cfg: ModelConfig) -> Injection:
         return DeqQKV(cfg)
     if name == "additive":
         return Additive()
-    raise ValueError(f"unknown injection {name!r}; choose one of {', '.join(INJECTIONS)}")
+    if name == "none":
+        return NoInjection()
+    raise ValueError(f"unknown injection {name!r}; choose one of {', '.join(ALL_INJECTIONS)}")

@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from looplm.config import ModelConfig
 from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
+from looplm.model.exit_gate import ExitGate
 from looplm.model.injection import build_injection
 from looplm.model.state import StateInit, initial_state
 
@@ -37,26 +39,58 @@ class Context:
     qkv_offsets: list | None  # DEQ-QKV per-core-layer offsets
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding times `scale` (design §14: Huginn multiplies by sqrt(d)); scale 1 is a plain lookup."""
+
+    def __init__(self, vocab_size: int, d_model: int, scale: float = 1.0):
+        super().__init__(vocab_size, d_model)
+        self.scale = scale
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = super().forward(tokens)
+        return x if self.scale == 1.0 else x * self.scale
+
+
+class TiedHead(nn.Module):
+    """The output map of tied embeddings: logits = x E^T with the embedding matrix E. It holds no
+    weight of its own (the state dict has only `embed.weight`, so a tied checkpoint stays tied)."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        object.__setattr__(self, "_embed", embed)  # a reference, not a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._embed.weight)
+
+
 class LoopedLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = ScaledEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         self.injection = build_injection(cfg)
         self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.head_norm else nn.Identity()
+        self.head = TiedHead(self.embed) if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         init_embedding_(self.embed.weight)
         for block in (*self.prelude, *self.core, *self.coda):
             block.reset_parameters()
-        nn.init.trunc_normal_(self.head.weight, std=0.02, a=-0.06, b=0.06)
+        if not self.cfg.tie_embeddings:
+            nn.init.trunc_normal_(self.head.weight, std=0.02, a=-0.06, b=0.06)
         self.injection.reset_parameters()
+        if self.exit_gate is not None:
+            self.exit_gate.reset_parameters()
 
     # -- pieces, public so that caches, students and diagnostics can reuse them -----------------
     def check_inputs(self, tokens: torch.Tensor, depth: int) -> None:
@@ -89,10 +123,41 @@ class LoopedLM(nn.Module):
         s = self.injection.exit(s)
         return (s, kvs) if return_kv else s
 
+    def coda_input(self, z: torch.Tensor) -> torch.Tensor:
+        """What the coda reads from the endpoint z^R: z itself, or the head's final norm of it once
+        (`cfg.post_loop_norm`, Huginn's ln_f, design §14)."""
+        return self.norm(z) if self.cfg.post_loop_norm else z
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the coda output h: the head after its final norm (if `cfg.head_norm`)."""
+        return self.head(self.norm(h)).float()
+
     def run_coda(self, z: torch.Tensor, rope, mask) -> torch.Tensor:
+        z = self.coda_input(z)
         for block in self.coda:
             z = block(z, rope, mask)
-        return self.head(self.norm(z)).float()
+        return self.logits(z)
+
+    def initial_state(
+        self,
+        e: torch.Tensor,
+        init: StateInit = "gaussian",
+        *,
+        positions: torch.Tensor | None = None,
+        example_ids: torch.Tensor | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """s^0 for the prelude output e [B, L, d] (design §2, §14): e itself when `cfg.state_init` is
+        "input", else the noise `init` (gaussian / seeded / zero) with std `cfg.state_std` (0 =
+        1/sqrt(d)), truncated at +-3 std for "trunc-normal". Noise carries no gradient."""
+        if self.cfg.state_init == "input":
+            return e
+        return initial_state(
+            init, tuple(e.shape), device=e.device, dtype=e.dtype, example_ids=example_ids, positions=positions,
+            seed=seed, generator=generator, std=self.cfg.state_std or None,
+            truncate=self.cfg.state_init == "trunc-normal",
+        )
 
     def context(self, e: torch.Tensor, rope, mask) -> Context:
         return Context(rope, mask, self.injection.prepare(e), self.injection.qkv_offsets(e))
@@ -160,10 +225,11 @@ class LoopedLM(nn.Module):
         mask = document_mask(doc_ids, attention)
         e = self.run_prelude(tokens, rope, mask)
         if state0 is None:
-            state0 = initial_state(
-                init, (B, L, self.cfg.d_model), device=e.device, dtype=e.dtype,
-                example_ids=example_ids, positions=positions, seed=seed, generator=generator,
-            )
+            s = self.initial_state(e, init, positions=positions, example_ids=example_ids, seed=seed,
+                                   generator=generator)
+            if self.cfg.state_init == "input":
+                return self.context(e, rope, mask), s  # s0 = e keeps its gradient (the embedding learns)
+            state0 = s
         return self.context(e, rope, mask), state0.detach().to(e.dtype)
 
     def num_parameters(self) -> int:

@@ -4,7 +4,9 @@
 - "seeded": a deterministic, stateless hash of (seed, example id, position, channel) mapped to
   N(0, 1/d), so an evaluation result does not depend on batch composition;
 - "zero".
-s0 never carries a gradient.
+s0 never carries a gradient. `std` rescales the noise (default 1/sqrt(d)) and `truncate` maps each
+standard normal monotonically onto the normal truncated at +-3 sigma (Huginn's state, design §14).
+A model whose `cfg.state_init` is "input" starts from its prelude output instead (`LoopedLM.initial_state`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,16 @@ def seeded_normal(
     return z.to(dtype)
 
 
+def truncate_normal(z: torch.Tensor, bound: float = 3.0) -> torch.Tensor:
+    """Standard normals -> normals truncated to [-bound, bound] through the CDF (monotone, so a
+    seeded state stays a function of its hash): Phi^-1(Phi(-b) + Phi(z) (Phi(b) - Phi(-b)))."""
+    z64 = z.to(torch.float64)
+    lo = 0.5 * math.erfc(bound / math.sqrt(2.0))  # Phi(-b)
+    u = 0.5 * torch.erfc(-z64 / math.sqrt(2.0))  # Phi(z), accurate in both tails
+    p = lo + u * (1.0 - 2.0 * lo)
+    return (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).clamp(-bound, bound).to(z.dtype)
+
+
 def initial_state(
     kind: StateInit,
     shape: tuple[int, int, int],
@@ -52,19 +64,26 @@ def initial_state(
     positions: torch.Tensor | None = None,
     seed: int = 0,
     generator: torch.Generator | None = None,
+    std: float | None = None,
+    truncate: bool = False,
 ) -> torch.Tensor:
-    """s0 of `shape` [B, L, d] scaled to variance 1/d (design §2)."""
+    """s0 of `shape` [B, L, d] scaled to standard deviation `std` (default 1/sqrt(d), design §2),
+    truncated at +-3 std with `truncate`."""
     B, L, d = shape
     if kind == "zero":
         return torch.zeros(shape, device=device, dtype=dtype)
     if kind == "gaussian":
         gen_device = generator.device if generator is not None else device
         z = torch.randn(shape, generator=generator, device=gen_device, dtype=torch.float32)
-        return (z / math.sqrt(d)).to(device=device, dtype=dtype)
-    if kind == "seeded":
+    elif kind == "seeded":
         if example_ids is None:
             example_ids = torch.arange(B, device=device)
         if positions is None:
             positions = torch.arange(L, device=device).expand(B, L)
-        return (seeded_normal(example_ids, positions, d, seed) / math.sqrt(d)).to(dtype)
-    raise ValueError(f"unknown state init {kind!r}; choose gaussian, seeded or zero")
+        z = seeded_normal(example_ids, positions, d, seed)
+    else:
+        raise ValueError(f"unknown state init {kind!r}; choose gaussian, seeded or zero")
+    if truncate:
+        z = truncate_normal(z)
+    z = z / math.sqrt(d) if not std else z * std  # division as ever for the default (bit-identical states)
+    return z.to(device=device, dtype=dtype)

@@ -1,0 +1,242 @@
+"""What every converter shares: reading a local folder of safetensors (single or sharded with an
+index) without unpickling anything, checking its tensors against the shapes a config implies,
+the tokenizer with the release's special tokens, and writing the looplm checkpoint atomically.
+
+Every refusal is a `CheckpointError` with a one-line reason, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from looplm.checkpoint import CheckpointError, save_tensors, write_atomic, write_json
+from looplm.config import ModelConfig
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.float32}
+
+
+def refuse(message: str) -> CheckpointError:
+    return CheckpointError(message)
+
+
+def read_json(path: Path, what: str = "a release folder") -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise refuse(f"{path.parent}: no {path.name}; not {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise refuse(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise refuse(f"{path} does not hold a JSON object")
+    return data
+
+
+def inside(src: Path, name: str) -> Path:
+    """`src / name` for a relative path that stays inside src."""
+    if not isinstance(name, str) or not name or name.startswith("/") or ".." in Path(name).parts:
+        raise refuse(f"{src}: file name {name!r} points outside the folder")
+    return src / name
+
+
+def check_folders(src: Path, out: Path, dtype: str | None) -> None:
+    """The source exists, the output is new or empty and differs from it, the dtype is known."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose fp32 or bf16")
+    if not src.is_dir():
+        raise refuse(f"no release folder at {src}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise refuse(f"{out} exists and is not empty; choose a new output folder")
+    if out.resolve() == src.resolve():
+        raise refuse("the output folder must differ from the source folder")
+
+
+def refuse_pickles(src: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
+            raise refuse(f"{src}: {path.relative_to(src)} is a pickle file; looplm convert reads only "
+                         "safetensors and never unpickles (remove it or convert it to safetensors first)")
+
+
+def shard_map(src: Path) -> dict[str, str]:
+    """tensor name -> shard file, from the index (or one model.safetensors)."""
+    if (src / INDEX).is_file():
+        weight_map = read_json(src / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise refuse(f"{src / INDEX}: no 'weight_map'")
+        for shard in set(weight_map.values()):
+            if not str(shard).endswith(".safetensors"):
+                raise refuse(f"{src / INDEX}: shard {shard!r} is not a .safetensors file")
+            inside(src, shard)
+        return dict(weight_map)
+    if (src / SINGLE).is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(src / SINGLE), "pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE)
+        except Exception as err:  # safetensors raises its own error types
+            raise refuse(f"{src}: cannot read {SINGLE} ({err})") from None
+    raise refuse(f"{src}: no {INDEX} or {SINGLE} (safetensors weights)")
+
+
+def load_tensors(src: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    missing = sorted(s for s in set(weight_map.values()) if not (src / s).is_file())
+    if missing:
+        raise refuse(f"{src}: shard {missing[0]} named in {INDEX} is missing")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        try:
+            tensors = load_file(str(src / shard))
+        except Exception as err:  # safetensors raises its own error types
+            raise refuse(f"{src}: cannot read {shard} ({err})") from None
+        expected = {k for k, v in weight_map.items() if v == shard}
+        if set(tensors) != expected:
+            extra, absent = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+            raise refuse(f"{src}: {shard} does not hold the tensors {INDEX} assigns it "
+                         f"(missing {absent[:3]}, unexpected {extra[:3]})")
+        state.update(tensors)
+    return state
+
+
+def read_checked(src: Path, expected: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]] | None = None,
+                 *, family: str) -> dict[str, torch.Tensor]:
+    """The folder's tensors as float32, after checking that the names are exactly `expected` (plus
+    any of `optional`) and that every shape is the one the config implies."""
+    optional = optional or {}
+    weight_map = shard_map(src)
+    unknown = sorted(set(weight_map) - set(expected) - set(optional))
+    missing = sorted(set(expected) - set(weight_map))
+    if unknown:
+        raise refuse(f"{src}: unknown tensor {unknown[0]} ({len(unknown)} unknown): not a {family} model of this config")
+    if missing:
+        raise refuse(f"{src}: missing tensor {missing[0]} ({len(missing)} missing)")
+    missing_shards = sorted(s for s in set(weight_map.values()) if not (src / s).is_file())
+    if missing_shards:
+        raise refuse(f"{src}: shard {missing_shards[0]} named in {INDEX} is missing")
+    state = load_tensors(src, weight_map)
+    for key, t in state.items():
+        shape = expected.get(key, optional.get(key))
+        if tuple(t.shape) != shape:
+            raise refuse(f"{src}: {key} has shape {tuple(t.shape)}, config.json implies {shape}")
+        if not t.is_floating_point():
+            raise refuse(f"{src}: {key} is {t.dtype}, expected a floating-point tensor")
+    return {k: t.float() for k, t in state.items()}
+
+
+def interleaved_to_half_split(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Permute the output rows of a q/k projection [n_heads*head_dim, ...] (or a bias
+    [n_heads*head_dim]) per head so that the rows (2j, 2j+1) that interleaved RoPE rotates together
+    become (j, j + head_dim/2), the pair that half-split RoPE rotates with the same frequency j.
+    Scores q.k are unchanged (both permuted)."""
+    perm = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim, *rest)[:, perm].reshape(n_heads * head_dim, *rest)
+
+
+# -- tokenizer ---------------------------------------------------------------------------------------
+def _special_name(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _first_id(value) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def hf_tokenizer(src: Path, config: dict):
+    """The HF tokenizer of a release folder (tokenizer.json at its root) as a looplm BPETokenizer
+    with the release's eos/pad tokens: named in special_tokens_map.json / tokenizer_config.json, or
+    given as ids in config.json / generation_config.json. Returns (tokenizer, note or None)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from looplm.data.tokenizer import BPETokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        raise refuse(f"{src}: no tokenizer.json; looplm checkpoints need the tokenizer")
+    try:
+        backend = HFTokenizer.from_file(str(src / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises its own error types
+        raise refuse(f"{src}: cannot read tokenizer.json ({err})") from None
+    names: dict[str, str | None] = {"eos_token": None, "pad_token": None}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (src / fname).is_file():
+            data = read_json(src / fname)
+            for key in names:
+                names[key] = names[key] or _special_name(data.get(key))
+    sources = [config] + ([read_json(src / "generation_config.json")] if (src / "generation_config.json").is_file() else [])
+    for key in names:
+        if names[key] is None:
+            for data in sources:
+                tid = _first_id(data.get(key + "_id"))
+                if tid is not None:
+                    names[key] = backend.id_to_token(tid)
+                    if names[key] is None:
+                        raise refuse(f"{src}: {key}_id {tid} is not a token of tokenizer.json")
+                    break
+    if names["eos_token"] is None:
+        raise refuse(f"{src}: no eos_token in special_tokens_map.json or tokenizer_config.json, nor eos_token_id "
+                     "in config.json")
+    note = None
+    if names["pad_token"] is None:
+        names["pad_token"], note = names["eos_token"], "no pad_token in the release tokenizer: padding uses eos"
+    try:
+        tok = BPETokenizer.from_file(src / "tokenizer.json", names["eos_token"], names["pad_token"])
+    except (ValueError, TypeError) as err:
+        raise refuse(f"{src}: {err}") from None
+    return tok, note
+
+
+# -- writing -------------------------------------------------------------------------------------------
+def job_dict(cfg: ModelConfig, tokenizer_path: str, depth: int, data: str | None = None) -> dict:
+    """config.json as a looplm run of this model would write it, evaluated at the release's default
+    depth (a fixed-depth recipe). `data`: the text source `looplm eval`/`analyze` hold out from (a
+    text file or folder, a .jsonl, "hf:<name>[:<split>]"); default: the generator's tasks."""
+    from looplm.depth.config import DepthConfig
+    from looplm.train.config import job_preset
+
+    job = job_preset("S")
+    job = dataclasses.replace(
+        job, model=cfg, depth=DepthConfig(sampler="fixed", depth=float(depth), cap=max(64, cfg.max_depth)),
+        data=dataclasses.replace(job.data, tokenizer=tokenizer_path, bpe_vocab_size=cfg.vocab_size,
+                                 seq_len=min(job.data.seq_len, cfg.max_seq_len), source=data or job.data.source),
+    )
+    return job.resolved().to_dict()
+
+
+def write_checkpoint(out: Path, weights: dict[str, torch.Tensor], job: dict, provenance: dict, tokenizer,
+                     dtype: str | None) -> Path:
+    """Write the looplm checkpoint folder atomically (nothing under `out` until it is complete)."""
+    target = DTYPES[dtype]
+    weights = {k: v.to(target).contiguous() for k, v in weights.items()}
+
+    def populate(tmp: Path) -> None:
+        save_tensors(tmp, "model.safetensors", weights)
+        write_json(tmp, "config.json", job)
+        write_json(tmp, "conversion.json", {**provenance, "dtype": str(target).removeprefix("torch.")})
+        tokenizer.save(tmp)
+
+    if out.is_dir():
+        out.rmdir()  # empty (checked before): write_atomic renames the finished folder into place
+    return write_atomic(out, populate)
+
+
+def check_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], src: Path) -> None:
+    """The mapped weights load into a LoopedLM of `cfg` (a converter bug otherwise)."""
+    from looplm.checkpoint import check_model_shapes
+    from looplm.model import LoopedLM
+
+    with torch.device("meta"):
+        model = LoopedLM(cfg)
+    check_model_shapes(model.state_dict(), weights, src)

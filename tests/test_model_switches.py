@@ -1,0 +1,224 @@
+"""The architecture switches of ModelConfig (design §14): each default is looplm's own model, and
+each switch computes the equation it names (checked against plain torch written here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looplm.checkpoint import load_tensors, save_tensors
+from looplm.config import ModelConfig
+from looplm.model import LoopedLM
+from looplm.model.blocks import Block, apply_rope, rope_tables
+from looplm.model.exit_gate import exit_distribution, expected_logits, select_depth, threshold_exit
+
+D = 32
+
+
+def tiny(**fields) -> ModelConfig:
+    return ModelConfig(vocab_size=50, d_model=D, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32, max_depth=8,
+                       **fields)
+
+
+def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter moved off its initial value (norm gains away from 1, biases away from 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def _norm(x, w=None, eps=1e-6):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+def test_defaults_are_looplms_own_model():
+    cfg = ModelConfig()
+    assert (cfg.block_norm, cfg.qk_bias, cfg.embed_scale, cfg.tie_embeddings, cfg.exit_norm, cfg.post_loop_norm,
+            cfg.head_norm, cfg.state_init, cfg.state_std, cfg.exit_gate) == \
+        ("pre", False, 1.0, False, "auto", False, True, "normal", 0.0, False)
+    keys = set(LoopedLM(tiny()).state_dict())
+    assert not [k for k in keys if any(s in k for s in ("out_norm", "_bias", "exit_gate", "exit_norm"))]
+    assert {"head.weight", "norm.weight", "embed.weight"} <= keys
+    # the older config dict (without the switch fields) still loads
+    old = {k: v for k, v in tiny().to_dict().items() if k in {f.name for f in dataclasses.fields(ModelConfig)}
+           and k not in ("block_norm", "qk_bias", "embed_scale", "tie_embeddings", "exit_norm", "post_loop_norm",
+                         "head_norm", "state_init", "state_std", "exit_gate")}
+    assert ModelConfig.from_dict(old) == tiny()
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"block_norm": "post"}, "unknown block_norm 'post'"),
+    ({"exit_norm": "layer"}, "unknown exit_norm"),
+    ({"state_init": "uniform"}, "unknown state_init"),
+    ({"injection": "none"}, "needs state_init='input'"),
+    ({"post_loop_norm": True, "head_norm": False}, "post_loop_norm reuses"),
+    ({"embed_scale": 0.0}, "embed_scale must be > 0"),
+    ({"state_std": -1.0}, "state_std must be >= 0"),
+])
+def test_validate_names_the_bad_switch_in_one_line(fields, match):
+    with pytest.raises(ValueError, match=match) as err:
+        tiny(**fields).validate()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("placement", ["pre", "sandwich", "branch"])
+def test_block_norm_placement(placement):
+    block = perturbed(Block(tiny(block_norm=placement)))
+    x = torch.randn(2, 7, D)
+    rope = rope_tables(torch.arange(7).expand(2, 7), D // 4, 1e6)
+    with torch.no_grad():
+        got = block(x, rope, None)
+        attn = lambda h: block.attn(h, rope, None)  # noqa: E731  (the sublayers themselves are tested elsewhere)
+        ffn = block.ffn
+        n1, n3 = (lambda h: _norm(h, block.attn_norm.weight)), (lambda h: _norm(h, block.ffn_norm.weight))
+        if placement == "pre":
+            h = x + attn(n1(x))
+            want = h + ffn(n3(h))
+        elif placement == "sandwich":
+            h = _norm(x + attn(n1(x)), block.attn_out_norm.weight)
+            want = _norm(h + ffn(n3(h)), block.ffn_out_norm.weight)
+        else:
+            h = x + _norm(attn(n1(x)), block.attn_out_norm.weight)
+            want = h + _norm(ffn(n3(h)), block.ffn_out_norm.weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_bias_is_added_before_rope():
+    block = perturbed(Block(tiny(qk_bias=True)))
+    att = block.attn
+    x = torch.randn(1, 6, D)
+    rope = rope_tables(torch.arange(6)[None], 8, 1e6)
+    with torch.no_grad():
+        got = att(x, rope, None)
+        q = (x @ att.wq.weight.T + att.q_bias).view(1, 6, 4, 8).transpose(1, 2)
+        k = (x @ att.wk.weight.T + att.k_bias).view(1, 6, 2, 8).transpose(1, 2)
+        v = (x @ att.wv.weight.T).view(1, 6, 2, 8).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+        want = y.transpose(1, 2).reshape(1, 6, D) @ att.wo.weight.T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert att.q_bias.shape == (32,) and att.k_bias.shape == (16,)
+
+
+def test_embed_scale_and_tied_embeddings(tmp_path):
+    model = perturbed(LoopedLM(tiny(embed_scale=math.sqrt(D), tie_embeddings=True)))
+    tokens = torch.randint(0, 50, (2, 5))
+    torch.testing.assert_close(model.embed(tokens), model.embed.weight[tokens] * math.sqrt(D))
+    assert model.head.weight is model.embed.weight
+    state = model.state_dict()
+    assert "head.weight" not in state
+    save_tensors(tmp_path, "w.safetensors", state)  # one matrix: nothing shared between two names
+    again = LoopedLM(model.cfg)
+    again.load_state_dict(load_tensors(tmp_path, "w.safetensors"))
+    assert again.head.weight is again.embed.weight
+    torch.testing.assert_close(again.embed.weight, model.embed.weight)
+    with torch.no_grad():
+        h = torch.randn(1, 3, D)
+        torch.testing.assert_close(model.logits(h), _norm(h, model.norm.weight) @ model.embed.weight.T)
+
+
+@pytest.mark.parametrize("injection, kind, params", [
+    ("huginn-linear", "auto", 0), ("huginn-linear", "none", None), ("parcae-nonorm", "auto", None),
+    ("parcae-nonorm", "rms", 0), ("additive", "rms-gain", D),
+])
+def test_exit_norm_kinds(injection, kind, params):
+    model = perturbed(LoopedLM(tiny(injection=injection, exit_norm=kind)))
+    inj = model.injection
+    s = torch.randn(2, 4, D) * 3
+    if params is None:
+        assert inj.exit_norm is None
+        torch.testing.assert_close(inj.exit(s), s)
+        return
+    assert sum(p.numel() for p in inj.exit_norm.parameters()) == params
+    w = inj.exit_norm.weight if params else None
+    torch.testing.assert_close(inj.exit(s), _norm(s, w))
+
+
+def test_post_loop_norm_and_head_without_norm():
+    model = perturbed(LoopedLM(tiny(post_loop_norm=True, n_coda=1)))
+    z = torch.randn(1, 5, D)
+    rope = rope_tables(torch.arange(5)[None], 8, 1e6)
+    with torch.no_grad():
+        want = model.coda[0](_norm(z, model.norm.weight), rope, None)
+        want = _norm(want, model.norm.weight) @ model.head.weight.T
+        torch.testing.assert_close(model.run_coda(z, rope, None), want, rtol=1e-5, atol=1e-5)
+    bare = perturbed(LoopedLM(tiny(head_norm=False, n_coda=0)))
+    assert "norm.weight" not in bare.state_dict()
+    torch.testing.assert_close(bare.logits(z), z @ bare.head.weight.T)
+
+
+def test_state_kinds():
+    e = torch.randn(3, 40, D)
+    model = LoopedLM(tiny(state_init="input", injection="none", n_prelude=0))
+    assert model.initial_state(e, "seeded") is e
+    tokens = torch.randint(0, 50, (1, 6))
+    ctx, s0 = model.begin(tokens)
+    torch.testing.assert_close(s0, model.embed(tokens))
+    normal = LoopedLM(tiny(state_std=0.5))
+    assert normal.initial_state(e, "gaussian").std().item() == pytest.approx(0.5, rel=0.05)
+    default = LoopedLM(tiny())
+    assert default.initial_state(e, "gaussian").std().item() == pytest.approx(1 / math.sqrt(D), rel=0.05)
+    trunc = LoopedLM(tiny(state_init="trunc-normal", state_std=0.5))
+    for init in ("gaussian", "seeded"):
+        s = trunc.initial_state(e, init)
+        assert s.abs().max().item() <= 1.5 + 1e-6
+        assert s.std().item() == pytest.approx(0.5 * 0.9866, rel=0.05)  # the std of N(0,1) cut at +-3
+    a = trunc.initial_state(e, "seeded", example_ids=torch.tensor([1, 2, 3]))
+    b = trunc.initial_state(e, "seeded", example_ids=torch.tensor([1, 2, 3]))
+    assert torch.equal(a, b)  # still a function of the hash
+
+
+def test_exit_gate_rules():
+    model = perturbed(LoopedLM(tiny(exit_gate=True, state_init="input", injection="none", n_prelude=0, n_coda=0,
+                                    exit_norm="rms-gain", head_norm=False)))
+    assert {"exit_gate.proj.weight", "exit_gate.proj.bias"} <= set(model.state_dict())
+    tokens = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        out = model(tokens, 4, return_states=True)
+        gates = [model.exit_gate(s) for s in out.states]
+        per_depth = [model.logits(s) for s in out.states]
+    pdf = exit_distribution(gates)
+    lam = torch.sigmoid(torch.stack(gates, -1))
+    want = torch.stack([lam[..., 0], lam[..., 1] * (1 - lam[..., 0]), lam[..., 2] * (1 - lam[..., 0]) * (1 - lam[..., 1]),
+                        (1 - lam[..., 0]) * (1 - lam[..., 1]) * (1 - lam[..., 2])], -1)
+    torch.testing.assert_close(pdf, want)
+    torch.testing.assert_close(pdf.sum(-1), torch.ones(2, 6))
+    assert torch.equal(threshold_exit(pdf, 0.0), torch.zeros(2, 6, dtype=torch.long))
+    assert torch.equal(threshold_exit(pdf, 2.0), torch.full((2, 6), 3))  # never reached: the last recurrence
+    idx = threshold_exit(pdf, 0.5)
+    chosen = select_depth(torch.stack(per_depth, 2), idx)
+    for b in range(2):
+        for t in range(6):
+            torch.testing.assert_close(chosen[b, t], per_depth[int(idx[b, t])][b, t])
+    torch.testing.assert_close(expected_logits(per_depth, pdf),
+                               sum(lg * pdf[..., r, None] for r, lg in enumerate(per_depth)))
+    torch.testing.assert_close(out.logits, per_depth[-1])
+
+
+def test_a_tied_checkpoint_stays_tied_through_looplm_export(tmp_path):
+    pytest.importorskip("transformers")
+    from looplm.checkpoint import load_model, save_model
+    from looplm.data import ByteTokenizer
+    from looplm.hf import export
+    from looplm.train.config import job_preset
+
+    cfg = dataclasses.replace(tiny(tie_embeddings=True, embed_scale=2.0, block_norm="sandwich", qk_bias=True,
+                                   post_loop_norm=True, state_init="trunc-normal", state_std=0.3), vocab_size=258)
+    model = perturbed(LoopedLM(cfg))
+    job = dataclasses.replace(job_preset("tiny"), model=cfg).resolved().to_dict()
+    run = save_model(tmp_path / "run", model, job, ByteTokenizer())
+    loaded, _, _ = load_model(run)
+    assert loaded.head.weight is loaded.embed.weight
+    hf_dir = export(tmp_path / "run", tmp_path / "hf")
+    again, _, _ = load_model(hf_dir)
+    assert again.cfg == cfg and again.head.weight is again.embed.weight
+    tokens, s0 = torch.randint(0, 258, (1, 7)), torch.randn(1, 7, D) * 0.3
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens, 3, state0=s0).logits, model(tokens, 3, state0=s0).logits)
