@@ -10,7 +10,10 @@ from the arm's), waits for /health, and then `--clients` client threads (this pr
 same `--requests` streaming completion requests (prompts: lines of the built-in Shakespeare
 corpus, greedy, `--max-tokens` each, depth `--depth`); a client stops taking new requests after
 `--time-limit` seconds. Per request: latency (send -> last byte) and time to first token.
-Throughput = completion tokens / wall time of the arm.
+Throughput = completion tokens / wall time of the arm. Each arm is then repeated without HTTP:
+the same requests submitted at once to `looplm.serve.Engine` in this process (`engine alone`),
+which separates what the engine sustains from the cost of HTTP, SSE and 16 client threads sharing
+the machine's cores.
 
 Arms (the first three are the acceptance's comparison):
 - `continuous terminal`: terminal cache with the slots that fit the memory of `--full-slots`
@@ -165,6 +168,30 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
             "results": sorted(results, key=lambda r: r["index"])}
 
 
+def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict) -> dict:
+    """The same requests through `looplm.serve.Engine` in this process (no HTTP, no clients),
+    all submitted at once, on `--server-threads` torch threads: what the engine itself sustains."""
+    from looplm.checkpoint import load_model
+    from looplm.serve import Engine, EngineConfig, Request
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.server_threads)
+    try:
+        model, tok, _ = load_model(checkpoint)
+        engine = Engine(model, tok, EngineConfig(max_batch=slots, depth=args.depth, cache=cache,
+                                                 max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full"
+                                                 else None, max_queue=len(texts)))
+        reqs = [Request(tok.encode(t), max_tokens=args.max_tokens, **extra) for t in texts]
+        engine.generate(reqs[:4])  # warm-up
+        t0 = time.perf_counter()
+        finishes = engine.generate(reqs)
+        wall = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    tokens = sum(f.completion_tokens for f in finishes)
+    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
+
+
 def score(checkpoint: Path, texts: list[tuple[str, str]], depth: int) -> float:
     """Mean log-likelihood per token of each completion given its prompt, native forward at `depth`."""
     from looplm.checkpoint import load_model
@@ -211,23 +238,20 @@ def main() -> None:
         texts = prompts(args.requests)
         jobs = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in texts]
         common = ["--depth", str(args.depth), "--max-queue", str(args.requests)]
-        arms = [
-            ("continuous terminal", ["--cache", "terminal", "--max-batch", str(terminal_slots)], {}),
-            ("one at a time terminal", ["--cache", "terminal", "--max-batch", "1"], {}),
-            ("continuous full", ["--cache", "full", "--max-batch", str(args.full_slots)], {}),
-            (f"continuous terminal, {args.full_slots} slots", ["--cache", "terminal", "--max-batch",
-                                                               str(args.full_slots)], {}),
+        arms = [  # (label, cache, slots, extra request fields)
+            ("continuous terminal", "terminal", terminal_slots, {}),
+            ("one at a time terminal", "terminal", 1, {}),
+            ("continuous full", "full", args.full_slots, {}),
+            (f"continuous terminal, {args.full_slots} slots", "terminal", args.full_slots, {}),
         ]
         if args.checkpoint is not None:
             R = args.adaptive_depth
-            arms += [
-                (f"fixed depth {R}", ["--cache", "terminal", "--max-batch", str(terminal_slots)], {"depth": R}),
-                (f"adaptive exit tau {args.exit_tau} (max {R})", ["--cache", "terminal", "--max-batch",
-                                                                    str(terminal_slots)],
-                 {"depth": R, "exit_tau": args.exit_tau}),
-            ]
+            arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}),
+                     (f"adaptive exit tau {args.exit_tau} (max {R})", "terminal", terminal_slots,
+                      {"depth": R, "exit_tau": args.exit_tau})]
         rows = []
-        for label, flags, extra in arms:
+        for label, cache, slots, extra in arms:
+            flags = ["--cache", cache, "--max-batch", str(slots)]
             server = Server(checkpoint, common + flags, args.server_threads)
             try:
                 run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up
@@ -235,12 +259,19 @@ def main() -> None:
                 result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
             finally:
                 server.close()
-            result.update(arm=label, server_flags=" ".join(common + flags), extra_body=extra)
+            result.update(arm=label, server_flags=" ".join(common + flags), extra_body=extra,
+                          engine_only=engine_only(checkpoint, texts, args, cache, slots, extra))
             rows.append(result)
             print(f"{label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
                   f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
                   f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
-                  f"depth {result['mean_decode_depth']:.2f}", flush=True)
+                  f"depth {result['mean_decode_depth']:.2f}; engine alone {result['engine_only']['tokens_per_s']:.1f} "
+                  f"tok/s", flush=True)
+        same_outputs = {  # greedy: batching must not change a request's text
+            rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(a["text"] == b["text"] for a, b in
+                                                         zip(rows[i]["results"], rows[j]["results"]))
+            for i, j in ((0, 1), (0, 3)) if rows[i]["completed"] == rows[j]["completed"] == len(jobs)}
+        print(f"identical texts (of {len(jobs)}): {same_outputs}")
         quality = None
         if args.checkpoint is not None:
             fixed, adaptive = rows[-2], rows[-1]
@@ -260,7 +291,7 @@ def main() -> None:
               "model": {"d_model": cfg.d_model, "blocks": [cfg.n_prelude, cfg.n_core, cfg.n_coda],
                         "context": cfg.max_seq_len},
               "settings": vars(args) | {"out": str(args.out), "checkpoint": str(args.checkpoint)},
-              "arms": rows, "adaptive_quality": quality}
+              "arms": rows, "identical_texts": same_outputs, "adaptive_quality": quality}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"wrote {args.out}")
