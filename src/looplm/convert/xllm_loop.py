@@ -43,7 +43,7 @@ import torch
 
 from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic, write_json
 from looplm.config import ModelConfig
-from looplm.convert.common import INDEX, interleaved_to_half_split
+from looplm.convert.common import INDEX, inside, interleaved_to_half_split, read_json
 from looplm.convert.common import load_tensors as _load_tensors
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
@@ -80,33 +80,13 @@ def _refuse(message: str) -> CheckpointError:
     return CheckpointError(message)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise _refuse(f"{path.parent}: no {path.name}; not an xllm-loop release folder") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise _refuse(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise _refuse(f"{path} does not hold a JSON object")
-    return data
-
-
-def _inside(src: Path, name: str) -> Path:
-    """`src / name` for a relative path that stays inside src."""
-    if not isinstance(name, str) or not name or name.startswith("/") or ".." in Path(name).parts:
-        raise _refuse(f"{src}: file name {name!r} points outside the folder")
-    return src / name
-
-
-# -- the folder: pickles, manifest, tensors ---------------------------------------------------------
 def _verify_manifest(src: Path) -> dict | None:
     """Check artifact_manifest.json when present: its own digest and every listed file's size and
     SHA-256. Returns the manifest (None without one)."""
     path = src / MANIFEST
     if not path.is_file():
         return None
-    manifest = _read_json(path)
+    manifest = read_json(path, "an xllm-loop release folder")
     records = manifest.get("files")
     if not isinstance(records, list):
         raise _refuse(f"{path}: no 'files' list")
@@ -118,7 +98,7 @@ def _verify_manifest(src: Path) -> dict | None:
     for record in records:
         if not isinstance(record, dict) or "path" not in record or "sha256" not in record:
             raise _refuse(f"{path}: a file record lacks 'path' or 'sha256'")
-        f = _inside(src, record["path"])
+        f = inside(src, record["path"])
         if not f.is_file():
             raise _refuse(f"{src}: {record['path']} is listed in {MANIFEST} but missing")
         if "size_bytes" in record and f.stat().st_size != record["size_bytes"]:
@@ -322,7 +302,7 @@ def _tokenizer(src: Path, config: dict):
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):
         if (tok_dir / fname).is_file():
             read.append(f"{folder}/{fname}")
-            data = _read_json(tok_dir / fname)
+            data = read_json(tok_dir / fname, "an xllm-loop release folder")
             for key in names:
                 names[key] = names[key] or _special_name(data.get(key))
     if names["eos_token"] is None:
@@ -389,7 +369,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
         raise _refuse("the output folder must differ from the source folder")
     _refuse_pickles(src)
     manifest = _verify_manifest(src)
-    config = _read_json(src / "config.json")
+    config = read_json(src / "config.json", "an xllm-loop release folder")
     tokenizer, tok_files, tok_note = _tokenizer(src, config)
     rel = _release(config, tokenizer.vocab_size)
     if tokenizer.vocab_size != rel.cfg.vocab_size:

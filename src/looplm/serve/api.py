@@ -123,6 +123,24 @@ class _Choices:
             self.cancel()  # no-op for finished choices
 
 
+    async def collect(self, http: HTTPRequest) -> tuple[dict[int, list[Token]], dict[int, Finish]] | None:
+        """Every choice's tokens and finish (non-streaming); None if the client went away; a
+        failed generation raises a 500."""
+        tokens: dict[int, list[Token]] = {}
+        finishes: dict[int, Finish] = {}
+        async for i, ev in self.stream(http):
+            if isinstance(ev, Token):
+                tokens.setdefault(i, []).append(ev)
+            else:
+                finishes[i] = ev
+        if len(finishes) < len(self.handles):
+            return None
+        failed = [f for f in finishes.values() if f.reason == "error"]
+        if failed:
+            raise APIError(500, failed[0].error or "generation failed", "server_error")
+        return tokens, finishes
+
+
 def _usage(prompt_tokens: int, finishes: Sequence[Finish]) -> dict:
     completion = sum(f.completion_tokens for f in finishes)
     weight = sum(max(f.completion_tokens, 1) for f in finishes)
@@ -268,18 +286,10 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                     choices.cancel()  # the client went away mid-stream
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        tokens: dict[int, list[Token]] = {}
-        finishes: dict[int, Finish] = {}
-        async for i, ev in choices.stream(http):
-            if isinstance(ev, Token):
-                tokens.setdefault(i, []).append(ev)
-            else:
-                finishes[i] = ev
-        if len(finishes) < len(choices.handles):
+        collected = await choices.collect(http)
+        if collected is None:
             return Response(status_code=499)  # the client went away
-        failed = [f for f in finishes.values() if f.reason == "error"]
-        if failed:
-            raise APIError(500, failed[0].error or "generation failed", "server_error")
+        tokens, finishes = collected
         out = []
         for i in sorted(finishes):
             head = prefix[i // body.n]
@@ -341,18 +351,10 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                     choices.cancel()  # the client went away mid-stream
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        tokens: dict[int, list[Token]] = {}
-        finishes: dict[int, Finish] = {}
-        async for i, ev in choices.stream(http):
-            if isinstance(ev, Token):
-                tokens.setdefault(i, []).append(ev)
-            else:
-                finishes[i] = ev
-        if len(finishes) < len(choices.handles):
-            return Response(status_code=499)
-        failed = [f for f in finishes.values() if f.reason == "error"]
-        if failed:
-            raise APIError(500, failed[0].error or "generation failed", "server_error")
+        collected = await choices.collect(http)
+        if collected is None:
+            return Response(status_code=499)  # the client went away
+        tokens, finishes = collected
         out = [{"index": i, "message": {"role": "assistant", "content": finishes[i].text},
                 "logprobs": lp_content(tokens.get(i, [])), "finish_reason": finishes[i].reason}
                for i in sorted(finishes)]
