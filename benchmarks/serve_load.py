@@ -2,7 +2,7 @@
 cache at the same cache memory, and adaptive exit vs fixed depth, side by side in one run.
 
     python benchmarks/serve_load.py [--checkpoint runs/tiny] [--clients 16] [--requests 64]
-        [--max-tokens 32] [--depth 5] [--full-slots 4] [--time-limit 120]
+        [--max-tokens 32] [--depth 5] [--full-slots 4] [--time-limit 120] [--rounds 3]
         [--out benchmarks/results/serve_load.json]
 
 Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--full-slots", type=int, default=4)
     ap.add_argument("--time-limit", type=float, default=120.0)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of all arms; medians are reported")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the server process")
     ap.add_argument("--adaptive-depth", type=int, default=8)
     ap.add_argument("--exit-tau", type=float, default=0.05)
@@ -249,24 +251,41 @@ def main() -> None:
             arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}),
                      (f"adaptive exit tau {args.exit_tau} (max {R})", "terminal", terminal_slots,
                       {"depth": R, "exit_tau": args.exit_tau})]
+        rounds: list[list[dict]] = [[] for _ in arms]
+        for rnd in range(args.rounds):  # arms alternate, so drifting machine load hits all of them alike
+            for k, (label, cache, slots, extra) in enumerate(arms):
+                flags = ["--cache", cache, "--max-batch", str(slots)]
+                server = Server(checkpoint, common + flags, args.server_threads)
+                try:
+                    run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up
+                    result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
+                    result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
+                finally:
+                    server.close()
+                result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra)
+                rounds[k].append(result)
+                print(f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
+                      f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
+                      f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
+                      f"depth {result['mean_decode_depth']:.2f}; engine alone "
+                      f"{result['engine_only']['tokens_per_s']:.1f} tok/s", flush=True)
         rows = []
-        for label, cache, slots, extra in arms:
-            flags = ["--cache", cache, "--max-batch", str(slots)]
-            server = Server(checkpoint, common + flags, args.server_threads)
-            try:
-                run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up
-                result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
-                result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
-            finally:
-                server.close()
-            result.update(arm=label, server_flags=" ".join(common + flags), extra_body=extra,
-                          engine_only=engine_only(checkpoint, texts, args, cache, slots, extra))
-            rows.append(result)
-            print(f"{label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
-                  f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
-                  f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
-                  f"depth {result['mean_decode_depth']:.2f}; engine alone {result['engine_only']['tokens_per_s']:.1f} "
-                  f"tok/s", flush=True)
+        for (label, cache, slots, extra), runs in zip(arms, rounds):
+            med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+            rows.append({"arm": label, "server_flags": " ".join(common + ["--cache", cache, "--max-batch", str(slots)]),
+                         "extra_body": extra, "slots": slots, "cache_bytes": runs[0]["cache_bytes"],
+                         **{f"median_{key}": med(key) for key in ("tokens_per_s", "requests_per_s", "latency_p50_s",
+                                                                  "latency_p95_s", "ttft_p50_s", "ttft_p95_s")},
+                         "median_engine_only_tokens_per_s": statistics.median(r["engine_only"]["tokens_per_s"]
+                                                                              for r in runs),
+                         "completed": runs[-1]["completed"], "mean_decode_depth": runs[-1]["mean_decode_depth"],
+                         "results": runs[-1]["results"], "rounds": [{k: v for k, v in r.items() if k != "results"}
+                                                                     for r in runs]})
+        print("\nmedians over rounds:")
+        for r in rows:
+            print(f"{r['arm']:>40}: {r['median_tokens_per_s']:8.1f} tok/s, latency p50 {r['median_latency_p50_s']:.3f} s "
+                  f"p95 {r['median_latency_p95_s']:.3f} s, ttft p50 {r['median_ttft_p50_s']:.3f} s; engine alone "
+                  f"{r['median_engine_only_tokens_per_s']:.1f} tok/s; depth {r['mean_decode_depth']:.2f}")
         same_outputs = {  # greedy: batching must not change a request's text
             rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(a["text"] == b["text"] for a, b in
                                                          zip(rows[i]["results"], rows[j]["results"]))
