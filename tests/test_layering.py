@@ -1,4 +1,5 @@
-"""Dependencies point one way: model <- infer <- eval / analyze / distill / rl <- cli.
+"""Dependencies point one way: model <- infer <- eval / analyze / distill / rl / serve <- cli;
+converters map into looplm's config and checkpoint format only.
 
 Scans every import statement (top-level and inside functions) of the lower packages."""
 
@@ -18,6 +19,8 @@ ALLOWED = {
     "eval": {"config", "model", "infer", "data", "eval", "checkpoint"},
     "analyze": {"config", "model", "infer", "data", "eval", "analyze", "checkpoint"},
     "data": {"data"},
+    "serve": {"config", "model", "infer", "data", "serve"},
+    "convert": {"config", "model", "data", "checkpoint", "convert", "train", "depth"},  # a checkpoint records its job
 }
 
 
