@@ -20,7 +20,7 @@ ALLOWED = {
     "analyze": {"config", "model", "infer", "data", "eval", "analyze", "checkpoint"},
     "data": {"data"},
     "serve": {"config", "model", "infer", "data", "serve"},
-    "convert": {"config", "model", "data", "checkpoint", "convert", "train", "depth"},  # a checkpoint records its job
+    "convert": {"config", "model", "data", "checkpoint", "convert", "train", "depth", "distill"},  # job, student format
 }
 
 

@@ -414,6 +414,7 @@ def convert(
     from_: Annotated[Literal["xllm-loop", "huginn", "ouro"], tyro.conf.arg(name="from")],
     dtype: Literal["fp32", "bf16"] = "fp32",
     data: str | None = None,
+    teacher: Path | None = None,
 ) -> None:
     """Convert another project's released checkpoint (a local folder; nothing is downloaded) into a
     looplm checkpoint that eval, generate, analyze and export read.
@@ -426,10 +427,18 @@ def convert(
         dtype: Weights dtype of the checkpoint: fp32 (exact) or bf16.
         data: Held-out text that `looplm eval` and `analyze` read for this checkpoint (a text file or
             folder, a .jsonl, or hf:<name>[:<split>]); default: the generator's tasks.
+        teacher: For an xllm-loop distilled student (IFM/LoopedLM-P2-distilled-*): the looplm checkpoint
+            converted from its teacher artifact; OUT is then a student for --prefill student --student OUT.
     """
     from looplm.convert import CONVERTERS
 
-    path = CONVERTERS[from_](src, out, dtype=dtype, data=data)
+    if teacher is not None and from_ != "xllm-loop":
+        raise ValueError("--teacher applies to --from xllm-loop distilled students")
+    kwargs = {"teacher": teacher} if teacher is not None else {}
+    path = CONVERTERS[from_](src, out, dtype=dtype, data=data, **kwargs)
+    if teacher is not None:
+        print(f"wrote {path}\nuse it with: looplm generate {teacher} --prefill student --student {path}")
+        return
     print(f"wrote {path}\nevaluate it with: looplm eval {path}")
 
 def _parse_error_line(report: str, args: list[str]) -> str:

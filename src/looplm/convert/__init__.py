@@ -3,8 +3,9 @@
 from looplm.convert.huginn import convert_huginn
 from looplm.convert.ouro import convert_ouro
 from looplm.convert.xllm_loop import convert_xllm_loop
+from looplm.convert.xllm_student import convert_xllm_student
 
 CONVERTERS = {"xllm-loop": convert_xllm_loop, "huginn": convert_huginn, "ouro": convert_ouro}
 """`looplm convert --from NAME`: NAME -> converter(src, out, dtype=None, *, data=None) -> checkpoint path."""
 
-__all__ = ["CONVERTERS", "convert_huginn", "convert_ouro", "convert_xllm_loop"]
+__all__ = ["CONVERTERS", "convert_huginn", "convert_ouro", "convert_xllm_loop", "convert_xllm_student"]

@@ -43,14 +43,12 @@ import torch
 
 from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic, write_json
 from looplm.config import ModelConfig
-from looplm.convert.common import INDEX, inside, interleaved_to_half_split, read_json
-from looplm.convert.common import load_tensors as _load_tensors
+from looplm.convert.common import DTYPES, INDEX, check_folders, inside, interleaved_to_half_split, read_checked, read_json
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
 
 MANIFEST = "artifact_manifest.json"
 TOKENIZER_DIR = "tokenizer"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.float32}
 RELEASE_MAX_SEQ_LEN = 8192  # the release trains and evaluates at 8,192 tokens
 
 # ModelConf defaults (xllm/config.py) of the fields the conversion reads: config.json holds a recipe's
@@ -214,20 +212,25 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
                     str(_field(model, "huginn_state_init")), model)
 
 
+def block_shapes(prefix: str, c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one release TransformerBlock (xllm's pre-norm attention + SwiGLU FFN) under `prefix`."""
+    d, hd, f = c.d_model, c.head_dim, c.ffn_dim
+    return {
+        prefix + "attention.norm.weight": (d,), prefix + "attention.wq.weight": (c.n_heads * hd, d),
+        prefix + "attention.wk.weight": (c.n_kv_heads * hd, d), prefix + "attention.wv.weight": (c.n_kv_heads * hd, d),
+        prefix + "attention.wo.weight": (d, c.n_heads * hd), prefix + "nffn.norm.weight": (d,),
+        prefix + "nffn.fc1.weight": (f, d), prefix + "nffn.fc3.weight": (f, d), prefix + "nffn.fc2.weight": (d, f),
+    }
+
+
 def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
     """The release model's state-dict names and shapes for these fields."""
     c = rel.cfg
-    d, hd, f = c.d_model, c.head_dim, c.ffn_dim
+    d = c.d_model
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, d),
                                           "output.final_norm.weight": (d,), "output.output.weight": (c.vocab_size, d)}
     for i in range(rel.n_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attention.norm.weight": (d,), p + "attention.wq.weight": (c.n_heads * hd, d),
-            p + "attention.wk.weight": (c.n_kv_heads * hd, d), p + "attention.wv.weight": (c.n_kv_heads * hd, d),
-            p + "attention.wo.weight": (d, c.n_heads * hd), p + "nffn.norm.weight": (d,),
-            p + "nffn.fc1.weight": (f, d), p + "nffn.fc3.weight": (f, d), p + "nffn.fc2.weight": (d, f),
-        })
+        shapes.update(block_shapes(f"layers.{i}.", c))
     if rel.scheme == "linear":
         shapes["input_injection.adapter.weight"] = (d, 2 * d)
         if rel.linear_bias:
@@ -241,26 +244,33 @@ def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
 
 
 # -- tensors -----------------------------------------------------------------------------------------
+def map_block(state: dict[str, torch.Tensor], src: str, dst: str, c: ModelConfig,
+              norm_offset: float) -> dict[str, torch.Tensor]:
+    """One release block's tensors under prefix `src` -> looplm `Block` tensors under module name `dst`:
+    norm gains = stored + norm_offset, wq/wk rows permuted from interleaved to half-split RoPE pairs."""
+    hd = c.head_dim
+    return {
+        f"{dst}.attn_norm.weight": state[src + "attention.norm.weight"] + norm_offset,
+        f"{dst}.attn.wq.weight": interleaved_to_half_split(state[src + "attention.wq.weight"], c.n_heads, hd),
+        f"{dst}.attn.wk.weight": interleaved_to_half_split(state[src + "attention.wk.weight"], c.n_kv_heads, hd),
+        f"{dst}.attn.wv.weight": state[src + "attention.wv.weight"],
+        f"{dst}.attn.wo.weight": state[src + "attention.wo.weight"],
+        f"{dst}.ffn_norm.weight": state[src + "nffn.norm.weight"] + norm_offset,
+        f"{dst}.ffn.w1.weight": state[src + "nffn.fc1.weight"],  # SwiGLU gate: silu(fc1 x) * fc3 x
+        f"{dst}.ffn.w3.weight": state[src + "nffn.fc3.weight"],
+        f"{dst}.ffn.w2.weight": state[src + "nffn.fc2.weight"],
+    }
+
+
 def _map_state(state: dict[str, torch.Tensor], rel: _Release, norm_offset: float) -> dict[str, torch.Tensor]:
     """Release state dict (float32) -> looplm LoopedLM state dict (float32)."""
-    c, hd = rel.cfg, rel.cfg.head_dim
+    c = rel.cfg
     out = {"embed.weight": state["embed.weight"], "norm.weight": state["output.final_norm.weight"] + norm_offset,
            "head.weight": state["output.output.weight"]}
     blocks = [f"prelude.{i}" for i in range(c.n_prelude)] + [f"core.{i}" for i in range(c.n_core)] + \
              [f"coda.{i}" for i in range(c.n_coda)]
     for i, name in enumerate(blocks):  # physical layer order: prelude, core, coda
-        p = f"layers.{i}."
-        out.update({
-            f"{name}.attn_norm.weight": state[p + "attention.norm.weight"] + norm_offset,
-            f"{name}.attn.wq.weight": interleaved_to_half_split(state[p + "attention.wq.weight"], c.n_heads, hd),
-            f"{name}.attn.wk.weight": interleaved_to_half_split(state[p + "attention.wk.weight"], c.n_kv_heads, hd),
-            f"{name}.attn.wv.weight": state[p + "attention.wv.weight"],
-            f"{name}.attn.wo.weight": state[p + "attention.wo.weight"],
-            f"{name}.ffn_norm.weight": state[p + "nffn.norm.weight"] + norm_offset,
-            f"{name}.ffn.w1.weight": state[p + "nffn.fc1.weight"],  # SwiGLU gate: silu(fc1 x) * fc3 x
-            f"{name}.ffn.w3.weight": state[p + "nffn.fc3.weight"],
-            f"{name}.ffn.w2.weight": state[p + "nffn.fc2.weight"],
-        })
+        out.update(map_block(state, f"layers.{i}.", name, c, norm_offset))
     d = c.d_model
     if rel.scheme == "linear":  # W [s; e] + b  ->  A_state s + (A_input e + b)
         w = state["input_injection.adapter.weight"]
@@ -348,8 +358,26 @@ def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str, data: str | No
 
 
 # -- entry point -------------------------------------------------------------------------------------
+def _student_artifact(src: Path) -> bool:
+    """Whether `src` is a release student artifact (config.json with a `student` section, or a dense model
+    holding `in_proj`); config and weights are verified later, by whichever converter reads them."""
+    from looplm.convert.xllm_student import is_student
+
+    config = read_json(src / "config.json", "an xllm-loop release folder")
+    model = config.get("model")
+    if isinstance(config.get("student"), dict):
+        return True
+    if not (isinstance(model, dict) and model.get("arch") == "transformer"):
+        return False
+    try:
+        names = set(_shard_map(src))
+    except CheckpointError:
+        return False
+    return is_student(config, names)
+
+
 def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_offset: float = 1.0,
-                      data: str | None = None) -> Path:
+                      data: str | None = None, teacher: Path | None = None) -> Path:
     """Convert the xllm-loop release folder `src` into the looplm checkpoint folder `out` (new or empty).
 
     `dtype` of the written weights: 'fp32' (default, exact: every BF16 value and BF16 + 1 is an FP32
@@ -357,17 +385,25 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     stored RMSNorm weights (the release stores gain - 1). `data`: the held-out text source recorded in
     the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError (a ValueError) with
     a one-line reason for anything it cannot convert exactly.
+
+    A distilled prefill student artifact (`IFM/LoopedLM-P2-distilled-*`) converts into a looplm student
+    checkpoint instead (`looplm.convert.xllm_student`); it needs `teacher`, the looplm checkpoint converted
+    from the release teacher the student pins.
     """
     src, out = Path(src), Path(out)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose fp32 or bf16")
-    if not src.is_dir():
-        raise _refuse(f"no release folder at {src}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise _refuse(f"{out} exists and is not empty; choose a new output folder")
-    if out.resolve() == src.resolve():
-        raise _refuse("the output folder must differ from the source folder")
+    check_folders(src, out, dtype)
     _refuse_pickles(src)
+    if _student_artifact(src):
+        from looplm.convert.xllm_student import convert_xllm_student
+
+        if teacher is None:
+            raise _refuse(f"{src} is a distilled prefill student; convert its teacher artifact first and pass "
+                          "that checkpoint with --teacher")
+        if data is not None:
+            raise _refuse("--data applies to model checkpoints, not to a distilled student")
+        return convert_xllm_student(src, out, teacher, dtype, norm_offset=norm_offset)
+    if teacher is not None:
+        raise _refuse(f"--teacher is for a distilled student artifact; {src} is not one")
     manifest = _verify_manifest(src)
     config = read_json(src / "config.json", "an xllm-loop release folder")
     tokenizer, tok_files, tok_note = _tokenizer(src, config)
@@ -379,21 +415,8 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
                              *sorted(set(weight_map.values())), *tok_files])
 
     expected = _expected_shapes(rel)
-    unknown = sorted(set(weight_map) - set(expected))
-    missing = sorted(set(expected) - set(weight_map))
-    if unknown:
-        raise _refuse(f"{src}: unknown tensor {unknown[0]} ({len(unknown)} unknown): not a {rel.cfg.injection} "
-                      f"looped model of this config")
-    if missing:
-        raise _refuse(f"{src}: missing tensor {missing[0]} ({len(missing)} missing)")
-    state = _load_tensors(src, weight_map)
-    for key, shape in expected.items():
-        t = state[key]
-        if tuple(t.shape) != shape:
-            raise _refuse(f"{src}: {key} has shape {tuple(t.shape)}, config.json implies {shape}")
-        if not t.is_floating_point():
-            raise _refuse(f"{src}: {key} is {t.dtype}, expected a floating-point tensor")
-    mapped = _map_state({k: state[k].float() for k in expected}, rel, norm_offset)
+    state = read_checked(src, expected, family=f"{rel.cfg.injection} looped")
+    mapped = _map_state(state, rel, norm_offset)
     target = DTYPES[dtype]
     mapped = {k: v.to(target).contiguous() for k, v in mapped.items()}
     job = _job_dict(rel.cfg, rel.fields, str(out.resolve()), data)  # the checkpoint folder holds the tokenizer
