@@ -274,7 +274,8 @@ def test_looplm_serve_command(tmp_path):
 
     run = write_random_run(tmp_path / "run")
     port = free_port()
-    proc = subprocess.Popen(looplm_cmd("serve", str(run), "--port", str(port), "--max-batch", "2", "--depth", "2",
+    step = run / "checkpoints" / "step_0000001"  # a checkpoint folder is served under its run's name
+    proc = subprocess.Popen(looplm_cmd("serve", str(step), "--port", str(port), "--max-batch", "2", "--depth", "2",
                                        "--max-seq-len", "64"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
     try:

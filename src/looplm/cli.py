@@ -541,7 +541,7 @@ def serve(
         cache: terminal (one KV bank per physical layer) or full (one bank per layer visit, up to max_depth).
         max_queue: Requests waiting for a slot; beyond it the server answers 429.
         api_key: Require `Authorization: Bearer KEY` on /v1/ endpoints.
-        served_model_name: The model id clients pass; default: the checkpoint folder's name.
+        served_model_name: The model id clients pass; default: the run (or checkpoint) folder's name.
         device: Torch device (cpu, cuda, ...).
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
@@ -560,7 +560,8 @@ def serve(
     engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
                                                    max_depth=max_depth, cache=cache, max_queue=max_queue),
                     prefill=arm)
-    name = served_model_name or checkpoint.resolve().name
+    folder = checkpoint.resolve()
+    name = served_model_name or (folder.parent.parent.name if folder.parent.name == "checkpoints" else folder.name)
     print(f"serving {name!r} on http://{host}:{port}/v1 ({engine.describe()})", flush=True)
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
