@@ -86,6 +86,11 @@ def test_openai_client_completions_chat_and_streaming(model):
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+        echoed = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0, echo=True)
+        assert echoed.choices[0].text == "abc" + want
+        streamed = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0, echo=True,
+                                             stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == "abc" + want
 
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
         prompt = "system: be brief\nuser: hi\nassistant:"  # the documented template

@@ -132,6 +132,22 @@ def read_checked(src: Path, expected: dict[str, tuple[int, ...]], optional: dict
     return {k: t.float() for k, t in state.items()}
 
 
+def open_source(src: Path, out: Path, dtype: str | None, what: str):
+    """(config.json, tokenizer, tokenizer note) of an HF-style release folder, after the folder
+    checks (`check_folders`, `refuse_pickles`); `what` names the folder kind in errors."""
+    check_folders(src, out, dtype)
+    refuse_pickles(src)
+    config = read_json(src / "config.json", what)
+    tokenizer, note = hf_tokenizer(src, config)
+    return config, tokenizer, note
+
+
+def check_tied(src: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], head: str, embedding: str) -> None:
+    """A release that declares tied embeddings but stores a different head is refused."""
+    if cfg.tie_embeddings and head in state and not torch.equal(state[head], state[embedding]):
+        raise refuse(f"{src}: config.json ties the embeddings but {head} differs from {embedding}")
+
+
 def interleaved_to_half_split(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """Permute the output rows of a q/k projection [n_heads*head_dim, ...] (or a bias
     [n_heads*head_dim]) per head so that the rows (2j, 2j+1) that interleaved RoPE rotates together

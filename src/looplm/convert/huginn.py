@@ -33,14 +33,13 @@ import torch
 
 from looplm.config import ModelConfig
 from looplm.convert.common import (
-    check_folders,
     check_model,
-    hf_tokenizer,
+    check_tied,
     interleaved_to_half_split,
+    job_dict,
+    open_source,
     read_checked,
-    read_json,
     refuse,
-    refuse_pickles,
     write_checkpoint,
 )
 
@@ -169,23 +168,16 @@ def convert_huginn(src: Path, out: Path, dtype: str | None = None, *, data: str 
     source recorded in the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError
     (a ValueError) with a one-line reason for anything it cannot convert exactly."""
     src, out = Path(src), Path(out)
-    check_folders(src, out, dtype)
-    refuse_pickles(src)
-    config = read_json(src / "config.json", "a Huginn folder")
-    tokenizer, tok_note = hf_tokenizer(src, config)
+    config, tokenizer, tok_note = open_source(src, out, dtype, "a Huginn folder")
     cfg, extra = _config(config, tokenizer.vocab_size)
     if tokenizer.vocab_size != cfg.vocab_size:
         raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding {cfg.vocab_size} rows")
     required, optional = _shapes(cfg, extra["bias"])
     optional["freqs_cis"] = (1, extra["block_size"], 1, cfg.head_dim // 2, 2)  # RoPE tables: recomputed
     state = read_checked(src, required, optional, family=FAMILY)
-    if cfg.tie_embeddings and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"],
-                                                                             state["transformer.wte.weight"]):
-        raise refuse(f"{src}: config.json ties the embeddings but lm_head.weight differs from transformer.wte.weight")
+    check_tied(src, cfg, state, "lm_head.weight", "transformer.wte.weight")
     weights = _map(state, cfg)
     check_model(cfg, weights, src)
-    from looplm.convert.common import job_dict
-
     job = job_dict(cfg, str(out.resolve()), extra["mean_recurrence"], data)
     provenance = {
         "from": "huginn", "source": str(src.resolve()), "rope": "interleaved pairs permuted to half-split",

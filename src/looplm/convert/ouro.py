@@ -30,14 +30,12 @@ import torch
 
 from looplm.config import ModelConfig
 from looplm.convert.common import (
-    check_folders,
     check_model,
-    hf_tokenizer,
+    check_tied,
     job_dict,
+    open_source,
     read_checked,
-    read_json,
     refuse,
-    refuse_pickles,
     write_checkpoint,
 )
 
@@ -133,18 +131,13 @@ def convert_ouro(src: Path, out: Path, dtype: str | None = None, *, data: str | 
     source recorded in the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError
     (a ValueError) with a one-line reason for anything it cannot convert exactly."""
     src, out = Path(src), Path(out)
-    check_folders(src, out, dtype)
-    refuse_pickles(src)
-    config = read_json(src / "config.json", "an Ouro folder")
-    tokenizer, tok_note = hf_tokenizer(src, config)
+    config, tokenizer, tok_note = open_source(src, out, dtype, "an Ouro folder")
     cfg, extra = _config(config)
     if tokenizer.vocab_size != cfg.vocab_size:
         raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, config.json vocab_size {cfg.vocab_size}")
     required, optional = _shapes(cfg)
     state = read_checked(src, required, optional, family=FAMILY)
-    if cfg.tie_embeddings and "lm_head.weight" in state and not torch.equal(state["lm_head.weight"],
-                                                                             state["model.embed_tokens.weight"]):
-        raise refuse(f"{src}: config.json ties the embeddings but lm_head.weight differs from model.embed_tokens.weight")
+    check_tied(src, cfg, state, "lm_head.weight", "model.embed_tokens.weight")
     weights = _map(state, cfg)
     check_model(cfg, weights, src)
     job = job_dict(cfg, str(out.resolve()), extra["total_ut_steps"], data)

@@ -16,7 +16,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -141,6 +141,38 @@ class _Choices:
         return tokens, finishes
 
 
+async def _sse_events(choices: _Choices, http: HTTPRequest, start: Callable[[int], dict | None],
+                      token: Callable[[int, Token], dict | None], finish: Callable[[int, Finish], dict],
+                      usage: Callable[[list[Finish]], dict] | None) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request: `start(i)` before choice i's first event, a
+    chunk per token (`token` may skip one by returning None) and per finish, then the usage chunk
+    (when asked) and `[DONE]`. Leaving early (the client went away) cancels the unfinished choices."""
+    finishes: dict[int, Finish] = {}
+    opened: set[int] = set()
+    try:
+        async for i, ev in choices.stream(http):
+            out = []
+            if i not in opened:
+                opened.add(i)
+                out.append(start(i))
+            if isinstance(ev, Token):
+                out.append(token(i, ev))
+            else:
+                finishes[i] = ev
+                failed = ev.reason == "error"
+                out.append(APIError(500, ev.error or "generation failed", "server_error").body() if failed
+                           else finish(i, ev))
+            for data in out:
+                if data is not None:
+                    yield _sse(data)
+        if len(finishes) == len(choices.handles):
+            if usage is not None:
+                yield _sse(usage(list(finishes.values())))
+            yield _sse("[DONE]")
+    finally:
+        choices.cancel()  # no-op for finished choices
+
+
 def _usage(prompt_tokens: int, finishes: Sequence[Finish]) -> dict:
     completion = sum(f.completion_tokens for f in finishes)
     weight = sum(max(f.completion_tokens, 1) for f in finishes)
@@ -257,34 +289,28 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                     "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if body.stream:
-            async def events():
-                try:
-                    finishes, offsets = {}, {}
-                    async for i, ev in choices.stream(http):
-                        if i not in offsets:
-                            offsets[i] = 0
-                            head = prefix[i // body.n]
-                            if head:
-                                yield _sse(chunk(i, head, None, [], 0))
-                                offsets[i] = len(head)
-                        if isinstance(ev, Token):
-                            if ev.text or body.logprobs is not None:
-                                yield _sse(chunk(i, ev.text, None, [ev], offsets[i]))
-                                offsets[i] += len(ev.text)
-                        else:
-                            finishes[i] = ev
-                            if ev.reason == "error":
-                                yield _sse(APIError(500, ev.error or "generation failed", "server_error").body())
-                                continue
-                            yield _sse(chunk(i, ev.tail, ev.reason, [], offsets[i]))
-                    if len(finishes) == len(choices.handles):
-                        if body.include_usage():
-                            yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                                        "choices": [], "usage": _usage(n_prompt, list(finishes.values()))})
-                        yield _sse("[DONE]")
-                finally:
-                    choices.cancel()  # the client went away mid-stream
-            return StreamingResponse(events(), media_type="text/event-stream")
+            offsets: dict[int, int] = {}
+
+            def start_choice(i: int) -> dict | None:
+                head = prefix[i // body.n]
+                offsets[i] = len(head)
+                return chunk(i, head, None, [], 0) if head else None
+
+            def token_chunk(i: int, ev: Token) -> dict | None:
+                if not (ev.text or body.logprobs is not None):
+                    return None
+                out = chunk(i, ev.text, None, [ev], offsets[i])
+                offsets[i] += len(ev.text)
+                return out
+
+            def usage_chunk(finishes: list[Finish]) -> dict:
+                return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                        "choices": [], "usage": _usage(n_prompt, finishes)}
+
+            events = _sse_events(choices, http, start_choice, token_chunk,
+                                 lambda i, ev: chunk(i, ev.tail, ev.reason, [], offsets[i]),
+                                 usage_chunk if body.include_usage() else None)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         collected = await choices.collect(http)
         if collected is None:
@@ -326,30 +352,16 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                                  "finish_reason": finish}]}
 
         if body.stream:
-            async def events():
-                try:
-                    finishes, opened = {}, set()
-                    async for i, ev in choices.stream(http):
-                        if i not in opened:
-                            opened.add(i)
-                            yield _sse(chunk(i, {"role": "assistant", "content": ""}, None, []))
-                        if isinstance(ev, Token):
-                            if ev.text or logprobs is not None:
-                                yield _sse(chunk(i, {"content": ev.text}, None, [ev]))
-                        else:
-                            finishes[i] = ev
-                            if ev.reason == "error":
-                                yield _sse(APIError(500, ev.error or "generation failed", "server_error").body())
-                                continue
-                            yield _sse(chunk(i, {"content": ev.tail} if ev.tail else {}, ev.reason, []))
-                    if len(finishes) == len(choices.handles):
-                        if body.include_usage():
-                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                                        "model": name, "choices": [], "usage": _usage(len(ids), list(finishes.values()))})
-                        yield _sse("[DONE]")
-                finally:
-                    choices.cancel()  # the client went away mid-stream
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def usage_chunk(finishes: list[Finish]) -> dict:
+                return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
+                        "choices": [], "usage": _usage(len(ids), finishes)}
+
+            events = _sse_events(
+                choices, http, lambda i: chunk(i, {"role": "assistant", "content": ""}, None, []),
+                lambda i, ev: chunk(i, {"content": ev.text}, None, [ev]) if ev.text or logprobs is not None else None,
+                lambda i, ev: chunk(i, {"content": ev.tail} if ev.tail else {}, ev.reason, []),
+                usage_chunk if body.include_usage() else None)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         collected = await choices.collect(http)
         if collected is None:
