@@ -187,3 +187,30 @@ def write_random_run(root: Path) -> Path:
     torch.manual_seed(0)
     ckpt.save_model(root, LoopedLM(job.model), job.to_dict(), ByteTokenizer())
     return root
+
+
+def write_hf_weights(root: Path, state: dict, shards: int = 1) -> None:
+    """`state` as an HF-style weights folder: model.safetensors, or `shards` files round-robin by
+    sorted name plus model.safetensors.index.json (the layout the converters read)."""
+    from safetensors.torch import save_file
+
+    if shards <= 1:
+        save_file(state, str(root / "model.safetensors"), metadata={"format": "pt"})
+        return
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = keys[i::shards]
+        save_file({k: state[k] for k in part}, str(root / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def read_hf_weights(root: Path) -> dict:
+    """Every tensor of an HF-style weights folder (single file or sharded), as float64."""
+    from safetensors.torch import load_file
+
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    return {k: t.double() for name in files for k, t in load_file(str(root / name)).items()}

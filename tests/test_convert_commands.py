@@ -1,4 +1,4 @@
-"""Every looplm command runs on a converted checkpoint: a tiny Huginn and a tiny Ouro are converted
+"""Every looplm command runs on a converted checkpoint: a tiny Huginn, Ouro and Parcae are converted
 through `looplm convert --data TEXT` (the held-out text the checkpoint's job records), then `looplm
 eval` (native perplexity, terminal/full sharing), `looplm generate` (terminal and full cache) and
 `looplm analyze` run on them through the CLI's `main`.
@@ -11,6 +11,7 @@ import json
 import pytest
 from test_convert_huginn import make_huginn
 from test_convert_ouro import make_ouro
+from test_convert_parcae import make_parcae
 
 from looplm.cli import main
 
@@ -20,7 +21,7 @@ FAST_ANALYZE = ["--horizon", "4", "--sequences", "2", "--batch-size", "2", "--kv
                 "--sharing-sequences", "2", "--no-plots"]
 
 
-@pytest.mark.parametrize("family, make", [("huginn", make_huginn), ("ouro", make_ouro)])
+@pytest.mark.parametrize("family, make", [("huginn", make_huginn), ("ouro", make_ouro), ("parcae", make_parcae)])
 def test_eval_generate_analyze_on_a_converted_checkpoint(tmp_path, capsys, family, make):
     src = make(tmp_path / "src")
     text = tmp_path / "texts"  # a folder: one document per file
@@ -61,7 +62,7 @@ def test_eval_generate_analyze_on_a_converted_checkpoint(tmp_path, capsys, famil
     assert (student / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("family, make", [("huginn", make_huginn), ("ouro", make_ouro)])
+@pytest.mark.parametrize("family, make", [("huginn", make_huginn), ("ouro", make_ouro), ("parcae", make_parcae)])
 def test_export_of_a_converted_checkpoint_keeps_its_logits(tmp_path, family, make):
     """The release tokenizer (its own end-of-text/padding names) and the switches survive `looplm export`."""
     pytest.importorskip("transformers")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from _jobs import write_hf_weights
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -96,14 +97,7 @@ def make_huginn(root: Path, *, mutate=None, shards: int = 2, **overrides) -> Pat
     state = raven_state(raven_config(tok.get_vocab_size()))
     if mutate:
         mutate(state)
-    keys = sorted(state)
-    parts = [keys[i::shards] for i in range(shards)]
-    weight_map = {}
-    for i, part in enumerate(parts, start=1):
-        name = f"model-{i:05d}-of-{shards:05d}.safetensors"
-        save_file({k: state[k] for k in part}, str(root / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, name))
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_hf_weights(root, state, shards)
     (root / "config.json").write_text(json.dumps(config))
     return root
 

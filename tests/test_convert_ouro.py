@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from _jobs import read_hf_weights, write_hf_weights
 from test_convert_huginn import hf_tokenizer
 
 from looplm.checkpoint import CheckpointError, load_model
@@ -78,16 +78,7 @@ def make_ouro(root: Path, *, mutate=None, sharded: bool = False, **overrides) ->
     state = ouro_state(ouro_config(tok.get_vocab_size(), eos_id))
     if mutate:
         mutate(state)
-    if sharded:
-        keys = sorted(state)
-        weight_map = {}
-        for i, part in enumerate((keys[::2], keys[1::2]), start=1):
-            name = f"model-{i:05d}-of-00002.safetensors"
-            save_file({k: state[k] for k in part}, str(root / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(part, name))
-        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    else:
-        save_file(state, str(root / "model.safetensors"), metadata={"format": "pt"})
+    write_hf_weights(root, state, 2 if sharded else 1)
     (root / "config.json").write_text(json.dumps(config))
     return root
 
@@ -125,11 +116,7 @@ def _layer(h, w, i, base):
 
 def load_source(root: Path) -> tuple[dict, dict]:
     config = json.loads((root / "config.json").read_text())
-    files = (sorted(set(json.loads((root / "model.safetensors.index.json").read_text())["weight_map"].values()))
-             if (root / "model.safetensors.index.json").is_file() else ["model.safetensors"])
-    w = {}
-    for name in files:
-        w.update({k: t.double() for k, t in load_file(str(root / name)).items()})
+    w = read_hf_weights(root)
     return config, w
 
 

@@ -61,6 +61,8 @@ def test_defaults_are_looplms_own_model():
     ({"post_loop_norm": True, "head_norm": False}, "post_loop_norm reuses"),
     ({"embed_scale": 0.0}, "embed_scale must be > 0"),
     ({"state_std": -1.0}, "state_std must be >= 0"),
+    ({"ffn_act": "gelu"}, "unknown ffn_act 'gelu'"),
+    ({"value_embeds": "all"}, "unknown value_embeds 'all'"),
 ])
 def test_validate_names_the_bad_switch_in_one_line(fields, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -222,3 +224,109 @@ def test_a_tied_checkpoint_stays_tied_through_looplm_export(tmp_path):
     tokens, s0 = torch.randint(0, 258, (1, 7)), torch.randn(1, 7, D) * 0.3
     with torch.no_grad():
         torch.testing.assert_close(again(tokens, 3, state0=s0).logits, model(tokens, 3, state0=s0).logits)
+
+
+# -- Parcae's switches: ffn_act, qk_norm, value_embeds, coda_proj ----------------------------------
+def test_new_switch_defaults_leave_the_model_unchanged():
+    cfg = ModelConfig()
+    assert (cfg.ffn_act, cfg.qk_norm, cfg.value_embeds, cfg.coda_proj) == ("swiglu", False, "none", False)
+    keys = set(LoopedLM(tiny()).state_dict())
+    assert not [k for k in keys if any(s in k for s in ("value_embeds", "ve_gate", "coda_proj"))]
+    with pytest.raises(ValueError, match="value_embeds needs d_model >= 32") as err:
+        ModelConfig(vocab_size=50, d_model=16, n_heads=2, n_kv_heads=2, ffn_dim=32, value_embeds="odd").validate()
+    assert "\n" not in str(err.value)
+
+
+def test_relu2_ffn():
+    block = perturbed(Block(tiny(ffn_act="relu2")))
+    assert {n for n, _ in block.ffn.named_parameters()} == {"w1.weight", "w2.weight"}
+    h = torch.randn(2, 5, D)
+    with torch.no_grad():
+        want = F.relu(h @ block.ffn.w1.weight.T).pow(2) @ block.ffn.w2.weight.T
+        torch.testing.assert_close(block.ffn(h), want, rtol=1e-5, atol=1e-5)
+
+
+def test_relu2_flops_count_two_matrices():
+    from looplm.train.flops import flops_per_token
+
+    swiglu, relu2 = tiny(), tiny(ffn_act="relu2")
+    L, R = 16, 3
+    layers = relu2.n_prelude + relu2.n_coda + relu2.n_core * R
+    # 6 FLOPs per multiply-accumulate unit with full BPTT: one d x F matrix fewer per layer visit
+    diff = flops_per_token(swiglu, L, R, None) - flops_per_token(relu2, L, R, None)
+    assert diff == pytest.approx(6 * layers * D * relu2.ffn_dim, rel=1e-12)
+    proj = flops_per_token(tiny(coda_proj=True), L, R, None) - flops_per_token(swiglu, L, R, None)
+    assert proj == pytest.approx(6 * D * D, rel=1e-12)
+
+
+def _attention_reference(att, x, rope, value_rows=None, qk_norm=False):
+    B, L, _ = x.shape
+    q = (x @ att.wq.weight.T).view(B, L, 4, 8).transpose(1, 2)
+    k = (x @ att.wk.weight.T).view(B, L, 2, 8).transpose(1, 2)
+    v = (x @ att.wv.weight.T).view(B, L, 2, 8)
+    if value_rows is not None:
+        gate = 2 * torch.sigmoid(x[..., :32] @ att.ve_gate.weight.T)  # [B, L, H_kv]
+        v = v + gate[..., None] * value_rows.view(B, L, 2, 8)
+    v = v.transpose(1, 2)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    if qk_norm:
+        q, k = _norm(q, eps=torch.finfo(torch.float32).eps), _norm(k, eps=torch.finfo(torch.float32).eps)
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    return y.transpose(1, 2).reshape(B, L, D) @ att.wo.weight.T
+
+
+def test_qk_norm_after_rope():
+    att = perturbed(Block(tiny(qk_norm=True))).attn
+    x = torch.randn(2, 6, D)
+    rope = rope_tables(torch.arange(6).expand(2, 6), 8, 1e6)
+    with torch.no_grad():
+        torch.testing.assert_close(att(x, rope, None), _attention_reference(att, x, rope, qk_norm=True),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_value_embedding_gate_and_refusals():
+    att = perturbed(Block(tiny(value_embeds="odd"), value_embed=True)).attn
+    assert att.ve_gate.weight.shape == (2, 32)
+    x, rows = torch.randn(2, 6, D), torch.randn(2, 6, 16)
+    rope = rope_tables(torch.arange(6).expand(2, 6), 8, 1e6)
+    with torch.no_grad():
+        torch.testing.assert_close(att(x, rope, None, value_embed=rows), _attention_reference(att, x, rope, rows),
+                                   rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="has a value embedding: pass value_embed"):
+            att(x, rope, None)
+        plain = Block(tiny(value_embeds="odd")).attn
+        with pytest.raises(ValueError, match="without a value-embedding gate"):
+            plain(x, rope, None, value_embed=rows)
+
+
+def test_value_embeddings_and_coda_proj_in_the_model():
+    """Odd blocks of each stack hold a table and a gate; the forward equals plain torch that looks each
+    table up once and hands it to its block (core tables at every recurrence), and C precedes the coda."""
+    cfg = tiny(n_prelude=2, n_core=2, n_coda=2, value_embeds="odd", coda_proj=True, injection="parcae-decay")
+    model = perturbed(LoopedLM(cfg))
+    keys = set(model.state_dict())
+    for stack in ("prelude", "core", "coda"):
+        assert f"value_embeds.{stack}.1.weight" in keys and f"{stack}.1.attn.ve_gate.weight" in keys
+        assert f"value_embeds.{stack}.0.weight" not in keys and f"{stack}.0.attn.ve_gate.weight" not in keys
+    tokens = torch.randint(0, 50, (2, 7))
+    state0 = torch.randn(2, 7, D) * 0.1
+    rope = rope_tables(torch.arange(7).expand(2, 7), 8, 1e6)
+    ve = model.value_embeds
+    with torch.no_grad():
+        x = model.embed(tokens)
+        x = model.prelude[0](x, rope, None)
+        x = model.prelude[1](x, rope, None, value_embed=ve["prelude"]["1"].weight[tokens])
+        q = model.injection.prepare(x)
+        s = state0
+        for _ in range(3):
+            s = model.injection(s, q)
+            s = model.core[0](s, rope, None)
+            s = model.core[1](s, rope, None, value_embed=ve["core"]["1"].weight[tokens])
+        h = s @ model.coda_proj.weight.T
+        h = model.coda[0](h, rope, None)
+        h = model.coda[1](h, rope, None, value_embed=ve["coda"]["1"].weight[tokens])
+        want = _norm(h, model.norm.weight) @ model.head.weight.T
+        got = model(tokens, 3, state0=state0).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), pytest.raises(ValueError, match="run_coda needs the forward's Context"):
+        model.run_coda(s, rope, None)

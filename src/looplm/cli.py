@@ -411,7 +411,7 @@ def export(
 def convert(
     src: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SRC")],
     out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
-    from_: Annotated[Literal["xllm-loop", "huginn", "ouro"], tyro.conf.arg(name="from")],
+    from_: Annotated[Literal["xllm-loop", "huginn", "ouro", "parcae"], tyro.conf.arg(name="from")],
     dtype: Literal["fp32", "bf16"] = "fp32",
     data: str | None = None,
     teacher: Path | None = None,
@@ -423,7 +423,8 @@ def convert(
         src: The release folder, e.g. an `hf download IFM/LoopedLM-P2-huginn-s-fixed-r5 --local-dir` copy.
         out: New (or empty) folder to write the looplm checkpoint into.
         from_: The source format: xllm-loop (the paper's reference release, Part II Huginn artifacts),
-            huginn (Huginn-0125, seal-rg/recurrent-pretraining) or ouro (Ouro-1.4B/2.6B).
+            huginn (Huginn-0125, seal-rg/recurrent-pretraining), ouro (Ouro-1.4B/2.6B) or parcae
+            (sandyresearch/parcae, its state dict saved as safetensors).
         dtype: Weights dtype of the checkpoint: fp32 (exact) or bf16.
         data: Held-out text that `looplm eval` and `analyze` read for this checkpoint (a text file or
             folder, a .jsonl, or hf:<name>[:<split>]); default: the generator's tasks.

@@ -22,6 +22,12 @@ ExitNorm = Literal["auto", "none", "rms", "rms-gain"]
 EXIT_NORMS: tuple[str, ...] = ("auto", "none", "rms", "rms-gain")
 StateKind = Literal["normal", "trunc-normal", "input"]
 STATE_KINDS: tuple[str, ...] = ("normal", "trunc-normal", "input")
+FfnAct = Literal["swiglu", "relu2"]
+FFN_ACTS: tuple[str, ...] = ("swiglu", "relu2")
+ValueEmbeds = Literal["none", "odd"]
+VALUE_EMBEDS: tuple[str, ...] = ("none", "odd")
+VALUE_GATE_CHANNELS = 32
+"""The value-embedding gate reads the first 32 channels of the block's normed input (Parcae)."""
 
 
 @dataclass
@@ -80,10 +86,24 @@ class ModelConfig:
     """Standard deviation of the noise initial state; 0 = 1/sqrt(d_model)."""
     exit_gate: bool = False
     """An exit gate Linear(d, 1) on each recurrence's state (Ouro's learned exit, design §14)."""
+    ffn_act: FfnAct = "swiglu"
+    """Feed-forward of every block: swiglu (w2(silu(w1 n) * w3 n)) or relu2 (w2(relu(w1 n)^2), Parcae)."""
+    qk_norm: bool = False
+    """Gain-free RMSNorm of every query and key head after RoPE (eps = fp32 machine eps, Parcae)."""
+    value_embeds: ValueEmbeds = "none"
+    """Value embeddings (Parcae): "odd" gives the odd-indexed blocks (1, 3, ...) of each of prelude, core and
+    coda a token table E_v [V, n_kv_heads*head_dim] and a gate Linear(32, n_kv_heads); the block's values
+    become v + 2 sigmoid(gate(n[..., :32])) * E_v[token] (core tables shared by every recurrence)."""
+    coda_proj: bool = False
+    """A bias-free d x d map C applied to the endpoint before the coda (after `post_loop_norm`; Parcae's C)."""
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def has_value_embed(self, index: int) -> bool:
+        """Whether block `index` of its stack (prelude, core or coda) has a value embedding."""
+        return self.value_embeds == "odd" and index % 2 == 1
 
     def validate(self) -> None:
         """Raise ValueError with a one-line reason when the shape is inconsistent."""
@@ -109,6 +129,12 @@ class ModelConfig:
             raise ValueError(f"state_std must be >= 0 (0 = 1/sqrt(d_model)), got {self.state_std}")
         if self.injection == "none" and self.state_init != "input":
             raise ValueError("injection 'none' needs state_init='input' (otherwise the input never enters the recurrence)")
+        for name, allowed in (("ffn_act", FFN_ACTS), ("value_embeds", VALUE_EMBEDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.value_embeds != "none" and self.d_model < VALUE_GATE_CHANNELS:
+            raise ValueError(f"value_embeds needs d_model >= {VALUE_GATE_CHANNELS} (its gate reads 32 channels), "
+                             f"got {self.d_model}")
         if self.post_loop_norm and not self.head_norm:
             raise ValueError("post_loop_norm reuses the head's final norm, so it needs head_norm=True")
 

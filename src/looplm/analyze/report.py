@@ -235,7 +235,7 @@ def format_summary(report: dict) -> str:
              f"{c['intervals'][0]['end'] - c['intervals'][0]['start']}-position interval: "
              + ", ".join(f"{b['start']}: {_fmt(b['median_depth'])}" for b in c["intervals"][:6])
              + (" ..." if len(c["intervals"]) > 6 else ""),
-             f"  relative change (median) at r = 1, 5, 16, H: "
+             "  relative change (median) at r = 1, 5, 16, H: "
              + ", ".join(_fmt(c["change"]["median"][r - 1]) for r in (1, 5, 16, c["horizon"]) if r <= c["horizon"])]
     if report["kv_settling"]:
         rows = report["kv_settling"]

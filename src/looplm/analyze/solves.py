@@ -151,7 +151,9 @@ def slice_context(ctx: Context, lo: int, hi: int, mask_keys: int | None = None) 
     else:
         mask = ctx.mask[:, :, lo:hi, :mask_keys]
     offsets = None if ctx.qkv_offsets is None else [tuple(o[:, lo:hi] for o in layer) for layer in ctx.qkv_offsets]
-    return Context(rope, mask, ctx.injected[:, lo:hi], offsets)
+    core = None if ctx.core_values is None else [None if v is None else v[:, lo:hi] for v in ctx.core_values]
+    coda = None if ctx.coda_values is None else [None if v is None else v[:, lo:hi] for v in ctx.coda_values]
+    return Context(rope, mask, ctx.injected[:, lo:hi], offsets, core, coda)
 
 
 def frozen_prefix_step(model, begin: Start, prefix_kv: list) -> Step:
@@ -219,9 +221,9 @@ def span_solves(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = N
         rope, mask = begin.ctx.rope, begin.ctx.mask
 
         def predict(prefix_state, current_state):
-            return model.run_coda(torch.cat([prefix_state, current_state], dim=1), rope, mask)[:, -1]
+            return model.run_coda(torch.cat([prefix_state, current_state], dim=1), rope, mask, begin.ctx)[:, -1]
 
-        p_joint = model.run_coda(joint.state, rope, mask)[:, -1]
+        p_joint = model.run_coda(joint.state, rope, mask, begin.ctx)[:, -1]
         p_frozen, p_control = predict(prefix.state, frozen.state), predict(s, control.state)
     cur = joint.state[:, c]
     return {

@@ -108,12 +108,14 @@ def load_tensors(src: Path, weight_map: dict[str, str]) -> dict[str, torch.Tenso
 
 
 def read_checked(src: Path, expected: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]] | None = None,
-                 *, family: str) -> dict[str, torch.Tensor]:
+                 *, family: str, ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The folder's tensors as float32, after checking that the names are exactly `expected` (plus
-    any of `optional`) and that every shape is the one the config implies."""
+    any of `optional`) and that every shape is the one the config implies; tensors named in `ignore`
+    (derived buffers such as RoPE tables) are read past and dropped."""
     optional = optional or {}
     weight_map = shard_map(src)
-    unknown = sorted(set(weight_map) - set(expected) - set(optional))
+    dropped = set(weight_map) & set(ignore)
+    unknown = sorted(set(weight_map) - set(expected) - set(optional) - dropped)
     missing = sorted(set(expected) - set(weight_map))
     if unknown:
         raise refuse(f"{src}: unknown tensor {unknown[0]} ({len(unknown)} unknown): not a {family} model of this config")
@@ -122,7 +124,7 @@ def read_checked(src: Path, expected: dict[str, tuple[int, ...]], optional: dict
     missing_shards = sorted(s for s in set(weight_map.values()) if not (src / s).is_file())
     if missing_shards:
         raise refuse(f"{src}: shard {missing_shards[0]} named in {INDEX} is missing")
-    state = load_tensors(src, weight_map)
+    state = {k: t for k, t in load_tensors(src, weight_map).items() if k not in dropped}
     for key, t in state.items():
         shape = expected.get(key, optional.get(key))
         if tuple(t.shape) != shape:

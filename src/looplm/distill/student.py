@@ -18,6 +18,7 @@ from torch import nn
 from looplm.config import ModelConfig
 from looplm.model.blocks import Block, RMSNorm
 from looplm.model.injection import Additive, ParcaeDiagonal
+from looplm.model.looped import value_kw
 
 StudentInit = Literal["teacher", "random"]
 
@@ -34,7 +35,8 @@ class EndpointStudent(nn.Module):
         self.cfg, self.n_blocks = cfg, n_blocks
         self.input_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if input_norm else None
         self.in_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_blocks))
+        # block i is shaped like core block i mod n_core (with its value-embedding gate, if any)
+        self.blocks = nn.ModuleList(Block(cfg, cfg.has_value_embed(i % cfg.n_core)) for i in range(n_blocks))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -45,11 +47,17 @@ class EndpointStudent(nn.Module):
         if self.input_norm is not None:
             nn.init.ones_(self.input_norm.weight)
 
-    def forward(self, e: torch.Tensor, rope, mask) -> torch.Tensor:
-        """Predicted endpoint [B, L, d] from the prelude output e [B, L, d] (same rope and mask as the teacher)."""
+    def forward(self, e: torch.Tensor, rope, mask, values: list | None = None) -> torch.Tensor:
+        """Predicted endpoint [B, L, d] from the prelude output e [B, L, d] (same rope and mask as the teacher).
+
+        `values`: the teacher's per-core-layer value embeddings (`Context.core_values`); block i reads
+        entry i mod n_core. Required for a teacher with value embeddings (cfg.value_embeds)."""
+        if self.cfg.value_embeds != "none" and values is None:
+            raise ValueError("this student's teacher has value embeddings: pass values=the teacher's "
+                             "Context.core_values")
         x = self.in_proj(self.input_norm(e) if self.input_norm is not None else e)
-        for block in self.blocks:
-            x = block(x, rope, mask)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, mask, **(value_kw(values, i % len(values)) if values else {}))
         return x
 
     def arch(self) -> dict:

@@ -58,17 +58,17 @@ def teacher_targets(teacher, batch: Batch, depth: int) -> Targets:
     rope = rope_tables(batch.positions, teacher.cfg.head_dim, teacher.cfg.rope_base)
     mask = causal_document_mask(batch.doc_ids)
     e = teacher.run_prelude(batch.inputs, rope, mask)
-    ctx = teacher.context(e, rope, mask)
+    ctx = teacher.context(e, rope, mask, batch.inputs)
     s = teacher.initial_state(e, "seeded", example_ids=batch.example_ids, positions=batch.positions)
     for _ in range(depth):
         s = teacher.recurrence(s, ctx)
-    return Targets(e, s, teacher.run_coda(s, rope, mask), rope, mask, ctx)
+    return Targets(e, s, teacher.run_coda(s, rope, mask, ctx), rope, mask, ctx)
 
 
 def distill_loss(teacher, z_hat: torch.Tensor, t: Targets, energy: float, kl_weight: float):
     """(loss, normalized MSE, KL) averaged over every token of the microbatch (design §9)."""
     mse = (z_hat.float() - t.endpoint.float()).pow(2).mean() / energy
-    log_p_s = teacher.run_coda(z_hat, t.rope, t.mask).log_softmax(-1).flatten(0, 1)
+    log_p_s = teacher.run_coda(z_hat, t.rope, t.mask, t.ctx).log_softmax(-1).flatten(0, 1)
     log_p_t = t.logits.log_softmax(-1).flatten(0, 1)
     kl = F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean")  # sum_v p_T (ln p_T - ln p_S), token mean
     return mse + kl_weight * kl, mse, kl
@@ -186,7 +186,7 @@ class DistillTrainer:
         rows = batch_indices(len(self.train_data), self.step, 0, cfg.micro_batch, 1, cfg.seed)
         mine = rows[env.rank * b:(env.rank + 1) * b]  # this rank's slice of the global batch
         t = teacher_targets(self.teacher, self._batch(self.train_data, mine), cfg.depth)
-        z_hat = self.student(t.prelude, t.rope, t.mask)
+        z_hat = self.student(t.prelude, t.rope, t.mask, values=t.ctx.core_values)
         loss, mse, kl = distill_loss(self.teacher, z_hat, t, self.energy, cfg.kl_weight)
         # Every term is a mean over this rank's tokens (the MSE over tokens x d). Weighting each rank's
         # mean by its share of the global tokens, times world_size because the gradients are averaged
@@ -217,7 +217,7 @@ class DistillTrainer:
         for start in range(0, len(rows), self.local_batch):
             t = teacher_targets(self.teacher, self._batch(self.val_data, rows[start:start + self.local_batch]),
                                 self.cfg.depth)
-            z_hat = self.student(t.prelude, t.rope, t.mask)
+            z_hat = self.student(t.prelude, t.rope, t.mask, values=t.ctx.core_values)
             k = t.endpoint.shape[0] * t.endpoint.shape[1]
             for name, v in zip(("loss", "mse_norm", "kl"), distill_loss(self.teacher, z_hat, t, self.energy, self.cfg.kl_weight)):
                 sums[name] += v.item() * k

@@ -56,6 +56,10 @@ class LoopedLMConfig(PretrainedConfig):
     state_init: str = "normal"
     state_std: float = 0.0
     exit_gate: bool = False
+    ffn_act: str = "swiglu"
+    qk_norm: bool = False
+    value_embeds: str = "none"
+    coda_proj: bool = False
     # -- test time --
     num_steps: int = 5
     prefill_steps: int | None = None

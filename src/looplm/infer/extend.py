@@ -13,6 +13,7 @@ import torch
 from looplm.infer.cache import KVCache
 from looplm.model.blocks import rope_tables
 from looplm.model.exit_gate import exit_distribution, select_depth, threshold_exit
+from looplm.model.looped import value_kw
 
 
 def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
@@ -102,11 +103,13 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
     rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
 
     x = model.embed(tokens)
-    for block, bank in zip(model.prelude, cache.prelude):
-        x = block(x, rope, mask, kv_buffer=bank.buffer(c))
-    ctx = model.context(x, rope, mask)
+    rows = model.value_rows("prelude", tokens)  # value embeddings (None for a model without them)
+    for i, (block, bank) in enumerate(zip(model.prelude, cache.prelude)):
+        x = block(x, rope, mask, kv_buffer=bank.buffer(c), **value_kw(rows, i))
+    ctx = model.context(x, rope, mask, tokens)
     if initial is not None:
-        s = initial(x, rope, mask)
+        # a student of a value-embedding teacher reads the core's value embeddings too
+        s = initial(x, rope, mask) if ctx.core_values is None else initial(x, rope, mask, values=ctx.core_values)
     else:
         s = model.initial_state(x, "seeded", positions=positions, example_ids=example_ids, seed=seed)
     adaptive = exit_tau is not None
@@ -130,7 +133,8 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
         s = model.injection(s, ctx.injected)
         for j, block in enumerate(model.core):
             offsets = ctx.qkv_offsets[j] if ctx.qkv_offsets else None
-            s, kv = block(s, rope, mask, offsets, kv_buffer=cache.core_read(r, j).buffer(c), return_kv=True)
+            s, kv = block(s, rope, mask, offsets, kv_buffer=cache.core_read(r, j).buffer(c), return_kv=True,
+                          **value_kw(ctx.core_values, j))
             keep = active[:, None, :, None]  # [B, 1, n, 1] against K/V [B, H, n, hd]
             kept[j] = kv if kept[j] is None or not frozen else tuple(
                 torch.where(keep, a, b) for a, b in zip(kv, kept[j]))
@@ -153,9 +157,10 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
         index = threshold_exit(exit_distribution([model.exit_gate(v) for v in visited]), exit_gate)
         s, used = select_depth(torch.stack(visited, 2), index), index + 1
     endpoint = s
+    values = model.coda_values(ctx)
     s = model.coda_input(s)
-    for block, bank in zip(model.coda, cache.coda):
-        s = block(s, rope, mask, kv_buffer=bank.buffer(c))
+    for i, (block, bank) in enumerate(zip(model.coda, cache.coda)):
+        s = block(s, rope, mask, kv_buffer=bank.buffer(c), **value_kw(values, i))
     cache.length = c + n
     logits = model.logits(s)
     out = (logits,) + ((used,) if return_depths else ()) + ((endpoint,) if return_endpoint else ())

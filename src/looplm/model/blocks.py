@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from looplm.config import ModelConfig
+from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
 
 AttentionKernel = Literal["sdpa", "flex"]
 """How document masks are applied: a boolean mask through SDPA (any device; on CUDA it leaves the
@@ -65,6 +65,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def _head_norm(x: torch.Tensor) -> torch.Tensor:
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)).type_as(x)
+
+
 def _trunc_normal_(w: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
 
@@ -77,9 +82,10 @@ class Attention(nn.Module):
     None for plain causal attention.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qk_norm = cfg.qk_norm
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -87,6 +93,8 @@ class Attention(nn.Module):
         # design §14: a learned q/k bias added before RoPE (Huginn's qk_bias), zero at init
         self.q_bias = nn.Parameter(torch.zeros(cfg.n_heads * cfg.head_dim)) if cfg.qk_bias else None
         self.k_bias = nn.Parameter(torch.zeros(cfg.n_kv_heads * cfg.head_dim)) if cfg.qk_bias else None
+        # design §14: value embeddings (Parcae): v += 2 sigmoid(gate(x[..., :32])) * E_v[token] per kv head
+        self.ve_gate = nn.Linear(VALUE_GATE_CHANNELS, cfg.n_kv_heads, bias=False) if value_embed else None
 
     def forward(
         self,
@@ -96,6 +104,8 @@ class Attention(nn.Module):
         qkv_offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         kv_buffer: tuple[torch.Tensor, torch.Tensor, int] | None = None,
         return_kv: bool = False,
+        *,
+        value_embed: torch.Tensor | None = None,
     ):
         """Attend from x [B, n, d] to itself, or with `kv_buffer` = (K, V, c) (preallocated
         [B, H_kv, max_len, hd] buffers holding c earlier tokens' K after RoPE and V) to those c
@@ -103,9 +113,18 @@ class Attention(nn.Module):
         the buffer views [0, c + n), so nothing is concatenated. With a buffer, `mask`
         [B or 1, 1, n, c + n] must be given. `c` may also be a LongTensor [B] of per-row lengths
         for a one-token chunk (n = 1): row b writes at c_b and attends to the whole buffer through
-        `mask` [B, 1, 1, S]. `return_kv` also returns this chunk's (K, V)."""
+        `mask` [B, 1, 1, S]. `return_kv` also returns this chunk's (K, V). `value_embed` [B, n,
+        H_kv*hd] is this chunk's value-embedding rows E_v[tokens] (required iff the layer has a gate)."""
         B, L, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.ve_gate is not None:
+            if value_embed is None:
+                raise ValueError("this attention layer has a value embedding: pass value_embed=E_v[tokens] "
+                                 "(the model's Context carries them; see LoopedLM.value_rows)")
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # [B, n, H_kv]
+            v = v + (gate[..., None] * value_embed.view(B, L, self.n_kv_heads, self.head_dim)).flatten(-2).to(v.dtype)
+        elif value_embed is not None:
+            raise ValueError("value_embed given to an attention layer without a value-embedding gate")
         if qkv_offsets is not None:
             dq, dk, dv = qkv_offsets
             q, k, v = q + dq, k + dk, v + dv
@@ -116,6 +135,8 @@ class Attention(nn.Module):
         v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_norm:  # gain-free RMSNorm per head after RoPE (Parcae), eps = fp32 machine eps
+            q, k = _head_norm(q), _head_norm(k)
         k_all, v_all = k, v
         if kv_buffer is not None:
             k_buf, v_buf, c = kv_buffer
@@ -156,6 +177,18 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class ReLU2(nn.Module):
+    """out = w2(relu(w1 x)^2) (design §14, Parcae's ReLU^2 MLP; its factor 1/2 is folded into w2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)).square())
+
+
 class Block(nn.Module):
     """h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)) (design §1).
 
@@ -163,12 +196,12 @@ class Block(nn.Module):
     the residual sum, h = n2(x + Attn(n1 x)), out = n4(h + FFN(n3 h)) (Huginn); "branch"
     normalises the sublayer output, h = x + n2(Attn(n1 x)), out = h + n4(FFN(n3 h)) (Ouro)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, value_embed)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = ReLU2(cfg) if cfg.ffn_act == "relu2" else SwiGLU(cfg)
         self.norm_sum = cfg.block_norm == "sandwich"
         second = cfg.block_norm != "pre"
         self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
@@ -180,16 +213,23 @@ class Block(nn.Module):
             return x + y
         return norm(x + y) if self.norm_sum else x + norm(y)
 
-    def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False):
-        a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, kv_buffer, return_kv)
+    @property
+    def has_value_embed(self) -> bool:
+        return self.attn.ve_gate is not None
+
+    def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False, *, value_embed=None):
+        a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, kv_buffer, return_kv, value_embed=value_embed)
         a, kv = a if return_kv else (a, None)
         h = self._residual(x, a, self.attn_out_norm)
         out = self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
         return (out, kv) if return_kv else out
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for lin in (self.attn.wq, self.attn.wk, self.attn.wv, self.attn.wo, self.ffn.w1, self.ffn.w2, self.ffn.w3):
+        ffn = [getattr(self.ffn, name) for name in ("w1", "w2", "w3") if hasattr(self.ffn, name)]  # w3: swiglu only
+        for lin in (self.attn.wq, self.attn.wk, self.attn.wv, self.attn.wo, *ffn):
             _trunc_normal_(lin.weight, std)
+        if self.attn.ve_gate is not None:
+            nn.init.zeros_(self.attn.ve_gate.weight)  # gate 2 sigmoid(0) = 1
 
 
 def causal_document_mask(doc_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -29,6 +29,12 @@ class LoopOutput:
     """Per-recurrence states s^1..s^R (after the exit norm), when `return_states=True`."""
 
 
+def value_kw(rows: list | None, i: int) -> dict:
+    """`value_embed=rows[i]` for block i when it has value-embedding rows, else no keyword (so blocks
+    and stand-ins without value embeddings are called exactly as before)."""
+    return {} if rows is None or rows[i] is None else {"value_embed": rows[i]}
+
+
 @dataclass
 class Context:
     """Per-forward quantities every recurrence shares (computed once)."""
@@ -37,6 +43,8 @@ class Context:
     mask: torch.Tensor | None
     injected: torch.Tensor  # q: the injection's prepared input
     qkv_offsets: list | None  # DEQ-QKV per-core-layer offsets
+    core_values: list | None = None  # value embeddings E_v[tokens] per core layer (None: the layer has none)
+    coda_values: list | None = None  # the same per coda block
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -73,10 +81,19 @@ class LoopedLM(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = ScaledEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
-        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        self.prelude = nn.ModuleList(Block(cfg, cfg.has_value_embed(i)) for i in range(cfg.n_prelude))
         self.injection = build_injection(cfg)
-        self.core = nn.ModuleList(Block(cfg) for _ in range(cfg.n_core))
-        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.core = nn.ModuleList(Block(cfg, cfg.has_value_embed(i)) for i in range(cfg.n_core))
+        self.coda = nn.ModuleList(Block(cfg, cfg.has_value_embed(i)) for i in range(cfg.n_coda))
+        # design §14: value-embedding tables E_v [V, H_kv*hd] of the blocks that have a gate (Parcae)
+        self.value_embeds = None
+        if cfg.value_embeds != "none":
+            kv_dim = cfg.n_kv_heads * cfg.head_dim
+            self.value_embeds = nn.ModuleDict({
+                stack: nn.ModuleDict({str(i): nn.Embedding(cfg.vocab_size, kv_dim) for i in range(n)
+                                      if cfg.has_value_embed(i)})
+                for stack, n in (("prelude", cfg.n_prelude), ("core", cfg.n_core), ("coda", cfg.n_coda))})
+        self.coda_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False) if cfg.coda_proj else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.head_norm else nn.Identity()
         self.head = TiedHead(self.embed) if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate else None
@@ -89,6 +106,13 @@ class LoopedLM(nn.Module):
         if not self.cfg.tie_embeddings:
             nn.init.trunc_normal_(self.head.weight, std=0.02, a=-0.06, b=0.06)
         self.injection.reset_parameters()
+        if self.value_embeds is not None:
+            for tables in self.value_embeds.values():
+                for table in tables.values():
+                    init_embedding_(table.weight)
+        if self.coda_proj is not None:
+            with torch.no_grad():
+                self.coda_proj.weight.copy_(torch.eye(self.cfg.d_model))
         if self.exit_gate is not None:
             self.exit_gate.reset_parameters()
 
@@ -101,10 +125,22 @@ class LoopedLM(nn.Module):
         if not 1 <= depth <= self.cfg.max_depth:
             raise ValueError(f"depth must be in 1..{self.cfg.max_depth}, got {depth}")
 
+    def value_rows(self, stack: str, tokens: torch.Tensor | None) -> list | None:
+        """Value embeddings of `stack` ("prelude", "core" or "coda") for `tokens` [B, L]: per block,
+        E_v[tokens] [B, L, H_kv*hd] or None (no table); None for a model without value embeddings.
+        Computed once per forward and handed to the blocks (`Context.core_values`/`coda_values`)."""
+        if self.value_embeds is None:
+            return None
+        if tokens is None:
+            raise ValueError("this model has value embeddings (cfg.value_embeds): its forward needs the token ids")
+        tables = self.value_embeds[stack]
+        return [tables[str(i)](tokens) if str(i) in tables else None for i in range(len(getattr(self, stack)))]
+
     def run_prelude(self, tokens, rope, mask) -> torch.Tensor:
         x = self.embed(tokens)
-        for block in self.prelude:
-            x = block(x, rope, mask)
+        rows = self.value_rows("prelude", tokens)
+        for i, block in enumerate(self.prelude):
+            x = block(x, rope, mask, **value_kw(rows, i))
         return x
 
     def recurrence(self, s: torch.Tensor, ctx: Context, *, return_kv: bool = False, kv_buffers: list | None = None):
@@ -117,7 +153,8 @@ class LoopedLM(nn.Module):
         kvs = []
         for i, block in enumerate(self.core):
             out = block(s, ctx.rope, ctx.mask, ctx.qkv_offsets[i] if ctx.qkv_offsets else None,
-                        kv_buffers[i] if kv_buffers else None, return_kv)
+                        kv_buffers[i] if kv_buffers else None, return_kv,
+                        **value_kw(ctx.core_values, i))
             s, kv = out if return_kv else (out, None)
             kvs.append(kv)
         s = self.injection.exit(s)
@@ -125,18 +162,31 @@ class LoopedLM(nn.Module):
 
     def coda_input(self, z: torch.Tensor) -> torch.Tensor:
         """What the coda reads from the endpoint z^R: z itself, or the head's final norm of it once
-        (`cfg.post_loop_norm`, Huginn's ln_f, design §14)."""
-        return self.norm(z) if self.cfg.post_loop_norm else z
+        (`cfg.post_loop_norm`, Huginn's ln_f, design §14), then the map C (`cfg.coda_proj`, Parcae)."""
+        z = self.norm(z) if self.cfg.post_loop_norm else z
+        return self.coda_proj(z) if self.coda_proj is not None else z
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the coda output h: the head after its final norm (if `cfg.head_norm`)."""
         return self.head(self.norm(h)).float()
 
-    def run_coda(self, z: torch.Tensor, rope, mask) -> torch.Tensor:
+    def run_coda(self, z: torch.Tensor, rope, mask, ctx: Context | None = None) -> torch.Tensor:
+        """Logits of the endpoint z; `ctx` (the forward's Context) carries the coda's value embeddings
+        and is required for a model that has them."""
+        values = self.coda_values(ctx)
         z = self.coda_input(z)
-        for block in self.coda:
-            z = block(z, rope, mask)
+        for i, block in enumerate(self.coda):
+            z = block(z, rope, mask, **value_kw(values, i))
         return self.logits(z)
+
+    def coda_values(self, ctx: Context | None) -> list | None:
+        """The coda's value embeddings from `ctx`; ValueError when the model has them and ctx lacks them."""
+        if self.value_embeds is None:
+            return None
+        if ctx is None or ctx.coda_values is None:
+            raise ValueError("this model has value embeddings: run_coda needs the forward's Context "
+                             "(ctx=..., built by LoopedLM.context with the tokens)")
+        return ctx.coda_values
 
     def initial_state(
         self,
@@ -159,8 +209,11 @@ class LoopedLM(nn.Module):
             truncate=self.cfg.state_init == "trunc-normal",
         )
 
-    def context(self, e: torch.Tensor, rope, mask) -> Context:
-        return Context(rope, mask, self.injection.prepare(e), self.injection.qkv_offsets(e))
+    def context(self, e: torch.Tensor, rope, mask, tokens: torch.Tensor | None = None) -> Context:
+        """The recurrences' shared quantities for prelude output e; `tokens` [B, L] (required for a model
+        with value embeddings) give the core's and coda's value-embedding rows."""
+        return Context(rope, mask, self.injection.prepare(e), self.injection.qkv_offsets(e),
+                       self.value_rows("core", tokens), self.value_rows("coda", tokens))
 
     # -- the native parallel forward -----------------------------------------------------------
     def forward(
@@ -200,7 +253,7 @@ class LoopedLM(nn.Module):
                 s = self.recurrence(s, ctx)
             if states is not None:
                 states.append(s)
-        logits = self.run_coda(s, ctx.rope, ctx.mask) if compute_logits else None
+        logits = self.run_coda(s, ctx.rope, ctx.mask, ctx) if compute_logits else None
         return LoopOutput(logits=logits, endpoint=s, states=states)
 
     def begin(
@@ -228,9 +281,9 @@ class LoopedLM(nn.Module):
             s = self.initial_state(e, init, positions=positions, example_ids=example_ids, seed=seed,
                                    generator=generator)
             if self.cfg.state_init == "input":
-                return self.context(e, rope, mask), s  # s0 = e keeps its gradient (the embedding learns)
+                return self.context(e, rope, mask, tokens), s  # s0 = e keeps its gradient (the embedding learns)
             state0 = s
-        return self.context(e, rope, mask), state0.detach().to(e.dtype)
+        return self.context(e, rope, mask, tokens), state0.detach().to(e.dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -62,7 +62,7 @@ def _recurrence_inputs(model, tokens: torch.Tensor):
     B, L = tokens.shape
     positions = torch.arange(L, device=tokens.device).expand(B, L)
     rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
-    return rope, model.context(model.run_prelude(tokens, rope, None), rope, None)
+    return rope, model.context(model.run_prelude(tokens, rope, None), rope, None, tokens)
 
 
 def endpoint_backward(model, tokens: torch.Tensor, endpoint: torch.Tensor, objective: Objective,
@@ -71,7 +71,7 @@ def endpoint_backward(model, tokens: torch.Tensor, endpoint: torch.Tensor, objec
     (causal rows starting at position 0). Returns {"loss", "residual"}: residual is the mean
     relative change |F(z) - z| / |z| over the tokens, a distance from the fixed point."""
     rope, ctx = _recurrence_inputs(model, tokens)
-    loss, z_bar = neumann_backward(lambda z: model.recurrence(z, ctx), lambda z: objective(model.run_coda(z, rope, None)),
+    loss, z_bar = neumann_backward(lambda z: model.recurrence(z, ctx), lambda z: objective(model.run_coda(z, rope, None, ctx)),
                                    endpoint, steps)
     norm = endpoint.float().norm(dim=-1)
     real = norm > 0
@@ -98,7 +98,7 @@ def endpoint_logits(model, tokens: torch.Tensor, endpoint: torch.Tensor) -> torc
     """coda(F(z)) without autograd: the fp32 logits [N, L, V] the one-recurrence update scores at the
     endpoints z [N, L, d] of `tokens` (the same operations as `endpoint_backward`'s forward)."""
     rope, ctx = _recurrence_inputs(model, tokens)
-    return model.run_coda(model.recurrence(endpoint, ctx), rope, None)
+    return model.run_coda(model.recurrence(endpoint, ctx), rope, None, ctx)
 
 
 @torch.no_grad()

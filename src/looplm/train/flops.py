@@ -14,7 +14,8 @@ def _units(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     norm_u = 4 * d
-    layer_u = norm_u + 2 * d * hd * (H + Hkv) + H * hd * seq_len + 3 * d * F
+    ffn_mats = 2 if cfg.ffn_act == "relu2" else 3  # relu2: w1, w2; swiglu: w1, w3, w2
+    layer_u = norm_u + 2 * d * hd * (H + Hkv) + H * hd * seq_len + ffn_mats * d * F
     if cfg.injection in ("parcae-decay", "parcae-nonorm"):
         inj_u = d * d + 6 * d
     elif cfg.injection == "ortho":
@@ -26,6 +27,8 @@ def _units(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     else:
         inj_u = d
     static_u = (d + V + d * V) + norm_u + (cfg.n_prelude + cfg.n_coda) * layer_u
+    if cfg.coda_proj:
+        static_u += d * d
     if cfg.injection == "deq-qkv":
         static_u += cfg.n_core * d * hd * (H + 2 * Hkv)
     return static_u, layer_u, inj_u
