@@ -181,6 +181,11 @@ def _usage(prompt_tokens: int, finishes: Sequence[Finish]) -> dict:
             "total_tokens": prompt_tokens + completion, "mean_decode_depth": round(depth, 4)}
 
 
+def _envelope(rid: str, name: str, kind: str) -> dict:
+    """The fields every OpenAI response body and stream chunk starts with."""
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": name}
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -285,7 +290,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
 
         def chunk(index: int, text: str, finish: str | None, tokens: list[Token], offset: int) -> dict:
             lp = lp_block(tokens, offset) if body.logprobs is not None else None
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+            return {**_envelope(rid, name, "text_completion"),
                     "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if body.stream:
@@ -304,8 +309,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                 return out
 
             def usage_chunk(finishes: list[Finish]) -> dict:
-                return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                        "choices": [], "usage": _usage(n_prompt, finishes)}
+                return {**_envelope(rid, name, "text_completion"), "choices": [], "usage": _usage(n_prompt, finishes)}
 
             events = _sse_events(choices, http, start_choice, token_chunk,
                                  lambda i, ev: chunk(i, ev.tail, ev.reason, [], offsets[i]),
@@ -321,7 +325,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             head = prefix[i // body.n]
             c = chunk(i, head + finishes[i].text, finishes[i].reason, tokens.get(i, []), len(head))["choices"][0]
             out.append(c)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+        return {**_envelope(rid, name, "text_completion"),
                 "choices": out, "usage": _usage(n_prompt, list(finishes.values()))}
 
     @app.post("/v1/chat/completions")
@@ -347,13 +351,13 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                                  "top_logprobs": [entry(i, lp) for i, lp in (t.top_logprobs or [])]} for t in tokens]}
 
         def chunk(index: int, delta: dict, finish: str | None, tokens: list[Token]) -> dict:
-            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
+            return {**_envelope(rid, name, "chat.completion.chunk"),
                     "choices": [{"index": index, "delta": delta, "logprobs": lp_content(tokens),
                                  "finish_reason": finish}]}
 
         if body.stream:
             def usage_chunk(finishes: list[Finish]) -> dict:
-                return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
+                return {**_envelope(rid, name, "chat.completion.chunk"),
                         "choices": [], "usage": _usage(len(ids), finishes)}
 
             events = _sse_events(
@@ -370,7 +374,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         out = [{"index": i, "message": {"role": "assistant", "content": finishes[i].text},
                 "logprobs": lp_content(tokens.get(i, [])), "finish_reason": finishes[i].reason}
                for i in sorted(finishes)]
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
+        return {**_envelope(rid, name, "chat.completion"),
                 "choices": out, "usage": _usage(len(ids), list(finishes.values()))}
 
     return app
