@@ -88,9 +88,11 @@ class KVCache:
         """The bank core layer j reads at recurrence r (0-based)."""
         raise NotImplementedError
 
-    def keep_terminal(self, j: int, start, kv, used: torch.Tensor) -> None:
+    def keep_terminal(self, j: int, start, kv, used: torch.Tensor, early: bool) -> None:
         """After a chunk: core layer j's terminal K/V `kv` (each token's last recurrence), `used` [B, n]
-        recurrences per token, go to every bank of layer j that a token's recurrences did not write."""
+        recurrences per token, go to every bank of layer j that a token's recurrences did not write.
+        `early`: some token may have stopped before the chunk's last recurrence (its later,
+        discarded recurrences then overwrote the banks it reads)."""
         raise NotImplementedError
 
     def view(self, rows: slice, max_len: int | None = None, length=None) -> "KVCache":
@@ -123,8 +125,9 @@ class TerminalCache(KVCache):
     def core_read(self, r, j):
         return self.core[j]  # design §7: every recurrence reads the terminal bank; the last one's K/V stay
 
-    def keep_terminal(self, j, start, kv, used):
-        self.core[j].write(start, kv)  # a token that stopped early: its exit recurrence's K/V, not later scratch
+    def keep_terminal(self, j, start, kv, used, early):
+        if early:  # a token that stopped early: its exit recurrence's K/V, not later scratch
+            self.core[j].write(start, kv)  # otherwise the last recurrence already left exactly `kv` here
 
 
 class FullCache(KVCache):
@@ -143,7 +146,7 @@ class FullCache(KVCache):
     def core_read(self, r, j):
         return self.core[min(r, self.depth - 1)][j]
 
-    def keep_terminal(self, j, start, kv, used):
+    def keep_terminal(self, j, start, kv, used, early):
         for v in range(int(used.min()), self.depth):  # visits a shallower token did not reach
             self.core[v][j].write(start, kv, keep=used <= v)
 

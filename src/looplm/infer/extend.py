@@ -152,7 +152,7 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
             if not active.any():
                 break
     for j, kv in enumerate(kept):
-        cache.keep_terminal(j, c, kv, used)
+        cache.keep_terminal(j, c, kv, used, early=frozen)
     if gated:  # the gate's exit: each token's state at its exit recurrence enters the coda
         index = threshold_exit(exit_distribution([model.exit_gate(v) for v in visited]), exit_gate)
         s, used = select_depth(torch.stack(visited, 2), index), index + 1
