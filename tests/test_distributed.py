@@ -38,6 +38,7 @@ RANK_SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
 
+    import looplm
     from looplm.train import distributed as D
     from looplm.train.config import job_from_dict
     from looplm.train.trainer import Trainer
@@ -78,7 +79,10 @@ RANK_SCRIPT = textwrap.dedent("""
 
         trainer.train_step = recording_step
         summary = trainer.fit()
-        looplm_calls = [c for c in calls if "looplm" in c["caller"]]
+        # looplm's own calls: made from the package's real location (a clone or venv in a folder named
+        # "looplm" also holds torch's FSDP internals, so a substring test would count them)
+        package = os.path.dirname(os.path.abspath(looplm.__file__)) + os.sep
+        looplm_calls = [c for c in calls if os.path.abspath(c["caller"]).startswith(package)]
         with open(os.path.join(reports, f"{job.train.parallel}-rank{env.rank}.json"), "w") as f:
             json.dump({"depths": drawn, "step": summary["step"], "world_size": env.world_size,
                        "wrapped": type(trainer.wrapped).__name__, "prior": trainer.sampler.state_dict(),

@@ -132,7 +132,7 @@ def runs(source, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
-def test_two_ranks_match_one_process(runs, name):
+def test_two_ranks_match_one_process(runs, source, name):
     root, single, ranks, stdout = runs
     reports = ranks[name]
     assert all(r["rc"] == 0 and r["env"] == [[2, True]] and r["shutdowns"] == [True] for r in reports.values())
@@ -161,11 +161,20 @@ def test_two_ranks_match_one_process(runs, name):
     assert reports[0]["writes"] == [STEPS] and reports[1]["writes"] == []
     assert sorted(p.name for p in (root / f"ranks-{name}" / "checkpoints").iterdir()) == ["latest", f"step_{STEPS:07d}"]
     assert stdout.count(f"{STEPS} RL steps ({name})") == 1
+    # the weights are one process's up to reduction order: 2 ranks sum the gradients in another order
+    # than one process, and Adam divides by sqrt(v), so an entry whose gradient is near zero can move
+    # by up to lr per step either way. The tolerance is therefore relative to what the run changed:
+    # each tensor's update (final - initial) agrees in norm to 1%, while a wrong gradient scale or a
+    # missed reduction moves whole updates (a 2x gradient error changes Adam's update little, which
+    # the reduced grad_norm above catches).
     a = ckpt.load_tensors(ckpt.resolve(root / f"single-{name}"), "model.safetensors")
     b = ckpt.load_tensors(ckpt.resolve(root / f"ranks-{name}"), "model.safetensors")
-    assert a.keys() == b.keys()
+    init = ckpt.load_tensors(ckpt.resolve(source), "model.safetensors")
+    assert a.keys() == b.keys() == init.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
+        update = (a[k] - init[k]).norm()
+        assert update > 0 or k.endswith("ve_gate.weight"), f"{k}: the run did not change it"
+        assert (b[k] - a[k]).norm() <= 1e-2 * update + 1e-7, (k, float((b[k] - a[k]).norm()), float(update))
 
 
 def test_prompts_must_split_over_the_ranks(source, tmp_path):
