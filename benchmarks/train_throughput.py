@@ -326,7 +326,7 @@ class Arm:
 def make_trainer(model_cfg, micro_batch: int, precision: str, depth: int, bptt_window, workdir: Path, tag: str):
     """A real `Trainer` on the built-in task generator (byte tokenizer), fixed depth, no
     checkpoints, evals, TensorBoard or progress bar."""
-    from looplm.depth.samplers import DepthConfig
+    from looplm.depth.config import DepthConfig
     from looplm.train.config import job_preset
     from looplm.train.trainer import Trainer
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import numpy as np
 
-from looplm.depth.config import DepthConfig
 from looplm.depth.pln import pln_pmf, pmf_mean
 
 
@@ -86,25 +85,3 @@ class UniformDepth(DepthSampler):
 
     def pmf(self):
         return self._pmf
-
-
-def build_sampler(cfg: DepthConfig) -> DepthSampler:
-    if cfg.cap < 1:
-        raise ValueError(f"depth cap must be >= 1, got {cfg.cap}")
-    cfg.effective_bptt_window()  # validates an explicit window
-    if cfg.sampler == "fixed":
-        if cfg.depth != int(cfg.depth):
-            raise ValueError(f"fixed depth must be an integer, got {cfg.depth}")
-        return FixedDepth(int(cfg.depth), cfg.cap, cfg.seed)
-    if cfg.sampler == "pln":
-        return PLNDepth(cfg.depth, cfg.sigma, cfg.cap, cfg.seed)
-    if cfg.sampler == "uniform":
-        return UniformDepth(cfg.low, cfg.high, cfg.cap, cfg.seed)
-    if cfg.sampler == "learned":
-        from looplm.depth.learned import LearnedDepthPrior, initial_logits, logits_from_run
-
-        lc = cfg.learned
-        logits = (logits_from_run(lc.init_from) if lc.init_from is not None
-                  else initial_logits(lc.init, cfg.cap, cfg.depth, cfg.sigma, cfg.low, cfg.high))
-        return LearnedDepthPrior(logits, cfg.depth, lc, cfg.seed)
-    raise ValueError(f"unknown depth sampler {cfg.sampler!r}; choose fixed, pln, uniform or learned")

@@ -14,7 +14,7 @@ from typing import Literal
 
 from looplm.config import ModelConfig, model_preset
 from looplm.data.tasks import TaskConfig
-from looplm.depth.samplers import DepthConfig
+from looplm.depth.config import DepthConfig
 from looplm.eval.report import EvalConfig
 
 
