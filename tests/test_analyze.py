@@ -34,13 +34,11 @@ class ScaleCore(nn.Module):
         super().__init__()
         self.lam, self.h, self.hd = lam, n_kv_heads, head_dim
 
-    def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False):
-        out = self.lam * x
-        if not return_kv:
-            return out
-        B, L, _ = x.shape
-        kv = x.reshape(B, L, self.h, self.hd).transpose(1, 2)
-        return out, (kv, kv)
+    def forward(self, x, rope, mask, *, offsets=None, kv=None):
+        if kv is not None:
+            B, L, _ = x.shape
+            kv.update(*(x.reshape(B, L, self.h, self.hd).transpose(1, 2),) * 2)
+        return self.lam * x
 
 
 def scaled_model(make_cfg, lam: float, *, zero_input: bool = False) -> LoopedLM:

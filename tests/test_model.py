@@ -64,7 +64,7 @@ def reference_forward(model: LoopedLM, tokens: torch.Tensor, depth: int, window:
             s = s.detach()
         s = inj(s, q)
         for i, block in enumerate(model.core):
-            s = block(s, rope, None, offsets[i] if offsets is not None else None)
+            s = block(s, rope, None, offsets=offsets[i] if offsets is not None else None)
         s = inj.exit(s)
         states.append(s)
     z = s

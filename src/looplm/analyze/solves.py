@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from looplm.analyze.trajectory import Start, relative_change, start
+from looplm.model.kv import KVBank
 from looplm.model.looped import Context
 
 Step = Callable[[torch.Tensor], tuple[torch.Tensor, list]]
@@ -162,13 +163,13 @@ def frozen_prefix_step(model, begin: Start, prefix_kv: list) -> Step:
     L = begin.state0.shape[1]
     c = L - 1
     ctx = slice_context(begin.ctx, c, L, mask_keys=L)
-    buffers = []
+    slots = []
     for k, v in prefix_kv:
-        kb = k.new_zeros(k.shape[0], k.shape[1], L, k.shape[3])
-        vb = v.new_zeros(v.shape[0], v.shape[1], L, v.shape[3])
-        kb[:, :, :c], vb[:, :, :c] = k, v
-        buffers.append((kb, vb, c))  # attention writes the current token's K/V at c in place
-    return lambda s: model.recurrence(s, ctx, return_kv=True, kv_buffers=buffers)
+        bank = KVBank.of(k.new_zeros(k.shape[0], k.shape[1], L, k.shape[3]),
+                         v.new_zeros(v.shape[0], v.shape[1], L, v.shape[3]))
+        bank.k[:, :, :c], bank.v[:, :, :c] = k, v
+        slots.append(bank.slot(c))  # attention writes the current token's K/V at c in place
+    return lambda s: model.recurrence(s, ctx, return_kv=True, slots=slots)
 
 
 def prediction_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

@@ -25,43 +25,16 @@ import copy
 import torch
 
 from looplm.config import ModelConfig
+from looplm.model.kv import KVBank, KVSlot
+
+__all__ = ["FullCache", "KVBank", "KVCache", "TerminalCache", "chunk_mask", "make_cache"]
 
 
-class KVBank:
-    """K (after RoPE) and V of up to `max_len` tokens: [B, H_kv, max_len, head_dim] each."""
-
-    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-
-    @classmethod
-    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "KVBank":
-        """A bank over existing tensors (views of a larger bank: writes land in it)."""
-        bank = cls.__new__(cls)
-        bank.k, bank.v = k, v
-        return bank
-
-    def buffer(self, length) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
-        """(K, V, length) for attention to write a chunk at `length` and read [0, length + n)."""
-        return self.k, self.v, length
-
-    def write(self, start, kv: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor | None = None) -> None:
-        """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B] for n = 1);
-        with `keep` [B, n] only where it is True."""
-        rows = None if isinstance(start, int) else torch.arange(self.k.shape[0], device=self.k.device)
-        for buf, new in zip((self.k, self.v), kv):
-            n = new.shape[2]
-            old = buf[:, :, start:start + n] if rows is None else buf[rows, :, start][:, :, None]
-            if keep is not None:
-                new = torch.where(keep[:, None, :, None], new, old)
-            if rows is None:
-                buf[:, :, start:start + n] = new
-            else:
-                buf[rows, :, start] = new[:, :, 0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+def chunk_mask(prefix: int, n: int, device) -> torch.Tensor:
+    """[1, 1, n, prefix + n]: every cached token, then causal within the chunk (bottom-right aligned)."""
+    mask = torch.ones(n, prefix + n, dtype=torch.bool, device=device)
+    mask[:, prefix:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return mask[None, None]
 
 
 class KVCache:
@@ -88,12 +61,53 @@ class KVCache:
         """The bank core layer j reads at recurrence r (0-based)."""
         raise NotImplementedError
 
-    def keep_terminal(self, j: int, start, kv, used: torch.Tensor, early: bool) -> None:
+    # -- what the model's cached forward asks (looplm.model.kv.LayerCache) ----------------------
+    def chunk(self, n: int, pad: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [B, n], mask [B or 1, 1, n, S]) of n new tokens after the `length` cached ones.
+
+        `pad` [B] counts left-padding tokens at the start of each row (batched prompts of different
+        lengths): no token attends to them and positions start at 0 at each row's first real token.
+        With per-row lengths [B] (one-token steps of continuous batching) row b's token sits at
+        position length_b and attends to its row's [0, length_b]."""
+        c = self.length
+        if n < 1:
+            raise ValueError("a chunk needs at least one token")
+        if isinstance(c, torch.Tensor):
+            if n != 1 or pad is not None:
+                raise ValueError("per-row cache lengths take one token per row, without padding")
+            if int(c.max()) + 1 > self.max_len:
+                raise ValueError(f"{int(c.max())} cached + 1 new token exceed the cache length {self.max_len}")
+            positions = c.to(device)[:, None]
+            mask = (torch.arange(self.max_len, device=device)[None, :] <= positions)[:, None, None, :]
+            return positions, mask
+        if c + n > self.max_len:
+            raise ValueError(f"{c} cached + {n} new tokens exceed the cache length {self.max_len}")
+        positions = (c + torch.arange(n, device=device)).expand(self.batch, n)
+        mask = chunk_mask(c, n, device)
+        if pad is not None:
+            pad = pad.to(device)
+            positions = (positions - pad[:, None]).clamp(min=0)
+            real = torch.arange(c + n, device=device)[None, :] >= pad[:, None]  # [B, c+n] real keys
+            own = torch.zeros(n, c + n, dtype=torch.bool, device=device)
+            own[:, c:] = torch.eye(n, dtype=torch.bool, device=device)  # a pad query sees itself only
+            mask = mask & (real[:, None, None, :] | own[None, None])
+        return positions, mask
+
+    def slot(self, stack: str, layer: int, recurrence: int = 0) -> KVSlot:
+        """The slot of one layer visit: the chunk is written at `length` in the bank the visit maps to."""
+        if stack == "core":
+            return self.core_read(recurrence, layer).slot(self.length)
+        return getattr(self, stack)[layer].slot(self.length)
+
+    def keep_terminal(self, j: int, kv, used: torch.Tensor, early: bool) -> None:
         """After a chunk: core layer j's terminal K/V `kv` (each token's last recurrence), `used` [B, n]
         recurrences per token, go to every bank of layer j that a token's recurrences did not write.
         `early`: some token may have stopped before the chunk's last recurrence (its later,
         discarded recurrences then overwrote the banks it reads)."""
         raise NotImplementedError
+
+    def advance(self, n: int) -> None:
+        self.length = self.length + n
 
     def view(self, rows: slice, max_len: int | None = None, length=None) -> "KVCache":
         """The same cache restricted to batch rows `rows` and positions [0, max_len): its banks are
@@ -125,9 +139,9 @@ class TerminalCache(KVCache):
     def core_read(self, r, j):
         return self.core[j]  # design §7: every recurrence reads the terminal bank; the last one's K/V stay
 
-    def keep_terminal(self, j, start, kv, used, early):
+    def keep_terminal(self, j, kv, used, early):
         if early:  # a token that stopped early: its exit recurrence's K/V, not later scratch
-            self.core[j].write(start, kv)  # otherwise the last recurrence already left exactly `kv` here
+            self.core[j].write(self.length, kv)  # otherwise the last recurrence already left exactly `kv` here
 
 
 class FullCache(KVCache):
@@ -146,9 +160,9 @@ class FullCache(KVCache):
     def core_read(self, r, j):
         return self.core[min(r, self.depth - 1)][j]
 
-    def keep_terminal(self, j, start, kv, used, early):
+    def keep_terminal(self, j, kv, used, early):
         for v in range(int(used.min()), self.depth):  # visits a shallower token did not reach
-            self.core[v][j].write(start, kv, keep=used <= v)
+            self.core[v][j].write(self.length, kv, keep=used <= v)
 
 
 def make_cache(mode: str, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw) -> KVCache:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
+from looplm.model.kv import KVSlot
 
 AttentionKernel = Literal["sdpa", "flex"]
 """How document masks are applied: a boolean mask through SDPA (any device; on CUDA it leaves the
@@ -77,7 +78,7 @@ def _trunc_normal_(w: torch.Tensor, std: float) -> None:
 class Attention(nn.Module):
     """Causal grouped-query attention through `F.scaled_dot_product_attention`.
 
-    `qkv_offsets` are additive terms for Q, K and V (DEQ-QKV injection, design §2); `mask` is a
+    `offsets` are additive terms for Q, K and V (DEQ-QKV injection, design §2); `mask` is a
     boolean [B, 1, L, S] (True = attend), a FlexAttention `BlockMask` (from `document_mask`), or
     None for plain causal attention.
     """
@@ -100,21 +101,17 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        qkv_offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        kv_buffer: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-        return_kv: bool = False,
+        mask: torch.Tensor | BlockMask | None,
         *,
+        offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        kv: KVSlot | None = None,
         value_embed: torch.Tensor | None = None,
-    ):
-        """Attend from x [B, n, d] to itself, or with `kv_buffer` = (K, V, c) (preallocated
-        [B, H_kv, max_len, hd] buffers holding c earlier tokens' K after RoPE and V) to those c
-        tokens and itself: this chunk's K/V are written in place at [c, c + n) and attention reads
-        the buffer views [0, c + n), so nothing is concatenated. With a buffer, `mask`
-        [B or 1, 1, n, c + n] must be given. `c` may also be a LongTensor [B] of per-row lengths
-        for a one-token chunk (n = 1): row b writes at c_b and attends to the whole buffer through
-        `mask` [B, 1, 1, S]. `return_kv` also returns this chunk's (K, V). `value_embed` [B, n,
-        H_kv*hd] is this chunk's value-embedding rows E_v[tokens] (required iff the layer has a gate)."""
+    ) -> torch.Tensor:
+        """Attend from x [B, n, d] to itself, or through the slot `kv` (`looplm.model.kv`): the
+        chunk's K (after RoPE) and V go to `kv.update`, and attention reads what it returns (a
+        cache's earlier tokens and this chunk), under `mask` [B or 1, 1, n, S], which must then be
+        given. `offsets` are DEQ-QKV's additive (dQ, dK, dV). `value_embed` [B, n, H_kv*hd] is
+        this chunk's value-embedding rows E_v[tokens] (required iff the layer has a gate)."""
         B, L, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.ve_gate is not None:
@@ -125,8 +122,8 @@ class Attention(nn.Module):
             v = v + (gate[..., None] * value_embed.view(B, L, self.n_kv_heads, self.head_dim)).flatten(-2).to(v.dtype)
         elif value_embed is not None:
             raise ValueError("value_embed given to an attention layer without a value-embedding gate")
-        if qkv_offsets is not None:
-            dq, dk, dv = qkv_offsets
+        if offsets is not None:
+            dq, dk, dv = offsets
             q, k, v = q + dq, k + dk, v + dv
         if self.q_bias is not None:
             q, k = q + self.q_bias.to(q.dtype), k + self.k_bias.to(k.dtype)
@@ -137,33 +134,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.qk_norm:  # gain-free RMSNorm per head after RoPE (Parcae), eps = fp32 machine eps
             q, k = _head_norm(q), _head_norm(k)
-        k_all, v_all = k, v
-        if kv_buffer is not None:
-            k_buf, v_buf, c = kv_buffer
-            if isinstance(c, torch.Tensor):  # per-row lengths [B], one token per row (continuous batching)
-                if L != 1:
-                    raise ValueError(f"per-row cache lengths take one token per row, got {L}")
-                rows = torch.arange(B, device=x.device)
-                k_buf[rows, :, c] = k[:, :, 0]
-                v_buf[rows, :, c] = v[:, :, 0]
-                k_all, v_all = k_buf, v_buf  # the mask marks each row's [0, c_b]
-            else:
-                k_buf[:, :, c:c + L] = k
-                v_buf[:, :, c:c + L] = v
-                k_all, v_all = k_buf[:, :, :c + L], v_buf[:, :, :c + L]
+        k_all, v_all = (k, v) if kv is None else kv.update(k, v)
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):
-            if kv_buffer is not None:
+            if k_all.shape[2] != L:
                 raise ValueError("FlexAttention block masks serve the parallel forward; caches use boolean masks")
             y = _flex(q, k_all, v_all, mask, gqa)
         elif mask is None:
-            if kv_buffer is not None and (isinstance(kv_buffer[2], torch.Tensor) or kv_buffer[2] > 0):
+            if k_all.shape[2] != L:
                 raise ValueError("attention over a cached prefix needs an explicit mask")
             y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
-        out = self.wo(y.transpose(1, 2).reshape(B, L, -1))
-        return (out, (k, v)) if return_kv else out
+        return self.wo(y.transpose(1, 2).reshape(B, L, -1))
 
 
 class SwiGLU(nn.Module):
@@ -217,12 +200,11 @@ class Block(nn.Module):
     def has_value_embed(self) -> bool:
         return self.attn.ve_gate is not None
 
-    def forward(self, x, rope, mask, qkv_offsets=None, kv_buffer=None, return_kv=False, *, value_embed=None):
-        a = self.attn(self.attn_norm(x), rope, mask, qkv_offsets, kv_buffer, return_kv, value_embed=value_embed)
-        a, kv = a if return_kv else (a, None)
+    def forward(self, x, rope, mask, *, offsets=None, kv: KVSlot | None = None, value_embed=None) -> torch.Tensor:
+        """`offsets`, `kv` and `value_embed` go to the attention (see `Attention.forward`)."""
+        a = self.attn(self.attn_norm(x), rope, mask, offsets=offsets, kv=kv, value_embed=value_embed)
         h = self._residual(x, a, self.attn_out_norm)
-        out = self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
-        return (out, kv) if return_kv else out
+        return self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         ffn = [getattr(self.ffn, name) for name in ("w1", "w2", "w3") if hasattr(self.ffn, name)]  # w3: swiglu only

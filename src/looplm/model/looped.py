@@ -14,8 +14,10 @@ from torch import nn
 
 from looplm.config import ModelConfig
 from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
-from looplm.model.exit_gate import ExitGate
+from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
+from looplm.model.exits import DepthPlan, Exits
 from looplm.model.injection import build_injection
+from looplm.model.kv import KVRecord, LayerCache
 from looplm.model.state import StateInit, initial_state
 
 
@@ -27,6 +29,9 @@ class LoopOutput:
     """z^R: the state that entered the coda, [B, L, d]."""
     states: list[torch.Tensor] | None = None
     """Per-recurrence states s^1..s^R (after the exit norm), when `return_states=True`."""
+    depths: torch.Tensor | None = None
+    """Recurrences each token used, [B, L] (per-row depths, adaptive exit or the exit gate's choice);
+    None for the parallel forward at a plain integer depth, where every token used all of them."""
 
 
 def value_kw(rows: list | None, i: int) -> dict:
@@ -45,6 +50,20 @@ class Context:
     qkv_offsets: list | None  # DEQ-QKV per-core-layer offsets
     core_values: list | None = None  # value embeddings E_v[tokens] per core layer (None: the layer has none)
     coda_values: list | None = None  # the same per coda block
+
+    def select(self, rows: torch.Tensor) -> Context:
+        """The context of batch rows `rows` [b] (a boolean mask shared by every row stays shared)."""
+        B = self.injected.shape[0]
+
+        def pick(t):
+            return t[rows] if t is not None and t.shape[0] == B else t
+
+        def each(layers):
+            return None if layers is None else [None if v is None else pick(v) for v in layers]
+
+        offsets = None if self.qkv_offsets is None else [tuple(pick(o) for o in layer) for layer in self.qkv_offsets]
+        return Context((pick(self.rope[0]), pick(self.rope[1])), pick(self.mask), pick(self.injected), offsets,
+                       each(self.core_values), each(self.coda_values))
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -136,29 +155,27 @@ class LoopedLM(nn.Module):
         tables = self.value_embeds[stack]
         return [tables[str(i)](tokens) if str(i) in tables else None for i in range(len(getattr(self, stack)))]
 
-    def run_prelude(self, tokens, rope, mask) -> torch.Tensor:
+    def run_prelude(self, tokens, rope, mask, cache: LayerCache | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         rows = self.value_rows("prelude", tokens)
         for i, block in enumerate(self.prelude):
-            x = block(x, rope, mask, **value_kw(rows, i))
+            x = block(x, rope, mask, kv=None if cache is None else cache.slot("prelude", i), **value_kw(rows, i))
         return x
 
-    def recurrence(self, s: torch.Tensor, ctx: Context, *, return_kv: bool = False, kv_buffers: list | None = None):
+    def recurrence(self, s: torch.Tensor, ctx: Context, *, slots: list | None = None, return_kv: bool = False):
         """One recurrence F: inject, the core blocks in turn, then the exit map (design §2).
 
-        `return_kv` also returns each core layer's (K, V) of this recurrence (diagnostics, design §11);
-        `kv_buffers` gives core layer j the buffer (K, V, c) of c earlier tokens to attend to
-        (see `Attention`; `ctx.mask` must then cover them)."""
+        `slots` gives core layer j the K/V slot `slots[j]` of this visit (`looplm.model.kv`; a cache's
+        bank, with `ctx.mask` covering its earlier tokens); `return_kv` also returns each core layer's
+        (K, V) of this recurrence (diagnostics, design §11)."""
+        if return_kv:
+            slots = [KVRecord(slot) for slot in (slots or [None] * len(self.core))]
         s = self.injection(s, ctx.injected)
-        kvs = []
         for i, block in enumerate(self.core):
-            out = block(s, ctx.rope, ctx.mask, ctx.qkv_offsets[i] if ctx.qkv_offsets else None,
-                        kv_buffers[i] if kv_buffers else None, return_kv,
-                        **value_kw(ctx.core_values, i))
-            s, kv = out if return_kv else (out, None)
-            kvs.append(kv)
+            s = block(s, ctx.rope, ctx.mask, offsets=ctx.qkv_offsets[i] if ctx.qkv_offsets else None,
+                      kv=slots[i] if slots else None, **value_kw(ctx.core_values, i))
         s = self.injection.exit(s)
-        return (s, kvs) if return_kv else s
+        return (s, [slot.kv for slot in slots]) if return_kv else s
 
     def coda_input(self, z: torch.Tensor) -> torch.Tensor:
         """What the coda reads from the endpoint z^R: z itself, or the head's final norm of it once
@@ -170,14 +187,15 @@ class LoopedLM(nn.Module):
         """fp32 logits of the coda output h: the head after its final norm (if `cfg.head_norm`)."""
         return self.head(self.norm(h)).float()
 
-    def run_coda(self, z: torch.Tensor, rope, mask, ctx: Context | None = None) -> torch.Tensor:
+    def run_coda(self, z: torch.Tensor, rope, mask, ctx: Context | None = None, cache: LayerCache | None = None,
+                 compute_logits: bool = True) -> torch.Tensor | None:
         """Logits of the endpoint z; `ctx` (the forward's Context) carries the coda's value embeddings
         and is required for a model that has them."""
         values = self.coda_values(ctx)
         z = self.coda_input(z)
         for i, block in enumerate(self.coda):
-            z = block(z, rope, mask, **value_kw(values, i))
-        return self.logits(z)
+            z = block(z, rope, mask, kv=None if cache is None else cache.slot("coda", i), **value_kw(values, i))
+        return self.logits(z) if compute_logits else None
 
     def coda_values(self, ctx: Context | None) -> list | None:
         """The coda's value embeddings from `ctx`; ValueError when the model has them and ctx lacks them."""
@@ -215,17 +233,20 @@ class LoopedLM(nn.Module):
         return Context(rope, mask, self.injection.prepare(e), self.injection.qkv_offsets(e),
                        self.value_rows("core", tokens), self.value_rows("coda", tokens))
 
-    # -- the native parallel forward -----------------------------------------------------------
+    # -- the forward: parallel (no cache) or cached --------------------------------------------
     def forward(
         self,
         tokens: torch.Tensor,
-        depth: int,
+        depth: int | DepthPlan,
         *,
+        cache: LayerCache | None = None,
+        pad: torch.Tensor | None = None,
         bptt_window: int | None = None,
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         init: StateInit = "gaussian",
         state0: torch.Tensor | None = None,
+        initial=None,
         example_ids: torch.Tensor | None = None,
         seed: int = 0,
         generator: torch.Generator | None = None,
@@ -233,28 +254,105 @@ class LoopedLM(nn.Module):
         compute_logits: bool = True,
         attention: AttentionKernel = "sdpa",
     ) -> LoopOutput:
-        """Run the model at `depth` recurrences.
+        """Run the model at `depth` recurrences (an int, or a `DepthPlan`: per-row depths, adaptive
+        exit, the exit gate).
 
         tokens [B, L]; `doc_ids` [B, L] confine attention to document segments; `positions` [B, L]
         are the RoPE positions (default 0..L-1). `bptt_window` b: only the last min(R, b)
         recurrences record autograd (design §3; None = full BPTT); the injected input keeps its
         gradient in each of them. `state0` overrides `init` (used by trainers that draw the noise
-        for a global batch themselves). `attention` picks how document masks are applied ('flex':
-        one FlexAttention block mask per forward, the fast path on CUDA).
+        for a global batch themselves); `initial(e, rope, mask[, values=...])` computes s^0 from the
+        prelude output (the distilled prefill's student, design §9). `attention` picks how document
+        masks are applied ('flex': one FlexAttention block mask per forward, the fast path on CUDA).
+
+        With a `cache` (`looplm.infer.cache`, design §7) the tokens are a chunk after the cache's
+        tokens: every layer visit writes its K/V through the cache's slot and attends to the cached
+        prefix; positions and masks come from the cache (`pad` [B] counts left padding per row), and
+        the cache grows by the chunk. The parallel forward is the case without a cache.
         """
-        self.check_inputs(tokens, depth)
-        ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
-                            example_ids=example_ids, seed=seed, generator=generator, attention=attention)
-        n_grad = depth if bptt_window is None else min(depth, bptt_window)
+        plan = depth if isinstance(depth, DepthPlan) else None
+        R = plan.largest if plan is not None else depth
+        self.check_inputs(tokens, R)
+        if plan is not None:
+            plan.check(self.cfg.max_depth, has_gate=self.exit_gate is not None,
+                       cache_mode=getattr(cache, "mode", None))
+        if cache is not None:
+            if doc_ids is not None or positions is not None:
+                raise ValueError("a cached forward takes its positions and mask from the cache (no doc_ids/positions)")
+            positions, mask = cache.chunk(tokens.shape[1], pad, tokens.device)
+            rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
+            e = self.run_prelude(tokens, rope, mask, cache)
+            ctx = self.context(e, rope, mask, tokens)
+            s = self.start_state(e, ctx, init=init, state0=state0, initial=initial, positions=positions,
+                                 example_ids=example_ids, seed=seed, generator=generator)
+        else:
+            ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
+                                initial=initial, example_ids=example_ids, seed=seed, generator=generator,
+                                attention=attention)
+        s, states, used = self.iterate(s, ctx, plan or DepthPlan(R), cache=cache, bptt_window=bptt_window,
+                                       return_states=return_states)
+        logits = None
+        if compute_logits or cache is not None:  # a cache needs the coda's K/V
+            logits = self.run_coda(s, ctx.rope, ctx.mask, ctx, cache, compute_logits)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        return LoopOutput(logits=logits, endpoint=s, states=states, depths=used)
+
+    def iterate(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
+                bptt_window: int | None = None, return_states: bool = False):
+        """The recurrences of `forward` from s^0: (endpoint, per-recurrence states or None, depths [B, L]).
+
+        Tokens that stop early (`plan.freezes`) keep their state; with a cache, each core layer's
+        terminal K/V (each token's last recurrence) are handed to `cache.keep_terminal`, which also
+        fills a full cache's visits that shallower tokens did not reach."""
+        R = plan.largest
+        B, n = s.shape[:2]
+        exits = Exits(plan, B, n, s.device) if plan.freezes else None
+        n_grad = R if bptt_window is None else min(R, bptt_window)
         states = [] if return_states else None
-        for r in range(depth):
-            # design §3: the first R-b recurrences run without autograd; their output is a constant.
-            with torch.set_grad_enabled(torch.is_grad_enabled() and r >= depth - n_grad):
-                s = self.recurrence(s, ctx)
+        visited = [] if plan.exit_gate is not None else None  # each recurrence's state, for the gate
+        kept: list = [None] * len(self.core)  # with a cache: each token's K/V from its last recurrence
+        for r in range(R):
+            prev = s
+            rows = exits.compact() if exits is not None and n == 1 and not torch.is_grad_enabled() else None
+            if rows is not None:  # design §13: rows that stopped leave the batch; the rest recur alone
+                slots = None if cache is None else [KVRecord(cache.slot("core", j, r).select(rows))
+                                                    for j in range(len(self.core))]
+                s = s.clone()
+                s[rows] = self.recurrence(s[rows], ctx.select(rows), slots=slots)
+            else:
+                slots = None if cache is None else [KVRecord(cache.slot("core", j, r)) for j in range(len(self.core))]
+                # design §3: the first R-b recurrences run without autograd; their output is a constant.
+                with torch.set_grad_enabled(torch.is_grad_enabled() and r >= R - n_grad):
+                    s = self.recurrence(s, ctx, slots=slots)
+            if slots is not None:
+                for j, slot in enumerate(slots):
+                    if kept[j] is None or exits is None:
+                        kept[j] = slot.kv
+                    elif rows is not None:  # only the recurring rows have new K/V
+                        for old, new in zip(kept[j], slot.kv):
+                            old[rows] = new
+                    else:
+                        kept[j] = tuple(torch.where(exits.active[:, None, :, None], new, old)
+                                        for new, old in zip(slot.kv, kept[j]))
+            if visited is not None:
+                visited.append(s)
+            if exits is not None:
+                s = exits.after(r, s, prev)
             if states is not None:
                 states.append(s)
-        logits = self.run_coda(s, ctx.rope, ctx.mask, ctx) if compute_logits else None
-        return LoopOutput(logits=logits, endpoint=s, states=states)
+            if exits is not None and exits.done:
+                break
+        used = exits.used if exits is not None else None
+        if used is None and (cache is not None or visited is not None):
+            used = torch.full((B, n), R, dtype=torch.long, device=s.device)
+        if cache is not None:
+            for j, kv in enumerate(kept):
+                cache.keep_terminal(j, kv, used, early=exits is not None)
+        if visited is not None:  # the gate's exit: each token's state at its exit recurrence enters the coda
+            index = threshold_exit(exit_distribution([self.exit_gate(v) for v in visited]), plan.exit_gate)
+            s, used = select_depth(torch.stack(visited, 2), index), index + 1
+        return s, states, used
 
     def begin(
         self,
@@ -264,26 +362,40 @@ class LoopedLM(nn.Module):
         positions: torch.Tensor | None = None,
         init: StateInit = "gaussian",
         state0: torch.Tensor | None = None,
+        initial=None,
         example_ids: torch.Tensor | None = None,
         seed: int = 0,
         generator: torch.Generator | None = None,
         attention: AttentionKernel = "sdpa",
     ) -> tuple[Context, torch.Tensor]:
-        """(context, s^0) of `forward`: the prelude runs once, then the recurrence can start
-        (also used by diagnostics that iterate the recurrence themselves)."""
+        """(context, s^0) of the parallel `forward`: the prelude runs once, then the recurrence can
+        start (also used by diagnostics that iterate the recurrence themselves)."""
         B, L = tokens.shape
         if positions is None:
             positions = torch.arange(L, device=tokens.device).expand(B, L)
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
         mask = document_mask(doc_ids, attention)
         e = self.run_prelude(tokens, rope, mask)
+        ctx = self.context(e, rope, mask, tokens)
+        return ctx, self.start_state(e, ctx, init=init, state0=state0, initial=initial, positions=positions,
+                                     example_ids=example_ids, seed=seed, generator=generator)
+
+    def start_state(self, e: torch.Tensor, ctx: Context, *, init: StateInit = "gaussian",
+                    state0: torch.Tensor | None = None, initial=None, positions: torch.Tensor | None = None,
+                    example_ids: torch.Tensor | None = None, seed: int = 0,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+        """s^0 for prelude output e: `initial`'s prediction, the given `state0`, or `initial_state`."""
+        if initial is not None:
+            # a student of a value-embedding teacher reads the core's value embeddings too
+            return (initial(e, ctx.rope, ctx.mask) if ctx.core_values is None
+                    else initial(e, ctx.rope, ctx.mask, values=ctx.core_values))
         if state0 is None:
             s = self.initial_state(e, init, positions=positions, example_ids=example_ids, seed=seed,
                                    generator=generator)
             if self.cfg.state_init == "input":
-                return self.context(e, rope, mask, tokens), s  # s0 = e keeps its gradient (the embedding learns)
+                return s  # s0 = e keeps its gradient (the embedding learns)
             state0 = s
-        return self.context(e, rope, mask, tokens), state0.detach().to(e.dtype)
+        return state0.detach().to(e.dtype)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

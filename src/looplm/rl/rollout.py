@@ -23,7 +23,7 @@ import torch
 from looplm.data import Tokenizer
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
-from looplm.infer.generate import _cut_at_stop
+from looplm.infer.decode import TextStream
 
 
 class SavedStateError(ValueError):
@@ -157,6 +157,7 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     done = [False] * N
     ended = [False] * N
     lengths = [0] * N
+    streams = [TextStream(tokenizer, stop) for _ in range(N)]  # stop strings, at a cost per token
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         probs = logp.exp()
@@ -168,9 +169,7 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
             if done[i]:
                 continue
             lengths[i] += 1
-            # an active row has sampled at every step so far: its tokens are chosen[0..step]
-            if chosen[-1][i] == tokenizer.eos_id or (stop and _cut_at_stop(tokenizer.decode([t[i] for t in chosen]),
-                                                                           stop)[1]):
+            if chosen[-1][i] == tokenizer.eos_id or streams[i].push(chosen[-1][i])[1]:
                 done[i] = ended[i] = True
         if all(done) or step + 1 == max_new_tokens:
             break
@@ -197,7 +196,9 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
         endpoints[i, :n_p] = z_prompt[i, P - n_p:]
         for j in range(len(c_ids) - 1):
             endpoints[i, n_p + j] = fed_z[j][i]
-    texts = [_cut_at_stop(tokenizer.decode([t for t in c if t != tokenizer.eos_id]), stop)[0] for c in completions]
+    for stream in streams:
+        stream.finish()
+    texts = [stream.text for stream in streams]
     states = SavedStates(endpoints, depth, parameter_version(model), token_hash(tokens, ids_arg))
     return Rollout(tokens, targets, mask, ids_arg, logprobs, [len(e) for e in encoded], completions, texts,
                    group_size, states, ended)

@@ -1,0 +1,211 @@
+"""The decoding core shared by `generate`, the serving engine and RL rollouts (design §7, §15).
+
+- `DecodeSpec`: depth, prefill depth, exit rule, cache kind and sampling of one decode, checked
+  once (`check`) with the same messages for the CLI, the HTTP API, Transformers and library calls.
+- `choose`: the next token from last-position logits (greedy, temperature, top-k, top-p).
+- `TextStream`: incremental detokenisation with stop strings. Each new token decodes only a short
+  window of recent ids, so a step costs the same at the thousandth token as at the first; text is
+  released except for what may still become a stop string or an incomplete character, and the
+  released pieces join into exactly the final text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from looplm.data import Tokenizer
+from looplm.model.exits import DepthPlan
+
+CacheKind = Literal["terminal", "full"]
+CACHE_KINDS: tuple[str, ...] = ("terminal", "full")
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are chosen and when generation stops."""
+
+    max_new_tokens: int = 64
+    """Largest number of tokens generated per prompt."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise sample from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
+    seed: int = 0
+    """Seed of the sampler."""
+    stop: tuple[str, ...] = ()
+    """Stop a prompt's generation when its text contains one of these strings (cut before it)."""
+    exit_tau: float | None = None
+    """Adaptive decode depth: stop a token's recurrence once its relative state change < exit_tau (terminal cache)."""
+    min_depth: int = 1
+    """Adaptive decode depth: fewest recurrences per decoded token."""
+    exit_gate: float | None = None
+    """The model's learned exit gate (Ouro): each token's logits come from the first recurrence whose
+    cumulative exit probability reaches this threshold (every recurrence still runs; design §14)."""
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line reason when a field is out of range."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # also rejects nan
+            raise ValueError(f"top_p must be in (0, 1] (1 = all tokens), got {self.top_p}")
+        for s in self.stop:
+            if not s:
+                raise ValueError("stop strings must be non-empty, got ''")
+        if self.exit_tau is not None and not self.exit_tau > 0:
+            raise ValueError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
+        if self.min_depth < 1:
+            raise ValueError(f"min_depth must be >= 1, got {self.min_depth}")
+        if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
+            raise ValueError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
+        if self.exit_gate is not None and self.exit_tau is not None:
+            raise ValueError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
+
+
+@dataclass
+class DecodeSpec:
+    """Everything that decides how one prompt is decoded, checked once by `check`."""
+
+    depth: int
+    """Recurrences per decoded token (R_dec)."""
+    prefill_depth: int | None = None
+    """Recurrences over the prompt (R_pre); default: depth."""
+    cache: str = "terminal"
+    """terminal (one KV bank per physical layer) or full (one per layer visit)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    @property
+    def prefill(self) -> int:
+        return self.depth if self.prefill_depth is None else self.prefill_depth
+
+    def check(self, max_depth: int, *, has_gate: bool = False) -> DecodeSpec:
+        """Raise ValueError with a one-line reason if this decode cannot run on a model whose
+        deepest allowed depth is `max_depth`; returns self."""
+        s = self.sampling
+        s.validate()
+        if self.cache not in CACHE_KINDS:
+            raise ValueError(f"unknown cache mode {self.cache!r}; choose terminal or full")
+        for name, r in (("depth", self.depth), ("prefill_depth", self.prefill)):
+            if not 1 <= r <= max_depth:
+                raise ValueError(f"{name} must be in 1..{max_depth}, got {r}")
+        if s.exit_tau is not None:
+            if self.cache != "terminal":
+                raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
+            if s.min_depth > self.depth:
+                raise ValueError(f"min_depth {s.min_depth} exceeds the decode depth {self.depth}")
+        if s.exit_gate is not None and not has_gate:
+            raise ValueError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
+        return self
+
+    def decode_plan(self) -> DepthPlan:
+        s = self.sampling
+        return DepthPlan(self.depth, s.exit_tau, s.min_depth, s.exit_gate)
+
+    def prefill_plan(self, depth: int | None = None) -> DepthPlan:
+        """The prompt's plan at `depth` (default R_pre): the gate applies, adaptive exit does not."""
+        return DepthPlan(self.prefill if depth is None else depth, exit_gate=self.sampling.exit_gate)
+
+
+def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, V]."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > cfg.top_p  # tokens after the nucleus is complete
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """`text` cut before the earliest stop string, and whether one occurred."""
+    hits = [text.index(s) for s in stop if s and s in text]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def _stop_prefix(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest proper prefix of a stop string that `text` ends with."""
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold
+
+
+class TextStream:
+    """The text of one generated sequence, built token by token.
+
+    `push(token)` returns the newly released text and whether a stop string ended the sequence.
+    Decoding works on a window: `_prefix` ids already turned into text give the context a
+    tokenizer needs to decode the ids after them (leading spaces, multi-byte characters), and only
+    ids from `_prefix` on are decoded again, so a step's cost does not grow with the output.
+    `text` is everything decoded so far (cut at a stop string); `released` is how much of it was
+    handed out; `finish()` returns the rest.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+        self._prefix = 0  # first id of the decode window
+        self._read = 0  # ids before this are in `text`
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        if self.stopped:
+            raise RuntimeError("the sequence already ended at a stop string")
+        self.ids.append(token)
+        before = len(self.text)
+        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        window = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(window) > len(done) and not window.endswith("\ufffd") and window.startswith(done):
+            self.text += window[len(done):]
+            self._prefix, self._read = self._read, len(self.ids)
+        if self.stop and len(self.text) > before:
+            # a stop string can only end in the new text: search from where it could start
+            start = max(0, before - self._longest_stop + 1)
+            cut, hit = cut_at_stop(self.text[start:], self.stop)
+            if hit:
+                self.text, self.stopped = self.text[:start] + cut, True
+        return self._release(), self.stopped
+
+    def _release(self) -> str:
+        end = len(self.text) if self.stopped else len(self.text) - _stop_prefix(self.text, self.stop)
+        piece = self.text[self.released:end] if end > self.released else ""
+        self.released = max(self.released, end)
+        return piece
+
+    def finish(self) -> str:
+        """At the end of the sequence: decode what the window still holds back; the rest of the text."""
+        if not self.stopped and self._read < len(self.ids):  # held back: an incomplete character at the end
+            done = self.tokenizer.decode(self.ids[self._prefix:self._read])
+            window = self.tokenizer.decode(self.ids[self._prefix:])
+            if window.startswith(done):
+                self.text += window[len(done):]
+            else:  # a tokenizer whose window decodes differently: once, the whole sequence
+                self.text = self.tokenizer.decode(self.ids)
+            self._prefix = self._read = len(self.ids)
+            self.text, self.stopped = cut_at_stop(self.text, self.stop)
+        tail = self.text[self.released:]
+        self.released = len(self.text)
+        return tail

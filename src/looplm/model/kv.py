@@ -1,0 +1,134 @@
+"""Where an attention layer's keys and values go: the slot interface of the cached forward (design §7).
+
+An attention layer computes this chunk's K (after RoPE) and V, hands them to its *slot* with
+`update(k, v)` and attends to what the slot returns. The model never knows which cache it has:
+
+- no slot: the chunk attends to itself (the parallel forward);
+- `KVBank.slot(start)`: a preallocated bank [B, H_kv, max_len, hd]; the chunk is written in place
+  at [start, start + n) and attention reads [0, start + n) (or, for per-row starts [B] and one
+  token per row, the whole bank under the caller's mask);
+- `KVRecord(inner)`: keeps the chunk's K/V (diagnostics, and the terminal cache's bookkeeping)
+  and passes them on to `inner` (or attends to the chunk alone).
+
+Which bank a layer visit writes (one per physical layer, or one per visit) is the cache's
+business (`looplm.infer.cache`); the model asks its cache for a slot per visit.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVSlot(Protocol):
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this chunk's K/V [B, H_kv, n, hd]; return the keys and values to attend to."""
+
+
+class LayerCache(Protocol):
+    """What the cached forward asks of a cache (see `looplm.infer.cache.KVCache`)."""
+
+    def chunk(self, n: int, pad: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [B, n], boolean mask [B or 1, 1, n, S]) of n new tokens after the cached ones."""
+
+    def slot(self, stack: str, layer: int, recurrence: int = 0) -> KVSlot:
+        """The slot of one layer visit ("prelude", "core" at a 0-based recurrence, "coda")."""
+
+    def keep_terminal(self, layer: int, kv, used: torch.Tensor, early: bool) -> None:
+        """After the recurrences: each token's K/V from its last recurrence for core layer `layer`."""
+
+    def advance(self, n: int) -> None:
+        """The chunk's n tokens are now cached."""
+
+
+class KVBank:
+    """K (after RoPE) and V of up to `max_len` tokens: [B, H_kv, max_len, head_dim] each."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> KVBank:
+        """A bank over existing tensors (views of a larger bank: writes land in it)."""
+        bank = cls.__new__(cls)
+        bank.k, bank.v = k, v
+        return bank
+
+    def slot(self, start: int | torch.Tensor) -> BankSlot:
+        """The slot of a chunk that starts at `start` (an int, or per-row starts [B] for one token per row)."""
+        return BankSlot(self, start)
+
+    def write(self, start: int | torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+              keep: torch.Tensor | None = None) -> None:
+        """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B] for n = 1);
+        with `keep` [B, n] only where it is True."""
+        per_row = isinstance(start, torch.Tensor)
+        rows = torch.arange(self.k.shape[0], device=self.k.device) if per_row else None
+        for buf, new in zip((self.k, self.v), kv):
+            n = new.shape[2]
+            if per_row and n != 1:
+                raise ValueError(f"per-row cache lengths take one token per row, got {n}")
+            if keep is not None:
+                old = buf[rows, :, start][:, :, None] if per_row else buf[:, :, start:start + n]
+                new = torch.where(keep[:, None, :, None], new, old)
+            if per_row:
+                buf[rows, :, start] = new[:, :, 0]
+            else:
+                buf[:, :, start:start + n] = new
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class BankSlot:
+    """A chunk's place in a bank: `update` writes it in place, then returns what attention reads."""
+
+    def __init__(self, bank: KVBank, start: int | torch.Tensor):
+        self.bank, self.start = bank, start
+
+    def select(self, rows: torch.Tensor) -> RowsSlot:
+        """The same chunk restricted to batch rows `rows` [b]."""
+        return RowsSlot(self.bank, self.start, rows)
+
+    def update(self, k, v):
+        self.bank.write(self.start, (k, v))
+        if isinstance(self.start, torch.Tensor):
+            return self.bank.k, self.bank.v  # per-row lengths: the caller's mask marks each row's [0, start_b]
+        end = self.start + k.shape[2]
+        return self.bank.k[:, :, :end], self.bank.v[:, :, :end]
+
+
+class RowsSlot:
+    """The slot of some rows `rows` [b] of a bank's chunk (a batch whose other rows stopped
+    recurring): they write their own places only, and attend to their own rows' K/V."""
+
+    def __init__(self, bank: KVBank, start: int | torch.Tensor, rows: torch.Tensor):
+        self.bank, self.start, self.rows = bank, start, rows
+
+    def update(self, k, v):
+        per_row = isinstance(self.start, torch.Tensor)
+        if per_row:
+            if k.shape[2] != 1:
+                raise ValueError(f"per-row cache lengths take one token per row, got {k.shape[2]}")
+            at = self.start[self.rows]
+            self.bank.k[self.rows, :, at] = k[:, :, 0]
+            self.bank.v[self.rows, :, at] = v[:, :, 0]
+            return self.bank.k[self.rows], self.bank.v[self.rows]
+        end = self.start + k.shape[2]
+        self.bank.k[self.rows, :, self.start:end] = k
+        self.bank.v[self.rows, :, self.start:end] = v
+        return self.bank.k[self.rows, :, :end], self.bank.v[self.rows, :, :end]
+
+
+class KVRecord:
+    """A slot that keeps the chunk's K/V (`.kv`) and passes them on to `inner`, or attends to them alone."""
+
+    def __init__(self, inner: KVSlot | None = None):
+        self.inner, self.kv = inner, None
+
+    def update(self, k, v):
+        self.kv = (k, v)
+        return self.inner.update(k, v) if self.inner is not None else (k, v)

@@ -1,0 +1,117 @@
+"""The decoding core: incremental text with stop strings against decoding the whole sequence at
+once, its cost per token, and the one decode-spec check."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from looplm.data import BPETokenizer, ByteTokenizer
+from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, cut_at_stop
+
+TEXTS = ["Hello, world! déjà vu — 東京タワー 🙂 ok.\nNext line", "aaaa bbbb STOP here", "ümlaut ß ∑ x"]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return BPETokenizer.train(TEXTS * 20, vocab_size=300)
+
+
+def stream_all(tokenizer, ids, stop=()):
+    s = TextStream(tokenizer, stop)
+    pieces = []
+    for t in ids:
+        piece, stopped = s.push(t)
+        pieces.append(piece)
+        if stopped:
+            break
+    pieces.append(s.finish())
+    return pieces, s
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_pieces_join_into_the_whole_decode(kind, bpe):
+    tok = ByteTokenizer() if kind == "byte" else bpe
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        pieces, s = stream_all(tok, ids)
+        assert "".join(pieces) == s.text == tok.decode(ids)
+    # arbitrary id sequences (invalid UTF-8 in the middle, cut characters at the end) decode alike
+    for _ in range(30):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        ids = [t for t in ids if t not in (tok.eos_id, tok.pad_id)] or [ord("a")]
+        pieces, s = stream_all(tok, ids)
+        assert "".join(pieces) == tok.decode(ids), ids
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_stop_strings_cut_like_the_whole_decode_and_are_never_released(kind, bpe):
+    tok = ByteTokenizer() if kind == "byte" else bpe
+    for text in TEXTS:
+        ids = tok.encode(text)
+        for stop in (("STOP",), ("é",), ("world", "ok"), ("\n",), ("zzz",), ("タワ",)):
+            pieces, s = stream_all(tok, ids, stop)
+            want, hit = cut_at_stop(tok.decode(ids), stop)
+            assert "".join(pieces) == want, (text, stop)
+            assert s.stopped == hit
+            released = ""
+            for p in pieces[:-1]:  # before finish: no released text may end in part of a stop string
+                released += p
+                assert not any(x in released for x in stop)
+
+
+def test_a_stop_prefix_and_an_incomplete_character_are_held_back():
+    tok = ByteTokenizer()
+    s = TextStream(tok, ("STOP",))
+    assert s.push(ord("a")) == ("a", False)
+    assert s.push(ord("S")) == ("", False)  # may become STOP
+    assert s.push(ord("T")) == ("", False)
+    assert s.push(ord("x")) == ("STx", False)  # it did not
+    e_acute = "é".encode()
+    assert s.push(e_acute[0]) == ("", False)  # half a character
+    assert s.push(e_acute[1]) == ("é", False)
+    for c in "STO":
+        s.push(ord(c))
+    assert s.push(ord("P")) == ("", True)
+    assert s.text == "aSTxé"
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Counts the ids it is asked to decode."""
+
+    decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_a_step_decodes_a_window_not_the_whole_output():
+    tok = CountingTokenizer()
+    s = TextStream(tok, ("never",))
+    for t in ("abc é " * 200).encode():
+        s.push(t)
+    per_token = tok.decoded / len(s.ids)
+    assert per_token < 8, per_token  # decoding the whole output each step would average ~600
+    assert s.text == ("abc é " * 200)
+
+
+def test_decode_spec_checks_once_with_one_message():
+    ok = DecodeSpec(depth=4, prefill_depth=8, sampling=SamplingConfig(exit_tau=0.1, min_depth=2))
+    assert ok.check(8) is ok
+    assert ok.decode_plan().exit_tau == 0.1 and ok.prefill_plan().exit_tau is None
+    assert ok.prefill_plan().depth == 8
+    cases = [
+        (DecodeSpec(depth=9), "depth must be in 1..8, got 9"),
+        (DecodeSpec(depth=2, prefill_depth=0), "prefill_depth must be in 1..8, got 0"),
+        (DecodeSpec(depth=2, cache="full", sampling=SamplingConfig(exit_tau=0.1)), "needs the terminal cache"),
+        (DecodeSpec(depth=2, sampling=SamplingConfig(exit_tau=0.1, min_depth=3)), "min_depth 3 exceeds"),
+        (DecodeSpec(depth=2, cache="paged"), "unknown cache mode"),
+        (DecodeSpec(depth=2, sampling=SamplingConfig(exit_gate=0.5)), "needs a model with an exit gate"),
+        (DecodeSpec(depth=2, sampling=SamplingConfig(top_p=0)), "top_p must be in"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=message):
+            spec.check(8)

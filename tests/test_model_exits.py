@@ -1,0 +1,123 @@
+"""Per-row depth and adaptive exit inside one batched one-token step (model/exits.py, design §13):
+each row's logits and terminal K/V equal that row decoded alone at its own depth, and rows that
+stopped leave the batch, so the core runs sum-of-depths row visits, not rows x deepest depth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from looplm.config import ModelConfig
+from looplm.infer import make_cache
+from looplm.model import LoopedLM
+from looplm.model.exits import DepthPlan
+
+PROMPT = 9
+
+
+def _model() -> LoopedLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                      n_prelude=1, n_core=2, n_coda=1)
+    return LoopedLM(cfg).eval()
+
+
+def _prefilled(m, tokens, mode="terminal"):
+    """A cache holding `tokens` [B, PROMPT] prefilled at depth 3 (every row in one batch)."""
+    cache = make_cache(mode, m.cfg, tokens.shape[0], 16, 6)
+    with torch.no_grad():
+        m(tokens, 3, cache=cache, init="seeded", example_ids=torch.arange(tokens.shape[0]))
+    return cache
+
+
+def _alone(m, tokens, nxt, b, plan):
+    """Row b decoded alone after its own prefill: (logits [V], used depth, core banks' K at the new position)."""
+    cache = _prefilled(m, tokens)
+    row = cache.view(slice(b, b + 1), length=PROMPT)
+    with torch.no_grad():
+        out = m(nxt[b:b + 1, None], plan, cache=row, init="seeded", example_ids=torch.tensor([b]))
+    return out.logits[0, -1], int(out.depths[0, 0]), [bank.k[b, :, PROMPT].clone() for bank in cache.core]
+
+
+def _rows_seen_by_the_core(m):
+    seen = []
+    hook = m.core[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    return seen, hook
+
+
+@pytest.mark.parametrize("per_row_length", [False, True])
+def test_per_row_depths_equal_each_row_alone_and_cost_the_sum_of_depths(per_row_length):
+    m = _model()
+    tokens = torch.randint(0, 50, (3, PROMPT))
+    nxt = torch.randint(0, 50, (3,))
+    depths = torch.tensor([1, 4, 2])
+    cache = _prefilled(m, tokens)
+    if per_row_length:  # the serving engine's layout: per-row lengths
+        cache.length = torch.full((3,), PROMPT)
+    seen, hook = _rows_seen_by_the_core(m)
+    with torch.no_grad():
+        out = m(nxt[:, None], DepthPlan(depths), cache=cache, init="seeded", example_ids=torch.arange(3))
+    hook.remove()
+    assert seen == [3, 2, 1, 1]  # recurrence r runs the rows whose depth exceeds r: 1 + 4 + 2 visits
+    assert out.depths[:, 0].tolist() == depths.tolist()
+    for b in range(3):
+        logits, used, keys = _alone(m, tokens, nxt, b, int(depths[b]))
+        assert used == int(depths[b])
+        assert (out.logits[b, -1] - logits).abs().max() <= 1e-5
+        for bank, k in zip(cache.core, keys):  # the terminal bank holds the row's own last recurrence
+            assert (bank.k[b, :, PROMPT] - k).abs().max() <= 1e-6
+
+
+def test_adaptive_exit_rows_equal_each_row_alone():
+    m = _model()
+    tokens = torch.randint(0, 50, (4, PROMPT))
+    nxt = torch.randint(0, 50, (4,))
+    # per-row thresholds (0 = never exit), so rows stop at different depths
+    taus = [0.3, 0.05, 0.01, 0.0]
+    plan = DepthPlan(8, exit_tau=torch.tensor(taus), min_depth=1)
+    cache = _prefilled(m, tokens)
+    with torch.no_grad():
+        out = m(nxt[:, None], plan, cache=cache, init="seeded", example_ids=torch.arange(4))
+    used = out.depths[:, 0].tolist()
+    assert len(set(used)) > 1, f"every row stopped at the same depth {used}: the test would not see compaction"
+    for b in range(4):
+        logits, alone_used, keys = _alone(m, tokens, nxt, b, DepthPlan(8, exit_tau=taus[b]) if taus[b] else 8)
+        assert alone_used == used[b]
+        assert (out.logits[b, -1] - logits).abs().max() <= 1e-5
+        for bank, k in zip(cache.core, keys):
+            assert (bank.k[b, :, PROMPT] - k).abs().max() <= 1e-6
+
+
+def test_full_cache_per_row_depths_fill_the_unreached_visits():
+    m = _model()
+    tokens = torch.randint(0, 50, (2, PROMPT))
+    nxt = torch.randint(0, 50, (2,))
+    cache = _prefilled(m, tokens, "full")
+    with torch.no_grad():
+        out = m(nxt[:, None], DepthPlan(torch.tensor([1, 3])), cache=cache, init="seeded",
+                example_ids=torch.arange(2))
+    # row 0 stopped after one recurrence: every deeper visit holds its terminal K/V (its recurrence-1 K/V)
+    for visit in range(1, 6):
+        for j in range(len(m.core)):
+            assert torch.equal(cache.core[visit][j].k[0, :, PROMPT], cache.core[0][j].k[0, :, PROMPT])
+    assert torch.equal(cache.core[3][0].k[1, :, PROMPT], cache.core[2][0].k[1, :, PROMPT])
+    assert out.depths[:, 0].tolist() == [1, 3]
+
+
+@pytest.mark.parametrize(("plan", "message"), [
+    (DepthPlan(0), "depth must be in 1..64, got 0"),
+    (DepthPlan(torch.tensor([2, 0])), "depth must be in 1..64, got 0"),
+    (DepthPlan(4, exit_tau=0.0), "exit_tau > 0"),
+    (DepthPlan(4, exit_tau=0.1, min_depth=5), "min_depth <= depth"),
+    (DepthPlan(4, exit_gate=0.5), "needs a model with an exit gate"),
+])
+def test_plans_are_checked_once(plan, message):
+    m = _model()
+    with pytest.raises(ValueError, match=message):
+        m(torch.zeros(1, 3, dtype=torch.long), plan, cache=make_cache("terminal", m.cfg, 1, 8, 4))
+
+
+def test_adaptive_exit_needs_the_terminal_cache():
+    m = _model()
+    with pytest.raises(ValueError, match="needs the terminal cache"):
+        m(torch.zeros(1, 3, dtype=torch.long), DepthPlan(4, exit_tau=0.1), cache=make_cache("full", m.cfg, 1, 8, 4))
