@@ -4,6 +4,7 @@ cache at the same cache memory, and adaptive exit vs fixed depth, side by side i
     python benchmarks/serve_load.py [--checkpoint runs/tiny] [--clients 16] [--requests 64]
         [--max-tokens 32] [--depth 5] [--full-slots 4] [--time-limit 120] [--rounds 3]
         [--out benchmarks/results/serve_load.json]
+    python benchmarks/serve_load.py --workload mixed-depth [--slots 64] [--deep 12] [--max-tokens 48]
 
 Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
 from the arm's), waits for /health, and then `--clients` client threads (this process) send the
@@ -211,8 +212,73 @@ def score(checkpoint: Path, texts: list[tuple[str, str]], depth: int) -> float:
     return total / max(count, 1)
 
 
+def mixed_depth(args) -> None:
+    """`--workload mixed-depth`: does a batch whose rows decode at different depths cost the sum of
+    their depths? `--slots` slots of a random d512 model (the tiny preset's blocks, d 512, 8 heads,
+    4 kv heads, ffn 1536); every request prefilled at `--deep` recurrences and decoding
+    `--max-tokens` greedy tokens; all requests submitted at once to `looplm.serve.Engine` (no HTTP).
+    Arms, alternating over `--rounds`: every row decoding at `--deep`, and half the rows at 1 and
+    half at `--deep`. Block visits per decode step: slots * deep vs slots/2 * (1 + deep)."""
+    from looplm.data import ByteTokenizer
+    from looplm.model import LoopedLM
+    from looplm.serve import Engine, EngineConfig, Request
+    from looplm.train.config import job_preset
+
+    torch.set_num_threads(args.server_threads)
+    job = job_preset("tiny")
+    for name, value in (("d_model", 512), ("n_heads", 8), ("n_kv_heads", 4), ("ffn_dim", 1536)):
+        setattr(job.model, name, value)
+    tok = ByteTokenizer()
+    job.model.vocab_size = tok.vocab_size
+    torch.manual_seed(0)
+    model = LoopedLM(job.model).eval()
+    texts = prompts(args.slots)
+    deep = args.deep
+
+    def requests(shallow_half: bool) -> list:
+        return [Request(tok.encode(t), max_tokens=args.max_tokens, prefill_depth=deep,
+                        depth=1 if shallow_half and i % 2 else deep) for i, t in enumerate(texts)]
+
+    engine = Engine(model, tok, EngineConfig(max_batch=args.slots, depth=deep, max_queue=args.slots))
+    arms = {f"all {args.slots} rows at depth {deep}": False, f"half at depth 1, half at {deep}": True}
+    arms = {k: v for k, v in arms.items() if args.arms in ("both", "deep" if not v else "mixed")}
+    engine.generate(requests(False)[:4])  # warm-up
+    runs: dict[str, list[dict]] = {k: [] for k in arms}
+    for rnd in range(args.rounds):
+        for label, shallow in arms.items():
+            reqs = requests(shallow)
+            t0 = time.perf_counter()
+            finishes = engine.generate(reqs)
+            wall = time.perf_counter() - t0
+            tokens = sum(f.completion_tokens for f in finishes)
+            runs[label].append({"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
+                                "mean_decode_depth": statistics.fmean(f.mean_decode_depth for f in finishes)})
+            print(f"round {rnd + 1} {label:>32}: {tokens} tokens in {wall:6.2f} s = {tokens / wall:7.1f} tok/s",
+                  flush=True)
+    rows = [{"arm": k, "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in v), "rounds": v}
+            for k, v in runs.items()]
+    for r in rows:
+        print(f"{r['arm']:>32}: median {r['median_tokens_per_s']:.1f} tok/s")
+    ratio = rows[1]["median_tokens_per_s"] / rows[0]["median_tokens_per_s"] if len(rows) == 2 else None
+    if ratio is not None:
+        print(f"mixed / all deep: {ratio:.2f}x (block visits per step: {(1 + deep) / 2 / deep:.2f}x)")
+    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": platform.platform(),
+              "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.server_threads,
+              "model": {"d_model": 512, "blocks": [job.model.n_prelude, job.model.n_core, job.model.n_coda]},
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "arms": rows, "mixed_over_deep": ratio}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=["load", "mixed-depth"], default="load",
+                    help="load: the HTTP load test below; mixed-depth: see `mixed_depth`")
+    ap.add_argument("--slots", type=int, default=64, help="mixed-depth: engine slots (= requests)")
+    ap.add_argument("--deep", type=int, default=12, help="mixed-depth: prefill and deep decode depth")
+    ap.add_argument("--arms", choices=["both", "deep", "mixed"], default="both", help="mixed-depth: arms to run")
     ap.add_argument("--checkpoint", type=Path, default=None, help="default: a random model of the tiny preset's shape")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
@@ -226,6 +292,11 @@ def main() -> None:
     ap.add_argument("--exit-tau", type=float, default=0.05)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
     args = ap.parse_args()
+    if args.workload == "mixed-depth":
+        if args.out == REPO / "benchmarks" / "results" / "serve_load.json":
+            args.out = REPO / "benchmarks" / "results" / "serve_mixed_depth.json"
+        mixed_depth(args)
+        return
 
     from looplm.checkpoint import load_model
 
