@@ -119,7 +119,7 @@ class _Choices:
             for i, r in enumerate(requests):
                 sink = (lambda i: lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, (i, ev)))(i)
                 self.handles.append(engine.submit(r, sink))
-        except EngineFull:
+        except (EngineFull, EngineStopped):
             self.cancel()
             raise
 
@@ -133,19 +133,21 @@ class _Choices:
         (watched alongside the events, so a steady stream of tokens cannot hide it)."""
         left = len(self.handles)
         gone = asyncio.ensure_future(_client_gone(http))
+        event = None
         try:
             while left:
                 event = asyncio.ensure_future(self.events.get())
                 await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not event.done():
-                    event.cancel()
                     return
                 i, ev = event.result()
                 if isinstance(ev, Finish):
                     left -= 1
                 yield i, ev
         finally:
-            gone.cancel()
+            for task in (gone, event):
+                if task is not None:
+                    task.cancel()  # no-op once done
             self.cancel()  # no-op for finished choices
 
     async def collect(self, http: HTTPRequest) -> tuple[dict[int, list[Token]], dict[int, Finish]] | None:
