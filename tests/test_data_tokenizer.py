@@ -90,3 +90,30 @@ def test_build_tokenizer_specs(tmp_path: Path) -> None:
         build_tokenizer("bpe", None, 300)
     with pytest.raises(ValueError, match="unknown tokenizer spec"):
         build_tokenizer(str(tmp_path / "missing.json"), None, 0)
+
+
+def test_token_pieces_are_each_tokens_own_bytes() -> None:
+    """Concatenated, the pieces of an encoding are the text's UTF-8 bytes, also where a character is
+    split across tokens (their `decode` alone gives U+FFFD); special tokens are named."""
+    texts = ["héllo wörld, 日本語 🙂", "unseen: ж ✓ 🎉 \t\n", " leading space"]
+    byte = ByteTokenizer()
+    assert [byte.token_piece(i) for i in (0x68, 0xE6, 256, 257)] == [b"h", b"\xe6", "<eos>", "<pad>"]
+    bpe = BPETokenizer.train(CORPUS, vocab_size=320)
+    for tok in (byte, bpe):
+        for text in texts:
+            ids = tok.encode(text)
+            assert b"".join(tok.token_piece(i) for i in ids) == text.encode("utf-8"), (tok, text)
+        assert (tok.token_piece(tok.eos_id), tok.token_piece(tok.pad_id)) == ("<eos>", "<pad>")
+    split = [i for i in bpe.encode("🎉") if bpe.decode([i]) == "\ufffd"]
+    assert split and all(isinstance(bpe.token_piece(i), bytes) for i in split)  # really part of a character
+    with pytest.raises(ValueError, match="outside"):
+        byte.token_piece(258)
+
+
+def test_byte_level_alphabet_is_the_backends() -> None:
+    from tokenizers import pre_tokenizers
+
+    from looplm.data.tokenizer import BYTE_LEVEL
+
+    assert sorted(BYTE_LEVEL) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(BYTE_LEVEL.values()) == list(range(256))

@@ -352,3 +352,43 @@ def test_config_carries_every_model_field_with_its_default():
     hf = LoopedLMConfig()
     for f in dataclasses.fields(ModelConfig):
         assert getattr(hf, f.name) == f.default, f.name
+
+
+# -- the manual decoding loop ------------------------------------------------------------------------
+def context_bound(model: LoopedLM) -> LoopedLM:
+    """`model` with its matrices scaled up, so each token's logits move by far more than the test's
+    tolerance when its context changes (a tiny random model barely attends)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and name != "embed.weight":
+                p.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize(("kind", "depth"), [("full", 3), ("terminal", 1)])
+def test_use_cache_returns_the_cache_the_manual_loop_continues(kind, depth):
+    """`out = m(ids, use_cache=True)`, then `m(next, past_key_values=out.past_key_values)` token by token:
+    every step's logits equal the no-cache forward over the whole sequence. The full cache reproduces
+    it exactly; so does the terminal cache at one recurrence, where the terminal K/V are the only K/V."""
+    hf = LoopedLMForCausalLM.from_looplm(context_bound(tiny_model()), num_steps=depth, cache_kind=kind).eval()
+    ids = torch.tensor([TOK.encode("a context that matters"), TOK.encode("another row of context")])
+    n = 16
+    with torch.no_grad():
+        whole = hf(ids).logits
+        out = hf(ids[:, :n], use_cache=True)
+        assert isinstance(out.cache, LoopedCache) and out.cache.kind == kind and out.cache.get_seq_length() == n
+        steps = [out.logits]
+        for j in range(n, ids.shape[1]):
+            out = hf(ids[:, j:j + 1], past_key_values=out.past_key_values)
+            steps.append(out.logits)
+        alone = hf(ids[:, -1:]).logits  # the last token without its context
+    assert (torch.cat(steps, 1) - whole).abs().max() <= 1e-5
+    assert (alone[:, -1] - whole[:, -1]).abs().max() > 0.1  # the context really moves the logits
+    assert out.cache.get_seq_length() == ids.shape[1]
+
+
+def test_use_cache_in_training_mode_is_an_error():
+    hf = LoopedLMForCausalLM.from_looplm(tiny_model(), num_steps=2).train()
+    with pytest.raises(ValueError, match="eval mode"):
+        hf(torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert hf(torch.tensor([[1, 2, 3]])).cache is None  # the config's use_cache default keeps the native forward

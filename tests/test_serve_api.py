@@ -305,3 +305,202 @@ def test_looplm_serve_command(tmp_path):
     bad = subprocess.run(looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True,
                          env=subprocess_env())
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--cache" in bad.stderr
+
+
+# -- defects found in review (issue 19) ----------------------------------------------------------------
+@contextmanager
+def serving_on_port_0(engine: Engine, api_key: str | None = None):
+    """A uvicorn server on 127.0.0.1 that binds port 0 (the OS picks a free one, no race); yields the
+    port read back from its socket, then stops it."""
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, api_key=api_key), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:  # a failure guard: uvicorn offers no start-up event to wait on
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def _until(condition, what: str, timeout: float = 60.0) -> None:
+    """Wait for `condition()` (engine state); the timeout only guards against a hang."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_client_that_leaves_a_non_streaming_request_frees_its_slot():
+    """Tokens keep arriving every few ms, so a check for the client made only while no token arrives
+    never runs; the slot must still be freed soon after the client closes its connection (with an API
+    key, whose middleware must leave the disconnect visible)."""
+    import socket
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=2048,
+                      max_depth=4)
+    engine = Engine(LoopedLM(cfg).eval(), TOK, EngineConfig(max_batch=1, depth=2))
+    decode = engine._decode
+
+    def paced_decode():  # ~20 s of tokens unless the server cancels the row
+        engine._rows[0].handle._cancelled.wait(0.01)
+        decode()
+
+    engine._decode = paced_decode
+    body = json.dumps({"model": NAME, "prompt": "abc", "max_tokens": 2000, "temperature": 0}).encode()
+    with serving_on_port_0(engine, api_key="sekret") as port:
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer sekret\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        _until(lambda: engine.generated_tokens >= 5, "the request to decode")
+        client.close()
+        _until(lambda: engine.pool.running == 0, "the slot to be freed")
+        assert engine.finished == {"cancelled": 1} and engine.generated_tokens < 1000
+
+
+def _spelled(token_id: int) -> tuple[str, list[int] | None]:
+    """A byte-tokenizer token as OpenAI spells it in logprobs, with its own bytes: ASCII as itself, a
+    byte of a multi-byte character as `bytes:\\xNN`, the special tokens by name with no bytes."""
+    if token_id >= 256:
+        return ("<eos>", "<pad>")[token_id - 256], None
+    return (chr(token_id) if token_id < 128 else f"bytes:\\x{token_id:02x}"), [token_id]
+
+
+def _native_steps(model, prompt: str, n: int, k: int, depth: int = 3) -> list[tuple[int, float, list]]:
+    """(greedy token, its log-prob, the top-k (token, log-prob)) per step, from the no-cache forward."""
+    seq, out = TOK.encode(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            lp = model(torch.tensor([seq]), depth, init="seeded").logits[0, -1].log_softmax(-1)
+        top = lp.topk(k)
+        out.append((int(lp.argmax()), float(lp.max()), list(zip(top.indices.tolist(), top.values.tolist()))))
+        seq.append(out[-1][0])
+    return out
+
+
+def test_logprobs_spell_each_token_by_its_own_bytes(model):
+    """Chat `bytes` are each token's own bytes (not those of U+FFFD for a byte of a multi-byte
+    character), and completions' `top_logprobs` keep every alternative under its own key, against the
+    no-cache forward (the full cache reproduces it)."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, cache="full"))
+    with TestClient(create_app(engine, NAME)) as http:
+        got = http.post("/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 8,
+                                                 "temperature": 0, "logprobs": 5}).json()["choices"][0]["logprobs"]
+        steps = _native_steps(model, "hello", len(got["tokens"]), 5)
+        assert got["tokens"] == [_spelled(t)[0] for t, _, _ in steps]
+        for top, (_, _, want) in zip(got["top_logprobs"], steps):
+            assert len(top) == 5 and set(top) == {_spelled(t)[0] for t, _ in want}
+            assert all(top[_spelled(t)[0]] == pytest.approx(lp, abs=1e-4) for t, lp in want)
+        assert any(sum(t >= 128 for t, _ in want) >= 2 for _, _, want in steps)  # keys that used to collide
+
+        prompt = "user: hi\nassistant:"
+        chat = http.post("/v1/chat/completions", json={
+            "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3}).json()["choices"][0]["logprobs"]["content"]
+        steps = _native_steps(model, prompt, len(chat), 3)
+        for entry, (token, lp, top) in zip(chat, steps):
+            assert (entry["token"], entry["bytes"]) == _spelled(token)
+            assert entry["logprob"] == pytest.approx(lp, abs=1e-4)
+            assert [(e["token"], e["bytes"]) for e in entry["top_logprobs"]] == [_spelled(t) for t, _ in top]
+        assert any(token >= 128 for token, _, _ in steps)  # a byte of a multi-byte character was chosen
+
+
+def test_every_chunk_of_a_stream_has_the_same_created(model, monkeypatch):
+    """The clock ticks a second at every reading: a stream that read it per chunk would show it."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    import looplm.serve.api as api
+
+    ticks = iter(range(1_700_000_000, 1_800_000_000))
+    monkeypatch.setattr(api, "time", SimpleNamespace(time=lambda: float(next(ticks))))
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    with TestClient(create_app(engine, NAME)) as http:
+        for path, body in (("/v1/completions", {"prompt": "abc"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            body = {**body, "model": NAME, "max_tokens": 6, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with http.stream("POST", path, json=body) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert len(chunks) >= 3 and len({c["created"] for c in chunks}) == 1, path
+
+
+def test_null_optional_fields_mean_their_defaults(model):
+    """OpenAI clients send `null` for an unset optional field: the server uses the field's default."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    optional = ["temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "frequency_penalty",
+                "presence_penalty", "logit_bias", "user", "depth", "prefill_depth", "exit_tau", "min_depth",
+                "max_tokens", "logprobs", "echo", "best_of", "suffix"]
+    with TestClient(create_app(engine, NAME)) as http:
+        base = {"model": NAME, "prompt": "abc", "seed": 7}  # temperature defaults to 1: a seeded sample
+        nulls = http.post("/v1/completions", json={**base, **{f: None for f in optional}})
+        assert nulls.status_code == 200, nulls.text
+        assert nulls.json()["choices"] == http.post("/v1/completions", json=base).json()["choices"]
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "seed": 7, "max_tokens": 4}
+        chat_nulls = {"max_completion_tokens": None, "logprobs": None, "top_logprobs": None, "temperature": None}
+        got = http.post("/v1/chat/completions", json={**chat, **chat_nulls})
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"] == http.post("/v1/chat/completions", json=chat).json()["choices"]
+
+
+def test_a_seed_out_of_range_is_400_before_any_prefill(model):
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    with TestClient(create_app(engine, NAME)) as http:
+        for seed in (2**64, -(2**63) - 1):
+            r = http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "temperature": 1.0, "seed": seed})
+            assert r.status_code == 400 and "seed must be in" in r.json()["error"]["message"], r.text
+        last = http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 2, "n": 2,
+                                                  "temperature": 1.0, "seed": 2**64 - 1})  # choice 2 gets seed+1
+        assert last.status_code == 400, last.text
+    assert engine.prompt_tokens == 0 and engine.finished == {}
+
+
+def test_more_choices_than_the_queue_holds_is_400_not_429(model):
+    """Retrying cannot help a request whose choices (prompts x n) outnumber the queue: a 400, and none
+    of its choices reaches the engine."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2, max_queue=3))
+    with TestClient(create_app(engine, NAME)) as http:
+        for body in ({"prompt": "abc", "n": 4}, {"prompt": ["ab", "cd"], "n": 2}):
+            r = http.post("/v1/completions", json={"model": NAME, "max_tokens": 2, **body})
+            assert r.status_code == 400 and "max_queue 3" in r.json()["error"]["message"], r.text
+        r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2, "n": 4})
+        assert r.status_code == 400, r.text
+        assert http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 2,
+                                                  "n": 3}).status_code == 200
+    assert engine.prompt_tokens == 3 * 3
+
+
+def test_the_api_key_is_compared_in_constant_time(model, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    import looplm.serve.api as api
+
+    compared = []
+    real = api.secrets.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(api.secrets, "compare_digest", spy)
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+    with TestClient(create_app(engine, NAME, api_key="sekret")) as http:
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert http.get("/v1/models").status_code == 401
+    assert len(compared) == 3 and all(b"sekret" in b for _, b in compared)

@@ -11,7 +11,7 @@ from looplm.config import ModelConfig
 from looplm.data import ByteTokenizer
 from looplm.infer.generate import SamplingConfig, generate
 from looplm.model import LoopedLM
-from looplm.serve import Engine, EngineConfig, EngineFull, Finish, Request, Token
+from looplm.serve import Engine, EngineConfig, EngineFull, EngineStopped, Finish, Request, Token
 
 TOK = ByteTokenizer()
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -178,3 +178,48 @@ def test_threaded_engine_and_stats(model):
     assert s["running_sequences"] == 0 and s["cache_bytes_in_use"] == 0 and s["mean_decode_depth"] == 3.0
     per_token = 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 4  # K and V, fp32
     assert s["cache_bytes_capacity"] == 4 * 4 * 64 * per_token  # 4 banks (1/2/1 blocks) x 4 slots x 64 positions
+
+
+def test_a_raising_event_sink_fails_its_request_only(model):
+    """A consumer whose sink raises (e.g. its event loop has closed) ends its own request with an
+    error; the engine thread lives on and the other rows stay exact."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    good = engine.submit(Request(TOK.encode("keep going"), max_tokens=12))
+
+    def broken(event):
+        raise RuntimeError("the consumer is gone")
+
+    bad = engine.submit(Request(TOK.encode("a broken consumer"), max_tokens=12), sink=broken)
+    engine.start()
+    try:
+        events = list(good.events(timeout=30))
+        assert events[-1].text == _alone(model, "keep going", Request([], max_tokens=12, depth=3), "terminal")
+        after = engine.submit(Request(TOK.encode("after"), max_tokens=4))
+        assert [e for e in after.events(timeout=30)][-1].reason in ("stop", "length")
+        assert bad.finish is not None and bad.finish.reason == "error" and "the consumer is gone" in bad.finish.error
+        assert engine._thread.is_alive() and engine.pool.running == 0 and engine.finished.get("error") == 1
+    finally:
+        engine.shutdown()
+
+
+def test_submit_after_shutdown_fails_fast(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3)).start()
+    engine.shutdown()
+    with pytest.raises(match="shut down"):
+        engine.submit(Request(TOK.encode("too late")))
+    assert not engine._pending
+    engine.start()  # a restarted engine takes requests again
+    try:
+        assert [e for e in engine.submit(Request(TOK.encode("again"), max_tokens=2)).events(timeout=30)][-1].reason
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_outside_the_generators_range_is_refused_before_queueing(model, seed):
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
+    with pytest.raises(ValueError, match="seed must be in"):
+        engine.submit(Request(TOK.encode("a"), temperature=1.0, seed=seed))
+    assert not engine._pending
+    for edge in (2**64 - 1, -(2**63)):  # torch.Generator's own limits are accepted
+        assert engine.generate([Request(TOK.encode("a"), max_tokens=2, temperature=1.0, seed=edge)])[0].reason

@@ -21,6 +21,17 @@ CONFIG_FILE = "tokenizer_config.json"
 BPE_FILE = "tokenizer.json"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the
+    other 68 for chr(256), chr(257), ... in byte order."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
 class Tokenizer(ABC):
     """Common tokenizer interface used by the data pipeline and the model."""
 
@@ -52,6 +63,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids, skipping special tokens; invalid UTF-8 becomes U+FFFD."""
+
+    @abstractmethod
+    def token_piece(self, token_id: int) -> bytes | str:
+        """One token on its own: the bytes it adds to decoded text (a byte token may hold part of a
+        UTF-8 character, which `decode` would turn into U+FFFD), or the name of a special token,
+        which decodes to nothing."""
 
     @abstractmethod
     def canonical_description(self) -> str:
@@ -88,6 +105,11 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def token_piece(self, token_id: int) -> bytes | str:
+        if not 0 <= token_id < 258:
+            raise ValueError(f"token id {token_id} is outside the byte vocabulary 0..257")
+        return bytes([token_id]) if token_id < 256 else (EOS_TOKEN, PAD_TOKEN)[token_id - 256]
 
     def canonical_description(self) -> str:
         return "byte-v1"
@@ -127,6 +149,13 @@ class BPETokenizer(Tokenizer):
         self._eos = int(backend.token_to_id(eos_token))
         self._pad = int(backend.token_to_id(pad_token))
         self._vocab = int(backend.get_vocab_size(with_added_tokens=True))
+        self._added = {i: (t.content, t.special) for i, t in backend.get_added_tokens_decoder().items()}
+        # Byte-level BPE (GPT-2's alphabet) spells each byte as one character; checked on a probe
+        # rather than read from the decoder, which a foreign tokenizer may wrap in a sequence.
+        probe = " héllo wörld 日本 🙂"
+        pieces = [backend.id_to_token(i) for i in backend.encode(probe, add_special_tokens=False).ids]
+        self._byte_level = (all(c in BYTE_LEVEL for p in pieces for c in p)
+                            and b"".join(bytes(BYTE_LEVEL[c] for c in p) for p in pieces) == probe.encode())
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -182,6 +211,19 @@ class BPETokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def token_piece(self, token_id: int) -> bytes | str:
+        if token_id in self._added:
+            content, special = self._added[token_id]
+            return content if special or token_id in (self._eos, self._pad) else content.encode()
+        name = self._tok.id_to_token(token_id)
+        if name is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary 0..{self._vocab - 1}")
+        if self._byte_level:
+            return bytes(BYTE_LEVEL[c] for c in name)
+        if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):  # a byte-fallback piece
+            return bytes([int(name[3:5], 16)])
+        return self.decode([token_id]).encode()
 
     @property
     def backend_json(self) -> str:

@@ -222,7 +222,11 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         ignored). With a `LoopedCache` (`cache`, or its old name `past_key_values`) the tokens are
         appended to it through `looplm.infer.extend` (no autograd): the first chunk of an empty
         cache runs at `prefill_steps` (default num_steps), later ones at `num_steps`.
-        `example_ids` [B] seed each row's initial state (default 0..B-1).
+        `example_ids` [B] seed each row's initial state (default 0..B-1). `use_cache=True` without a
+        cache starts one (a `LoopedCache` of `cache_kind`, returned as `.cache`/`.past_key_values`, so
+        the usual loop `out = m(ids, use_cache=True)`, `m(next, past_key_values=out.past_key_values)`
+        continues it); only in eval mode, as the cached forward has no autograd. Unset, `use_cache`
+        keeps the native forward (the config's `use_cache` is for `generate`).
         """
         if inputs_embeds is not None:
             raise ValueError("looplm takes input_ids, not inputs_embeds")
@@ -247,6 +251,11 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             raise ValueError(f"unknown cache_kind {kind!r}; choose terminal or full")
         tau = cfg.exit_tau if exit_tau is None else exit_tau
         low = cfg.min_depth if min_depth is None else min_depth
+        if cache is None and use_cache:
+            if self.training:
+                raise ValueError("use_cache=True needs eval mode (model.eval()): the cached forward runs "
+                                 "without autograd")
+            cache = LoopedCache(kind)
         B, n = input_ids.shape
         if example_ids is None:
             example_ids = torch.arange(B, device=input_ids.device)

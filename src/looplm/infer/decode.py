@@ -55,6 +55,8 @@ class SamplingConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
+            raise ValueError(f"seed must be in -2**63..2**64-1, got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
         if not 0 < self.top_p <= 1:  # also rejects nan

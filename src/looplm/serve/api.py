@@ -3,10 +3,11 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with server-sent events or
 not), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors use OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`: 400 for a request that cannot run (checked before
-it is queued), 401 for a wrong API key, 404 for an unknown model, 429 when the queue is full.
-The engine runs on its own thread; each HTTP request waits on an asyncio queue its events are
-posted to. A client that disconnects cancels its requests, and their slots are freed at the
-engine's next step.
+it is queued, including one with more choices than the queue holds), 401 for a wrong API key, 404
+for an unknown model, 429 when the queue is full, 503 while the server shuts down. The engine runs on
+its own thread; each HTTP request waits on an asyncio queue its events are posted to, and watches
+its client meanwhile: a client that disconnects (streaming or not) cancels its requests, and their
+slots are freed at the engine's next step.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from looplm.serve.engine import Engine, EngineFull, Finish, Request, RequestHandle, Token
+from looplm.data import Tokenizer
+from looplm.serve.engine import Engine, EngineFull, EngineStopped, Finish, Request, RequestHandle, Token
 from looplm.serve.protocol import ChatRequest, CompletionRequest
 
 POLL_S = 0.25
-"""How often a waiting request checks whether its client is still connected."""
+"""How often a request checks whether its client is still connected (whether or not tokens arrive)."""
 
 
 class APIError(Exception):
@@ -54,6 +56,24 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     return (f"{param}: {msg}" if param else msg), param
+
+
+class _RequireKey:
+    """ASGI middleware: /v1/ requests need `Authorization: Bearer <key>`, compared in constant time
+    (how long a refusal takes says nothing about how much of the key matched). Plain ASGI, because
+    `@app.middleware("http")` wraps `receive` so that endpoints never see their client disconnect."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                   "authentication_error", code="invalid_api_key").response()
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _EngineCollector:
@@ -89,6 +109,9 @@ class _Choices:
     def __init__(self, engine: Engine, requests: Sequence[Request]):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
+        if len(requests) > engine.config.max_queue:  # it would get a 429 however often it is retried
+            raise ValueError(f"this request has {len(requests)} choices (prompts x n); the server queues at most "
+                             f"max_queue {engine.config.max_queue}")
         for r in requests:
             engine.check(r)  # every choice is checked before any is queued
         self.handles: list[RequestHandle] = []
@@ -96,7 +119,7 @@ class _Choices:
             for i, r in enumerate(requests):
                 sink = (lambda i: lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, (i, ev)))(i)
                 self.handles.append(engine.submit(r, sink))
-        except EngineFull:
+        except (EngineFull, EngineStopped):
             self.cancel()
             raise
 
@@ -106,22 +129,26 @@ class _Choices:
                 h.cancel()
 
     async def stream(self, http: HTTPRequest) -> AsyncIterator[tuple[int, Token | Finish]]:
-        """Events until every choice finished; cancels them all if the client goes away."""
+        """Events until every choice finished; stops, cancelling them all, once the client goes away
+        (watched alongside the events, so a steady stream of tokens cannot hide it)."""
         left = len(self.handles)
+        gone = asyncio.ensure_future(_client_gone(http))
+        event = None
         try:
             while left:
-                try:
-                    i, ev = await asyncio.wait_for(self.events.get(), POLL_S)
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        return
-                    continue
+                event = asyncio.ensure_future(self.events.get())
+                await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    return
+                i, ev = event.result()
                 if isinstance(ev, Finish):
                     left -= 1
                 yield i, ev
         finally:
+            for task in (gone, event):
+                if task is not None:
+                    task.cancel()  # no-op once done
             self.cancel()  # no-op for finished choices
-
 
     async def collect(self, http: HTTPRequest) -> tuple[dict[int, list[Token]], dict[int, Finish]] | None:
         """Every choice's tokens and finish (non-streaming); None if the client went away; a
@@ -139,6 +166,12 @@ class _Choices:
         if failed:
             raise APIError(500, failed[0].error or "generation failed", "server_error")
         return tokens, finishes
+
+
+async def _client_gone(http: HTTPRequest) -> None:
+    """Returns once the client has disconnected."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(POLL_S)
 
 
 async def _sse_events(choices: _Choices, http: HTTPRequest, start: Callable[[int], dict | None],
@@ -181,9 +214,23 @@ def _usage(prompt_tokens: int, finishes: Sequence[Finish]) -> dict:
             "total_tokens": prompt_tokens + completion, "mean_decode_depth": round(depth, 4)}
 
 
-def _envelope(rid: str, name: str, kind: str) -> dict:
-    """The fields every OpenAI response body and stream chunk starts with."""
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": name}
+def _envelope(rid: str, name: str, kind: str, created: int) -> dict:
+    """The fields every OpenAI response body and stream chunk starts with (`created`: the request's
+    time, the same in every chunk of a stream)."""
+    return {"id": rid, "object": kind, "created": created, "model": name}
+
+
+def _spelling(tok: Tokenizer, token_id: int) -> tuple[str, list[int] | None]:
+    """A token as OpenAI's logprobs spell it, and its own bytes: its text; `bytes:\\xe6\\x97` for a
+    token whose bytes are not whole UTF-8 characters (as OpenAI's completions spell them); a
+    special token by its name, with no bytes."""
+    piece = tok.token_piece(token_id)
+    if isinstance(piece, str):
+        return piece, None
+    try:
+        return piece.decode("utf-8"), list(piece)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece), list(piece)
 
 
 def _sse(data: dict | str) -> str:
@@ -221,13 +268,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return APIError(err.status_code, str(err.detail), kind).response()
 
-    @app.middleware("http")
-    async def _auth(http: HTTPRequest, call_next):
-        if api_key is not None and http.url.path.startswith("/v1/"):
-            if http.headers.get("authorization", "") != f"Bearer {api_key}":
-                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                "authentication_error", code="invalid_api_key").response()
-        return await call_next(http)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, key=api_key)
 
     def check_model(name: str | None) -> None:
         if name not in (None, model_name):
@@ -241,6 +283,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             raise APIError(400, str(err)) from None
         except EngineFull as err:
             raise APIError(429, str(err), "rate_limit_exceeded", code="queue_full") from None
+        except EngineStopped as err:
+            raise APIError(503, str(err), "server_error", code="shutting_down") from None
 
     def choice_requests(body, prompts_ids: list[list[int]], max_tokens: int, stop, logprobs) -> list[Request]:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
@@ -273,24 +317,26 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         prompts = body.prompts()
         ids = [encode(p) for p in prompts]
         choices = start(choice_requests(body, ids, body.max_tokens, stop, body.logprobs))
-        rid, name = f"cmpl-{uuid.uuid4().hex}", body.model or model_name
+        rid, name, created = f"cmpl-{uuid.uuid4().hex}", body.model or model_name, int(time.time())
         prefix = [(tok.decode(i) if isinstance(p, list) else p) if body.echo else "" for p, i in zip(prompts, ids)]
         n_prompt = sum(len(i) for i in ids)
 
         def lp_block(tokens: list[Token], offset: int) -> dict:
             out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for t in tokens:
-                piece = tok.decode([t.token_id])
-                out["tokens"].append(piece)
+                out["tokens"].append(_spelling(tok, t.token_id)[0])
                 out["token_logprobs"].append(t.logprob)
-                out["top_logprobs"].append({tok.decode([i]): lp for i, lp in (t.top_logprobs or [])} or None)
+                top: dict[str, float] = {}
+                for i, lp in t.top_logprobs or []:  # most likely first: of two tokens spelled alike, it stays
+                    top.setdefault(_spelling(tok, i)[0], lp)
+                out["top_logprobs"].append(top or None)
                 out["text_offset"].append(offset)
-                offset += len(piece)
+                offset += len(tok.decode([t.token_id]))
             return out
 
         def chunk(index: int, text: str, finish: str | None, tokens: list[Token], offset: int) -> dict:
             lp = lp_block(tokens, offset) if body.logprobs is not None else None
-            return {**_envelope(rid, name, "text_completion"),
+            return {**_envelope(rid, name, "text_completion", created),
                     "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if body.stream:
@@ -309,7 +355,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                 return out
 
             def usage_chunk(finishes: list[Finish]) -> dict:
-                return {**_envelope(rid, name, "text_completion"), "choices": [], "usage": _usage(n_prompt, finishes)}
+                return {**_envelope(rid, name, "text_completion", created), "choices": [],
+                        "usage": _usage(n_prompt, finishes)}
 
             events = _sse_events(choices, http, start_choice, token_chunk,
                                  lambda i, ev: chunk(i, ev.tail, ev.reason, [], offsets[i]),
@@ -325,7 +372,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             head = prefix[i // body.n]
             c = chunk(i, head + finishes[i].text, finishes[i].reason, tokens.get(i, []), len(head))["choices"][0]
             out.append(c)
-        return {**_envelope(rid, name, "text_completion"),
+        return {**_envelope(rid, name, "text_completion", created),
                 "choices": out, "usage": _usage(n_prompt, list(finishes.values()))}
 
     @app.post("/v1/chat/completions")
@@ -337,27 +384,27 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             raise APIError(400, str(err)) from None
         ids = tok.encode(body.render())
         choices = start(choice_requests(body, [ids], body.budget(len(ids), engine.max_len), stop, logprobs))
-        rid, name = f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name
+        rid, name, created = f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, int(time.time())
 
         def lp_content(tokens: list[Token]) -> dict | None:
             if logprobs is None:
                 return None
 
             def entry(token_id: int, lp: float) -> dict:
-                piece = tok.decode([token_id])
-                return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
+                spelled, raw = _spelling(tok, token_id)
+                return {"token": spelled, "logprob": lp, "bytes": raw}
 
             return {"content": [{**entry(t.token_id, t.logprob),
                                  "top_logprobs": [entry(i, lp) for i, lp in (t.top_logprobs or [])]} for t in tokens]}
 
         def chunk(index: int, delta: dict, finish: str | None, tokens: list[Token]) -> dict:
-            return {**_envelope(rid, name, "chat.completion.chunk"),
+            return {**_envelope(rid, name, "chat.completion.chunk", created),
                     "choices": [{"index": index, "delta": delta, "logprobs": lp_content(tokens),
                                  "finish_reason": finish}]}
 
         if body.stream:
             def usage_chunk(finishes: list[Finish]) -> dict:
-                return {**_envelope(rid, name, "chat.completion.chunk"),
+                return {**_envelope(rid, name, "chat.completion.chunk", created),
                         "choices": [], "usage": _usage(len(ids), finishes)}
 
             events = _sse_events(
@@ -374,7 +421,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         out = [{"index": i, "message": {"role": "assistant", "content": finishes[i].text},
                 "logprobs": lp_content(tokens.get(i, [])), "finish_reason": finishes[i].reason}
                for i in sorted(finishes)]
-        return {**_envelope(rid, name, "chat.completion"),
+        return {**_envelope(rid, name, "chat.completion", created),
                 "choices": out, "usage": _usage(len(ids), list(finishes.values()))}
 
     return app

@@ -112,6 +112,10 @@ class EngineFull(RuntimeError):
     """The waiting queue is full (back-pressure: retry later)."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine has been shut down; it takes no requests until `start()` again."""
+
+
 class RequestHandle:
     """A submitted request: cancel it, or read its events when no sink was given."""
 
@@ -121,6 +125,7 @@ class RequestHandle:
         self._sink = sink if sink is not None else self._events.put
         self._cancelled = threading.Event()
         self.finish: Finish | None = None
+        self.sink_error: str | None = None
 
     def cancel(self) -> None:
         """Stop generating; the slot is freed at the engine's next step."""
@@ -133,7 +138,13 @@ class RequestHandle:
     def emit(self, event: Event) -> None:
         if isinstance(event, Finish):
             self.finish = event
-        self._sink(event)
+        try:
+            self._sink(event)
+        except Exception as err:  # noqa: BLE001 - a broken consumer ends its own request, not the engine
+            if self.sink_error is None:
+                log.exception("a request's event sink raised; the request is dropped")
+                self.sink_error = f"event sink: {type(err).__name__}: {err}"
+            self._cancelled.set()  # the engine finishes it as an error at its next step
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """Events until (and including) the `Finish` (handles without a sink)."""
@@ -264,9 +275,12 @@ class Engine:
         return sampling
 
     def submit(self, request: Request, sink: Callable[[Event], None] | None = None) -> RequestHandle:
-        """Queue a request (ValueError if it cannot run, EngineFull if the queue is full)."""
+        """Queue a request (ValueError if it cannot run, EngineFull if the queue is full,
+        EngineStopped after `shutdown()`)."""
         handle = RequestHandle(request, self.check(request), sink)
         with self._wake:
+            if self._stopping:
+                raise EngineStopped("the engine has been shut down; start() it again to submit requests")
             if len(self._pending) >= self.config.max_queue:
                 raise EngineFull(f"{len(self._pending)} requests are already waiting (max_queue "
                                  f"{self.config.max_queue}); retry later")
@@ -335,8 +349,9 @@ class Engine:
     def _drop_cancelled(self) -> None:
         i = 0
         while i < len(self._rows):
-            if self._rows[i].handle.cancelled:
-                self._finish(i, "cancelled")  # the last row moves into slot i: look at i again
+            handle = self._rows[i].handle
+            if handle.cancelled:  # the last row moves into slot i: look at i again
+                self._finish(i, "error" if handle.sink_error else "cancelled", error=handle.sink_error)
             else:
                 i += 1
         with self._wake:
@@ -344,7 +359,8 @@ class Engine:
             for h in cancelled:
                 self._pending.remove(h)
         for h in cancelled:
-            h.emit(Finish("cancelled", "", "", len(h.request.prompt_ids), 0, 0.0))
+            h.emit(Finish("error" if h.sink_error else "cancelled", "", "", len(h.request.prompt_ids), 0, 0.0,
+                          error=h.sink_error))
 
     def _admit(self) -> bool:
         admitted = False

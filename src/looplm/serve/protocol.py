@@ -3,7 +3,8 @@
 Fields follow OpenAI's completions and chat completions APIs; looplm's extensions (`depth`,
 `prefill_depth`, `exit_tau`, `min_depth`, `top_k`) ride in the same body (the openai client sends
 them through `extra_body`). Parameters the engine does not implement are accepted only at their
-neutral value, so a client never gets silently different behaviour.
+neutral value, so a client never gets silently different behaviour. `null` for a field means its
+default, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class _Common(BaseModel):
     prefill_depth: int | None = Field(None, ge=1)
     exit_tau: float | None = Field(None, gt=0.0)
     min_depth: int = Field(1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI reads `null` for an optional field as "not given" (clients send it): drop such
+        fields so their defaults apply; a required field sent as null is then reported missing."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _neutral_only(self):
