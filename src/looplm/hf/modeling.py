@@ -1,7 +1,7 @@
 """`LoopedLMForCausalLM`: a transformers causal-LM adapter over `looplm.model.LoopedLM`.
 
 Thin on purpose: a forward without a cache is `LoopedLM.forward` (autograd, labels), a forward
-with a `LoopedCache` is `looplm.infer.extend` against a looplm terminal (or full) KV cache, so
+with a `LoopedCache` is `LoopedLM`'s cached forward on a looplm terminal (or full) KV cache, so
 `model.generate(...)` prefills at `prefill_steps` and decodes every token at `num_steps`
 recurrences exactly like `looplm.infer.generate.generate`.
 
@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from looplm.hf.configuration import CACHE_KINDS, LoopedLMConfig
 from looplm.infer.cache import KVCache, make_cache
-from looplm.infer.extend import extend
+from looplm.infer.decode import DecodeSpec, SamplingConfig
 from looplm.model import LoopedLM
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -88,7 +88,7 @@ class LoopedCache(Cache):
                                   "generation only: no beam search, assisted or contrastive decoding)")
 
     def update(self, *args, **kwargs):
-        self._unsupported("per-layer update(); it is written by looplm.infer.extend")
+        self._unsupported("per-layer update(); it is written by the model's cached forward")
 
     def reorder_cache(self, beam_idx):
         self._unsupported("beam reordering")
@@ -220,7 +220,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         `attention_mask` [B, L]: left padding only (zeros, then ones); padded rows match the same
         prompt unpadded. `labels` [B, L]: mean next-token cross-entropy (shifted inside, -100
         ignored). With a `LoopedCache` (`cache`, or its old name `past_key_values`) the tokens are
-        appended to it through `looplm.infer.extend` (no autograd): the first chunk of an empty
+        appended to it by the model's cached forward (no autograd): the first chunk of an empty
         cache runs at `prefill_steps` (default num_steps), later ones at `num_steps`.
         `example_ids` [B] seed each row's initial state (default 0..B-1). `use_cache=True` without a
         cache starts one (a `LoopedCache` of `cache_kind`, returned as `.cache`/`.past_key_values`, so
@@ -306,21 +306,18 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         if cache.inner.length + n > cache.inner.max_len:
             raise ValueError(f"{cache.inner.length} cached + {n} new tokens exceed the cache length "
                              f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})")
-        if tau is not None and cache.inner.mode != "terminal":
-            raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
-        if tau is not None and low > run_depth:
-            raise ValueError(f"min_depth {low} exceeds the decode depth {run_depth}")
+        spec = DecodeSpec(run_depth, cache=cache.inner.mode, sampling=SamplingConfig(exit_tau=tau, min_depth=low))
+        spec.check(self.config.max_depth)
         first = cache.inner.length == 0
-        logits = extend(self.model, input_ids, cache.inner, run_depth, example_ids=example_ids, pad=cache.pad,
-                        exit_tau=tau, min_depth=low, return_depths=tau is not None)
-        if tau is not None:
-            logits, used = logits
+        with torch.no_grad():
+            out = self.model(input_ids, spec.decode_plan(), cache=cache.inner, pad=cache.pad, init="seeded",
+                             example_ids=example_ids)
         if not first:  # a decode step: its mean depth over the rows (a tensor: no device sync here)
             cache.decode_depth = run_depth
-            cache.depths_used.append(float(run_depth) if tau is None else used.float().mean())
+            cache.depths_used.append(float(run_depth) if tau is None else out.depths.float().mean())
         elif cache.decode_depth is None:
             cache.decode_depth = depth
-        return logits
+        return out.logits
 
     # -- generate ---------------------------------------------------------------------------------
     last_generate_stats: dict | None = None

@@ -28,9 +28,9 @@ from typing import Literal
 import torch
 
 from looplm.data import Tokenizer
-from looplm.infer.extend import extend
-from looplm.infer.generate import SamplingConfig, choose
+from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, choose
 from looplm.infer.prefill import Prefill
+from looplm.model.exits import DepthPlan
 from looplm.serve.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -164,30 +164,9 @@ class _Row:
     handle: RequestHandle
     depth: int
     generator: torch.Generator | None
+    stream: TextStream
     next_token: int = -1
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of `text` released
     depths: list[int] = field(default_factory=list)  # recurrences of each decode step
-
-
-def _held_back(text: str, stop: Sequence[str]) -> int:
-    """Characters at the end of `text` not to release yet: a proper prefix of a stop string, or an
-    incomplete character (U+FFFD that the next bytes may complete)."""
-    hold = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    if text.endswith("\ufffd"):
-        hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
-    return hold
-
-
-def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    hits = [text.index(s) for s in stop if s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
 
 
 class Engine:
@@ -251,16 +230,8 @@ class Engine:
         sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
                                   top_k=request.top_k, top_p=request.top_p, seed=request.seed,
                                   stop=tuple(request.stop), exit_tau=request.exit_tau, min_depth=request.min_depth)
-        sampling.validate()
         depth, prefill_depth = self.depths(request)
-        for name, r in (("depth", depth), ("prefill_depth", prefill_depth)):
-            if not 1 <= r <= self.max_depth:
-                raise ValueError(f"{name} must be in 1..{self.max_depth}, got {r}")
-        if request.exit_tau is not None:
-            if self.config.cache != "terminal":
-                raise ValueError("adaptive depth (exit_tau) needs the terminal cache; this server runs the full cache")
-            if request.min_depth > depth:
-                raise ValueError(f"min_depth {request.min_depth} exceeds the decode depth {depth}")
+        DecodeSpec(depth, prefill_depth, self.config.cache, sampling).check(self.max_depth)
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
@@ -393,11 +364,12 @@ class Engine:
         logits = self.prefill(self.model, tokens, view, prefill_depth, example_ids=ids)[0, -1]
         self.pool.set_length(slot, len(req.prompt_ids))
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
-        row = _Row(handle, depth, gen)
+        row = _Row(handle, depth, gen, TextStream(self.tokenizer, req.stop))
         self._rows.append(row)
         self.prompt_tokens += len(req.prompt_ids)
         self._accept(slot, logits, self.prefill.teacher_depth(prefill_depth))
 
+    @torch.no_grad()
     def _decode(self) -> None:
         rows = self._rows
         tokens = torch.tensor([[r.next_token] for r in rows], dtype=torch.long, device=self.device)
@@ -409,10 +381,11 @@ class Engine:
             kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in rows], device=self.device)
         depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=self.device)
         example_ids = torch.tensor([r.handle.request.example_id for r in rows], device=self.device)
-        logits, used = extend(self.model, tokens, self.pool.decode_view(), depth, example_ids=example_ids,
-                              return_depths=True, **kw)
+        out = self.model(tokens, DepthPlan(depth, **kw), cache=self.pool.decode_view(), init="seeded",
+                         example_ids=example_ids)
+        logits = out.logits
         self.pool.advance()
-        used = used[:, 0].tolist()
+        used = out.depths[:, 0].tolist()
         now = time.monotonic()
         with self._stats_lock:
             self._recent.append((now, len(rows), sum(used)))
@@ -434,13 +407,8 @@ class Engine:
         if tok == self.tokenizer.eos_id:
             self._finish(slot, "stop")
             return
-        row.ids.append(tok)
+        piece, stopped = row.stream.push(tok)
         self.generated_tokens += 1
-        text, stopped = _cut_at_stop(self.tokenizer.decode(row.ids), req.stop)
-        row.text = text
-        end = len(text) if stopped else len(text) - _held_back(text, req.stop)
-        piece = text[row.sent:end] if end > row.sent else ""
-        row.sent = max(row.sent, end)
         event = Token(tok, piece, depth)
         if req.logprobs is not None:
             lp = logits.float().log_softmax(-1)
@@ -451,7 +419,7 @@ class Engine:
         row.handle.emit(event)
         if stopped:
             self._finish(slot, "stop")
-        elif len(row.ids) >= req.max_tokens:
+        elif len(row.stream.ids) >= req.max_tokens:
             self._finish(slot, "length")
         else:
             row.next_token = tok
@@ -465,7 +433,8 @@ class Engine:
             self._rows[slot] = last
         self.finished[reason] = self.finished.get(reason, 0) + 1
         depth = sum(row.depths) / len(row.depths) if row.depths else float(row.depth)
-        row.handle.emit(Finish(reason, row.text, row.text[row.sent:], len(req.prompt_ids), len(row.ids), depth, error))
+        tail = row.stream.finish()
+        row.handle.emit(Finish(reason, row.stream.text, tail, len(req.prompt_ids), len(row.stream.ids), depth, error))
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self, window_s: float = 10.0) -> dict:
