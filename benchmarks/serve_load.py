@@ -240,6 +240,15 @@ def mixed_depth(args) -> None:
                         depth=1 if shallow_half and i % 2 else deep) for i, t in enumerate(texts)]
 
     engine = Engine(model, tok, EngineConfig(max_batch=args.slots, depth=deep, max_queue=args.slots))
+    decode_s = [0.0]  # time inside decode steps (prefills excluded): what per-row depth can save
+    decode = engine._decode
+
+    def timed_decode():
+        t = time.perf_counter()
+        decode()
+        decode_s[0] += time.perf_counter() - t
+
+    engine._decode = timed_decode
     arms = {f"all {args.slots} rows at depth {deep}": False, f"half at depth 1, half at {deep}": True}
     arms = {k: v for k, v in arms.items() if args.arms in ("both", "deep" if not v else "mixed")}
     engine.generate(requests(False)[:4])  # warm-up
@@ -247,26 +256,35 @@ def mixed_depth(args) -> None:
     for rnd in range(args.rounds):
         for label, shallow in arms.items():
             reqs = requests(shallow)
+            decode_s[0] = 0.0
             t0 = time.perf_counter()
             finishes = engine.generate(reqs)
             wall = time.perf_counter() - t0
             tokens = sum(f.completion_tokens for f in finishes)
+            decoded = tokens - len(finishes)  # each request's first token comes from its prefill
             runs[label].append({"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
+                                "decode_s": decode_s[0], "decode_tokens_per_s": decoded / decode_s[0],
                                 "mean_decode_depth": statistics.fmean(f.mean_decode_depth for f in finishes)})
-            print(f"round {rnd + 1} {label:>32}: {tokens} tokens in {wall:6.2f} s = {tokens / wall:7.1f} tok/s",
-                  flush=True)
-    rows = [{"arm": k, "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in v), "rounds": v}
+            print(f"round {rnd + 1} {label:>32}: {tokens} tokens in {wall:6.2f} s = {tokens / wall:7.1f} tok/s; "
+                  f"decode steps {decode_s[0]:6.2f} s = {decoded / decode_s[0]:7.1f} tok/s", flush=True)
+    rows = [{"arm": k, "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
+             "median_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in v), "rounds": v}
             for k, v in runs.items()]
     for r in rows:
-        print(f"{r['arm']:>32}: median {r['median_tokens_per_s']:.1f} tok/s")
-    ratio = rows[1]["median_tokens_per_s"] / rows[0]["median_tokens_per_s"] if len(rows) == 2 else None
-    if ratio is not None:
-        print(f"mixed / all deep: {ratio:.2f}x (block visits per step: {(1 + deep) / 2 / deep:.2f}x)")
+        print(f"{r['arm']:>32}: median {r['median_tokens_per_s']:.1f} tok/s end to end, "
+              f"{r['median_decode_tokens_per_s']:.1f} tok/s in decode steps")
+    ratio = decode_ratio = None
+    if len(rows) == 2:
+        ratio = rows[1]["median_tokens_per_s"] / rows[0]["median_tokens_per_s"]
+        decode_ratio = rows[1]["median_decode_tokens_per_s"] / rows[0]["median_decode_tokens_per_s"]
+        visits = lambda r: job.model.n_prelude + job.model.n_core * r + job.model.n_coda  # noqa: E731
+        print(f"mixed / all deep: {ratio:.2f}x end to end, {decode_ratio:.2f}x in decode steps (block visits "
+              f"per decode step: {(visits(1) + visits(deep)) / 2 / visits(deep):.2f}x)")
     record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.server_threads,
               "model": {"d_model": 512, "blocks": [job.model.n_prelude, job.model.n_core, job.model.n_coda]},
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "arms": rows, "mixed_over_deep": ratio}
+              "arms": rows, "mixed_over_deep": ratio, "mixed_over_deep_decode_steps": decode_ratio}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -7,6 +7,8 @@ An attention layer computes this chunk's K (after RoPE) and V, hands them to its
 - `KVBank.slot(start)`: a preallocated bank [B, H_kv, max_len, hd]; the chunk is written in place
   at [start, start + n) and attention reads [0, start + n) (or, for per-row starts [B] and one
   token per row, the whole bank under the caller's mask);
+- `RowsView(rows).slot(bank_slot)`: the rows of a one-token step that still recur, on their
+  gathered copy of the bank (gathered once per bank while the rows stay the same);
 - `KVRecord(inner)`: keeps the chunk's K/V (diagnostics, and the terminal cache's bookkeeping)
   and passes them on to `inner` (or attends to the chunk alone).
 
@@ -89,10 +91,6 @@ class BankSlot:
     def __init__(self, bank: KVBank, start: int | torch.Tensor):
         self.bank, self.start = bank, start
 
-    def select(self, rows: torch.Tensor) -> RowsSlot:
-        """The same chunk restricted to batch rows `rows` [b]."""
-        return RowsSlot(self.bank, self.start, rows)
-
     def update(self, k, v):
         self.bank.write(self.start, (k, v))
         if isinstance(self.start, torch.Tensor):
@@ -101,26 +99,41 @@ class BankSlot:
         return self.bank.k[:, :, :end], self.bank.v[:, :, :end]
 
 
-class RowsSlot:
-    """The slot of some rows `rows` [b] of a bank's chunk (a batch whose other rows stopped
-    recurring): they write their own places only, and attend to their own rows' K/V."""
+class RowsView:
+    """Batch rows `rows` [b] of the banks a one-token step visits, for the recurrences that only
+    some rows still run (design §13). Each bank's rows are gathered once and reused while the set
+    of rows stays the same (the terminal cache visits one bank per core layer at every
+    recurrence); a visit writes its token's K/V into the gathered rows and through to the bank."""
 
-    def __init__(self, bank: KVBank, start: int | torch.Tensor, rows: torch.Tensor):
-        self.bank, self.start, self.rows = bank, start, rows
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+        self._gathered: dict[int, KVBank] = {}
+
+    def slot(self, slot: BankSlot) -> RowsSlot:
+        bank = slot.bank
+        local = self._gathered.get(id(bank))
+        if local is None:
+            end = None if isinstance(slot.start, torch.Tensor) else slot.start + 1
+            local = self._gathered[id(bank)] = KVBank.of(bank.k[self.rows, :, :end], bank.v[self.rows, :, :end])
+        start = slot.start[self.rows] if isinstance(slot.start, torch.Tensor) else slot.start
+        return RowsSlot(local.slot(start), bank, slot.start, self.rows)
+
+
+class RowsSlot:
+    """The slot of some rows: reads and writes their gathered copy, and writes through to the bank."""
+
+    def __init__(self, local: BankSlot, bank: KVBank, start: int | torch.Tensor, rows: torch.Tensor):
+        self.local, self.bank, self.start, self.rows = local, bank, start, rows
 
     def update(self, k, v):
-        per_row = isinstance(self.start, torch.Tensor)
-        if per_row:
-            if k.shape[2] != 1:
-                raise ValueError(f"per-row cache lengths take one token per row, got {k.shape[2]}")
+        if isinstance(self.start, torch.Tensor):
             at = self.start[self.rows]
             self.bank.k[self.rows, :, at] = k[:, :, 0]
             self.bank.v[self.rows, :, at] = v[:, :, 0]
-            return self.bank.k[self.rows], self.bank.v[self.rows]
-        end = self.start + k.shape[2]
-        self.bank.k[self.rows, :, self.start:end] = k
-        self.bank.v[self.rows, :, self.start:end] = v
-        return self.bank.k[self.rows, :, :end], self.bank.v[self.rows, :, :end]
+        else:
+            self.bank.k[self.rows, :, self.start:self.start + k.shape[2]] = k
+            self.bank.v[self.rows, :, self.start:self.start + k.shape[2]] = v
+        return self.local.update(k, v)
 
 
 class KVRecord:

@@ -17,7 +17,7 @@ from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, 
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.exits import DepthPlan, Exits
 from looplm.model.injection import build_injection
-from looplm.model.kv import KVRecord, LayerCache
+from looplm.model.kv import KVRecord, LayerCache, RowsView
 from looplm.model.state import StateInit, initial_state
 
 
@@ -312,14 +312,17 @@ class LoopedLM(nn.Module):
         states = [] if return_states else None
         visited = [] if plan.exit_gate is not None else None  # each recurrence's state, for the gate
         kept: list = [None] * len(self.core)  # with a cache: each token's K/V from its last recurrence
+        view: RowsView | None = None  # the recurring rows of a one-token step, once some stopped
         for r in range(R):
             prev = s
             rows = exits.compact() if exits is not None and n == 1 and not torch.is_grad_enabled() else None
             if rows is not None:  # design §13: rows that stopped leave the batch; the rest recur alone
-                slots = None if cache is None else [KVRecord(cache.slot("core", j, r).select(rows))
+                if view is None or not torch.equal(view.rows, rows):
+                    view, sub = RowsView(rows), ctx.select(rows)
+                slots = None if cache is None else [KVRecord(view.slot(cache.slot("core", j, r)))
                                                     for j in range(len(self.core))]
                 s = s.clone()
-                s[rows] = self.recurrence(s[rows], ctx.select(rows), slots=slots)
+                s[rows] = self.recurrence(s[rows], sub, slots=slots)
             else:
                 slots = None if cache is None else [KVRecord(cache.slot("core", j, r)) for j in range(len(self.core))]
                 # design §3: the first R-b recurrences run without autograd; their output is a constant.
