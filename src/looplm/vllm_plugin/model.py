@@ -34,6 +34,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
@@ -240,19 +241,19 @@ class LoopedLMForVLLM(nn.Module):
         self.exit_threshold = getattr(hf, "exit_gate_threshold", None)
         cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, quant_config=quant_config,
-                                            prefix=f"{prefix}embed")
+                                            prefix=maybe_prefix(prefix, "embed"))
         # one list of physical blocks: vLLM names each attention by a single layer index
         counts = {"prelude": cfg.n_prelude, "core": cfg.n_core, "coda": cfg.n_coda}
         self.first = {"prelude": 0, "core": cfg.n_prelude, "coda": cfg.n_prelude + cfg.n_core}
         self.layers = nn.ModuleList(
-            LoopedBlock(cfg, cfg.has_value_embed(i), f"{prefix}layers.{self.first[stack] + i}", cache_config,
-                        quant_config)
+            LoopedBlock(cfg, cfg.has_value_embed(i), maybe_prefix(prefix, f"layers.{self.first[stack] + i}"),
+                        cache_config, quant_config)
             for stack in STACKS for i in range(counts[stack]))
         self.injection = build_injection(cfg)  # looplm's module, replicated on every rank
         self.coda_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False) if cfg.coda_proj else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.head_norm else nn.Identity()
         self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate else None
-        self.head = ParallelLMHead(cfg.vocab_size, cfg.d_model, quant_config=quant_config, prefix=f"{prefix}head")
+        self.head = ParallelLMHead(cfg.vocab_size, cfg.d_model, quant_config=quant_config, prefix=maybe_prefix(prefix, "head"))
         if cfg.tie_embeddings:
             self.head = self.head.tie_weights(self.embed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
