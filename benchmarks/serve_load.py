@@ -79,19 +79,20 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 class Server:
     """`looplm serve CHECKPOINT ARGS` on a free port, until `close()`."""
 
-    def __init__(self, checkpoint: Path, args: list[str], threads: int):
+    def __init__(self, checkpoint: Path, args: list[str], threads: int, command: list[str] | None = None):
+        """`command` replaces `python -m looplm.cli serve` (e.g. `vllm serve`); it gets CHECKPOINT, --port, ARGS."""
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "looplm.cli", "serve", str(checkpoint), "--port", str(self.port), *args]
+        cmd = [*(command or [sys.executable, "-m", "looplm.cli", "serve"]), str(checkpoint), "--port", str(self.port), *args]
         self.cmd = cmd
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600
         while True:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -148,7 +149,7 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
                 with lock:
                     results.append({"index": i, "latency_s": end - start, "ttft_s": (first or end) - start,
                                     "text": text, "completion_tokens": usage["completion_tokens"],
-                                    "mean_decode_depth": usage["mean_decode_depth"]})
+                                    "mean_decode_depth": usage.get("mean_decode_depth", math.nan)})  # looplm's
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:

@@ -21,6 +21,7 @@ ALLOWED = {
     "data": {"data"},
     "serve": {"config", "model", "infer", "data", "serve"},
     "convert": {"config", "model", "data", "checkpoint", "convert", "train", "depth", "distill"},  # job, student format
+    "vllm_plugin": {"config", "model", "hf", "vllm_plugin"},
 }
 
 
@@ -45,3 +46,17 @@ def test_scanner_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from looplm.distill.evaluate import x\n    import looplm.rl.trainer\n")
     assert looplm_imports(f) == {"distill", "rl"}
+
+
+def test_only_the_vllm_plugin_imports_vllm():
+    """vLLM is an optional environment of its own: nothing outside looplm.vllm_plugin imports it."""
+    def imports_vllm(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
+                return True
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names):
+                return True
+        return False
+
+    users = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if imports_vllm(p)}
+    assert users and all(u.startswith("vllm_plugin/") for u in users), sorted(users)

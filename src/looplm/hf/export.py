@@ -1,7 +1,7 @@
 """`export(checkpoint, out)`: a looplm checkpoint as a transformers model folder.
 
 The folder holds config.json (`LoopedLMConfig`), model.safetensors and the tokenizer files of a
-`PreTrainedTokenizerFast`, so `AutoModelForCausalLM.from_pretrained(out)` and
+`PreTrainedTokenizerFast` (with looplm's chat template), so `AutoModelForCausalLM.from_pretrained(out)` and
 `AutoTokenizer.from_pretrained(out)` load it offline (after `import looplm`). It also holds
 looplm_export.json (source, tokenizer name, the checkpoint's job config) and looplm_tokenizer/
 (looplm's own tokenizer files), so `looplm eval/generate/analyze OUT` read the folder as a checkpoint.
@@ -17,6 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from looplm.checkpoint import HF_EXPORT_INFO, HF_LOOPLM_TOKENIZER
+from looplm.data.chat import CHAT_TEMPLATE_JINJA
 from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
 
 
@@ -80,7 +81,9 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         hf.save_pretrained(out)
-    hf_tokenizer(tokenizer).save_pretrained(out)
+    hf_tok = hf_tokenizer(tokenizer)
+    hf_tok.chat_template = CHAT_TEMPLATE_JINJA  # the template `looplm serve` documents (vLLM's chat endpoint reads it)
+    hf_tok.save_pretrained(out)
     # for looplm's own commands (looplm.checkpoint.load_model): its tokenizer files (whose names
     # collide with transformers' ones, hence a subfolder) and the training job (held-out data)
     tokenizer.save(out / HF_LOOPLM_TOKENIZER)

@@ -13,10 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-CHAT_TEMPLATE = "{role}: {content}\n"
-"""Each message is rendered as `role: content` on its own line, then `assistant:` opens the reply."""
-CHAT_STOP = ("\nuser:", "\nsystem:")
-"""Stop strings added to every chat request, so the reply ends where the template's next turn would start."""
+from looplm.data.chat import CHAT_STOP, CHAT_TEMPLATE
+
 
 
 class _Common(BaseModel):
