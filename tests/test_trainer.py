@@ -337,7 +337,7 @@ def test_resume_keeps_the_global_batch_when_micro_batch_changes(stopped_run, cac
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
     for s in (3, 4):
         assert got[s]["depths"] == ref[s]["depths"] and got[s]["tokens"] == ref[s]["tokens"]
-        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-5), s
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-6), s  # measured 2e-8; wrong noise rows: 1e-5
     assert ckpt.read_json(t.latest_checkpoint(), "trainer_state.json")["global_micro_batch"] == 4
 
 

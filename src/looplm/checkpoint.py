@@ -234,7 +234,9 @@ def consolidate(src: Path, out: Path, *, weights_only: bool = False) -> Path:
     run folder `out` (`out/checkpoints/step_<N>`, with `latest`): model.safetensors and, unless
     `weights_only`, optimizer.safetensors, so DDP or one process can resume from it. Reads the
     whole model (and optimizer state) into this process."""
-    path = resolve(src)
+    path, out = resolve(src), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} is not empty; consolidate into a new (or empty) folder")
     verify(path)
     if not is_sharded(path):
         raise CheckpointError(f"{path} is already a single-file checkpoint (model.safetensors); nothing to consolidate")

@@ -40,12 +40,13 @@ from looplm.train.noise import initial_state_noise
 from looplm.train.schedule import wsd_multiplier
 
 # Settings that may change between a run and its resume; everything else must match. The global
-# batch is the checkpoint's, so train.micro_batch only bounds the rows of one forward on resume.
+# batch is the checkpoint's, so train.micro_batch only bounds the rows of one forward on resume; a
+# run folder may be moved or copied (train.out_dir) and resumed where it lies.
 RESUMABLE_CHANGES = {
     "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
-    "train.prefetch", "train.micro_batch", "train.async_checkpoint",
+    "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir",
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
@@ -213,7 +214,7 @@ class Trainer:
             saved = job_from_dict(ckpt.read_json(resume_from, "config.json")).train
             global_rows = state.get("global_micro_batch", saved.micro_batch * state.get("world_size", 1))
         layout = BatchLayout(global_rows, t.grad_accum, env.world_size, env.rank, t.micro_batch)
-        if resume_from is not None and env.is_main and layout.forwards() != [range(layout.rank_rows)]:
+        if resume_from is not None and env.is_main and (layout.rank_rows, len(layout.forwards())) != (t.micro_batch, 1):
             print(f"global batch {layout.global_rows} x {layout.grad_accum} sequences: {layout.rank_rows} per rank "
                   f"per microbatch, in forwards of {'/'.join(str(len(f)) for f in layout.forwards())}", flush=True)
         return layout
