@@ -24,7 +24,7 @@ import pytest
 import torch
 from _jobs import free_port, one_thread, shared_cache, step_records, subprocess_env, tiny_job
 
-from looplm.checkpoint import CheckpointError, is_sharded, load_tensors, load_weights, read_json, verify
+from looplm.checkpoint import CheckpointError, file_sha256, is_sharded, load_tensors, load_weights, read_json, verify
 from looplm.depth.pln import pln_pmf
 from looplm.train import distributed as D
 from looplm.train.distributed import CollectiveDeviceError, DistEnv, init_distributed
@@ -291,8 +291,17 @@ def test_sharded_checkpoint_resumes_on_one_process(two_ranks, parallel, tmp_path
     data, depths, noise and learned-prior trajectory as the uninterrupted 2-rank run."""
     jobs, all_reports = two_ranks
     job = jobs[parallel]
-    t = Trainer(resumed_in(job, copy_at(job.train.out_dir, tmp_path / "run")))
+    run = copy_at(job.train.out_dir, tmp_path / "run")
+    # a recognisable RNG state for rank 0 (the saved one equals what a fresh process has after the model init)
+    planted = torch.Generator().manual_seed(1234).get_state().tolist()
+    rng = step_dir(run, SAVED) / "rng" / "rank_00000.json"
+    rng.write_text(json.dumps({"torch": planted, "cuda": None}))
+    manifest = json.loads((step_dir(run, SAVED) / "manifest.json").read_text())
+    manifest["sha256"]["rng/rank_00000.json"] = file_sha256(rng)
+    (step_dir(run, SAVED) / "manifest.json").write_text(json.dumps(manifest))
+    t = Trainer(resumed_in(job, run))
     assert t.step == SAVED and not t.env.distributed
+    assert torch.get_rng_state().tolist() == planted
     assert (t.layout.global_rows, [len(f) for f in t.layout.forwards()]) == (4, [2, 2])
     t.fit()
     assert_follows(t.out_dir, job.train.out_dir, range(SAVED + 1, STEPS + 1))
