@@ -424,7 +424,7 @@ def consolidate(
 
     Args:
         checkpoint: A sharded checkpoint folder, or a run folder (its latest checkpoint is used).
-        out: New (or empty) folder to write the run folder into.
+        out: New (or empty) folder: the run folder to write.
         weights_only: Leave out the optimizer state (a third of the size; loads for inference, cannot resume).
     """
     from looplm.checkpoint import consolidate as run

@@ -127,9 +127,22 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
         writer = dcp.FileSystemWriter(str(tmp / ckpt.SHARDS))
         shards = {"model": model_sd, "optimizer": optim_sd}
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized" on one process: the intent
+            warnings.simplefilter("ignore", UserWarning)
+            digests = self._write_shards(shards, writer, tmp, rng_file)
+        self._pending = _Pending(tmp, target, digests)
+        if not self.async_save:
+            self._commit()
+        return target
+
+    def _write_shards(self, shards: dict, writer, tmp: Path, rng_file: Path) -> Future:
+        """Write this rank's shards (in the background when asynchronous); the future's result is
+        the SHA-256 sums of the files this rank wrote."""
+        import torch.distributed.checkpoint as dcp
+
         if self.async_save:
             if self._group is None:
-                self._group = D.side_group(env)
+                self._group = D.side_group(self.env)
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="looplm-checkpoint")
             written = dcp.async_save(shards, storage_writer=writer, process_group=self._group)
             written = getattr(written, "upload_completion", written)  # AsyncSaveResponse or a Future
@@ -138,15 +151,11 @@ class Checkpointer:
                 written.result()
                 return self._own_digests(tmp, rng_file)
 
-            digests = self._hasher.submit(written_then_hashed)
-        else:
-            dcp.save(shards, storage_writer=writer)
-            digests = Future()
-            digests.set_result(self._own_digests(tmp, rng_file))
-        self._pending = _Pending(tmp, target, digests)
-        if not self.async_save:
-            self._commit()
-        return target
+            return self._hasher.submit(written_then_hashed)
+        dcp.save(shards, storage_writer=writer)
+        digests: Future = Future()
+        digests.set_result(self._own_digests(tmp, rng_file))
+        return digests
 
     def _own_digests(self, tmp: Path, rng_file: Path) -> dict[str, str]:
         """SHA-256 of the files this rank wrote: its shard files and its RNG state."""
@@ -155,7 +164,9 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Commit a pending asynchronous save once every rank's write has finished (call after each step)."""
-        if self._pending is not None and D.all_reduce_int(int(self._pending.digests.done()), self.env) == self.env.world_size:
+        if self._pending is None:
+            return
+        if D.all_reduce_int(int(self._pending.digests.done()), self.env) == self.env.world_size:
             self._commit()
 
     def wait(self) -> None:

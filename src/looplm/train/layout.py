@@ -29,7 +29,8 @@ class BatchLayout:
     """Most sequences one forward of a rank runs (train.micro_batch)."""
 
     def __post_init__(self):
-        if min(self.global_rows, self.grad_accum, self.world_size, self.max_rows) < 1 or not 0 <= self.rank < self.world_size:
+        sizes = (self.global_rows, self.grad_accum, self.world_size, self.max_rows)
+        if min(sizes) < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"invalid batch layout {self}")
         if self.global_rows % self.world_size:
             raise ValueError(f"the run's microbatch of {self.global_rows} sequences over all ranks (train.micro_batch x "
