@@ -7,6 +7,7 @@
   looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (design §11): JSON report, plots, summary
   looplm rl CHECKPOINT [--estimator reuse]    GRPO post-training with rollout-state reuse (design §10)
   looplm tokenize SRC OUT [--tokenizer bpe]   tokenize a corpus once into a folder to train from
+  looplm consolidate CHECKPOINT OUT           a sharded (FSDP2/HSDP) checkpoint in the single-file form
 
 Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
 """
@@ -408,6 +409,30 @@ def export(
     print(f"wrote {path}")
 
 
+def consolidate(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
+    weights_only: bool = False,
+) -> None:
+    """Write a sharded checkpoint (FSDP2/HSDP training) in the single-file form.
+
+    OUT becomes a run folder (OUT/checkpoints/step_N, with `latest`) holding model.safetensors and,
+    unless --weights-only, optimizer.safetensors and the trainer state, so one process or DDP can
+    resume it (--train.out-dir OUT --train.resume). eval, generate, analyze, export, distill, rl and
+    serve read sharded checkpoints as they are; this writes the form other tools expect. The whole
+    model (and optimizer state) passes through this process's memory.
+
+    Args:
+        checkpoint: A sharded checkpoint folder, or a run folder (its latest checkpoint is used).
+        out: New (or empty) folder: the run folder to write.
+        weights_only: Leave out the optimizer state (a third of the size; loads for inference, cannot resume).
+    """
+    from looplm.checkpoint import consolidate as run
+
+    path = run(checkpoint, out, weights_only=weights_only)
+    print(f"wrote {path}")
+
+
 def convert(
     src: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="SRC")],
     out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
@@ -615,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _SUBCOMMANDS = {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze,
-                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert, "serve": serve}
+                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert, "serve": serve,
+                "consolidate": consolidate}
 
 
 if __name__ == "__main__":

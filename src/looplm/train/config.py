@@ -50,7 +50,8 @@ class TrainConfig:
     steps: int = 600
     """Optimizer steps T (the warmup-stable-decay schedule spans them)."""
     micro_batch: int = 16
-    """Sequences per microbatch on each rank."""
+    """Sequences per microbatch on each rank. A resumed run keeps its checkpoint's global batch; this then bounds
+    the sequences of one forward (a run resumed on fewer ranks splits each rank's rows into several forwards)."""
     grad_accum: int = 1
     """Microbatches per optimizer step (each draws its own depth)."""
     lr: float = 3e-3
@@ -94,6 +95,10 @@ class TrainConfig:
     """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep on disk."""
+    async_checkpoint: bool = False
+    """Write sharded (FSDP2/HSDP) checkpoints in the background: the state is copied to host memory and training
+    goes on; the checkpoint appears (manifest, rename, `latest`) once every rank has written its shards. No effect
+    on single-file checkpoints (one process, DDP)."""
     eval_every: int = 200
     """Validation loss every this many steps (0 disables)."""
     eval_batches: int = 4

@@ -183,6 +183,24 @@ def broadcast_object(obj, env: DistEnv):
     return box[0]
 
 
+def all_gather_object(obj, env: DistEnv) -> list:
+    """Every rank's `obj` (pickled), in rank order, on every rank."""
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def side_group(env: DistEnv):
+    """A second gloo group over every rank (every rank must call this at the same point): for
+    collectives issued from a background thread (asynchronous checkpoint writes), which must not
+    interleave with the training loop's collectives on the main group. None without a group."""
+    if not env.distributed:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def shutdown(env: DistEnv) -> None:
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()
