@@ -14,6 +14,7 @@ import numpy as np
 
 from looplm.depth.config import DepthConfig
 from looplm.depth.pln import pln_pmf, pmf_mean
+from looplm.errors import UserError
 
 
 class DepthSampler(ABC):
@@ -51,7 +52,7 @@ class DepthSampler(ABC):
 class FixedDepth(DepthSampler):
     def __init__(self, depth: int, cap: int = 64, seed: int = 0):
         if not 1 <= depth <= cap:
-            raise ValueError(f"fixed depth must be in 1..{cap}, got {depth}")
+            raise UserError(f"fixed depth must be in 1..{cap}, got {depth}")
         super().__init__(cap, seed)
         self.depth = depth
 
@@ -79,7 +80,7 @@ class PLNDepth(DepthSampler):
 class UniformDepth(DepthSampler):
     def __init__(self, low: int, high: int, cap: int = 64, seed: int = 0):
         if not 1 <= low <= high <= cap:
-            raise ValueError(f"uniform depths need 1 <= low <= high <= {cap}, got {low}..{high}")
+            raise UserError(f"uniform depths need 1 <= low <= high <= {cap}, got {low}..{high}")
         super().__init__(cap, seed)
         self._pmf = np.zeros(cap)
         self._pmf[low - 1 : high] = 1.0 / (high - low + 1)
@@ -90,11 +91,11 @@ class UniformDepth(DepthSampler):
 
 def build_sampler(cfg: DepthConfig) -> DepthSampler:
     if cfg.cap < 1:
-        raise ValueError(f"depth cap must be >= 1, got {cfg.cap}")
+        raise UserError(f"depth cap must be >= 1, got {cfg.cap}")
     cfg.effective_bptt_window()  # validates an explicit window
     if cfg.sampler == "fixed":
         if cfg.depth != int(cfg.depth):
-            raise ValueError(f"fixed depth must be an integer, got {cfg.depth}")
+            raise UserError(f"fixed depth must be an integer, got {cfg.depth}")
         return FixedDepth(int(cfg.depth), cfg.cap, cfg.seed)
     if cfg.sampler == "pln":
         return PLNDepth(cfg.depth, cfg.sigma, cfg.cap, cfg.seed)
@@ -107,4 +108,4 @@ def build_sampler(cfg: DepthConfig) -> DepthSampler:
         logits = (logits_from_run(lc.init_from) if lc.init_from is not None
                   else initial_logits(lc.init, cfg.cap, cfg.depth, cfg.sigma, cfg.low, cfg.high))
         return LearnedDepthPrior(logits, cfg.depth, lc, cfg.seed)
-    raise ValueError(f"unknown depth sampler {cfg.sampler!r}; choose fixed, pln, uniform or learned")
+    raise UserError(f"unknown depth sampler {cfg.sampler!r}; choose fixed, pln, uniform or learned")
