@@ -390,7 +390,8 @@ class GenerateSpy:
         monkeypatch.setattr(gen, "generate", lambda *a, **k: self.calls.append((a, k)) or real(*a, **k))
 
 
-@pytest.mark.parametrize(("source", "stop", "max_new_tokens"), [("tasks", ("\n",), 16), ("shakespeare", (), 59)])  # 64, cut to what the 64-token context leaves
+# text: 64 new tokens, cut to the 59 that the 64-token context leaves after the 6-token prompt
+@pytest.mark.parametrize(("source", "stop", "max_new_tokens"), [("tasks", ("\n",), 16), ("shakespeare", (), 59)])
 def test_generate_stop_and_length_follow_the_checkpoints_data(tmp_path, monkeypatch, capsys, source, stop,
                                                                max_new_tokens):
     """A text checkpoint continues past newlines (the README's `--prompt "ROMEO."` printed only the

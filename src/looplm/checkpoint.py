@@ -122,9 +122,9 @@ def load_data(path: Path):
                 return DataRecord.from_dict(info["data"])
             if isinstance(info.get("job"), dict):
                 return DataRecord.from_job(info["job"])
-            raise CheckpointError(f"{path}: this Hugging Face folder does not record the data its model was trained "
-                                  f"on (no {HF_EXPORT_INFO} with it); re-export the looplm checkpoint with `looplm "
-                                  "export`, evaluate the checkpoint itself, or give --data")
+            raise CheckpointError(f"{path}: this Hugging Face folder does not record the training job (no "
+                                  f"{HF_EXPORT_INFO} with it), so there is no held-out data of its own; give --data, "
+                                  "re-export the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself")
         if (path / DATA_RECORD).is_file():
             return DataRecord.from_dict(read_json(path, DATA_RECORD))
         converted = (path / CONVERSION).is_file()

@@ -117,23 +117,9 @@ def _device(pref: str):
     return resolve_device(pref)
 
 
-def _data_record(path: Path, data: str | None, max_seq_len: int):
-    """The data record a command reads for checkpoint `path` (`looplm.checkpoint.load_data`), with its
-    source replaced by `data` (--data). A Hugging Face folder that records no data reads `data` alone."""
-    from looplm.checkpoint import is_hf_folder, load_data
-    from looplm.data.record import DataRecord
-
-    if data is not None and is_hf_folder(path):
-        try:
-            return load_data(path).with_source(data)
-        except UserError:
-            return DataRecord(source=data, seq_len=min(DataRecord.seq_len, max_seq_len), origin="converted")
-    return load_data(path).with_source(data)
-
-
 def _recorded_data(path: Path):
-    """The checkpoint's data record, or None for a Hugging Face folder that records none (one saved
-    by Transformers alone)."""
+    """The checkpoint's data record (`looplm.checkpoint.load_data`), or None for a Hugging Face folder
+    that records none (one saved by Transformers alone)."""
     from looplm.checkpoint import is_hf_folder, load_data
 
     try:
@@ -142,6 +128,20 @@ def _recorded_data(path: Path):
         if is_hf_folder(path):
             return None
         raise
+
+
+def _data_record(path: Path, data: str | None, max_seq_len: int):
+    """The data record a command reads for checkpoint `path`, with its source replaced by `data` (--data).
+    A Hugging Face folder that records no data reads `data` alone (and without it is a user error)."""
+    from looplm.checkpoint import load_data
+    from looplm.data.record import DataRecord
+
+    record = _recorded_data(path)
+    if record is not None:
+        return record.with_source(data)
+    if data is None:
+        return load_data(path)  # raises its one-line error, which asks for --data
+    return DataRecord(source=data, seq_len=min(DataRecord.seq_len, max_seq_len), origin="converted")
 
 
 def _prefill_arms(model, names, student_path=None) -> list:

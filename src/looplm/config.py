@@ -37,7 +37,8 @@ class ModelConfig:
     """Shape of a looped LM: prelude -> (injection -> core) x R -> coda (design §1-2)."""
 
     vocab_size: int = 258
-    """Vocabulary size (set from the tokenizer when training)."""
+    """Vocabulary size: embedding and head rows. In a training job 0 means the tokenizer's size (the
+    presets' value); a larger value pads past the tokenizer (rows no token id reaches), a smaller one is refused."""
     d_model: int = 128
     """Width d of the residual stream and of the recurrent state."""
     n_heads: int = 4

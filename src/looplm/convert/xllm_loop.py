@@ -46,8 +46,8 @@ import torch
 
 from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic
 from looplm.config import ModelConfig
-from looplm.convert.common import (DTYPES, INDEX, check_folders, inside, interleaved_to_half_split, read_checked, read_json,
-                                   check_vocab, release_job, write_release_files)
+from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, inside, interleaved_to_half_split,
+                                   read_checked, read_json, release_job, write_release_files)
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
 
