@@ -175,14 +175,14 @@ def write_choice_task(folder: Path, rows: list[dict]) -> Path:
     return data
 
 
-def write_random_run(root: Path) -> Path:
+def write_random_run(root: Path, **overrides) -> Path:
     """A run folder `root` holding one checkpoint (step 1) of a random tiny byte-level model, as
-    `looplm train` writes it."""
+    `looplm train` writes it; `overrides` as in `tiny_job` (e.g. data__source="shakespeare")."""
     from looplm import checkpoint as ckpt
     from looplm.data import ByteTokenizer
     from looplm.model import LoopedLM
 
-    job = tiny_job(root.parent, root.name)
+    job = tiny_job(root.parent, root.name, **overrides)
     job.model.vocab_size = ByteTokenizer().vocab_size
     torch.manual_seed(0)
     ckpt.save_model(root, LoopedLM(job.model), job.to_dict(), ByteTokenizer())

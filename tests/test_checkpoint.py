@@ -181,7 +181,7 @@ def test_load_model_round_trip(checkpoint):
 
 def test_tokenizer_vocab_mismatch(checkpoint):
     _, tokenizer, _ = ckpt.load_model(checkpoint)
-    edit_config(checkpoint, vocab_size=tokenizer.vocab_size + 10)
+    edit_config(checkpoint, vocab_size=tokenizer.vocab_size - 10)  # token ids without an embedding row
     ckpt.verify(checkpoint)  # consistent files, but they do not fit together
     with pytest.raises(ckpt.CheckpointError, match=f"tokenizer has {tokenizer.vocab_size} tokens"):
         ckpt.load_model(checkpoint)

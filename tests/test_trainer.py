@@ -390,3 +390,23 @@ def test_metrics_records(tmp_path, cache):
     assert [r["step"] for r in val] == [2, 4]
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in val)
 
+
+
+# -- the vocabulary size of a run ---------------------------------------------------------------
+def test_vocab_size_is_the_tokenizers_unless_the_job_pads_it(tmp_path, cache):
+    """`--model.vocab-size` is honoured (a padded embedding and head: more rows than the tokenizer has
+    tokens) or refused (fewer), never silently replaced; 0, the presets' value, means the tokenizer's."""
+    from looplm.errors import UserError
+
+    default = Trainer(job(tmp_path, cache, "default"))
+    assert tiny_job(tmp_path).model.vocab_size == 0
+    assert default.model.cfg.vocab_size == default.tokenizer.vocab_size == 258
+    padded = Trainer(job(tmp_path, cache, "padded", model__vocab_size=320, train__steps=1))
+    assert padded.model.embed.weight.shape[0] == padded.model.head.weight.shape[0] == 320
+    padded.fit()
+    model, tokenizer, config = ckpt.load_model(padded.out_dir)  # a padded vocabulary loads
+    assert (model.cfg.vocab_size, tokenizer.vocab_size, config["model"]["vocab_size"]) == (320, 258, 320)
+    resumed = Trainer(job(tmp_path, cache, "padded", model__vocab_size=320, train__steps=1, train__resume=True))
+    assert resumed.model.cfg.vocab_size == 320
+    with pytest.raises(UserError, match="model.vocab_size 100 is smaller than the tokenizer's 258 tokens"):
+        Trainer(job(tmp_path, cache, "short", model__vocab_size=100))

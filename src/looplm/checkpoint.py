@@ -5,6 +5,7 @@ A checkpoint is a folder:
   optimizer.safetensors  optimizer tensors (training checkpoints only)
   trainer_state.json     step, schedule, sampler counters, optimizer param groups, RNG, ...
   config.json            the job configuration (model/depth/data/train)
+  data.json              the data record (looplm.data.record): what eval, analyze, distill and rl read back
   tokenizer*.json        the tokenizer (see looplm.data.tokenizer)
   manifest.json          SHA-256 of every other file (subfolders included); verified at load
 It is written into a temporary sibling folder and renamed into place, so a crash never leaves a
@@ -29,11 +30,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from looplm.errors import UserError
+
 MANIFEST = "manifest.json"
 FORMAT = "looplm-checkpoint-v1"
+DATA_RECORD = "data.json"
+CONVERSION = "conversion.json"  # written by `looplm convert`: where the weights came from
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt, or does not fit what it is loaded into."""
 
 
@@ -119,12 +124,53 @@ def save_model(root: Path, model: torch.nn.Module, job: dict, tokenizer, step: i
     """A run folder `root` whose `checkpoints/step_<step>` holds `model`'s weights, the training job
     `job` (a `TrainJob.to_dict()`) and `tokenizer`, as `looplm train` writes them (no optimizer
     state: it loads for inference, not to resume)."""
+    from looplm.data.record import DataRecord
+
     def populate(tmp: Path) -> None:
         save_tensors(tmp, "model.safetensors", model.state_dict())
         write_json(tmp, "config.json", job)
+        write_data_record(tmp, DataRecord.from_job(job))
         tokenizer.save(tmp)
 
     return save_step(Path(root) / "checkpoints", step, populate, keep=1)
+
+
+def write_data_record(path: Path, record) -> None:
+    """Store the data record (`looplm.data.record.DataRecord`) in the checkpoint folder being written."""
+    write_json(path, DATA_RECORD, record.to_dict())
+
+
+def load_data(path: Path):
+    """The data record (`looplm.data.record.DataRecord`) of a checkpoint, run or exported folder: its
+    data.json; for a checkpoint written before data.json existed, read off the job in config.json (a
+    converted one that recorded the task generator, the old default, gets the built-in text instead:
+    no released model was trained on it). Raises CheckpointError when the folder records no data."""
+    from looplm.data import DataError
+    from looplm.data.record import BUILTIN_TEXT, DataRecord
+
+    path = resolve(path)
+    try:
+        if is_hf_folder(path):
+            info = read_json(path, HF_EXPORT_INFO) if (path / HF_EXPORT_INFO).is_file() else {}
+            if isinstance(info.get("data"), dict):
+                return DataRecord.from_dict(info["data"])
+            if isinstance(info.get("job"), dict):
+                return DataRecord.from_job(info["job"])
+            raise CheckpointError(f"{path}: this Hugging Face folder does not record the training job (no "
+                                  f"{HF_EXPORT_INFO} with it), so there is no held-out data of its own; give --data, "
+                                  "re-export the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself")
+        if (path / DATA_RECORD).is_file():
+            return DataRecord.from_dict(read_json(path, DATA_RECORD))
+        converted = (path / CONVERSION).is_file()
+        record = DataRecord.from_job(read_json(path, "config.json"), origin="converted" if converted else "trained")
+    except (OSError, ValueError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        detail = str(err) if isinstance(err, DataError) else f"{type(err).__name__}: {err}"
+        raise CheckpointError(f"{path}: unreadable data record ({detail})") from None
+    if converted and record.is_tasks:
+        record = record.with_source(BUILTIN_TEXT)
+    return record
 
 
 def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
@@ -337,6 +383,7 @@ def _hf_tokenizer(path: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
     from looplm.data import BPETokenizer, ByteTokenizer, load_tokenizer
+    from looplm.data.tokenizer import bos_policy
 
     if (path / HF_LOOPLM_TOKENIZER).is_dir():
         return load_tokenizer(path / HF_LOOPLM_TOKENIZER)
@@ -353,7 +400,7 @@ def _hf_tokenizer(path: Path):
         return byte  # the byte tokenizer as `looplm.hf.byte_tokenizer` writes it
     if None in names:
         raise CheckpointError(f"{path}: tokenizer_config.json does not name eos_token and pad_token")
-    return BPETokenizer.from_file(path / "tokenizer.json", *names)
+    return BPETokenizer.from_file(path / "tokenizer.json", *names, bos_policy(backend, hf_cfg))
 
 
 def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -394,6 +441,13 @@ def load_hf_folder(path: Path):
     return model_cfg, tokenizer, _hf_weights(path), job
 
 
+def _check_vocab(path: Path, tokenizer, model_cfg) -> None:
+    """Every token id has an embedding row; more rows than tokens is a padded vocabulary (released models)."""
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                              f"{model_cfg.vocab_size}")
+
+
 def load_model(path: Path, device: str | torch.device = "cpu"):
     """(model, tokenizer, job config dict) from a verified checkpoint, in eval mode. A folder
     written by `looplm export` (a transformers folder) loads too; its job dict is the exported
@@ -405,8 +459,7 @@ def load_model(path: Path, device: str | torch.device = "cpu"):
     path = resolve(path)
     if is_hf_folder(path):
         model_cfg, tokenizer, weights, job = load_hf_folder(path)
-        if tokenizer.vocab_size != model_cfg.vocab_size:
-            raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {model_cfg.vocab_size}")
+        _check_vocab(path, tokenizer, model_cfg)
         model = LoopedLM(model_cfg)
         check_model_shapes(model.state_dict(), weights, path)
         model.load_state_dict(weights)
@@ -418,8 +471,7 @@ def load_model(path: Path, device: str | torch.device = "cpu"):
         tokenizer = load_tokenizer(path)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable config or tokenizer ({err})") from None
-    if tokenizer.vocab_size != model_cfg.vocab_size:
-        raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {model_cfg.vocab_size}")
+    _check_vocab(path, tokenizer, model_cfg)
     model = LoopedLM(model_cfg)
     weights = load_weights(path)
     check_model_shapes(model.state_dict(), weights, path)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from looplm.data import Tokenizer
+from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
 from looplm.infer.prefill import Prefill
@@ -45,26 +46,26 @@ class SamplingConfig:
     def validate(self) -> None:
         """Raise ValueError with a one-line reason when a field is out of range (`generate` calls it)."""
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
+            raise UserError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
         if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
-            raise ValueError(f"seed must be in -2**63..2**64-1, got {self.seed}")
+            raise UserError(f"seed must be in -2**63..2**64-1, got {self.seed}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+            raise UserError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
         if not 0 < self.top_p <= 1:  # also rejects nan
-            raise ValueError(f"top_p must be in (0, 1] (1 = all tokens), got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1] (1 = all tokens), got {self.top_p}")
         for s in self.stop:
             if not s:
-                raise ValueError("stop strings must be non-empty, got ''")
+                raise UserError("stop strings must be non-empty, got ''")
         if self.exit_tau is not None and not self.exit_tau > 0:
-            raise ValueError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
+            raise UserError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
         if self.min_depth < 1:
-            raise ValueError(f"min_depth must be >= 1, got {self.min_depth}")
+            raise UserError(f"min_depth must be >= 1, got {self.min_depth}")
         if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
-            raise ValueError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
+            raise UserError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
         if self.exit_gate is not None and self.exit_tau is not None:
-            raise ValueError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
+            raise UserError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
 
 
 def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -108,22 +109,22 @@ def generate(
     cfg = sampling or SamplingConfig()
     prefill_depth = prefill_depth or depth
     if not prompts:
-        raise ValueError("no prompts given")
+        raise UserError("no prompts given")
     cfg.validate()
     for r in (depth, prefill_depth):
         if not 1 <= r <= model.cfg.max_depth:
-            raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+            raise UserError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
     if cfg.exit_tau is not None and cache_mode != "terminal":
-        raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
+        raise UserError("adaptive depth (exit_tau) needs the terminal cache")
     if cfg.exit_tau is not None and cfg.min_depth > depth:
-        raise ValueError(f"min_depth {cfg.min_depth} exceeds the decode depth {depth}")
-    encoded = [tokenizer.encode(p) for p in prompts]
+        raise UserError(f"min_depth {cfg.min_depth} exceeds the decode depth {depth}")
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
-            raise ValueError(f"prompt {i} is empty")
+            raise UserError(f"prompt {i} is empty")
         if len(ids) + cfg.max_new_tokens - 1 > model.cfg.max_seq_len:  # the last new token is never fed
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
-                             f"the context max_seq_len={model.cfg.max_seq_len}")
+            raise UserError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
+                            f"the context max_seq_len={model.cfg.max_seq_len}")
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
     pad = torch.tensor([L - len(ids) for ids in encoded], device=device)

@@ -12,6 +12,7 @@ global batch (`looplm.train.layout`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,14 +26,16 @@ import torch.nn.functional as F
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX, Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
 from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized
+from looplm.data.record import DataRecord
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
+from looplm.errors import UserError
 from looplm.model import LoopedLM
 from looplm.train import distributed as D
 from looplm.train import parallelize as P
 from looplm.train.checkpointing import Checkpointer, is_sharded_run
 from looplm.train.checkpointing import verify as verify_checkpoint
-from looplm.train.config import TrainConfig, TrainJob, job_from_dict
+from looplm.train.config import TrainConfig, TrainJob, job_from_dict, vocab_size_for
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.layout import BatchLayout
 from looplm.train.metrics import MetricsLogger
@@ -51,21 +54,12 @@ RESUMABLE_CHANGES = {
 RESUMABLE_PREFIXES = ("eval.",)
 
 
-def native_bf16_cpu() -> bool:
-    """CPUs with bf16 matmul instructions (AMX or AVX512-BF16); elsewhere bf16 autocast is slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision == "fp32":
         return torch.float32
     if precision == "bf16":
         return torch.bfloat16
-    return torch.bfloat16 if device.type == "cuda" or native_bf16_cpu() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # auto: fp32 on every CPU
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -130,7 +124,7 @@ class Trainer:
         resume_from = self._find_resume()
         self.layout = self._plan_layout(resume_from)
         self.tokenizer = load_tokenizer(resume_from) if resume_from else self._build_tokenizer()
-        m.vocab_size = self.tokenizer.vocab_size
+        m.vocab_size = vocab_size_for(m.vocab_size, self.tokenizer.vocab_size)
         self.train_data, self.val_data = self._build_data()
         torch.manual_seed(t.seed)
         self.model = LoopedLM(m).to(self.env.device)
@@ -168,37 +162,43 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------------
     def _validate(self) -> None:
         j = self.job
-        j.model.validate()
+        if not isinstance(j.data.source, str):  # the paper-size presets have no default corpus
+            raise UserError("data.source is required for this preset: give your corpus with --data.source (a "
+                            "`looplm tokenize` folder, text files, a .jsonl or hf:<name>)")
+        if j.model.vocab_size < 0:
+            raise UserError(f"model.vocab_size must be >= 0 (0: the tokenizer's size), got {j.model.vocab_size}")
+        dataclasses.replace(j.model, vocab_size=j.model.vocab_size or 1).validate()  # 0 is resolved later
         if j.data.seq_len > j.model.max_seq_len:
-            raise ValueError(f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}")
+            raise UserError(f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}")
         for name in ("steps", "micro_batch", "grad_accum"):
             if getattr(j.train, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1")
+                raise UserError(f"train.{name} must be >= 1")
         # Depth settings are checked here, before the (possibly long) data build.
         build_sampler(j.depth)
         if j.model.max_depth < j.depth.cap:
-            raise ValueError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
+            raise UserError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
         if j.train.attention == "flex" and D.resolve_device(j.train.device).type != "cuda":
-            raise ValueError("train.attention flex: FlexAttention has no backward on CPU in torch; "
-                             "train with --train.attention sdpa (or auto) on CPU")
+            raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
+                            "train with --train.attention sdpa (or auto) on CPU")
         for r in j.eval.depths:
             if not 1 <= r <= j.model.max_depth:
-                raise ValueError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
+                raise UserError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"
         if not latest.exists():
             return None
         if not self.job.train.resume:
-            raise ValueError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
-                             f"or choose another --train.out-dir")
+            raise UserError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
+                            f"or choose another --train.out-dir")
         path = self.ckpt_root / latest.read_text().strip()
         verify_checkpoint(path, self.env)
         # fills fields added since, and resolves the window (checkpoints record it resolved; explicit
         # values of older ones stay as they are, so they resume into the same explicit or 'auto' window)
         saved = job_from_dict(ckpt.read_json(path, "config.json")).resolved().to_dict()
         now = self.job.to_dict()
-        saved["model"]["vocab_size"] = now["model"]["vocab_size"] = 0  # set from the tokenizer
+        if now["model"]["vocab_size"] == 0:  # the tokenizer's size, as the checkpoint's was
+            now["model"]["vocab_size"] = saved["model"]["vocab_size"]
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
@@ -464,6 +464,7 @@ class Trainer:
 
         def write_files(tmp: Path) -> None:
             ckpt.write_json(tmp, "config.json", self.job.to_dict())
+            ckpt.write_data_record(tmp, DataRecord.from_job(self.job.to_dict()))
             self.tokenizer.save(tmp)
 
         return self.checkpointer.save(self.step, state, write_files)
