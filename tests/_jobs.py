@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -108,10 +107,23 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {s: r["loss"] for s, r in step_records(out_dir).items()}
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_cmd(nproc: int, script, *args) -> list[str]:
+    """`torch.distributed.run` with `nproc` local ranks. `--standalone` binds its rendezvous store
+    and the ranks' store to port 0 and hands the chosen port to the ranks, so no port is picked
+    ahead (picking a free port and passing it on races with other processes binding it)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "--local-addr", "127.0.0.1", str(script), *map(str, args)]
+
+
+def error_line(stderr: str) -> str:
+    """The one `error: ...` line a failing looplm command writes, checked to be its last line and
+    to come without a traceback. Other lines (warnings of libraries whose versions are not pinned)
+    are not the test's business."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == errors[0], stderr[-3000:]
+    assert len(errors[0]) < 400, errors[0]
+    return errors[0]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
