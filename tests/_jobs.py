@@ -226,3 +226,30 @@ def read_hf_weights(root: Path) -> dict:
     index = root / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     return {k: t.double() for name in files for k, t in load_file(str(root / name)).items()}
+
+
+def assert_full_cache_decodes_like_the_forward(model, prompt: torch.Tensor, depth: int, n_new: int, **forward) -> None:
+    """Greedy decoding of `prompt` [1, L] with a full cache at `depth`: every step's logits equal the
+    whole forward recomputed (keyword arguments `forward`, e.g. init="seeded") to 1e-4, and the
+    tokens equal greedy decoding without a cache (the converter tests' check of each family)."""
+    from looplm.infer.cache import make_cache
+    from looplm.infer.extend import extend
+
+    cache = make_cache("full", model.cfg, 1, prompt.shape[1] + n_new, depth)
+    logits = extend(model, prompt, cache, depth)[:, -1]
+    cached, seq = [], prompt
+    for _ in range(n_new):
+        nxt = logits.argmax(-1)
+        cached.append(int(nxt))
+        with torch.no_grad():
+            full = model(seq, depth, **forward).logits[:, -1]  # recompute the whole forward
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+        seq = torch.cat([seq, nxt[:, None]], 1)
+        logits = extend(model, nxt[:, None], cache, depth)[:, -1]
+    uncached, seq = [], prompt
+    for _ in range(n_new):
+        with torch.no_grad():
+            nxt = model(seq, depth, **forward).logits[:, -1].argmax(-1)
+        uncached.append(int(nxt))
+        seq = torch.cat([seq, nxt[:, None]], 1)
+    assert cached == uncached

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _jobs import read_hf_weights, write_hf_weights
+from _jobs import assert_full_cache_decodes_like_the_forward, read_hf_weights, write_hf_weights
 from test_convert_huginn import hf_tokenizer
 
 from looplm.checkpoint import CheckpointError, load_model
@@ -215,25 +215,7 @@ def test_exit_gate_and_exit_rules_match_the_source(tmp_path):
 def test_full_cache_decodes_the_tokens_of_the_uncached_forward(tmp_path):
     model, tok, _ = load_model(convert_ouro(make_ouro(tmp_path / "ouro"), tmp_path / "converted"))
     prompt = torch.tensor([tok.encode("the recurrent model")])
-    n_new = 8
-    cache = make_cache("full", model.cfg, 1, prompt.shape[1] + n_new, STEPS)
-    logits = extend(model, prompt, cache, STEPS)[:, -1]
-    cached, seq = [], prompt
-    for _ in range(n_new):
-        nxt = logits.argmax(-1)
-        cached.append(int(nxt))
-        with torch.no_grad():
-            full = model(seq, STEPS).logits[:, -1]  # recompute the whole forward
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
-        seq = torch.cat([seq, nxt[:, None]], 1)
-        logits = extend(model, nxt[:, None], cache, STEPS)[:, -1]
-    uncached, seq = [], prompt
-    for _ in range(n_new):
-        with torch.no_grad():
-            nxt = model(seq, STEPS).logits[:, -1].argmax(-1)
-        uncached.append(int(nxt))
-        seq = torch.cat([seq, nxt[:, None]], 1)
-    assert cached == uncached
+    assert_full_cache_decodes_like_the_forward(model, prompt, STEPS, 8)
 
 
 @pytest.mark.parametrize("cache_mode", ["full", "terminal"])

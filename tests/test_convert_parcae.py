@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _jobs import read_hf_weights, write_hf_weights
+from _jobs import assert_full_cache_decodes_like_the_forward, read_hf_weights, write_hf_weights
 from test_convert_huginn import hf_tokenizer
 
 from looplm.checkpoint import CheckpointError, load_model
@@ -111,7 +111,7 @@ def _rms(t, w=None, eps=1e-5):
     return y if w is None else y * w
 
 
-def _rope_interleaved(t, start=0):  # t [B, L, H, hd] at positions start..: pairs (2j, 2j+1) rotate by pos * base^(-2j/hd)
+def _rope_interleaved(t, start=0):  # t [B, L, H, hd] at positions start..: pairs (2j, 2j+1) rotate by p * b^(-2j/hd)
     L = t.shape[1]
     inv = 1.0 / (50000 ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
     ang = torch.arange(start, start + L, dtype=torch.float64)[:, None] * inv
@@ -208,25 +208,7 @@ def test_tokenizer_specials_fall_back_to_the_release_names(tmp_path):
 def test_full_cache_decodes_the_tokens_of_the_uncached_forward(tmp_path):
     model, tok, _ = load_model(convert_parcae(make_parcae(tmp_path / "parcae"), tmp_path / "converted"))
     prompt = torch.tensor([tok.encode("the recurrent model")])
-    n_new = 8
-    cache = make_cache("full", model.cfg, 1, prompt.shape[1] + n_new, STEPS)
-    logits = extend(model, prompt, cache, STEPS)[:, -1]
-    cached, seq = [], prompt
-    for _ in range(n_new):
-        nxt = logits.argmax(-1)
-        cached.append(int(nxt))
-        with torch.no_grad():
-            full = model(seq, STEPS, init="seeded").logits[:, -1]  # recompute the whole forward
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
-        seq = torch.cat([seq, nxt[:, None]], 1)
-        logits = extend(model, nxt[:, None], cache, STEPS)[:, -1]
-    uncached, seq = [], prompt
-    for _ in range(n_new):
-        with torch.no_grad():
-            nxt = model(seq, STEPS, init="seeded").logits[:, -1].argmax(-1)
-        uncached.append(int(nxt))
-        seq = torch.cat([seq, nxt[:, None]], 1)
-    assert cached == uncached
+    assert_full_cache_decodes_like_the_forward(model, prompt, STEPS, 8, init="seeded")
 
 
 def test_terminal_cache_decoding_matches_the_source_equations(tmp_path):

@@ -398,8 +398,9 @@ def test_full_cache_banks_after_a_step_with_per_row_depths():
         with torch.no_grad():  # recurrence r reads the prefix's visit-r bank
             ref, pre, mine, coda, _ = _naive_decode(m, int(nxt[b, 0]), pos, b, outer[b], depth, core_prefix=visits[b])
         assert (logits[b, 0] - ref).abs().max() <= 1e-4
-        for bank, kv, stored in zip([*cache.prelude, *cache.coda], [*pre, *coda], [*outer[b][:n_pre], *outer[b][-len(coda):]]):
-            _assert_holds(bank, b, pos, kv, stored)
+        stored = [*outer[b][:n_pre], *outer[b][-len(coda):]]
+        for bank, kv, prefix in zip([*cache.prelude, *cache.coda], [*pre, *coda], stored):
+            _assert_holds(bank, b, pos, kv, prefix)
         for visit in range(4):
             for j, kv in enumerate(mine[min(visit, depth - 1)]):
                 _assert_holds(cache.core[visit][j], b, pos, kv, visits[b][visit][j])

@@ -60,9 +60,10 @@ def looplm_imports(path: Path, root: Path = SRC) -> set[str]:
             else:
                 module = node.module or ""
             names = [module] if module != "looplm" else [f"looplm.{a.name}" for a in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            names = [node.args[0].value]
+        elif isinstance(node, ast.Call) and "import_module" in (getattr(node.func, "attr", None),
+                                                                getattr(node.func, "id", None)):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
         out |= {t for t in (_top(n, root) for n in names) if t is not None}
     return out
 
@@ -116,8 +117,9 @@ def test_the_scanner_sees_every_import_form(tmp_path):
     }
     for name, (code, _) in forms.items():
         (root / "model" / name).write_text(code)
-    (root / "model" / "fine.py").write_text("from . import sub\nfrom .sub import deeper\nfrom looplm import ModelConfig\n"
-                                            "from looplm.config import X\nimport torch\nfrom torch import nn\n")
+    fine = ("from . import sub\nfrom .sub import deeper\nimport torch\n"
+            "from looplm import ModelConfig\nfrom looplm.config import X\n")
+    (root / "model" / "fine.py").write_text(fine)
     for name, (_, target) in forms.items():
         assert looplm_imports(root / "model" / name, root) == {target}, name
     assert looplm_imports(root / "model" / "fine.py", root) == {"model", "config"}
