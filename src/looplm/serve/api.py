@@ -89,7 +89,7 @@ class _EngineCollector:
             "running_sequences": "Sequences in the running batch",
             "max_batch": "Cache slots",
             "tokens_per_second": "Generated tokens per second over the last 10 s",
-            "mean_decode_depth": "Mean recurrences per decoded token over the last 10 s",
+            "mean_decode_depth": "Mean recurrences per decoded token since the start (0 before any)",
             "cache_bytes_in_use": "KV-cache bytes holding live tokens",
             "cache_bytes_capacity": "KV-cache bytes preallocated for all slots",
         }
