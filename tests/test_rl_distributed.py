@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from _jobs import one_thread, read_metrics, step_records, subprocess_env, torchrun_cmd, write_random_run
 
 from looplm import checkpoint as ckpt

@@ -23,9 +23,11 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from _models import decisive_model  # noqa: E402
 
+from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import ByteTokenizer  # noqa: E402
 from looplm.infer import extend, make_cache  # noqa: E402
 from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
+from looplm.model import LoopedLM  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
 from looplm.serve.api import create_app  # noqa: E402
 from looplm.serve.protocol import CHAT_STOP  # noqa: E402
