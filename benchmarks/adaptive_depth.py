@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import load_model
-from looplm.data import TaskConfig, build_datasets
+from looplm.checkpoint import load_data, load_model
 from looplm.eval.cached import cached_perplexity
 
 
@@ -30,12 +29,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/adaptive_depth.json"))
     args = ap.parse_args()
     torch.set_num_threads(2)
-    model, tok, job = load_model(args.checkpoint)
-    d = job["data"]
-    tasks = TaskConfig(**{**d["tasks"], "kinds": tuple(d["tasks"]["kinds"])})
-    _, val = build_datasets(d["source"], tok, seq_len=d["seq_len"], holdout=d["holdout"], cache_dir=Path(d["cache_dir"]),
-                            text_field=d["text_field"], task_config=tasks, n_task_examples=d["n_task_examples"],
-                            seed=job["train"]["seed"])
+    model, tok, _ = load_model(args.checkpoint)
+    val = load_data(args.checkpoint).validation(tok)
     rows = []
 
     def measure(label, depth, tau=None, min_depth=1):

@@ -102,25 +102,23 @@ def train_arm(name: str, out: Path, threads: int, steps_scale: float) -> float:
 
 
 def evaluate_arm(name: str, out: Path) -> dict:
-    from looplm.checkpoint import load_model, read_json, resolve
+    from looplm.checkpoint import load_data, load_model, read_json, resolve
     from looplm.eval.cached import sharing_table
     from looplm.eval.perplexity import native_perplexity
-    from looplm.eval.report import held_out_examples, job_tasks, validation_data
     from looplm.eval.tasks import task_accuracy
 
     run = out / name
     path = resolve(run)
-    model, tokenizer, job = load_model(path, "cpu")
-    data = job["data"]
-    tasks = job_tasks(job)
-    val = validation_data(tokenizer, job)
+    model, tokenizer, _ = load_model(path, "cpu")
+    data = load_data(path)
+    val = data.validation(tokenizer)
     result: dict = {"arm": name, "what": ARMS[name][0], "command": (run / "command.txt").read_text().strip(),
                     "checkpoint": str(path)}
     with torch.no_grad():
         result["native"] = native_perplexity(model, val, NATIVE_DEPTHS, batch_size=32, max_sequences=64)
         result["sharing"] = sharing_table(model, val, SHARING_DEPTHS, max_sequences=32)
-        if data["source"] == "tasks":
-            examples = held_out_examples(tasks, 600, 1234, data["n_task_examples"], job["train"]["seed"])
+        if data.is_tasks:
+            examples = data.held_out_examples(600, 1234)
             acc = task_accuracy(model, tokenizer, examples, (1, 2, 3, 5, 8, 16, 32), batch_size=32)
             result["accuracy"] = {r: v["acc"] for r, v in acc.items()}
     sampler = read_json(path, "trainer_state.json")["sampler"]

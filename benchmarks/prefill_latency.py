@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import load_model, resolve
+from looplm.checkpoint import load_data, load_model, resolve
 from looplm.distill import load_student
-from looplm.distill.evaluate import arms_after_distill, teacher_data
+from looplm.distill.evaluate import arms_after_distill
 from looplm.eval.prefill_arms import format_prefill_table
 from looplm.infer import TerminalCache
 from looplm.infer.prefill import Prefill
@@ -77,7 +77,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.set_grad_enabled(False)
-    model, tokenizer, job = load_model(args.teacher, device)
+    model, tokenizer, _ = load_model(args.teacher, device)
+    data = load_data(args.teacher)
     student, meta = load_student(args.student, model)
     arms = {a: Prefill(a, student if a == "student" else None) for a in ARMS}
     if max(args.lengths) > model.cfg.max_seq_len:
@@ -119,8 +120,8 @@ def main() -> None:
               + f"; load {row['load_avg_1min']['mean']:.1f}", flush=True)
     if args.rows or args.examples:
         torch.set_num_threads(1)  # quality does not depend on it; small decode steps run faster on one thread
-        _, val = teacher_data(job, tokenizer)
-        table = arms_after_distill(model, tokenizer, job, val, student, args.depth, rows=args.rows,
+        val = data.validation(tokenizer)
+        table = arms_after_distill(model, tokenizer, data, val, student, args.depth, rows=args.rows,
                                    n_examples=args.examples, device=device)
         result["quality"] = table
         print(format_prefill_table(table), flush=True)

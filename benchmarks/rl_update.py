@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import load_model, resolve
-from looplm.data import TaskConfig
+from looplm.checkpoint import load_data, load_model, resolve
 from looplm.rl import ProblemSource, action_logprobs, clipped_policy_loss, get_reward, group_advantages, rollout
 from looplm.rl.estimators import score_and_backward
 
@@ -101,9 +100,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve(Path(args.checkpoint))
-    model, tok, job = load_model(path)
-    t = job["data"]["tasks"]
-    tasks = TaskConfig(kinds=tuple(t["kinds"]), min_difficulty=t["min_difficulty"], max_difficulty=t["max_difficulty"])
+    model, tok, _ = load_model(path)
+    tasks = load_data(path).tasks
     problems = ProblemSource("tasks", tasks=tasks, seed=args.seed).draw(0, args.prompts)
     reward_fn = get_reward("exact", "tasks")
     results = {"checkpoint": str(path), "args": vars(args), "torch": torch.__version__, "machine": platform.processor()

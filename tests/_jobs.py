@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -108,10 +107,23 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {s: r["loss"] for s, r in step_records(out_dir).items()}
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_cmd(nproc: int, script, *args) -> list[str]:
+    """`torch.distributed.run` with `nproc` local ranks. `--standalone` binds its rendezvous store
+    and the ranks' store to port 0 and hands the chosen port to the ranks, so no port is picked
+    ahead (picking a free port and passing it on races with other processes binding it)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "--local-addr", "127.0.0.1", str(script), *map(str, args)]
+
+
+def error_line(stderr: str) -> str:
+    """The one `error: ...` line a failing looplm command writes, checked to be its last line and
+    to come without a traceback. Other lines (warnings of libraries whose versions are not pinned)
+    are not the test's business."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == errors[0], stderr[-3000:]
+    assert len(errors[0]) < 400, errors[0]
+    return errors[0]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -175,14 +187,14 @@ def write_choice_task(folder: Path, rows: list[dict]) -> Path:
     return data
 
 
-def write_random_run(root: Path) -> Path:
+def write_random_run(root: Path, **overrides) -> Path:
     """A run folder `root` holding one checkpoint (step 1) of a random tiny byte-level model, as
-    `looplm train` writes it."""
+    `looplm train` writes it; `overrides` as in `tiny_job` (e.g. data__source="shakespeare")."""
     from looplm import checkpoint as ckpt
     from looplm.data import ByteTokenizer
     from looplm.model import LoopedLM
 
-    job = tiny_job(root.parent, root.name)
+    job = tiny_job(root.parent, root.name, **overrides)
     job.model.vocab_size = ByteTokenizer().vocab_size
     torch.manual_seed(0)
     ckpt.save_model(root, LoopedLM(job.model), job.to_dict(), ByteTokenizer())
@@ -214,3 +226,30 @@ def read_hf_weights(root: Path) -> dict:
     index = root / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     return {k: t.double() for name in files for k, t in load_file(str(root / name)).items()}
+
+
+def assert_full_cache_decodes_like_the_forward(model, prompt: torch.Tensor, depth: int, n_new: int, **forward) -> None:
+    """Greedy decoding of `prompt` [1, L] with a full cache at `depth`: every step's logits equal the
+    whole forward recomputed (keyword arguments `forward`, e.g. init="seeded") to 1e-4, and the
+    tokens equal greedy decoding without a cache (the converter tests' check of each family)."""
+    from looplm.infer.cache import make_cache
+    from looplm.infer.extend import extend
+
+    cache = make_cache("full", model.cfg, 1, prompt.shape[1] + n_new, depth)
+    logits = extend(model, prompt, cache, depth)[:, -1]
+    cached, seq = [], prompt
+    for _ in range(n_new):
+        nxt = logits.argmax(-1)
+        cached.append(int(nxt))
+        with torch.no_grad():
+            full = model(seq, depth, **forward).logits[:, -1]  # recompute the whole forward
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+        seq = torch.cat([seq, nxt[:, None]], 1)
+        logits = extend(model, nxt[:, None], cache, depth)[:, -1]
+    uncached, seq = [], prompt
+    for _ in range(n_new):
+        with torch.no_grad():
+            nxt = model(seq, depth, **forward).logits[:, -1].argmax(-1)
+        uncached.append(int(nxt))
+        seq = torch.cat([seq, nxt[:, None]], 1)
+    assert cached == uncached

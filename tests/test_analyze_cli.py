@@ -11,7 +11,6 @@ from _jobs import one_thread, shared_cache, tiny_job
 
 from looplm import checkpoint as ckpt
 from looplm.cli import main
-from looplm.eval.report import validation_data
 from looplm.model.state import initial_state
 from looplm.train.trainer import Trainer
 
@@ -47,8 +46,8 @@ def test_analyze_writes_report_plots_and_summary(run_dir, tmp_path, capsys):
 
     # The convergence profile against the native forward on the same held-out rows (an independent
     # path: LoopedLM.forward with the seeded state) and a plain loop over the rule.
-    model, tokenizer, job = ckpt.load_model(run_dir)
-    b = validation_data(tokenizer, job).get_batch([0, 1, 2])
+    model, tokenizer, _ = ckpt.load_model(run_dir)
+    b = ckpt.load_data(run_dir).validation(tokenizer).get_batch([0, 1, 2])
     with torch.no_grad():
         states = model(b.inputs, 6, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
                        example_ids=b.example_ids, return_states=True).states

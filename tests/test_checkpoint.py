@@ -181,7 +181,7 @@ def test_load_model_round_trip(checkpoint):
 
 def test_tokenizer_vocab_mismatch(checkpoint):
     _, tokenizer, _ = ckpt.load_model(checkpoint)
-    edit_config(checkpoint, vocab_size=tokenizer.vocab_size + 10)
+    edit_config(checkpoint, vocab_size=tokenizer.vocab_size - 10)  # token ids without an embedding row
     ckpt.verify(checkpoint)  # consistent files, but they do not fit together
     with pytest.raises(ckpt.CheckpointError, match=f"tokenizer has {tokenizer.vocab_size} tokens"):
         ckpt.load_model(checkpoint)
@@ -316,3 +316,116 @@ def test_optimizer_state_flatten_round_trip(tmp_path):
         o.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+# -- the manifest over subfolders, split verification ----------------------------------------------
+def populate_nested(tmp):
+    populate_ab(tmp)
+    (tmp / "state").mkdir()
+    (tmp / "state" / "__0_0.distcp").write_bytes(b"shard zero")
+    (tmp / "state" / ".metadata").write_bytes(b"meta")
+
+
+def test_manifest_covers_files_in_subfolders(tmp_path):
+    target = ckpt.write_atomic(tmp_path / "step_1", populate_nested)
+    manifest = ckpt.verify(target)
+    assert sorted(manifest["sha256"]) == ["a.json", "b.bin", "state/.metadata", "state/__0_0.distcp"]
+    assert manifest["sha256"]["state/__0_0.distcp"] == sha256(target / "state" / "__0_0.distcp")
+    (target / "state" / "__0_0.distcp").write_bytes(b"shard 0ero")
+    with pytest.raises(ckpt.CheckpointError, match="state/__0_0.distcp is corrupt"):
+        ckpt.verify(target)
+
+
+def test_commit_takes_digests_from_the_writers_and_hashes_the_rest(tmp_path):
+    tmp = ckpt.fresh_folder(tmp_path / ".tmp-step_1")
+    populate_nested(tmp)
+    target = ckpt.commit(tmp, tmp_path / "step_1", {"state/__0_0.distcp": sha256(tmp / "state" / "__0_0.distcp")})
+    assert not tmp.exists() and len(ckpt.verify(target)["sha256"]) == 4
+
+
+def test_processes_verify_shares_that_cover_every_file(tmp_path):
+    target = ckpt.write_atomic(tmp_path / "step_1", populate_nested)
+    (target / "b.bin").write_bytes(b"damaged")
+    failing = []
+    for k in range(3):
+        try:
+            ckpt.verify(target, share=(k, 3))
+        except ckpt.CheckpointError as err:
+            failing.append((k, str(err)))
+    assert len(failing) == 1 and "b.bin is corrupt" in failing[0][1]
+
+
+# -- the sharded form in one process (the torchrun tests in test_distributed.py run it on ranks) ----------
+def sharded_trainer(tmp_path_factory, root, name, **overrides) -> Trainer:
+    """A tiny trainer that writes sharded checkpoints (as FSDP2 ranks do) in one process."""
+    from looplm.train.checkpointing import Checkpointer
+
+    t = Trainer(tiny_job(root, name, cache=shared_cache(tmp_path_factory), **overrides))
+    t.checkpointer = Checkpointer(t.ckpt_root, t.env, t.model, t.optimizer, sharded=True,
+                                  async_save=t.job.train.async_checkpoint, keep=t.job.train.keep_checkpoints)
+    return t
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """4 steps with single-file checkpoints; the same stopped at step 2 with sharded ones, and again
+    with asynchronous sharded saves."""
+    root = tmp_path_factory.mktemp("sharded")
+    with one_thread():
+        full = Trainer(tiny_job(root, "full", cache=shared_cache(tmp_path_factory), train__steps=4))
+        full.fit()
+        for name, extra in (("sync", {}), ("async", {"train__async_checkpoint": True})):
+            sharded_trainer(tmp_path_factory, root, name, train__steps=4, train__stop_after=2, **extra).fit()
+    return root
+
+
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_sharded_checkpoint_resumes_exactly(sharded_runs, tmp_path, tmp_path_factory, name):
+    from _jobs import losses
+
+    run = shutil.copytree(sharded_runs / name, tmp_path / name)
+    path = ckpt.resolve(run)
+    assert ckpt.is_sharded(path) and not (path / "model.safetensors").exists()
+    assert {"state/__0_0.distcp", "state/.metadata", "rng/rank_00000.json"} <= set(ckpt.verify(path)["sha256"])
+    t = Trainer(tiny_job(tmp_path, name, cache=shared_cache(tmp_path_factory), train__steps=4, train__resume=True))
+    assert t.step == 2
+    t.fit()
+    assert losses(run) == losses(sharded_runs / "full")  # one process: the same sums, exactly
+    a, b = final_weights(sharded_runs / "full"), ckpt.load_weights(ckpt.resolve(run))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def final_weights(run) -> dict:
+    return ckpt.load_tensors(ckpt.resolve(run), "model.safetensors")
+
+
+def test_read_sharded_returns_the_saved_state(tmp_path):
+    """`read_sharded` rebuilds what was saved (nested dicts, lists, pickled values) from the files alone."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {"w": torch.randn(3, 4), "b": torch.arange(5.0)}
+    optim = {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4)}},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98), "params": ["w"]}, {"lr": 0.2, "params": ["b"]}]}
+    (tmp_path / ckpt.SHARDS).mkdir()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model, "optimizer": optim}, checkpoint_id=str(tmp_path / ckpt.SHARDS))
+    got = ckpt.read_sharded(tmp_path, "model")
+    assert got.keys() == model.keys() and all(torch.equal(got[k], model[k]) for k in model)
+    opt = ckpt.read_sharded(tmp_path, "optimizer")
+    assert opt["param_groups"] == optim["param_groups"]
+    assert torch.equal(opt["state"]["w"]["exp_avg"], optim["state"]["w"]["exp_avg"])
+    with pytest.raises(ckpt.CheckpointError, match="no 'rng' state"):
+        ckpt.read_sharded(tmp_path, "rng")
+
+
+def test_consolidated_weights_only_loads_but_does_not_resume(sharded_runs, tmp_path, tmp_path_factory):
+    out = tmp_path / "single"
+    path = ckpt.consolidate(sharded_runs / "sync", out, weights_only=True)
+    assert path == out / "checkpoints" / "step_0000002" and not (path / "optimizer.safetensors").exists()
+    model, _, _ = ckpt.load_model(out)
+    a = ckpt.load_weights(ckpt.resolve(sharded_runs / "sync"))
+    assert all(torch.equal(v, a[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ckpt.CheckpointError, match="holds no optimizer state"):
+        Trainer(tiny_job(tmp_path, "single", cache=shared_cache(tmp_path_factory), train__steps=4, train__resume=True))
+    with pytest.raises(ckpt.CheckpointError, match="already a single-file checkpoint"):
+        ckpt.consolidate(sharded_runs / "full", tmp_path / "again")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _jobs import read_hf_weights, write_hf_weights
+from _jobs import assert_full_cache_decodes_like_the_forward, read_hf_weights, write_hf_weights
 from test_convert_huginn import hf_tokenizer
 
 from looplm.checkpoint import CheckpointError, load_model
@@ -26,6 +26,8 @@ from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
 from looplm.infer.generate import SamplingConfig, generate
 from looplm.model.exit_gate import exit_distribution, expected_logits, select_depth, threshold_exit
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 D, HEADS, KV, FFN, LAYERS, STEPS = 32, 4, 2, 48, 2, 4
 HD = D // HEADS
@@ -88,30 +90,36 @@ def _norm(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope_rotate_half(x, base):  # x [B, H, L, hd]: cos/sin of cat(freqs, freqs), x*cos + rotate_half(x)*sin
+def _rope_rotate_half(x, base, start=0):  # x [B, H, L, hd] at positions start..: x*cos + rotate_half(x)*sin
     L, hd = x.shape[-2], x.shape[-1]
     inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    emb = torch.cat([torch.arange(L, dtype=torch.float64)[:, None] * inv] * 2, -1)
+    emb = torch.cat([torch.arange(start, start + L, dtype=torch.float64)[:, None] * inv] * 2, -1)
     rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
     return x * emb.cos() + rotated * emb.sin()
 
 
-def _layer(h, w, i, base):
+def _layer(h, w, i, base, past=None):
+    """Layer i over the chunk h [B, L, D]; `past` = (K, V) [B, KV, P, HD] of P earlier tokens (K after
+    RoPE) that the chunk, at positions P.., also attends to. Returns (output, (K, V) of past and chunk)."""
     p = f"model.layers.{i}."
     B, L, _ = h.shape
+    start = 0 if past is None else past[0].shape[2]
     x = _norm(h, w[p + "input_layernorm.weight"])
     q = (x @ w[p + "self_attn.q_proj.weight"].T).view(B, L, HEADS, HD).transpose(1, 2)
     k = (x @ w[p + "self_attn.k_proj.weight"].T).view(B, L, KV, HD).transpose(1, 2)
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(B, L, KV, HD).transpose(1, 2)
-    q, k = _rope_rotate_half(q, base), _rope_rotate_half(k, base)
+    q, k = _rope_rotate_half(q, base, start), _rope_rotate_half(k, base, start)
+    if past is not None:
+        k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+    kv = (k, v)
     k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
     scores = (q @ k.transpose(-1, -2)) * HD ** -0.5
-    scores = scores + torch.full((L, L), float("-inf"), dtype=scores.dtype).triu(1)
+    scores = scores + torch.full((L, start + L), float("-inf"), dtype=scores.dtype).triu(start + 1)
     att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, D) @ w[p + "self_attn.o_proj.weight"].T
     h = h + _norm(att, w[p + "input_layernorm_2.weight"])
     x = _norm(h, w[p + "post_attention_layernorm.weight"])
     m = (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-    return h + _norm(m, w[p + "post_attention_layernorm_2.weight"])
+    return h + _norm(m, w[p + "post_attention_layernorm_2.weight"]), kv
 
 
 def load_source(root: Path) -> tuple[dict, dict]:
@@ -120,17 +128,22 @@ def load_source(root: Path) -> tuple[dict, dict]:
     return config, w
 
 
-def reference(root: Path, tokens, steps):
-    """Per-loop logits and gate logits of the source, each a list over loops 1..steps."""
+def reference(root: Path, tokens, steps, kept: dict | None = None):
+    """Per-loop logits and gate logits of the source, each a list over loops 1..steps. With `kept`
+    ({layer: (K, V) of the earlier tokens}, updated in place) the tokens attend to earlier tokens as
+    a terminal cache holds them: each layer keeps every token's K/V from its last loop (design §7)."""
     config, w = load_source(root)
+    kept = {} if kept is None else kept
+    new = {}
     h = w["model.embed_tokens.weight"][tokens]
     logits, gates = [], []
     for _ in range(steps):
         for i in range(config["num_hidden_layers"]):
-            h = _layer(h, w, i, config["rope_theta"])
+            h, new[i] = _layer(h, w, i, config["rope_theta"], kept.get(i))
         h = _norm(h, w["model.norm.weight"])
         gates.append((h @ w["model.early_exit_gate.weight"].T + w["model.early_exit_gate.bias"]).squeeze(-1))
         logits.append(h @ w["lm_head.weight"].T)
+    kept.update(new)
     return logits, gates
 
 
@@ -202,53 +215,57 @@ def test_exit_gate_and_exit_rules_match_the_source(tmp_path):
 def test_full_cache_decodes_the_tokens_of_the_uncached_forward(tmp_path):
     model, tok, _ = load_model(convert_ouro(make_ouro(tmp_path / "ouro"), tmp_path / "converted"))
     prompt = torch.tensor([tok.encode("the recurrent model")])
-    n_new = 8
-    cache = make_cache("full", model.cfg, 1, prompt.shape[1] + n_new, STEPS)
-    logits = extend(model, prompt, cache, STEPS)[:, -1]
-    cached, seq = [], prompt
-    for _ in range(n_new):
-        nxt = logits.argmax(-1)
-        cached.append(int(nxt))
-        with torch.no_grad():
-            full = model(seq, STEPS).logits[:, -1]  # recompute the whole forward
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
-        seq = torch.cat([seq, nxt[:, None]], 1)
-        logits = extend(model, nxt[:, None], cache, STEPS)[:, -1]
-    uncached, seq = [], prompt
-    for _ in range(n_new):
-        with torch.no_grad():
-            nxt = model(seq, STEPS).logits[:, -1].argmax(-1)
-        uncached.append(int(nxt))
-        seq = torch.cat([seq, nxt[:, None]], 1)
-    assert cached == uncached
+    assert_full_cache_decodes_like_the_forward(model, prompt, STEPS, 8)
 
 
 @pytest.mark.parametrize("cache_mode", ["full", "terminal"])
 def test_decoding_with_the_exit_gate_follows_the_source_threshold_rule(tmp_path, cache_mode):
+    """Greedy decoding with the exit gate: every loop runs, and each token's logits are those of the
+    first loop whose cumulative exit probability reaches q. The source's equations decode the same
+    way, recomputing the whole sequence (Ouro's own per-loop cache: looplm's full cache) or keeping
+    each token's last-loop K/V (looplm's terminal cache); every step's logits and exit loop agree."""
     src = make_ouro(tmp_path / "ouro")
     model, tok, _ = load_model(convert_ouro(src, tmp_path / "converted"))
     q, n_new = 0.2, 6  # this tiny model's gate exits early at 0.2 (mean decode depth < 4)
     prompt = tok.encode("the recurrent model")
-    want_ids, seq = [], torch.tensor([prompt])
+    want, exits, ids, kept = [], [], [], {}
+    chunk = torch.tensor([prompt])
     for _ in range(n_new):  # the source: all loops, then the logits of each token's exit loop
-        logits, gates = reference(src, seq, STEPS)
+        if cache_mode == "full":
+            logits, gates = reference(src, torch.tensor([prompt + ids]), STEPS)
+        else:
+            logits, gates = reference(src, chunk, STEPS, kept)
         cum = reference_pdf(gates)[0, -1].cumsum(-1)
         step = next((r for r in range(STEPS) if cum[r] >= q), STEPS - 1)
-        nxt = int(logits[step][0, -1].argmax())
+        want.append(logits[step][0, -1])
+        exits.append(step + 1)
+        nxt = int(want[-1].argmax())
         if nxt == tok.eos_id:
             break
-        want_ids.append(nxt)
-        seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
+        ids.append(nxt)
+        chunk = torch.tensor([[nxt]])
+    assert min(exits) < STEPS  # the gate exits early
+    cache = make_cache(cache_mode, model.cfg, 1, len(prompt) + n_new, STEPS)
+    got, used = [], []
+    for chunk in [prompt, *([t] for t in ids)][:len(want)]:
+        logits, depth = extend(model, torch.tensor([chunk]), cache, STEPS, exit_gate=q, return_depths=True)
+        got.append(logits[0, -1])
+        used.append(int(depth[0, -1]))
+    assert used == exits
+    assert (torch.stack(got).double() - torch.stack(want)).abs().max() <= 1e-4
     stats: dict = {}
     text = generate(model, tok, ["the recurrent model"], depth=STEPS, cache_mode=cache_mode, stats=stats,
                     sampling=SamplingConfig(max_new_tokens=n_new, exit_gate=q))[0]
-    if cache_mode == "full":  # Ouro's own cache: exact
-        assert text == tok.decode(want_ids)
-    assert 1 <= stats["mean_decode_depth"] < STEPS
+    assert text == tok.decode(ids)
+    assert stats["mean_decode_depth"] == pytest.approx(sum(exits[1:]) / len(exits[1:]))  # the decode steps
+
+
+def test_the_exit_gate_needs_a_model_with_a_gate(tmp_path):
+    plain, _, _ = load_model(convert_ouro(make_ouro(tmp_path / "ouro"), tmp_path / "converted"))
+    plain.exit_gate = None
+    cache = make_cache("full", plain.cfg, 1, 16, STEPS)
     with pytest.raises(ValueError, match="exit gate"):
-        plain, _, _ = load_model(convert_ouro(src, tmp_path / "again"))
-        plain.exit_gate = None
-        extend(plain, torch.tensor([prompt]), make_cache("full", plain.cfg, 1, 16, STEPS), STEPS, exit_gate=q)
+        extend(plain, torch.tensor([[1, 2, 3]]), cache, STEPS, exit_gate=0.2)
 
 
 def test_special_ids_from_config_and_tied_variant(tmp_path):
@@ -272,7 +289,7 @@ def reference_with_tied(src, tokens):
     h = w["model.embed_tokens.weight"][tokens]
     for _ in range(2):
         for i in range(LAYERS):
-            h = _layer(h, w, i, config["rope_theta"])
+            h, _ = _layer(h, w, i, config["rope_theta"])
         h = _norm(h, w["model.norm.weight"])
     return h @ w["lm_head.weight"].T, None
 
@@ -292,7 +309,7 @@ def _drop(state):
     (None, {"num_key_value_heads": 4}, r"k_proj.weight has shape \(16, 32\), config.json implies \(32, 32\)"),
     (None, {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
     (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-    (None, {"vocab_size": 999}, "the tokenizer has"),
+    (None, {"vocab_size": 999}, r"(embed_tokens|lm_head)\.weight has shape \(\d+, 32\), config.json implies \(999, 32\)"),
 ])
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
     src = make_ouro(tmp_path / "ouro", mutate=mutate, **overrides)

@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _jobs import read_hf_weights, write_hf_weights
+from _jobs import assert_full_cache_decodes_like_the_forward, read_hf_weights, write_hf_weights
 from test_convert_huginn import hf_tokenizer
 
 from looplm.checkpoint import CheckpointError, load_model
 from looplm.convert import convert_parcae
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 D, HEADS, FFN, P, K, C, STEPS, BACKPROP = 64, 4, 96, 2, 2, 2, 4, 2
 HD = D // HEADS
@@ -109,17 +111,21 @@ def _rms(t, w=None, eps=1e-5):
     return y if w is None else y * w
 
 
-def _rope_interleaved(t):  # t [B, L, H, hd]: pairs (2j, 2j+1) rotate by position * base^(-2j/hd)
+def _rope_interleaved(t, start=0):  # t [B, L, H, hd] at positions start..: pairs (2j, 2j+1) rotate by p * b^(-2j/hd)
     L = t.shape[1]
     inv = 1.0 / (50000 ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
-    ang = torch.arange(L, dtype=torch.float64)[:, None] * inv
+    ang = torch.arange(start, start + L, dtype=torch.float64)[:, None] * inv
     c, s = ang.cos()[None, :, None], ang.sin()[None, :, None]
     a, b = t[..., 0::2], t[..., 1::2]
     return torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2)
 
 
-def _block(h, w, p, flat, x):
+def _block(h, w, p, flat, x, past=None):
+    """One block over the chunk h [B, L, D] (tokens x); `past` = (K, V) [B, P, H, HD] of P earlier
+    tokens (K after RoPE and the q/k norm) that the chunk, at positions P.., also attends to.
+    Returns (output, (K, V) of the past and the chunk)."""
     B, L, _ = h.shape
+    start = 0 if past is None else past[0].shape[1]
     n = _rms(h, w[p + "norm_1.weight"])
     q = (n @ w[p + "attn.c_q.weight"].T).view(B, L, HEADS, HD)
     k = (n @ w[p + "attn.c_k.weight"].T).view(B, L, HEADS, HD)
@@ -128,20 +134,28 @@ def _block(h, w, p, flat, x):
         gate = 2 * torch.sigmoid(n[..., :32] @ w[p + "attn.ve_gate.weight"].T)  # [B, L, H_kv]
         v = v + gate[..., None] * w[f"value_embeds.{flat}.weight"][x].view(B, L, HEADS, HD)
     eps = torch.finfo(torch.float32).eps
-    q, k = _rms(_rope_interleaved(q), eps=eps), _rms(_rope_interleaved(k), eps=eps)
+    q, k = _rms(_rope_interleaved(q, start), eps=eps), _rms(_rope_interleaved(k, start), eps=eps)
+    if past is not None:
+        k, v = torch.cat([past[0], k], 1), torch.cat([past[1], v], 1)
     att = torch.einsum("blhd,bmhd->bhlm", q, k) / math.sqrt(HD)
-    att = att.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    att = att.masked_fill(~torch.ones(L, start + L, dtype=torch.bool).tril(start), float("-inf")).softmax(-1)
     y = torch.einsum("bhlm,bmhd->blhd", att, v).reshape(B, L, D)
     h = h + y @ w[p + "attn.c_proj.weight"].T
     n2 = _rms(h, w[p + "norm_2.weight"])
-    return h + (0.5 * F.relu(n2 @ w[p + "mlp.fc.weight"].T).pow(2)) @ w[p + "mlp.proj.weight"].T
+    return h + (0.5 * F.relu(n2 @ w[p + "mlp.fc.weight"].T).pow(2)) @ w[p + "mlp.proj.weight"].T, (k, v)
 
 
-def reference(w: dict, x: torch.Tensor, state0: torch.Tensor, steps: int) -> torch.Tensor:
+def reference(w: dict, x: torch.Tensor, state0: torch.Tensor, steps: int, kept: dict | None = None) -> torch.Tensor:
+    """Logits of the tokens x at `steps` recurrences from the initial state `state0`. With `kept`
+    ({block: (K, V) of the earlier tokens}, updated in place) the chunk attends to earlier tokens as
+    a terminal cache holds them: every block's K/V of each token, the core blocks' from the token's
+    last recurrence (design §7)."""
     blocks = _blocks()
+    kept = {} if kept is None else kept
+    new = {}
     e = w["transformer.wte.weight"][x]
     for p, flat, _ in blocks[:P]:
-        e = _block(e, w, p, flat, x)
+        e, new[p] = _block(e, w, p, flat, x, kept.get(p))
     e = _rms(e, w["transformer.ln_prelude.weight"])
     dt = F.softplus(w["transformer.adapter.dt_bias"])
     decay = torch.exp(-dt * torch.exp(w["transformer.adapter.A_log"]))
@@ -149,10 +163,11 @@ def reference(w: dict, x: torch.Tensor, state0: torch.Tensor, steps: int) -> tor
     for _ in range(steps):
         s = decay * s + dt * (e @ w["transformer.adapter.B"].T)
         for p, flat, _ in blocks[P:P + K]:
-            s = _block(s, w, p, flat, x)
+            s, new[p] = _block(s, w, p, flat, x, kept.get(p))  # the last recurrence's K/V stay
     h = s @ w["transformer.C.weight"].T
     for p, flat, _ in blocks[P + K:]:
-        h = _block(h, w, p, flat, x)
+        h, new[p] = _block(h, w, p, flat, x, kept.get(p))
+    kept.update(new)
     return _rms(h, w["transformer.ln_f.weight"]) @ w["transformer.wte.weight"].T
 
 
@@ -193,28 +208,32 @@ def test_tokenizer_specials_fall_back_to_the_release_names(tmp_path):
 def test_full_cache_decodes_the_tokens_of_the_uncached_forward(tmp_path):
     model, tok, _ = load_model(convert_parcae(make_parcae(tmp_path / "parcae"), tmp_path / "converted"))
     prompt = torch.tensor([tok.encode("the recurrent model")])
-    n_new = 8
-    for mode in ("full", "terminal"):
-        cache = make_cache(mode, model.cfg, 1, prompt.shape[1] + n_new, STEPS)
-        logits = extend(model, prompt, cache, STEPS)[:, -1]
-        cached, seq = [], prompt
-        for _ in range(n_new):
-            nxt = logits.argmax(-1)
-            cached.append(int(nxt))
-            if mode == "full":
-                with torch.no_grad():
-                    full = model(seq, STEPS, init="seeded").logits[:, -1]  # recompute the whole forward
-                torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
-            seq = torch.cat([seq, nxt[:, None]], 1)
-            logits = extend(model, nxt[:, None], cache, STEPS)[:, -1]
-        if mode == "full":
-            uncached, seq = [], prompt
-            for _ in range(n_new):
-                with torch.no_grad():
-                    nxt = model(seq, STEPS, init="seeded").logits[:, -1].argmax(-1)
-                uncached.append(int(nxt))
-                seq = torch.cat([seq, nxt[:, None]], 1)
-            assert cached == uncached
+    assert_full_cache_decodes_like_the_forward(model, prompt, STEPS, 8, init="seeded")
+
+
+def test_terminal_cache_decoding_matches_the_source_equations(tmp_path):
+    """Prefill at one depth and decode at another with the terminal cache: each step's logits equal
+    the source's equations run as a terminal cache (earlier tokens' core K/V from their last
+    recurrence, value embeddings and q/k norms included), from the same seeded initial states."""
+    src = make_parcae(tmp_path / "parcae")
+    model, tok, _ = load_model(convert_parcae(src, tmp_path / "converted", dtype="fp32"))
+    w = load_source(src)
+    prompt = torch.tensor([tok.encode("the recurrent model")])
+    P0, n_new, r_pre, r_dec = prompt.shape[1], 6, 2, STEPS
+
+    def state0(start, n):  # the seeded initial state of example 0 at positions start.. (an input, as in the test above)
+        return model.initial_state(torch.zeros(1, n, D), "seeded", positions=torch.arange(start, start + n)[None])
+
+    cache = make_cache("terminal", model.cfg, 1, P0 + n_new, STEPS)
+    kept: dict = {}
+    got = [extend(model, prompt, cache, r_pre)[0, -1]]
+    want = [reference(w, prompt, state0(0, P0), r_pre, kept)[0, -1]]
+    for i in range(n_new - 1):
+        nxt = got[-1].argmax().view(1, 1)
+        got.append(extend(model, nxt, cache, r_dec)[0, -1])
+        want.append(reference(w, nxt, state0(P0 + i, 1), r_dec, kept)[0, -1])
+    worst = (torch.stack(got).double() - torch.stack(want)).abs().max().item()
+    assert worst <= 1e-4, worst
 
 
 def test_paths_without_the_value_embeddings_refuse(tmp_path):
@@ -266,7 +285,7 @@ def _lone_table(state):
     (None, {"injection_type": "linear"}, "injection_type"),
     (None, {"nonlin_name": "GELU"}, "nonlin_name"),
     (None, {"num_key_value_heads": 2}, "num_key_value_heads"),
-    (None, {"padded_vocab_size": 512}, "the tokenizer has"),
+    (None, {"padded_vocab_size": 512}, r"(wte|lm_head)\.weight has shape \(\d+, 64\), config.json implies \(512, 64\)"),
 ])
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
     src = make_parcae(tmp_path / "parcae", mutate=mutate, **overrides)

@@ -83,7 +83,9 @@ def _release_state(fields: dict, seed: int = 0) -> dict[str, torch.Tensor]:
             p + "attention.wo.weight": rnd(d, HEADS * hd), p + "nffn.norm.weight": rnd(d),
             p + "nffn.fc1.weight": rnd(f, d), p + "nffn.fc3.weight": rnd(f, d), p + "nffn.fc2.weight": rnd(d, f),
         })
-    if fields["huginn_input_injection"] == "linear":
+    if fields["huginn_input_injection"] == "none":
+        pass  # Part I dense-middle: no injection module
+    elif fields["huginn_input_injection"] == "linear":
         state["input_injection.adapter.weight"] = rnd(d, 2 * d, std=0.15)
         state["input_injection.adapter.bias"] = rnd(d)
     else:
@@ -111,7 +113,10 @@ def write_manifest(root: Path) -> None:
     (root / "artifact_manifest.json").write_bytes(_json_bytes(manifest))
 
 
-def make_release(root: Path, variant: str = "diagonal", *, mutate=None, manifest: bool = True, **overrides) -> Path:
+def make_release(root: Path, variant: str = "diagonal", *, mutate=None, manifest: bool = True,
+                 model_fields: dict | None = None, **overrides) -> Path:
+    """A release folder; `overrides` change config.json only (the weights keep the variant's shapes),
+    `model_fields` change both (another model: Part I fields, a padded vocabulary)."""
     root.mkdir(parents=True)
     tok = _hf_tokenizer()
     (root / "tokenizer").mkdir()
@@ -119,8 +124,8 @@ def make_release(root: Path, variant: str = "diagonal", *, mutate=None, manifest
     (root / "tokenizer" / "special_tokens_map.json").write_bytes(_json_bytes(
         {"eos_token": {"content": EOS, "lstrip": False}, "pad_token": PAD, "bos_token": "<|bos|>"}))
     (root / "tokenizer" / "tokenizer_config.json").write_bytes(_json_bytes({"model_max_length": 8192}))
-    fields = _fields(tok.get_vocab_size(), variant, **overrides)
-    state = _release_state(_fields(tok.get_vocab_size(), variant))
+    fields = _fields(tok.get_vocab_size(), variant, **{**(model_fields or {}), **overrides})
+    state = _release_state(_fields(tok.get_vocab_size(), variant, **(model_fields or {})))
     if mutate:
         mutate(state)
     keys = sorted(state)
@@ -183,9 +188,11 @@ def reference_logits(root: Path, tokens, depth, state0):
     x = w["embed.weight"][tokens]
     x = _layer(x, w, 0, base)  # prelude
     e = _norm(x, w["huginn_prelude_norm_module.weight"]) if fields.get("huginn_prelude_norm") == "rms" else x
-    s = state0.double()
+    s = e if fields.get("huginn_state_init") == "input" else state0.double()  # input: s0 = the prelude output
     for _ in range(depth):
-        if fields["huginn_input_injection"] == "linear":
+        if fields["huginn_input_injection"] == "none":
+            pass  # no injection: the input entered as s0
+        elif fields["huginn_input_injection"] == "linear":
             s = torch.cat([s, e], -1) @ w["input_injection.adapter.weight"].T + w["input_injection.adapter.bias"]
         else:
             dt = F.softplus(w["input_injection.dt_bias"])
@@ -275,6 +282,42 @@ def test_bf16_output_and_no_manifest(tmp_path):
     assert not json.loads((out / "conversion.json").read_text())["manifest_verified"]
 
 
+# Part I's plain Huginn (no depth control): the diagonal injection without norms, or none at all, and
+# the state started from the prelude output (`LoopedLM-P1-dense-middle-*`).
+PART_ONE = {
+    "prelude-injection": ({"huginn_depth_control": False, "huginn_state_init": "input"}, "parcae-nonorm"),
+    "dense-middle": ({"huginn_depth_control": False, "huginn_state_init": "input", "huginn_input_injection": "none"},
+                     "none"),
+}
+
+
+@pytest.mark.parametrize("name", list(PART_ONE))
+def test_part_one_plain_huginn_matches_the_release_equations(tmp_path, name):
+    fields, injection = PART_ONE[name]
+    src = make_release(tmp_path / "release", model_fields=fields)
+    model, _, _ = load_model(convert_xllm_loop(src, tmp_path / "converted"))
+    assert (model.cfg.injection, model.cfg.state_init) == (injection, "input")
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    for depth in (1, 3, 8):
+        with torch.no_grad():
+            got = model(tokens, depth).logits  # no state to choose: s0 is the prelude output
+        torch.testing.assert_close(got.double(), reference_logits(src, tokens, depth, None), atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_vocabulary_converts(tmp_path):
+    """The release's embedding and head may have more rows than its tokenizer has tokens."""
+    src = make_release(tmp_path / "release", model_fields={"vocab_size": 320})
+    tokenizer_size = HFTokenizer.from_file(str(src / "tokenizer" / "tokenizer.json")).get_vocab_size()
+    assert tokenizer_size < 320
+    model, tok, _ = load_model(convert_xllm_loop(src, tmp_path / "converted"))
+    assert (model.cfg.vocab_size, tok.vocab_size) == (320, tokenizer_size)
+    tokens = torch.tensor([tok.encode("the looped model thinks")])
+    state0 = torch.randn(1, tokens.shape[1], D, generator=torch.Generator().manual_seed(3)) / math.sqrt(D)
+    with torch.no_grad():
+        got = model(tokens, 4, state0=state0).logits
+    torch.testing.assert_close(got.double(), reference_logits(src, tokens, 4, state0), atol=1e-5, rtol=1e-5)
+
+
 # -- refusals ----------------------------------------------------------------------------------------
 def _extra(state):
     state["layers.0.attention.wr.weight"] = torch.zeros(D, D, dtype=torch.bfloat16)
@@ -303,7 +346,7 @@ def test_refuses_bad_tensors(tmp_path, mutate, match):
 @pytest.mark.parametrize("overrides, match", [
     ({"ffn_hidden_dim": 40}, "has shape .* config.json implies"),
     ({"qknorm": True}, "qknorm"),
-    ({"huginn_input_injection": "none"}, "no looplm equivalent"),
+    ({"huginn_input_injection": "none"}, "the input would never enter the recurrence"),  # state_init normal
     ({"huginn_hierarchical_state": "split_hl"}, "huginn_hierarchical_state"),
     ({"num_layers": 5}, "num_layers 5"),
 ])

@@ -269,3 +269,18 @@ def test_batch_indices_epochs_and_resume() -> None:
     # micro_batch larger than the dataset spans several epochs.
     big = batch_indices(4, 0, 0, 10, 1, 0)
     assert sorted(big[:4].tolist()) == [0, 1, 2, 3] and len(big) == 10
+
+
+def test_one_default_for_the_task_generators_size():
+    """Training (DataConfig), the caches, `looplm tokenize` and its CLI draw the same number of generator
+    examples when none is given (the caches' default was 20,000, training's 200,000)."""
+    import inspect
+
+    import looplm.cli as cli
+    from looplm.data import packing, pretokenized, sources
+    from looplm.train.config import DataConfig
+
+    want = DataConfig().n_task_examples
+    for fn in (packing.build_datasets, packing.prepare_caches, packing.write_splits, sources.iter_documents,
+               sources.describe_source, pretokenized.tokenize_corpus, cli.tokenize):
+        assert inspect.signature(fn).parameters["n_task_examples"].default == want, fn.__qualname__

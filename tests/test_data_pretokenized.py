@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _jobs import looplm_cmd, subprocess_env
+from _jobs import error_line, looplm_cmd, subprocess_env
 
 import looplm.data.pretokenized as pretok
 from looplm.data import (
@@ -282,8 +282,7 @@ def test_tokenize_command_end_to_end(tmp_path: Path) -> None:
     for args in ([tmp_path / "missing.jsonl", tmp_path / "new"], [source, tmp_path / "busy"]):
         res = looplm("tokenize", *args)
         assert res.returncode == 2, res.stderr
-        lines = res.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+        error_line(res.stderr)
         assert res.stdout == ""
     assert not (tmp_path / "new").exists()
 

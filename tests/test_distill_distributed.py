@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from _jobs import free_port, one_thread, read_metrics, shared_cache, step_records, subprocess_env, tiny_job
+from _jobs import one_thread, read_metrics, shared_cache, step_records, subprocess_env, tiny_job, torchrun_cmd
 
 from looplm import checkpoint as ckpt
 from looplm.cli import main
@@ -94,9 +93,7 @@ def runs(teacher, tmp_path_factory):
     (root / "rank.py").write_text(RANK_SCRIPT)
     reports = root / "reports"
     reports.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(root / "rank.py"), str(reports),
-           *distill_args(teacher, root / "ranks")]
+    cmd = torchrun_cmd(2, root / "rank.py", reports, *distill_args(teacher, root / "ranks"))
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT, cwd=root)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return root, {r: json.loads((reports / f"rank{r}.json").read_text()) for r in range(2)}, proc.stdout

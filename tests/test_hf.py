@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import decisive_model
 
 pytest.importorskip("transformers")
 
@@ -18,9 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 import looplm.infer.generate as looplm_generate  # noqa: E402
 from looplm import checkpoint as ckpt  # noqa: E402
 from looplm.cli import main  # noqa: E402
-from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from looplm.hf import LoopedCache, LoopedLMConfig, LoopedLMForCausalLM, export  # noqa: E402
+from looplm.infer import extend, make_cache  # noqa: E402
 from looplm.infer.generate import SamplingConfig  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 
@@ -43,10 +44,8 @@ def write_checkpoint(path, model: LoopedLM, tokenizer) -> None:
 
 
 def tiny_model(vocab_size=258, **fields) -> LoopedLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=48,
-                      max_depth=16, **fields)
-    return LoopedLM(cfg).eval()
+    """The exactness tests' model (its argmax moves with context and depth): 48 positions, depths to 16."""
+    return decisive_model(vocab_size, max_seq_len=48, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +116,13 @@ def test_save_pretrained_again_keeps_identical_tensors(exported, hf_model, tmp_p
 def test_from_looplm_shares_the_parameters():
     model = tiny_model()
     hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=2)
-    assert hf.model is model and hf.config.pad_token_id == TOK.pad_id
+    assert hf.model is model and hf.config.pad_token_id == TOK.pad_id and hf.config.num_steps == 2
+    assert all(a is b for a, b in zip(hf.model.parameters(), model.parameters()))
     ids = torch.tensor([TOK.encode("shared")])
     with torch.no_grad():
-        assert torch.equal(hf(ids).logits, model(ids, 2, init="seeded").logits)
+        model.head.weight[7] = 0.0  # an edit of the looplm model is seen through the wrapper
+        assert (hf(ids).logits[..., 7] == 0).all()
+        assert not (hf(ids).logits[..., 8] == 0).any()
 
 
 # -- generate --------------------------------------------------------------------------------------
@@ -176,18 +178,58 @@ def test_generate_with_config_defaults_and_without_cache(exported, hf_model, mon
     assert cut_at_eos(recomputed, ids.shape[1]) == full
 
 
-def test_sampling_and_return_dict_in_generate(hf_model):
+def looplm_step_logits(model, prompt: list[int], fed: list[int], mode: str, prefill: int, depth: int,
+                       example_id: int) -> torch.Tensor:
+    """[len(fed) + 1, V] logits of looplm's own cached path on one prompt alone (no padding): the
+    prompt prefilled at `prefill`, then each token of `fed` at `depth`."""
+    cache = make_cache(mode, model.cfg, 1, len(prompt) + len(fed), max(prefill, depth))
+    ids = torch.tensor([example_id])
+    steps = [extend(model, torch.tensor([prompt]), cache, prefill, example_ids=ids)[0, -1]]
+    steps += [extend(model, torch.tensor([[t]]), cache, depth, example_ids=ids)[0, -1] for t in fed]
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_generate_logits_equal_looplms_per_step_logits(exported, hf_model, mode):
+    """Every step's logits (and greedy scores) of a left-padded batch, prefilled at 2 recurrences
+    and decoded at 4, equal looplm's extend on each prompt alone (example id = the row) to 1e-5."""
+    model, _ = exported
+    ids, mask = padded_batch(PROMPTS)
+    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, num_steps=4, prefill_steps=2,
+                            cache_kind=mode, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    new = out.sequences[:, ids.shape[1]:]
+    for row, prompt in enumerate(PROMPTS):
+        chosen = new[row].tolist()
+        n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)  # after EOS the row only pads
+        want = looplm_step_logits(model, TOK.encode(prompt), chosen[:n - 1], mode, 2, 4, row)
+        got = torch.stack([step[row] for step in out.logits[:n]])
+        scores = torch.stack([step[row] for step in out.scores[:n]])
+        assert (got - want).abs().max() <= 1e-5 and (scores - want).abs().max() <= 1e-5
+        assert chosen[:n] == want.argmax(-1).tolist()
+
+
+def test_sampling_samples_and_return_dict_in_generate(hf_model):
     ids, mask = padded_batch(PROMPTS)
 
-    def sample():
-        torch.manual_seed(1)
-        return hf_model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True, top_k=20,
-                                 return_dict_in_generate=True, output_scores=True, num_steps=2)
+    def sample(seed):
+        torch.manual_seed(seed)
+        return hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=20,
+                                 return_dict_in_generate=True, output_logits=True, num_steps=2)
 
-    a, b = sample(), sample()
-    assert torch.equal(a.sequences, b.sequences) and a.sequences.shape[0] == 3
-    assert len(a.scores) == a.sequences.shape[1] - ids.shape[1]
+    a, b, c = sample(1), sample(1), sample(2)
+    assert torch.equal(a.sequences, b.sequences) and a.sequences.shape[0] == 3  # seeded: reproducible
+    assert not torch.equal(a.sequences, c.sequences)
+    new = a.sequences[:, ids.shape[1]:]
+    assert len(a.logits) == new.shape[1]
     assert isinstance(a.cache, LoopedCache) and a.cache.get_seq_length() == a.sequences.shape[1] - 1
+    logits = torch.stack(a.logits, 1)  # [B, steps, V]
+    live = torch.ones_like(new, dtype=torch.bool)
+    for row in range(3):  # steps up to and including EOS
+        if TOK.eos_id in new[row].tolist():
+            live[row, new[row].tolist().index(TOK.eos_id) + 1:] = False
+    rank = (logits > logits.gather(-1, new[..., None])).sum(-1)  # how many tokens were more likely
+    assert (rank[live] < 20).all()  # top_k: only the 20 most likely tokens are drawn
+    assert (rank[live] > 0).sum() >= 3  # it samples: greedy decoding would always take rank 0
 
 
 def test_user_cache_and_text_generation_pipeline(exported, hf_model, monkeypatch):

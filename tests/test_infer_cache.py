@@ -10,6 +10,8 @@ from looplm.infer import FullCache, TerminalCache, extend, make_cache
 from looplm.model import LoopedLM
 from looplm.model.state import seeded_normal
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
 
 def _model(injection="parcae-nonorm", **kw):
     torch.manual_seed(0)
@@ -287,3 +289,118 @@ def test_full_cache_with_other_decode_depth_matches_naive_reference(injection, r
             ref.append(m.head(m.norm(s)))
     assert (got - torch.stack(ref)).abs().max() <= 1e-4
 
+
+
+# -- the banks after a step with per-row depths or adaptive exit -----------------------------------------
+def _naive_decode(m, token, pos, example_id, prefix, depth, exit_tau=None, min_depth=1, core_prefix=None):
+    """One token at `pos` through the model by hand, attending to `prefix` (per physical layer, the
+    stored (K list, V list) of earlier tokens; `core_prefix[r]` replaces the core layers' entries at
+    recurrence r, for a full cache), with the exit rule written out. Returns (logits, prelude K/V,
+    [per recurrence: core K/V per layer], coda K/V, recurrences used)."""
+    cfg = m.cfg
+    n_pre, n_core = cfg.n_prelude, cfg.n_core
+    h = m.embed.weight[token]
+    pre = []
+    for i, blk in enumerate(m.prelude):
+        h, k, v = _naive_block(blk, h, pos, *prefix[i], cfg)
+        pre.append((k, v))
+    q = m.injection.prepare(h[None, None])[0, 0]
+    s = seeded_normal(torch.tensor([example_id]), torch.tensor([[pos]]), cfg.d_model)[0, 0] / math.sqrt(cfg.d_model)
+    visits, used = [], depth
+    for r in range(depth):
+        prev = s
+        s = m.injection(s[None, None], q[None, None])[0, 0]
+        core = prefix[n_pre:n_pre + n_core] if core_prefix is None else core_prefix[r]
+        visit = []
+        for j, blk in enumerate(m.core):
+            s, k, v = _naive_block(blk, s, pos, *core[j], cfg)
+            visit.append((k, v))
+        visits.append(visit)
+        s = m.injection.exit(s[None, None])[0, 0]
+        if exit_tau is not None and r + 1 >= min_depth and float((s - prev).norm() / prev.norm()) < exit_tau:
+            used = r + 1
+            break
+    coda = []
+    for i, blk in enumerate(m.coda):
+        s, k, v = _naive_block(blk, s, pos, *prefix[n_pre + n_core + i], cfg)
+        coda.append((k, v))
+    return m.head(m.norm(s)), pre, visits, coda, used
+
+
+def _prefilled(m, mode, lengths, depth=3, cache_depth=4):
+    """A cache whose row b holds a random prompt of lengths[b] tokens, each row prefilled alone
+    (example id b) through a one-row view, as the serving engine does; and one next token per row."""
+    g = torch.Generator().manual_seed(3)
+    cache = make_cache(mode, m.cfg, len(lengths), 32, cache_depth)
+    for b, n in enumerate(lengths):
+        extend(m, torch.randint(0, m.cfg.vocab_size, (1, n), generator=g), cache.view(slice(b, b + 1)), depth,
+               example_ids=torch.tensor([b]))
+    return cache, torch.randint(0, m.cfg.vocab_size, (len(lengths), 1), generator=g)
+
+
+def _stored(banks, b, n):
+    """Copies of row b's first n K/V per bank: (K list, V list) each."""
+    return [([bank.k[b, :, t].clone() for t in range(n)], [bank.v[b, :, t].clone() for t in range(n)])
+            for bank in banks]
+
+
+def _assert_holds(bank, b, pos, kv, prefix):
+    k, v = kv
+    assert (bank.k[b, :, pos] - k).abs().max() <= 1e-5 and (bank.v[b, :, pos] - v).abs().max() <= 1e-5
+    assert torch.equal(bank.k[b, :, :pos], torch.stack(prefix[0], 1))  # earlier tokens untouched
+    assert torch.equal(bank.v[b, :, :pos], torch.stack(prefix[1], 1))
+
+
+@pytest.mark.parametrize("rule", ["per-row depth", "adaptive exit"])
+def test_terminal_banks_hold_each_tokens_kv_from_its_own_exit_recurrence(rule):
+    """One decode step over rows of different lengths (per-row positions) in which the rows stop at
+    different recurrences: every bank must hold each token's K/V from the recurrence it stopped at,
+    not from the later ones that other rows still ran, checked against the token computed by hand."""
+    from _models import decisive_model
+
+    m = decisive_model(vocab_size=50, max_seq_len=32)
+    lengths = [5, 9, 7]
+    cache, nxt = _prefilled(m, "terminal", lengths)
+    prefix = [_stored(cache.banks(), b, n) for b, n in enumerate(lengths)]
+    view = cache.view(slice(0, 3), max_len=max(lengths) + 1, length=torch.tensor(lengths))
+    if rule == "per-row depth":
+        kw, depths, taus = dict(depth=torch.tensor([1, 4, 6])), [1, 4, 6], [None] * 3
+    else:  # a row with exit_tau 0 never exits: it runs to the step's depth
+        kw, depths, taus = dict(depth=8, exit_tau=torch.tensor([0.3, 0.06, 0.0])), [8] * 3, [0.3, 0.06, None]
+    logits, used = extend(m, nxt, view, example_ids=torch.arange(3), return_depths=True, **kw)
+    with torch.no_grad():
+        refs = [_naive_decode(m, int(nxt[b, 0]), lengths[b], b, prefix[b], depths[b], taus[b]) for b in range(3)]
+    assert used[:, 0].tolist() == [r[4] for r in refs]
+    assert len(set(used[:, 0].tolist())) == 3, used  # every row stopped at its own recurrence
+    for b, (ref_logits, pre, visits, coda, depth) in enumerate(refs):
+        assert (logits[b, 0] - ref_logits).abs().max() <= 1e-4
+        want = [*pre, *visits[depth - 1], *coda]  # the core layers: the K/V of the exit recurrence
+        for bank, kv, stored in zip(cache.banks(), want, prefix[b]):
+            _assert_holds(bank, b, lengths[b], kv, stored)
+
+
+def test_full_cache_banks_after_a_step_with_per_row_depths():
+    """Full cache (4 visits): a row that ran r recurrences holds its recurrence-v K/V in visits v < r
+    and its terminal K/V in the visits it did not reach (design §7)."""
+    from _models import decisive_model
+
+    m = decisive_model(vocab_size=50, max_seq_len=32)
+    lengths = [6, 4, 5]
+    cache, nxt = _prefilled(m, "full", lengths, depth=4, cache_depth=4)
+    n_pre = m.cfg.n_prelude
+    outer = [_stored([*cache.prelude, *cache.core[0], *cache.coda], b, n) for b, n in enumerate(lengths)]
+    visits = [[_stored(cache.core[r], b, n) for r in range(4)] for b, n in enumerate(lengths)]
+    view = cache.view(slice(0, 3), max_len=max(lengths) + 1, length=torch.tensor(lengths))
+    depths = [1, 4, 2]
+    logits = extend(m, nxt, view, torch.tensor(depths), example_ids=torch.arange(3))
+    for b, depth in enumerate(depths):
+        pos = lengths[b]
+        with torch.no_grad():  # recurrence r reads the prefix's visit-r bank
+            ref, pre, mine, coda, _ = _naive_decode(m, int(nxt[b, 0]), pos, b, outer[b], depth, core_prefix=visits[b])
+        assert (logits[b, 0] - ref).abs().max() <= 1e-4
+        stored = [*outer[b][:n_pre], *outer[b][-len(coda):]]
+        for bank, kv, prefix in zip([*cache.prelude, *cache.coda], [*pre, *coda], stored):
+            _assert_holds(bank, b, pos, kv, prefix)
+        for visit in range(4):
+            for j, kv in enumerate(mine[min(visit, depth - 1)]):
+                _assert_holds(cache.core[visit][j], b, pos, kv, visits[b][visit][j])

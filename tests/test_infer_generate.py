@@ -2,21 +2,20 @@
 
 import pytest
 import torch
+from _models import decisive_model
 
-from looplm.config import ModelConfig
 from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
 from looplm.infer.generate import SamplingConfig, choose, generate
-from looplm.model import LoopedLM
 
 TOK = ByteTokenizer()
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=48)
-    return LoopedLM(cfg).eval()
+    """A model whose greedy tokens depend on context and depth (`_models`), so text comparisons bite."""
+    return decisive_model(TOK.vocab_size, max_seq_len=48)
 
 
 def _greedy_no_cache(model, prompt, n, depth):

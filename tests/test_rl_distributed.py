@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from _jobs import free_port, one_thread, read_metrics, step_records, subprocess_env, write_random_run
+from _jobs import one_thread, read_metrics, step_records, subprocess_env, torchrun_cmd, write_random_run
 
 from looplm import checkpoint as ckpt
 from looplm.cli import main
@@ -121,9 +119,7 @@ def runs(source, tmp_path_factory):
                                                 for name, extra in RUNS.items()}))
     reports = root / "reports"
     reports.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(root / "rank.py"), str(reports),
-           str(root / "runs.json")]
+    cmd = torchrun_cmd(2, root / "rank.py", reports, root / "runs.json")
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT, cwd=root)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     got = {name: {r: json.loads((reports / f"{name}-rank{r}.json").read_text()) for r in range(2)} for name in RUNS}

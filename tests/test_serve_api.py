@@ -1,10 +1,14 @@
 """The OpenAI-compatible server, driven by the official `openai` client and raw HTTP against a
-server started on 127.0.0.1: exactness under concurrency, streaming, chat, disconnects,
-malformed requests, the API key, back-pressure and metrics."""
+server started on 127.0.0.1: exactness under concurrency (each token's log-probability and top
+alternatives against the request replayed alone), streaming, chat, disconnects, malformed requests,
+the API key, back-pressure and metrics. Synchronisation is by events, never by sleeping."""
 
 import concurrent.futures
 import json
+import queue
 import random
+import re
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -17,10 +21,11 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from _jobs import free_port  # noqa: E402
+from _models import decisive_model  # noqa: E402
 
 from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import ByteTokenizer  # noqa: E402
+from looplm.infer import extend, make_cache  # noqa: E402
 from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
@@ -34,29 +39,27 @@ NAME = "tiny-looped"
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
-                      max_depth=8)
-    return LoopedLM(cfg).eval()
+    return decisive_model(TOK.vocab_size, max_depth=8)
 
 
 @contextmanager
 def serving(engine: Engine, api_key: str | None = None):
-    """A uvicorn server on a free 127.0.0.1 port in a thread; yields its base URL, then stops it."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, api_key=api_key), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    """A uvicorn server in a thread on a socket bound here to port 0 of 127.0.0.1 (the kernel picks a
+    free port: no race) and already listening, so a request waits in its backlog until the server
+    accepts it; yields the base URL, then stops the server."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, api_key=api_key), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(20)
+        thread.join(30)
+        sock.close()
 
 
 def _client(url: str, key: str = "unused") -> "openai.OpenAI":
@@ -66,6 +69,38 @@ def _client(url: str, key: str = "unused") -> "openai.OpenAI":
 def _alone(model, prompt: str, depth: int, max_tokens: int, mode: str = "terminal", stop=()) -> str:
     sampling = SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop))
     return generate(model, TOK, [prompt], depth=depth, cache_mode=mode, sampling=sampling)[0]
+
+
+@torch.no_grad()
+def _greedy_replay(model, prompt: str, depth: int, max_tokens: int, mode: str) -> list[torch.Tensor]:
+    """Log-probabilities of each step of the prompt decoded greedily alone (example id 0, prefill and
+    decode at `depth`), up to `max_tokens` tokens or an end of text (which is not a token of the reply)."""
+    ids = TOK.encode(prompt)
+    cache = make_cache(mode, model.cfg, 1, len(ids) + max_tokens, depth)
+    logits = extend(model, torch.tensor([ids]), cache, depth)[0, -1]
+    steps = []
+    while True:
+        lp = logits.log_softmax(-1)
+        if int(lp.argmax()) == TOK.eos_id:
+            return steps
+        steps.append(lp)
+        if len(steps) == max_tokens:
+            return steps
+        logits = extend(model, lp.argmax().view(1, 1), cache, depth)[0, -1]
+
+
+def assert_logprobs_equal(logprobs, ref: list[torch.Tensor], k: int) -> None:
+    """A completion choice's `logprobs` block against the replay: the same tokens, each log-probability
+    to 1e-5, and the top-k keyed by token text (bytes >= 128 all decode to U+FFFD, so a key stands for
+    any token of that text): each value is such a token's log-probability, among the k most likely."""
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(ref)
+    for text, chosen, top, lp in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, ref):
+        assert text == TOK.decode([int(lp.argmax())]) and abs(chosen - float(lp.max())) <= 1e-5
+        best = lp.topk(k)
+        texts = [TOK.decode([i]) for i in best.indices.tolist()]
+        assert set(top) == set(texts)
+        for key, value in top.items():
+            assert any(t == key and abs(value - v) <= 1e-5 for t, v in zip(texts, best.values.tolist())), key
 
 
 def test_openai_client_completions_chat_and_streaming(model):
@@ -117,7 +152,7 @@ def test_openai_client_completions_chat_and_streaming(model):
 
 
 @pytest.mark.parametrize("mode", ["terminal", "full"])
-def test_sixteen_concurrent_requests_equal_generate_alone(model, mode):
+def test_sixteen_concurrent_requests_match_their_replay_alone(model, mode):
     rng = random.Random(0)
     jobs = [("".join(rng.choice("abcdefgh +=") for _ in range(rng.randint(1, 20))), 1 + i % 4, rng.randint(2, 20))
             for i in range(16)]
@@ -127,41 +162,63 @@ def test_sixteen_concurrent_requests_equal_generate_alone(model, mode):
 
         def ask(job):
             prompt, depth, n = job
-            return client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
-                                             extra_body={"depth": depth}).choices[0].text
+            return client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, logprobs=2,
+                                             extra_body={"depth": depth}).choices[0]
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             got = list(pool.map(ask, jobs))
-    assert got == [_alone(model, p, d, n, mode) for p, d, n in jobs]
+    for choice, (prompt, depth, n) in zip(got, jobs):
+        ref = _greedy_replay(model, prompt, depth, n, mode)
+        assert_logprobs_equal(choice.logprobs, ref, 2)
+        assert choice.text == TOK.decode([int(lp.argmax()) for lp in ref])
+    assert sum(len(c.logprobs.tokens) for c in got) > 100
     assert engine.finished.get("cancelled", 0) == 0
 
 
-def _slow(engine: Engine, seconds: float) -> None:
-    decode = engine._decode
+def _observed(engine: Engine) -> tuple[list, threading.Event]:
+    """The handles the engine is given from now on, and an event set after each request it finishes."""
+    handles, finished = [], threading.Event()
+    submit, finish = engine.submit, engine._finish
 
-    def slow_decode():
-        time.sleep(seconds)
-        decode()
+    def recording_submit(request, sink=None):
+        handle = submit(request, sink)
+        handles.append(handle)
+        return handle
 
-    engine._decode = slow_decode
+    def recording_finish(*args, **kwargs):
+        finish(*args, **kwargs)
+        finished.set()
+
+    engine.submit, engine._finish = recording_submit, recording_finish
+    return handles, finished
 
 
 def test_client_disconnect_mid_stream_frees_its_slot(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
-    _slow(engine, 0.05)  # 50 tokens take >= 2.5 s: the client leaves long before the end
+    steps = threading.Semaphore(1)  # decode steps the engine may take: it waits before the second
+    decode = engine._decode
+
+    def gated_decode():
+        assert steps.acquire(timeout=60)
+        decode()
+
+    engine._decode = gated_decode
+    handles, finished = _observed(engine)
     with serving(engine) as url:
-        body = {"model": NAME, "prompt": "abc", "max_tokens": 50, "temperature": 0, "stream": True}
+        # logprobs: every token gets a chunk (a token whose text is held back would send none)
+        body = {"model": NAME, "prompt": "abc", "max_tokens": 50, "temperature": 0, "stream": True, "logprobs": 0}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 lines = response.iter_lines()
                 seen = 0
-                while seen < 2:
+                while seen < 2:  # the prefill's token and the one allowed decode step's
                     seen += next(lines).startswith("data: ")
                 assert engine.pool.running == 1
-            deadline = time.monotonic() + 10
-            while engine.pool.running and time.monotonic() < deadline:
-                time.sleep(0.05)
+            assert handles[0]._cancelled.wait(30)  # the server saw the client leave and cancelled
+            for _ in range(50):
+                steps.release()
+            assert finished.wait(30)  # the engine dropped the row at its next step
             assert engine.pool.running == 0 and engine.finished == {"cancelled": 1}
             assert http.get(f"{url}/health").json()["running_sequences"] == 0
 
@@ -239,13 +296,14 @@ def test_full_queue_answers_429(model):
     step, paused = engine.step, threading.Event()
     engine.step = lambda: False if paused.is_set() else step()
     paused.set()
+    queued = threading.Event()
+    submit = engine.submit
+    engine.submit = lambda request, sink=None: (submit(request, sink), queued.set())[0]
     with serving(engine) as url, httpx.Client(timeout=30) as http:
         body = {"model": NAME, "prompt": "abc", "max_tokens": 4, "temperature": 0}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(http.post, f"{url}/v1/completions", json=body)
-            deadline = time.monotonic() + 10
-            while not engine._pending and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert queued.wait(30)  # the first request waits in the queue (the engine is paused)
             second = http.post(f"{url}/v1/completions", json=body)
             assert second.status_code == 429
             assert second.json()["error"]["code"] == "queue_full" and "retry later" in second.json()["error"]["message"]
@@ -272,27 +330,37 @@ def test_metrics_and_health(model):
 
 
 def test_looplm_serve_command(tmp_path):
-    """`looplm serve` on a run folder: binds 127.0.0.1, answers, and refuses a bad flag in one line."""
+    """`looplm serve` on a run folder: binds 127.0.0.1 (port 0: the kernel picks a free one, read back
+    from uvicorn's start-up line), answers, and refuses a bad flag with one error line."""
     import subprocess
 
-    from _jobs import looplm_cmd, subprocess_env, write_random_run
+    from _jobs import error_line, looplm_cmd, subprocess_env, write_random_run
 
     run = write_random_run(tmp_path / "run")
-    port = free_port()
     step = run / "checkpoints" / "step_0000001"  # a checkpoint folder is served under its run's name
-    proc = subprocess.Popen(looplm_cmd("serve", str(step), "--port", str(port), "--max-batch", "2", "--depth", "2",
+    proc = subprocess.Popen(looplm_cmd("serve", str(step), "--port", "0", "--max-batch", "2", "--depth", "2",
                                        "--max-seq-len", "64"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # the process closed its output
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "looplm serve did not come up"
-                time.sleep(0.2)
+        while True:  # uvicorn logs its bound address once it accepts connections
+            line = lines.get(timeout=120)
+            assert line is not None, "looplm serve exited:\n" + "".join(seen)
+            seen.append(line)
+            started = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            if started:
+                port = int(started.group(1))
+                break
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["run"] and models[0]["max_model_len"] == 64
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
@@ -300,33 +368,18 @@ def test_looplm_serve_command(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         proc.terminate()
-        out = proc.communicate(timeout=30)[0]
-    assert f"serving 'run' on http://127.0.0.1:{port}/v1 (terminal cache, 2 slots x 64 positions" in out
+        proc.wait(timeout=30)
+        reader.join(30)
+    while (line := lines.get(timeout=30)) is not None:
+        seen.append(line)
+    out = "".join(seen)
+    assert "serving 'run' on http://127.0.0.1:" in out and "(terminal cache, 2 slots x 64 positions" in out
     bad = subprocess.run(looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True,
                          env=subprocess_env())
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--cache" in bad.stderr
+    assert bad.returncode == 2 and "--cache" in error_line(bad.stderr)
 
 
 # -- defects found in review (issue 19) ----------------------------------------------------------------
-@contextmanager
-def serving_on_port_0(engine: Engine, api_key: str | None = None):
-    """A uvicorn server on 127.0.0.1 that binds port 0 (the OS picks a free one, no race); yields the
-    port read back from its socket, then stops it."""
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, api_key=api_key), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:  # a failure guard: uvicorn offers no start-up event to wait on
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(20)
-
-
 def _until(condition, what: str, timeout: float = 60.0) -> None:
     """Wait for `condition()` (engine state); the timeout only guards against a hang."""
     deadline = time.monotonic() + timeout
@@ -353,8 +406,8 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_slot():
 
     engine._decode = paced_decode
     body = json.dumps({"model": NAME, "prompt": "abc", "max_tokens": 2000, "temperature": 0}).encode()
-    with serving_on_port_0(engine, api_key="sekret") as port:
-        client = socket.create_connection(("127.0.0.1", port))
+    with serving(engine, api_key="sekret") as url:
+        client = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        b"Authorization: Bearer sekret\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         _until(lambda: engine.generated_tokens >= 5, "the request to decode")

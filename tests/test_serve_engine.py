@@ -1,28 +1,33 @@
-"""The continuous-batching engine: outputs equal `generate` on each prompt alone (terminal and full
-cache, mixed lengths, depths, adaptive exit and seeded sampling), slots are reused without leaks,
-cancelled rows free their slot, streamed text equals the final text, bad requests are refused."""
+"""The continuous-batching engine, at the level of log-probabilities: every generated token's
+log-probability, its top-k alternatives (by token) and its depth equal a replay of the request alone
+(prefill alone, then one token at a time) to 1e-5, over mixed prompt lengths, prefill and decode
+depths, adaptive exit, both caches and slot moves; with the full cache at one depth they equal the
+native forward without a cache. Also: greedy and seeded-sampled text equal `generate` on each prompt
+alone, slot bookkeeping, cancellation, stop strings, refusals and counters.
+
+The model is `_models.decisive_model`: its argmax depends on context and depth, so a cache that
+reads the wrong K/V changes log-probabilities far beyond the tolerance (and usually the text)."""
 
 import random
 
 import pytest
 import torch
+from _models import decisive_model
 
-from looplm.config import ModelConfig
 from looplm.data import ByteTokenizer
+from looplm.infer import extend, make_cache
 from looplm.infer.generate import SamplingConfig, generate
-from looplm.model import LoopedLM
 from looplm.serve import Engine, EngineConfig, EngineFull, EngineStopped, Finish, Request, Token
+from looplm.serve.slots import SlotPool
 
 TOK = ByteTokenizer()
+TOL = 1e-5
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
-                      max_depth=8)
-    return LoopedLM(cfg).eval()
+    return decisive_model(TOK.vocab_size, max_depth=8)
 
 
 def _alone(model, prompt: str, req: Request, mode: str, stats: dict | None = None) -> str:
@@ -30,7 +35,67 @@ def _alone(model, prompt: str, req: Request, mode: str, stats: dict | None = Non
                               top_p=req.top_p, seed=req.seed, stop=req.stop, exit_tau=req.exit_tau,
                               min_depth=req.min_depth)
     return generate(model, TOK, [prompt], depth=req.depth, prefill_depth=req.prefill_depth, cache_mode=mode,
-                    sampling=sampling, stats=stats)[0]
+                    sampling=sampling, stats=stats, example_ids=[req.example_id])[0]
+
+
+@torch.no_grad()
+def replay(model, req: Request, ids: list[int], mode: str, cache_depth: int) -> list[tuple[torch.Tensor, int]]:
+    """(log-probabilities, depth) of the step that produced each of `ids`, from the request alone in a
+    fresh one-row cache: its prompt prefilled at its prefill depth, then `ids` fed one at a time at
+    its decode depth (with its exit rule)."""
+    cache = make_cache(mode, model.cfg, 1, len(req.prompt_ids) + len(ids), cache_depth)
+    example = torch.tensor([req.example_id])
+    prefill = req.prefill_depth or req.depth
+    logits = extend(model, torch.tensor([req.prompt_ids]), cache, prefill, example_ids=example)[0, -1]
+    out = [(logits.log_softmax(-1), prefill)]
+    kw = {} if req.exit_tau is None else dict(exit_tau=req.exit_tau, min_depth=req.min_depth)
+    for t in ids[:-1]:
+        logits, used = extend(model, torch.tensor([[t]]), cache, req.depth, example_ids=example, return_depths=True,
+                              **kw)
+        out.append((logits[0, -1].log_softmax(-1), int(used)))
+    return out
+
+
+def assert_logprobs_equal(tokens: list[Token], ref: list[tuple[torch.Tensor, int]], k: int, greedy: bool) -> None:
+    """Each token's depth, log-probability and top-k (compared by token id) against `ref`."""
+    assert len(tokens) == len(ref)
+    for i, (t, (lp, depth)) in enumerate(zip(tokens, ref)):
+        assert t.depth == depth, i
+        assert abs(t.logprob - float(lp[t.token_id])) <= TOL, (i, t.logprob, float(lp[t.token_id]))
+        if greedy:
+            assert float(lp[t.token_id]) >= float(lp.max()) - TOL, i
+        if k:
+            top = dict(t.top_logprobs)
+            kth = float(lp.topk(k).values[-1])
+            assert len(top) == k, i
+            for tok, value in top.items():
+                assert abs(value - float(lp[tok])) <= TOL and float(lp[tok]) >= kth - TOL, (i, tok, value)
+
+
+def _run(engine: Engine, reqs: list[Request]) -> list[tuple[list[Token], Finish]]:
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_done(handles)
+    out = []
+    for h in handles:
+        events = list(h.events(timeout=1))
+        out.append(([e for e in events if isinstance(e, Token)], events[-1]))
+    return out
+
+
+def _count_moves(engine: Engine) -> list:
+    """Slot moves made by the engine's pool from now on: (freed slot, moved row's old slot, its length)."""
+    moves = []
+    release = engine.pool.release
+
+    def recording(slot):
+        n = engine.pool.lengths[-1]
+        moved = release(slot)
+        if moved is not None:
+            moves.append((slot, moved, n))
+        return moved
+
+    engine.pool.release = recording
+    return moves
 
 
 def _prompts(n: int, seed: int = 0) -> list[str]:
@@ -39,50 +104,95 @@ def _prompts(n: int, seed: int = 0) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["terminal", "full"])
-def test_sixteen_requests_equal_generate_alone(model, mode):
-    """Different prompt lengths, decode and prefill depths, budgets; 5 slots so rows join, finish and
-    move while others decode."""
+def test_sixteen_requests_match_their_replay_alone(model, mode):
+    """Different prompt lengths, example ids, decode and prefill depths, budgets; 5 slots, so rows
+    join, finish and move while others decode. (Greedy: each token is the replay's argmax, so the
+    text is `generate`'s on the prompt alone, which the tests below compare directly.)"""
     prompts = _prompts(16)
     rng = random.Random(1)
-    reqs = [Request(TOK.encode(p), max_tokens=rng.randint(1, 24), depth=1 + i % 4, prefill_depth=1 + (3 * i) % 4)
-            for i, p in enumerate(prompts)]
+    reqs = [Request(TOK.encode(p), max_tokens=rng.randint(1, 24), depth=1 + i % 4, prefill_depth=1 + (3 * i) % 4,
+                    logprobs=3, example_id=i) for i, p in enumerate(prompts)]
     engine = Engine(model, TOK, EngineConfig(max_batch=5, depth=4, max_depth=4, cache=mode))
-    finishes = engine.generate(reqs)
-    assert [f.text for f in finishes] == [_alone(model, p, r, mode) for p, r in zip(prompts, reqs)]
+    moves = _count_moves(engine)
+    results = _run(engine, reqs)
+    assert len(moves) >= 3
+    for (tokens, finish), req in zip(results, reqs):
+        ids = [t.token_id for t in tokens]
+        assert_logprobs_equal(tokens, replay(model, req, ids, mode, 4), 3, greedy=True)
+        assert finish.text == TOK.decode(ids)
     assert engine.pool.running == 0 and sum(engine.finished.values()) == 16
-    assert all(f.completion_tokens == r.max_tokens for f, r in zip(finishes, reqs) if f.reason == "length")
+    assert all(f.completion_tokens == r.max_tokens for (_, f), r in zip(results, reqs) if f.reason == "length")
+    assert sum(len(t) for t, _ in results) > 150  # few rows stop early at EOS: the comparison covers many steps
 
 
-def test_adaptive_exit_and_sampling_per_row_equal_generate_alone(model):
+def test_adaptive_exit_and_sampling_per_row_match_their_replay_alone(model):
     prompts = _prompts(8, seed=2)
     reqs = [Request(TOK.encode(p), max_tokens=12, depth=6, exit_tau=0.05 if i % 2 else None, min_depth=1 + i % 3,
-                    temperature=0.9 if i % 3 == 0 else 0.0, top_k=20 if i % 4 == 0 else 0, seed=100 + i)
-            for i, p in enumerate(prompts)]
+                    temperature=0.9 if i % 3 == 0 else 0.0, top_k=20 if i % 4 == 0 else 0, seed=100 + i, logprobs=2,
+                    example_id=i) for i, p in enumerate(prompts)]
     engine = Engine(model, TOK, EngineConfig(max_batch=3, depth=6))
-    finishes = engine.generate(reqs)
-    for p, r, f in zip(prompts, reqs, finishes):
+    results = _run(engine, reqs)
+    for (tokens, finish), req, prompt in zip(results, reqs, prompts):
+        ref = replay(model, req, [t.token_id for t in tokens], "terminal", 8)
+        assert_logprobs_equal(tokens, ref, 2, greedy=req.temperature == 0)
         stats: dict = {}
-        assert f.text == _alone(model, p, r, "terminal", stats)
-        assert f.mean_decode_depth == pytest.approx(stats["mean_decode_depth"])
-    assert any(f.mean_decode_depth < 6 for f in finishes)  # the exit really fired
+        assert finish.text == _alone(model, prompt, req, "terminal", stats)
+        assert finish.mean_decode_depth == pytest.approx(stats["mean_decode_depth"])
+    depths = [t.depth for (tokens, _), r in zip(results, reqs) if r.exit_tau for t in tokens[1:]]
+    assert min(depths) < 6 and len(set(depths)) > 1  # the exit really fired, at different depths
+    sampled = [(tokens, r) for (tokens, _), r in zip(results, reqs) if r.temperature > 0]
+    assert any(t.logprob < max(v for _, v in t.top_logprobs) - 1e-3 for tokens, _ in sampled for t in tokens)
 
 
-def test_reused_slot_does_not_read_the_previous_sequence(model):
-    """One slot: a long sequence, then a short one. Its cache positions past the short prompt still
-    hold the long one's K/V; the short one's text must equal its run in a fresh engine."""
-    long_req = Request(TOK.encode("x" * 40), max_tokens=20)
-    short_req = Request(TOK.encode("ab"), max_tokens=20)
-    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
-    engine.generate([long_req])
-    assert engine.pool.cache.prelude[0].k[0, :, 40:59].abs().sum() > 0  # stale K/V really is there
-    reused = engine.generate([short_req])[0].text
-    fresh = Engine(model, TOK, EngineConfig(max_batch=1, depth=3)).generate([short_req])[0].text
-    assert reused == fresh == _alone(model, "ab", Request([], max_tokens=20, depth=3), "terminal")
+def test_reused_slot_beside_a_longer_sequence_reads_only_its_own_positions(model):
+    """Two slots: a long sequence runs in slot 0 while slot 1 serves a long prompt, then a short one.
+    The short one's decode view is cut at the long row's length, so the stale K/V the previous
+    sequence left in slot 1 lie inside the attended view; its mask must stop at its own length."""
+    long_run = Request(TOK.encode("the long one keeps going"), max_tokens=38, depth=3, logprobs=2, example_id=0)
+    previous = Request(TOK.encode("x" * 30), max_tokens=4, depth=3, logprobs=2, example_id=1)
+    short = Request(TOK.encode("ab"), max_tokens=20, depth=3, logprobs=2, example_id=2)
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    seen = []
+    decode_view = engine.pool.decode_view
+
+    def watching():
+        view = decode_view()
+        seen.append((list(engine.pool.lengths), view.max_len))
+        return view
+
+    engine.pool.decode_view = watching
+    results = _run(engine, [long_run, previous, short])
+    # at some step the short row decoded beside the long one, stale positions of slot 1 in view
+    assert any(len(n) == 2 and n[1] < 20 < width for n, width in seen)
+    assert engine.pool.cache.prelude[0].k[1, :, 22:33].abs().sum() > 0  # the previous sequence's K/V are there
+    for (tokens, _), req in zip(results, (long_run, previous, short)):
+        assert len(tokens) == req.max_tokens
+        assert_logprobs_equal(tokens, replay(model, req, [t.token_id for t in tokens], "terminal", 8), 2, greedy=True)
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_slot_release_moves_every_bank_and_position(model, mode):
+    pool = SlotPool(model.cfg, 3, 16, mode=mode, depth=3, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for bank in pool.cache.banks():
+        bank.k.copy_(torch.randn(bank.k.shape, generator=g))
+        bank.v.copy_(torch.randn(bank.v.shape, generator=g))
+    assert len(pool.cache.banks()) == (4 if mode == "terminal" else 2 + 3 * 2)
+    for _ in range(3):
+        pool.claim()
+    for slot, n in enumerate((5, 16, 9)):
+        pool.set_length(slot, n)
+    before = [(b.k.clone(), b.v.clone()) for b in pool.cache.banks()]
+    assert pool.release(1) == 2 and pool.lengths == [5, 9]  # the last row (9 tokens) moves into slot 1
+    for bank, (k, v) in zip(pool.cache.banks(), before):
+        assert torch.equal(bank.k[1, :, :9], k[2, :, :9]) and torch.equal(bank.v[1, :, :9], v[2, :, :9])
+        assert torch.equal(bank.k[0], k[0]) and torch.equal(bank.v[0], v[0])  # other rows untouched
+    assert pool.release(1) is None and pool.lengths == [5]  # the last row leaves: nothing moves
 
 
 def test_cancel_frees_the_slot_and_leaves_other_rows_exact(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
-    keep = Request(TOK.encode("keep going"), max_tokens=20, stop=())
+    keep = Request(TOK.encode("keep going"), max_tokens=20, logprobs=1)
     drop = engine.submit(Request(TOK.encode("to be cancelled"), max_tokens=30))
     kept = engine.submit(keep)
     engine.step()
@@ -92,7 +202,10 @@ def test_cancel_frees_the_slot_and_leaves_other_rows_exact(model):
     engine.step()
     assert drop.finish is not None and drop.finish.reason == "cancelled" and engine.pool.running == 1
     engine.run_until_done([kept])
-    assert kept.finish.text == _alone(model, "keep going", Request([], max_tokens=20, depth=3), "terminal")
+    keep.depth = 3
+    assert kept.finish.text == _alone(model, "keep going", keep, "terminal")
+    tokens = [e for e in kept.events(timeout=1) if isinstance(e, Token)]
+    assert_logprobs_equal(tokens, replay(model, keep, [t.token_id for t in tokens], "terminal", 8), 1, greedy=True)
 
 
 def test_streamed_pieces_hold_back_stop_strings(model):
@@ -104,7 +217,7 @@ def test_streamed_pieces_hold_back_stop_strings(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
     handle = engine.submit(req)
     engine.run_until_done([handle])
-    events = list(handle.events(timeout=5))
+    events = list(handle.events(timeout=1))
     pieces = "".join(e.text for e in events if isinstance(e, Token))
     fin = events[-1]
     assert isinstance(fin, Finish) and fin.reason == "stop"
@@ -113,24 +226,21 @@ def test_streamed_pieces_hold_back_stop_strings(model):
     assert all(stop not in e.text for e in events if isinstance(e, Token))
 
 
-def test_logprobs_match_a_no_cache_forward(model):
-    """The reported log-probs are log-softmax of the native forward (seeded state, example 0) at
-    each step, recomputed without a cache (the full cache reproduces the native forward exactly;
-    the terminal cache is the paper's approximation of it)."""
-    ids = TOK.encode("hello")
+def test_logprobs_match_the_native_forward_without_a_cache(model):
+    """The full cache at the engine's one depth reproduces the native forward (seeded state of the
+    request's example id) at every step: no cache involved in the reference."""
+    reqs = [Request(TOK.encode("hello"), max_tokens=8, depth=3, logprobs=3, example_id=4),
+            Request(TOK.encode("a longer prompt of text"), max_tokens=6, depth=3, logprobs=3, example_id=9)]
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, cache="full"))
-    handle = engine.submit(Request(ids, max_tokens=6, depth=3, logprobs=3))
-    engine.run_until_done([handle])
-    tokens = [e for e in handle.events(timeout=5) if isinstance(e, Token)]
-    seq = list(ids)
-    for t in tokens:
-        with torch.no_grad():
-            lp = model(torch.tensor([seq]), 3, init="seeded").logits[0, -1].log_softmax(-1)
-        assert t.token_id == int(lp.argmax())
-        assert t.logprob == pytest.approx(float(lp[t.token_id]), abs=1e-4)
-        top = lp.topk(3)
-        assert [i for i, _ in t.top_logprobs] == top.indices.tolist()
-        seq.append(t.token_id)
+    for (tokens, _), req in zip(_run(engine, reqs), reqs):
+        seq, ref = list(req.prompt_ids), []
+        for t in tokens:
+            with torch.no_grad():
+                out = model(torch.tensor([seq]), 3, init="seeded", example_ids=torch.tensor([req.example_id]))
+            ref.append((out.logits[0, -1].log_softmax(-1), 3))
+            seq.append(t.token_id)
+        assert len(tokens) == req.max_tokens
+        assert_logprobs_equal(tokens, ref, 3, greedy=True)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -167,15 +277,21 @@ def test_full_cache_refuses_adaptive_exit_and_the_queue_is_bounded(model):
 
 def test_threaded_engine_and_stats(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=3)).start()
+    assert engine.stats()["mean_decode_depth"] == 0.0  # no decode step yet: a number, not NaN
     try:
-        handles = [engine.submit(Request(TOK.encode(p), max_tokens=8)) for p in _prompts(6, seed=3)]
-        finishes = [[e for e in h.events(timeout=30)][-1] for h in handles]
+        reqs = [Request(TOK.encode(p), max_tokens=8, depth=2 + 3 * (i % 2)) for i, p in enumerate(_prompts(6, seed=3))]
+        handles = [engine.submit(r) for r in reqs]
+        finishes = [[e for e in h.events(timeout=60)][-1] for h in handles]
     finally:
         engine.shutdown()
     assert all(f.reason in ("stop", "length") for f in finishes)
     s = engine.stats()
     assert s["generated_tokens_total"] == sum(f.completion_tokens for f in finishes)
-    assert s["running_sequences"] == 0 and s["cache_bytes_in_use"] == 0 and s["mean_decode_depth"] == 3.0
+    # decode steps per request: one per token after the first, plus the one that produced an EOS
+    steps = [f.completion_tokens - (f.reason == "length") for f in finishes]
+    want = sum(n * r.depth for n, r in zip(steps, reqs)) / sum(steps)
+    assert s["running_sequences"] == 0 and s["cache_bytes_in_use"] == 0
+    assert s["mean_decode_depth"] == pytest.approx(want, rel=1e-12) and 2 < want < 5
     per_token = 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 4  # K and V, fp32
     assert s["cache_bytes_capacity"] == 4 * 4 * 64 * per_token  # 4 banks (1/2/1 blocks) x 4 slots x 64 positions
 
@@ -205,7 +321,7 @@ def test_a_raising_event_sink_fails_its_request_only(model):
 def test_submit_after_shutdown_fails_fast(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3)).start()
     engine.shutdown()
-    with pytest.raises(match="shut down"):
+    with pytest.raises(EngineStopped, match="shut down"):
         engine.submit(Request(TOK.encode("too late")))
     assert not engine._pending
     engine.start()  # a restarted engine takes requests again

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from _jobs import losses, read_metrics, shared_cache, step_records, tiny_job
 
 from looplm import checkpoint as ckpt
-from looplm.data import IGNORE_INDEX
+from looplm.data import IGNORE_INDEX, Batch
 from looplm.depth import DepthConfig, LearnedPriorConfig, build_sampler
 from looplm.model import LoopedLM
+from looplm.train.layout import BatchLayout
+from looplm.train.noise import noise_seed
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -120,20 +122,28 @@ def keep_first_targets(t: Trainer, micro: int, keep: int) -> None:
     host_batch = t._host_batch
 
     def patched(data, step, i, n_micro, seed):
-        b = host_batch(data, step, i, n_micro, seed)
+        forwards = host_batch(data, step, i, n_micro, seed)
         if i == micro:
-            flat = b.targets.flatten().clone()
-            supervised = (flat != IGNORE_INDEX).nonzero().flatten()
-            flat[supervised[keep:]] = IGNORE_INDEX
-            b.targets = flat.view_as(b.targets)
-        return b
+            left = keep
+            for _, b in forwards:
+                flat = b.targets.flatten().clone()
+                supervised = (flat != IGNORE_INDEX).nonzero().flatten()
+                flat[supervised[left:]] = IGNORE_INDEX
+                left = max(0, left - len(supervised))
+                b.targets = flat.view_as(b.targets)
+        return forwards
 
     t._host_batch = patched
 
 
-def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
+@pytest.mark.parametrize("max_rows", [4, 3, 1])
+def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max_rows):
+    """Also when each microbatch of 4 sequences runs as several forwards (max_rows 3: 2 + 2, 1: four),
+    as a run resumed on fewer ranks does."""
     t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=3, depth__bptt_window=None,
                     train__grad_clip=0.0, train__grad_accum=2))
+    t.layout = BatchLayout(global_rows=4, grad_accum=2, max_rows=max_rows)
+    assert len(t.layout.forwards()) == {4: 1, 3: 2, 1: 4}[max_rows]
     keep_first_targets(t, micro=1, keep=5)  # 5 targets against ~100: per-microbatch means would differ
     init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
     captured = {}
@@ -148,10 +158,13 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache):
     assert res.depths == [3, 3]
     assert len(captured) == len(list(t.model.parameters()))
 
-    # Reference: one forward over the concatenated global batch, same inputs and noise.
-    seed, L = t.job.train.seed, t.job.data.seq_len
-    batches = [t._host_batch(t.train_data, 0, i, 2, seed) for i in range(2)]
-    noise = [t._noise(0, i, L) for i in range(2)]
+    # Reference: one forward over the concatenated global batch, same inputs and noise (the whole
+    # microbatch's noise drawn in one call, as every rank once did).
+    seed, L, d = t.job.train.seed, t.job.data.seq_len, t.job.model.d_model
+    batches = [Batch(*(torch.cat(parts) for parts in zip(*(vars(b).values() for _, b in t._host_batch(t.train_data, 0, i, 2, seed)))))
+               for i in range(2)]
+    noise = [torch.randn((4, L, d), generator=torch.Generator().manual_seed(noise_seed(seed, 0, i))) / math.sqrt(d)
+             for i in range(2)]
     n = [b.n_targets for b in batches]
     assert n[1] == 5 and n[0] > 5 * n[1]
     assert res.n_targets == sum(n)
@@ -205,8 +218,8 @@ def test_fixed_depth_defaults_to_full_bptt(tmp_path, cache):
                     train__grad_accum=1))
     assert t.job.depth.bptt_window is None
     init, captured = captured_step_grads(t)
-    batch = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
-    state0 = t._noise(0, 0, t.job.data.seq_len)
+    ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
+    state0 = t._noise(0, 0, rows, t.job.data.seq_len)
 
     def reference(window):
         ref = LoopedLM(t.job.model)
@@ -311,6 +324,30 @@ def test_resume_allows_run_settings_to_change(stopped_run, cache):
     assert t.latest_checkpoint().name == "step_0000004"
 
 
+def test_resume_keeps_the_global_batch_when_micro_batch_changes(stopped_run, cache):
+    """micro_batch bounds one forward on resume; the checkpoint's global batch (4 sequences per
+    microbatch) stays, run as 4 forwards of 1: same data, depths and noise, so the losses follow
+    the uninterrupted run up to float summation order."""
+    full = Trainer(job(stopped_run, cache, "full", train__steps=4))
+    full.fit()
+    t = Trainer(job(stopped_run, cache, train__steps=4, train__resume=True, train__micro_batch=1))
+    assert (t.layout.global_rows, len(t.layout.forwards())) == (4, 4)
+    t.fit()
+    got, ref = step_records(stopped_run / "run"), step_records(full.out_dir)
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for s in (3, 4):
+        assert got[s]["depths"] == ref[s]["depths"] and got[s]["tokens"] == ref[s]["tokens"]
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-6), s  # measured 2e-8; wrong noise rows: 1e-5
+    assert ckpt.read_json(t.latest_checkpoint(), "trainer_state.json")["global_micro_batch"] == 4
+
+
+def test_resume_on_ranks_that_do_not_divide_the_global_batch_is_refused(stopped_run, cache):
+    from looplm.train.distributed import DistEnv
+
+    with pytest.raises(ValueError, match="microbatch of 4 sequences.*does not split evenly over 3 ranks"):
+        Trainer(job(stopped_run, cache, train__steps=4, train__resume=True), env=DistEnv(world_size=3))
+
+
 def test_resume_without_checkpoint_starts_fresh(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__resume=True, train__steps=2))
     assert t.step == 0
@@ -353,3 +390,23 @@ def test_metrics_records(tmp_path, cache):
     assert [r["step"] for r in val] == [2, 4]
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in val)
 
+
+
+# -- the vocabulary size of a run ---------------------------------------------------------------
+def test_vocab_size_is_the_tokenizers_unless_the_job_pads_it(tmp_path, cache):
+    """`--model.vocab-size` is honoured (a padded embedding and head: more rows than the tokenizer has
+    tokens) or refused (fewer), never silently replaced; 0, the presets' value, means the tokenizer's."""
+    from looplm.errors import UserError
+
+    default = Trainer(job(tmp_path, cache, "default"))
+    assert tiny_job(tmp_path).model.vocab_size == 0
+    assert default.model.cfg.vocab_size == default.tokenizer.vocab_size == 258
+    padded = Trainer(job(tmp_path, cache, "padded", model__vocab_size=320, train__steps=1))
+    assert padded.model.embed.weight.shape[0] == padded.model.head.weight.shape[0] == 320
+    padded.fit()
+    model, tokenizer, config = ckpt.load_model(padded.out_dir)  # a padded vocabulary loads
+    assert (model.cfg.vocab_size, tokenizer.vocab_size, config["model"]["vocab_size"]) == (320, 258, 320)
+    resumed = Trainer(job(tmp_path, cache, "padded", model__vocab_size=320, train__steps=1, train__resume=True))
+    assert resumed.model.cfg.vocab_size == 320
+    with pytest.raises(UserError, match="model.vocab_size 100 is smaller than the tokenizer's 258 tokens"):
+        Trainer(job(tmp_path, cache, "short", model__vocab_size=100))

@@ -5,10 +5,17 @@ A checkpoint is a folder:
   optimizer.safetensors  optimizer tensors (training checkpoints only)
   trainer_state.json     step, schedule, sampler counters, optimizer param groups, RNG, ...
   config.json            the job configuration (model/depth/data/train)
+  data.json              the data record (looplm.data.record): what eval, analyze, distill and rl read back
   tokenizer*.json        the tokenizer (see looplm.data.tokenizer)
-  manifest.json          SHA-256 of every other file; verified at load
+  manifest.json          SHA-256 of every other file (subfolders included); verified at load
 It is written into a temporary sibling folder and renamed into place, so a crash never leaves a
 damaged checkpoint under the final name.
+
+A sharded checkpoint (FSDP2/HSDP training, `looplm.train.checkpointing`) holds, instead of the two
+safetensors files, `state/`: a torch.distributed.checkpoint folder (one `__<rank>_<i>.distcp` per
+writing rank and `.metadata`) with the model under "model.*" and the optimizer under
+"optimizer.*", and `rng/rank_<rank>.json`, each rank's RNG state. `load_weights` (every reader
+goes through it) consolidates the model in one process; `consolidate` writes the single-file form.
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from looplm.errors import UserError
+
 MANIFEST = "manifest.json"
 FORMAT = "looplm-checkpoint-v1"
+DATA_RECORD = "data.json"
+CONVERSION = "conversion.json"  # written by `looplm convert`: where the weights came from
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt, or does not fit what it is loaded into."""
 
 
@@ -40,24 +51,30 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
-    """Create folder `target` by letting `populate(tmp)` write files into a temporary folder,
-    adding the manifest, then renaming it into place."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        populate(tmp)
-        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "sha256": files}, indent=1))
-        for p in tmp.iterdir():  # flush file contents before the rename makes them visible
-            with open(p, "rb") as f:
+def fresh_folder(path: Path) -> Path:
+    """An empty folder at `path` (whatever was there is removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(tmp: Path, target: Path, digests: dict[str, str] | None = None) -> Path:
+    """Add the manifest to the finished temporary folder `tmp` and rename it to `target`.
+
+    The manifest lists every file under `tmp` by its path relative to it; `digests` are SHA-256
+    sums already computed by the processes that wrote those files (the shards of the other ranks;
+    those processes flushed them), the rest are hashed and flushed here."""
+    digests = dict(digests or {})
+    for p in sorted(tmp.rglob("*")):
+        name = p.relative_to(tmp).as_posix()
+        if p.is_file() and name not in digests:
+            digests[name] = file_sha256(p)
+            with open(p, "rb") as f:  # flush file contents before the rename makes them visible
                 os.fsync(f.fileno())
-    except BaseException:  # leave no half-written folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with open(tmp / MANIFEST, "w") as f:
+        f.write(json.dumps({"format": FORMAT, "sha256": dict(sorted(digests.items()))}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     if target.exists():
         old = target.parent / f".old-{target.name}-{os.getpid()}"
         os.replace(target, old)
@@ -68,16 +85,38 @@ def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
     return target
 
 
-def save_step(root: Path, step: int, populate: Callable[[Path], None], keep: int) -> Path:
-    """Write checkpoint `root/step_<step>` atomically (see `write_atomic`), point `root/latest` at it
-    and delete all but the `keep` newest step folders."""
-    name = f"step_{step:07d}"
-    target = write_atomic(Path(root) / name, populate)
+def write_atomic(target: Path, populate: Callable[[Path], None]) -> Path:
+    """Create folder `target` by letting `populate(tmp)` write files into a temporary folder,
+    adding the manifest, then renaming it into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = fresh_folder(target.parent / f".tmp-{target.name}-{os.getpid()}")
+    try:
+        populate(tmp)
+        return commit(tmp, target)
+    except BaseException:  # leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def point_latest(root: Path, name: str, keep: int) -> None:
+    """Point `root/latest` at checkpoint `root/name` and delete all but the `keep` newest step folders."""
     tmp_latest = Path(root) / ".latest.tmp"
     tmp_latest.write_text(name)
     tmp_latest.replace(Path(root) / "latest")
     for old in sorted(p for p in Path(root).glob("step_*") if p.is_dir())[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_step(root: Path, step: int, populate: Callable[[Path], None], keep: int) -> Path:
+    """Write checkpoint `root/step_<step>` atomically (see `write_atomic`), point `root/latest` at it
+    and delete all but the `keep` newest step folders."""
+    target = write_atomic(Path(root) / step_name(step), populate)
+    point_latest(root, target.name, keep)
     return target
 
 
@@ -85,16 +124,59 @@ def save_model(root: Path, model: torch.nn.Module, job: dict, tokenizer, step: i
     """A run folder `root` whose `checkpoints/step_<step>` holds `model`'s weights, the training job
     `job` (a `TrainJob.to_dict()`) and `tokenizer`, as `looplm train` writes them (no optimizer
     state: it loads for inference, not to resume)."""
+    from looplm.data.record import DataRecord
+
     def populate(tmp: Path) -> None:
         save_tensors(tmp, "model.safetensors", model.state_dict())
         write_json(tmp, "config.json", job)
+        write_data_record(tmp, DataRecord.from_job(job))
         tokenizer.save(tmp)
 
     return save_step(Path(root) / "checkpoints", step, populate, keep=1)
 
 
-def verify(path: Path) -> dict:
-    """Check the manifest's SHA-256 sums; return the manifest. Raises CheckpointError."""
+def write_data_record(path: Path, record) -> None:
+    """Store the data record (`looplm.data.record.DataRecord`) in the checkpoint folder being written."""
+    write_json(path, DATA_RECORD, record.to_dict())
+
+
+def load_data(path: Path):
+    """The data record (`looplm.data.record.DataRecord`) of a checkpoint, run or exported folder: its
+    data.json; for a checkpoint written before data.json existed, read off the job in config.json (a
+    converted one that recorded the task generator, the old default, gets the built-in text instead:
+    no released model was trained on it). Raises CheckpointError when the folder records no data."""
+    from looplm.data import DataError
+    from looplm.data.record import BUILTIN_TEXT, DataRecord
+
+    path = resolve(path)
+    try:
+        if is_hf_folder(path):
+            info = read_json(path, HF_EXPORT_INFO) if (path / HF_EXPORT_INFO).is_file() else {}
+            if isinstance(info.get("data"), dict):
+                return DataRecord.from_dict(info["data"])
+            if isinstance(info.get("job"), dict):
+                return DataRecord.from_job(info["job"])
+            raise CheckpointError(f"{path}: this Hugging Face folder does not record the training job (no "
+                                  f"{HF_EXPORT_INFO} with it), so there is no held-out data of its own; give --data, "
+                                  "re-export the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself")
+        if (path / DATA_RECORD).is_file():
+            return DataRecord.from_dict(read_json(path, DATA_RECORD))
+        converted = (path / CONVERSION).is_file()
+        record = DataRecord.from_job(read_json(path, "config.json"), origin="converted" if converted else "trained")
+    except (OSError, ValueError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        detail = str(err) if isinstance(err, DataError) else f"{type(err).__name__}: {err}"
+        raise CheckpointError(f"{path}: unreadable data record ({detail})") from None
+    if converted and record.is_tasks:
+        record = record.with_source(BUILTIN_TEXT)
+    return record
+
+
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    """Check the manifest's SHA-256 sums; return the manifest. Raises CheckpointError.
+
+    `share=(k, n)` checks only every n-th file from the k-th (n processes split a large checkpoint)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint folder at {path}")
@@ -106,7 +188,7 @@ def verify(path: Path) -> dict:
         raise CheckpointError(f"{path}/{MANIFEST} is not valid JSON") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
-    for name, digest in manifest["sha256"].items():
+    for name, digest in sorted(manifest["sha256"].items())[share[0]::share[1]]:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
@@ -129,6 +211,99 @@ def save_tensors(path: Path, name: str, tensors: dict[str, torch.Tensor]) -> Non
 
 def load_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / name))
+
+
+# -- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------
+SHARDS = "state"  # the torch.distributed.checkpoint folder of a sharded checkpoint
+RNG = "rng"  # rng/rank_<rank>.json: each rank's RNG state in a sharded checkpoint
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / SHARDS / ".metadata").is_file()
+
+
+def read_sharded(path: Path, section: str) -> dict:
+    """Section `section` ("model" or "optimizer") of a sharded checkpoint, read whole into this process
+    (as a state dict: FQN -> tensor for the model, {"state", "param_groups"} for the optimizer).
+    Needs no process group; reads only that section's shards."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(path) / SHARDS))
+    metadata = reader.read_metadata()
+    template: dict = {}
+    for key, where in metadata.planner_data.items():  # flat key -> its path in the saved nested dict
+        if where[0] != section:
+            continue
+        meta = metadata.state_dict_metadata[key]
+        node = template
+        for part in where[:-1]:  # list indices as string keys, as DCP's own flattening names them
+            node = node.setdefault(str(part), {})
+        node[str(where[-1])] = torch.empty(meta.size, dtype=meta.properties.dtype) \
+            if isinstance(meta, TensorStorageMetadata) else None  # None: a pickled value, set by the load
+    if section not in template:
+        raise CheckpointError(f"{path}: the sharded checkpoint holds no {section!r} state")
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(template, storage_reader=reader, no_dist=True)
+    return _lists(template[section])
+
+
+def _lists(node):
+    """`read_sharded`'s nested dicts with the lists restored (dicts keyed "0", "1", ...)."""
+    if not isinstance(node, dict):
+        return node
+    if node and all(k.isdigit() for k in node):
+        return [_lists(node[str(i)]) for i in range(len(node))]
+    return {k: _lists(v) for k, v in node.items()}
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full model weights of a checkpoint folder: its model.safetensors, or the model shards of a
+    sharded checkpoint consolidated in this process. Every reader of checkpoints loads through here."""
+    if is_sharded(path):
+        return read_sharded(path, "model")
+    return load_tensors(path, "model.safetensors")
+
+
+def read_rng(path: Path, rank: int) -> dict | None:
+    """The RNG state rank `rank` saved in a sharded checkpoint ({"torch": [...], "cuda": [...] or None}),
+    that of rank `rank` modulo the ranks that saved it when it ran on more ranks; None in the single-file form."""
+    files = sorted((Path(path) / RNG).glob("rank_*.json"))
+    return json.loads(files[rank % len(files)].read_text()) if files else None
+
+
+def consolidate(src: Path, out: Path, *, weights_only: bool = False) -> Path:
+    """Write the sharded checkpoint `src` (a checkpoint or run folder) in the single-file form as the
+    run folder `out` (`out/checkpoints/step_<N>`, with `latest`): model.safetensors and, unless
+    `weights_only`, optimizer.safetensors, so DDP or one process can resume from it. Reads the
+    whole model (and optimizer state) into this process."""
+    path, out = resolve(src), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} is not empty; consolidate into a new (or empty) folder")
+    verify(path)
+    if not is_sharded(path):
+        raise CheckpointError(f"{path} is already a single-file checkpoint (model.safetensors); nothing to consolidate")
+    state = read_json(path, "trainer_state.json")
+    weights = read_sharded(path, "model")
+    rng = read_rng(path, 0)
+
+    def populate(tmp: Path) -> None:
+        save_tensors(tmp, "model.safetensors", weights)
+        saved = {k: v for k, v in state.items() if k != "optimizer"}
+        if not weights_only:
+            tensors, saved["optimizer"] = flatten_optimizer_state(read_sharded(path, "optimizer"))
+            save_tensors(tmp, "optimizer.safetensors", tensors)
+        if rng is not None:
+            saved["torch_rng"] = rng["torch"]
+        write_json(tmp, "trainer_state.json", saved)
+        for f in path.iterdir():  # config.json and the tokenizer files
+            if f.is_file() and f.name not in (MANIFEST, "trainer_state.json"):
+                shutil.copyfile(f, tmp / f.name)
+
+    return save_step(Path(out) / "checkpoints", int(state["step"]), populate, keep=1)
 
 
 # -- optimizer state <-> flat tensors + JSON ------------------------------------------------------
@@ -208,6 +383,7 @@ def _hf_tokenizer(path: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
     from looplm.data import BPETokenizer, ByteTokenizer, load_tokenizer
+    from looplm.data.tokenizer import bos_policy
 
     if (path / HF_LOOPLM_TOKENIZER).is_dir():
         return load_tokenizer(path / HF_LOOPLM_TOKENIZER)
@@ -224,7 +400,7 @@ def _hf_tokenizer(path: Path):
         return byte  # the byte tokenizer as `looplm.hf.byte_tokenizer` writes it
     if None in names:
         raise CheckpointError(f"{path}: tokenizer_config.json does not name eos_token and pad_token")
-    return BPETokenizer.from_file(path / "tokenizer.json", *names)
+    return BPETokenizer.from_file(path / "tokenizer.json", *names, bos_policy(backend, hf_cfg))
 
 
 def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -265,6 +441,13 @@ def load_hf_folder(path: Path):
     return model_cfg, tokenizer, _hf_weights(path), job
 
 
+def _check_vocab(path: Path, tokenizer, model_cfg) -> None:
+    """Every token id has an embedding row; more rows than tokens is a padded vocabulary (released models)."""
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                              f"{model_cfg.vocab_size}")
+
+
 def load_model(path: Path, device: str | torch.device = "cpu"):
     """(model, tokenizer, job config dict) from a verified checkpoint, in eval mode. A folder
     written by `looplm export` (a transformers folder) loads too; its job dict is the exported
@@ -276,8 +459,7 @@ def load_model(path: Path, device: str | torch.device = "cpu"):
     path = resolve(path)
     if is_hf_folder(path):
         model_cfg, tokenizer, weights, job = load_hf_folder(path)
-        if tokenizer.vocab_size != model_cfg.vocab_size:
-            raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {model_cfg.vocab_size}")
+        _check_vocab(path, tokenizer, model_cfg)
         model = LoopedLM(model_cfg)
         check_model_shapes(model.state_dict(), weights, path)
         model.load_state_dict(weights)
@@ -289,10 +471,9 @@ def load_model(path: Path, device: str | torch.device = "cpu"):
         tokenizer = load_tokenizer(path)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable config or tokenizer ({err})") from None
-    if tokenizer.vocab_size != model_cfg.vocab_size:
-        raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {model_cfg.vocab_size}")
+    _check_vocab(path, tokenizer, model_cfg)
     model = LoopedLM(model_cfg)
-    weights = load_tensors(path, "model.safetensors")
+    weights = load_weights(path)
     check_model_shapes(model.state_dict(), weights, path)
     model.load_state_dict(weights)
     return model.to(device).eval(), tokenizer, config

@@ -7,12 +7,17 @@
   looplm analyze CHECKPOINT [--horizon 64]    fixed-point diagnostics (design §11): JSON report, plots, summary
   looplm rl CHECKPOINT [--estimator reuse]    GRPO post-training with rollout-state reuse (design §10)
   looplm tokenize SRC OUT [--tokenizer bpe]   tokenize a corpus once into a folder to train from
+  looplm consolidate CHECKPOINT OUT           a sharded (FSDP2/HSDP) checkpoint in the single-file form
 
-Errors in user input end with a one-line `error: ...` on stderr and exit status 2.
+Errors a user can fix (options, files, checkpoints) end with a one-line `error: ...` on stderr and
+exit status 2; anything else is an internal error (one line, exit status 1) whose traceback
+`looplm --debug ...` or LOOPLM_DEBUG=1 prints. `looplm --version` prints the version.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,16 +26,20 @@ from typing import Annotated, Literal
 import tyro
 
 from looplm.analyze.report import AnalyzeConfig
-from looplm.checkpoint import CheckpointError
-from looplm.data import DataError
+from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
+from looplm.errors import UserError
 from looplm.eval.report import EvalConfig
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
 from looplm.rl.config import RLConfig
 from looplm.train.config import JOB_PRESETS, TrainJob
 
-USER_ERRORS = (ValueError, CheckpointError, DataError, FileNotFoundError, FloatingPointError)
+# What a user can fix: looplm's UserError (bad options, data, checkpoints), a path that is not there or
+# not readable, a run whose loss diverged (the message says which option to change).
+USER_ERRORS = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+               FloatingPointError)
+DEBUG_ENV = "LOOPLM_DEBUG"
 
 PresetJob = tyro.extras.subcommand_type_from_defaults(
     {name: make() for name, (_, make) in JOB_PRESETS.items()},
@@ -39,20 +48,54 @@ PresetJob = tyro.extras.subcommand_type_from_defaults(
 )
 
 
+def _readable(part: str) -> str:
+    """A default's text with control characters escaped: a literal newline would break the help box."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in part)
+
+
+def _help_labels():
+    """A tyro constructor registry that changes only how defaults of strings and sequences are shown in
+    --help: control characters escaped, and an empty sequence as `none` instead of nothing."""
+    import threading
+    import typing
+
+    from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
+
+    registry, inside = ConstructorRegistry(), threading.local()
+
+    @registry.primitive_rule
+    def readable_defaults(type_info):
+        if type_info.type is not str and typing.get_origin(type_info.type) not in (tuple, list):
+            return None
+        if getattr(inside, "active", False):
+            return None  # the inner lookup below: let tyro's own rules answer
+        inside.active = True
+        try:
+            spec = ConstructorRegistry.get_primitive_spec(type_info)
+        finally:
+            inside.active = False
+        if not isinstance(spec, PrimitiveConstructorSpec):
+            return None
+        shown = spec.str_from_instance
+        return dataclasses.replace(spec, str_from_instance=lambda value: [_readable(x) for x in shown(value)] or ["none"])
+
+    return registry
+
+
 def _progress(total: int, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=False)
 
 
-def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path, prefill=None) -> dict:
+def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None) -> dict:
     from looplm.eval.report import depth_report, format_report, write_report
 
     n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + -(-cfg.task_examples // cfg.batch_size)
                                    + (cfg.sharing_sequences > 0) + len(prefill or ()))
     bar = _progress(n_batches, "eval")
     try:
-        report = depth_report(model, tokenizer, job, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
+        report = depth_report(model, tokenizer, data, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
     finally:
         bar.close()
     print(format_report(report))
@@ -61,11 +104,45 @@ def _report(model, tokenizer, job: dict, cfg: EvalConfig, device, out_json: Path
 
 
 def _run_folder(checkpoint: Path) -> Path:
-    """Where reports about a checkpoint go by default: its run folder (<run>/checkpoints/step_N), or an
-    exported Hugging Face folder itself."""
-    from looplm.checkpoint import is_hf_folder
+    """Where reports about a checkpoint go by default: the run folder of a run's checkpoint
+    (<run>/checkpoints/step_N), else the checkpoint folder itself (a converted checkpoint, an exported
+    Hugging Face folder), never a folder above it."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
 
-    return checkpoint if is_hf_folder(checkpoint) else checkpoint.parent.parent
+
+def _device(pref: str):
+    """The torch device of a --device option: auto is CUDA when available, else the CPU."""
+    from looplm.train.distributed import resolve_device
+
+    return resolve_device(pref)
+
+
+def _recorded_data(path: Path):
+    """The checkpoint's data record (`looplm.checkpoint.load_data`), or None for a Hugging Face folder
+    that records none (one saved by Transformers alone)."""
+    from looplm.checkpoint import is_hf_folder, load_data
+
+    try:
+        return load_data(path)
+    except UserError:
+        if is_hf_folder(path):
+            return None
+        raise
+
+
+def _data_record(path: Path, data: str | None, max_seq_len: int):
+    """The data record a command reads for checkpoint `path`, with its source replaced by `data` (--data).
+    A Hugging Face folder that records no data reads `data` alone (and without it is a user error)."""
+    from looplm.checkpoint import load_data
+    from looplm.data.record import DataRecord
+
+    record = _recorded_data(path)
+    if record is not None:
+        return record.with_source(data)
+    if data is None:
+        return load_data(path)  # raises its one-line error, which asks for --data
+    return DataRecord(source=data, seq_len=min(DataRecord.seq_len, max_seq_len), origin="converted")
 
 
 def _prefill_arms(model, names, student_path=None) -> list:
@@ -76,7 +153,7 @@ def _prefill_arms(model, names, student_path=None) -> list:
     student = None
     if "student" in names:
         if student_path is None:
-            raise ValueError("--prefill student needs --student PATH (a `looplm distill` checkpoint or run folder)")
+            raise UserError("--prefill student needs --student PATH (a `looplm distill` checkpoint or run folder)")
         from looplm.distill.checkpoint import load_student
 
         student, _ = load_student(student_path, model)
@@ -109,10 +186,13 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
     ckpt_path = Path(summary["checkpoint"])
     print(f"\ntrained {summary['step']} steps, {summary['tokens']:,} tokens in {time.time() - start:.0f} s")
     if job.eval.depths:
-        model, tokenizer, config = load_model(ckpt_path, env.device)
+        from looplm.checkpoint import load_data
+
+        model, tokenizer, _ = load_model(ckpt_path, env.device)
         what = "perplexity and exact-match task accuracy" if job.data.source == "tasks" else "perplexity and bits per byte"
         print(f"\nheld-out {what} vs test-time depth R (trained with {job.depth.sampler} depth {job.depth.depth:g}):")
-        _report(model, tokenizer, config, job.eval, env.device, job.eval.output or trainer.out_dir / "eval.json")
+        _report(model, tokenizer, load_data(ckpt_path), job.eval, env.device,
+                job.eval.output or trainer.out_dir / "eval.json")
     out = trainer.out_dir
     print(f"\ncheckpoint: {ckpt_path}\nmetrics:    {out / 'metrics.jsonl'}\nreport:     "
           f"{job.eval.output or out / 'eval.json'}\ntensorboard: {out / 'tensorboard'} (if tensorboard is installed)")
@@ -121,16 +201,21 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
 def evaluate(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     cfg: Annotated[EvalConfig, tyro.conf.arg(name="")] = EvalConfig(),
-    device: str = "cpu",
+    data: str | None = None,
+    device: str = "auto",
     prefill: tuple[PrefillArm, ...] = ("teacher",),
     student: Path | None = None,
 ) -> None:
-    """Native perplexity over a list of depths and exact-match accuracy on the generator's tasks.
+    """Held-out perplexity against test-time depth, and exact-match accuracy when the checkpoint was
+    trained on the task generator.
 
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
         cfg: What to measure.
-        device: Torch device to evaluate on (cpu, cuda, cuda:1, ...).
+        data: Held-out data to score instead of the checkpoint's own: tasks, shakespeare, a text file or
+            folder, a .jsonl, a `looplm tokenize` folder or hf:<name>[:<split>]. Default: the data the
+            checkpoint records (a converted release: the built-in Shakespeare text, or its convert --data).
+        device: Torch device to evaluate on: auto (CUDA when available), cpu, cuda, cuda:1, ...
         prefill: Prefill arms to compare (teacher, student, r1, r2): each arm's continuation perplexity and
             generator-task exact match per depth (the paper's Table 5); teacher alone adds nothing.
         student: Distilled student (`looplm distill` output) for the student arm.
@@ -140,27 +225,52 @@ def evaluate(
     from looplm.checkpoint import load_model, resolve
 
     with torch.no_grad():  # not set_grad_enabled(False): main() may be called in-process
+        device = _device(device)
         path = resolve(checkpoint)
-        model, tokenizer, job = load_model(path, device)
+        model, tokenizer, _ = load_model(path, device)
         for r in cfg.depths:
             if not 1 <= r <= model.cfg.max_depth:
-                raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+                raise UserError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+        record = _data_record(path, data, model.cfg.max_seq_len)
         out = cfg.output or _run_folder(path) / "eval.json"
         arms = None
         if tuple(prefill) != ("teacher",):
             arms = _prefill_arms(model, prefill, student)
-        _report(model, tokenizer, job, cfg, device, out, prefill=arms)
+        _report(model, tokenizer, record, cfg, device, out, prefill=arms)
     print(f"\nreport: {out}")
+
+
+@dataclasses.dataclass
+class GenerateSampling(SamplingConfig):
+    """Token choice and stopping; the length and stop defaults follow the checkpoint's data."""
+
+    max_new_tokens: int | None = None
+    """Largest number of tokens generated per prompt; default: 16 for a checkpoint trained on the task
+    generator (one short answer), 64 otherwise, at most what the model's context leaves after the prompt."""
+    stop: tuple[str, ...] | None = None
+    """Stop a prompt's generation when its text contains one of these strings (cut before it); default:
+    a newline for a checkpoint trained on the task generator (it ends each answer with one), none for text."""
+
+
+def _sampling_for(sampling: GenerateSampling, tasks: bool, room: int | None = None) -> SamplingConfig:
+    """`sampling` as a plain SamplingConfig with the checkpoint-dependent defaults filled in; `room`: the
+    most new tokens the context leaves after the longest prompt."""
+    fields = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingConfig)}
+    if fields["max_new_tokens"] is None:
+        fields["max_new_tokens"] = min(16 if tasks else SamplingConfig.max_new_tokens, max(1, room or 1 << 30))
+    if fields["stop"] is None:
+        fields["stop"] = ("\n",) if tasks else ()
+    return SamplingConfig(**fields)
 
 
 def generate(
     checkpoint: Annotated[Path, tyro.conf.Positional],
-    prompt: tuple[str, ...] = ("+12,34=",),
+    prompt: tuple[str, ...] | None = None,
     depth: int = 5,
     prefill_depth: int | None = None,
     cache: Literal["terminal", "full"] = "terminal",
-    sampling: Annotated[SamplingConfig, tyro.conf.arg(name="")] = SamplingConfig(max_new_tokens=16, stop=("\n",)),
-    device: str = "cpu",
+    sampling: Annotated[GenerateSampling, tyro.conf.arg(name="")] = GenerateSampling(),
+    device: str = "auto",
     prefill: PrefillArm = "teacher",
     student: Path | None = None,
 ) -> None:
@@ -168,29 +278,41 @@ def generate(
 
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
-        prompt: One or more prompts (repeat the text after --prompt).
+        prompt: One or more prompts (repeat the text after --prompt); default (task-generator checkpoints
+            only): one generator prompt of the checkpoint's first task kind.
         depth: Recurrences per decoded token (R_dec).
         prefill_depth: Recurrences for the prompt (R_pre); default: depth.
         cache: terminal (one KV bank per physical layer) or full (one bank per layer visit).
         sampling: Token choice and stopping.
-        device: Torch device (cpu, cuda, ...).
+        device: Torch device: auto (CUDA when available), cpu, cuda, ...
         prefill: How the prompt enters the cache: teacher (at prefill_depth), student (distilled prefill,
             needs --student and the terminal cache), r1 or r2 (the model at 1 or 2 recurrences).
         student: Distilled student (`looplm distill` output) for --prefill student.
     """
-    from looplm.checkpoint import load_model
+    from looplm.checkpoint import load_model, resolve
+    from looplm.data import generate_examples
     from looplm.infer.generate import generate as run
 
-    try:
-        sampling.validate()  # before the checkpoint loads
+    try:  # before the checkpoint loads
+        _sampling_for(sampling, tasks=True).validate()
     except ValueError as err:
-        raise ValueError(f"{err}; see looplm generate --help") from None
-    model, tokenizer, _ = load_model(checkpoint, device)
+        raise UserError(f"{err}; see looplm generate --help") from None
+    device = _device(device)
+    path = resolve(checkpoint)
+    model, tokenizer, _ = load_model(path, device)
     for r in (depth, prefill_depth or depth):
         if not 1 <= r <= model.cfg.max_depth:
-            raise ValueError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+            raise UserError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
     if sampling.exit_tau is not None and cache != "terminal":
-        raise ValueError("adaptive depth (--exit-tau) needs --cache terminal")
+        raise UserError("adaptive depth (--exit-tau) needs --cache terminal")
+    data = _recorded_data(path)
+    tasks = data is not None and data.is_tasks
+    if prompt is None:
+        if not tasks:
+            raise UserError("give --prompt TEXT: only checkpoints trained on the task generator have a default prompt")
+        prompt = (generate_examples(data.tasks, 1, seed=0)[0].prompt,)
+    longest = max(len(tokenizer.encode_prompt(p)) for p in prompt)
+    config = _sampling_for(sampling, tasks, room=model.cfg.max_seq_len - longest + 1)
     stream = None
     if len(prompt) == 1:
         print(prompt[0], end="", flush=True)
@@ -198,13 +320,13 @@ def generate(
     (arm,) = _prefill_arms(model, (prefill,), student)
     stats: dict = {}
     texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
-                sampling=sampling, on_token=stream, stats=stats, prefill=arm)
+                sampling=config, on_token=stream, stats=stats, prefill=arm)
     if stream is not None:
         print()
     else:
         for p, t in zip(prompt, texts):
             print(f"{p}{t}")
-    if sampling.exit_tau is not None:
+    if config.exit_tau is not None:
         print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
 
 
@@ -244,7 +366,7 @@ def distill(
     report = {"distill": summary}
     if cfg.report_rows or cfg.report_examples:
         trainer.student.eval()
-        report["prefill"] = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.job, trainer.val_data,
+        report["prefill"] = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.data, trainer.val_data,
                                                trainer.student, cfg.depth, rows=cfg.report_rows,
                                                n_examples=cfg.report_examples, device=trainer.device)
         print(f"\nprefill arms at R = {cfg.depth} (decoding at R with the terminal cache; blocks = block passes "
@@ -257,7 +379,8 @@ def distill(
 def analyze(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     cfg: Annotated[AnalyzeConfig, tyro.conf.arg(name="")] = AnalyzeConfig(),
-    device: str = "cpu",
+    data: str | None = None,
+    device: str = "auto",
     threads: int = 1,
 ) -> None:
     """Fixed-point diagnostics (design §11): convergence depth, KV settling, carryover alignment,
@@ -266,7 +389,10 @@ def analyze(
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
         cfg: What to measure.
-        device: Torch device (cpu, cuda, ...).
+        data: Held-out data to analyze instead of the checkpoint's own: tasks, shakespeare, a text file or
+            folder, a .jsonl, a `looplm tokenize` folder or hf:<name>[:<split>]. Default: the data the
+            checkpoint records (a converted release: the built-in Shakespeare text, or its convert --data).
+        device: Torch device: auto (CUDA when available), cpu, cuda, ...
         threads: Intra-op CPU threads (0: torch's default, one per core). One is fastest for small
             models and on a shared machine, where idle threads spin-wait.
     """
@@ -274,22 +400,22 @@ def analyze(
 
     from looplm.analyze.report import analyze as run, format_summary, require_recurrence, write_outputs
     from looplm.checkpoint import load_model, resolve
-    from looplm.eval.report import validation_data
 
     start = time.time()
     cfg.validate()
     if threads < 0:
-        raise ValueError(f"threads must be >= 0, got {threads}")
+        raise UserError(f"threads must be >= 0, got {threads}")
+    device = _device(device)
     path = resolve(checkpoint)
     require_recurrence(path)
-    model, tokenizer, job = load_model(path, device)
+    model, tokenizer, _ = load_model(path, device)
     cfg.validate(model.cfg.max_depth)
-    data = validation_data(tokenizer, job)
+    data = _data_record(path, data, model.cfg.max_seq_len).validation(tokenizer)
     bar = _progress(cfg.work_units(len(data)), "analyze")
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
     try:
-        analysis = run(model, tokenizer, job, cfg, device=device, data=data,
+        analysis = run(model, tokenizer, data, cfg, device=device,
                        progress=lambda desc, n: (bar.set_description(desc, refresh=False), bar.update(n)))
     finally:
         torch.set_num_threads(default_threads)
@@ -339,7 +465,7 @@ def tokenize(
     holdout: float = 0.05,
     text_field: str = "text",
     seed: int = 0,
-    n_task_examples: int = 200_000,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
 ) -> None:
     """Tokenize a corpus once into a folder that training reads directly (--data.source OUT),
     instead of tokenizing it at the start of every fresh run.
@@ -365,7 +491,7 @@ def tokenize(
     start = time.time()
     try:  # to tell "kept as it was" from "written" below
         before = pretokenized_info(out)
-    except DataError:
+    except UserError:  # not a `looplm tokenize` folder (yet)
         before = None
     path = tokenize_corpus(src, out, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size, holdout=holdout,
                            text_field=text_field, seed=seed, n_task_examples=n_task_examples)
@@ -403,8 +529,32 @@ def export(
     try:
         from looplm.hf import export as run
     except ImportError as err:
-        raise ValueError(f"looplm export needs transformers ({err}): pip install 'looplm[hf]'") from None
+        raise UserError(f"looplm export needs transformers ({err}): pip install 'looplm[hf]'") from None
     path = run(checkpoint, out, num_steps=num_steps, prefill_steps=prefill_steps, cache_kind=cache)
+    print(f"wrote {path}")
+
+
+def consolidate(
+    checkpoint: Annotated[Path, tyro.conf.Positional],
+    out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
+    weights_only: bool = False,
+) -> None:
+    """Write a sharded checkpoint (FSDP2/HSDP training) in the single-file form.
+
+    OUT becomes a run folder (OUT/checkpoints/step_N, with `latest`) holding model.safetensors and,
+    unless --weights-only, optimizer.safetensors and the trainer state, so one process or DDP can
+    resume it (--train.out-dir OUT --train.resume). eval, generate, analyze, export, distill, rl and
+    serve read sharded checkpoints as they are; this writes the form other tools expect. The whole
+    model (and optimizer state) passes through this process's memory.
+
+    Args:
+        checkpoint: A sharded checkpoint folder, or a run folder (its latest checkpoint is used).
+        out: New (or empty) folder: the run folder to write.
+        weights_only: Leave out the optimizer state (a third of the size; loads for inference, cannot resume).
+    """
+    from looplm.checkpoint import consolidate as run
+
+    path = run(checkpoint, out, weights_only=weights_only)
     print(f"wrote {path}")
 
 
@@ -434,7 +584,7 @@ def convert(
     from looplm.convert import CONVERTERS
 
     if teacher is not None and from_ != "xllm-loop":
-        raise ValueError("--teacher applies to --from xllm-loop distilled students")
+        raise UserError("--teacher applies to --from xllm-loop distilled students")
     kwargs = {"teacher": teacher} if teacher is not None else {}
     path = CONVERTERS[from_](src, out, dtype=dtype, data=data, **kwargs)
     if teacher is not None:
@@ -524,7 +674,7 @@ def serve(
     max_queue: int = 64,
     api_key: str | None = None,
     served_model_name: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     prefill: PrefillArm = "teacher",
     student: Path | None = None,
 ) -> None:
@@ -543,7 +693,7 @@ def serve(
         max_queue: Requests waiting for a slot; beyond it the server answers 429.
         api_key: Require `Authorization: Bearer KEY` on /v1/ endpoints.
         served_model_name: The model id clients pass; default: the run (or checkpoint) folder's name.
-        device: Torch device (cpu, cuda, ...).
+        device: Torch device: auto (CUDA when available), cpu, cuda, ...
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
     """
@@ -552,11 +702,11 @@ def serve(
 
         from looplm.serve.api import create_app
     except ImportError as err:
-        raise ValueError(f"looplm serve needs the serve extra ({err}): pip install 'looplm[serve]'") from None
+        raise UserError(f"looplm serve needs the serve extra ({err}): pip install 'looplm[serve]'") from None
     from looplm.checkpoint import load_model
     from looplm.serve import Engine, EngineConfig
 
-    model, tokenizer, _ = load_model(checkpoint, device)
+    model, tokenizer, _ = load_model(checkpoint, _device(device))
     (arm,) = _prefill_arms(model, (prefill,), student)
     engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
                                                    max_depth=max_depth, cache=cache, max_queue=max_queue),
@@ -581,18 +731,42 @@ def _deferred(fn):
     return parsed
 
 
+def _internal_error(err: BaseException, debug: bool) -> int:
+    """Anything that is not a user error: a bug in looplm or its environment. One line, or the
+    traceback with --debug / LOOPLM_DEBUG=1."""
+    import traceback
+
+    if debug:
+        traceback.print_exception(err)
+    summary = (str(err).strip().splitlines() or [""])[0]
+    summary = summary[:297] + "..." if len(summary) > 300 else summary
+    print(f"internal error: {type(err).__name__}{': ' + summary if summary else ''}"
+          + ("" if debug else f" (looplm --debug ... or {DEBUG_ENV}=1 shows the traceback)"), file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     import contextlib
     import io
 
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    if args[:1] == ["--debug"]:  # global switches come before the subcommand
+        debug, args = True, args[1:]
+    if args[:1] == ["--version"]:
+        from looplm import __version__
+
+        print(f"looplm {__version__}")
+        return 0
     report, rejected = io.StringIO(), False
     try:
         try:
-            with contextlib.redirect_stderr(report):  # tyro's parse errors: a box, then SystemExit(2)
+            with contextlib.redirect_stderr(report), _help_labels():  # parse errors: a box, then SystemExit(2)
                 run = tyro.extras.subcommand_cli_from_dict(
                     {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
-                    description="looplm: looped language models shaped around fixed points",
+                    description="looplm: looped language models shaped around fixed points. "
+                                "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
+                                f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
                 )
         except SystemExit as exit_:
             rejected = exit_.code == 2
@@ -606,16 +780,23 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         run()
     except USER_ERRORS as err:
+        if debug:
+            import traceback
+
+            traceback.print_exception(err)
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - everything else is a bug, reported in one line
+        return _internal_error(err, debug)
     return 0
 
 
 _SUBCOMMANDS = {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze,
-                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert, "serve": serve}
+                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert, "serve": serve,
+                "consolidate": consolidate}
 
 
 if __name__ == "__main__":

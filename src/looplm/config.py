@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from looplm.errors import UserError
+
 InjectionName = Literal["parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive", "none"]
 INJECTIONS: tuple[str, ...] = ("parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive")
 """The injection schemes a looplm model trains with (design §2)."""
@@ -35,7 +37,8 @@ class ModelConfig:
     """Shape of a looped LM: prelude -> (injection -> core) x R -> coda (design §1-2)."""
 
     vocab_size: int = 258
-    """Vocabulary size (set from the tokenizer when training)."""
+    """Vocabulary size: embedding and head rows. In a training job 0 means the tokenizer's size (the
+    presets' value); a larger value pads past the tokenizer (rows no token id reaches), a smaller one is refused."""
     d_model: int = 128
     """Width d of the residual stream and of the recurrent state."""
     n_heads: int = 4
@@ -108,35 +111,35 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError with a one-line reason when the shape is inconsistent."""
         if self.injection not in ALL_INJECTIONS:
-            raise ValueError(f"unknown injection {self.injection!r}; choose one of {', '.join(ALL_INJECTIONS)}")
+            raise UserError(f"unknown injection {self.injection!r}; choose one of {', '.join(ALL_INJECTIONS)}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+            raise UserError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+            raise UserError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+            raise UserError(f"head_dim {self.head_dim} must be even for RoPE")
         for name in ("vocab_size", "d_model", "ffn_dim", "n_core", "max_seq_len", "max_depth"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_prelude < 0 or self.n_coda < 0:
-            raise ValueError("n_prelude and n_coda must be >= 0")
+            raise UserError("n_prelude and n_coda must be >= 0")
         for name, allowed in (("block_norm", BLOCK_NORMS), ("exit_norm", EXIT_NORMS), ("state_init", STATE_KINDS)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+                raise UserError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if not self.embed_scale > 0:
-            raise ValueError(f"embed_scale must be > 0, got {self.embed_scale}")
+            raise UserError(f"embed_scale must be > 0, got {self.embed_scale}")
         if self.state_std < 0:
-            raise ValueError(f"state_std must be >= 0 (0 = 1/sqrt(d_model)), got {self.state_std}")
+            raise UserError(f"state_std must be >= 0 (0 = 1/sqrt(d_model)), got {self.state_std}")
         if self.injection == "none" and self.state_init != "input":
-            raise ValueError("injection 'none' needs state_init='input' (otherwise the input never enters the recurrence)")
+            raise UserError("injection 'none' needs state_init='input' (otherwise the input never enters the recurrence)")
         for name, allowed in (("ffn_act", FFN_ACTS), ("value_embeds", VALUE_EMBEDS)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+                raise UserError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if self.value_embeds != "none" and self.d_model < VALUE_GATE_CHANNELS:
-            raise ValueError(f"value_embeds needs d_model >= {VALUE_GATE_CHANNELS} (its gate reads 32 channels), "
-                             f"got {self.d_model}")
+            raise UserError(f"value_embeds needs d_model >= {VALUE_GATE_CHANNELS} (its gate reads 32 channels), "
+                            f"got {self.d_model}")
         if self.post_loop_norm and not self.head_norm:
-            raise ValueError("post_loop_norm reuses the head's final norm, so it needs head_norm=True")
+            raise UserError("post_loop_norm reuses the head's final norm, so it needs head_norm=True")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -146,7 +149,7 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+            raise UserError(f"unknown model config fields: {sorted(unknown)}")
         return cls(**data)
 
 
@@ -162,5 +165,5 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 def model_preset(name: str) -> ModelConfig:
     """A fresh copy of a named preset; ValueError names the known presets."""
     if name not in MODEL_PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
+        raise UserError(f"unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
     return dataclasses.replace(MODEL_PRESETS[name])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from looplm.errors import UserError
+
 NEVER = -1
 """Convergence depth of a token that did not converge within the horizon."""
 
@@ -17,7 +19,7 @@ NEVER = -1
 def convergence_depths(change: torch.Tensor, tau: float) -> torch.Tensor:
     """Convergence depth per token (int64, `NEVER` where not converged) from delta [H, ...]."""
     if tau <= 0:
-        raise ValueError(f"tau must be > 0, got {tau}")
+        raise UserError(f"tau must be > 0, got {tau}")
     H = change.shape[0]
     below = (change < tau).flip(0).long()
     trailing = below.cumprod(0).sum(0)  # length of the run of small changes that ends at r = H
@@ -53,7 +55,7 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
     the median depth per `interval`-position bucket, Spearman correlation of position vs depth over
     the converged tokens, and per-recurrence quantiles of delta (the relative-change curve)."""
     if interval < 1:
-        raise ValueError(f"position interval must be >= 1, got {interval}")
+        raise UserError(f"position interval must be >= 1, got {interval}")
     H = change.shape[0]
     depth = convergence_depths(change, tau).flatten()
     pos = positions.expand(change.shape[1:]).flatten().to(depth.device)

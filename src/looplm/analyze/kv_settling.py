@@ -12,13 +12,15 @@ from collections.abc import Sequence
 
 import torch
 
+from looplm.errors import UserError
+
 
 def kv_recurrences(depths: Sequence[int], span: int) -> tuple[int, ...]:
     """The recurrences whose K/V the settling table needs: each depth r and r + span."""
     if span < 1:
-        raise ValueError(f"KV span must be >= 1, got {span}")
+        raise UserError(f"KV span must be >= 1, got {span}")
     if not depths or min(depths) < 1:
-        raise ValueError(f"KV depths must be >= 1, got {tuple(depths)}")
+        raise UserError(f"KV depths must be >= 1, got {tuple(depths)}")
     return tuple(sorted({r for d in depths for r in (d, d + span)}))
 
 

@@ -22,6 +22,7 @@ from looplm.analyze.convergence import convergence_depths, convergence_profile, 
 from looplm.analyze.kv_settling import KVSums, kv_recurrences
 from looplm.analyze.solves import SolveRule, span_solves
 from looplm.analyze.trajectory import run_trajectory, start
+from looplm.errors import UserError
 
 Progress = Callable[[str, int], None]
 """progress(description, units done since the last call)."""
@@ -65,23 +66,23 @@ class AnalyzeConfig:
     def validate(self, max_depth: int | None = None) -> None:
         """ValueError with a one-line reason for settings that cannot work."""
         if self.horizon < 1:
-            raise ValueError(f"horizon must be >= 1, got {self.horizon}")
+            raise UserError(f"horizon must be >= 1, got {self.horizon}")
         if not self.tau > 0:
-            raise ValueError(f"tau must be > 0, got {self.tau}")
+            raise UserError(f"tau must be > 0, got {self.tau}")
         for name in ("sequences", "batch_size", "position_interval", "kv_span", "control_depth"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.solve_spans < 0 or self.sharing_sequences < 0:
-            raise ValueError("solve-spans and sharing-sequences must be >= 0")
+            raise UserError("solve-spans and sharing-sequences must be >= 0")
         if self.kv_depths:
             kv_recurrences(self.kv_depths, self.kv_span)
         if self.solve_length is not None and self.solve_length < 2:
-            raise ValueError(f"solve-length must be >= 2 (a prefix and a current token), got {self.solve_length}")
+            raise UserError(f"solve-length must be >= 2 (a prefix and a current token), got {self.solve_length}")
         self.solve.validate()
         if max_depth is not None:
             for r in self.sharing_depths:
                 if not 1 <= r <= max_depth:
-                    raise ValueError(f"sharing depths must be in 1..{max_depth} (the model's max_depth), got {r}")
+                    raise UserError(f"sharing depths must be in 1..{max_depth} (the model's max_depth), got {r}")
 
     def work_units(self, n_rows: int) -> int:
         """Progress units `analyze` reports for a dataset of `n_rows` held-out rows."""
@@ -108,8 +109,8 @@ def require_recurrence(checkpoint: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         return
     if not isinstance(n_core, int) or n_core < 1:
-        raise ValueError(f"{checkpoint}: the model has no recurrent core (n_core={n_core}); "
-                         "fixed-point diagnostics need a looped model")
+        raise UserError(f"{checkpoint}: the model has no recurrent core (n_core={n_core}); "
+                        "fixed-point diagnostics need a looped model")
 
 
 def _batches(n: int, size: int):
@@ -186,18 +187,18 @@ def solve_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> d
     }
 
 
-def analyze(model, tokenizer, job: dict, cfg: AnalyzeConfig, device="cpu", progress: Progress | None = None,
-            data=None) -> Analysis:
-    """All design §11 diagnostics of a trained model on its held-out data (`data`: a PackedDataset to
-    use instead of the job's validation split)."""
+def analyze(model, tokenizer, data, cfg: AnalyzeConfig, device="cpu", progress: Progress | None = None) -> Analysis:
+    """All design §11 diagnostics of a trained model on held-out data: `data`, a PackedDataset, or a
+    `looplm.data.record.DataRecord` (its validation split)."""
+    from looplm.data.record import DataRecord
     from looplm.eval.cached import sharing_table
-    from looplm.eval.report import validation_data
 
     progress = progress or (lambda desc, n: None)
     cfg.validate(model.cfg.max_depth)
-    data = validation_data(tokenizer, job) if data is None else data
+    if isinstance(data, DataRecord):
+        data = data.validation(tokenizer)
     if len(data) == 0:
-        raise ValueError("no held-out sequences to analyze")
+        raise UserError("no held-out sequences to analyze")
     seconds = {}
     t = time.perf_counter()
     report, depth, pos = profile_rows(model, data, cfg, device, progress)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from looplm.analyze.trajectory import Start, relative_change, start
+from looplm.errors import UserError
 from looplm.model.kv import KVBank
 from looplm.model.looped import Context
 
@@ -51,12 +52,12 @@ class SolveRule:
 
     def validate(self) -> None:
         if self.tol <= 0 or self.drift_tol <= 0:
-            raise ValueError(f"solve tolerances must be > 0, got tol={self.tol}, drift_tol={self.drift_tol}")
+            raise UserError(f"solve tolerances must be > 0, got tol={self.tol}, drift_tol={self.drift_tol}")
         if self.stable_steps < 1 or self.confirm_steps < 0:
-            raise ValueError("solve stable_steps must be >= 1 and confirm_steps >= 0")
+            raise UserError("solve stable_steps must be >= 1 and confirm_steps >= 0")
         if self.max_depth < self.stable_steps + self.confirm_steps + 1:
-            raise ValueError(f"solve max_depth {self.max_depth} leaves no room for {self.stable_steps} stable, "
-                             f"{self.confirm_steps} confirmation and 1 final step")
+            raise UserError(f"solve max_depth {self.max_depth} leaves no room for {self.stable_steps} stable, "
+                            f"{self.confirm_steps} confirmation and 1 final step")
 
 
 @dataclass
@@ -189,11 +190,11 @@ def span_solves(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = N
     prediction KL(joint || frozen), for the solves and for the control. `progress(description,
     units)` hears of every 32nd recurrence (0 units) and of each finished solve (1 unit)."""
     if tokens.shape[1] < 2:
-        raise ValueError("a span needs at least one prefix token and a current token")
+        raise UserError("a span needs at least one prefix token and a current token")
     if control_depth < 1:
-        raise ValueError(f"control depth must be >= 1, got {control_depth}")
+        raise UserError(f"control depth must be >= 1, got {control_depth}")
     if any(p.dtype != torch.float32 for p in model.parameters()):
-        raise ValueError("fixed-point solves run in fp32: load the model in fp32")
+        raise UserError("fixed-point solves run in fp32: load the model in fp32")
     report = progress or (lambda desc, n: None)
 
     def run(name: str, step: Step, state0: torch.Tensor) -> Solve:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from looplm.errors import UserError
 from looplm.model.looped import Context
 from looplm.model.state import StateInit
 
@@ -61,7 +62,7 @@ def run_trajectory(model, begin: Start, horizon: int, *, kv_at: tuple[int, ...] 
     """Iterate the recurrence max(horizon, max(kv_at)) times from `begin.state0`; record the
     token-wise relative change up to `horizon`, the state at `horizon` and the core K/V at `kv_at`."""
     if horizon < 1:
-        raise ValueError(f"horizon must be >= 1, got {horizon}")
+        raise UserError(f"horizon must be >= 1, got {horizon}")
     steps = max(horizon, *kv_at) if kv_at else horizon
     want = set(kv_at)
     s = begin.state0

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import CheckpointError, save_tensors, write_atomic, write_json
+from looplm.checkpoint import CONVERSION, CheckpointError, save_tensors, write_atomic, write_data_record, write_json
 from looplm.config import ModelConfig
+from looplm.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -48,7 +49,7 @@ def inside(src: Path, name: str) -> Path:
 def check_folders(src: Path, out: Path, dtype: str | None) -> None:
     """The source exists, the output is new or empty and differs from it, the dtype is known."""
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose fp32 or bf16")
+        raise UserError(f"unknown dtype {dtype!r}; choose fp32 or bf16")
     if not src.is_dir():
         raise refuse(f"no release folder at {src}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -144,6 +145,14 @@ def open_source(src: Path, out: Path, dtype: str | None, what: str):
     return config, tokenizer, note
 
 
+def check_vocab(tokenizer, cfg: ModelConfig) -> None:
+    """The model's vocabulary holds every token id: a release may pad its embedding and head past the
+    tokenizer (rows no token reaches), but a tokenizer larger than the model is refused."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {cfg.vocab_size} "
+                     "embedding rows")
+
+
 def check_tied(src: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], head: str, embedding: str) -> None:
     """A release that declares tied embeddings but stores a different head is refused."""
     if cfg.tie_embeddings and head in state and not torch.equal(state[head], state[embedding]):
@@ -176,10 +185,11 @@ def _first_id(value) -> int | None:
 def hf_tokenizer(src: Path, config: dict):
     """The HF tokenizer of a release folder (tokenizer.json at its root) as a looplm BPETokenizer
     with the release's eos/pad tokens: named in special_tokens_map.json / tokenizer_config.json, or
-    given as ids in config.json / generation_config.json. Returns (tokenizer, note or None)."""
+    given as ids in config.json / generation_config.json, and the BOS token its texts start with
+    (`looplm.data.tokenizer.bos_policy`). Returns (tokenizer, note or None)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from looplm.data.tokenizer import BPETokenizer
+    from looplm.data.tokenizer import BPETokenizer, bos_policy
 
     if not (src / "tokenizer.json").is_file():
         raise refuse(f"{src}: no tokenizer.json; looplm checkpoints need the tokenizer")
@@ -188,11 +198,11 @@ def hf_tokenizer(src: Path, config: dict):
     except Exception as err:  # tokenizers raises its own error types
         raise refuse(f"{src}: cannot read tokenizer.json ({err})") from None
     names: dict[str, str | None] = {"eos_token": None, "pad_token": None}
-    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
-        if (src / fname).is_file():
-            data = read_json(src / fname)
-            for key in names:
-                names[key] = names[key] or _special_name(data.get(key))
+    files = {fname: read_json(src / fname) if (src / fname).is_file() else {}
+             for fname in ("special_tokens_map.json", "tokenizer_config.json")}
+    for data in files.values():
+        for key in names:
+            names[key] = names[key] or _special_name(data.get(key))
     sources = [config] + ([read_json(src / "generation_config.json")] if (src / "generation_config.json").is_file() else [])
     for key in names:
         if names[key] is None:
@@ -210,7 +220,8 @@ def hf_tokenizer(src: Path, config: dict):
     if names["pad_token"] is None:
         names["pad_token"], note = names["eos_token"], "no pad_token in the release tokenizer: padding uses eos"
     try:
-        tok = BPETokenizer.from_file(src / "tokenizer.json", names["eos_token"], names["pad_token"])
+        bos = bos_policy(backend, files["tokenizer_config.json"], files["special_tokens_map.json"])
+        tok = BPETokenizer.from_file(src / "tokenizer.json", names["eos_token"], names["pad_token"], bos)
     except (ValueError, TypeError) as err:
         raise refuse(f"{src}: {err}") from None
     return tok, note
@@ -220,15 +231,24 @@ def hf_tokenizer(src: Path, config: dict):
 def job_dict(cfg: ModelConfig, tokenizer_path: str, depth: int, data: str | None = None) -> dict:
     """config.json as a looplm run of this model would write it, evaluated at the release's default
     depth (a fixed-depth recipe). `data`: the text source `looplm eval`/`analyze` hold out from (a
-    text file or folder, a .jsonl, "hf:<name>[:<split>]"); default: the generator's tasks."""
+    text file or folder, a .jsonl, "hf:<name>[:<split>]"); default: the built-in text corpus."""
     from looplm.depth.config import DepthConfig
+
+    return release_job(cfg, DepthConfig(sampler="fixed", depth=float(depth), cap=max(64, cfg.max_depth)),
+                       tokenizer_path, data)
+
+
+def release_job(cfg: ModelConfig, depth, tokenizer_path: str, data: str | None = None) -> dict:
+    """The job dict of a converted release: the paper's S recipe with the release's model, depth
+    recipe and tokenizer, holding out `data` (default: the built-in text corpus) for evaluation."""
+    from looplm.data.record import BUILTIN_TEXT
     from looplm.train.config import job_preset
 
     job = job_preset("S")
     job = dataclasses.replace(
-        job, model=cfg, depth=DepthConfig(sampler="fixed", depth=float(depth), cap=max(64, cfg.max_depth)),
+        job, model=cfg, depth=depth,
         data=dataclasses.replace(job.data, tokenizer=tokenizer_path, bpe_vocab_size=cfg.vocab_size,
-                                 seq_len=min(job.data.seq_len, cfg.max_seq_len), source=data or job.data.source),
+                                 seq_len=min(job.data.seq_len, cfg.max_seq_len), source=data or BUILTIN_TEXT),
     )
     return job.resolved().to_dict()
 
@@ -241,13 +261,22 @@ def write_checkpoint(out: Path, weights: dict[str, torch.Tensor], job: dict, pro
 
     def populate(tmp: Path) -> None:
         save_tensors(tmp, "model.safetensors", weights)
-        write_json(tmp, "config.json", job)
-        write_json(tmp, "conversion.json", {**provenance, "dtype": str(target).removeprefix("torch.")})
-        tokenizer.save(tmp)
+        write_release_files(tmp, job, {**provenance, "dtype": str(target).removeprefix("torch.")}, tokenizer)
 
     if out.is_dir():
         out.rmdir()  # empty (checked before): write_atomic renames the finished folder into place
     return write_atomic(out, populate)
+
+
+def write_release_files(tmp: Path, job: dict, provenance: dict, tokenizer) -> None:
+    """Everything but the weights of a converted checkpoint: the job, its data record (the held-out
+    text, origin 'converted'), the conversion's provenance and the release tokenizer."""
+    from looplm.data.record import DataRecord
+
+    write_json(tmp, "config.json", job)
+    write_data_record(tmp, DataRecord.from_job(job, origin="converted"))
+    write_json(tmp, CONVERSION, {**provenance, "bos_id": tokenizer.bos_id})
+    tokenizer.save(tmp)
 
 
 def check_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], src: Path) -> None:

@@ -35,6 +35,7 @@ from looplm.config import ModelConfig
 from looplm.convert.common import (
     check_model,
     check_tied,
+    check_vocab,
     interleaved_to_half_split,
     job_dict,
     open_source,
@@ -165,13 +166,12 @@ def convert_huginn(src: Path, out: Path, dtype: str | None = None, *, data: str 
     """Convert the Huginn folder `src` into the looplm checkpoint folder `out` (new or empty).
 
     `dtype`: 'fp32' (default; every bf16 value is an fp32 value) or 'bf16'. `data`: the held-out text
-    source recorded in the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError
+    source recorded in the checkpoint (what `looplm eval` reads; default the built-in text corpus). Raises CheckpointError
     (a ValueError) with a one-line reason for anything it cannot convert exactly."""
     src, out = Path(src), Path(out)
     config, tokenizer, tok_note = open_source(src, out, dtype, "a Huginn folder")
     cfg, extra = _config(config, tokenizer.vocab_size)
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding {cfg.vocab_size} rows")
+    check_vocab(tokenizer, cfg)
     required, optional = _shapes(cfg, extra["bias"])
     optional["freqs_cis"] = (1, extra["block_size"], 1, cfg.head_dim // 2, 2)  # RoPE tables: recomputed
     state = read_checked(src, required, optional, family=FAMILY)

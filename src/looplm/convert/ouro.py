@@ -32,6 +32,7 @@ from looplm.config import ModelConfig
 from looplm.convert.common import (
     check_model,
     check_tied,
+    check_vocab,
     job_dict,
     open_source,
     read_checked,
@@ -128,13 +129,12 @@ def convert_ouro(src: Path, out: Path, dtype: str | None = None, *, data: str | 
     """Convert the Ouro folder `src` into the looplm checkpoint folder `out` (new or empty).
 
     `dtype`: 'fp32' (default; every bf16 value is an fp32 value) or 'bf16'. `data`: the held-out text
-    source recorded in the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError
+    source recorded in the checkpoint (what `looplm eval` reads; default the built-in text corpus). Raises CheckpointError
     (a ValueError) with a one-line reason for anything it cannot convert exactly."""
     src, out = Path(src), Path(out)
     config, tokenizer, tok_note = open_source(src, out, dtype, "an Ouro folder")
     cfg, extra = _config(config)
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, config.json vocab_size {cfg.vocab_size}")
+    check_vocab(tokenizer, cfg)
     required, optional = _shapes(cfg)
     state = read_checked(src, required, optional, family=FAMILY)
     check_tied(src, cfg, state, "lm_head.weight", "model.embed_tokens.weight")

@@ -38,6 +38,7 @@ from looplm.convert.common import (
     check_folders,
     check_model,
     check_tied,
+    check_vocab,
     hf_tokenizer,
     interleaved_to_half_split,
     job_dict,
@@ -232,8 +233,7 @@ def convert_parcae(src: Path, out: Path, dtype: str | None = None, *, data: str 
     config = read_json(src / "config.json", "a Parcae folder")
     tokenizer, tok_note = _tokenizer(src, config)
     cfg, extra = _config(config)
-    if tokenizer.vocab_size != cfg.vocab_size:
-        raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding {cfg.vocab_size} rows")
+    check_vocab(tokenizer, cfg)
     required, optional = _shapes(cfg)
     state = read_checked(src, required, optional, family=FAMILY, ignore=("freqs_cis",))
     check_tied(src, cfg, state, "lm_head.weight", "transformer.wte.weight")

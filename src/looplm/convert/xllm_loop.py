@@ -13,7 +13,10 @@ The source is a local folder in the release's artifact layout (xllm/paper_part2/
 The model is the release's `DepthControlledHuginn` (arch 'huginn', xllm/models/looped.py): physical layers
 0..P-1 are the prelude, P..P+C-1 the recurrent core and the rest the coda; every recurrence applies the
 input injection and then the core layers; the prelude output is optionally RMS-normalised (Parcae-Decay)
-and the state optionally passes a parameter-free RMSNorm after each recurrence (Huginn-Linear).
+and the state optionally passes a parameter-free RMSNorm after each recurrence (Huginn-Linear). Part I's
+plain Huginn (huginn_depth_control false) has the diagonal injection without norms, or no injection at all
+(huginn_input_injection 'none', the dense-middle models); huginn_state_init 'input' starts the state from
+the prelude output (looplm's state_init="input"), which is how the input enters a model without injection.
 
 Its blocks come from the upstream xllm library (ifm-ai/xllm, xllm/modules): pre-norm attention and
 SwiGLU FFN (silu(fc1 x) * fc3 x -> fc2) with plain residuals, scale 1/sqrt(head_dim), query head h
@@ -41,9 +44,10 @@ from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic, write_json
+from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic
 from looplm.config import ModelConfig
-from looplm.convert.common import DTYPES, INDEX, check_folders, inside, interleaved_to_half_split, read_checked, read_json
+from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, inside, interleaved_to_half_split,
+                                   read_checked, read_json, release_job, write_release_files)
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
 
@@ -127,7 +131,7 @@ class _Release:
 
     cfg: ModelConfig
     n_layers: int
-    scheme: str  # diagonal | linear
+    scheme: str  # diagonal | linear | none
     prelude_norm: bool
     linear_bias: bool
     state_init: str
@@ -137,11 +141,19 @@ class _Release:
 def _scheme(model: dict) -> tuple[str, str, bool, bool]:
     """(looplm injection, release injection kind, prelude norm, exit norm) of the release fields."""
     kind = _field(model, "huginn_input_injection")
-    if kind == "none":
-        raise _refuse("huginn_input_injection 'none' (no injection) has no looplm equivalent")
-    if kind not in ("diagonal", "linear"):
+    if kind not in ("diagonal", "linear", "none"):
         raise _refuse(f"unknown huginn_input_injection {kind!r}")
     controlled = bool(_field(model, "huginn_depth_control"))
+    if kind == "none":  # Part I dense-middle: no injection, the input enters only as the initial state s0 = e
+        if _field(model, "huginn_state_init") != "input":
+            raise _refuse("huginn_input_injection 'none' with huginn_state_init "
+                          f"{_field(model, 'huginn_state_init')!r}: the input would never enter the recurrence")
+        if controlled and (_field(model, "huginn_prelude_norm") != "none"
+                           or _field(model, "huginn_recurrent_exit_norm") != "none"
+                           or _field(model, "huginn_prelude_orthogonal")):
+            raise _refuse("huginn_input_injection 'none' with a prelude or exit norm or OrthoInj has no looplm "
+                          "equivalent")
+        return "none", kind, False, False
     # Plain Huginn (no depth control) always builds the diagonal injection and neither norm.
     prelude_norm = controlled and _field(model, "huginn_prelude_norm") == "rms"
     exit_norm = controlled and _field(model, "huginn_recurrent_exit_norm") == "parameterless_rms"
@@ -197,12 +209,17 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
     if n_prelude + n_core + n_coda != n_layers or n_core < 1:
         raise _refuse(f"prelude {n_prelude} + core {n_core} + coda {n_coda} layers != num_layers {n_layers}")
     injection, kind, prelude_norm, _ = _scheme(model)
+    state_init = _field(model, "huginn_state_init")
+    if state_init == "input" and prelude_norm:
+        raise _refuse("huginn_state_init 'input' with a prelude norm: which prelude output starts the state is "
+                      "not mapped")
     max_depth = max(64, int(_field(model, "loop_times")), int(_field(model, "huginn_poisson_lognormal_max")))
     cfg = ModelConfig(
         vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=int(_field(model, "ffn_hidden_dim")),
         n_prelude=n_prelude, n_core=n_core, n_coda=n_coda, max_seq_len=RELEASE_MAX_SEQ_LEN, injection=injection,
         rope_base=float(_field(model, "rope_base")), norm_eps=float(_field(model, "rmsnorm_eps")),
         ortho_eps=float(_field(model, "huginn_ortho_projection_eps")), max_depth=max_depth,
+        state_init="input" if state_init == "input" else "normal",  # input: s0 = the prelude output e
     )
     try:
         cfg.validate()
@@ -231,7 +248,9 @@ def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
                                           "output.final_norm.weight": (d,), "output.output.weight": (c.vocab_size, d)}
     for i in range(rel.n_layers):
         shapes.update(block_shapes(f"layers.{i}.", c))
-    if rel.scheme == "linear":
+    if rel.scheme == "none":
+        pass  # no injection module
+    elif rel.scheme == "linear":
         shapes["input_injection.adapter.weight"] = (d, 2 * d)
         if rel.linear_bias:
             shapes["input_injection.adapter.bias"] = (d,)
@@ -272,6 +291,8 @@ def _map_state(state: dict[str, torch.Tensor], rel: _Release, norm_offset: float
     for i, name in enumerate(blocks):  # physical layer order: prelude, core, coda
         out.update(map_block(state, f"layers.{i}.", name, c, norm_offset))
     d = c.d_model
+    if rel.scheme == "none":
+        return out
     if rel.scheme == "linear":  # W [s; e] + b  ->  A_state s + (A_input e + b)
         w = state["input_injection.adapter.weight"]
         out["injection.A_state.weight"] = w[:, :d]
@@ -294,9 +315,11 @@ def _special_name(value) -> str | None:
 
 
 def _tokenizer(src: Path, config: dict):
-    """The release tokenizer as a looplm BPETokenizer with the release's eos/pad names.
-    Returns (tokenizer, files read, note)."""
-    from looplm.data.tokenizer import BPETokenizer
+    """The release tokenizer as a looplm BPETokenizer with the release's eos/pad names and BOS policy
+    (`looplm.data.tokenizer.bos_policy`). Returns (tokenizer, files read, note)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from looplm.data.tokenizer import BPETokenizer, bos_policy
 
     section = config.get("tokenizer")
     if not isinstance(section, dict) or section.get("type") != "huggingface":
@@ -309,21 +332,27 @@ def _tokenizer(src: Path, config: dict):
     if not (tok_dir / "tokenizer.json").is_file():
         raise _refuse(f"{src}: no {folder}/tokenizer.json")
     names: dict[str, str | None] = {"eos_token": None, "pad_token": None}
+    files: dict[str, dict] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        files[fname] = {}
         if (tok_dir / fname).is_file():
             read.append(f"{folder}/{fname}")
-            data = read_json(tok_dir / fname, "an xllm-loop release folder")
+            files[fname] = read_json(tok_dir / fname, "an xllm-loop release folder")
             for key in names:
-                names[key] = names[key] or _special_name(data.get(key))
+                names[key] = names[key] or _special_name(files[fname].get(key))
     if names["eos_token"] is None:
         raise _refuse(f"{tok_dir}: no eos_token in special_tokens_map.json or tokenizer_config.json")
     note = None
     if names["pad_token"] is None:
         names["pad_token"], note = names["eos_token"], "no pad_token in the release tokenizer: padding uses eos"
     try:
-        tok = BPETokenizer.from_file(tok_dir / "tokenizer.json", names["eos_token"], names["pad_token"])
+        backend = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+        bos = bos_policy(backend, files["tokenizer_config.json"], files["special_tokens_map.json"])
+        tok = BPETokenizer.from_file(tok_dir / "tokenizer.json", names["eos_token"], names["pad_token"], bos)
     except ValueError as err:
         raise _refuse(str(err)) from None
+    except Exception as err:  # tokenizers raises its own error types
+        raise _refuse(f"{tok_dir}: cannot read tokenizer.json ({err})") from None
     return tok, read, note
 
 
@@ -331,7 +360,6 @@ def _tokenizer(src: Path, config: dict):
 def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str, data: str | None = None) -> dict:
     """config.json as a looplm training run of this model would write it (TrainJob.resolved().to_dict())."""
     from looplm.depth.config import DepthConfig, LearnedPriorConfig
-    from looplm.train.config import job_preset
 
     scheme = _field(model, "huginn_sampling_scheme")
     window = _field(model, "huginn_backprop_depth")
@@ -348,13 +376,7 @@ def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str, data: str | No
                             cap=int(_field(model, "huginn_poisson_lognormal_max")), bptt_window=window)
     else:
         depth = DepthConfig(sampler="fixed", depth=float(_field(model, "loop_times")), bptt_window=window)
-    job = job_preset("S")
-    job = dataclasses.replace(
-        job, model=cfg, depth=depth,
-        data=dataclasses.replace(job.data, tokenizer=tokenizer_path, bpe_vocab_size=cfg.vocab_size,
-                                 seq_len=min(job.data.seq_len, cfg.max_seq_len), source=data or job.data.source),
-    )
-    return job.resolved().to_dict()
+    return release_job(cfg, depth, tokenizer_path, data)
 
 
 # -- entry point -------------------------------------------------------------------------------------
@@ -383,7 +405,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     `dtype` of the written weights: 'fp32' (default, exact: every BF16 value and BF16 + 1 is an FP32
     value) or 'bf16' (the norm gains weight + 1 are then rounded). `norm_offset` is added to the
     stored RMSNorm weights (the release stores gain - 1). `data`: the held-out text source recorded in
-    the job (what `looplm eval` reads; default the generator's tasks). Raises CheckpointError (a ValueError) with
+    the job (what `looplm eval` reads; default the built-in text corpus). Raises CheckpointError (a ValueError) with
     a one-line reason for anything it cannot convert exactly.
 
     A distilled prefill student artifact (`IFM/LoopedLM-P2-distilled-*`) converts into a looplm student
@@ -408,8 +430,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     config = read_json(src / "config.json", "an xllm-loop release folder")
     tokenizer, tok_files, tok_note = _tokenizer(src, config)
     rel = _release(config, tokenizer.vocab_size)
-    if tokenizer.vocab_size != rel.cfg.vocab_size:
-        raise _refuse(f"the release tokenizer has {tokenizer.vocab_size} tokens, the model {rel.cfg.vocab_size}")
+    check_vocab(tokenizer, rel.cfg)
     weight_map = _shard_map(src)
     _covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
                              *sorted(set(weight_map.values())), *tok_files])
@@ -434,9 +455,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
 
     def populate(tmp: Path) -> None:
         save_tensors(tmp, "model.safetensors", mapped)
-        write_json(tmp, "config.json", job)
-        write_json(tmp, "conversion.json", provenance)
-        tokenizer.save(tmp)
+        write_release_files(tmp, job, provenance, tokenizer)
 
     if out.is_dir():
         out.rmdir()  # empty (checked above): write_atomic renames the finished folder into place

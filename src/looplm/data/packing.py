@@ -28,8 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from looplm.errors import UserError
+
 from .sources import DataError, Document, describe_source, iter_documents
-from .tasks import Example, TaskConfig, generate_examples
+from .tasks import DEFAULT_TASK_EXAMPLES, Example, TaskConfig, generate_examples
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1
@@ -86,6 +88,7 @@ def _write_docs(
     """Tokenize ``(document, writer index)`` pairs in chunks and append them to ``writers``;
     ``on_chunk(n)`` is told after each chunk how many documents it wrote."""
     eos = tokenizer.eos_id
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]  # a released tokenizer's beginning of text
     chunk: list[tuple[Document, int]] = []
 
     def flush() -> None:
@@ -100,10 +103,11 @@ def _write_docs(
         encoded = iter(tokenizer.encode_batch(pieces))
         for doc, which in chunk:
             if doc.answer_start is None:
-                ids = next(encoded) + [eos]
+                ids = bos + next(encoded) + [eos]
                 sup = np.ones(len(ids), dtype=np.uint8)
+                sup[: len(bos)] = 0
             else:
-                prompt, answer = next(encoded), next(encoded)
+                prompt, answer = bos + next(encoded), next(encoded)
                 ids = prompt + answer + [eos]
                 sup = np.zeros(len(ids), dtype=np.uint8)
                 sup[len(prompt) :] = 1
@@ -145,7 +149,7 @@ def write_splits(
     holdout: float,
     text_field: str = "text",
     task_config: TaskConfig | None = None,
-    n_task_examples: int = 20000,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
     seed: int = 0,
     source_desc: str | None = None,
     progress: ProgressFn | None = None,
@@ -159,7 +163,7 @@ def write_splits(
     ``progress`` (see :data:`ProgressFn`) lets long runs report how far they are.
     """
     if not 0.0 < holdout < 1.0:
-        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+        raise UserError(f"holdout must be in (0, 1), got {holdout}")
     opts = dict(text_field=text_field, task_config=task_config, n_task_examples=n_task_examples, seed=seed)
     desc = source_desc if source_desc is not None else describe_source(source, **opts)  # type: ignore[arg-type]
     directory = Path(directory)
@@ -229,7 +233,7 @@ def prepare_caches(
     cache_dir: Path = Path(".cache/looplm"),
     text_field: str = "text",
     task_config: TaskConfig | None = None,
-    n_task_examples: int = 20000,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
     seed: int = 0,
 ) -> tuple[Path, Path]:
     """Build (or reuse) the train and validation token caches; return their directories.
@@ -240,7 +244,7 @@ def prepare_caches(
     in a temporary directory and moved into place atomically.
     """
     if not 0.0 < holdout < 1.0:
-        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+        raise UserError(f"holdout must be in (0, 1), got {holdout}")
     opts = dict(text_field=text_field, task_config=task_config, n_task_examples=n_task_examples, seed=seed)
     desc = describe_source(source, **opts)  # type: ignore[arg-type]
     key_material = json.dumps(
@@ -312,7 +316,7 @@ class PackedDataset:
     def __init__(self, cache_dir: str | Path, seq_len: int) -> None:
         self.cache_dir = Path(cache_dir)
         if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+            raise UserError(f"seq_len must be >= 1, got {seq_len}")
         self.meta: dict[str, object] = json.loads((self.cache_dir / "meta.json").read_text())
         self.seq_len = seq_len
         self.n_tokens = int(self.meta["n_tokens"])  # type: ignore[arg-type]
@@ -369,7 +373,7 @@ def build_datasets(
     cache_dir: Path = Path(".cache/looplm"),
     text_field: str = "text",
     task_config: TaskConfig | None = None,
-    n_task_examples: int = 20000,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
     seed: int = 0,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Train and validation datasets for ``source`` (see :func:`prepare_caches`); a folder written
@@ -407,7 +411,7 @@ def _cached_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """The order of the ``n`` sequences in ``epoch`` (deterministic in ``seed``, ``epoch``)."""
     if n < 1 or seed < 0 or epoch < 0:
-        raise ValueError(f"need n >= 1, seed >= 0, epoch >= 0; got n={n}, seed={seed}, epoch={epoch}")
+        raise UserError(f"need n >= 1, seed >= 0, epoch >= 0; got n={n}, seed={seed}, epoch={epoch}")
     return _cached_permutation(n, seed, epoch).copy()
 
 
@@ -420,11 +424,11 @@ def batch_indices(n_sequences: int, step: int, micro: int, micro_batch: int, n_m
     a resumed run reads exactly the same data. Ranks slice the returned array.
     """
     if not 0 <= micro < n_micro:
-        raise ValueError(f"micro must be in [0, {n_micro}), got {micro}")
+        raise UserError(f"micro must be in [0, {n_micro}), got {micro}")
     if n_sequences < 1:
         raise DataError("cannot sample from an empty dataset (n_sequences = 0)")
     if step < 0 or micro_batch < 1:
-        raise ValueError(f"need step >= 0 and micro_batch >= 1; got step={step}, micro_batch={micro_batch}")
+        raise UserError(f"need step >= 0 and micro_batch >= 1; got step={step}, micro_batch={micro_batch}")
     pos = (step * n_micro + micro) * micro_batch + np.arange(micro_batch, dtype=np.int64)
     epochs, offsets = np.divmod(pos, n_sequences)
     out = np.empty(micro_batch, dtype=np.int64)

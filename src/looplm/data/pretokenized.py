@@ -28,18 +28,17 @@ from typing import Any
 
 import numpy as np
 
+from looplm.errors import UserError
+
 from .packing import CACHE_VERSION, PackedDataset, write_splits
 from .sources import DataError, describe_source, iter_documents
-from .tasks import TaskConfig
+from .tasks import DEFAULT_TASK_EXAMPLES, TaskConfig
 from .tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 
 PRETOKENIZED_VERSION = 1
 """Version of the folder layout and marker; bumped when readers of older folders would misread them."""
 MARKER_FILE = "pretokenized.json"
 SPLITS = ("train", "val")
-DEFAULT_TASK_EXAMPLES = 200_000
-"""Generator examples for source 'tasks': the training default (DataConfig.n_task_examples), so a
-pretokenized 'tasks' folder holds the same data a default ``looplm train`` run would build."""
 _FORMAT = "looplm-pretokenized"
 
 
@@ -164,11 +163,11 @@ def _existing_state(out: Path) -> str:
     if not out.exists():
         return "absent"
     if not out.is_dir():
-        raise ValueError(f"output {out} exists and is not a folder")
+        raise UserError(f"output {out} exists and is not a folder")
     if is_pretokenized(out):
         return "finished"
     if any(out.iterdir()):
-        raise ValueError(
+        raise UserError(
             f"output folder {out} is not empty and is not a pretokenized folder; choose a new or empty one"
         )
     return "empty"
@@ -247,7 +246,7 @@ def tokenize_corpus(
     source = str(source)
     out = Path(os.path.abspath(out_dir))  # a name and a parent even for "." or "dir/"
     if not 0.0 < holdout < 1.0:
-        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+        raise UserError(f"holdout must be in (0, 1), got {holdout}")
     state = _existing_state(out)
     opts: dict[str, Any] = dict(
         text_field=text_field, task_config=task_config, n_task_examples=n_task_examples, seed=seed

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from looplm.errors import UserError
+
 from .corpus import CORPORA, describe_corpus, iter_corpus
-from .tasks import TaskConfig, generate_examples
+from .tasks import DEFAULT_TASK_EXAMPLES, TaskConfig, generate_examples
 
 MAX_CHUNK_CHARS = 64 * 1024
 """Text files larger than this are split on blank lines into documents of about this size."""
@@ -18,7 +20,7 @@ TEXT_SUFFIXES = (".txt", ".md")
 """File suffixes collected from folder sources."""
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad or unusable training data (one-line, user-facing message)."""
 
 
@@ -144,7 +146,7 @@ def iter_documents(
     *,
     text_field: str = "text",
     task_config: TaskConfig | None = None,
-    n_task_examples: int = 20000,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
     seed: int = 0,
 ) -> Iterator[Document]:
     """Yield the non-empty documents of ``source``.
@@ -167,7 +169,7 @@ def describe_source(
     *,
     text_field: str = "text",
     task_config: TaskConfig | None = None,
-    n_task_examples: int = 20000,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
     seed: int = 0,
 ) -> str:
     """A string that changes whenever the documents of ``source`` may change.

@@ -20,6 +20,9 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+from looplm.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,16 @@ class Example:
 
 _LETTERS = string.ascii_lowercase
 MAX_CHAIN_HOPS = 12  # root + hops + as many distractors must fit in 26 letters
+DEFAULT_TASK_EXAMPLES = 200_000
+"""Training examples drawn from the generator for source 'tasks' when nothing else is said: the one
+default of training (DataConfig), the caches (looplm.data.packing) and `looplm tokenize`."""
 
 
 def make_chain(rng: random.Random, difficulty: int) -> Example:
     """Variable-binding chain with ``difficulty`` alias hops and ``difficulty`` distractors."""
     k = difficulty
     if not 1 <= k <= MAX_CHAIN_HOPS:
-        raise ValueError(f"chain difficulty must be in [1, {MAX_CHAIN_HOPS}], got {k}")
+        raise UserError(f"chain difficulty must be in [1, {MAX_CHAIN_HOPS}], got {k}")
     names = rng.sample(_LETTERS, 2 * k + 1)
     chain, distractors = names[: k + 1], names[k + 1 :]
     value = rng.randrange(10)
@@ -67,7 +73,7 @@ def make_add(rng: random.Random, difficulty: int) -> Example:
     """Sum of two ``difficulty``-digit numbers, answer digits reversed."""
     k = difficulty
     if k < 1:
-        raise ValueError(f"add difficulty must be >= 1, got {k}")
+        raise UserError(f"add difficulty must be >= 1, got {k}")
     lo = 0 if k == 1 else 10 ** (k - 1)
     a, b = rng.randrange(lo, 10**k), rng.randrange(lo, 10**k)
     return Example(f"+{a},{b}=", str(a + b)[::-1], "add", k)
@@ -78,7 +84,7 @@ def make_add_msd(rng: random.Random, difficulty: int) -> Example:
     answer digit already depends on the whole carry chain, so it cannot be read off locally."""
     k = difficulty
     if k < 1:
-        raise ValueError(f"add_msd difficulty must be >= 1, got {k}")
+        raise UserError(f"add_msd difficulty must be >= 1, got {k}")
     lo = 0 if k == 1 else 10 ** (k - 1)
     a, b = rng.randrange(lo, 10**k), rng.randrange(lo, 10**k)
     return Example(f"+{a},{b}=", str(a + b), "add_msd", k)
@@ -88,7 +94,7 @@ def make_sum(rng: random.Random, difficulty: int) -> Example:
     """Sum modulo 10 of ``2 * difficulty`` random digits (a running-state task)."""
     k = difficulty
     if k < 1:
-        raise ValueError(f"sum difficulty must be >= 1, got {k}")
+        raise UserError(f"sum difficulty must be >= 1, got {k}")
     digits = [rng.randrange(10) for _ in range(2 * k)]
     return Example("%" + "".join(map(str, digits)) + "=", str(sum(digits) % 10), "sum", k)
 
@@ -101,25 +107,32 @@ TASKS: dict[str, Callable[[random.Random, int], Example]] = {
 }
 
 
+TaskKind = Literal["chain", "add", "add_msd", "sum"]
+TASK_KINDS: tuple[str, ...] = get_args(TaskKind)
+"""The generator's task kinds (the keys of TASKS)."""
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """Which tasks to generate and at which difficulties."""
 
-    kinds: tuple[str, ...] = ("chain", "add", "sum")
-    """Task names (keys of :data:`TASKS`), used round-robin."""
+    kinds: tuple[TaskKind, ...] = ("chain", "add", "sum")
+    """Tasks, used round-robin: chain (variable binding through k alias hops), add (sum of two k-digit numbers,
+    answer least-significant digit first), add_msd (the same sum, most-significant digit first), sum (sum mod 10
+    of 2k digits)."""
     min_difficulty: int = 1
-    """Smallest difficulty (inclusive); the same range applies to every kind."""
+    """Smallest difficulty k (inclusive); the same range applies to every kind."""
     max_difficulty: int = 6
-    """Largest difficulty (inclusive); ``chain`` allows at most 12."""
+    """Largest difficulty k (inclusive); chain allows at most 12."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` on unknown kinds or an empty difficulty range."""
         if not self.kinds:
-            raise ValueError("TaskConfig.kinds is empty")
+            raise UserError("TaskConfig.kinds is empty")
         for kind in self.kinds:
             get_task(kind)
         if not 1 <= self.min_difficulty <= self.max_difficulty:
-            raise ValueError(
+            raise UserError(
                 f"need 1 <= min_difficulty <= max_difficulty, got {self.min_difficulty}..{self.max_difficulty}"
             )
 
@@ -129,7 +142,7 @@ def get_task(kind: str) -> Callable[[random.Random, int], Example]:
     try:
         return TASKS[kind]
     except KeyError:
-        raise ValueError(f"unknown task kind {kind!r}; known kinds: {sorted(TASKS)}") from None
+        raise UserError(f"unknown task kind {kind!r}; known kinds: {sorted(TASKS)}") from None
 
 
 def generate_examples(config: TaskConfig, n: int, seed: int) -> list[Example]:

@@ -15,6 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from looplm.errors import UserError
+
 EOS_TOKEN = "<eos>"
 PAD_TOKEN = "<pad>"
 CONFIG_FILE = "tokenizer_config.json"
@@ -52,9 +54,20 @@ class Tokenizer(ABC):
     def pad_id(self) -> int:
         """Id of the padding token."""
 
+    @property
+    def bos_id(self) -> int | None:
+        """Id of the beginning-of-text token the model saw at the start of every document, or None (looplm's
+        own tokenizers; a released model's whose tokenizer adds none)."""
+        return None
+
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Encode ``text`` without adding any special token."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Encode the start of a document, as a prompt: the BOS token first when the tokenizer has one."""
+        ids = self.encode(text)
+        return ids if self.bos_id is None else [self.bos_id, *ids]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode several texts (subclasses may parallelise)."""
@@ -127,20 +140,25 @@ class BPETokenizer(Tokenizer):
     """Byte-level BPE (HF ``tokenizers``) with ``<eos>`` and ``<pad>`` special tokens.
 
     A tokenizer made elsewhere may name its end-of-document and padding tokens differently: pass
-    their names as ``eos_token``/``pad_token`` (``save`` records them in tokenizer_config.json).
+    their names as ``eos_token``/``pad_token``, and ``bos_token`` when its model saw a beginning-of-text
+    token at the start of every document (``save`` records them in tokenizer_config.json).
     """
 
     name = "bpe"
 
-    def __init__(self, backend: HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN) -> None:
+    def __init__(self, backend: HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN,
+                 bos_token: str | None = None) -> None:
         """Wrap a ``tokenizers.Tokenizer``; prefer :meth:`train` or :meth:`from_file`."""
-        missing = [t for t in dict.fromkeys((eos_token, pad_token)) if backend.token_to_id(t) is None]
+        named = (eos_token, pad_token) + ((bos_token,) if bos_token is not None else ())
+        missing = [t for t in dict.fromkeys(named) if backend.token_to_id(t) is None]
         if missing:
-            raise ValueError(
+            raise UserError(
                 f"BPE tokenizer lacks required special token(s) {missing}; "
-                f"it must define both {eos_token!r} and {pad_token!r}"
+                f"it must define {' and '.join(map(repr, dict.fromkeys(named)))}"
             )
         self._names = (eos_token, pad_token)
+        self._bos_name = bos_token
+        self._bos = None if bos_token is None else int(backend.token_to_id(bos_token))
         # Serialise before changing runtime flags so the fingerprint is the file content.
         self._json: str = backend.to_str()
         # Literal "<eos>" in corpus text must stay text, never become the special id.
@@ -161,7 +179,7 @@ class BPETokenizer(Tokenizer):
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         """Train a byte-level BPE of (at most) ``vocab_size`` ids in memory."""
         if vocab_size < 258:
-            raise ValueError(f"BPE vocab_size must be >= 258 (256 bytes + 2 specials), got {vocab_size}")
+            raise UserError(f"BPE vocab_size must be >= 258 (256 bytes + 2 specials), got {vocab_size}")
         backend = HFTokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
@@ -176,19 +194,21 @@ class BPETokenizer(Tokenizer):
         return cls(backend)
 
     @classmethod
-    def from_file(cls, path: str | Path, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN) -> BPETokenizer:
-        """Load a ``tokenizer.json``; it must define ``eos_token`` and ``pad_token`` (default ``<eos>``, ``<pad>``)."""
+    def from_file(cls, path: str | Path, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN,
+                  bos_token: str | None = None) -> BPETokenizer:
+        """Load a ``tokenizer.json``; it must define ``eos_token`` and ``pad_token`` (default ``<eos>``, ``<pad>``)
+        and ``bos_token`` when given."""
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"tokenizer file not found: {path}")
+            raise UserError(f"tokenizer file not found: {path}")
         try:
             backend = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises a bare Exception
-            raise ValueError(f"cannot read tokenizer file {path}: {exc}") from exc
+            raise UserError(f"cannot read tokenizer file {path}: {exc}") from exc
         try:
-            return cls(backend, eos_token, pad_token)
+            return cls(backend, eos_token, pad_token, bos_token)
         except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from exc
+            raise UserError(f"{path}: {exc}") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -201,6 +221,14 @@ class BPETokenizer(Tokenizer):
     @property
     def pad_id(self) -> int:
         return self._pad
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_name
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -231,10 +259,11 @@ class BPETokenizer(Tokenizer):
         return self._json
 
     def _special_names(self) -> dict:
-        """The eos/pad names when they are not looplm's own (empty otherwise, keeping old fingerprints)."""
-        if self._names == (EOS_TOKEN, PAD_TOKEN):
+        """The eos/pad (and bos) names when they are not looplm's own (empty otherwise, keeping old fingerprints)."""
+        if self._names == (EOS_TOKEN, PAD_TOKEN) and self._bos_name is None:
             return {}
-        return {"eos_token": self._names[0], "pad_token": self._names[1]}
+        bos = {"bos_token": self._bos_name} if self._bos_name is not None else {}
+        return {"eos_token": self._names[0], "pad_token": self._names[1], **bos}
 
     def canonical_description(self) -> str:
         names = self._special_names()
@@ -250,6 +279,33 @@ class BPETokenizer(Tokenizer):
         return f"BPETokenizer(vocab_size={self._vocab})"
 
 
+def _name(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def bos_policy(backend: HFTokenizer, config: dict, special_tokens: dict | None = None) -> str | None:
+    """The beginning-of-text token a released tokenizer puts before every text it encodes with its special
+    tokens (how its model saw documents start), or None. `config` is its tokenizer_config.json and
+    `special_tokens` its special_tokens_map.json: an explicit `add_bos_token` decides (naming `bos_token`);
+    otherwise the tokenizer's own post-processor is asked, by encoding a probe with and without special tokens."""
+    add = config.get("add_bos_token")
+    if isinstance(add, bool):
+        if not add:
+            return None
+        name = _name(config.get("bos_token")) or _name((special_tokens or {}).get("bos_token"))
+        if name is None or backend.token_to_id(name) is None:
+            raise UserError(f"the tokenizer sets add_bos_token but its bos_token {name!r} is not one of its tokens")
+        return name
+    probe = "looplm probe"
+    plain = backend.encode(probe, add_special_tokens=False).ids
+    full = backend.encode(probe, add_special_tokens=True).ids
+    if len(full) == len(plain) + 1 and full[1:] == plain:
+        return backend.id_to_token(full[0])
+    return None
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """Load a tokenizer written by :meth:`Tokenizer.save`."""
     directory = Path(directory)
@@ -258,15 +314,15 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         # A bare tokenizer.json (e.g. from another tool) is still loadable.
         if (directory / BPE_FILE).is_file():
             return BPETokenizer.from_file(directory / BPE_FILE)
-        raise ValueError(f"no {CONFIG_FILE} or {BPE_FILE} in {directory}")
+        raise UserError(f"no {CONFIG_FILE} or {BPE_FILE} in {directory}")
     cfg = json.loads(cfg_path.read_text())
     kind = cfg.get("type")
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "bpe":
-        names = cfg.get("eos_token", EOS_TOKEN), cfg.get("pad_token", PAD_TOKEN)
+    if kind == "bpe":  # no bos_token: none (also every tokenizer saved before BOS policies were recorded)
+        names = cfg.get("eos_token", EOS_TOKEN), cfg.get("pad_token", PAD_TOKEN), cfg.get("bos_token")
         return BPETokenizer.from_file(directory / BPE_FILE, *names)
-    raise ValueError(f"{cfg_path}: unknown tokenizer type {kind!r} (expected 'byte' or 'bpe')")
+    raise UserError(f"{cfg_path}: unknown tokenizer type {kind!r} (expected 'byte' or 'bpe')")
 
 
 def build_tokenizer(
@@ -280,11 +336,11 @@ def build_tokenizer(
         return ByteTokenizer()
     if spec == "bpe":
         if corpus_texts is None:
-            raise ValueError("tokenizer 'bpe' needs a corpus to train on")
+            raise UserError("tokenizer 'bpe' needs a corpus to train on")
         return BPETokenizer.train(corpus_texts(), vocab_size)
     path = Path(spec)
     if path.is_dir():
         return load_tokenizer(path)
     if path.is_file():
         return BPETokenizer.from_file(path)
-    raise ValueError(f"unknown tokenizer spec {spec!r}: expected 'byte', 'bpe' or a path to a tokenizer.json")
+    raise UserError(f"unknown tokenizer spec {spec!r}: expected 'byte', 'bpe' or a path to a tokenizer.json")

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from looplm.errors import UserError
+
 # Backprop window b of the sampled-depth priors (PLN, uniform, learned): paper App. B.3, b_max = 10.
 SAMPLED_BPTT_WINDOW = 10
 
@@ -72,7 +74,7 @@ class DepthConfig:
         if b == "auto":
             return None if self.sampler == "fixed" else SAMPLED_BPTT_WINDOW
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"bptt_window must be >= 1, None (full BPTT) or 'auto', got {b!r}")
+            raise UserError(f"bptt_window must be >= 1, None (full BPTT) or 'auto', got {b!r}")
         return b
 
     @classmethod

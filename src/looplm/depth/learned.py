@@ -26,6 +26,7 @@ import torch
 
 from looplm.depth.config import LearnedPriorConfig
 from looplm.depth.samplers import DepthSampler
+from looplm.errors import UserError
 
 STD_FLOOR = 1e-12
 
@@ -40,7 +41,7 @@ REWARDS = {
 
 def reward_fn(name: str):
     if name not in REWARDS:
-        raise ValueError(f"unknown depth-prior reward {name!r}; choose one of {', '.join(REWARDS)}")
+        raise UserError(f"unknown depth-prior reward {name!r}; choose one of {', '.join(REWARDS)}")
     return REWARDS[name]
 
 
@@ -88,14 +89,14 @@ class LearnedDepthPrior(DepthSampler):
         logits = np.asarray(logits, dtype=np.float64)
         active = np.isfinite(logits)
         if not active.any():
-            raise ValueError("the depth prior needs at least one active depth")
+            raise UserError("the depth prior needs at least one active depth")
         super().__init__(len(logits), seed)
         if not 1 <= target <= len(logits):
-            raise ValueError(f"depth-prior target mean must be in 1..{len(logits)}, got {target}")
+            raise UserError(f"depth-prior target mean must be in 1..{len(logits)}, got {target}")
         if cfg.ema_decay < 0 or cfg.ema_decay >= 1:
-            raise ValueError(f"depth-prior ema_decay must be in [0, 1), got {cfg.ema_decay}")
+            raise UserError(f"depth-prior ema_decay must be in [0, 1), got {cfg.ema_decay}")
         if cfg.lr <= 0 or cfg.warmup_updates < 0 or cfg.entropy_weight < 0 or cfg.mean_weight < 0:
-            raise ValueError("depth-prior lr must be > 0 and warmup_updates, entropy_weight, mean_weight >= 0")
+            raise UserError("depth-prior lr must be > 0 and warmup_updates, entropy_weight, mean_weight >= 0")
         reward_fn(cfg.reward)
         self.cfg, self.target, self.active = cfg, float(target), active
         self.logits = torch.tensor(np.where(active, logits, 0.0), dtype=torch.float64, requires_grad=True)
@@ -192,10 +193,10 @@ class LearnedDepthPrior(DepthSampler):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "learned":
-            raise ValueError("checkpoint's depth sampler is not a learned prior; the depth config must match to resume")
+            raise UserError("checkpoint's depth sampler is not a learned prior; the depth config must match to resume")
         super().load_state_dict(state)
         if len(state["logits"]) != self.cap:
-            raise ValueError(f"checkpoint's depth prior has {len(state['logits'])} depths, this run {self.cap}")
+            raise UserError(f"checkpoint's depth prior has {len(state['logits'])} depths, this run {self.cap}")
         with torch.no_grad():
             self.logits.copy_(torch.tensor(state["logits"], dtype=torch.float64))
         self.active = np.array(state["active"], dtype=bool)
@@ -220,11 +221,11 @@ def initial_logits(init: str, cap: int, target: float, sigma: float, low: int, h
         return np.zeros(cap)
     if init == "restricted":
         if not 1 <= low <= high <= cap:
-            raise ValueError(f"restricted prior needs 1 <= low <= high <= {cap}, got {low}..{high}")
+            raise UserError(f"restricted prior needs 1 <= low <= high <= {cap}, got {low}..{high}")
         logits = np.full(cap, -np.inf)
         logits[low - 1:high] = 0.0
         return logits
-    raise ValueError(f"unknown depth-prior init {init!r}; choose pln, uniform or restricted")
+    raise UserError(f"unknown depth-prior init {init!r}; choose pln, uniform or restricted")
 
 
 def logits_from_run(path: Path) -> np.ndarray:
@@ -233,5 +234,5 @@ def logits_from_run(path: Path) -> np.ndarray:
 
     state = read_json(resolve(Path(path)), "trainer_state.json")["sampler"]
     if state.get("kind") != "learned":
-        raise ValueError(f"{path} was not trained with a learned depth prior")
+        raise UserError(f"{path} was not trained with a learned depth prior")
     return np.where(np.array(state["active"], dtype=bool), np.array(state["logits"], dtype=np.float64), -np.inf)

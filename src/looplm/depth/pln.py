@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from looplm.errors import UserError
+
 GH_NODES = 64
 
 
@@ -38,7 +40,7 @@ def pmf_mean(pmf: np.ndarray) -> float:
 def calibrate_mu(target: float, sigma: float = 0.5, cap: int = 64) -> float:
     """mu such that E[min(cap, 1+N)] = target, by bisection (the mean is increasing in mu)."""
     if not 1.0 < target < cap:
-        raise ValueError(f"PLN target mean must lie in (1, {cap}), got {target}")
+        raise UserError(f"PLN target mean must lie in (1, {cap}), got {target}")
     lo, hi = -20.0, math.log(cap) + 10.0
     for _ in range(200):
         mid = 0.5 * (lo + hi)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from looplm.errors import UserError
+
 
 def prior_history(metrics: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(steps, pmfs [n, cap], allocation counts of the last record) from a run's metrics.jsonl."""
@@ -18,7 +20,7 @@ def prior_history(metrics: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
             pmfs.append(rec["depth/pmf"])
             allocation = rec.get("depth/allocation", allocation)
     if not steps:
-        raise ValueError(f"{metrics} has no depth-prior records (was the run trained with --depth.sampler learned?)")
+        raise UserError(f"{metrics} has no depth-prior records (was the run trained with --depth.sampler learned?)")
     return np.array(steps), np.array(pmfs), None if allocation is None else np.array(allocation)
 
 

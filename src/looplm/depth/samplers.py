@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from looplm.depth.pln import pln_pmf, pmf_mean
+from looplm.errors import UserError
 
 
 class DepthSampler(ABC):
@@ -50,7 +51,7 @@ class DepthSampler(ABC):
 class FixedDepth(DepthSampler):
     def __init__(self, depth: int, cap: int = 64, seed: int = 0):
         if not 1 <= depth <= cap:
-            raise ValueError(f"fixed depth must be in 1..{cap}, got {depth}")
+            raise UserError(f"fixed depth must be in 1..{cap}, got {depth}")
         super().__init__(cap, seed)
         self.depth = depth
 
@@ -78,7 +79,7 @@ class PLNDepth(DepthSampler):
 class UniformDepth(DepthSampler):
     def __init__(self, low: int, high: int, cap: int = 64, seed: int = 0):
         if not 1 <= low <= high <= cap:
-            raise ValueError(f"uniform depths need 1 <= low <= high <= {cap}, got {low}..{high}")
+            raise UserError(f"uniform depths need 1 <= low <= high <= {cap}, got {low}..{high}")
         super().__init__(cap, seed)
         self._pmf = np.zeros(cap)
         self._pmf[low - 1 : high] = 1.0 / (high - low + 1)

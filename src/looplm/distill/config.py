@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from looplm.errors import UserError
+
 
 @dataclass
 class DistillConfig:
@@ -70,15 +72,15 @@ class DistillConfig:
     def validate(self) -> None:
         for name in ("steps", "micro_batch", "calibration_rows", "log_every", "checkpoint_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup", "val_rows", "val_every", "report_rows", "report_examples", "weight_decay",
                      "kl_weight", "grad_clip"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.student_blocks is not None and self.student_blocks < 1:
-            raise ValueError(f"student_blocks must be >= 1, got {self.student_blocks}")
+            raise UserError(f"student_blocks must be >= 1, got {self.student_blocks}")
         if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+            raise UserError(f"lr must be > 0, got {self.lr}")
 
     def to_dict(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}

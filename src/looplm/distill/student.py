@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from looplm.config import ModelConfig
+from looplm.errors import UserError
 from looplm.model.blocks import Block, RMSNorm
 from looplm.model.injection import Additive, ParcaeDiagonal
 from looplm.model.looped import value_kw
@@ -31,7 +32,7 @@ class EndpointStudent(nn.Module):
         super().__init__()
         cfg.validate()
         if n_blocks < 1:
-            raise ValueError(f"the student needs at least one block, got {n_blocks}")
+            raise UserError(f"the student needs at least one block, got {n_blocks}")
         self.cfg, self.n_blocks = cfg, n_blocks
         self.input_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if input_norm else None
         self.in_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -53,8 +54,8 @@ class EndpointStudent(nn.Module):
         `values`: the teacher's per-core-layer value embeddings (`Context.core_values`); block i reads
         entry i mod n_core. Required for a teacher with value embeddings (cfg.value_embeds)."""
         if self.cfg.value_embeds != "none" and values is None:
-            raise ValueError("this student's teacher has value embeddings: pass values=the teacher's "
-                             "Context.core_values")
+            raise UserError("this student's teacher has value embeddings: pass values=the teacher's "
+                            "Context.core_values")
         x = self.in_proj(self.input_norm(e) if self.input_norm is not None else e)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, mask, **(value_kw(values, i % len(values)) if values else {}))
@@ -82,7 +83,7 @@ class EndpointStudent(nn.Module):
         if init == "random":
             return student
         if init != "teacher":
-            raise ValueError(f"unknown student init {init!r}; choose teacher or random")
+            raise UserError(f"unknown student init {init!r}; choose teacher or random")
         with torch.no_grad():
             if isinstance(inj, ParcaeDiagonal):  # Inj(0, e~) = dt * (W e~); OrthoInj too (alpha = 0 at s = 0)
                 student.in_proj.weight.copy_(inj.dt()[:, None] * inj.W.weight)
@@ -91,8 +92,8 @@ class EndpointStudent(nn.Module):
             elif isinstance(inj, Additive):  # Inj(0, e) = e
                 student.in_proj.weight.copy_(torch.eye(teacher.cfg.d_model))
             else:
-                raise ValueError(f"teacher init needs a parcae-decay, parcae-nonorm, ortho or additive teacher, "
-                                 f"not {teacher.cfg.injection!r}; use random init")
+                raise UserError(f"teacher init needs a parcae-decay, parcae-nonorm, ortho or additive teacher, "
+                                f"not {teacher.cfg.injection!r}; use random init")
             for i, block in enumerate(student.blocks):
                 block.load_state_dict(teacher.core[i % len(teacher.core)].state_dict())
         return student

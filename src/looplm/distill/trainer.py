@@ -33,8 +33,8 @@ from looplm import checkpoint as ckpt
 from looplm.data import Batch, batch_indices
 from looplm.distill.checkpoint import load_student, teacher_hash, write_student
 from looplm.distill.config import RESUMABLE, DistillConfig
-from looplm.distill.evaluate import teacher_data
 from looplm.distill.student import EndpointStudent
+from looplm.errors import UserError
 from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
@@ -109,28 +109,29 @@ class DistillTrainer:
         self.local_batch = D.rank_share(cfg.micro_batch, self.env, "micro_batch")
         self.device = self.env.device
         self.teacher_path = ckpt.resolve(Path(teacher_path))
-        self.teacher, self.tokenizer, self.job = ckpt.load_model(self.teacher_path, self.device)
+        self.teacher, self.tokenizer, _ = ckpt.load_model(self.teacher_path, self.device)
+        self.data = ckpt.load_data(self.teacher_path)
         self.teacher.requires_grad_(False)
         tcfg = self.teacher.cfg
         if not 1 <= cfg.depth <= tcfg.max_depth:
-            raise ValueError(f"depth must be in 1..{tcfg.max_depth}, got {cfg.depth}")
+            raise UserError(f"depth must be in 1..{tcfg.max_depth}, got {cfg.depth}")
         self.teacher_sha = teacher_hash(self.teacher)
-        self.seq_len = cfg.seq_len or self.job["data"]["seq_len"]
+        self.seq_len = cfg.seq_len or self.data.seq_len
         if self.seq_len > tcfg.max_seq_len:
-            raise ValueError(f"seq_len {self.seq_len} exceeds the teacher's context max_seq_len={tcfg.max_seq_len}")
+            raise UserError(f"seq_len {self.seq_len} exceeds the teacher's context max_seq_len={tcfg.max_seq_len}")
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         resume_from = None
         if (self.ckpt_root / "latest").exists():
             if not cfg.resume:
-                raise ValueError(f"{self.out_dir} already holds checkpoints; pass --resume to continue "
-                                 f"or choose another --out-dir")
+                raise UserError(f"{self.out_dir} already holds checkpoints; pass --resume to continue "
+                                f"or choose another --out-dir")
             resume_from = ckpt.resolve(self.out_dir)
             saved = ckpt.read_json(resume_from, "student.json")["config"]
             diffs = [d for d in flat_diff(saved, cfg.to_dict()) if d.split(":")[0] not in RESUMABLE]
             if diffs:
                 raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
-        self.train_data, self.val_data = teacher_data(self.job, self.tokenizer, self.seq_len)
+        self.train_data, self.val_data = self.data.datasets(self.tokenizer, self.seq_len)
         # E on training rows, as the paper calibrates it (§3.2); validation on held-out rows
         self.calib_rows = calibration_rows(len(self.train_data), cfg.calibration_rows)
         self.val_rows = list(range(min(len(self.val_data), cfg.val_rows)))

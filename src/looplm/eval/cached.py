@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.data import IGNORE_INDEX, PackedDataset
+from looplm.errors import UserError
 from looplm.infer import extend, make_cache
 from looplm.infer.prefill import Prefill
 
@@ -87,7 +88,7 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
         else:
             P, C = span
             if P < 1 or C < 1:
-                raise ValueError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
+                raise UserError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
             s = _document_with_room(b.doc_ids[0], P + C)
             plans = [] if s is None else [(s, s + P, s + P + C - 1, s + P - 1)]
         for start, fed, end, scored in plans:
@@ -115,7 +116,7 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
                                      reduction="sum").item()
             count += n
     if count == 0:
-        raise ValueError("no scored tokens for cached perplexity (no supervised targets in the scored part of any row)")
+        raise UserError("no scored tokens for cached perplexity (no supervised targets in the scored part of any row)")
     loss = total / count
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
             "mean_decode_depth": depth_sum / n_dec if n_dec else float(depth)}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from looplm.errors import UserError
 from looplm.eval.records import read_records
 from looplm.data import Tokenizer
 from looplm.infer.cache import make_cache
@@ -35,13 +36,13 @@ def load_choice_jsonl(path: str | Path) -> list[ChoiceItem]:
     for where, row in read_records(path, ("context", "choices", "gold")):
         context, choices, gold = row["context"], row["choices"], row["gold"]
         if not isinstance(context, str):
-            raise ValueError(f"{where}: 'context' must be a string")
+            raise UserError(f"{where}: 'context' must be a string")
         if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"{where}: 'choices' must be a list of strings")
+            raise UserError(f"{where}: 'choices' must be a list of strings")
         if len(choices) < 2:
-            raise ValueError(f"{where}: need at least 2 choices, got {len(choices)}")
+            raise UserError(f"{where}: need at least 2 choices, got {len(choices)}")
         if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
-            raise ValueError(f"{where}: 'gold' must be an index in 0..{len(choices) - 1}, got {gold!r}")
+            raise UserError(f"{where}: 'gold' must be an index in 0..{len(choices) - 1}, got {gold!r}")
         items.append(ChoiceItem(context, tuple(choices), gold))
     return items
 
@@ -68,15 +69,15 @@ def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: 
                        device="cpu") -> tuple[float, bool]:
     """(sum of ln p over the target tokens, whether every target token was the argmax)."""
     prefill_depth = prefill_depth or depth
-    ctx_ids = tokenizer.encode(context)
+    ctx_ids = tokenizer.encode_prompt(context)
     if not ctx_ids:
-        raise ValueError("choice context is empty (nothing to prefill)")
-    target = tokenizer.encode(context + continuation)[len(ctx_ids):]
+        raise UserError("choice context is empty (nothing to prefill)")
+    target = tokenizer.encode_prompt(context + continuation)[len(ctx_ids):]
     if not target:
-        raise ValueError(f"continuation {continuation!r} adds no tokens to the context")
+        raise UserError(f"continuation {continuation!r} adds no tokens to the context")
     need = len(ctx_ids) + len(target) - 1  # the last target token is never fed
     if need > model.cfg.max_seq_len:
-        raise ValueError(f"context + continuation need {need} tokens, the model context is {model.cfg.max_seq_len}")
+        raise UserError(f"context + continuation need {need} tokens, the model context is {model.cfg.max_seq_len}")
     dtype = next(model.parameters()).dtype
     cache = make_cache(cache_mode, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
     ids = torch.tensor([example_id], device=device)
@@ -99,11 +100,11 @@ def score_choices(model, tokenizer: Tokenizer, items: Sequence[ChoiceItem], *, d
     example id, so results do not depend on anything else.
     """
     if not items:
-        raise ValueError("no choice items to score")
+        raise UserError("no choice items to score")
     details, hits, hits_norm = [], 0, 0
     for idx, item in enumerate(items):
         if not item.context.strip():
-            raise ValueError(f"item {idx}: empty context")
+            raise UserError(f"item {idx}: empty context")
         logliks, greedy, lengths = [], [], []
         for choice in item.choices:
             ctx, cont = split_context(item.context, choice)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from looplm.errors import UserError
 from looplm.eval.records import read_records
 from looplm.data import Example, Tokenizer
 from looplm.data.tasks import check_answer
@@ -60,13 +61,13 @@ def load_gsm8k_jsonl(path: str | Path) -> list[GenItem]:
     for where, row in read_records(path, ("question", "answer")):
         for key in ("question", "answer"):
             if not isinstance(row[key], str):
-                raise ValueError(f"{where}: {key!r} must be a string")
+                raise UserError(f"{where}: {key!r} must be a string")
         if "####" not in row["answer"]:
-            raise ValueError(f"{where}: 'answer' has no '#### <number>' final answer")
+            raise UserError(f"{where}: 'answer' has no '#### <number>' final answer")
         raw = row["answer"].rsplit("####", 1)[1]
         gold = normalize_number(raw)
         if gold is None:
-            raise ValueError(f"{where}: final answer {raw.strip()!r} after '####' is not a number")
+            raise UserError(f"{where}: final answer {raw.strip()!r} after '####' is not a number")
         items.append(GenItem(row["question"], row["answer"], gold))
     return items
 
@@ -92,7 +93,7 @@ def greedy_generate(model, tokenizer: Tokenizer, prompts: Sequence[str], example
 
 def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UserError(f"batch_size must be >= 1, got {batch_size}")
     outputs = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
@@ -109,7 +110,7 @@ def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[
     picks the prefill arm (`looplm.infer.prefill`; default: the model at prefill_depth).
     """
     if not examples:
-        raise ValueError("no task examples to evaluate")
+        raise UserError("no task examples to evaluate")
     outputs = _batched(model, tokenizer, [ex.prompt for ex in examples], batch_size, depth=depth,
                        prefill_depth=prefill_depth, cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=("\n",),
                        prefill=prefill)
@@ -135,7 +136,7 @@ def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, 
     Returns {"acc", "n", "correct": [bool], "predictions": [str | None], "outputs": [str]}.
     """
     if not items:
-        raise ValueError("no GSM8K items to evaluate")
+        raise UserError("no GSM8K items to evaluate")
     prompts = [prompt_template.format(question=it.question) for it in items]
     outputs = _batched(model, tokenizer, prompts, batch_size, depth=depth, prefill_depth=prefill_depth,
                        cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=tuple(stop))

@@ -16,6 +16,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from looplm.checkpoint import load_model
+from looplm.errors import UserError
 from looplm.eval.choice import score_continuation
 from looplm.eval.generation import greedy_generate
 
@@ -30,14 +31,14 @@ class LoopLMHarness(LM):
         super().__init__()
         if model is None:
             if checkpoint is None:
-                raise ValueError("looplm harness model needs checkpoint=PATH")
+                raise UserError("looplm harness model needs checkpoint=PATH")
             model, tokenizer, _ = load_model(checkpoint, device)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.depth, self.prefill_depth, self.cache = int(depth), prefill_depth and int(prefill_depth), cache
         self._device, self.max_gen_toks = device, int(max_gen_toks)
 
     def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
-        if not self.tokenizer.encode(context):  # an empty context starts from the end-of-text token
+        if not self.tokenizer.encode_prompt(context):  # an empty context starts from the end-of-text token
             return self._score_after_eos(continuation, example_id)
         return score_continuation(self.model, self.tokenizer, context, continuation, depth=self.depth,
                                   prefill_depth=self.prefill_depth, cache_mode=self.cache,
@@ -46,7 +47,8 @@ class LoopLMHarness(LM):
     @torch.no_grad()
     def _score_after_eos(self, text: str, example_id: int) -> tuple[float, bool]:
         ids = self.tokenizer.encode(text)
-        x = torch.tensor([[self.tokenizer.eos_id, *ids]], device=self._device)
+        first = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id  # a text start
+        x = torch.tensor([[first, *ids]], device=self._device)
         total, greedy = 0.0, True
         window = self.model.cfg.max_seq_len
         for start in range(0, len(ids), window - 1):  # non-overlapping windows, each after an EOS
@@ -71,7 +73,7 @@ class LoopLMHarness(LM):
             context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            room = self.model.cfg.max_seq_len - len(self.tokenizer.encode(context)) + 1
+            room = self.model.cfg.max_seq_len - len(self.tokenizer.encode_prompt(context)) + 1
             n = max(1, min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), room))
             out += greedy_generate(self.model, self.tokenizer, [context], [stable_id(context)], depth=self.depth,
                                    prefill_depth=self.prefill_depth, cache_mode=self.cache, max_new_tokens=n,

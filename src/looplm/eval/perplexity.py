@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.data import IGNORE_INDEX, PackedDataset
+from looplm.errors import UserError
 
 
 @torch.no_grad()
@@ -27,7 +28,7 @@ def native_perplexity(
     how far the recurrence still is from a fixed point at depth R (None at R = 1)."""
     n = len(data) if max_sequences is None else min(len(data), max_sequences)
     if n == 0:
-        raise ValueError("no evaluation sequences")
+        raise UserError("no evaluation sequences")
     n_bytes = scored_bytes(data, n, tokenizer) if tokenizer is not None else None
     results = {}
     for depth in depths:

@@ -6,6 +6,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from looplm.errors import UserError
+
 
 def read_records(path: str | Path, required: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
     """Yield ("file:line", object) for every non-blank line; ValueError on invalid JSON, a
@@ -19,10 +21,10 @@ def read_records(path: str | Path, required: tuple[str, ...]) -> Iterator[tuple[
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+                raise UserError(f"{where}: invalid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object")
+                raise UserError(f"{where}: expected a JSON object")
             for key in required:
                 if key not in row:
-                    raise ValueError(f"{where}: missing field {key!r}")
+                    raise UserError(f"{where}: missing field {key!r}")
             yield where, row

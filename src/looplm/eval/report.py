@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from looplm.data import TaskConfig, build_datasets, generate_examples
+from looplm.data.record import DataRecord
+from looplm.errors import UserError
 from looplm.eval.cached import sharing_table
 from looplm.eval.perplexity import native_perplexity
 from looplm.eval.tasks import task_accuracy
@@ -57,42 +58,21 @@ class EvalConfig:
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
 
 
-def held_out_examples(tasks: TaskConfig, n: int, seed: int, n_train: int, train_seed: int):
-    """`n` fresh examples whose prompts do not occur in the training set."""
-    seen = {ex.prompt for ex in generate_examples(tasks, n_train, train_seed)}
-    return [ex for ex in generate_examples(tasks, n, seed) if ex.prompt not in seen]
-
-
-def job_tasks(job: dict) -> TaskConfig:
-    """The generator-task config of a checkpoint's job."""
-    return TaskConfig(**{**job["data"]["tasks"], "kinds": tuple(job["data"]["tasks"]["kinds"])})
-
-
-def validation_data(tokenizer, job: dict):
-    """The held-out split (a PackedDataset) of the data a checkpoint's job trained on."""
-    data = job["data"]
-    _, val = build_datasets(
-        data["source"], tokenizer, seq_len=data["seq_len"], holdout=data["holdout"], cache_dir=Path(data["cache_dir"]),
-        text_field=data["text_field"], task_config=job_tasks(job), n_task_examples=data["n_task_examples"],
-        seed=job["train"]["seed"],
-    )
-    return val
-
-
-def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", progress=None, prefill=None) -> dict:
-    """{"perplexity": {R: ...}, "tasks": {R: ...} or None} for a trained model and its job config.
+def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None,
+                 prefill=None) -> dict:
+    """{"perplexity": {R: ...}, "tasks": {R: ...} or None, ...} for a trained model on the held-out split
+    of `data`, its checkpoint's data record (`looplm.checkpoint.load_data`); task accuracy when that data is
+    the task generator.
 
     `prefill`, a list of `looplm.infer.prefill.Prefill` arms, adds "prefill": each arm's continuation
     perplexity (on `sharing_sequences` rows) and generator-task exact match (on `generation_examples`,
     or `task_examples` when that is 0) at each depth, the paper's Table 5 (`looplm.eval.prefill_arms`)."""
-    data = job["data"]
-    tasks = job_tasks(job)
-    val = validation_data(tokenizer, job)
+    val = data.validation(tokenizer)
     ppl = native_perplexity(model, val, cfg.depths, batch_size=cfg.batch_size, max_sequences=cfg.max_sequences,
                             device=device, progress=progress, tokenizer=tokenizer)
     acc = None
-    if data["source"] == "tasks" and cfg.task_examples > 0:
-        examples = held_out_examples(tasks, cfg.task_examples, cfg.task_seed, data["n_task_examples"], job["train"]["seed"])
+    if data.is_tasks and cfg.task_examples > 0:
+        examples = data.held_out_examples(cfg.task_examples, cfg.task_seed)
         acc = task_accuracy(model, tokenizer, examples, cfg.depths, batch_size=cfg.batch_size, device=device,
                             progress=progress)
     sharing = None
@@ -100,29 +80,28 @@ def depth_report(model, tokenizer, job: dict, cfg: EvalConfig, device="cpu", pro
         sharing = sharing_table(model, val, cfg.depths, max_sequences=cfg.sharing_sequences, device=device,
                                 progress=progress, span=cfg.cacheeval_span)
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
-    report.update(decoding_report(model, tokenizer, cfg, tasks, data, job["train"]["seed"], device))
+    report.update(decoding_report(model, tokenizer, cfg, data, device))
     if cfg.sample_depths:
         report["samples"] = depth_samples(model, tokenizer, cfg, device)
     if prefill:
         from looplm.eval.prefill_arms import prefill_table
 
         n_gen = cfg.generation_examples or cfg.task_examples
-        examples = held_out_examples(tasks, n_gen, cfg.task_seed, data["n_task_examples"], job["train"]["seed"]) \
-            if data["source"] == "tasks" and n_gen > 0 else []
+        examples = data.held_out_examples(n_gen, cfg.task_seed) if data.is_tasks and n_gen > 0 else []
         report["prefill"] = prefill_table(model, tokenizer, val, examples, prefill, cfg.depths, device=device,
                                           rows=cfg.sharing_sequences, batch_size=cfg.batch_size, progress=progress)
     return report
 
 
-def decoding_report(model, tokenizer, cfg: EvalConfig, tasks: TaskConfig, data: dict, seed: int, device) -> dict:
+def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device) -> dict:
     """Protocols scored by decoding with a KV cache, per depth: generation exact match, choice tasks, GSM8K."""
     from looplm.eval.choice import load_choice_jsonl, score_choices
     from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
 
     kw = dict(prefill_depth=cfg.prefill_depth, cache_mode=cfg.cache)
     out: dict = {}
-    if cfg.generation_examples > 0 and data["source"] == "tasks":
-        examples = held_out_examples(tasks, cfg.generation_examples, cfg.task_seed, data["n_task_examples"], seed)
+    if cfg.generation_examples > 0 and data.is_tasks:
+        examples = data.held_out_examples(cfg.generation_examples, cfg.task_seed)
         out["generation"] = {r: {k: v for k, v in exact_match_generator_tasks(model, tokenizer, examples, depth=r, **kw).items()
                                  if k in ("acc", "n", "by_kind")} for r in cfg.depths}
     if cfg.choice_tasks is not None:
@@ -131,11 +110,11 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, tasks: TaskConfig, data: 
                              if k != "items"} for r in cfg.depths}
     if cfg.gsm8k is not None:
         items = load_gsm8k_jsonl(cfg.gsm8k)
-        longest = max(len(tokenizer.encode(f"Question: {it.question}\nAnswer:")) for it in items)
+        longest = max(len(tokenizer.encode_prompt(f"Question: {it.question}\nAnswer:")) for it in items)
         room = min(cfg.gsm8k_max_new_tokens, model.cfg.max_seq_len - longest)
         if room < 1:
-            raise ValueError(f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "
-                             f"max_seq_len={model.cfg.max_seq_len}")
+            raise UserError(f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "
+                            f"max_seq_len={model.cfg.max_seq_len}")
         out["gsm8k"] = {r: {k: v for k, v in exact_match_gsm8k(model, tokenizer, items, depth=r, max_new_tokens=room,
                                                                **kw).items() if k in ("acc", "n")} for r in cfg.depths}
     return out

@@ -13,13 +13,14 @@ from collections.abc import Sequence
 import torch
 
 from looplm.data import Example, Tokenizer
+from looplm.errors import UserError
 
 
 def encode_examples(tokenizer: Tokenizer, examples: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N, L] right-padded, answer mask [N, L] marking positions whose *next* token is an answer token)."""
     rows, marks = [], []
     for ex in examples:
-        p, a = tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer + "\n")
+        p, a = tokenizer.encode_prompt(ex.prompt), tokenizer.encode(ex.answer + "\n")
         rows.append(p + a)
         marks.append([False] * (len(p) - 1) + [True] * len(a) + [False])
     L = max(len(r) for r in rows)
@@ -38,11 +39,11 @@ def task_accuracy(
 ) -> dict[int, dict]:
     """{depth: {"acc", "n", "by_kind": {kind: acc}, "by_difficulty": {k: acc}}}."""
     if not examples:
-        raise ValueError("no task examples to evaluate")
+        raise UserError("no task examples to evaluate")
     tokens, mask = encode_examples(tokenizer, examples)
     max_len = model.cfg.max_seq_len
     if tokens.shape[1] > max_len:
-        raise ValueError(f"task examples need {tokens.shape[1]} tokens, the model context is {max_len}")
+        raise UserError(f"task examples need {tokens.shape[1]} tokens, the model context is {max_len}")
     results = {}
     for depth in depths:
         correct = torch.zeros(len(examples), dtype=torch.bool)

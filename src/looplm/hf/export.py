@@ -3,7 +3,7 @@
 The folder holds config.json (`LoopedLMConfig`), model.safetensors and the tokenizer files of a
 `PreTrainedTokenizerFast` (with looplm's chat template), so `AutoModelForCausalLM.from_pretrained(out)` and
 `AutoTokenizer.from_pretrained(out)` load it offline (after `import looplm`). It also holds
-looplm_export.json (source, tokenizer name, the checkpoint's job config) and looplm_tokenizer/
+looplm_export.json (source, tokenizer name, the checkpoint's job config and data record) and looplm_tokenizer/
 (looplm's own tokenizer files), so `looplm eval/generate/analyze OUT` read the folder as a checkpoint.
 """
 
@@ -13,12 +13,13 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from looplm.checkpoint import HF_EXPORT_INFO, HF_LOOPLM_TOKENIZER
 from looplm.data.chat import CHAT_TEMPLATE_JINJA
 from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
+from looplm.errors import UserError
 
 
 def _byte_symbols() -> list[str]:
@@ -47,11 +48,19 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return _wrap(backend, 256, 257)
 
 
-def _wrap(backend: HFTokenizer, eos_id: int, pad_id: int) -> PreTrainedTokenizerFast:
-    # split_special_tokens: a literal "<eos>" in text stays text, as in looplm's tokenizers.
+def _wrap(backend: HFTokenizer, eos_id: int, pad_id: int, bos_id: int | None = None) -> PreTrainedTokenizerFast:
+    # split_special_tokens: a literal "<eos>" in text stays text, as in looplm's tokenizers. The special
+    # tokens added to every text are the BOS policy's and nothing else (`Tokenizer.encode_prompt`).
+    if bos_id is None:
+        backend.post_processor = None
+    else:
+        bos = backend.id_to_token(bos_id)
+        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                               special_tokens=[(bos, bos_id)])
+    extra = {} if bos_id is None else {"bos_token": backend.id_to_token(bos_id)}
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=backend.id_to_token(eos_id),
                                    pad_token=backend.id_to_token(pad_id), padding_side="left",
-                                   split_special_tokens=True, clean_up_tokenization_spaces=False)
+                                   split_special_tokens=True, clean_up_tokenization_spaces=False, **extra)
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
@@ -59,8 +68,8 @@ def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     if isinstance(tokenizer, ByteTokenizer):
         return byte_tokenizer()
     if isinstance(tokenizer, BPETokenizer):
-        return _wrap(HFTokenizer.from_str(tokenizer.backend_json), tokenizer.eos_id, tokenizer.pad_id)
-    raise ValueError(f"cannot export tokenizer {tokenizer!r}: expected a looplm ByteTokenizer or BPETokenizer")
+        return _wrap(HFTokenizer.from_str(tokenizer.backend_json), tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id)
+    raise UserError(f"cannot export tokenizer {tokenizer!r}: expected a looplm ByteTokenizer or BPETokenizer")
 
 
 def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
@@ -69,11 +78,11 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     `num_steps` (default 5), `prefill_steps` and `cache_kind` become the config's generation defaults."""
     import torch
 
-    from looplm.checkpoint import load_model
+    from looplm.checkpoint import load_data, load_model
     from looplm.hf.modeling import LoopedLMForCausalLM
 
     model, tokenizer, job = load_model(checkpoint)
-    fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind}
+    fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind, "bos_token_id": tokenizer.bos_id}
     if num_steps is not None:
         fields["num_steps"] = num_steps
     hf = LoopedLMForCausalLM.from_looplm(model, tokenizer, dtype=next(model.parameters()).dtype, **fields)
@@ -90,5 +99,6 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     info = {"source": str(Path(checkpoint).resolve()), "tokenizer": tokenizer.name}
     if "data" in job:  # a job that records its training data (not a bare HF folder's)
         info["job"] = dict(job)
+        info["data"] = load_data(checkpoint).to_dict()
     (out / HF_EXPORT_INFO).write_text(json.dumps(info, indent=1, default=str) + "\n")
     return out

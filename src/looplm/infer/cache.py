@@ -25,6 +25,7 @@ import copy
 import torch
 
 from looplm.config import ModelConfig
+from looplm.errors import UserError
 from looplm.model.kv import KVBank, KVSlot
 
 __all__ = ["FullCache", "KVBank", "KVCache", "TerminalCache", "chunk_mask", "make_cache"]
@@ -44,7 +45,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, *, device="cpu", dtype=torch.float32):
         if max_len > cfg.max_seq_len:
-            raise ValueError(f"cache length {max_len} exceeds the model context max_seq_len={cfg.max_seq_len}")
+            raise UserError(f"cache length {max_len} exceeds the model context max_seq_len={cfg.max_seq_len}")
         self.cfg, self.batch, self.max_len, self.length = cfg, batch, max_len, 0
         self._new = lambda: KVBank(batch, cfg.n_kv_heads, max_len, cfg.head_dim, device, dtype)
         self.prelude = [self._new() for _ in range(cfg.n_prelude)]
@@ -150,7 +151,7 @@ class FullCache(KVCache):
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw):
         super().__init__(cfg, batch, max_len, **kw)
         if depth < 1:
-            raise ValueError(f"full cache depth must be >= 1, got {depth}")
+            raise UserError(f"full cache depth must be >= 1, got {depth}")
         self.depth = depth
         self.core = [[self._new() for _ in range(cfg.n_core)] for _ in range(depth)]
 
@@ -170,4 +171,4 @@ def make_cache(mode: str, cfg: ModelConfig, batch: int, max_len: int, depth: int
         return TerminalCache(cfg, batch, max_len, **kw)
     if mode == "full":
         return FullCache(cfg, batch, max_len, depth, **kw)
-    raise ValueError(f"unknown cache mode {mode!r}; choose terminal or full")
+    raise UserError(f"unknown cache mode {mode!r}; choose terminal or full")

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from looplm.data import Tokenizer
+from looplm.errors import UserError
 from looplm.model.exits import DepthPlan
 
 CacheKind = Literal["terminal", "full"]
@@ -50,28 +51,28 @@ class SamplingConfig:
     cumulative exit probability reaches this threshold (every recurrence still runs; design §14)."""
 
     def validate(self) -> None:
-        """Raise ValueError with a one-line reason when a field is out of range."""
+        """Raise UserError with a one-line reason when a field is out of range."""
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
+            raise UserError(f"temperature must be >= 0 (0 = greedy decoding), got {self.temperature}")
         if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
-            raise ValueError(f"seed must be in -2**63..2**64-1, got {self.seed}")
+            raise UserError(f"seed must be in -2**63..2**64-1, got {self.seed}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+            raise UserError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
         if not 0 < self.top_p <= 1:  # also rejects nan
-            raise ValueError(f"top_p must be in (0, 1] (1 = all tokens), got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1] (1 = all tokens), got {self.top_p}")
         for s in self.stop:
             if not s:
-                raise ValueError("stop strings must be non-empty, got ''")
+                raise UserError("stop strings must be non-empty, got ''")
         if self.exit_tau is not None and not self.exit_tau > 0:
-            raise ValueError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
+            raise UserError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
         if self.min_depth < 1:
-            raise ValueError(f"min_depth must be >= 1, got {self.min_depth}")
+            raise UserError(f"min_depth must be >= 1, got {self.min_depth}")
         if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
-            raise ValueError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
+            raise UserError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
         if self.exit_gate is not None and self.exit_tau is not None:
-            raise ValueError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
+            raise UserError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
 
 
 @dataclass
@@ -91,22 +92,22 @@ class DecodeSpec:
         return self.depth if self.prefill_depth is None else self.prefill_depth
 
     def check(self, max_depth: int, *, has_gate: bool = False) -> DecodeSpec:
-        """Raise ValueError with a one-line reason if this decode cannot run on a model whose
+        """Raise UserError with a one-line reason if this decode cannot run on a model whose
         deepest allowed depth is `max_depth`; returns self."""
         s = self.sampling
         s.validate()
         if self.cache not in CACHE_KINDS:
-            raise ValueError(f"unknown cache mode {self.cache!r}; choose terminal or full")
+            raise UserError(f"unknown cache mode {self.cache!r}; choose terminal or full")
         for name, r in (("depth", self.depth), ("prefill_depth", self.prefill)):
             if not 1 <= r <= max_depth:
-                raise ValueError(f"{name} must be in 1..{max_depth}, got {r}")
+                raise UserError(f"{name} must be in 1..{max_depth}, got {r}")
         if s.exit_tau is not None:
             if self.cache != "terminal":
-                raise ValueError("adaptive depth (exit_tau) needs the terminal cache")
+                raise UserError("adaptive depth (exit_tau) needs the terminal cache")
             if s.min_depth > self.depth:
-                raise ValueError(f"min_depth {s.min_depth} exceeds the decode depth {self.depth}")
+                raise UserError(f"min_depth {s.min_depth} exceeds the decode depth {self.depth}")
         if s.exit_gate is not None and not has_gate:
-            raise ValueError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
+            raise UserError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
         return self
 
     def decode_plan(self) -> DepthPlan:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from looplm.data import Tokenizer
+from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, choose
 from looplm.infer.prefill import Prefill
@@ -36,16 +37,16 @@ def generate(
     """
     cfg = sampling or SamplingConfig()
     if not prompts:
-        raise ValueError("no prompts given")
+        raise UserError("no prompts given")
     spec = DecodeSpec(depth, prefill_depth, cache_mode, cfg).check(model.cfg.max_depth,
                                                                     has_gate=model.exit_gate is not None)
-    encoded = [tokenizer.encode(p) for p in prompts]
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
-            raise ValueError(f"prompt {i} is empty")
+            raise UserError(f"prompt {i} is empty")
         if len(ids) + cfg.max_new_tokens - 1 > model.cfg.max_seq_len:  # the last new token is never fed
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
-                             f"the context max_seq_len={model.cfg.max_seq_len}")
+            raise UserError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
+                            f"the context max_seq_len={model.cfg.max_seq_len}")
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
     pad = torch.tensor([L - len(ids) for ids in encoded], device=device)

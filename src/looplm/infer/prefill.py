@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from looplm.errors import UserError
 from looplm.infer.cache import KVCache
 from looplm.infer.extend import extend
 
@@ -34,7 +35,7 @@ def student_prefill(model, student: nn.Module, tokens: torch.Tensor, cache: KVCa
     The student sees the same rope and mask as the teacher's layers (left padding included); one
     teacher recurrence from its prediction writes the core's terminal banks."""
     if cache.mode != "terminal":
-        raise ValueError("distilled prefill writes terminal banks; use the terminal cache")
+        raise UserError("distilled prefill writes terminal banks; use the terminal cache")
     return extend(model, tokens, cache, 1, example_ids=example_ids, seed=seed, pad=pad, initial=student, **kw)
 
 
@@ -50,9 +51,9 @@ class Prefill:
 
     def __post_init__(self) -> None:
         if self.arm not in PREFILL_ARMS:
-            raise ValueError(f"unknown prefill arm {self.arm!r}; choose one of {', '.join(PREFILL_ARMS)}")
+            raise UserError(f"unknown prefill arm {self.arm!r}; choose one of {', '.join(PREFILL_ARMS)}")
         if self.arm == "student" and self.student is None:
-            raise ValueError("the student prefill arm needs a distilled student (--student PATH)")
+            raise UserError("the student prefill arm needs a distilled student (--student PATH)")
 
     def teacher_depth(self, depth: int) -> int:
         """Teacher recurrences run over the prompt (1 for the student arm: the one after its prediction)."""

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from looplm.data.tasks import TaskKind
+from looplm.errors import UserError
+
 
 @dataclass
 class RLConfig:
@@ -30,16 +33,16 @@ class RLConfig:
     """Sampling temperature; the policy scored in the update is softmax(logits / temperature)."""
     source: str = "tasks"
     """'tasks' (the generator's tasks, by default those the checkpoint was trained on) or a GSM8K-format JSONL."""
-    task_kinds: tuple[str, ...] = ()
-    """Generator task kinds (default: the checkpoint's training tasks)."""
+    task_kinds: tuple[TaskKind, ...] | None = None
+    """Generator task kinds; None: the checkpoint's training tasks."""
     min_difficulty: int | None = None
     """Smallest task difficulty (default: the checkpoint's)."""
     max_difficulty: int | None = None
     """Largest task difficulty (default: the checkpoint's)."""
     prompt_template: str = "Question: {question}\nAnswer:"
     """Prompt for GSM8K-format items ({question} is replaced)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings (default: a newline for tasks; a blank line and 'Question:' for GSM8K)."""
+    stop: tuple[str, ...] | None = None
+    """Stop strings; None: a newline for tasks, a blank line and 'Question:' for GSM8K."""
     reward: str = "auto"
     """Reward function: auto (exact for tasks, final_number for GSM8K), exact, digits, final_number, or a registered name."""
     lr: float = 5e-5
@@ -84,13 +87,13 @@ class RLConfig:
 
     def validate(self, max_depth: int) -> None:
         if not 1 <= self.depth <= max_depth:
-            raise ValueError(f"depth must be in 1..{max_depth}, got {self.depth}")
+            raise UserError(f"depth must be in 1..{max_depth}, got {self.depth}")
         if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
+            raise UserError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
         for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.neumann < 0:
-            raise ValueError(f"neumann must be >= 0, got {self.neumann}")
+            raise UserError(f"neumann must be >= 0, got {self.neumann}")
         if self.temperature <= 0 or self.lr <= 0 or self.clip_eps <= 0:
-            raise ValueError("temperature, lr and clip_eps must be > 0")
+            raise UserError("temperature, lr and clip_eps must be > 0")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from looplm.errors import UserError
 from looplm.model.blocks import rope_tables
 from looplm.rl.rollout import Rollout, SavedStates, check_saved_states
 
@@ -41,7 +42,7 @@ def neumann_backward(recurrence: Callable[[torch.Tensor], torch.Tensor], head: C
     scalar loss on its output. Returns (loss, z_bar), both detached.
     """
     if steps < 0:
-        raise ValueError(f"Neumann steps must be >= 0, got {steps}")
+        raise UserError(f"Neumann steps must be >= 0, got {steps}")
     z_in = endpoint.detach().requires_grad_(steps > 0)
     z_bar = recurrence(z_in)
     z_cut = z_bar.detach().requires_grad_(True)  # the head's backward stops here: g and c
@@ -133,7 +134,7 @@ def reference_logits(estimator: str, reference, policy, rollout: Rollout, *, dep
     if estimator == "reuse":
         endpoint = check_saved_states(rollout.states if states is None else states, policy, tokens, ids, depth)
         return endpoint_logits(reference, tokens, endpoint)
-    raise ValueError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+    raise UserError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
 
 
 def score_and_backward(estimator: str, model, rollout: Rollout, objective: Objective, *, depth: int,
@@ -151,4 +152,4 @@ def score_and_backward(estimator: str, model, rollout: Rollout, objective: Objec
     if estimator == "reuse":
         endpoint = check_saved_states(rollout.states if states is None else states, model, tokens, ids, depth)
         return endpoint_backward(model, tokens, endpoint, objective, neumann_steps)
-    raise ValueError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+    raise UserError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from looplm.data import Example, TaskConfig, check_answer, generate_examples
+from looplm.errors import UserError
 from looplm.eval.generation import GenItem, extract_final_number, load_gsm8k_jsonl
 
 RewardFn = Callable[[object, str], float]
@@ -59,7 +60,7 @@ def get_reward(name: str, source: str) -> RewardFn:
     try:
         return REWARDS[name]
     except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}") from None
+        raise UserError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}") from None
 
 
 class ProblemSource:
@@ -71,16 +72,16 @@ class ProblemSource:
         self.source, self.tasks, self.template, self.seed = source, tasks, prompt_template, seed
         if source == "tasks":
             if tasks is None:
-                raise ValueError("the task source needs a TaskConfig")
+                raise UserError("the task source needs a TaskConfig")
             tasks.validate()
             self.items = None
         else:
             path = Path(source)
             if not path.is_file():
-                raise ValueError(f"problem source {source!r} is neither 'tasks' nor a GSM8K-format JSONL file")
+                raise UserError(f"problem source {source!r} is neither 'tasks' nor a GSM8K-format JSONL file")
             self.items = load_gsm8k_jsonl(path)
             if not self.items:
-                raise ValueError(f"{source} holds no problems")
+                raise UserError(f"{source} holds no problems")
 
     def problem(self, reference: Example | GenItem) -> Problem:
         if isinstance(reference, Example):

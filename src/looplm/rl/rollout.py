@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from looplm.data import Tokenizer
+from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
 from looplm.infer.decode import TextStream
@@ -120,22 +121,22 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     and each prompt's group then samples from its own generator, so a group's completions do not
     depend on which other prompts share the batch (data-parallel RL splits the prompts over ranks)."""
     if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+        raise UserError(f"group_size must be >= 1, got {group_size}")
     if temperature <= 0:
-        raise ValueError(f"RL rollouts sample: temperature must be > 0, got {temperature}")
+        raise UserError(f"RL rollouts sample: temperature must be > 0, got {temperature}")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts:
-        raise ValueError("no prompts given")
+        raise UserError("no prompts given")
     if not isinstance(seed, int) and len(seed) != len(prompts):
-        raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts; give one seed, or one per prompt")
-    encoded = [tokenizer.encode(p) for p in prompts for _ in range(group_size)]
+        raise UserError(f"{len(seed)} seeds for {len(prompts)} prompts; give one seed, or one per prompt")
+    encoded = [tokenizer.encode_prompt(p) for p in prompts for _ in range(group_size)]
     if any(not ids for ids in encoded):
-        raise ValueError("a prompt is empty")
+        raise UserError("a prompt is empty")
     longest = max(len(ids) for ids in encoded)
     if longest + max_new_tokens - 1 > model.cfg.max_seq_len:
-        raise ValueError(f"a prompt has {longest} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
-                         f"context max_seq_len={model.cfg.max_seq_len}")
+        raise UserError(f"a prompt has {longest} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+                        f"context max_seq_len={model.cfg.max_seq_len}")
     device = next(model.parameters()).device
     N, P = len(encoded), longest
     pad = torch.tensor([P - len(ids) for ids in encoded], device=device)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from looplm import checkpoint as ckpt
 from looplm.data import TaskConfig
 from looplm.data import generate_examples
+from looplm.errors import UserError
 from looplm.eval.generation import greedy_generate, load_gsm8k_jsonl
 from looplm.rl.config import RLConfig
 from looplm.rl.estimators import reference_logits, score_and_backward
@@ -69,12 +70,13 @@ class RLTrainer:
         src = self.source_path
         source_run = src.parent.parent if src.parent.name == "checkpoints" else src
         if _inside(src, self.out_dir) or _inside(self.out_dir, source_run):
-            raise ValueError(f"out_dir {self.out_dir} overlaps the source run {source_run}; choose another --out-dir "
-                             "(RL never writes into the source run)")
+            raise UserError(f"out_dir {self.out_dir} overlaps the source run {source_run}; choose another --out-dir "
+                            "(RL never writes into the source run)")
         self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
         self.local_prompts = D.rank_share(cfg.prompts_per_step, self.env, "prompts_per_step")
         self.device = self.env.device
         self.model, self.tokenizer, self.job = ckpt.load_model(self.source_path, self.device)
+        self.data = ckpt.load_data(self.source_path)
         cfg.validate(self.model.cfg.max_depth)
         self.reference = None
         if cfg.kl_coef:
@@ -82,7 +84,7 @@ class RLTrainer:
         self.tasks = self._tasks()
         self.problems = ProblemSource(cfg.source, tasks=self.tasks, prompt_template=cfg.prompt_template, seed=cfg.seed)
         self.reward_fn = get_reward(cfg.reward, cfg.source)
-        self.stop = cfg.stop or (("\n",) if cfg.source == "tasks" else ("\n\n", "Question:"))
+        self.stop = cfg.stop if cfg.stop is not None else ("\n",) if cfg.source == "tasks" else ("\n\n", "Question:")
         self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2), eps=1e-8)
         self.step, self.elapsed = 0, 0.0
@@ -97,10 +99,10 @@ class RLTrainer:
     def _tasks(self) -> TaskConfig | None:
         if self.cfg.source != "tasks":
             return None
-        trained = self.job["data"]["tasks"]
-        tasks = TaskConfig(kinds=tuple(self.cfg.task_kinds or trained["kinds"]),
-                           min_difficulty=self.cfg.min_difficulty or trained["min_difficulty"],
-                           max_difficulty=self.cfg.max_difficulty or trained["max_difficulty"])
+        trained = self.data.tasks
+        tasks = TaskConfig(kinds=tuple(self.cfg.task_kinds or trained.kinds),
+                           min_difficulty=self.cfg.min_difficulty or trained.min_difficulty,
+                           max_difficulty=self.cfg.max_difficulty or trained.max_difficulty)
         tasks.validate()
         return tasks
 
@@ -112,8 +114,8 @@ class RLTrainer:
         if not latest.exists():
             return None
         if not self.cfg.resume:
-            raise ValueError(f"{self.out_dir} already holds RL checkpoints; pass --resume to continue or choose "
-                             "another --out-dir")
+            raise UserError(f"{self.out_dir} already holds RL checkpoints; pass --resume to continue or choose "
+                            "another --out-dir")
         path = self.ckpt_root / latest.read_text().strip()
         ckpt.verify(path)
         saved = ckpt.read_json(path, "config.json")["rl"]
@@ -301,6 +303,7 @@ class RLTrainer:
                 ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
                 ckpt.write_json(tmp, "trainer_state.json", state)
                 ckpt.write_json(tmp, "config.json", config)
+                ckpt.write_data_record(tmp, self.data)
                 self.tokenizer.save(tmp)
 
             target = ckpt.save_step(self.ckpt_root, self.step, populate, self.cfg.keep_checkpoints)

@@ -89,7 +89,7 @@ class _EngineCollector:
             "running_sequences": "Sequences in the running batch",
             "max_batch": "Cache slots",
             "tokens_per_second": "Generated tokens per second over the last 10 s",
-            "mean_decode_depth": "Mean recurrences per decoded token over the last 10 s",
+            "mean_decode_depth": "Mean recurrences per decoded token since the start (0 before any)",
             "cache_bytes_in_use": "KV-cache bytes holding live tokens",
             "cache_bytes_capacity": "KV-cache bytes preallocated for all slots",
         }
@@ -292,7 +292,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                 for ids in prompts_ids for k in range(body.n)]
 
     def encode(prompt: str | list[int]) -> list[int]:
-        return tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return tok.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
 
     @app.get("/health")
     async def health():
@@ -382,7 +382,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             stop, logprobs = body.stop_strings(), body.logprob_count()
         except ValueError as err:
             raise APIError(400, str(err)) from None
-        ids = tok.encode(body.render())
+        ids = tok.encode_prompt(body.render())
         choices = start(choice_requests(body, [ids], body.budget(len(ids), engine.max_len), stop, logprobs))
         rid, name, created = f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, int(time.time())
 

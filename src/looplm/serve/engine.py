@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
@@ -202,7 +201,9 @@ class Engine:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.finished: dict[str, int] = {}
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, tokens, depth sum) of recent steps
+        self.decoded_tokens = 0  # tokens fed by decode steps, and their recurrences summed
+        self.decode_depth_sum = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for the rate
         self._stats_lock = threading.Lock()  # `stats()` runs on the server's thread
 
     # -- admission -------------------------------------------------------------------------------
@@ -388,7 +389,9 @@ class Engine:
         used = out.depths[:, 0].tolist()
         now = time.monotonic()
         with self._stats_lock:
-            self._recent.append((now, len(rows), sum(used)))
+            self.decoded_tokens += len(rows)
+            self.decode_depth_sum += sum(used)
+            self._recent.append((now, len(rows)))
             while now - self._recent[0][0] > 60.0:
                 self._recent.popleft()
         for row, u in zip(rows, used):
@@ -438,11 +441,13 @@ class Engine:
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self, window_s: float = 10.0) -> dict:
-        """Numbers for /metrics: queue, running rows, throughput and depth over the last `window_s`."""
+        """Numbers for /metrics: queue, running rows, throughput over the last `window_s`, and the
+        mean recurrences per decoded token since the start (0 before the first decode step)."""
         now = time.monotonic()
         with self._stats_lock:
             recent = [r for r in self._recent if now - r[0] <= window_s]
-        tokens = sum(n for _, n, _ in recent)
+            decoded, depth_sum = self.decoded_tokens, self.decode_depth_sum
+        tokens = sum(n for _, n in recent)
         span = max(now - recent[0][0], 1e-9) if len(recent) > 1 else window_s
         return {
             "queue_length": self.waiting,
@@ -451,7 +456,7 @@ class Engine:
             "generated_tokens_total": self.generated_tokens,
             "prompt_tokens_total": self.prompt_tokens,
             "tokens_per_second": tokens / span if tokens else 0.0,
-            "mean_decode_depth": (sum(d for _, _, d in recent) / tokens) if tokens else math.nan,
+            "mean_decode_depth": depth_sum / decoded if decoded else 0.0,
             "cache_bytes_in_use": self.pool.bytes_in_use,
             "cache_bytes_capacity": self.pool.nbytes,
             "finished_total": dict(self.finished),

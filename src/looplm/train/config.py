@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import tyro
+
 from looplm.config import ModelConfig, model_preset
-from looplm.data.tasks import TaskConfig
+from looplm.data.record import BUILTIN_TEXT
+from looplm.data.tasks import DEFAULT_TASK_EXAMPLES, TaskConfig
 from looplm.depth.config import DepthConfig
+from looplm.errors import UserError
 from looplm.eval.report import EvalConfig
 
 
@@ -22,9 +26,10 @@ from looplm.eval.report import EvalConfig
 class DataConfig:
     """Where training text comes from and how it is tokenized and packed."""
 
-    source: str = "tasks"
+    source: str = BUILTIN_TEXT
     """'shakespeare' (a built-in corpus of twelve plays), 'tasks' (the built-in generator of depth-sensitive tasks),
-    a text file or folder, a .jsonl file, a `looplm tokenize` folder, or hf:<name>[:<split>]."""
+    a text file or folder, a .jsonl file, a `looplm tokenize` folder, or hf:<name>[:<split>]. The paper-size
+    presets (S, M, L) have no default: give your corpus."""
     tokenizer: str = "byte"
     """'byte' (no files needed), 'bpe' (train one on the training corpus) or a path to a tokenizer.json."""
     bpe_vocab_size: int = 4096
@@ -37,7 +42,7 @@ class DataConfig:
     """Field of each JSONL record (or HF dataset row) that holds the text."""
     cache_dir: Path = Path(".cache/looplm")
     """Where memory-mapped token caches are written (reused across runs)."""
-    n_task_examples: int = 200_000
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES
     """Training examples drawn from the task generator (source 'tasks')."""
     tasks: TaskConfig = field(default_factory=TaskConfig)
     """Which generator tasks and difficulties (source 'tasks')."""
@@ -50,7 +55,8 @@ class TrainConfig:
     steps: int = 600
     """Optimizer steps T (the warmup-stable-decay schedule spans them)."""
     micro_batch: int = 16
-    """Sequences per microbatch on each rank."""
+    """Sequences per microbatch on each rank. A resumed run keeps its checkpoint's global batch; this then bounds
+    the sequences of one forward (a run resumed on fewer ranks splits each rank's rows into several forwards)."""
     grad_accum: int = 1
     """Microbatches per optimizer step (each draws its own depth)."""
     lr: float = 3e-3
@@ -68,7 +74,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute dtype: auto = bf16 autocast on CUDA and on CPUs with native bf16 (AMX/AVX512-BF16), else fp32."""
+    """Compute dtype: auto = bf16 autocast on CUDA, fp32 on CPU; bf16 = bf16 autocast on either."""
     parallel: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """Data parallelism under torchrun: DDP, FSDP2 (fully_shard per block; bf16 compute with fp32 gradient
     reduction when precision is bf16), or HSDP (FSDP2 sharded within a node, replicated across nodes)."""
@@ -94,6 +100,10 @@ class TrainConfig:
     """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep on disk."""
+    async_checkpoint: bool = False
+    """Write sharded (FSDP2/HSDP) checkpoints in the background: the state is copied to host memory and training
+    goes on; the checkpoint appears (manifest, rename, `latest`) once every rank has written its shards. No effect
+    on single-file checkpoints (one process, DDP)."""
     eval_every: int = 200
     """Validation loss every this many steps (0 disables)."""
     eval_batches: int = 4
@@ -114,7 +124,8 @@ class TrainConfig:
 class TrainJob:
     """Everything a training run needs."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=0))
+    """The model; vocab_size 0 means the tokenizer's size (set when the run builds its tokenizer)."""
     depth: DepthConfig = field(default_factory=DepthConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -160,28 +171,47 @@ def job_from_dict(data: dict) -> TrainJob:
     )
 
 
+def vocab_size_for(job_vocab: int, tokenizer_vocab: int) -> int:
+    """The vocabulary a run trains with: the tokenizer's when the job says 0 (every preset), else the job's
+    own, which may pad the embedding and head past the tokenizer (rows no token id reaches) but not fall
+    short of it."""
+    if job_vocab == 0:
+        return tokenizer_vocab
+    if job_vocab < tokenizer_vocab:
+        raise UserError(f"model.vocab_size {job_vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens; "
+                        "leave it at 0 (the tokenizer's size) or give at least that many")
+    return job_vocab
+
+
+def _training_model(name: str) -> ModelConfig:
+    return dataclasses.replace(model_preset(name), vocab_size=0)  # 0: the tokenizer's size
+
+
 def _tiny() -> TrainJob:
     # The main job: a 0.87 M-parameter looped LM on the built-in Shakespeare scenes (byte level), sized
     # to train on 2 CPU cores in about 5-6 minutes (400 steps of 16 x 256 tokens). On real text this
     # shape uses its depth: held-out perplexity falls from R = 1 to R = 3-5 and holds to R = 32. The
     # task generator is one option away (--data.source tasks).
+    # precision auto: fp32 on CPU (the main job's numbers), bf16 autocast on CUDA.
     return TrainJob(
-        model=model_preset("tiny"),
+        model=_training_model("tiny"),
         depth=DepthConfig(sampler="pln", depth=5.0),  # b: auto = 10 for PLN, full BPTT if switched to fixed
         data=DataConfig(source="shakespeare", tokenizer="byte", seq_len=256,
                         tasks=TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3)),
-        train=TrainConfig(steps=400, micro_batch=16, lr=3e-3, out_dir=Path("runs/tiny"), precision="fp32"),
+        train=TrainConfig(steps=400, micro_batch=16, lr=3e-3, out_dir=Path("runs/tiny")),
         eval=EvalConfig(sample_depths=(1, 5), sharing_sequences=8),
     )
 
 
 def _paper(size: str, lr: float) -> TrainJob:
     # design §1/6: the paper's sizes at 8K context, PLN-5 with b = 10 (the 'auto' window of the sampled
-    # priors; a fixed depth set on the command line trains with full BPTT); batch sizes are per rank.
+    # priors; a fixed depth set on the command line trains with full BPTT); batch sizes are per rank. No
+    # built-in data fits a model of this size, so --data.source is required (tyro.MISSING), and precision
+    # auto trains in bf16 autocast on CUDA.
     return TrainJob(
-        model=model_preset(size),
+        model=_training_model(size),
         depth=DepthConfig(sampler="pln", depth=5.0),
-        data=DataConfig(tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
+        data=DataConfig(source=tyro.MISSING, tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
         train=TrainConfig(steps=20_000, micro_batch=1, grad_accum=8, lr=lr, out_dir=Path(f"runs/{size}")),
     )
 
@@ -196,5 +226,5 @@ JOB_PRESETS = {
 
 def job_preset(name: str) -> TrainJob:
     if name not in JOB_PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(JOB_PRESETS)}")
+        raise UserError(f"unknown preset {name!r}; choose one of {', '.join(JOB_PRESETS)}")
     return JOB_PRESETS[name][1]()

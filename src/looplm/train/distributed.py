@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from looplm.errors import UserError
+
 
 class CollectiveDeviceError(RuntimeError):
     """A collective was handed a tensor on a device its process group's backend does not serve."""
@@ -51,7 +53,7 @@ class DistEnv:
 
 def resolve_device(pref: str) -> torch.device:
     if pref == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
+        raise UserError("device 'cuda' requested but CUDA is not available")
     if pref == "auto":
         pref = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(pref)
@@ -60,8 +62,8 @@ def resolve_device(pref: str) -> torch.device:
 def rank_share(total: int, env: DistEnv, what: str) -> int:
     """This rank's equal share of a global per-step count (rows, prompts), which must divide evenly."""
     if total % env.world_size:
-        raise ValueError(f"{what} {total} (per step over all ranks) must be divisible by the number of ranks, "
-                         f"{env.world_size}")
+        raise UserError(f"{what} {total} (per step over all ranks) must be divisible by the number of ranks, "
+                        f"{env.world_size}")
     return total // env.world_size
 
 
@@ -181,6 +183,24 @@ def broadcast_object(obj, env: DistEnv):
     box = [obj]
     dist.broadcast_object_list(box, src=0, device=env.comm_device)
     return box[0]
+
+
+def all_gather_object(obj, env: DistEnv) -> list:
+    """Every rank's `obj` (pickled), in rank order, on every rank."""
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def side_group(env: DistEnv):
+    """A second gloo group over every rank (every rank must call this at the same point): for
+    collectives issued from a background thread (asynchronous checkpoint writes), which must not
+    interleave with the training loop's collectives on the main group. None without a group."""
+    if not env.distributed:
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def shutdown(env: DistEnv) -> None:

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from looplm.errors import UserError
 from looplm.train.distributed import DistEnv
 
 ActivationCheckpointing = Literal["none", "block"]
@@ -31,7 +32,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointi
     if mode == "none":
         return
     if mode != "block":
-        raise ValueError(f"unknown activation checkpointing {mode!r}; choose none or block")
+        raise UserError(f"unknown activation checkpointing {mode!r}; choose none or block")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for stack in STACKS:
@@ -80,7 +81,7 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
 
             shard = env.local_world_size
             if env.world_size % shard:
-                raise ValueError(f"hsdp: world size {env.world_size} is not a multiple of the ranks per node {shard}")
+                raise UserError(f"hsdp: world size {env.world_size} is not a multiple of the ranks per node {shard}")
             mesh = init_device_mesh(env.device.type, (env.world_size // shard, shard),
                                     mesh_dim_names=("replicate", "shard"))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -88,4 +89,4 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
-    raise ValueError(f"unknown parallel mode {parallel!r}; choose ddp, fsdp or hsdp")
+    raise UserError(f"unknown parallel mode {parallel!r}; choose ddp, fsdp or hsdp")

@@ -4,13 +4,15 @@ One optimizer step = `grad_accum` microbatches. Each microbatch draws its own de
 on every rank), runs the model with the configured backprop window, and adds its CE sum divided
 by the global target count of the step, so the loss is a token mean over the global batch
 (design §6). Data order, depth draws and initial-state noise are pure functions of (seed, step,
-microbatch), so a resumed run reproduces an uninterrupted one, and a run on N ranks sees the
-same global batch as one process.
+microbatch, global row), so a resumed run reproduces an uninterrupted one, and a run on N ranks
+sees the same global batch as one process; a run resumed on another number of ranks keeps its
+global batch (`looplm.train.layout`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,33 +26,32 @@ import torch.nn.functional as F
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX, Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
 from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized
+from looplm.data.record import DataRecord
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
+from looplm.errors import UserError
 from looplm.model import LoopedLM
 from looplm.train import distributed as D
 from looplm.train import parallelize as P
-from looplm.train.config import TrainConfig, TrainJob, job_from_dict
+from looplm.train.checkpointing import Checkpointer, is_sharded_run
+from looplm.train.checkpointing import verify as verify_checkpoint
+from looplm.train.config import TrainConfig, TrainJob, job_from_dict, vocab_size_for
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
+from looplm.train.layout import BatchLayout
 from looplm.train.metrics import MetricsLogger
+from looplm.train.noise import initial_state_noise
 from looplm.train.schedule import wsd_multiplier
 
-# Settings that may change between a run and its resume; everything else must match.
+# Settings that may change between a run and its resume; everything else must match. The global
+# batch is the checkpoint's, so train.micro_batch only bounds the rows of one forward on resume; a
+# run folder may be moved or copied (train.out_dir) and resumed where it lies.
 RESUMABLE_CHANGES = {
     "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
-    "train.prefetch",
+    "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir",
 }
 RESUMABLE_PREFIXES = ("eval.",)
-
-
-def native_bf16_cpu() -> bool:
-    """CPUs with bf16 matmul instructions (AMX or AVX512-BF16); elsewhere bf16 autocast is slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -58,7 +59,7 @@ def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
         return torch.float32
     if precision == "bf16":
         return torch.bfloat16
-    return torch.bfloat16 if device.type == "cuda" or native_bf16_cpu() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # auto: fp32 on every CPU
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -121,8 +122,9 @@ class Trainer:
         self.out_dir = Path(t.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         resume_from = self._find_resume()
+        self.layout = self._plan_layout(resume_from)
         self.tokenizer = load_tokenizer(resume_from) if resume_from else self._build_tokenizer()
-        m.vocab_size = self.tokenizer.vocab_size
+        m.vocab_size = vocab_size_for(m.vocab_size, self.tokenizer.vocab_size)
         self.train_data, self.val_data = self._build_data()
         torch.manual_seed(t.seed)
         self.model = LoopedLM(m).to(self.env.device)
@@ -140,6 +142,9 @@ class Trainer:
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
             fused=self.env.device.type == "cuda",
         )
+        self.checkpointer = Checkpointer(self.ckpt_root, self.env, self.model, self.optimizer,
+                                         sharded=is_sharded_run(self.env, t.parallel), async_save=t.async_checkpoint,
+                                         keep=t.keep_checkpoints)
         self.recompiles_baseline: int | None = None  # graphs compiled by the end of warm-up
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="looplm-batches") if t.prefetch else None
         self._prefetched: tuple[int, Future] | None = None
@@ -157,41 +162,62 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------------
     def _validate(self) -> None:
         j = self.job
-        j.model.validate()
+        if not isinstance(j.data.source, str):  # the paper-size presets have no default corpus
+            raise UserError("data.source is required for this preset: give your corpus with --data.source (a "
+                            "`looplm tokenize` folder, text files, a .jsonl or hf:<name>)")
+        if j.model.vocab_size < 0:
+            raise UserError(f"model.vocab_size must be >= 0 (0: the tokenizer's size), got {j.model.vocab_size}")
+        dataclasses.replace(j.model, vocab_size=j.model.vocab_size or 1).validate()  # 0 is resolved later
         if j.data.seq_len > j.model.max_seq_len:
-            raise ValueError(f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}")
+            raise UserError(f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}")
         for name in ("steps", "micro_batch", "grad_accum"):
             if getattr(j.train, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1")
+                raise UserError(f"train.{name} must be >= 1")
         # Depth settings are checked here, before the (possibly long) data build.
         build_sampler(j.depth)
         if j.model.max_depth < j.depth.cap:
-            raise ValueError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
+            raise UserError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
         if j.train.attention == "flex" and D.resolve_device(j.train.device).type != "cuda":
-            raise ValueError("train.attention flex: FlexAttention has no backward on CPU in torch; "
-                             "train with --train.attention sdpa (or auto) on CPU")
+            raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
+                            "train with --train.attention sdpa (or auto) on CPU")
         for r in j.eval.depths:
             if not 1 <= r <= j.model.max_depth:
-                raise ValueError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
+                raise UserError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"
         if not latest.exists():
             return None
         if not self.job.train.resume:
-            raise ValueError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
-                             f"or choose another --train.out-dir")
+            raise UserError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
+                            f"or choose another --train.out-dir")
         path = self.ckpt_root / latest.read_text().strip()
-        ckpt.verify(path)
+        verify_checkpoint(path, self.env)
         # fills fields added since, and resolves the window (checkpoints record it resolved; explicit
         # values of older ones stay as they are, so they resume into the same explicit or 'auto' window)
         saved = job_from_dict(ckpt.read_json(path, "config.json")).resolved().to_dict()
         now = self.job.to_dict()
-        saved["model"]["vocab_size"] = now["model"]["vocab_size"] = 0  # set from the tokenizer
+        if now["model"]["vocab_size"] == 0:  # the tokenizer's size, as the checkpoint's was
+            now["model"]["vocab_size"] = saved["model"]["vocab_size"]
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
         return path
+
+    def _plan_layout(self, resume_from: Path | None) -> BatchLayout:
+        """The global batch over this run's ranks: a fresh run's micro_batch x ranks sequences per
+        microbatch, a resumed run's as its checkpoint records (refused if it does not split over the ranks)."""
+        t, env = self.job.train, self.env
+        global_rows = t.micro_batch * env.world_size
+        if resume_from is not None:
+            state = ckpt.read_json(resume_from, "trainer_state.json")
+            saved = job_from_dict(ckpt.read_json(resume_from, "config.json")).train
+            global_rows = state.get("global_micro_batch", saved.micro_batch * state.get("world_size", 1))
+        layout = BatchLayout(global_rows, t.grad_accum, env.world_size, env.rank, t.micro_batch)
+        if resume_from is not None and env.is_main and (layout.rank_rows, len(layout.forwards())) != (t.micro_batch, 1):
+            print(f"global batch {layout.global_rows} x {layout.grad_accum} sequences: {layout.rank_rows} per rank "
+                  f"per microbatch, in forwards of {'/'.join(str(len(f)) for f in layout.forwards())}", flush=True)
+        return layout
 
     def _build_tokenizer(self) -> Tokenizer:
         d = self.job.data
@@ -218,26 +244,26 @@ class Trainer:
         return data
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def _noise(self, step: int, micro: int, L: int) -> torch.Tensor:
-        """Initial states N(0, 1/d) for this rank's slice of the global microbatch (design §2)."""
-        t, env, d = self.job.train, self.env, self.job.model.d_model
-        seed = int(np.random.SeedSequence([t.seed, step, micro, 0x5EED]).generate_state(1)[0])
-        gen = torch.Generator(device=env.device).manual_seed(seed)
-        z = torch.randn((t.micro_batch * env.world_size, L, d), generator=gen, device=env.device)
-        return z[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch] / math.sqrt(d)
+    def _noise(self, step: int, micro: int, rows: range, L: int) -> torch.Tensor:
+        """Initial states N(0, 1/d) of global rows `rows` of the microbatch (design §2)."""
+        return initial_state_noise(self.job.train.seed, step, micro, rows, L, self.job.model.d_model, self.env.device)
 
-    def _host_batch(self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int) -> Batch:
-        """This rank's slice of a global microbatch, on the host (pinned when feeding a GPU)."""
-        t, env = self.job.train, self.env
-        idx = batch_indices(len(data), step, micro, t.micro_batch * env.world_size, n_micro, seed)
-        batch = data.get_batch(idx[env.rank * t.micro_batch:(env.rank + 1) * t.micro_batch])
-        return Batch(*(x.pin_memory() for x in vars(batch).values())) if env.device.type == "cuda" else batch
+    def _host_batch(self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int) -> list[tuple[range, Batch]]:
+        """This rank's rows of a global microbatch as (global rows, batch) per forward, on the host
+        (pinned when feeding a GPU)."""
+        idx = batch_indices(len(data), step, micro, self.layout.global_rows, n_micro, seed)
+        out = []
+        for rows in self.layout.forwards():
+            batch = data.get_batch(idx[rows.start:rows.stop])
+            out.append((rows, Batch(*(x.pin_memory() for x in vars(batch).values()))
+                        if self.env.device.type == "cuda" else batch))
+        return out
 
-    def _host_step_batches(self, step: int) -> list[Batch]:
+    def _host_step_batches(self, step: int) -> list[list[tuple[range, Batch]]]:
         t = self.job.train
         return [self._host_batch(self.train_data, step, i, t.grad_accum, t.seed) for i in range(t.grad_accum)]
 
-    def _step_batches(self, step: int) -> list[Batch]:
+    def _step_batches(self, step: int) -> list[list[tuple[range, Batch]]]:
         """The step's host batches (assembled ahead on the prefetch thread) and the next step's order."""
         if self._prefetched is not None and self._prefetched[0] == step:
             host = self._prefetched[1].result()
@@ -256,22 +282,23 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         host = self._step_batches(self.step)
-        n_targets = [b.n_targets for b in host]  # counted on the host: no device sync
-        batches = [b.to(env.device, non_blocking=True) for b in host]
+        n_targets = [sum(b.n_targets for _, b in micro) for micro in host]  # counted on the host: no device sync
+        # (microbatch, global rows, batch) of each forward: one per microbatch unless the rank's rows are split
+        forwards = [(i, rows, b.to(env.device, non_blocking=True)) for i, micro in enumerate(host) for rows, b in micro]
         depths = [self.sampler.draw() for _ in range(t.grad_accum)]
         n_global = D.all_reduce_int(sum(n_targets), env)
         scale = env.world_size / max(n_global, 1)  # DDP/FSDP average gradients over ranks
-        ce_sums = []
-        for i, (batch, depth) in enumerate(zip(batches, depths)):
+        ce_sums = [torch.zeros((), dtype=torch.float64, device=env.device) for _ in range(t.grad_accum)]
+        for k, (i, rows, batch) in enumerate(forwards):
             sync = contextlib.nullcontext()
-            if env.distributed and t.parallel == "ddp" and i < t.grad_accum - 1:
+            if env.distributed and t.parallel == "ddp" and k < len(forwards) - 1:
                 sync = self.wrapped.no_sync()
             with sync:
-                state0 = self._noise(self.step, i, batch.inputs.shape[1])
-                ce_sum = microbatch_loss(self.wrapped, batch, depth, self.job.depth.bptt_window, state0,
+                state0 = self._noise(self.step, i, rows, batch.inputs.shape[1])
+                ce_sum = microbatch_loss(self.wrapped, batch, depths[i], self.job.depth.bptt_window, state0,
                                          self._autocast(), self.attention)
                 (ce_sum * scale).backward()
-            ce_sums.append(ce_sum.detach().double())
+            ce_sums[i] = ce_sums[i] + ce_sum.detach().double()
         # (CE sum, targets) per microbatch, summed over ranks: the learned prior's feedback (design §4)
         stats = torch.stack([torch.stack(ce_sums), torch.tensor(n_targets, dtype=torch.float64, device=env.device)], 1)
         stats = D.all_reduce_sum(stats, env).cpu()
@@ -293,14 +320,14 @@ class Trainer:
         depth = depth or max(1, round(self.sampler.mean()))
         ce_sum, n_targets = torch.zeros((), dtype=torch.float64, device=self.env.device), 0
         for i in range(t.eval_batches):
-            host = self._host_batch(self.val_data, 0, i, t.eval_batches, seed=1)
-            n_targets += host.n_targets
-            batch = host.to(self.env.device, non_blocking=True)
-            with self._autocast():
-                out = self.wrapped(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                                   init="seeded", example_ids=batch.example_ids, attention=self.attention)
-            ce_sum += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
-                                      ignore_index=IGNORE_INDEX, reduction="sum").double()
+            for _, host in self._host_batch(self.val_data, 0, i, t.eval_batches, seed=1):
+                n_targets += host.n_targets
+                batch = host.to(self.env.device, non_blocking=True)
+                with self._autocast():
+                    out = self.wrapped(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
+                                       init="seeded", example_ids=batch.example_ids, attention=self.attention)
+                ce_sum += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
+                                          ignore_index=IGNORE_INDEX, reduction="sum").double()
         total = D.all_reduce_sum(torch.stack([ce_sum, torch.tensor(float(n_targets), dtype=torch.float64,
                                                                    device=self.env.device)]), self.env).tolist()
         return float(total[0] / max(total[1], 1))
@@ -312,8 +339,9 @@ class Trainer:
         t, env = self.job.train, self.env
         b = self.job.depth.bptt_window
         depth = min(self.job.depth.cap, (b + 1) if b is not None else 2)
-        batch = self._host_batch(self.train_data, 0, 0, t.grad_accum, t.seed).to(env.device)
-        state0 = self._noise(0, 0, batch.inputs.shape[1])
+        rows, host = self._host_batch(self.train_data, 0, 0, t.grad_accum, t.seed)[0]
+        batch = host.to(env.device)
+        state0 = self._noise(0, 0, rows, batch.inputs.shape[1])
         microbatch_loss(self.wrapped, batch, depth, b, state0, self._autocast(), self.attention).backward()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -351,7 +379,7 @@ class Trainer:
     def fit(self) -> dict:
         t, env = self.job.train, self.env
         end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
-        tokens_per_step = t.micro_batch * env.world_size * t.grad_accum * self.job.data.seq_len
+        tokens_per_step = self.layout.global_batch * self.job.data.seq_len
         if env.is_main:
             print(self.depth_summary(), flush=True)
         bar = None
@@ -369,6 +397,7 @@ class Trainer:
         while self.step < end:
             t0 = time.perf_counter()
             res = self.train_step()
+            self.checkpointer.poll()  # commits an asynchronous checkpoint whose shards are all written
             dt = time.perf_counter() - t0
             self.elapsed += dt
             self.tokens_seen += tokens_per_step
@@ -407,6 +436,7 @@ class Trainer:
                     bar.write(f"step {self.step}: val loss {val:.4f} (ppl {math.exp(min(val, 50)):.3f})")
             if self.step % t.checkpoint_every == 0 or self.step == end:
                 last = self.save()
+        self.checkpointer.wait()
         if bar is not None:
             bar.close()
         if self._prefetcher is not None:
@@ -423,48 +453,24 @@ class Trainer:
         latest = self.ckpt_root / "latest"
         return self.ckpt_root / latest.read_text().strip() if latest.exists() else None
 
-    def _full_state(self) -> tuple[dict, dict]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (get_model_state_dict(self.model, options=opts),
-                get_optimizer_state_dict(self.model, self.optimizer, options=opts))
-
     def save(self) -> Path:
-        """Atomically write a checkpoint of the current step; every rank must call it."""
-        model_sd, optim_sd = self._full_state()
-        target = self.ckpt_root / f"step_{self.step:07d}"
-        if self.env.is_main:
-            tensors, optim_meta = ckpt.flatten_optimizer_state(optim_sd)
-            state = {
-                "step": self.step, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
-                "elapsed_s": self.elapsed, "sampler": self.sampler.state_dict(), "optimizer": optim_meta,
-                "torch_rng": torch.get_rng_state().tolist(), "world_size": self.env.world_size,
-            }
+        """Write a checkpoint of the current step (atomically; see `looplm.train.checkpointing` for the
+        single-file and sharded forms); every rank must call it."""
+        state = {
+            "step": self.step, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
+            "elapsed_s": self.elapsed, "sampler": self.sampler.state_dict(), "world_size": self.env.world_size,
+            "global_micro_batch": self.layout.global_rows,  # the data position is (step, this, grad_accum)
+        }
 
-            def populate(tmp: Path) -> None:
-                ckpt.save_tensors(tmp, "model.safetensors", model_sd)
-                ckpt.save_tensors(tmp, "optimizer.safetensors", tensors)
-                ckpt.write_json(tmp, "trainer_state.json", state)
-                ckpt.write_json(tmp, "config.json", self.job.to_dict())
-                self.tokenizer.save(tmp)
+        def write_files(tmp: Path) -> None:
+            ckpt.write_json(tmp, "config.json", self.job.to_dict())
+            ckpt.write_data_record(tmp, DataRecord.from_job(self.job.to_dict()))
+            self.tokenizer.save(tmp)
 
-            ckpt.save_step(self.ckpt_root, self.step, populate, self.job.train.keep_checkpoints)
-        D.barrier(self.env)
-        return target
+        return self.checkpointer.save(self.step, state, write_files)
 
     def _load(self, path: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-        model_sd = ckpt.load_tensors(path, "model.safetensors")
-        ckpt.check_model_shapes(self.model.state_dict(), model_sd, path)
-        state = ckpt.read_json(path, "trainer_state.json")
-        optim_sd = ckpt.unflatten_optimizer_state(ckpt.load_tensors(path, "optimizer.safetensors"), state["optimizer"])
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_sd, options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
+        state = self.checkpointer.load(path)
         self.sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.flops_seen, self.elapsed = state["flops_seen"], state["elapsed_s"]
-

@@ -1,0 +1,113 @@
+"""The data record of a checkpoint: what its model was trained on, as the commands that read a
+checkpoint need it back.
+
+`looplm eval` and `analyze` score the held-out split of this data, `distill` trains its student on
+it, `rl` and `generate` draw generator tasks like it (or treat it as text). A checkpoint stores the
+record as data.json (`looplm.checkpoint`); a training run's record is read off its job
+(`DataRecord.from_job`), which is also how checkpoints written before data.json are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .sources import DataError
+from .tasks import DEFAULT_TASK_EXAMPLES, Example, TaskConfig, generate_examples
+
+BUILTIN_TEXT = "shakespeare"
+"""The held-out text of a checkpoint that does not say what it was trained on (a converted release):
+the built-in corpus, so `looplm eval` of such a model measures text perplexity."""
+TASKS_SOURCE = "tasks"
+Origin = Literal["trained", "converted"]
+
+
+@dataclass(frozen=True)
+class DataRecord:
+    """Where a checkpoint's training (or held-out) documents come from and how they were cut."""
+
+    source: str = BUILTIN_TEXT
+    """'tasks', a built-in corpus, a text file or folder, a .jsonl, a `looplm tokenize` folder or hf:<name>[:<split>]."""
+    seq_len: int = 256
+    """Tokens per packed row."""
+    holdout: float = 0.05
+    """Fraction of documents held out for validation."""
+    text_field: str = "text"
+    """Field of each JSONL record (or HF dataset row) that holds the text."""
+    cache_dir: str = ".cache/looplm"
+    """Where memory-mapped token caches are written."""
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES
+    """Training examples drawn from the generator (source 'tasks')."""
+    tasks: TaskConfig = field(default_factory=TaskConfig)
+    """Generator tasks and difficulties (source 'tasks')."""
+    seed: int = 0
+    """Seed of the held-out draw and of the generator (the training seed)."""
+    origin: Origin = "trained"
+    """'trained' (the data the model learned from) or 'converted' (a released model: `source` is only
+    the text held out for evaluation, chosen at conversion)."""
+
+    @property
+    def is_tasks(self) -> bool:
+        """Whether the model was trained on the task generator (prompt -> answer lines) rather than text."""
+        return self.source == TASKS_SOURCE
+
+    def with_source(self, source: str | None) -> DataRecord:
+        """This record with another source (`--data`), or itself for None."""
+        return self if source is None else dataclasses.replace(self, source=str(source))
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["tasks"]["kinds"] = list(self.tasks.kinds)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DataRecord:
+        """The record of a data.json; a field it lacks has its default, an unknown one is refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DataError(f"unknown data record fields {unknown}")
+        values = dict(data)
+        if "tasks" in values:
+            values["tasks"] = _task_config(values["tasks"])
+        if values.get("origin", "trained") not in ("trained", "converted"):
+            raise DataError(f"unknown data record origin {values['origin']!r}")
+        return cls(**values)
+
+    @classmethod
+    def from_job(cls, job: dict, origin: Origin = "trained") -> DataRecord:
+        """The record of a training job's dict (`TrainJob.to_dict()`: its data section and training seed)."""
+        try:
+            data, seed = job["data"], job["train"]["seed"]
+            return cls(source=str(data["source"]), seq_len=int(data["seq_len"]), holdout=float(data["holdout"]),
+                       text_field=str(data["text_field"]), cache_dir=str(data["cache_dir"]),
+                       n_task_examples=int(data["n_task_examples"]), tasks=_task_config(data["tasks"]),
+                       seed=int(seed), origin=origin)
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(f"the job does not record its data ({type(err).__name__}: {err})") from None
+
+    # -- reading the data back ---------------------------------------------------------------------
+    def datasets(self, tokenizer, seq_len: int | None = None):
+        """(train, held-out) PackedDatasets of this data, in rows of `seq_len` tokens (default: the record's)."""
+        from .packing import build_datasets
+
+        return build_datasets(self.source, tokenizer, seq_len=seq_len or self.seq_len, holdout=self.holdout,
+                              cache_dir=Path(self.cache_dir), text_field=self.text_field, task_config=self.tasks,
+                              n_task_examples=self.n_task_examples, seed=self.seed)
+
+    def validation(self, tokenizer, seq_len: int | None = None):
+        """The held-out split (a PackedDataset)."""
+        return self.datasets(tokenizer, seq_len)[1]
+
+    def held_out_examples(self, n: int, seed: int) -> list[Example]:
+        """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold."""
+        seen = {ex.prompt for ex in generate_examples(self.tasks, self.n_task_examples, self.seed)}
+        return [ex for ex in generate_examples(self.tasks, n, seed) if ex.prompt not in seen]
+
+
+def _task_config(data) -> TaskConfig:
+    if isinstance(data, TaskConfig):
+        return data
+    return TaskConfig(**{**data, "kinds": tuple(data["kinds"])})

@@ -1,0 +1,124 @@
+"""The data record of a checkpoint (`looplm.data.record`, `looplm.checkpoint.load_data`): what eval,
+analyze, distill and rl read back; checkpoints written before it existed; converted checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _jobs import tiny_job, write_random_run
+from test_convert_ouro import make_ouro
+
+from looplm import checkpoint as ckpt
+from looplm.analyze.report import AnalyzeConfig
+from looplm.cli import main
+from looplm.convert import convert_ouro
+from looplm.data import ByteTokenizer, TaskConfig
+from looplm.data.record import BUILTIN_TEXT, DataRecord
+from looplm.model import LoopedLM
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+CHEAP_EVAL = ["--depths", "1", "--max-sequences", "2", "--sharing-sequences", "0", "--device", "cpu"]
+
+
+def test_record_of_a_training_job(tmp_path):
+    job = tiny_job(tmp_path, data__holdout=0.1, train__seed=3)
+    record = DataRecord.from_job(job.to_dict())
+    d = job.data
+    assert (record.source, record.seq_len, record.holdout, record.text_field, record.cache_dir) == \
+        (d.source, d.seq_len, 0.1, d.text_field, str(d.cache_dir))
+    assert (record.n_task_examples, record.tasks, record.seed, record.origin) == \
+        (d.n_task_examples, d.tasks, 3, "trained")
+    assert DataRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    with pytest.raises(ValueError, match="unknown data record fields"):
+        DataRecord.from_dict({**record.to_dict(), "sorce": "tasks"})
+
+
+def test_checkpoints_store_their_record(tmp_path):
+    run = write_random_run(tmp_path / "run", data__source="shakespeare")
+    path = ckpt.resolve(run)
+    stored = json.loads((path / ckpt.DATA_RECORD).read_text())
+    assert DataRecord.from_dict(stored) == ckpt.load_data(run) == DataRecord.from_job(ckpt.read_json(path, "config.json"))
+    assert ckpt.load_data(run).source == "shakespeare"
+    assert ckpt.DATA_RECORD in ckpt.verify(path)["sha256"]
+
+
+def write_old_checkpoint(folder: Path, job: dict, conversion: dict | None = None) -> Path:
+    """A checkpoint folder in the layout written before data records: weights, config.json (the job),
+    the tokenizer, conversion.json for a converted one, and the manifest; no data.json."""
+    def populate(tmp: Path) -> None:
+        torch.manual_seed(0)
+        ckpt.save_tensors(tmp, "model.safetensors", LoopedLM(ModelFromJob(job)).state_dict())
+        (tmp / "config.json").write_text(json.dumps(job, indent=1, sort_keys=True))
+        if conversion is not None:
+            (tmp / "conversion.json").write_text(json.dumps(conversion))
+        ByteTokenizer().save(tmp)
+
+    return ckpt.write_atomic(folder, populate)
+
+
+def ModelFromJob(job: dict):  # noqa: N802 - reads like the config it builds
+    from looplm.config import ModelConfig
+
+    return ModelConfig.from_dict(job["model"])
+
+
+def old_job(tmp_path: Path, **overrides) -> dict:
+    job = tiny_job(tmp_path, **overrides)
+    job.model.vocab_size = ByteTokenizer().vocab_size
+    return job.to_dict()
+
+
+def test_a_checkpoint_written_before_data_records_still_loads_and_evaluates(tmp_path, capsys):
+    job = old_job(tmp_path)
+    old = write_old_checkpoint(tmp_path / "old", job)
+    assert not (old / ckpt.DATA_RECORD).exists()
+    model, tokenizer, config = ckpt.load_model(old)
+    assert config == job
+    record = ckpt.load_data(old)
+    assert record == DataRecord.from_job(job)
+    assert (record.source, record.tasks) == ("tasks", TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3))
+    assert main(["eval", str(old), *CHEAP_EVAL, "--task-examples", "8"]) == 0
+    report = json.loads((old / "eval.json").read_text())  # a standalone folder keeps its report
+    assert sorted(report["tasks"]) == ["1"]
+
+
+def test_an_old_converted_checkpoint_holds_out_text_not_the_task_generator(tmp_path):
+    """Before data records, `looplm convert` wrote the task generator as the data of every release that was
+    not given --data; reading such a checkpoint gives the built-in text instead. A --data it was given stays."""
+    provenance = {"from": "ouro", "source": "/releases/Ouro-1.4B"}
+    old = write_old_checkpoint(tmp_path / "old", old_job(tmp_path), provenance)
+    record = ckpt.load_data(old)
+    assert (record.source, record.origin) == (BUILTIN_TEXT, "converted")
+    given = write_old_checkpoint(tmp_path / "given", old_job(tmp_path, data__source="/corpora/held.txt"), provenance)
+    assert ckpt.load_data(given).source == "/corpora/held.txt"
+
+
+def test_a_converted_release_is_evaluated_on_text_by_default(tmp_path, monkeypatch, capsys):
+    """`looplm eval` of a converted model scored addition accuracy (0.0% everywhere) unless convert had
+    --data; now it measures text perplexity on the built-in corpus, and --data chooses other data."""
+    monkeypatch.chdir(tmp_path)  # the record's token cache (.cache/looplm) is relative to the working folder
+    out = convert_ouro(make_ouro(tmp_path / "ouro"), tmp_path / "converted")
+    record = ckpt.load_data(out)
+    assert (record.source, record.origin, record.seq_len) == (BUILTIN_TEXT, "converted", 64)
+    assert main(["eval", str(out), *CHEAP_EVAL]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["tasks"] is None
+    assert report["perplexity"]["1"]["tokens"] > 100  # every token of 2 text rows, not just answer digits
+    assert report["perplexity"]["1"]["bits_per_byte"] > 0
+
+    held = tmp_path / "held.jsonl"  # 400 short documents: the held-out split is a few rows
+    held.write_text("".join(json.dumps({"text": f"the recurrent model thinks deeper, take {i}."}) + "\n"
+                            for i in range(400)))
+    assert main(["eval", str(out), *CHEAP_EVAL, "--data", str(held), "--output", str(tmp_path / "held.json")]) == 0
+    on_held = json.loads((tmp_path / "held.json").read_text())["perplexity"]["1"]
+    assert on_held["tokens"] < report["perplexity"]["1"]["tokens"] and on_held["ppl"] != report["perplexity"]["1"]["ppl"]
+    assert main(["analyze", str(out), "--data", str(held), "--horizon", "4", "--kv-depths", "2", "--solve-spans", "0",
+                 "--sharing-sequences", "0", "--no-plots", "--device", "cpu"]) == 0
+    analysis = json.loads((out / "analyze" / "report.json").read_text())
+    val = record.with_source(str(held)).validation(ckpt.load_model(out)[1])  # a row or two of the held text
+    assert len(val) < AnalyzeConfig().sequences < len(record.validation(ckpt.load_model(out)[1]))
+    assert analysis["convergence"]["tokens"] == len(val) * 64

@@ -1,0 +1,39 @@
+"""Training presets: what `looplm train tiny|S|M|L` runs on and in which precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from looplm.cli import main
+from looplm.errors import UserError
+from looplm.train.config import DataConfig, TrainJob, job_preset
+from looplm.train.trainer import Trainer, resolve_dtype
+
+PAPER = ["S", "M", "L"]
+
+
+@pytest.mark.parametrize("preset", PAPER)
+def test_paper_presets_do_not_default_to_the_task_generator(tmp_path, capsys, preset):
+    """`looplm train S` without --data.source stops with a one-line error naming the option (it trained on
+    the synthetic addition task before); the Python API refuses the same job."""
+    assert main(["train", preset, "--train.out-dir", str(tmp_path / "run")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and "--data.source" in err[0], err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="data.source is required"):
+        Trainer(job_preset(preset))
+
+
+def test_a_job_without_a_preset_defaults_to_text():
+    assert DataConfig().source == TrainJob().data.source == job_preset("tiny").data.source == "shakespeare"
+
+
+@pytest.mark.parametrize("preset", ["tiny", *PAPER])
+def test_presets_train_in_bf16_on_cuda_and_fp32_on_cpu(preset):
+    """Every preset leaves the precision to `auto`: bf16 autocast on CUDA, fp32 on any CPU."""
+    precision = job_preset(preset).train.precision
+    assert resolve_dtype(precision, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype(precision, torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16  # asked for explicitly
+    assert resolve_dtype("fp32", torch.device("cuda")) == torch.float32
