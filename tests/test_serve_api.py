@@ -91,16 +91,16 @@ def _greedy_replay(model, prompt: str, depth: int, max_tokens: int, mode: str) -
 
 def assert_logprobs_equal(logprobs, ref: list[torch.Tensor], k: int) -> None:
     """A completion choice's `logprobs` block against the replay: the same tokens, each log-probability
-    to 1e-5, and the top-k keyed by token text (bytes >= 128 all decode to U+FFFD, so a key stands for
-    any token of that text): each value is such a token's log-probability, among the k most likely."""
+    to 1e-5, and the top-k keyed by each token's own spelling (`_spelled`: a byte of a multi-byte
+    character as `bytes:\\xNN`, so no two alternatives share a key), each with its own log-probability."""
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(ref)
     for text, chosen, top, lp in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, ref):
-        assert text == TOK.decode([int(lp.argmax())]) and abs(chosen - float(lp.max())) <= 1e-5
+        assert text == _spelled(int(lp.argmax()))[0] and abs(chosen - float(lp.max())) <= 1e-5
         best = lp.topk(k)
-        texts = [TOK.decode([i]) for i in best.indices.tolist()]
-        assert set(top) == set(texts)
+        want = {_spelled(i)[0]: v for i, v in zip(best.indices.tolist(), best.values.tolist())}
+        assert set(top) == set(want)
         for key, value in top.items():
-            assert any(t == key and abs(value - v) <= 1e-5 for t, v in zip(texts, best.values.tolist())), key
+            assert abs(value - want[key]) <= 1e-5, key
 
 
 def test_openai_client_completions_chat_and_streaming(model):
