@@ -424,8 +424,9 @@ def test_use_cache_returns_the_cache_the_manual_loop_continues(kind, depth):
             out = hf(ids[:, j:j + 1], past_key_values=out.past_key_values)
             steps.append(out.logits)
         alone = hf(ids[:, -1:]).logits  # the last token without its context
-    # logits reach |27| here (scaled weights): 1e-5 relative, as float reduction order allows
-    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-5)
+    # logits reach |27| here (scaled weights, 3 recurrences): errors of float reduction order scale with
+    # the largest logit, so the bound is 1e-5 of it (a step without its context is off by > 0.1)
+    assert (torch.cat(steps, 1) - whole).abs().max() <= 1e-5 * whole.abs().max()
     assert (alone[:, -1] - whole[:, -1]).abs().max() > 0.1  # the context really moves the logits
     assert out.cache.get_seq_length() == ids.shape[1]
 
