@@ -40,7 +40,7 @@ def greedy_decode(model, cache, tok: torch.Tensor, depth: int, n: int) -> float:
     """Seconds for n one-token greedy decode steps against `cache`, starting from `tok` [B, 1]."""
     t = time.perf_counter()
     for _ in range(n):
-        tok = extend(model, tok, cache, depth)[:, -1:].argmax(-1)
+        tok = extend(model, tok, cache, depth).logits[:, -1:].argmax(-1)
     return time.perf_counter() - t
 
 
@@ -83,7 +83,7 @@ def main() -> None:
                         arms[arm].append(n_nocache / dt)
                     continue
                 cache = make_cache(arm, cfg, 1, CTX + n_dec, R)
-                pt = timed(lambda: extend(model, prompt, cache, R))
+                pt = timed(lambda: extend(model, prompt, cache, R).logits)
                 dt = greedy_decode(model, cache, prompt[:, -1:], R, n_dec)
                 if rnd:
                     prefill[arm].append(CTX / pt)
@@ -109,7 +109,7 @@ def main() -> None:
             cache = make_cache(arm, cfg, B, CTX + n_dec, R)
             assert cache.nbytes <= budget
             x = torch.randint(0, 258, (B, CTX))
-            extend(model, x, cache, R)
+            extend(model, x, cache, R).logits
             dt = greedy_decode(model, cache, x[:, -1:], R, n_dec)
             if rnd:
                 serving[arm].append(B * n_dec / dt)

@@ -236,7 +236,7 @@ def assert_full_cache_decodes_like_the_forward(model, prompt: torch.Tensor, dept
     from looplm.infer.extend import extend
 
     cache = make_cache("full", model.cfg, 1, prompt.shape[1] + n_new, depth)
-    logits = extend(model, prompt, cache, depth)[:, -1]
+    logits = extend(model, prompt, cache, depth).logits[:, -1]
     cached, seq = [], prompt
     for _ in range(n_new):
         nxt = logits.argmax(-1)
@@ -245,7 +245,7 @@ def assert_full_cache_decodes_like_the_forward(model, prompt: torch.Tensor, dept
             full = model(seq, depth, **forward).logits[:, -1]  # recompute the whole forward
         torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
         seq = torch.cat([seq, nxt[:, None]], 1)
-        logits = extend(model, nxt[:, None], cache, depth)[:, -1]
+        logits = extend(model, nxt[:, None], cache, depth).logits[:, -1]
     uncached, seq = [], prompt
     for _ in range(n_new):
         with torch.no_grad():

@@ -248,9 +248,9 @@ def test_decoding_with_the_exit_gate_follows_the_source_threshold_rule(tmp_path,
     cache = make_cache(cache_mode, model.cfg, 1, len(prompt) + n_new, STEPS)
     got, used = [], []
     for chunk in [prompt, *([t] for t in ids)][:len(want)]:
-        logits, depth = extend(model, torch.tensor([chunk]), cache, STEPS, exit_gate=q, return_depths=True)
-        got.append(logits[0, -1])
-        used.append(int(depth[0, -1]))
+        step = extend(model, torch.tensor([chunk]), cache, STEPS, exit_gate=q)
+        got.append(step.logits[0, -1])
+        used.append(int(step.depths[0, -1]))
     assert used == exits
     assert (torch.stack(got).double() - torch.stack(want)).abs().max() <= 1e-4
     stats: dict = {}

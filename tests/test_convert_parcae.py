@@ -226,11 +226,11 @@ def test_terminal_cache_decoding_matches_the_source_equations(tmp_path):
 
     cache = make_cache("terminal", model.cfg, 1, P0 + n_new, STEPS)
     kept: dict = {}
-    got = [extend(model, prompt, cache, r_pre)[0, -1]]
+    got = [extend(model, prompt, cache, r_pre).logits[0, -1]]
     want = [reference(w, prompt, state0(0, P0), r_pre, kept)[0, -1]]
     for i in range(n_new - 1):
         nxt = got[-1].argmax().view(1, 1)
-        got.append(extend(model, nxt, cache, r_dec)[0, -1])
+        got.append(extend(model, nxt, cache, r_dec).logits[0, -1])
         want.append(reference(w, nxt, state0(P0 + i, 1), r_dec, kept)[0, -1])
     worst = (torch.stack(got).double() - torch.stack(want)).abs().max().item()
     assert worst <= 1e-4, worst

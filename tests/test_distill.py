@@ -48,7 +48,7 @@ def test_oracle_student_prefill_equals_teacher_prefill_plus_one_recurrence(injec
         z_R = m(x, R, init="seeded", example_ids=ids).endpoint
         native_next = m(x, R + 1, init="seeded", example_ids=ids).logits  # independent: the native forward
     ref_cache = TerminalCache(m.cfg, 2, 32)
-    ref = extend(m, x, ref_cache, R + 1, example_ids=ids)  # teacher prefill at R, then one more recurrence
+    ref = extend(m, x, ref_cache, R + 1, example_ids=ids).logits  # teacher prefill at R, then one more recurrence
     cache = TerminalCache(m.cfg, 2, 32)
     got = student_prefill(m, OracleStudent(z_R), x, cache, example_ids=ids)
     assert cache.length == ref_cache.length == 20
@@ -58,7 +58,7 @@ def test_oracle_student_prefill_equals_teacher_prefill_plus_one_recurrence(injec
         assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
     # decoding is unchanged: the next token reads the same terminal banks either way
     nxt = torch.randint(0, 50, (2, 1))
-    assert (extend(m, nxt, cache, R, example_ids=ids) - extend(m, nxt, ref_cache, R, example_ids=ids)).abs().max() <= 1e-5
+    assert (extend(m, nxt, cache, R, example_ids=ids).logits - extend(m, nxt, ref_cache, R, example_ids=ids).logits).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("injection", ["parcae-nonorm", "parcae-decay", "ortho", "additive"])

@@ -183,9 +183,9 @@ def _terminal_reference_ce(m, data, depth, stepwise):
             extend(m, b.inputs[:, start:first], cache, depth, example_ids=b.example_ids)
         if stepwise:
             for u in range(first, t + 1):
-                logits = extend(m, b.inputs[:, u:u + 1], cache, depth, example_ids=b.example_ids)
+                logits = extend(m, b.inputs[:, u:u + 1], cache, depth, example_ids=b.example_ids).logits
         else:
-            logits = extend(m, b.inputs[:, first:t + 1], cache, depth, example_ids=b.example_ids)
+            logits = extend(m, b.inputs[:, first:t + 1], cache, depth, example_ids=b.example_ids).logits
         total += F.cross_entropy(logits[0, -1], b.targets[0, t]).item()
     return total / len(_SCORED)
 

@@ -184,8 +184,8 @@ def looplm_step_logits(model, prompt: list[int], fed: list[int], mode: str, pref
     prompt prefilled at `prefill`, then each token of `fed` at `depth`."""
     cache = make_cache(mode, model.cfg, 1, len(prompt) + len(fed), max(prefill, depth))
     ids = torch.tensor([example_id])
-    steps = [extend(model, torch.tensor([prompt]), cache, prefill, example_ids=ids)[0, -1]]
-    steps += [extend(model, torch.tensor([[t]]), cache, depth, example_ids=ids)[0, -1] for t in fed]
+    steps = [extend(model, torch.tensor([prompt]), cache, prefill, example_ids=ids).logits[0, -1]]
+    steps += [extend(model, torch.tensor([[t]]), cache, depth, example_ids=ids).logits[0, -1] for t in fed]
     return torch.stack(steps)
 
 

@@ -26,7 +26,7 @@ def test_extend_over_empty_terminal_cache_equals_native_forward(injection):
     x = torch.randint(0, 50, (3, 24))
     with torch.no_grad():
         ref = m(x, 5, init="seeded").logits
-    got = extend(m, x, TerminalCache(m.cfg, 3, 32), 5)
+    got = extend(m, x, TerminalCache(m.cfg, 3, 32), 5).logits
     assert (got - ref).abs().max() <= 1e-5
 
 
@@ -37,8 +37,8 @@ def test_full_cache_incremental_decoding_equals_native_forward(injection):
     with torch.no_grad():
         ref = m(x, 4, init="seeded").logits
     cache = FullCache(m.cfg, 2, 32, depth=4)
-    first = extend(m, x[:, :7], cache, 4)  # prefill a chunk, then one token at a time
-    steps = [extend(m, x[:, i:i + 1], cache, 4) for i in range(7, 20)]
+    first = extend(m, x[:, :7], cache, 4).logits  # prefill a chunk, then one token at a time
+    steps = [extend(m, x[:, i:i + 1], cache, 4).logits for i in range(7, 20)]
     got = torch.cat([first, *steps], dim=1)
     assert (got - ref).abs().max() <= 1e-5
 
@@ -94,7 +94,7 @@ def test_terminal_decoding_matches_naive_reference(injection):
     cfg, R, T = m.cfg, 3, 12
     x = torch.randint(0, 50, (1, T))
     cache = TerminalCache(cfg, 1, 32)
-    got = torch.cat([extend(m, x[:, t:t + 1], cache, R) for t in range(T)], dim=1)[0]
+    got = torch.cat([extend(m, x[:, t:t + 1], cache, R).logits for t in range(T)], dim=1)[0]
     n_layers = cfg.n_prelude + cfg.n_core + cfg.n_coda
     K = [[] for _ in range(n_layers)]
     V = [[] for _ in range(n_layers)]
@@ -155,17 +155,18 @@ def test_adaptive_depth_limits_equal_fixed_depth():
     def run(**kw):
         cache = TerminalCache(m.cfg, 2, 32)
         extend(m, x[:, :9], cache, 5)
-        return extend(m, x[:, 9:], cache, 6, return_depths=True, **kw), cache
+        step = extend(m, x[:, 9:], cache, 6, **kw)
+        return (step.logits, step.depths), cache
 
     (never, used_never), c1 = run(exit_tau=1e-30)
     ref_cache = TerminalCache(m.cfg, 2, 32)
     extend(m, x[:, :9], ref_cache, 5)
-    ref6 = extend(m, x[:, 9:], ref_cache, 6)
+    ref6 = extend(m, x[:, 9:], ref_cache, 6).logits
     assert (used_never == 6).all() and (never - ref6).abs().max() <= 1e-6
     (always, used_always), c2 = run(exit_tau=1e9, min_depth=3)
     ref_cache = TerminalCache(m.cfg, 2, 32)
     extend(m, x[:, :9], ref_cache, 5)
-    ref3 = extend(m, x[:, 9:], ref_cache, 3)
+    ref3 = extend(m, x[:, 9:], ref_cache, 3).logits
     assert (used_always == 3).all() and (always - ref3).abs().max() <= 1e-6
     for a, b in zip(c2.banks(), ref_cache.banks()):  # the kept terminal K/V are those of recurrence 3
         assert torch.equal(a.k[:, :, :10], b.k[:, :, :10]) and torch.equal(a.v[:, :, :10], b.v[:, :, :10])
@@ -178,7 +179,8 @@ def test_adaptive_depth_rows_match_fixed_depth_at_their_own_exit():
     for tau in (0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001):
         cache = TerminalCache(m.cfg, 6, 32)
         extend(m, x[:, :7], cache, 5)
-        logits, used = extend(m, x[:, 7:], cache, 24, exit_tau=tau, min_depth=1, return_depths=True)
+        step = extend(m, x[:, 7:], cache, 24, exit_tau=tau, min_depth=1)
+        logits, used = step.logits, step.depths
         if len(set(used[:, 0].tolist())) > 1:
             break
     assert len(set(used[:, 0].tolist())) > 1, "no threshold separated the rows' exit depths"
@@ -186,7 +188,7 @@ def test_adaptive_depth_rows_match_fixed_depth_at_their_own_exit():
         single = TerminalCache(m.cfg, 1, 32)
         ids = torch.tensor([row])
         extend(m, x[row:row + 1, :7], single, 5, example_ids=ids)
-        ref = extend(m, x[row:row + 1, 7:], single, int(used[row, 0]), example_ids=ids)
+        ref = extend(m, x[row:row + 1, 7:], single, int(used[row, 0]), example_ids=ids).logits
         assert (logits[row] - ref[0]).abs().max() <= 1e-5
 
 
@@ -211,7 +213,7 @@ def test_terminal_chunk_matches_naive_masked_reference(injection):
     cache = TerminalCache(cfg, 1, 32)
     for t in range(P):
         extend(m, x[:, t:t + 1], cache, R)
-    got = extend(m, x[:, P:], cache, R)[0]
+    got = extend(m, x[:, P:], cache, R).logits[0]
     # the prefix's terminal K/V, read back from the cache (their correctness is the test above)
     layers = [*cache.prelude, *cache.core, *cache.coda]
     K = [[b.k[0, :, t] for t in range(P)] for b in layers]
@@ -252,9 +254,9 @@ def test_full_cache_with_other_decode_depth_matches_naive_reference(injection, r
     T = P + n_steps + n_chunk
     x = torch.randint(0, 50, (1, T))
     cache = FullCache(cfg, 1, 32, depth=max(r_pre, r_dec))
-    got = [extend(m, x[:, :P], cache, r_pre)]  # prefill at R_pre
-    got += [extend(m, x[:, t:t + 1], cache, r_dec) for t in range(P, P + n_steps)]  # one-token decodes at R_dec
-    got.append(extend(m, x[:, P + n_steps:], cache, r_dec))  # then a chunk at R_dec
+    got = [extend(m, x[:, :P], cache, r_pre).logits]  # prefill at R_pre
+    got += [extend(m, x[:, t:t + 1], cache, r_dec).logits for t in range(P, P + n_steps)]  # one-token decodes at R_dec
+    got.append(extend(m, x[:, P + n_steps:], cache, r_dec).logits)  # then a chunk at R_dec
     got = torch.cat(got, dim=1)[0]
 
     depth_of = [r_pre] * P + [r_dec] * (T - P)
@@ -334,7 +336,7 @@ def _prefilled(m, mode, lengths, depth=3, cache_depth=4):
     cache = make_cache(mode, m.cfg, len(lengths), 32, cache_depth)
     for b, n in enumerate(lengths):
         extend(m, torch.randint(0, m.cfg.vocab_size, (1, n), generator=g), cache.view(slice(b, b + 1)), depth,
-               example_ids=torch.tensor([b]))
+               example_ids=torch.tensor([b])).logits
     return cache, torch.randint(0, m.cfg.vocab_size, (len(lengths), 1), generator=g)
 
 
@@ -367,7 +369,8 @@ def test_terminal_banks_hold_each_tokens_kv_from_its_own_exit_recurrence(rule):
         kw, depths, taus = dict(depth=torch.tensor([1, 4, 6])), [1, 4, 6], [None] * 3
     else:  # a row with exit_tau 0 never exits: it runs to the step's depth
         kw, depths, taus = dict(depth=8, exit_tau=torch.tensor([0.3, 0.06, 0.0])), [8] * 3, [0.3, 0.06, None]
-    logits, used = extend(m, nxt, view, example_ids=torch.arange(3), return_depths=True, **kw)
+    step = extend(m, nxt, view, example_ids=torch.arange(3), **kw)
+    logits, used = step.logits, step.depths
     with torch.no_grad():
         refs = [_naive_decode(m, int(nxt[b, 0]), lengths[b], b, prefix[b], depths[b], taus[b]) for b in range(3)]
     assert used[:, 0].tolist() == [r[4] for r in refs]
@@ -392,7 +395,7 @@ def test_full_cache_banks_after_a_step_with_per_row_depths():
     visits = [[_stored(cache.core[r], b, n) for r in range(4)] for b, n in enumerate(lengths)]
     view = cache.view(slice(0, 3), max_len=max(lengths) + 1, length=torch.tensor(lengths))
     depths = [1, 4, 2]
-    logits = extend(m, nxt, view, torch.tensor(depths), example_ids=torch.arange(3))
+    logits = extend(m, nxt, view, torch.tensor(depths), example_ids=torch.arange(3)).logits
     for b, depth in enumerate(depths):
         pos = lengths[b]
         with torch.no_grad():  # recurrence r reads the prefix's visit-r bank

@@ -52,9 +52,9 @@ def test_batched_prompts_of_different_lengths_equal_one_by_one(model, mode):
 
 def test_left_padding_does_not_change_logits(model):
     ids = torch.tensor([TOK.encode("abcdef")])
-    alone = extend(model, ids, make_cache("terminal", model.cfg, 1, 16, 3), 3)
+    alone = extend(model, ids, make_cache("terminal", model.cfg, 1, 16, 3), 3).logits
     padded = torch.cat([torch.full((1, 4), TOK.pad_id), ids], dim=1)
-    got = extend(model, padded, make_cache("terminal", model.cfg, 1, 16, 3), 3, pad=torch.tensor([4]))
+    got = extend(model, padded, make_cache("terminal", model.cfg, 1, 16, 3), 3, pad=torch.tensor([4])).logits
     assert (got[:, 4:] - alone).abs().max() <= 1e-5
 
 

@@ -61,10 +61,9 @@ def test_endpoints_at_depth_match_an_unbatched_terminal_replay(model):
         cache = make_cache("terminal", model.cfg, 1, 48, R)
         ids = torch.tensor([40 + i])
         with torch.no_grad():
-            _, z = extend(model, torch.tensor([prompt]), cache, R, example_ids=ids, return_endpoint=True)
-            zs = [z[0]]
+            zs = [extend(model, torch.tensor([prompt]), cache, R, example_ids=ids).endpoint[0]]
             for t in ro.completions[i][:-1]:
-                zs.append(extend(model, torch.tensor([[t]]), cache, R, example_ids=ids, return_endpoint=True)[1][0])
+                zs.append(extend(model, torch.tensor([[t]]), cache, R, example_ids=ids).endpoint[0])
         torch.testing.assert_close(ro.states.endpoints[i, :P + T - 1], torch.cat(zs), rtol=1e-5, atol=1e-5)
 
 

@@ -77,7 +77,7 @@ def _greedy_replay(model, prompt: str, depth: int, max_tokens: int, mode: str) -
     decode at `depth`), up to `max_tokens` tokens or an end of text (which is not a token of the reply)."""
     ids = TOK.encode(prompt)
     cache = make_cache(mode, model.cfg, 1, len(ids) + max_tokens, depth)
-    logits = extend(model, torch.tensor([ids]), cache, depth)[0, -1]
+    logits = extend(model, torch.tensor([ids]), cache, depth).logits[0, -1]
     steps = []
     while True:
         lp = logits.log_softmax(-1)
@@ -86,7 +86,7 @@ def _greedy_replay(model, prompt: str, depth: int, max_tokens: int, mode: str) -
         steps.append(lp)
         if len(steps) == max_tokens:
             return steps
-        logits = extend(model, lp.argmax().view(1, 1), cache, depth)[0, -1]
+        logits = extend(model, lp.argmax().view(1, 1), cache, depth).logits[0, -1]
 
 
 def assert_logprobs_equal(logprobs, ref: list[torch.Tensor], k: int) -> None:

@@ -46,13 +46,12 @@ def replay(model, req: Request, ids: list[int], mode: str, cache_depth: int) -> 
     cache = make_cache(mode, model.cfg, 1, len(req.prompt_ids) + len(ids), cache_depth)
     example = torch.tensor([req.example_id])
     prefill = req.prefill_depth or req.depth
-    logits = extend(model, torch.tensor([req.prompt_ids]), cache, prefill, example_ids=example)[0, -1]
+    logits = extend(model, torch.tensor([req.prompt_ids]), cache, prefill, example_ids=example).logits[0, -1]
     out = [(logits.log_softmax(-1), prefill)]
     kw = {} if req.exit_tau is None else dict(exit_tau=req.exit_tau, min_depth=req.min_depth)
     for t in ids[:-1]:
-        logits, used = extend(model, torch.tensor([[t]]), cache, req.depth, example_ids=example, return_depths=True,
-                              **kw)
-        out.append((logits[0, -1].log_softmax(-1), int(used)))
+        step = extend(model, torch.tensor([[t]]), cache, req.depth, example_ids=example, **kw)
+        out.append((step.logits[0, -1].log_softmax(-1), int(step.depths)))
     return out
 
 

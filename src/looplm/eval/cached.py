@@ -104,13 +104,13 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
                     logits.append(out[:, scored - fed:])
             if end > fed and stepwise:
                 for t in range(fed, end):
-                    lg, used = extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
-                                      exit_tau=exit_tau, min_depth=min_depth, return_depths=True)
-                    logits.append(lg)
-                    depth_sum += int(used.sum())
+                    step = extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
+                                  exit_tau=exit_tau, min_depth=min_depth)
+                    logits.append(step.logits)
+                    depth_sum += int(step.depths.sum())
                     n_dec += 1
             elif end > fed:
-                logits.append(extend(model, b.inputs[:, fed:end], cache, depth, example_ids=b.example_ids))
+                logits.append(extend(model, b.inputs[:, fed:end], cache, depth, example_ids=b.example_ids).logits)
             logits = torch.cat(logits, dim=1)
             total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                                      reduction="sum").item()

@@ -81,14 +81,14 @@ def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: 
     dtype = next(model.parameters()).dtype
     cache = make_cache(cache_mode, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
     ids = torch.tensor([example_id], device=device)
-    logits = extend(model, torch.tensor([ctx_ids], device=device), cache, prefill_depth, example_ids=ids)[0, -1]
+    logits = extend(model, torch.tensor([ctx_ids], device=device), cache, prefill_depth, example_ids=ids).logits[0, -1]
     total, greedy = 0.0, True
     for t, tok in enumerate(target):
         logp = torch.log_softmax(logits.double(), -1)
         total += float(logp[tok])
         greedy &= int(logits.argmax()) == tok
         if t + 1 < len(target):
-            logits = extend(model, torch.tensor([[tok]], device=device), cache, depth, example_ids=ids)[0, -1]
+            logits = extend(model, torch.tensor([[tok]], device=device), cache, depth, example_ids=ids).logits[0, -1]
     return total, greedy
 
 

@@ -1,7 +1,8 @@
-"""One `extend` path for prefill, parallel scoring and one-token decoding (design §7).
+"""`extend`: prefill, parallel scoring and one-token decoding through the model's cached forward (design §7).
 
 A chunk of n new tokens at positions c..c+n-1 runs the prelude, the recurrence and the coda
-against a cache of the c earlier tokens, writes its own K/V into the cache and returns logits.
+against a cache of the c earlier tokens, writes its own K/V into the cache and returns the
+model's `LoopOutput` (logits, depths used, endpoint). A thin layer: the forward is `LoopedLM`'s.
 """
 
 from __future__ import annotations
@@ -12,28 +13,29 @@ import torch
 
 from looplm.infer.cache import KVCache
 from looplm.model.exits import DepthPlan
+from looplm.model.looped import LoopOutput
 
 
 @torch.no_grad()
 def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: torch.Tensor | None = None,
            seed: int = 0, pad: torch.Tensor | None = None, exit_tau=None, min_depth=1,
-           return_depths: bool = False, return_endpoint: bool = False, initial: Callable | None = None,
-           exit_gate: float | None = None):
-    """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences.
+           initial: Callable | None = None, exit_gate: float | None = None) -> LoopOutput:
+    """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences, without
+    autograd: `LoopedLM.forward` with the cache, a `DepthPlan` and the seeded initial state.
 
-    Returns fp32 logits [B, n, V]; the cache grows by n. The initial state is seeded by
-    (example id, absolute position), as in the native forward with init="seeded". `pad` [B]
-    counts left-padding tokens at the start of each row (batched prompts of different lengths):
-    no token attends to them and positions start at 0 at each row's first real token.
+    Returns the model's `LoopOutput`: fp32 `logits` [B, n, V], `depths` [B, n] (the recurrences each
+    token used) and `endpoint` [B, n, d] (the state that entered the coda; RL rollout-state reuse
+    saves it, design §10); the cache grows by n. The initial state is seeded by (example id,
+    absolute position), as in the native forward with init="seeded". `pad` [B] counts left-padding
+    tokens at the start of each row (batched prompts of different lengths): no token attends to them
+    and positions start at 0 at each row's first real token.
 
     Adaptive depth (design §13, beyond the paper): with `exit_tau`, `depth` is the largest depth and a
     token stops recurring once r >= `min_depth` and its relative state change
     |s^r - s^(r-1)| / |s^(r-1)| < exit_tau; its state is frozen and the K/V of its last recurrence
-    become its terminal K/V. Exact per token for one-token decoding; inside a longer chunk,
-    tokens that are still recurring read a stopped token's K/V recomputed from its frozen state.
-    `return_depths` also returns the depth each token used, [B, n]. `return_endpoint` also returns
-    each token's endpoint z^R, the state that entered the coda, [B, n, d] (last in the tuple; RL
-    rollout-state reuse saves it, design §10).
+    become its terminal K/V. Exact per token for one-token decoding (rows that stopped leave the
+    step's remaining recurrences); inside a longer chunk, tokens that are still recurring read a
+    stopped token's K/V recomputed from its frozen state.
 
     Continuous batching (`looplm.serve`): `depth`, `exit_tau` and `min_depth` may be per-row tensors
     [B] (a row's `exit_tau` of 0 never exits; its rows stop at their own depth, frozen like an exit),
@@ -46,14 +48,13 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
 
     `exit_gate` q (a model with `cfg.exit_gate`, design §14; Ouro's threshold exit): every `depth`
     recurrence runs and writes its K/V, and each token's coda and logits read the state of the first
-    recurrence whose cumulative exit probability reaches q (else the last); `return_depths` then
-    gives that recurrence.
+    recurrence whose cumulative exit probability reaches q (else the last); `depths` then gives that
+    recurrence.
     """
     if tokens.shape[0] != cache.batch:
         raise ValueError(f"batch {tokens.shape[0]} does not match the cache's batch {cache.batch}")
     if initial is not None and (isinstance(cache.length, torch.Tensor) or cache.length > 0):
         raise ValueError(f"a student-predicted initial state needs an empty cache, this one holds {cache.length} tokens")
     plan = DepthPlan(depth, exit_tau, min_depth, exit_gate)
-    out = model(tokens, plan, cache=cache, pad=pad, init="seeded", initial=initial, example_ids=example_ids, seed=seed)
-    result = (out.logits,) + ((out.depths,) if return_depths else ()) + ((out.endpoint,) if return_endpoint else ())
-    return result if len(result) > 1 else out.logits
+    return model(tokens, plan, cache=cache, pad=pad, init="seeded", initial=initial, example_ids=example_ids,
+                 seed=seed)

@@ -36,12 +36,13 @@ def student_prefill(model, student: nn.Module, tokens: torch.Tensor, cache: KVCa
     teacher recurrence from its prediction writes the core's terminal banks."""
     if cache.mode != "terminal":
         raise UserError("distilled prefill writes terminal banks; use the terminal cache")
-    return extend(model, tokens, cache, 1, example_ids=example_ids, seed=seed, pad=pad, initial=student, **kw)
+    return extend(model, tokens, cache, 1, example_ids=example_ids, seed=seed, pad=pad, initial=student, **kw).logits
 
 
 @dataclass(frozen=True)
 class Prefill:
-    """One prefill arm, callable like `extend` on an empty cache: `prefill(model, tokens, cache, depth, ...)`.
+    """One prefill arm, called like `extend` on an empty cache: `prefill(model, tokens, cache, depth, ...)`
+    returns the prompt's fp32 logits [B, n, V].
 
     `depth` is the teacher's prefill depth R_pre, used by the `teacher` arm; `student` (an
     `EndpointStudent` distilled from this model) is needed by the `student` arm."""
@@ -67,4 +68,4 @@ class Prefill:
     def __call__(self, model, tokens: torch.Tensor, cache: KVCache, depth: int, **kw) -> torch.Tensor:
         if self.arm == "student":
             return student_prefill(model, self.student, tokens, cache, **kw)
-        return extend(model, tokens, cache, self.teacher_depth(depth), **kw)
+        return extend(model, tokens, cache, self.teacher_depth(depth), **kw).logits

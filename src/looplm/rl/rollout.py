@@ -146,8 +146,8 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     ids_arg = first_example_id + torch.arange(N, device=device)
     cache = make_cache("terminal", model.cfg, N, P + max_new_tokens - 1, depth, device=device,
                        dtype=next(model.parameters()).dtype)
-    logits, z_prompt = extend(model, left, cache, depth, example_ids=ids_arg, pad=pad, return_endpoint=True)
-    logits = logits[:, -1]
+    out = extend(model, left, cache, depth, example_ids=ids_arg, pad=pad)
+    logits, z_prompt = out.logits[:, -1], out.endpoint
     if isinstance(seed, int):
         gens = [torch.Generator(device=device).manual_seed(seed)]
     else:
@@ -174,9 +174,9 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
                 done[i] = ended[i] = True
         if all(done) or step + 1 == max_new_tokens:
             break
-        logits, z = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad, return_endpoint=True)
-        logits = logits[:, -1]
-        fed_z.append(z[:, 0])
+        out = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad)
+        logits = out.logits[:, -1]
+        fed_z.append(out.endpoint[:, 0])
 
     # the scoring layout: real tokens first, positions 0.. (the same seeds as in decoding)
     completions = [[chosen[j][i] for j in range(lengths[i])] for i in range(N)]
