@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _jobs import tiny_job
 
 pytest.importorskip("transformers")
 pytest.importorskip("pydantic")
@@ -26,8 +27,10 @@ CONVERSATIONS = [
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_exported_chat_template_equals_the_served_rendering(tmp_path, messages):
-    model = LoopedLM(ModelConfig(d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32))
-    ckpt.save_model(tmp_path / "ckpt", model, {"model": model.cfg.to_dict()}, ByteTokenizer())
+    job = tiny_job(tmp_path)
+    job.model = ModelConfig(vocab_size=ByteTokenizer().vocab_size, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                            max_seq_len=32)
+    ckpt.save_model(tmp_path / "ckpt", LoopedLM(job.model), job.to_dict(), ByteTokenizer())
     export(tmp_path / "ckpt", tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
