@@ -39,6 +39,15 @@ def train_job(root: Path, device: str, tiny: bool) -> TrainJob:
     return job
 
 
+def fit(trainer) -> dict | None:
+    """Train, end the process group (reports run on rank 0 alone), and return the summary on rank 0."""
+    try:
+        summary = trainer.fit()
+    finally:
+        D.shutdown(trainer.env)
+    return summary if trainer.env.is_main else None
+
+
 def run_train(root: Path, device: str, tiny: bool) -> None:
     from looplm.checkpoint import load_model
     from looplm.eval.report import depth_report, format_report, write_report
@@ -47,9 +56,8 @@ def run_train(root: Path, device: str, tiny: bool) -> None:
     job = train_job(root, device, tiny)
     start = time.time()
     trainer = Trainer(job)
-    summary = trainer.fit()
-    D.shutdown(trainer.env)
-    if not trainer.env.is_main:
+    summary = fit(trainer)
+    if summary is None:
         return
     print(f"trained {summary['step']} steps, {summary['tokens']:,} tokens in {time.time() - start:.0f} s", flush=True)
     model, tokenizer, config = load_model(Path(summary["checkpoint"]), trainer.env.device)
@@ -67,11 +75,8 @@ def run_distill(root: Path, device: str, tiny: bool) -> None:
     cfg = DistillConfig(steps=4, micro_batch=4, calibration_rows=8, val_rows=8, val_every=2, report_rows=8,
                         report_examples=8, out_dir=root / "distill", device=device, progress=False)
     trainer = DistillTrainer(root / "train", cfg)
-    try:
-        summary = trainer.fit()
-    finally:
-        D.shutdown(trainer.env)
-    if not trainer.env.is_main:
+    summary = fit(trainer)
+    if summary is None:
         return
     trainer.student.eval()
     arms = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.job, trainer.val_data, trainer.student,
@@ -85,12 +90,8 @@ def run_rl(root: Path, device: str, tiny: bool) -> None:
 
     cfg = RLConfig(steps=2, prompts_per_step=4, group_size=2, eval_every=2, eval_examples=8, eval_samples=1,
                    out_dir=root / "rl", device=device, progress=False)
-    trainer = RLTrainer(root / "train", cfg)
-    try:
-        summary = trainer.fit()
-    finally:
-        D.shutdown(trainer.env)
-    if trainer.env.is_main:
+    summary = fit(RLTrainer(root / "train", cfg))
+    if summary is not None:
         print(f"{summary['step']} RL steps in {summary['elapsed_s']:.0f} s", flush=True)
 
 

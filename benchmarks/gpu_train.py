@@ -12,7 +12,8 @@ short keeps what it measured; each torchrun job's output goes to `<out>/gpu_trai
 (with --tiny the names start gpu_train_tiny). In order, most important first:
 
 1. the CUDA FlexAttention gradient check (flex vs boolean-mask SDPA gradients of a small model, with
-   training's kernel options; the CPU dry run compares logits: torch's flex has no CPU backward);
+   training's kernel options; the CPU dry run compares logits: torch's flex has no CPU backward), then
+   the chunked head + cross-entropy against full logits (loss and gradients, training's shapes);
 2. the bf16 dense matmul peak (8192^3, CUDA events, windows of >= 0.25 s: best and median) and the
    datasheet peak;
 3. training steps at fixed R = 5 (full BPTT, bf16 autocast, fused AdamW; the model built on the GPU),
@@ -315,6 +316,35 @@ def flex_check(device, flex_options: dict) -> dict:
             "ok": errs[worst] < 1e-3, "kernel_options": flex_options}
 
 
+def ce_check(device, tiny: bool) -> dict:
+    """The chunked head + cross-entropy (on CUDA its chunk math compiled) against full logits +
+    F.cross_entropy: the loss and the gradients of the head input and weight, under bf16 autocast on a
+    GPU (the training shapes: V = 64256, chunks of 4096 rows), fp32 in the dry run."""
+    from looplm.model.cross_entropy import linear_cross_entropy
+
+    V, d, N, chunk = (512, 64, 300, 128) if tiny else (64256, 256, 8192, 4096)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, d, generator=g).to(device).requires_grad_()
+    w = (torch.randn(V, d, generator=g) / d**0.5).to(device).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::7] = -100
+    t = t.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with autocast:
+        full = F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100, reduction="sum")
+    want = torch.autograd.grad(full, (h, w))
+    with autocast:
+        chunked = linear_cross_entropy(h, w, t, chunk_rows=chunk)
+    got = torch.autograd.grad(chunked, (h, w))
+    errs = {"loss": float((chunked - full).abs() / full.abs())}
+    for name, a, b in zip(("grad_h", "grad_w"), got, want):
+        errs[name] = float((a - b).abs().max() / b.abs().max())
+    bounds = {"loss": 1e-5, "grad_h": 1e-5, "grad_w": 1e-5} if device.type != "cuda" else \
+        {"loss": 1e-4, "grad_h": 1e-2, "grad_w": 2e-2}  # bf16 matmuls: per-chunk rounding of the weight gradient
+    return {"check": "chunked_ce_vs_full", "rel_err": errs, "bounds": bounds,
+            "ok": all(errs[k] < bounds[k] for k in errs)}
+
+
 # -- 4. one-rank torchrun jobs -------------------------------------------------------------------
 def run_logged(cmd: list[str], timeout: float, log: Path, env: dict) -> int | str:
     """Run `cmd` in its own process group with output to `log`; on timeout end the whole group (torchrun
@@ -437,9 +467,14 @@ def main() -> None:
     except Exception as err:  # recorded; the rest still runs
         rec.row("checks", {"check": "flex_vs_sdpa", "error": f"{type(err).__name__}: {str(err)[:500]}"})
 
+    try:
+        rec.row("checks", {**ce_check(device, args.tiny), "s": round(deadline.elapsed(), 1)})
+    except Exception as err:
+        rec.row("checks", {"check": "chunked_ce_vs_full", "error": f"{type(err).__name__}: {str(err)[:500]}"})
+
     # 2. peaks
     if args.tiny:
-        peak = measure_matmul_peak(device, dtype, n=256, window_s=0.02, windows=3)
+        peak = measure_matmul_peak(device, dtype, n=1024, window_s=0.1, windows=3)
     else:
         peak = measure_matmul_peak(device, dtype)
     sheet = datasheet_peak(res["device"], dtype) if device.type == "cuda" else None

@@ -51,7 +51,8 @@ def test_gpu_train_dry_run_without_tyro(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     res = json.loads((out / "gpu_train_tiny.json").read_text())
     assert res["finished"] and res["modules"]["tyro"].startswith("not importable")
-    assert [c["check"] for c in res["checks"]] == ["flex_vs_sdpa"] and res["checks"][0]["ok"]
+    assert [c["check"] for c in res["checks"]] == ["flex_vs_sdpa", "chunked_ce_vs_full"]
+    assert all(c["ok"] for c in res["checks"]), res["checks"]
     assert res["peak"]["best"] >= res["peak"]["median"] > 0
     rows = res["rows"]
     assert len(rows) == 13
@@ -75,7 +76,7 @@ def test_gpu_train_dry_run_without_tyro(tmp_path):
     # every row also went to the JSONL and the log as it was measured
     lines = [json.loads(line) for line in (out / "gpu_train_tiny.jsonl").read_text().splitlines()]
     assert [x for x in lines if x.pop("section") == "rows"] == rows
-    assert len(lines) == 1 + 13 + 3
+    assert len(lines) == 2 + 13 + 3
     log = (out / "gpu_train_tiny.log").read_text()
     assert log.count("rows: ") == 13 and "torchrun_one_rank: " in log
     assert (out / "gpu_train_tiny_torchrun_train.log").read_text().count("process group: gloo") == 1

@@ -116,3 +116,22 @@ def test_trainer_chunked_loss_trains_like_the_full_one(tmp_path, cache):
         for key in ("loss", "grad_norm", "val_loss"):
             if key in ref:
                 assert got[key] == pytest.approx(ref[key], rel=1e-5), (ref["step"], key)
+
+
+def test_chunk_ce_traces_whole_for_cuda_compile():
+    """On CUDA the chunk's elementwise work runs compiled (fullgraph): it must trace without a graph break,
+    and its loss and logit gradient are softmax - onehot against F.cross_entropy's autograd."""
+    from looplm.model.cross_entropy import chunk_ce
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(9, 30, generator=g, requires_grad=True)
+    t = torch.randint(0, 30, (9,), generator=g)
+    t[4] = -100
+    want = F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
+    (want_g,) = torch.autograd.grad(want, logits)
+    compiled = torch.compile(chunk_ce, dynamic=False, fullgraph=True, backend="aot_eager")
+    for fn in (chunk_ce, compiled):
+        loss, grad = fn(logits.detach(), t, -100, torch.float32)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, want_g, rtol=1e-6, atol=1e-7)
+    assert fn(logits.detach(), t, -100, None)[1] is None

@@ -22,10 +22,41 @@ def _matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(h.dtype, weight.dtype)
 
 
+def chunk_ce(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, grad_dtype: torch.dtype | None):
+    """(sum of CE over the supervised rows, d(sum)/d logits in `grad_dtype` or None) of one chunk's
+    logits [c, V] in fp32: softmax - onehot(target), zero on ignored rows."""
+    lf = logits.float()
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    lse = torch.logsumexp(lf, -1)
+    picked = lf.gather(1, safe[:, None])[:, 0]
+    total = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    if grad_dtype is None:
+        return total, None
+    onehot = torch.arange(lf.shape[1], device=lf.device) == safe[:, None]
+    g = (torch.exp(lf - lse[:, None]) - onehot.float()) * valid[:, None]
+    return total, g.to(grad_dtype)
+
+
+_compiled_chunk_ce = None
+
+
+def _chunk_ce_for(device: torch.device):
+    """On CUDA the chunk's elementwise work compiled into a few fused kernels (eager it makes about six
+    fp32 passes over [c, V]); elsewhere eager."""
+    global _compiled_chunk_ce
+    if device.type != "cuda":
+        return chunk_ce
+    if _compiled_chunk_ce is None:
+        _compiled_chunk_ce = torch.compile(chunk_ce, dynamic=False, fullgraph=True)
+    return _compiled_chunk_ce
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, ignore_index: int, chunk_rows: int, want_grad: bool):
         dtype = _matmul_dtype(h, weight)
+        ce = _chunk_ce_for(h.device)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dtype)
             total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -34,19 +65,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if want_grad and ctx.needs_input_grad[1] else None
             for start in range(0, h.shape[0], chunk_rows):
                 hc = h[start:start + chunk_rows].to(dtype)
-                tc = targets[start:start + chunk_rows]
-                logits = (hc @ w.t()).float()  # [chunk, V], as head(h).float() gives them
-                valid = tc != ignore_index
-                safe = torch.where(valid, tc, torch.zeros_like(tc))
-                lse = torch.logsumexp(logits, -1)
-                picked = logits.gather(1, safe[:, None])[:, 0]
-                total += torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-                if grad_h is None and grad_w is None:
-                    continue
-                # d(sum CE)/d logits = softmax - onehot(target), zero on ignored rows
-                g = torch.exp(logits - lse[:, None])
-                g.scatter_add_(1, safe[:, None], -torch.ones_like(g[:, :1]))
-                g = (g * valid[:, None]).to(dtype)
+                # [chunk, V] logits of the head's matmul in its dtype, as head(h) gives them
+                loss, g = ce(hc @ w.t(), targets[start:start + chunk_rows], ignore_index,
+                             dtype if grad_h is not None or grad_w is not None else None)
+                total += loss
                 if grad_h is not None:
                     grad_h[start:start + chunk_rows] = (g @ w).to(h.dtype)
                 if grad_w is not None:
