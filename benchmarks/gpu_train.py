@@ -529,13 +529,12 @@ def main() -> None:
         except Exception as err:  # recorded; the other rows still run
             row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
         row["s"] = round(deadline.elapsed(), 1)
+        res["summary"] = summarize([*res.get("rows", []), row])  # kept current, in case the run is cut short
         rec.row("rows", row)
         step = keep = None  # free this row's model and optimizer before the next one is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    res["summary"] = summarize(res.get("rows", []))
-    rec.log("summary: " + json.dumps(res["summary"]))
-    rec.save()
+    rec.log("summary: " + json.dumps(res.get("summary")))
 
     # 4. the real trainers on a process group
     if not args.skip_torchrun:

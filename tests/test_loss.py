@@ -87,7 +87,7 @@ def test_loss_kind_and_kernel_options():
 
     assert loss_kind(TrainConfig(), torch.device("cpu")) == "full"  # CPU runs keep their recorded losses
     assert loss_kind(TrainConfig(), torch.device("cuda")) == "chunked"
-    assert loss_kind(TrainConfig(loss="chunked"), torch.device("cpu")) == "chunked"
+    assert loss_kind(TrainConfig(cross_entropy="chunked"), torch.device("cpu")) == "chunked"
     assert parse_kernel_options(("fwd_BLOCK_M=128", "PRESCALE_QK=false", "bwd_BLOCK_N1 = 64")) == \
         {"fwd_BLOCK_M": 128, "PRESCALE_QK": False, "bwd_BLOCK_N1": 64}
     for bad in ("BLOCK_M", "BLOCK_M=big", "=4"):
@@ -105,7 +105,7 @@ def test_trainer_chunked_loss_trains_like_the_full_one(tmp_path, cache):
     norms and validation loss of full logits within fp32 rounding."""
     runs = {}
     for kind in ("full", "chunked"):
-        trainer = Trainer(tiny_job(tmp_path, kind, cache=cache, train__steps=3, train__loss=kind,
+        trainer = Trainer(tiny_job(tmp_path, kind, cache=cache, train__steps=3, train__cross_entropy=kind,
                                    train__eval_every=3, train__eval_batches=2))
         assert trainer.loss_kind == kind
         trainer.fit()

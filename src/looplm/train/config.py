@@ -80,7 +80,7 @@ class TrainConfig:
     flex_kernel_options: tuple[str, ...] = ()
     """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
     bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is always set."""
-    loss: Literal["auto", "full", "chunked"] = "auto"
+    cross_entropy: Literal["auto", "full", "chunked"] = "auto"
     """Next-token cross-entropy: full (fp32 logits of the whole microbatch), chunked (head matmul + CE in row
     chunks, never holding [B, L, V] fp32 logits; same values within fp32 rounding); auto: chunked on CUDA."""
     activation_checkpointing: Literal["none", "block"] = "none"

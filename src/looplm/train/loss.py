@@ -17,10 +17,11 @@ from looplm.train.config import TrainConfig
 
 
 def loss_kind(t: TrainConfig, device: torch.device) -> str:
-    """'chunked' or 'full' for `t.loss` on `device` (auto: chunked on CUDA)."""
-    if t.loss not in ("auto", "full", "chunked"):
-        raise ValueError(f"unknown loss {t.loss!r}; choose auto, full or chunked")
-    return t.loss if t.loss != "auto" else ("chunked" if device.type == "cuda" else "full")
+    """'chunked' or 'full' for `t.cross_entropy` on `device` (auto: chunked on CUDA)."""
+    kind = t.cross_entropy
+    if kind not in ("auto", "full", "chunked"):
+        raise ValueError(f"unknown cross_entropy {kind!r}; choose auto, full or chunked")
+    return kind if kind != "auto" else ("chunked" if device.type == "cuda" else "full")
 
 
 def parse_kernel_options(items: tuple[str, ...]) -> dict:

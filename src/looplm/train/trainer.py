@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = {
     "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
-    "train.prefetch", "train.flex_kernel_options", "train.loss",
+    "train.prefetch", "train.flex_kernel_options", "train.cross_entropy",
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
