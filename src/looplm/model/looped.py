@@ -14,6 +14,7 @@ from torch import nn
 
 from looplm.config import ModelConfig
 from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
+from looplm.model.cross_entropy import linear_cross_entropy
 from looplm.model.exit_gate import ExitGate
 from looplm.model.injection import build_injection
 from looplm.model.state import StateInit, initial_state
@@ -27,6 +28,8 @@ class LoopOutput:
     """z^R: the state that entered the coda, [B, L, d]."""
     states: list[torch.Tensor] | None = None
     """Per-recurrence states s^1..s^R (after the exit norm), when `return_states=True`."""
+    ce_sum: torch.Tensor | None = None
+    """fp32 sum of next-token cross-entropy over the supervised `targets` (when given; then no logits)."""
 
 
 def value_kw(rows: list | None, i: int) -> dict:
@@ -152,9 +155,16 @@ class LoopedLM(nn.Module):
         s = self.injection(s, ctx.injected)
         kvs = []
         for i, block in enumerate(self.core):
-            out = block(s, ctx.rope, ctx.mask, ctx.qkv_offsets[i] if ctx.qkv_offsets else None,
-                        kv_buffers[i] if kv_buffers else None, return_kv,
-                        **value_kw(ctx.core_values, i))
+            # block(x, rope, mask, **keywords a feature needs): the prelude, every core visit and the coda
+            # call a block with one signature, so a compiled block keeps one graph for all of them
+            kw = value_kw(ctx.core_values, i)
+            if ctx.qkv_offsets:
+                kw["qkv_offsets"] = ctx.qkv_offsets[i]
+            if kv_buffers:
+                kw["kv_buffer"] = kv_buffers[i]
+            if return_kv:
+                kw["return_kv"] = True
+            out = block(s, ctx.rope, ctx.mask, **kw)
             s, kv = out if return_kv else (out, None)
             kvs.append(kv)
         s = self.injection.exit(s)
@@ -173,11 +183,20 @@ class LoopedLM(nn.Module):
     def run_coda(self, z: torch.Tensor, rope, mask, ctx: Context | None = None) -> torch.Tensor:
         """Logits of the endpoint z; `ctx` (the forward's Context) carries the coda's value embeddings
         and is required for a model that has them."""
+        return self.logits(self.coda_output(z, rope, mask, ctx))
+
+    def coda_output(self, z: torch.Tensor, rope, mask, ctx: Context | None = None) -> torch.Tensor:
+        """h: the coda's output for the endpoint z, what `logits` maps to the vocabulary."""
         values = self.coda_values(ctx)
         z = self.coda_input(z)
         for i, block in enumerate(self.coda):
             z = block(z, rope, mask, **value_kw(values, i))
-        return self.logits(z)
+        return z
+
+    def cross_entropy_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+        """fp32 sum of CE(logits(h), targets) over targets != -100 (F.cross_entropy's ignore index),
+        computed `chunk_rows` rows at a time: the [N, V] fp32 logits of `logits(h)` are never held."""
+        return linear_cross_entropy(self.norm(h), self.head.weight, targets, chunk_rows=chunk_rows)
 
     def coda_values(self, ctx: Context | None) -> list | None:
         """The coda's value embeddings from `ctx`; ValueError when the model has them and ctx lacks them."""
@@ -232,6 +251,9 @@ class LoopedLM(nn.Module):
         return_states: bool = False,
         compute_logits: bool = True,
         attention: AttentionKernel = "sdpa",
+        flex_options: dict | None = None,
+        targets: torch.Tensor | None = None,
+        ce_chunk_rows: int = 4096,
     ) -> LoopOutput:
         """Run the model at `depth` recurrences.
 
@@ -240,11 +262,15 @@ class LoopedLM(nn.Module):
         recurrences record autograd (design §3; None = full BPTT); the injected input keeps its
         gradient in each of them. `state0` overrides `init` (used by trainers that draw the noise
         for a global batch themselves). `attention` picks how document masks are applied ('flex':
-        one FlexAttention block mask per forward, the fast path on CUDA).
+        one FlexAttention block mask per forward, the fast path on CUDA); `flex_options` are its CUDA
+        kernel options (`blocks.flex_kernel_options`). `targets` [B, L] (ignored where -100): return
+        their summed cross-entropy as `ce_sum` instead of logits, computed `ce_chunk_rows` rows at a
+        time (`cross_entropy_sum`).
         """
         self.check_inputs(tokens, depth)
         ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
-                            example_ids=example_ids, seed=seed, generator=generator, attention=attention)
+                            example_ids=example_ids, seed=seed, generator=generator, attention=attention,
+                            flex_options=flex_options)
         n_grad = depth if bptt_window is None else min(depth, bptt_window)
         states = [] if return_states else None
         for r in range(depth):
@@ -253,6 +279,9 @@ class LoopedLM(nn.Module):
                 s = self.recurrence(s, ctx)
             if states is not None:
                 states.append(s)
+        if targets is not None:
+            ce = self.cross_entropy_sum(self.coda_output(s, ctx.rope, ctx.mask, ctx), targets, ce_chunk_rows)
+            return LoopOutput(logits=None, endpoint=s, states=states, ce_sum=ce)
         logits = self.run_coda(s, ctx.rope, ctx.mask, ctx) if compute_logits else None
         return LoopOutput(logits=logits, endpoint=s, states=states)
 
@@ -268,6 +297,7 @@ class LoopedLM(nn.Module):
         seed: int = 0,
         generator: torch.Generator | None = None,
         attention: AttentionKernel = "sdpa",
+        flex_options: dict | None = None,
     ) -> tuple[Context, torch.Tensor]:
         """(context, s^0) of `forward`: the prelude runs once, then the recurrence can start
         (also used by diagnostics that iterate the recurrence themselves)."""
@@ -275,7 +305,7 @@ class LoopedLM(nn.Module):
         if positions is None:
             positions = torch.arange(L, device=tokens.device).expand(B, L)
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
-        mask = document_mask(doc_ids, attention)
+        mask = document_mask(doc_ids, attention, flex_options)
         e = self.run_prelude(tokens, rope, mask)
         if state0 is None:
             s = self.initial_state(e, init, positions=positions, example_ids=example_ids, seed=seed,

@@ -83,6 +83,12 @@ class TrainConfig:
     warm-up is logged as compile_recompiles."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA)."""
+    flex_kernel_options: tuple[str, ...] = ()
+    """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
+    bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is always set."""
+    cross_entropy: Literal["auto", "full", "chunked"] = "auto"
+    """Next-token cross-entropy: full (fp32 logits of the whole microbatch), chunked (head matmul + CE in row
+    chunks, never holding [B, L, V] fp32 logits; same values within fp32 rounding); auto: chunked on CUDA."""
     activation_checkpointing: Literal["none", "block"] = "none"
     """'block' recomputes each block's insides in backward, keeping only its input (fits full BPTT at large R)."""
     prefetch: bool = True
@@ -160,6 +166,7 @@ def job_from_dict(data: dict) -> TrainJob:
     data_cfg["tasks"] = TaskConfig(**{**data_cfg["tasks"], "kinds": tuple(data_cfg["tasks"]["kinds"])})
     data_cfg["cache_dir"] = Path(data_cfg["cache_dir"])
     train_cfg = dict(data["train"], out_dir=Path(data["train"]["out_dir"]))
+    train_cfg["flex_kernel_options"] = tuple(train_cfg.get("flex_kernel_options", ()))
     return TrainJob(
         model=ModelConfig.from_dict(data["model"]),
         depth=DepthConfig.from_dict(data["depth"]),
