@@ -38,19 +38,17 @@ is refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic
+from looplm.checkpoint import CheckpointError, save_tensors, write_atomic
 from looplm.config import ModelConfig
-from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, inside, interleaved_to_half_split,
-                                   read_checked, read_json, release_job, write_release_files)
+from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, read_checked, read_json, release_job,
+                                   write_release_files)
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
-from looplm.convert.xllm_release import (DEFAULTS, MANIFEST, REQUIRED, block_shapes, check_covered, field, map_block,
+from looplm.convert.xllm_release import (REQUIRED, block_shapes, check_covered, field, map_block,
                                          refuse, verify_manifest)
 
 TOKENIZER_DIR = "tokenizer"
