@@ -83,7 +83,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def head_norm(x: torch.Tensor) -> torch.Tensor:
+def per_head_norm(x: torch.Tensor) -> torch.Tensor:
     y = x.float()
     return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)).type_as(x)
 
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.qk_norm:  # gain-free RMSNorm per head after RoPE (Parcae), eps = fp32 machine eps
-            q, k = head_norm(q), head_norm(k)
+            q, k = per_head_norm(q), per_head_norm(k)
         k_all, v_all = k, v
         if kv_buffer is not None:
             k_buf, v_buf, c = kv_buffer
