@@ -49,7 +49,7 @@ def fit(trainer) -> dict | None:
 
 
 def run_train(root: Path, device: str, tiny: bool) -> None:
-    from looplm.checkpoint import load_model
+    from looplm.checkpoint import load_data, load_model
     from looplm.eval.report import depth_report, format_report, write_report
     from looplm.train.trainer import Trainer
 
@@ -60,8 +60,9 @@ def run_train(root: Path, device: str, tiny: bool) -> None:
     if summary is None:
         return
     print(f"trained {summary['step']} steps, {summary['tokens']:,} tokens in {time.time() - start:.0f} s", flush=True)
-    model, tokenizer, config = load_model(Path(summary["checkpoint"]), trainer.env.device)
-    report = depth_report(model, tokenizer, config, job.eval, device=trainer.env.device)
+    checkpoint = Path(summary["checkpoint"])
+    model, tokenizer, _ = load_model(checkpoint, trainer.env.device)
+    report = depth_report(model, tokenizer, load_data(checkpoint), job.eval, device=trainer.env.device)
     print(format_report(report), flush=True)
     write_report(report, trainer.out_dir / "eval.json")
 
@@ -79,7 +80,7 @@ def run_distill(root: Path, device: str, tiny: bool) -> None:
     if summary is None:
         return
     trainer.student.eval()
-    arms = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.job, trainer.val_data, trainer.student,
+    arms = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.data, trainer.val_data, trainer.student,
                               cfg.depth, rows=cfg.report_rows, n_examples=cfg.report_examples, device=trainer.device)
     print(format_prefill_table(arms), flush=True)
     write_report({"distill": summary, "prefill": arms}, trainer.out_dir / "report.json")
