@@ -41,13 +41,14 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op 
 # Python API) is wrapped by a recorder that checks each tensor argument lies on a device the
 # group's backend serves and on the env's comm_device, and notes who called it.
 RANK_SCRIPT = textwrap.dedent("""
-    import functools, json, os, sys
+    import contextlib, functools, json, os, sys
 
     import torch
     import torch.distributed as dist
 
     import looplm
     from looplm.train import distributed as D
+    from looplm.train import parallelize as P
     from looplm.train.config import job_from_dict
     from looplm.train.trainer import Trainer
 
@@ -85,8 +86,23 @@ RANK_SCRIPT = textwrap.dedent("""
         return grads
 
     for op in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "broadcast_object_list", "all_gather_object", "reduce", "barrier"):
-        setattr(dist, op, recording(op, getattr(dist, op)))
+               "broadcast_object_list", "all_gather_object", "reduce", "barrier",
+               "all_gather_single", "reduce_scatter_single"):  # the last two: FSDP2's in newer torch
+        if hasattr(dist, op):
+            setattr(dist, op, recording(op, getattr(dist, op)))
+
+    # reduce-scatters issued inside each microbatch's forward and backward, with the sync flag it ran under
+    micro = []
+    real_sync = P.gradient_sync
+
+    @contextlib.contextmanager
+    def counting_sync(model, env, parallel, sync):
+        before = sum(c["op"].startswith("reduce_scatter") for c in calls)
+        with real_sync(model, env, parallel, sync):
+            yield
+        micro.append([sync, sum(c["op"].startswith("reduce_scatter") for c in calls) - before])
+
+    P.gradient_sync = counting_sync
 
     # Gathering a sharded DTensor whole (what a full state dict does) is noted while a checkpoint is saved.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -147,9 +163,10 @@ RANK_SCRIPT = textwrap.dedent("""
                        "comm_device": str(env.comm_device), "looplm_calls": looplm_calls, "n_calls": len(calls),
                        "sharded": trainer.checkpointer.sharded, "async": trainer.checkpointer.async_save,
                        "gathers_in_save": gathers_in_save,
-                       "guard_caught": len(gathers) - len(gathers_in_save)}, f)
+                       "guard_caught": len(gathers) - len(gathers_in_save), "micro_reduce_scatters": micro}, f)
         calls.clear()
         gathers.clear()
+        micro.clear()
     D.shutdown(env)
 """)
 
@@ -234,6 +251,13 @@ def test_two_ranks_match_one_process(single_process, two_ranks, parallel, wrappe
         assert all(d == "cpu" for c in r["looplm_calls"] for d in c["devices"])
         assert {"all_reduce", "barrier"} <= {c["op"] for c in r["looplm_calls"]}
     assert all(r["step"] == STEPS for r in reports)
+    # gradients are reduced in the last microbatch of a step only (grad_accum 2): FSDP2 reduce-scatters
+    # nothing in the first, and the reference below shows the step still averages both microbatches
+    assert job.train.grad_accum == 2
+    for r in reports:
+        assert [sync for sync, _ in r["micro_reduce_scatters"]] == [False, True] * STEPS
+        n = [count for _, count in r["micro_reduce_scatters"]]
+        assert (n[0::2], min(n[1::2]) > 0) == ([0] * STEPS, parallel != "ddp"), n  # DDP's reducer is C++
     # every rank drew the same depth for every microbatch, and the same as one process
     assert reports[0]["depths"] == reports[1]["depths"]
     ref = step_records(single_process.out_dir)
@@ -444,6 +468,32 @@ def test_single_process_environment(monkeypatch):
     model = torch.nn.Linear(2, 2)
     assert wrap_model(model, env, "ddp") is model  # nothing to wrap on one process
 
+
+def test_process_group_options(monkeypatch):
+    """nccl is bound to this rank's GPU (device_id) and every backend gets a timeout, so a missing peer
+    ends the run with an error instead of a hang."""
+    from datetime import timedelta
+
+    monkeypatch.delenv("LOOPLM_DIST_TIMEOUT_S", raising=False)
+    gpu = torch.device("cuda", 3)
+    assert D.process_group_options(gpu) == {"backend": "nccl", "device_id": gpu,
+                                            "timeout": timedelta(seconds=D.DEFAULT_TIMEOUT_S)}
+    assert D.process_group_options(torch.device("cpu")) == {"backend": "gloo",
+                                                             "timeout": timedelta(seconds=D.DEFAULT_TIMEOUT_S)}
+    monkeypatch.setenv("LOOPLM_DIST_TIMEOUT_S", "90")
+    assert D.process_group_options(gpu)["timeout"] == timedelta(seconds=90)
+    # init_distributed passes them on
+    import torch.distributed as dist
+
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(D, "served_device_types", lambda group=None: {"cpu"})
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    D.init_distributed("cpu")
+    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=90)}
 
 
 # -- collectives on the device the backend serves ------------------------------------------------

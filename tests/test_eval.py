@@ -302,3 +302,24 @@ def test_cached_perplexity_runs_in_the_model_dtype():
         got = cached_perplexity(m16, data, 3, mode, stepwise=stepwise, span=span)
         assert got["tokens"] == ref["tokens"]
         assert math.isfinite(got["loss"]) and abs(got["loss"] - ref["loss"]) < 0.05
+
+
+def test_depth_samples_fit_the_context():
+    """The train report's samples (200 tokens by default) from a model with a short context: each
+    sample is cut to what the context leaves after the prompt, and it is the seeded continuation
+    `generate` gives for that length."""
+    from looplm.eval.report import EvalConfig, depth_samples
+    from looplm.infer.generate import SamplingConfig, generate
+
+    tok = ByteTokenizer()
+    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                             max_seq_len=24)).eval()
+    cfg = EvalConfig(sample_depths=(1, 3), sample_tokens=200)
+    room = 24 - len(tok.encode(cfg.sample_prompt)) + 1
+    got = depth_samples(m, tok, cfg, "cpu")
+    assert got["tokens"] == room < 200
+    want = generate(m, tok, [cfg.sample_prompt], depth=3, sampling=SamplingConfig(
+        max_new_tokens=room, temperature=cfg.sample_temperature, seed=cfg.task_seed))[0]
+    assert got["by_depth"][3] == want
+    short = depth_samples(m, tok, EvalConfig(sample_depths=(1,), sample_tokens=5), "cpu")
+    assert short["tokens"] == 5

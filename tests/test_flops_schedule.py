@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from looplm.config import ModelConfig
 from looplm.depth import FixedDepth, PLNDepth, UniformDepth
@@ -20,25 +21,27 @@ L = 16
 
 # Worked by hand from design §5 for CFG at L = 16:
 #   norm_u   = 4d = 128
-#   layer_u  = 128 + 2*32*8*(4+2) + 4*8*16 + 3*32*64 = 128 + 3072 + 512 + 6144 = 9856
-#   inj_u    = d^2 + 6d = 1024 + 192 = 1216            (diagonal)
-#            = 1216 + 3*32 + 1 = 1313                 (ortho)
-#            = 2 d^2 = 2048                           (huginn-linear)
-#   static_u = (32 + 50 + 32*50) + 128 + (1+1)*9856 = 1682 + 128 + 19712 = 21522
-#   rec_u    = 2*9856 + inj_u = 20928 (diagonal), 21025 (ortho), 21760 (linear)
+#   layer_u  = 128 + 2*32*8*(4+2) + 2*4*8*(16/2) + 3*32*64 = 128 + 3072 + 512 + 6144 = 9856
+#   The injection's map of e runs once per forward (d^2 = 1024 MACs, in the static part); per recurrence:
+#   inj_u    = 6d = 192                               (diagonal: decay * s + q)
+#            = 192 + 3*32 + 1 = 289                   (ortho: plus the projection off u)
+#            = d^2 = 1024                             (huginn-linear: A_state s; A_input e once)
+#   static_u = (32 + 50 + 32*50) + 128 + (1+1)*9856 + 1024 = 1682 + 128 + 19712 + 1024 = 22546
+#   rec_u    = 2*9856 + inj_u = 19904 (diagonal), 20001 (ortho), 20736 (linear)
 # R = 5, b = 2: g = 2, f = 3
-#   train_u = 21522 + 2*20928 = 63378;  fwd_u = 3*20928 = 62784
-#   FLOPs   = 6*63378 + 2*62784 = 380268 + 125568 = 505836
+#   train_u = 22546 + 2*19904 = 62354;  fwd_u = 3*19904 = 59712
+#   FLOPs   = 6*62354 + 2*59712 = 374124 + 119424 = 493548
+#   (charging W e at every recurrence, as the paper's formula does, would add 6*1*1024 + 2*3*1024 = 12288)
 HAND = {
-    ("parcae-nonorm", 5, 2): 505836,
-    # R = 5, b = None (g = 5): 6*(21522 + 5*20928) = 6*126162 = 756972
-    ("parcae-nonorm", 5, None): 756972,
-    # R = 1, b = 10: 6*(21522 + 20928) = 254700
+    ("parcae-nonorm", 5, 2): 493548,
+    # R = 5, b = None (g = 5): 6*(22546 + 5*19904) = 6*122066 = 732396
+    ("parcae-nonorm", 5, None): 732396,
+    # R = 1, b = 10: 6*(22546 + 19904) = 254700
     ("parcae-decay", 1, 10): 254700,
-    # ortho, R = 4, b = 1: 6*(21522 + 21025) + 2*3*21025 = 255282 + 126150 = 381432
-    ("ortho", 4, 1): 381432,
-    # huginn-linear, R = 3, b = 3: 6*(21522 + 3*21760) = 6*86802 = 520812
-    ("huginn-linear", 3, 3): 520812,
+    # ortho, R = 4, b = 1: 6*(22546 + 20001) + 2*3*20001 = 255282 + 120006 = 375288
+    ("ortho", 4, 1): 375288,
+    # huginn-linear, R = 3, b = 3: 6*(22546 + 3*20736) = 6*84754 = 508524
+    ("huginn-linear", 3, 3): 508524,
 }
 
 
@@ -116,6 +119,45 @@ def test_deq_qkv_projections_are_counted_once_per_forward():
     assert sum(p.numel() for p in LoopedLM(add).injection.parameters()) == 0  # s + e: d additions only
 
 
+def test_injection_of_e_is_charged_once_per_forward():
+    # one more recurrence costs the core layers and the injection's state part only: 6 (2*9856 + 192)
+    assert flops_per_token(CFG, L, 6, None) - flops_per_token(CFG, L, 5, None) == pytest.approx(6 * (2 * 9856 + 192))
+    # the injection matrix of e is one d x d map (the MACs per token of W e), counted once whatever R
+    from looplm.model import LoopedLM
+
+    assert LoopedLM(CFG).injection.W.weight.numel() == 32 * 32
+
+
+# Attention pairs a document mask leaves, by hand. Rows of L = 8:
+#   [0 0 0 1 1 1 1 1]: document 0 runs 3*4/2 = 6 pairs, document 1 5*6/2 = 15   -> 21
+#   [0 0 0 0 0 0 0 0]: one document, 8*9/2 = 36 (causal, the diagonal included)  -> 36
+#   [0 1 2 3 4 5 6 7]: every token alone, 8 pairs                                 ->  8
+# 65 pairs over 24 queries: 65/24 keys per query.
+DOCS = [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8, list(range(8))]
+
+
+def test_keys_per_query_counts_the_pairs_a_document_mask_runs():
+    from looplm.model.blocks import causal_document_mask
+    from looplm.train.flops import keys_per_query
+
+    doc = torch.tensor(DOCS)
+    assert keys_per_query(doc) == pytest.approx(65 / 24, rel=1e-15)
+    assert int(causal_document_mask(doc).sum()) == 65  # the mask the model applies has those pairs
+    assert keys_per_query(torch.zeros(2, 16, dtype=torch.long)) == pytest.approx(17 / 2)  # (L + 1) / 2
+
+
+def test_flops_with_the_pairs_a_mask_runs():
+    # layer_u with k keys per query: 128 + 3072 + 2*4*8*k + 6144; at k = 65/24 the attention term is
+    # 64*65/24 = 173.333...; static_u = 1682 + 128 + 2*layer_u + 1024, rec_u = 2*layer_u + 192
+    k = 65 / 24
+    layer_u = 128 + 3072 + 64 * k + 6144
+    static_u, rec_u = 1682 + 128 + 2 * layer_u + 1024, 2 * layer_u + 192
+    want = 6 * (static_u + 2 * rec_u) + 2 * 3 * rec_u  # R = 5, b = 2
+    assert flops_per_token(CFG, 8, 5, 2, keys_per_query=k) == pytest.approx(want, rel=1e-12)
+    # the default is the full causal row of the paper's convention: L/2 keys per query
+    assert flops_per_token(CFG, L, 5, 2, keys_per_query=L / 2) == flops_per_token(CFG, L, 5, 2)
+
+
 def test_flops_reject_an_unresolved_window():
     with pytest.raises(TypeError, match="effective_bptt_window"):
         flops_per_token(CFG, L, 5, "auto")  # type: ignore[arg-type]
@@ -123,7 +165,7 @@ def test_flops_reject_an_unresolved_window():
 
 def test_flops_window_semantics():
     # a window >= R is full BPTT; each extra no-grad recurrence costs 2 rec_u, each grad one 6 rec_u
-    rec_u = 20928
+    rec_u = 19904
     assert flops_per_token(CFG, L, 5, 5) == flops_per_token(CFG, L, 5, 50) == flops_per_token(CFG, L, 5, None)
     assert flops_per_token(CFG, L, 6, 2) - flops_per_token(CFG, L, 5, 2) == pytest.approx(2 * rec_u)
     assert flops_per_token(CFG, L, 6, None) - flops_per_token(CFG, L, 5, None) == pytest.approx(6 * rec_u)

@@ -374,9 +374,11 @@ def test_cli_export_help(capsys):
     assert "--num-steps" in out and "Hugging Face" in out
 
 
-def test_import_looplm_registers_lazily():
+def test_import_looplm_hf_registers_the_model_type_and_import_looplm_stays_light():
     code = ("import sys, looplm; assert 'transformers' not in sys.modules; "
-            "from transformers import AutoConfig, AutoModelForCausalLM; "
+            "from transformers import AutoConfig; "
+            "import transformers.models.auto.configuration_auto as auto; assert 'looplm' not in auto.CONFIG_MAPPING; "
+            "import looplm.hf; from transformers import AutoModelForCausalLM; "
             "cfg = AutoConfig.for_model('looplm', d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64); "
             "print(type(AutoModelForCausalLM.from_config(cfg)).__name__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

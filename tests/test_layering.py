@@ -100,7 +100,7 @@ def test_every_package_is_covered_and_the_layers_form_no_cycle():
 
     for name in ALLOWED:
         visit(name)
-    assert looplm_imports(SRC / "__init__.py") <= {"config", "hf"}  # root names are config's (hf: lazily)
+    assert looplm_imports(SRC / "__init__.py") == {"config"}  # root names are config's
 
 
 def test_the_scanner_sees_every_import_form(tmp_path):

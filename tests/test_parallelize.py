@@ -4,6 +4,7 @@ that keeps the gradients and sheds the activations."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -199,6 +200,130 @@ def test_compiled_blocks_with_block_masks_do_not_recompile_per_batch(tiny_model_
     assert counts[0] > 0 and counts[1] == counts[2] == counts[0], counts
 
 
+def graphs_for_one_step(model, tokens, depth, **kw) -> int:
+    before = compiled_graphs()
+    model(tokens, depth, **kw).logits.logsumexp(-1).mean().backward()
+    return compiled_graphs() - before
+
+
+def test_blocks_share_one_graph_with_and_without_checkpointing(tiny_model_config):
+    """Prelude, every core visit and the coda call a block with one signature, so a compiled block traces
+    one graph for all of them, and checkpoint wrappers do not add any (torch's 'eager' backend: dynamo
+    traces and counts graphs as for inductor, without code generation)."""
+    cfg = tiny_model_config()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    counts = {}
+    for mode in ("none", "block"):
+        torch._dynamo.reset()
+        model = LoopedLM(cfg)
+        apply_activation_checkpointing(model, mode)
+        apply_compile(model, backend="eager")
+        counts[mode] = graphs_for_one_step(model, tokens, 3)
+    # one block graph; the injection traces twice (s^0 carries no gradient, later states do)
+    assert counts == {"none": 3, "block": 3}, counts
+    torch._dynamo.reset()
+
+
+def test_recompile_limit_covers_grad_modes_masks_and_shapes(tiny_model_config):
+    """2 grad modes x (causal, boolean mask) + a no-grad FlexAttention mask, at 2 lengths: 10 graphs of the
+    same block code, past dynamo's default limit of 8 (a hard error under fullgraph=True)."""
+    torch._dynamo.reset()
+    cfg = tiny_model_config()
+    model = LoopedLM(cfg)
+    apply_compile(model, backend="eager")
+    before = compiled_graphs()
+    for L in (8, 16):
+        tokens, doc, positions = packed_rows(cfg.vocab_size, L=L)
+        for grad in (True, False):
+            for doc_ids in (None, doc):
+                with torch.set_grad_enabled(grad):
+                    model(tokens, 2, doc_ids=doc_ids, positions=positions, init="seeded")
+        with torch.no_grad():
+            model(tokens, 2, doc_ids=doc, positions=positions, init="seeded", attention="flex")
+    assert compiled_graphs() - before >= 10
+    torch._dynamo.reset()
+
+
+def test_flex_masks_carry_kernel_options(tiny_model_config):
+    """document_mask(flex) carries ROWS_GUARANTEED_SAFE (every query attends to itself) and the configured
+    options; on the CPU the options are not passed and the logits stay those of SDPA."""
+    from looplm.model.blocks import FlexMask, document_mask
+
+    _, doc, _ = packed_rows(10, L=40)
+    mask = document_mask(doc, "flex", {"fwd_BLOCK_M": 64})
+    assert isinstance(mask, FlexMask)
+    assert mask.kernel_options == {"ROWS_GUARANTEED_SAFE": True, "fwd_BLOCK_M": 64}
+    assert bool(causal_document_mask(doc).any(-1).all())  # the property ROWS_GUARANTEED_SAFE promises
+    cfg = tiny_model_config(max_seq_len=64)
+    model = LoopedLM(cfg)
+    tokens, doc, positions = packed_rows(cfg.vocab_size)
+    with torch.no_grad():
+        flex = model(tokens, 3, doc_ids=doc, positions=positions, init="seeded", attention="flex",
+                     flex_options={"fwd_BLOCK_M": 64}).logits
+        sdpa = model(tokens, 3, doc_ids=doc, positions=positions, init="seeded").logits
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_bf16_carries_the_state_in_the_dtype_ddp_does(tiny_model_config):
+    """DDP trains fp32 parameters under bf16 autocast: the embedding rows, the residual stream and the
+    recurrent state are fp32. FSDP2 with bf16 parameters (here: the parameters cast to bf16, as FSDP
+    gathers them) carries the same dtypes once keep_stream_fp32 is applied; without it, bf16."""
+    from looplm.train.parallelize import keep_stream_fp32
+
+    cfg = tiny_model_config()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    ddp = LoopedLM(cfg)
+    fsdp = copy.deepcopy(ddp).to(torch.bfloat16)
+    plain_bf16 = copy.deepcopy(fsdp)
+    keep_stream_fp32(fsdp)
+
+    def dtypes(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(tokens, 3, init="seeded", return_states=True)
+        return [s.dtype for s in out.states] + [out.endpoint.dtype]
+
+    assert dtypes(ddp) == [torch.float32] * 4
+    assert dtypes(fsdp) == dtypes(ddp)
+    assert dtypes(plain_bf16) == [torch.bfloat16] * 4  # what FSDP2 bf16 carried before
+
+
+class SyncRecorder(torch.nn.Module):
+    """Stands in for a DDP / FSDP2 module: records the gradient-sync switches it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def set_requires_gradient_sync(self, sync):
+        self.events.append(("fsdp", sync))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.events.append(("ddp", "no_sync"))
+        yield
+        self.events.append(("ddp", "sync again"))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "hsdp"])
+def test_gradient_sync_skips_accumulation_micro_steps(parallel):
+    from looplm.train.distributed import DistEnv
+    from looplm.train.parallelize import gradient_sync
+
+    model, env = SyncRecorder(), DistEnv(world_size=2, joined=True)
+    seen = []
+    for i in range(3):  # grad_accum 3: only the last microbatch reduces
+        with gradient_sync(model, env, parallel, sync=i == 2):
+            seen.append(list(model.events))
+    if parallel == "ddp":
+        assert model.events == [("ddp", "no_sync"), ("ddp", "sync again")] * 2
+    else:
+        assert [e for e in seen[0]] == [("fsdp", False)]  # micro-step 1 ran without sync
+        assert model.events == [("fsdp", False), ("fsdp", True), ("fsdp", False), ("fsdp", True), ("fsdp", True), ("fsdp", True)]
+    with gradient_sync(model, DistEnv(), parallel, sync=False):  # one process: nothing to switch
+        pass
+    assert len(model.events) == (4 if parallel == "ddp" else 6)
+
+
 def test_fsdp_gets_bf16_compute_with_fp32_gradient_reduction(monkeypatch, tiny_model_config):
     """The wiring of FSDP2's mixed precision (gloo on CPU cannot run bf16 FSDP, so fully_shard
     is recorded instead of run): every block, then the root, with one policy."""
@@ -217,6 +342,11 @@ def test_fsdp_gets_bf16_compute_with_fp32_gradient_reduction(monkeypatch, tiny_m
     assert len(policies) == 1
     policy = policies.pop()
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert policy.cast_forward_inputs is False  # the stream enters blocks in fp32, as under DDP
+    assert model.embed(torch.zeros(1, 2, dtype=torch.long).to(torch.long)).dtype == torch.float32
+    with torch.no_grad():
+        assert model.to(torch.bfloat16).embed(torch.zeros(1, 2, dtype=torch.long)).dtype == torch.float32
+    model.float()
     calls.clear()
     wrap_model(model, env, "fsdp")  # fp32 training: no casts
     assert calls[0][1]["mp_policy"].param_dtype is None and calls[0][1]["mp_policy"].reduce_dtype is None

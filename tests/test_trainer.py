@@ -365,6 +365,7 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path, cache):
     ({"depth__cap": 65, "depth__sampler": "fixed", "depth__depth": 5}, "exceeds the model's max_depth"),
     ({"depth__bptt_window": 0}, "bptt_window must be >= 1"),
     ({"eval__depths": (1, 65)}, r"eval.depths: depth must be in 1..64, got 65"),
+    ({"train__flex_kernel_options": ("BLOCK_M",)}, "flex kernel option 'BLOCK_M' is not KEY=VALUE"),
 ])
 def test_invalid_jobs_fail_before_building_data(tmp_path, overrides, match):
     fresh = tmp_path / "fresh-cache"

@@ -38,93 +38,23 @@ is refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
-from looplm.checkpoint import CheckpointError, file_sha256, save_tensors, write_atomic
+from looplm.checkpoint import CheckpointError, save_tensors, write_atomic
 from looplm.config import ModelConfig
-from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, inside, interleaved_to_half_split,
-                                   read_checked, read_json, release_job, write_release_files)
+from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, read_checked, read_json, release_job,
+                                   write_release_files)
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
+from looplm.convert.xllm_release import (REQUIRED, block_shapes, check_covered, field, map_block,
+                                         refuse, verify_manifest)
 
-MANIFEST = "artifact_manifest.json"
 TOKENIZER_DIR = "tokenizer"
 RELEASE_MAX_SEQ_LEN = 8192  # the release trains and evaluates at 8,192 tokens
 
-# ModelConf defaults (xllm/config.py) of the fields the conversion reads: config.json holds a recipe's
-# fields, and a field it omits has its default.
-_DEFAULTS: dict = {
-    "arch": "transformer", "num_layers": 8, "model_dim": 1024, "num_heads": 1, "num_kv_heads": None,
-    "head_dim": None, "v_head_dim": None, "qknorm": False, "attn_act_func": "softmax", "apply_attn_gate": False,
-    "apply_bias_term": False, "ffn_hidden_dim": 2048, "num_values": 0, "num_experts": 0, "vocab_size": -1,
-    "output_size": -1, "layernorm_num_groups": 1, "norm_affine": True, "rmsnorm_eps": 1e-6, "apply_rmsnorm": False,
-    "residual_func": "base", "rope_base": 100000.0, "rope_head_dim": None, "swiglu": False, "scale_emb": False,
-    "loop_times": 1, "huginn_prelude_layers": 1, "huginn_recurrent_layers": None, "huginn_coda_layers": 1,
-    "huginn_state_init": "zero", "huginn_input_injection": "diagonal", "huginn_hierarchical_state": "none",
-    "huginn_depth_control": False, "huginn_sampling_scheme": "fixed", "huginn_poisson_lognormal_target_mean": 5.0,
-    "huginn_poisson_lognormal_sigma": 0.5, "huginn_poisson_lognormal_max": 64, "huginn_backprop_depth": None,
-    "huginn_depth_prior": "none", "huginn_depth_prior_entropy": 0.0, "huginn_prelude_norm": "none",
-    "huginn_recurrent_exit_norm": "none", "huginn_prelude_orthogonal": False, "huginn_ortho_projection_eps": 1e-6,
-}
-# Fields whose other values change the forward in ways looplm's model does not have: (field, required value).
-_REQUIRED = (
-    ("arch", "huginn"), ("apply_rmsnorm", True), ("swiglu", True), ("qknorm", False), ("apply_attn_gate", False),
-    ("attn_act_func", "softmax"), ("scale_emb", False), ("num_experts", 0),
-    ("num_values", 0), ("layernorm_num_groups", 1), ("norm_affine", True), ("huginn_hierarchical_state", "none"),
-)
-
-
-def _refuse(message: str) -> CheckpointError:
-    return CheckpointError(message)
-
-
-def _verify_manifest(src: Path) -> dict | None:
-    """Check artifact_manifest.json when present: its own digest and every listed file's size and
-    SHA-256. Returns the manifest (None without one)."""
-    path = src / MANIFEST
-    if not path.is_file():
-        return None
-    manifest = read_json(path, "an xllm-loop release folder")
-    records = manifest.get("files")
-    if not isinstance(records, list):
-        raise _refuse(f"{path}: no 'files' list")
-    if "manifest_sha256" in manifest:
-        payload = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-        digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-        if digest != manifest["manifest_sha256"]:
-            raise _refuse(f"{path}: manifest_sha256 mismatch (the manifest was edited or damaged)")
-    for record in records:
-        if not isinstance(record, dict) or "path" not in record or "sha256" not in record:
-            raise _refuse(f"{path}: a file record lacks 'path' or 'sha256'")
-        f = inside(src, record["path"])
-        if not f.is_file():
-            raise _refuse(f"{src}: {record['path']} is listed in {MANIFEST} but missing")
-        if "size_bytes" in record and f.stat().st_size != record["size_bytes"]:
-            raise _refuse(f"{src}: {record['path']} has the wrong size (manifest: {record['size_bytes']} bytes)")
-        if file_sha256(f) != record["sha256"]:
-            raise _refuse(f"{src}: {record['path']} does not match {MANIFEST} (SHA-256 mismatch)")
-    return manifest
-
-
-def _covered(src: Path, manifest: dict | None, names: list[str]) -> None:
-    """With a manifest, every file the conversion reads must be one it verified."""
-    if manifest is None:
-        return
-    listed = {r["path"] for r in manifest["files"]}
-    unlisted = [n for n in names if n not in listed]
-    if unlisted:
-        raise _refuse(f"{src}: {unlisted[0]} is read but not listed in {MANIFEST}")
-
-
 # -- config ------------------------------------------------------------------------------------------
-def _field(model: dict, name: str):
-    return model.get(name, _DEFAULTS[name])
-
-
 @dataclasses.dataclass
 class _Release:
     """What the conversion needs from the release's model fields."""
@@ -140,39 +70,39 @@ class _Release:
 
 def _scheme(model: dict) -> tuple[str, str, bool, bool]:
     """(looplm injection, release injection kind, prelude norm, exit norm) of the release fields."""
-    kind = _field(model, "huginn_input_injection")
+    kind = field(model, "huginn_input_injection")
     if kind not in ("diagonal", "linear", "none"):
-        raise _refuse(f"unknown huginn_input_injection {kind!r}")
-    controlled = bool(_field(model, "huginn_depth_control"))
+        raise refuse(f"unknown huginn_input_injection {kind!r}")
+    controlled = bool(field(model, "huginn_depth_control"))
     if kind == "none":  # Part I dense-middle: no injection, the input enters only as the initial state s0 = e
-        if _field(model, "huginn_state_init") != "input":
-            raise _refuse("huginn_input_injection 'none' with huginn_state_init "
-                          f"{_field(model, 'huginn_state_init')!r}: the input would never enter the recurrence")
-        if controlled and (_field(model, "huginn_prelude_norm") != "none"
-                           or _field(model, "huginn_recurrent_exit_norm") != "none"
-                           or _field(model, "huginn_prelude_orthogonal")):
-            raise _refuse("huginn_input_injection 'none' with a prelude or exit norm or OrthoInj has no looplm "
+        if field(model, "huginn_state_init") != "input":
+            raise refuse("huginn_input_injection 'none' with huginn_state_init "
+                          f"{field(model, 'huginn_state_init')!r}: the input would never enter the recurrence")
+        if controlled and (field(model, "huginn_prelude_norm") != "none"
+                           or field(model, "huginn_recurrent_exit_norm") != "none"
+                           or field(model, "huginn_prelude_orthogonal")):
+            raise refuse("huginn_input_injection 'none' with a prelude or exit norm or OrthoInj has no looplm "
                           "equivalent")
         return "none", kind, False, False
     # Plain Huginn (no depth control) always builds the diagonal injection and neither norm.
-    prelude_norm = controlled and _field(model, "huginn_prelude_norm") == "rms"
-    exit_norm = controlled and _field(model, "huginn_recurrent_exit_norm") == "parameterless_rms"
-    ortho = controlled and bool(_field(model, "huginn_prelude_orthogonal"))
-    if controlled and _field(model, "huginn_prelude_norm") not in ("none", "rms"):
-        raise _refuse(f"unknown huginn_prelude_norm {_field(model, 'huginn_prelude_norm')!r}")
-    if controlled and _field(model, "huginn_recurrent_exit_norm") not in ("none", "parameterless_rms"):
-        raise _refuse(f"unknown huginn_recurrent_exit_norm {_field(model, 'huginn_recurrent_exit_norm')!r}")
+    prelude_norm = controlled and field(model, "huginn_prelude_norm") == "rms"
+    exit_norm = controlled and field(model, "huginn_recurrent_exit_norm") == "parameterless_rms"
+    ortho = controlled and bool(field(model, "huginn_prelude_orthogonal"))
+    if controlled and field(model, "huginn_prelude_norm") not in ("none", "rms"):
+        raise refuse(f"unknown huginn_prelude_norm {field(model, 'huginn_prelude_norm')!r}")
+    if controlled and field(model, "huginn_recurrent_exit_norm") not in ("none", "parameterless_rms"):
+        raise refuse(f"unknown huginn_recurrent_exit_norm {field(model, 'huginn_recurrent_exit_norm')!r}")
     if not controlled or kind == "diagonal":
         kind = "diagonal"
     if kind == "linear":
         if prelude_norm or not exit_norm:
-            raise _refuse("looplm's huginn-linear injection has the parameter-free exit norm and no prelude norm; "
+            raise refuse("looplm's huginn-linear injection has the parameter-free exit norm and no prelude norm; "
                           "this linear-injection config differs")
         return "huginn-linear", kind, False, True
     if exit_norm:
-        raise _refuse("a recurrent exit norm with the diagonal injection has no looplm equivalent")
+        raise refuse("a recurrent exit norm with the diagonal injection has no looplm equivalent")
     if ortho and prelude_norm:
-        raise _refuse("OrthoInj with a prelude norm has no looplm equivalent")
+        raise refuse("OrthoInj with a prelude norm has no looplm equivalent")
     if ortho:
         return "ortho", kind, False, False
     return ("parcae-decay" if prelude_norm else "parcae-nonorm"), kind, prelude_norm, False
@@ -181,63 +111,52 @@ def _scheme(model: dict) -> tuple[str, str, bool, bool]:
 def _release(config: dict, tokenizer_vocab: int) -> _Release:
     model = config.get("model")
     if not isinstance(model, dict):
-        raise _refuse("config.json has no 'model' section")
-    for name, want in _REQUIRED:
-        if _field(model, name) != want:
-            raise _refuse(f"config.json model.{name} = {_field(model, name)!r}: looplm converts only {name} = {want!r}")
-    if _field(model, "residual_func") not in ("base", "add"):  # both: out = h + residual
-        raise _refuse(f"config.json model.residual_func = {_field(model, 'residual_func')!r}: looplm converts "
+        raise refuse("config.json has no 'model' section")
+    for name, want in REQUIRED:
+        if field(model, name) != want:
+            raise refuse(f"config.json model.{name} = {field(model, name)!r}: looplm converts only {name} = {want!r}")
+    if field(model, "residual_func") not in ("base", "add"):  # both: out = h + residual
+        raise refuse(f"config.json model.residual_func = {field(model, 'residual_func')!r}: looplm converts "
                       "only the plain residual (base)")
-    d, heads = int(_field(model, "model_dim")), int(_field(model, "num_heads"))
-    kv = int(_field(model, "num_kv_heads") or heads)
-    head_dim = int(_field(model, "head_dim") or d // heads)
+    d, heads = int(field(model, "model_dim")), int(field(model, "num_heads"))
+    kv = int(field(model, "num_kv_heads") or heads)
+    head_dim = int(field(model, "head_dim") or d // heads)
     if head_dim * heads != d:
-        raise _refuse(f"head_dim {head_dim} x num_heads {heads} != model_dim {d}: looplm derives head_dim = d / heads")
-    if _field(model, "v_head_dim") not in (None, head_dim):
-        raise _refuse(f"v_head_dim {_field(model, 'v_head_dim')} != head_dim {head_dim} has no looplm equivalent")
-    if _field(model, "rope_head_dim") not in (None, head_dim):
-        raise _refuse(f"rope_head_dim {_field(model, 'rope_head_dim')} != head_dim {head_dim}: "
+        raise refuse(f"head_dim {head_dim} x num_heads {heads} != model_dim {d}: looplm derives head_dim = d / heads")
+    if field(model, "v_head_dim") not in (None, head_dim):
+        raise refuse(f"v_head_dim {field(model, 'v_head_dim')} != head_dim {head_dim} has no looplm equivalent")
+    if field(model, "rope_head_dim") not in (None, head_dim):
+        raise refuse(f"rope_head_dim {field(model, 'rope_head_dim')} != head_dim {head_dim}: "
                       "looplm rotates whole heads")
-    vocab = int(_field(model, "vocab_size"))
+    vocab = int(field(model, "vocab_size"))
     vocab = tokenizer_vocab if vocab == -1 else vocab
-    if _field(model, "output_size") not in (-1, vocab):
-        raise _refuse(f"output_size {_field(model, 'output_size')} != vocab_size {vocab} has no looplm equivalent")
-    n_layers = int(_field(model, "num_layers"))
-    n_prelude, n_coda = int(_field(model, "huginn_prelude_layers")), int(_field(model, "huginn_coda_layers"))
-    n_core = _field(model, "huginn_recurrent_layers")
+    if field(model, "output_size") not in (-1, vocab):
+        raise refuse(f"output_size {field(model, 'output_size')} != vocab_size {vocab} has no looplm equivalent")
+    n_layers = int(field(model, "num_layers"))
+    n_prelude, n_coda = int(field(model, "huginn_prelude_layers")), int(field(model, "huginn_coda_layers"))
+    n_core = field(model, "huginn_recurrent_layers")
     n_core = n_layers - n_prelude - n_coda if n_core is None else int(n_core)
     if n_prelude + n_core + n_coda != n_layers or n_core < 1:
-        raise _refuse(f"prelude {n_prelude} + core {n_core} + coda {n_coda} layers != num_layers {n_layers}")
+        raise refuse(f"prelude {n_prelude} + core {n_core} + coda {n_coda} layers != num_layers {n_layers}")
     injection, kind, prelude_norm, _ = _scheme(model)
-    state_init = _field(model, "huginn_state_init")
+    state_init = field(model, "huginn_state_init")
     if state_init == "input" and prelude_norm:
-        raise _refuse("huginn_state_init 'input' with a prelude norm: which prelude output starts the state is "
+        raise refuse("huginn_state_init 'input' with a prelude norm: which prelude output starts the state is "
                       "not mapped")
-    max_depth = max(64, int(_field(model, "loop_times")), int(_field(model, "huginn_poisson_lognormal_max")))
+    max_depth = max(64, int(field(model, "loop_times")), int(field(model, "huginn_poisson_lognormal_max")))
     cfg = ModelConfig(
-        vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=int(_field(model, "ffn_hidden_dim")),
+        vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=int(field(model, "ffn_hidden_dim")),
         n_prelude=n_prelude, n_core=n_core, n_coda=n_coda, max_seq_len=RELEASE_MAX_SEQ_LEN, injection=injection,
-        rope_base=float(_field(model, "rope_base")), norm_eps=float(_field(model, "rmsnorm_eps")),
-        ortho_eps=float(_field(model, "huginn_ortho_projection_eps")), max_depth=max_depth,
+        rope_base=float(field(model, "rope_base")), norm_eps=float(field(model, "rmsnorm_eps")),
+        ortho_eps=float(field(model, "huginn_ortho_projection_eps")), max_depth=max_depth,
         state_init="input" if state_init == "input" else "normal",  # input: s0 = the prelude output e
     )
     try:
         cfg.validate()
     except ValueError as err:
-        raise _refuse(f"config.json model section gives an invalid looplm shape: {err}") from None
-    return _Release(cfg, n_layers, kind, prelude_norm, bool(_field(model, "apply_bias_term")),
-                    str(_field(model, "huginn_state_init")), model)
-
-
-def block_shapes(prefix: str, c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of one release TransformerBlock (xllm's pre-norm attention + SwiGLU FFN) under `prefix`."""
-    d, hd, f = c.d_model, c.head_dim, c.ffn_dim
-    return {
-        prefix + "attention.norm.weight": (d,), prefix + "attention.wq.weight": (c.n_heads * hd, d),
-        prefix + "attention.wk.weight": (c.n_kv_heads * hd, d), prefix + "attention.wv.weight": (c.n_kv_heads * hd, d),
-        prefix + "attention.wo.weight": (d, c.n_heads * hd), prefix + "nffn.norm.weight": (d,),
-        prefix + "nffn.fc1.weight": (f, d), prefix + "nffn.fc3.weight": (f, d), prefix + "nffn.fc2.weight": (d, f),
-    }
+        raise refuse(f"config.json model section gives an invalid looplm shape: {err}") from None
+    return _Release(cfg, n_layers, kind, prelude_norm, bool(field(model, "apply_bias_term")),
+                    str(field(model, "huginn_state_init")), model)
 
 
 def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
@@ -263,24 +182,6 @@ def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
 
 
 # -- tensors -----------------------------------------------------------------------------------------
-def map_block(state: dict[str, torch.Tensor], src: str, dst: str, c: ModelConfig,
-              norm_offset: float) -> dict[str, torch.Tensor]:
-    """One release block's tensors under prefix `src` -> looplm `Block` tensors under module name `dst`:
-    norm gains = stored + norm_offset, wq/wk rows permuted from interleaved to half-split RoPE pairs."""
-    hd = c.head_dim
-    return {
-        f"{dst}.attn_norm.weight": state[src + "attention.norm.weight"] + norm_offset,
-        f"{dst}.attn.wq.weight": interleaved_to_half_split(state[src + "attention.wq.weight"], c.n_heads, hd),
-        f"{dst}.attn.wk.weight": interleaved_to_half_split(state[src + "attention.wk.weight"], c.n_kv_heads, hd),
-        f"{dst}.attn.wv.weight": state[src + "attention.wv.weight"],
-        f"{dst}.attn.wo.weight": state[src + "attention.wo.weight"],
-        f"{dst}.ffn_norm.weight": state[src + "nffn.norm.weight"] + norm_offset,
-        f"{dst}.ffn.w1.weight": state[src + "nffn.fc1.weight"],  # SwiGLU gate: silu(fc1 x) * fc3 x
-        f"{dst}.ffn.w3.weight": state[src + "nffn.fc3.weight"],
-        f"{dst}.ffn.w2.weight": state[src + "nffn.fc2.weight"],
-    }
-
-
 def _map_state(state: dict[str, torch.Tensor], rel: _Release, norm_offset: float) -> dict[str, torch.Tensor]:
     """Release state dict (float32) -> looplm LoopedLM state dict (float32)."""
     c = rel.cfg
@@ -323,14 +224,14 @@ def _tokenizer(src: Path, config: dict):
 
     section = config.get("tokenizer")
     if not isinstance(section, dict) or section.get("type") != "huggingface":
-        raise _refuse("config.json has no huggingface 'tokenizer' section; looplm checkpoints need the tokenizer")
+        raise refuse("config.json has no huggingface 'tokenizer' section; looplm checkpoints need the tokenizer")
     folder = str(section.get("path") or TOKENIZER_DIR)
     if Path(folder).is_absolute() or ".." in Path(folder).parts:
         folder = TOKENIZER_DIR  # a path on the training machine: the artifact holds it under tokenizer/
     tok_dir = src / folder
     read = [f"{folder}/tokenizer.json"]
     if not (tok_dir / "tokenizer.json").is_file():
-        raise _refuse(f"{src}: no {folder}/tokenizer.json")
+        raise refuse(f"{src}: no {folder}/tokenizer.json")
     names: dict[str, str | None] = {"eos_token": None, "pad_token": None}
     files: dict[str, dict] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):
@@ -341,7 +242,7 @@ def _tokenizer(src: Path, config: dict):
             for key in names:
                 names[key] = names[key] or _special_name(files[fname].get(key))
     if names["eos_token"] is None:
-        raise _refuse(f"{tok_dir}: no eos_token in special_tokens_map.json or tokenizer_config.json")
+        raise refuse(f"{tok_dir}: no eos_token in special_tokens_map.json or tokenizer_config.json")
     note = None
     if names["pad_token"] is None:
         names["pad_token"], note = names["eos_token"], "no pad_token in the release tokenizer: padding uses eos"
@@ -350,9 +251,9 @@ def _tokenizer(src: Path, config: dict):
         bos = bos_policy(backend, files["tokenizer_config.json"], files["special_tokens_map.json"])
         tok = BPETokenizer.from_file(tok_dir / "tokenizer.json", names["eos_token"], names["pad_token"], bos)
     except ValueError as err:
-        raise _refuse(str(err)) from None
+        raise refuse(str(err)) from None
     except Exception as err:  # tokenizers raises its own error types
-        raise _refuse(f"{tok_dir}: cannot read tokenizer.json ({err})") from None
+        raise refuse(f"{tok_dir}: cannot read tokenizer.json ({err})") from None
     return tok, read, note
 
 
@@ -361,21 +262,21 @@ def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str, data: str | No
     """config.json as a looplm training run of this model would write it (TrainJob.resolved().to_dict())."""
     from looplm.depth.config import DepthConfig, LearnedPriorConfig
 
-    scheme = _field(model, "huginn_sampling_scheme")
-    window = _field(model, "huginn_backprop_depth")
+    scheme = field(model, "huginn_sampling_scheme")
+    window = field(model, "huginn_backprop_depth")
     window = None if window is None else int(window)
-    if _field(model, "huginn_depth_prior") == "learned":
-        depth = DepthConfig(sampler="learned", depth=float(_field(model, "huginn_poisson_lognormal_target_mean")),
-                            sigma=float(_field(model, "huginn_poisson_lognormal_sigma")),
-                            cap=int(_field(model, "huginn_poisson_lognormal_max")), bptt_window=window,
+    if field(model, "huginn_depth_prior") == "learned":
+        depth = DepthConfig(sampler="learned", depth=float(field(model, "huginn_poisson_lognormal_target_mean")),
+                            sigma=float(field(model, "huginn_poisson_lognormal_sigma")),
+                            cap=int(field(model, "huginn_poisson_lognormal_max")), bptt_window=window,
                             learned=LearnedPriorConfig(
-                                entropy_weight=float(_field(model, "huginn_depth_prior_entropy"))))
+                                entropy_weight=float(field(model, "huginn_depth_prior_entropy"))))
     elif scheme == "poisson-lognormal-capped":
-        depth = DepthConfig(sampler="pln", depth=float(_field(model, "huginn_poisson_lognormal_target_mean")),
-                            sigma=float(_field(model, "huginn_poisson_lognormal_sigma")),
-                            cap=int(_field(model, "huginn_poisson_lognormal_max")), bptt_window=window)
+        depth = DepthConfig(sampler="pln", depth=float(field(model, "huginn_poisson_lognormal_target_mean")),
+                            sigma=float(field(model, "huginn_poisson_lognormal_sigma")),
+                            cap=int(field(model, "huginn_poisson_lognormal_max")), bptt_window=window)
     else:
-        depth = DepthConfig(sampler="fixed", depth=float(_field(model, "loop_times")), bptt_window=window)
+        depth = DepthConfig(sampler="fixed", depth=float(field(model, "loop_times")), bptt_window=window)
     return release_job(cfg, depth, tokenizer_path, data)
 
 
@@ -419,20 +320,20 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
         from looplm.convert.xllm_student import convert_xllm_student
 
         if teacher is None:
-            raise _refuse(f"{src} is a distilled prefill student; convert its teacher artifact first and pass "
+            raise refuse(f"{src} is a distilled prefill student; convert its teacher artifact first and pass "
                           "that checkpoint with --teacher")
         if data is not None:
-            raise _refuse("--data applies to model checkpoints, not to a distilled student")
+            raise refuse("--data applies to model checkpoints, not to a distilled student")
         return convert_xllm_student(src, out, teacher, dtype, norm_offset=norm_offset)
     if teacher is not None:
-        raise _refuse(f"--teacher is for a distilled student artifact; {src} is not one")
-    manifest = _verify_manifest(src)
+        raise refuse(f"--teacher is for a distilled student artifact; {src} is not one")
+    manifest = verify_manifest(src)
     config = read_json(src / "config.json", "an xllm-loop release folder")
     tokenizer, tok_files, tok_note = _tokenizer(src, config)
     rel = _release(config, tokenizer.vocab_size)
     check_vocab(tokenizer, rel.cfg)
     weight_map = _shard_map(src)
-    _covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
+    check_covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
                              *sorted(set(weight_map.values())), *tok_files])
 
     expected = _expected_shapes(rel)
@@ -446,7 +347,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
         "manifest_sha256": manifest.get("manifest_sha256") if manifest else None,
         "manifest_verified": manifest is not None, "dtype": str(target).removeprefix("torch."),
         "norm_offset": norm_offset, "rope": "interleaved pairs permuted to half-split",
-        "release_state_init": rel.state_init, "release_loop_times": int(_field(rel.fields, "loop_times")),
+        "release_state_init": rel.state_init, "release_loop_times": int(field(rel.fields, "loop_times")),
         "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
         "notes": [n for n in (tok_note,) if n] + [
             "evaluation state: the release seeds s0 with its own hash (identity_recurrent_state); looplm's "

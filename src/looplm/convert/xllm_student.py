@@ -27,8 +27,10 @@ from pathlib import Path
 
 from looplm import checkpoint as ckpt
 from looplm.checkpoint import CheckpointError
-from looplm.convert.common import INDEX, check_folders, read_checked, read_json
+from looplm.convert.common import DTYPES, INDEX, check_folders, read_checked, read_json, refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
+from looplm.convert.xllm_release import (MANIFEST, REQUIRED, block_shapes, check_covered, field, map_block,
+                                         verify_manifest)
 
 STUDENT_SECTION = "student"
 
@@ -62,31 +64,29 @@ def _teacher(teacher: Path):
 
 def _check_fields(model: dict, cfg, src: Path) -> int:
     """The student's block count, after checking that its fields give blocks of the teacher's shape."""
-    from looplm.convert.xllm_loop import _REQUIRED, _field
-
-    if _field(model, "arch") != "transformer":
-        raise _refuse(f"{src}: config.json model.arch = {_field(model, 'arch')!r}; a release student is 'transformer'")
-    for name, want in _REQUIRED:
-        if name != "arch" and _field(model, name) != want:
-            raise _refuse(f"{src}: config.json model.{name} = {_field(model, name)!r}: looplm converts only "
+    if field(model, "arch") != "transformer":
+        raise _refuse(f"{src}: config.json model.arch = {field(model, 'arch')!r}; a release student is 'transformer'")
+    for name, want in REQUIRED:
+        if name != "arch" and field(model, name) != want:
+            raise _refuse(f"{src}: config.json model.{name} = {field(model, name)!r}: looplm converts only "
                           f"{name} = {want!r}")
-    if _field(model, "residual_func") not in ("base", "add"):
-        raise _refuse(f"{src}: config.json model.residual_func = {_field(model, 'residual_func')!r}: looplm "
+    if field(model, "residual_func") not in ("base", "add"):
+        raise _refuse(f"{src}: config.json model.residual_func = {field(model, 'residual_func')!r}: looplm "
                       "converts only the plain residual (base)")
-    d, heads = int(_field(model, "model_dim")), int(_field(model, "num_heads"))
-    have = {"model_dim": d, "num_heads": heads, "num_kv_heads": int(_field(model, "num_kv_heads") or heads),
-            "head_dim": int(_field(model, "head_dim") or d // heads),
-            "ffn_hidden_dim": int(_field(model, "ffn_hidden_dim")),
-            "rmsnorm_eps": float(_field(model, "rmsnorm_eps"))}
+    d, heads = int(field(model, "model_dim")), int(field(model, "num_heads"))
+    have = {"model_dim": d, "num_heads": heads, "num_kv_heads": int(field(model, "num_kv_heads") or heads),
+            "head_dim": int(field(model, "head_dim") or d // heads),
+            "ffn_hidden_dim": int(field(model, "ffn_hidden_dim")),
+            "rmsnorm_eps": float(field(model, "rmsnorm_eps"))}
     want = {"model_dim": cfg.d_model, "num_heads": cfg.n_heads, "num_kv_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "ffn_hidden_dim": cfg.ffn_dim, "rmsnorm_eps": cfg.norm_eps}
     for name in have:
         if have[name] != want[name]:
             raise _refuse(f"{src}: the student's {name} {have[name]} contradicts the teacher's {want[name]}")
     for name in ("v_head_dim", "rope_head_dim"):
-        if _field(model, name) not in (None, cfg.head_dim):
-            raise _refuse(f"{src}: the student's {name} {_field(model, name)} != head_dim {cfg.head_dim}")
-    n_blocks = int(_field(model, "num_layers"))
+        if field(model, name) not in (None, cfg.head_dim):
+            raise _refuse(f"{src}: the student's {name} {field(model, name)} != head_dim {cfg.head_dim}")
+    n_blocks = int(field(model, "num_layers"))
     if n_blocks < 1:
         raise _refuse(f"{src}: the student has num_layers {n_blocks}; it needs at least one block")
     return n_blocks
@@ -97,8 +97,6 @@ def convert_xllm_student(src: Path, out: Path, teacher: Path, dtype: str | None 
     """Convert the release student artifact `src` into the looplm student checkpoint `out` (new or empty) for
     `teacher`, the looplm checkpoint converted from the student's release teacher. Raises CheckpointError with
     a one-line reason, before anything is written, for anything it cannot convert exactly."""
-    from looplm.convert.xllm_loop import (DTYPES, MANIFEST, _covered, _refuse_pickles, _verify_manifest,
-                                          block_shapes, map_block)
     from looplm.distill.checkpoint import save_student
     from looplm.distill.student import EndpointStudent
 
@@ -106,8 +104,8 @@ def convert_xllm_student(src: Path, out: Path, teacher: Path, dtype: str | None 
     check_folders(src, out, dtype)
     if out.resolve() == teacher.resolve():
         raise _refuse("the output folder must differ from the student and teacher folders")
-    _refuse_pickles(src)
-    manifest = _verify_manifest(src)
+    refuse_pickles(src)
+    manifest = verify_manifest(src)
     config = read_json(src / "config.json", "an xllm-loop release folder")
     model_fields = config.get("model")
     if not isinstance(model_fields, dict):
@@ -117,7 +115,7 @@ def convert_xllm_student(src: Path, out: Path, teacher: Path, dtype: str | None 
         raise _refuse(f"{src}: config.json names no student.teacher_manifest_sha256; the release ties a student "
                       "to its teacher artifact by it")
     weight_map = _shard_map(src)
-    _covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
+    check_covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
                              *sorted(set(weight_map.values()))])
 
     teacher_model, provenance = _teacher(teacher)

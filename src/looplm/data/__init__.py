@@ -1,11 +1,11 @@
 """Data layer: tokenizers, procedural tasks, document sources, packing and sampling."""
 
+from .datasets import build_datasets
 from .packing import (
     IGNORE_INDEX,
     Batch,
     PackedDataset,
     batch_indices,
-    build_datasets,
     epoch_permutation,
     prepare_caches,
 )
@@ -17,7 +17,13 @@ from .pretokenized import (
 )
 from .sources import DataError, Document, describe_source, iter_documents
 from .tasks import TASKS, Example, TaskConfig, check_answer, generate_examples, get_task
-from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_tokenizer
+from .tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    build_tokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "IGNORE_INDEX",

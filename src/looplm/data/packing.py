@@ -364,40 +364,6 @@ class PackedDataset:
         )
 
 
-def build_datasets(
-    source: str,
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    holdout: float = 0.05,
-    cache_dir: Path = Path(".cache/looplm"),
-    text_field: str = "text",
-    task_config: TaskConfig | None = None,
-    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
-    seed: int = 0,
-) -> tuple[PackedDataset, PackedDataset]:
-    """Train and validation datasets for ``source`` (see :func:`prepare_caches`); a folder written
-    by ``looplm tokenize`` is read as it is (its tokenizer must be ``tokenizer``)."""
-    from .pretokenized import is_pretokenized, open_pretokenized
-
-    if is_pretokenized(source):
-        saved, train, val = open_pretokenized(source, seq_len)
-        if saved.fingerprint() != tokenizer.fingerprint():
-            raise DataError(f"{source} was tokenized with another tokenizer ({saved.name}) than this run's ({tokenizer.name})")
-        return train, val
-    train_dir, val_dir = prepare_caches(
-        source,
-        tokenizer,
-        holdout=holdout,
-        cache_dir=cache_dir,
-        text_field=text_field,
-        task_config=task_config,
-        n_task_examples=n_task_examples,
-        seed=seed,
-    )
-    return PackedDataset(train_dir, seq_len), PackedDataset(val_dir, seq_len)
-
-
 # --------------------------------------------------------------------------- sampling
 
 

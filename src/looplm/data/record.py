@@ -91,7 +91,7 @@ class DataRecord:
     # -- reading the data back ---------------------------------------------------------------------
     def datasets(self, tokenizer, seq_len: int | None = None):
         """(train, held-out) PackedDatasets of this data, in rows of `seq_len` tokens (default: the record's)."""
-        from .packing import build_datasets
+        from .datasets import build_datasets
 
         return build_datasets(self.source, tokenizer, seq_len=seq_len or self.seq_len, holdout=self.holdout,
                               cache_dir=Path(self.cache_dir), text_field=self.text_field, task_config=self.tasks,

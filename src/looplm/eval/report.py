@@ -122,12 +122,17 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
 
 def depth_samples(model, tokenizer, cfg: EvalConfig, device) -> dict:
     """One seeded continuation of `cfg.sample_prompt` per depth with the terminal cache, the same
-    seed and initial state at every depth, so the texts differ only by depth."""
+    seed and initial state at every depth, so the texts differ only by depth. A sample is cut to what
+    the model's context leaves after the prompt (`tokens` records the length used)."""
     from looplm.infer.generate import SamplingConfig, generate
 
-    sampling = SamplingConfig(max_new_tokens=cfg.sample_tokens, temperature=cfg.sample_temperature, seed=cfg.task_seed)
+    room = model.cfg.max_seq_len - len(tokenizer.encode(cfg.sample_prompt)) + 1  # the last new token is never fed
+    if room < 1:
+        raise ValueError(f"sample prompt {cfg.sample_prompt!r} does not fit the context max_seq_len={model.cfg.max_seq_len}")
+    n = min(cfg.sample_tokens, room)
+    sampling = SamplingConfig(max_new_tokens=n, temperature=cfg.sample_temperature, seed=cfg.task_seed)
     texts = {r: generate(model, tokenizer, [cfg.sample_prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
-    return {"prompt": cfg.sample_prompt, "temperature": cfg.sample_temperature, "tokens": cfg.sample_tokens,
+    return {"prompt": cfg.sample_prompt, "temperature": cfg.sample_temperature, "tokens": n,
             "seed": cfg.task_seed, "by_depth": texts}
 
 

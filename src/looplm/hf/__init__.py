@@ -1,11 +1,11 @@
 """Hugging Face Transformers integration (`pip install looplm[hf]`).
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import looplm.hf  # registers model_type "looplm" (also done by `import looplm` when transformers is installed)
+    import looplm.hf  # registers model_type "looplm" with the Auto classes
     model = AutoModelForCausalLM.from_pretrained(folder)   # a folder written by `looplm export`
     out = model.generate(ids, attention_mask=mask, max_new_tokens=32, num_steps=5, cache_kind="terminal")
 
-`LoopedLMForCausalLM` wraps the very same `LoopedLM`, and its cached forward is `looplm.infer.extend`.
+`LoopedLMForCausalLM` wraps the very same `LoopedLM`, and its cached forward is the model's own.
 """
 
 from looplm.hf.configuration import LoopedLMConfig

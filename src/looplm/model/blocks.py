@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,17 +23,35 @@ cross documents; compiled on CUDA)."""
 _compiled_flex_attention = None
 
 
-def _flex(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+class FlexMask(NamedTuple):
+    """A FlexAttention block mask and the kernel options to run it with (`flex_kernel_options`)."""
+
+    block_mask: BlockMask
+    kernel_options: dict | None = None
+
+
+def flex_kernel_options(extra: dict | None = None) -> dict:
+    """torch's FlexAttention `kernel_options` for looplm's causal document masks: every query attends
+    at least to itself, so no row is fully masked (ROWS_GUARANTEED_SAFE lets the kernel skip that
+    check), plus `extra` (tile sizes such as fwd_BLOCK_M / bwd_BLOCK_N1 for long sequences). Used on
+    CUDA only. (BLOCKS_ARE_CONTIGUOUS does not hold: a query block that starts inside a document has
+    partial blocks at the document's start and at the diagonal with full blocks between them.)"""
+    return {"ROWS_GUARANTEED_SAFE": True, **(extra or {})}
+
+
+def _flex(q, k, v, mask: FlexMask, enable_gqa: bool) -> torch.Tensor:
     global _compiled_flex_attention
+    block_mask, options = mask
     if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa,
+                              kernel_options=options if q.is_cuda else None)
     if q.device.type == "cpu":  # eager flex (exact, unfused) keeps CPU tests free of inductor builds
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options)
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +84,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def _head_norm(x: torch.Tensor) -> torch.Tensor:
+def per_head_norm(x: torch.Tensor) -> torch.Tensor:
     y = x.float()
     return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)).type_as(x)
 
@@ -79,7 +97,7 @@ class Attention(nn.Module):
     """Causal grouped-query attention through `F.scaled_dot_product_attention`.
 
     `offsets` are additive terms for Q, K and V (DEQ-QKV injection, design §2); `mask` is a
-    boolean [B, 1, L, S] (True = attend), a FlexAttention `BlockMask` (from `document_mask`), or
+    boolean [B, 1, L, S] (True = attend), a FlexAttention `FlexMask` or `BlockMask` (from `document_mask`), or
     None for plain causal attention.
     """
 
@@ -101,7 +119,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | BlockMask | None,
+        mask: torch.Tensor | FlexMask | BlockMask | None,
         *,
         offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         kv: KVSlot | None = None,
@@ -133,10 +151,12 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.qk_norm:  # gain-free RMSNorm per head after RoPE (Parcae), eps = fp32 machine eps
-            q, k = _head_norm(q), _head_norm(k)
+            q, k = per_head_norm(q), per_head_norm(k)
         k_all, v_all = (k, v) if kv is None else kv.update(k, v)
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):
+            mask = FlexMask(mask)
+        if isinstance(mask, FlexMask):
             if k_all.shape[2] != L:
                 raise ValueError("FlexAttention block masks serve the parallel forward; caches use boolean masks")
             y = _flex(q, k_all, v_all, mask, gqa)
@@ -235,12 +255,13 @@ def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     return create_block_mask(causal_same_document, B, None, L, L, device=doc_ids.device)
 
 
-def document_mask(doc_ids: torch.Tensor | None, kernel: AttentionKernel = "sdpa"):
-    """The attention mask of packed rows for `kernel`: None (plain causal) without segments."""
+def document_mask(doc_ids: torch.Tensor | None, kernel: AttentionKernel = "sdpa", flex_options: dict | None = None):
+    """The attention mask of packed rows for `kernel`: None (plain causal) without segments; for flex a
+    `FlexMask` with `flex_kernel_options(flex_options)`."""
     if doc_ids is None:
         return None
     if kernel == "flex":
-        return document_block_mask(doc_ids)
+        return FlexMask(document_block_mask(doc_ids), flex_kernel_options(flex_options))
     if kernel != "sdpa":
         raise ValueError(f"unknown attention kernel {kernel!r}; choose sdpa or flex")
     return causal_document_mask(doc_ids)

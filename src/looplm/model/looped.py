@@ -14,6 +14,7 @@ from torch import nn
 
 from looplm.config import ModelConfig
 from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
+from looplm.model.cross_entropy import linear_cross_entropy
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.exits import DepthPlan, Exits
 from looplm.model.injection import build_injection
@@ -32,6 +33,8 @@ class LoopOutput:
     depths: torch.Tensor | None = None
     """Recurrences each token used, [B, L] (per-row depths, adaptive exit or the exit gate's choice);
     None for the parallel forward at a plain integer depth, where every token used all of them."""
+    ce_sum: torch.Tensor | None = None
+    """fp32 sum of next-token cross-entropy over the supervised `targets` (when given; then no logits)."""
 
 
 def value_kw(rows: list | None, i: int) -> dict:
@@ -159,7 +162,10 @@ class LoopedLM(nn.Module):
         x = self.embed(tokens)
         rows = self.value_rows("prelude", tokens)
         for i, block in enumerate(self.prelude):
-            x = block(x, rope, mask, kv=None if cache is None else cache.slot("prelude", i), **value_kw(rows, i))
+            kw = value_kw(rows, i)
+            if cache is not None:
+                kw["kv"] = cache.slot("prelude", i)
+            x = block(x, rope, mask, **kw)
         return x
 
     def recurrence(self, s: torch.Tensor, ctx: Context, *, slots: list | None = None, return_kv: bool = False):
@@ -172,8 +178,14 @@ class LoopedLM(nn.Module):
             slots = [KVRecord(slot) for slot in (slots or [None] * len(self.core))]
         s = self.injection(s, ctx.injected)
         for i, block in enumerate(self.core):
-            s = block(s, ctx.rope, ctx.mask, offsets=ctx.qkv_offsets[i] if ctx.qkv_offsets else None,
-                      kv=slots[i] if slots else None, **value_kw(ctx.core_values, i))
+            # block(x, rope, mask, **keywords a feature needs): the prelude, every core visit and the coda
+            # call a block with one signature, so a compiled block keeps one graph for all of them
+            kw = value_kw(ctx.core_values, i)
+            if ctx.qkv_offsets:
+                kw["offsets"] = ctx.qkv_offsets[i]
+            if slots:
+                kw["kv"] = slots[i]
+            s = block(s, ctx.rope, ctx.mask, **kw)
         s = self.injection.exit(s)
         return (s, [slot.kv for slot in slots]) if return_kv else s
 
@@ -190,13 +202,27 @@ class LoopedLM(nn.Module):
     def run_coda(self, z: torch.Tensor, rope, mask, ctx: Context | None = None, cache: LayerCache | None = None,
                  compute_logits: bool = True) -> torch.Tensor | None:
         """Logits of the endpoint z; `ctx` (the forward's Context) carries the coda's value embeddings
-        and is required for a model that has them."""
+        and is required for a model that has them. With a `cache` the coda writes its K/V there (and
+        `compute_logits=False` skips only the head)."""
+        h = self.coda_output(z, rope, mask, ctx, cache)
+        return self.logits(h) if compute_logits else None
+
+    def coda_output(self, z: torch.Tensor, rope, mask, ctx: Context | None = None,
+                    cache: LayerCache | None = None) -> torch.Tensor:
+        """h: the coda's output for the endpoint z, what `logits` maps to the vocabulary."""
         values = self.coda_values(ctx)
         z = self.coda_input(z)
         for i, block in enumerate(self.coda):
-            z = block(z, rope, mask, kv=None if cache is None else cache.slot("coda", i), **value_kw(values, i))
-        return self.logits(z) if compute_logits else None
+            kw = value_kw(values, i)
+            if cache is not None:
+                kw["kv"] = cache.slot("coda", i)
+            z = block(z, rope, mask, **kw)
+        return z
 
+    def cross_entropy_sum(self, h: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+        """fp32 sum of CE(logits(h), targets) over targets != -100 (F.cross_entropy's ignore index),
+        computed `chunk_rows` rows at a time: the [N, V] fp32 logits of `logits(h)` are never held."""
+        return linear_cross_entropy(self.norm(h), self.head.weight, targets, chunk_rows=chunk_rows)
     def coda_values(self, ctx: Context | None) -> list | None:
         """The coda's value embeddings from `ctx`; ValueError when the model has them and ctx lacks them."""
         if self.value_embeds is None:
@@ -253,6 +279,9 @@ class LoopedLM(nn.Module):
         return_states: bool = False,
         compute_logits: bool = True,
         attention: AttentionKernel = "sdpa",
+        flex_options: dict | None = None,
+        targets: torch.Tensor | None = None,
+        ce_chunk_rows: int = 4096,
     ) -> LoopOutput:
         """Run the model at `depth` recurrences (an int, or a `DepthPlan`: per-row depths, adaptive
         exit, the exit gate).
@@ -263,7 +292,10 @@ class LoopedLM(nn.Module):
         gradient in each of them. `state0` overrides `init` (used by trainers that draw the noise
         for a global batch themselves); `initial(e, rope, mask[, values=...])` computes s^0 from the
         prelude output (the distilled prefill's student, design §9). `attention` picks how document
-        masks are applied ('flex': one FlexAttention block mask per forward, the fast path on CUDA).
+        masks are applied ('flex': one FlexAttention block mask per forward, the fast path on CUDA);
+        `flex_options` are its CUDA kernel options (`blocks.flex_kernel_options`). `targets` [B, L]
+        (ignored where -100): return their summed cross-entropy as `ce_sum` instead of logits, computed
+        `ce_chunk_rows` rows at a time (`cross_entropy_sum`; training, without a cache).
 
         With a `cache` (`looplm.infer.cache`, design §7) the tokens are a chunk after the cache's
         tokens: every layer visit writes its K/V through the cache's slot and attends to the cached
@@ -288,9 +320,14 @@ class LoopedLM(nn.Module):
         else:
             ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
                                 initial=initial, example_ids=example_ids, seed=seed, generator=generator,
-                                attention=attention)
+                                attention=attention, flex_options=flex_options)
         s, states, used = self.iterate(s, ctx, plan or DepthPlan(R), cache=cache, bptt_window=bptt_window,
                                        return_states=return_states)
+        if targets is not None:
+            if cache is not None:
+                raise ValueError("targets (the summed cross-entropy) are for training, without a cache")
+            ce = self.cross_entropy_sum(self.coda_output(s, ctx.rope, ctx.mask, ctx), targets, ce_chunk_rows)
+            return LoopOutput(logits=None, endpoint=s, states=states, depths=used, ce_sum=ce)
         logits = None
         if compute_logits or cache is not None:  # a cache needs the coda's K/V
             logits = self.run_coda(s, ctx.rope, ctx.mask, ctx, cache, compute_logits)
@@ -370,6 +407,7 @@ class LoopedLM(nn.Module):
         seed: int = 0,
         generator: torch.Generator | None = None,
         attention: AttentionKernel = "sdpa",
+        flex_options: dict | None = None,
     ) -> tuple[Context, torch.Tensor]:
         """(context, s^0) of the parallel `forward`: the prelude runs once, then the recurrence can
         start (also used by diagnostics that iterate the recurrence themselves)."""
@@ -377,7 +415,7 @@ class LoopedLM(nn.Module):
         if positions is None:
             positions = torch.arange(L, device=tokens.device).expand(B, L)
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
-        mask = document_mask(doc_ids, attention)
+        mask = document_mask(doc_ids, attention, flex_options)
         e = self.run_prelude(tokens, rope, mask)
         ctx = self.context(e, rope, mask, tokens)
         return ctx, self.start_state(e, ctx, init=init, state0=state0, initial=initial, positions=positions,

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import tyro
-
 from looplm.config import ModelConfig, model_preset
 from looplm.data.record import BUILTIN_TEXT
 from looplm.data.tasks import DEFAULT_TASK_EXAMPLES, TaskConfig
@@ -83,6 +81,12 @@ class TrainConfig:
     warm-up is logged as compile_recompiles."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA)."""
+    flex_kernel_options: tuple[str, ...] = ()
+    """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
+    bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is always set."""
+    cross_entropy: Literal["auto", "full", "chunked"] = "auto"
+    """Next-token cross-entropy: full (fp32 logits of the whole microbatch), chunked (head matmul + CE in row
+    chunks, never holding [B, L, V] fp32 logits; same values within fp32 rounding); auto: chunked on CUDA."""
     activation_checkpointing: Literal["none", "block"] = "none"
     """'block' recomputes each block's insides in backward, keeping only its input (fits full BPTT at large R)."""
     prefetch: bool = True
@@ -160,6 +164,7 @@ def job_from_dict(data: dict) -> TrainJob:
     data_cfg["tasks"] = TaskConfig(**{**data_cfg["tasks"], "kinds": tuple(data_cfg["tasks"]["kinds"])})
     data_cfg["cache_dir"] = Path(data_cfg["cache_dir"])
     train_cfg = dict(data["train"], out_dir=Path(data["train"]["out_dir"]))
+    train_cfg["flex_kernel_options"] = tuple(train_cfg.get("flex_kernel_options", ()))
     return TrainJob(
         model=ModelConfig.from_dict(data["model"]),
         depth=DepthConfig.from_dict(data["depth"]),
@@ -203,15 +208,25 @@ def _tiny() -> TrainJob:
     )
 
 
+def _required_source():
+    """tyro's MISSING, so that the command line asks for --data.source; None where tyro is not
+    installed (library use, the GPU benchmark's machine), which the trainer refuses alike."""
+    try:
+        import tyro
+    except ImportError:
+        return None
+    return tyro.MISSING
+
+
 def _paper(size: str, lr: float) -> TrainJob:
     # design §1/6: the paper's sizes at 8K context, PLN-5 with b = 10 (the 'auto' window of the sampled
     # priors; a fixed depth set on the command line trains with full BPTT); batch sizes are per rank. No
-    # built-in data fits a model of this size, so --data.source is required (tyro.MISSING), and precision
+    # built-in data fits a model of this size, so --data.source is required, and precision
     # auto trains in bf16 autocast on CUDA.
     return TrainJob(
         model=_training_model(size),
         depth=DepthConfig(sampler="pln", depth=5.0),
-        data=DataConfig(source=tyro.MISSING, tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
+        data=DataConfig(source=_required_source(), tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
         train=TrainConfig(steps=20_000, micro_batch=1, grad_accum=8, lr=lr, out_dir=Path(f"runs/{size}")),
     )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,21 @@ def comm_device_for(device: torch.device, served: set[str]) -> torch.device:
         f"but the model computes on {device}; launch with a backend that serves it (nccl for cuda, gloo for cpu)")
 
 
+# How long a collective may wait for the other ranks before the process group aborts it (and the run
+# fails with an error naming the collective) instead of hanging; from LOOPLM_DIST_TIMEOUT_S if set.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def process_group_options(device: torch.device) -> dict:
+    """`init_process_group` arguments for a model on `device`: nccl bound to this rank's GPU
+    (`device_id` forms the communicator at once, so a wrong device or a missing peer fails at start-up
+    rather than at the first collective), gloo on the CPU; both with a timeout."""
+    timeout = timedelta(seconds=float(os.environ.get("LOOPLM_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    if device.type == "cuda":
+        return {"backend": "nccl", "device_id": device, "timeout": timeout}
+    return {"backend": "gloo", "timeout": timeout}
+
+
 def init_distributed(device_pref: str = "auto") -> DistEnv:
     """Join the process group when launched by torchrun; else a single process without one."""
     device = resolve_device(device_pref)
@@ -100,7 +116,7 @@ def init_distributed(device_pref: str = "auto") -> DistEnv:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(**process_group_options(device))
     env = DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device,
                   comm_device=comm_device_for(device, served_device_types()), joined=True,
                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))

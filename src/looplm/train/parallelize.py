@@ -8,6 +8,7 @@ compiled block and injection graphs R times instead of tracing a graph per depth
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -41,14 +42,27 @@ def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointi
             layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)  # blocks draw no randomness
 
 
-def apply_compile(model: nn.Module) -> None:
-    """Compile every block and the injection in place (`nn.Module.compile`).
+# Graphs one compiled block may need: grad / no-grad (the truncated-backprop prefix) x input that does or does
+# not require grad x mask kinds (plain causal, boolean, FlexAttention block mask) x a few shapes (training,
+# evaluation, a last short batch). dynamo's default limit (8) is a hard error under fullgraph=True.
+RECOMPILE_LIMIT = 64
 
-    Blocks share one code object, so one graph per (grad mode, mask kind) serves the prelude,
-    every core visit at every recurrence, and the coda."""
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    """Compile every block and the injection in place (`nn.Module.compile`), static shapes.
+
+    Blocks share one code object and are called with one signature (`block(x, rope, mask, **kw)`),
+    so one graph per (grad mode, mask kind, shape) serves the prelude, every core visit at every
+    recurrence, and the coda. `dynamic=False`: a new shape compiles a static graph (the trainer
+    runs fixed shapes) instead of a dynamic-shape one; up to RECOMPILE_LIMIT graphs per block.
+    `backend` is torch.compile's ("inductor"; tests and dry runs may use "aot_eager")."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
     for block in blocks(model):
-        block.compile(fullgraph=True)
-    model.injection.compile()
+        block.compile(fullgraph=True, dynamic=False, backend=backend)
+    model.injection.compile(dynamic=False, backend=backend)
 
 
 def compiled_graphs() -> int:
@@ -84,9 +98,42 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
                 raise UserError(f"hsdp: world size {env.world_size} is not a multiple of the ranks per node {shard}")
             mesh = init_device_mesh(env.device.type, (env.world_size // shard, shard),
                                     mesh_dim_names=("replicate", "shard"))
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        # cast_forward_inputs=False: the residual stream and the recurrent state enter every block as they
+        # are (fp32, as under DDP with autocast), not cast to bf16; autocast casts the matmul inputs
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                                  cast_forward_inputs=False)
         for block in blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
+        if param_dtype is not None:
+            keep_stream_fp32(model)
         return model
     raise UserError(f"unknown parallel mode {parallel!r}; choose ddp, fsdp or hsdp")
+
+
+def keep_stream_fp32(model: nn.Module) -> None:
+    """Cast the token embedding's output to fp32.
+
+    Under DDP the parameters stay fp32 and bf16 autocast computes the matmuls, so the embedding rows,
+    the residual stream and the recurrent state carried through R recurrences are fp32. FSDP2 with
+    bf16 parameters would hand out bf16 rows and carry the state in bf16; with this hook (and
+    `cast_forward_inputs=False`) it carries the same dtypes as DDP."""
+    model.embed.register_forward_hook(lambda _module, _inputs, out: out.float())
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, env: DistEnv, parallel: str, sync: bool):
+    """Run a microbatch's forward and backward with (`sync`) or without the gradient reduction across
+    ranks: accumulation micro-steps skip it (DDP `no_sync`, FSDP2/HSDP `set_requires_gradient_sync`),
+    the last microbatch of a step reduces the accumulated gradients once."""
+    if not env.distributed:
+        yield
+    elif parallel == "ddp":
+        with contextlib.nullcontext() if sync else model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(sync)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)

@@ -11,7 +11,6 @@ global batch (`looplm.train.layout`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -21,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from looplm import checkpoint as ckpt
-from looplm.data import IGNORE_INDEX, Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
+from looplm.data import Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
 from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized
 from looplm.data.record import DataRecord
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
@@ -38,6 +36,7 @@ from looplm.train.checkpointing import verify as verify_checkpoint
 from looplm.train.config import TrainConfig, TrainJob, job_from_dict, vocab_size_for
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.layout import BatchLayout
+from looplm.train.loss import cross_entropy_sum, loss_kind, microbatch_loss, parse_kernel_options
 from looplm.train.metrics import MetricsLogger
 from looplm.train.noise import initial_state_noise
 from looplm.train.schedule import wsd_multiplier
@@ -49,7 +48,8 @@ RESUMABLE_CHANGES = {
     "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
-    "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir",
+    "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir", "train.flex_kernel_options",
+    "train.cross_entropy",
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
@@ -93,14 +93,6 @@ def attention_kernel(t: TrainConfig, device: torch.device) -> str:
     return t.attention if t.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
 
 
-def microbatch_loss(model, batch: Batch, depth: int, bptt_window, state0, autocast, attention: str = "sdpa") -> torch.Tensor:
-    """Sum of next-token CE over the batch's supervised targets at `depth`."""
-    with autocast:
-        out = model(batch.inputs, depth, bptt_window=bptt_window, doc_ids=batch.doc_ids,
-                    positions=batch.positions, state0=state0, attention=attention)
-    return F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 @dataclass
 class StepResult:
     loss: float
@@ -132,6 +124,8 @@ class Trainer:
         self.sampler: DepthSampler = build_sampler(job.depth)
         # Wrapped from outside, in torchtitan's order: checkpointing, compile, data parallelism.
         self.attention = attention_kernel(t, self.env.device)
+        self.loss_kind = loss_kind(t, self.env.device)
+        self.flex_options = parse_kernel_options(t.flex_kernel_options) if self.attention == "flex" else None
         self.compiled = use_compile(t, self.env.device)
         P.apply_activation_checkpointing(self.model, t.activation_checkpointing)
         if self.compiled:
@@ -180,6 +174,7 @@ class Trainer:
         if j.train.attention == "flex" and D.resolve_device(j.train.device).type != "cuda":
             raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
                             "train with --train.attention sdpa (or auto) on CPU")
+        parse_kernel_options(j.train.flex_kernel_options)
         for r in j.eval.depths:
             if not 1 <= r <= j.model.max_depth:
                 raise UserError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
@@ -273,6 +268,10 @@ class Trainer:
             self._prefetched = (step + 1, self._prefetcher.submit(self._host_step_batches, step + 1))
         return host
 
+    def _loss(self, batch: Batch, depth: int, bptt_window, state0) -> torch.Tensor:
+        return microbatch_loss(self.wrapped, batch, depth, bptt_window, state0, self._autocast(), self.attention,
+                               loss=self.loss_kind, flex_options=self.flex_options)
+
     def _autocast(self):
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
 
@@ -290,13 +289,10 @@ class Trainer:
         scale = env.world_size / max(n_global, 1)  # DDP/FSDP average gradients over ranks
         ce_sums = [torch.zeros((), dtype=torch.float64, device=env.device) for _ in range(t.grad_accum)]
         for k, (i, rows, batch) in enumerate(forwards):
-            sync = contextlib.nullcontext()
-            if env.distributed and t.parallel == "ddp" and k < len(forwards) - 1:
-                sync = self.wrapped.no_sync()
-            with sync:
+            # gradients are reduced across ranks once per step, in the last forward's backward
+            with P.gradient_sync(self.wrapped, env, t.parallel, sync=k == len(forwards) - 1):
                 state0 = self._noise(self.step, i, rows, batch.inputs.shape[1])
-                ce_sum = microbatch_loss(self.wrapped, batch, depths[i], self.job.depth.bptt_window, state0,
-                                         self._autocast(), self.attention)
+                ce_sum = self._loss(batch, depths[i], self.job.depth.bptt_window, state0)
                 (ce_sum * scale).backward()
             ce_sums[i] = ce_sums[i] + ce_sum.detach().double()
         # (CE sum, targets) per microbatch, summed over ranks: the learned prior's feedback (design §4)
@@ -323,11 +319,10 @@ class Trainer:
             for _, host in self._host_batch(self.val_data, 0, i, t.eval_batches, seed=1):
                 n_targets += host.n_targets
                 batch = host.to(self.env.device, non_blocking=True)
-                with self._autocast():
-                    out = self.wrapped(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                                       init="seeded", example_ids=batch.example_ids, attention=self.attention)
-                ce_sum += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
-                                          ignore_index=IGNORE_INDEX, reduction="sum").double()
+                kw = {"flex_options": self.flex_options} if self.attention == "flex" else {}
+                ce_sum += cross_entropy_sum(self.wrapped, batch, depth, self._autocast(), loss=self.loss_kind,
+                                            init="seeded", example_ids=batch.example_ids, attention=self.attention,
+                                            **kw).double()
         total = D.all_reduce_sum(torch.stack([ce_sum, torch.tensor(float(n_targets), dtype=torch.float64,
                                                                    device=self.env.device)]), self.env).tolist()
         return float(total[0] / max(total[1], 1))
@@ -342,10 +337,10 @@ class Trainer:
         rows, host = self._host_batch(self.train_data, 0, 0, t.grad_accum, t.seed)[0]
         batch = host.to(env.device)
         state0 = self._noise(0, 0, rows, batch.inputs.shape[1])
-        microbatch_loss(self.wrapped, batch, depth, b, state0, self._autocast(), self.attention).backward()
+        self._loss(batch, depth, b, state0).backward()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            microbatch_loss(self.wrapped, batch, 1, None, state0, self._autocast(), self.attention)
+            self._loss(batch, 1, None, state0)
         self.recompiles_baseline = P.compiled_graphs()
 
     def recompiles(self) -> int:

@@ -38,7 +38,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
-from looplm.model.blocks import RMSNorm, _head_norm, apply_rope, rope_tables
+from looplm.model.blocks import RMSNorm, apply_rope, per_head_norm, rope_tables
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.injection import build_injection
 from looplm.model.state import initial_state
@@ -165,7 +165,7 @@ class LoopedAttention(nn.Module):
         q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
         if self.qk_norm:
-            q, k = _head_norm(q), _head_norm(k)
+            q, k = per_head_norm(q), per_head_norm(k)
         y = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v.contiguous())
         out, _ = self.wo(y)
         return out
