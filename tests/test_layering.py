@@ -142,3 +142,52 @@ def test_only_the_vllm_plugin_imports_vllm():
 
     users = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if imports_vllm(p)}
     assert users and all(u.startswith("vllm_plugin/") for u in users), sorted(users)
+
+
+def private_imports(root: Path = SRC) -> set[str]:
+    """'file: module.name' for each private name (leading underscore) one looplm module imports from another."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("looplm"):
+                found |= {f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")}
+    return found
+
+
+def test_no_private_name_is_imported_across_modules(tmp_path):
+    assert not private_imports(), sorted(private_imports())
+    planted = tmp_path / "looplm" / "serve"
+    planted.mkdir(parents=True)
+    (planted / "m.py").write_text("from looplm.infer.generate import _cut_at_stop\nfrom looplm.x import y as _y\n")
+    assert private_imports(tmp_path / "looplm") == {"serve/m.py: looplm.infer.generate._cut_at_stop"}
+
+
+def block_walks(root: Path = SRC) -> set[str]:
+    """'file:line' of each loop outside `model/` over a model's prelude, core or coda blocks
+    (`for ... in x.core`, `zip(x.prelude, ...)`): only `LoopedLM` runs its blocks (design §16).
+    Loops over a cache's banks (`cache.core`) are not block walks."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("model", "vllm_plugin") or rel == Path("infer/cache.py"):
+            continue  # the model itself; the vLLM model's own vLLM blocks; the caches' banks of those names
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.For, ast.comprehension)):
+                continue
+            for sub in ast.walk(node.iter):
+                if (isinstance(sub, ast.Attribute) and sub.attr in ("prelude", "core", "coda")
+                        and not (isinstance(sub.value, ast.Name) and "cache" in sub.value.id)
+                        and not (isinstance(sub.value, ast.Attribute) and "cache" in sub.value.attr)):
+                    found.add(f"{rel}:{node.lineno if hasattr(node, 'lineno') else node.iter.lineno}")
+    return found
+
+
+def test_only_the_model_walks_its_blocks(tmp_path):
+    # train/parallelize lists the blocks to wrap them (FSDP, checkpointing, compile), it does not run them
+    assert {w for w in block_walks() if not w.startswith("train/parallelize.py")} == set()
+    planted = tmp_path / "looplm" / "infer"
+    planted.mkdir(parents=True)
+    (planted / "m.py").write_text("def f(model, cache, x):\n    for b in cache.core:\n        pass\n"
+                                  "    for b in model.core:\n        x = b(x)\n")
+    assert block_walks(tmp_path / "looplm") == {"infer/m.py:4"}

@@ -52,11 +52,11 @@ def bank_error(model, val, arm: Prefill, depth: int, *, rows: int = 16, device="
     for i in range(min(rows, len(val))):
         b = val.get_batch([i]).to(device)
         x = b.inputs[:, : max(1, b.inputs.shape[1] // 2)]
-        ref, got = (TerminalCache(model.cfg, 1, x.shape[1], device=device) for _ in range(2))
-        Prefill("teacher")(model, x, ref, depth, example_ids=b.example_ids)
-        arm(model, x, got, depth, example_ids=b.example_ids)
+        ref_cache, arm_cache = (TerminalCache(model.cfg, 1, x.shape[1], device=device) for _ in range(2))
+        Prefill("teacher")(model, x, ref_cache, depth, example_ids=b.example_ids)
+        arm(model, x, arm_cache, depth, example_ids=b.example_ids)
         diff = norm = 0.0
-        for r, g in zip([*ref.core, *ref.coda], [*got.core, *got.coda]):
+        for r, g in zip([*ref_cache.core, *ref_cache.coda], [*arm_cache.core, *arm_cache.coda]):
             diff += (g.k - r.k).double().pow(2).sum().item() + (g.v - r.v).double().pow(2).sum().item()
             norm += r.k.double().pow(2).sum().item() + r.v.double().pow(2).sum().item()
         errs.append(math.sqrt(diff / max(norm, 1e-30)))
