@@ -41,6 +41,7 @@ from looplm.infer.cache import TerminalCache  # noqa: E402
 from looplm.infer.extend import extend  # noqa: E402
 from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
+from looplm.train.config import job_preset  # noqa: E402
 from looplm.vllm_plugin.model import Refused, check_servable  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -74,7 +75,9 @@ def tiny(**fields) -> LoopedLM:
 
 
 def exported(root: Path, model: LoopedLM, num_steps: int = 3) -> Path:
-    ckpt.save_model(root / "run", model, {"model": model.cfg.to_dict()}, TOK)
+    job = job_preset("tiny")  # a whole job: the checkpoint records its data (built-in text)
+    job.model = model.cfg
+    ckpt.save_model(root / "run", model, job.to_dict(), TOK)
     return export(root / "run", root / "hf", num_steps=num_steps)
 
 
@@ -100,13 +103,13 @@ def looplm_generate(model: LoopedLM, prompt: list[int], depth: int, n: int, chun
     tokens = torch.tensor([prompt])
     bounds = [0, *(chunks or []), len(prompt)]
     for a, b in zip(bounds, bounds[1:]):
-        logits = extend(model, tokens[:, a:b], cache, depth)[:, -1]
+        logits = extend(model, tokens[:, a:b], cache, depth).logits[:, -1]
     ids, logprobs = [], []
     for _ in range(n):
         lp = logits.log_softmax(-1)[0]
         ids.append(int(lp.argmax()))
         logprobs.append(float(lp.max()))
-        logits = extend(model, torch.tensor([[ids[-1]]]), cache, depth)[:, -1]
+        logits = extend(model, torch.tensor([[ids[-1]]]), cache, depth).logits[:, -1]
     return ids, logprobs
 
 
@@ -229,6 +232,30 @@ def test_huginn_style_model_with_fused_projections(tmp_path):
         assert err <= TOL
 
 
+def test_vllm_serve_a_huginn_style_model(tmp_path):
+    """A converted-Huginn-shaped model (sandwich norms, q/k bias, embedding scale, tied head, linear
+    injection, truncated-normal state, 2/2/2 blocks) through vLLM's OpenAI server: greedy token ids
+    and log-probs equal looplm's own decoding of the prompt alone."""
+    from openai import OpenAI
+
+    model = tiny(**HUGINN)
+    with torch.no_grad():
+        for block in (*model.prelude, *model.core, *model.coda):
+            block.attn.q_bias.normal_(0, 0.5)
+            block.attn.k_bias.normal_(0, 0.5)
+    folder = exported(tmp_path, model, num_steps=4)
+    prompt = PROMPTS[2]
+    with vllm_server(folder) as url:
+        client = OpenAI(base_url=url, api_key="none")
+        name = client.models.list().data[0].id
+        done = client.completions.create(model=name, prompt=prompt, max_tokens=NEW, temperature=0, logprobs=0,
+                                         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    ids = [int(t.split(":")[1]) for t in done.choices[0].logprobs.tokens]
+    want_ids, want_lp = looplm_generate(model, prompt, 4, NEW)
+    assert ids == want_ids
+    assert max(abs(a - b) for a, b in zip(done.choices[0].logprobs.token_logprobs, want_lp)) <= TOL
+
+
 def test_ouro_style_model_with_threshold_exit(tmp_path):
     """Ouro's threshold exit per token: every recurrence runs (and writes K/V), each token's coda reads the
     first recurrence whose cumulative exit probability reaches q: looplm's `extend(..., exit_gate=q)`."""
@@ -241,7 +268,8 @@ def test_ouro_style_model_with_threshold_exit(tmp_path):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], SCORE, use_tqdm=False)
     for prompt, out in zip(PROMPTS[1:], outs):
         cache = TerminalCache(model.cfg, 1, CONTEXT)
-        logits, used = extend(model, torch.tensor([prompt]), cache, 4, exit_gate=q, return_depths=True)
+        step = extend(model, torch.tensor([prompt]), cache, 4, exit_gate=q)
+        logits, used = step.logits, step.depths
         lp = logits[0].log_softmax(-1)
         want = [float(lp[t - 1, prompt[t]]) for t in range(1, len(prompt))]
         assert max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(out), want)) <= TOL
