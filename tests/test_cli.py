@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -308,20 +309,17 @@ def test_fresh_run_into_a_used_folder(trained_run, cache, capsys):
 
 def test_console_script_reports_errors_without_traceback(tmp_path):
     """The installed `looplm` script: exit status and stderr as a user sees them."""
-    res = looplm("train", "tiny", "--model.injection", "foo", timeout=120)
-    assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
-    assert "foo" in res.stderr and res.stderr.rstrip().endswith("; see looplm train tiny --help")
-    res = looplm("train", "tiny", "--train.stpes", "3", timeout=120)
-    assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
-    assert "--train.stpes (did you mean --train.steps" in res.stderr and "--help" in res.stderr
-    res = looplm("generate", tmp_path / "nowhere", "--top-p", "1.5", timeout=120)
-    assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
-    assert "top_p must be in (0, 1]" in res.stderr and "--help" in res.stderr
-    res = looplm("eval", tmp_path / "nowhere", timeout=120)
-    assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
-    assert res.stdout == ""
-    res = looplm("train", "--help", timeout=120)
-    assert res.returncode == 0 and res.stderr == "" and "tiny" in res.stdout
+    calls = [("train", "tiny", "--model.injection", "foo"), ("train", "tiny", "--train.stpes", "3"),
+             ("generate", tmp_path / "nowhere", "--top-p", "1.5"), ("eval", tmp_path / "nowhere"), ("train", "--help")]
+    with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
+        bad_injection, typo, top_p, no_run, help_ = pool.map(lambda args: looplm(*args, timeout=120), calls)
+    for res in (bad_injection, typo, top_p, no_run):
+        assert_clean_exit(res.returncode, res.stderr, looplm_error=True)
+    assert "foo" in bad_injection.stderr and bad_injection.stderr.rstrip().endswith("; see looplm train tiny --help")
+    assert "--train.stpes (did you mean --train.steps" in typo.stderr and "--help" in typo.stderr
+    assert "top_p must be in (0, 1]" in top_p.stderr and "--help" in top_p.stderr
+    assert no_run.stdout == ""
+    assert help_.returncode == 0 and help_.stderr == "" and "tiny" in help_.stdout
 
 
 def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):

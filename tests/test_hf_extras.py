@@ -4,9 +4,10 @@ own commands, and the adaptive-exit depth that `generate()` reports."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import math
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,18 +224,19 @@ def test_checkpoint_module_does_not_import_transformers():
 
 def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp_path):
     checkpoint, folder = trained_like
-    res = looplm("generate", folder, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
-    assert res.returncode == 0, res.stderr[-3000:]
-    from_ckpt = looplm("generate", checkpoint, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
-    assert res.stdout == from_ckpt.stdout and res.stdout.startswith("+1,2=")
-
     data = write_choice_task(tmp_path)
     common = ("--depths", 1, 2, "--choice-tasks", data, "--max-sequences", 4, "--task-examples", 0,
               "--sharing-sequences", 0)
-    res = looplm("eval", folder, *common, "--output", tmp_path / "hf.json")
+    calls = [("generate", src, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
+             for src in (folder, checkpoint)]
+    calls += [("eval", src, *common, "--output", tmp_path / f"{name}.json")
+              for src, name in ((folder, "hf"), (checkpoint, "ckpt"))]
+    with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
+        res, from_ckpt, evaluated, ref = pool.map(lambda args: looplm(*args), calls)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr
-    ref = looplm("eval", checkpoint, *common, "--output", tmp_path / "ckpt.json")
+    assert res.stdout == from_ckpt.stdout and res.stdout.startswith("+1,2=")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "Traceback" not in evaluated.stderr
     assert ref.returncode == 0, ref.stderr[-3000:]
     got, want = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("hf", "ckpt"))
     assert sorted(got["choice"]) == ["1", "2"] and got["choice"] == want["choice"]
