@@ -63,22 +63,24 @@ class KVBank:
         return BankSlot(self, start)
 
     def write(self, start: int | torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-              keep: torch.Tensor | None = None) -> None:
+              keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
         """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B] for n = 1);
-        with `keep` [B, n] only where it is True."""
+        with `keep` [B, n] only where it is True; with `rows` [b] the chunk holds those batch rows only."""
         per_row = isinstance(start, torch.Tensor)
-        rows = torch.arange(self.k.shape[0], device=self.k.device) if per_row else None
+        sel = rows if rows is not None else (torch.arange(self.k.shape[0], device=self.k.device) if per_row
+                                             else slice(None))
+        at = start[sel] if per_row else start
         for buf, new in zip((self.k, self.v), kv):
             n = new.shape[2]
             if per_row and n != 1:
                 raise ValueError(f"per-row cache lengths take one token per row, got {n}")
             if keep is not None:
-                old = buf[rows, :, start][:, :, None] if per_row else buf[:, :, start:start + n]
+                old = buf[sel, :, at][:, :, None] if per_row else buf[sel, :, start:start + n]
                 new = torch.where(keep[:, None, :, None], new, old)
             if per_row:
-                buf[rows, :, start] = new[:, :, 0]
+                buf[sel, :, at] = new[:, :, 0]
             else:
-                buf[:, :, start:start + n] = new
+                buf[sel, :, start:start + n] = new
 
     @property
     def nbytes(self) -> int:
@@ -126,13 +128,7 @@ class RowsSlot:
         self.local, self.bank, self.start, self.rows = local, bank, start, rows
 
     def update(self, k, v):
-        if isinstance(self.start, torch.Tensor):
-            at = self.start[self.rows]
-            self.bank.k[self.rows, :, at] = k[:, :, 0]
-            self.bank.v[self.rows, :, at] = v[:, :, 0]
-        else:
-            self.bank.k[self.rows, :, self.start:self.start + k.shape[2]] = k
-            self.bank.v[self.rows, :, self.start:self.start + k.shape[2]] = v
+        self.bank.write(self.start, (k, v), rows=self.rows)
         return self.local.update(k, v)
 
 
