@@ -63,6 +63,7 @@ def assert_clean_exit(rc, err, *, looplm_error: bool):
 
 
 # -- end to end ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_train_then_eval_end_to_end(tmp_path, cache):
     flags = tiny_flags(tmp_path, "run", cache=cache)
     res = looplm("train", "tiny", *flags, "--eval.depths", 1, 2, "--eval.task-examples", 20)
@@ -307,6 +308,7 @@ def test_fresh_run_into_a_used_folder(trained_run, cache, capsys):
     assert "already holds checkpoints" in err
 
 
+@pytest.mark.slow
 def test_console_script_reports_errors_without_traceback(tmp_path):
     """The installed `looplm` script: exit status and stderr as a user sees them."""
     calls = [("train", "tiny", "--model.injection", "foo"), ("train", "tiny", "--train.stpes", "3"),

@@ -260,6 +260,7 @@ def looplm(*args: object) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_tokenize_command_end_to_end(tmp_path: Path) -> None:
     source = make_jsonl(tmp_path / "corpus.jsonl", n=12)
     out = tmp_path / "tokens"

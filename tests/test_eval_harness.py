@@ -51,6 +51,7 @@ def test_request_types_against_native_forward(adapter):
     assert len(out) == 1 and "\n" not in out[0]
 
 
+@pytest.mark.slow
 def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     rows = [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},

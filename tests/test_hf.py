@@ -374,6 +374,7 @@ def test_cli_export_help(capsys):
     assert "--num-steps" in out and "Hugging Face" in out
 
 
+@pytest.mark.slow
 def test_import_looplm_hf_registers_the_model_type_and_import_looplm_stays_light():
     code = ("import sys, looplm; assert 'transformers' not in sys.modules; "
             "from transformers import AutoConfig; "

@@ -121,6 +121,7 @@ def write_choice_task(folder):
     return write_jobs_choice_task(folder, CHOICE_ROWS)
 
 
+@pytest.mark.slow
 def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("accelerate")
@@ -222,6 +223,7 @@ def test_checkpoint_module_does_not_import_transformers():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp_path):
     checkpoint, folder = trained_like
     data = write_choice_task(tmp_path)

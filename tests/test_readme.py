@@ -107,6 +107,7 @@ def serve_once(monkeypatch, served: list):
     monkeypatch.setattr(uvicorn, "run", run)
 
 
+@pytest.mark.slow
 def test_readme_examples(readme_world, monkeypatch, capsys):
     commands = readme_commands()
     assert len(commands) > 40

@@ -329,6 +329,7 @@ def test_metrics_and_health(model):
     assert json.dumps(values)  # all plain numbers
 
 
+@pytest.mark.slow
 def test_looplm_serve_command(tmp_path):
     """`looplm serve` on a run folder: binds 127.0.0.1 (port 0: the kernel picks a free one, read back
     from uvicorn's start-up line), answers, and refuses a bad flag with one error line."""
