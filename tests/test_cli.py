@@ -254,6 +254,14 @@ def test_help_still_prints_in_full(capsys):
     (["--model.n-heads", "3"], "not divisible by n_heads 3"),
     (["--train.steps", "0"], "train.steps must be >= 1"),
     (["--eval.depths", "0"], "eval.depths: depth must be in 1..64, got 0"),
+    (["--eval.batch-size", "0"], "eval.batch_size: must be >= 1, got 0"),
+    (["--eval.choice-tasks", "{missing}"], "eval.choice_tasks: no such file"),
+    (["--eval.sample-depths", "1", "--eval.sample-prompt", ""], "eval.sample_prompt: the samples need a non-empty"),
+    (["--eval.cacheeval-span", "60", "10"], "P + C <= the context max_seq_len=64"),
+    (["--train.lr", "-1"], "train.lr must be > 0, got -1"),
+    (["--train.beta1", "2"], "train.beta1 must be in [0, 1), got 2"),
+    (["--train.warmup-frac", "2"], "train.warmup_frac must be in [0, 1], got 2"),
+    (["--train.weight-decay", "-1"], "train.weight_decay must be >= 0, got -1"),
     (["--data.source", "{missing}"], "data source not found"),
     (["--data.source", "{empty}"], "has no non-empty document"),
     (["--data.source", "{latin1}"], "is not valid UTF-8"),
@@ -266,6 +274,7 @@ def test_train_user_errors_are_one_line(tmp_path, cache, capsys, extra, message)
     rc, _, err = run_main(["train", "tiny", *tiny_flags(tmp_path, cache=cache), *extra], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
     assert message in err
+    assert not list(tmp_path.rglob("checkpoints")), "refused only after training"
 
 
 def test_eval_depth_zero(trained_run, capsys):
@@ -336,12 +345,18 @@ def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("+1,2=")
     assert cli.main(["generate", run, "--prompt", "+1,2=", "+30,40=", "--cache", "full", "--max-new-tokens", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("+1,2=") and lines[1].startswith("+30,40=")
+    assert lines[0] == "--- prompt 1 of 2 ---" and lines[1].startswith("+1,2=")
+    assert lines[2] == "--- prompt 2 of 2 ---" and lines[3].startswith("+30,40=")
     for bad, msg in ((["--depth", "0"], "depth"), (["--prompt", ""], "empty"),
-                     (["--prompt", "x" * 300], "exceeds the context")):
+                     (["--prompt", "x" * 300], "exceeds the context"),
+                     (["--prompt", "x", "--prefill-depth", "0"], "prefill_depth must be in 1..64, got 0"),
+                     (["--prompt", "x", "--max-new-tokens", "1000"], "exceeds the context"),
+                     (["--prompt", "x", "--exit-tau", "0.1", "--min-depth", "9"], "min_depth 9 exceeds"),
+                     (["--prompt", "x", "--exit-gate", "0.5"], "exit gate")):
         assert cli.main(["generate", run, *bad]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error:") and msg in err and "Traceback" not in err
+        out, err = capsys.readouterr()
+        assert err.startswith("error:") and msg in err and "Traceback" not in err, err
+        assert out == "", out  # refused before the prompt is echoed
 
 
 def test_eval_decoding_protocols_from_jsonl(tmp_path, capsys):
@@ -565,3 +580,73 @@ def test_help_lists_the_task_kinds(capsys):
     flat = re.sub(r"[│\s]+", " ", block)
     for kind in TASK_KINDS:
         assert kind in flat, kind
+
+
+# -- refused before any work, with a one-line error ------------------------------------------------------
+@pytest.fixture
+def random_run(tmp_path):
+    from _jobs import write_random_run
+
+    return write_random_run(tmp_path / "run", data__source="shakespeare")
+
+
+def test_export_writes_only_into_a_new_empty_or_earlier_export_folder(random_run, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    step = ckpt.resolve(random_run)
+    before = ckpt.verify(step)
+    rc, _, err = run_main(["export", random_run, step], capsys)  # into the checkpoint itself
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "is not empty" in err and ckpt.verify(step) == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("important")
+    rc, _, err = run_main(["export", random_run, mine], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert (mine / "config.json").read_text() == "important"
+    for flag in ("--num-steps", "--prefill-steps"):
+        rc, _, err = run_main(["export", random_run, tmp_path / "hf", flag, 0], capsys)
+        assert_clean_exit(rc, err, looplm_error=True)
+        assert f"{flag[2:].replace('-', '_')} must be in 1..64" in err
+    for _ in range(2):  # a new folder, then the same folder again: an earlier export is replaced
+        rc, _, err = run_main(["export", random_run, tmp_path / "hf", "--num-steps", 2], capsys)
+        assert rc == 0, err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_steps"] == 2
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--depths"], "--depths: give at least one depth"),
+    (["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    (["--cacheeval-span", "1024", "512"], "P + C <= the context max_seq_len=64"),
+    (["--choice-tasks", "nope.jsonl"], "--choice-tasks: no such file"),
+    (["--sample-depths", "1", "--sample-prompt", "A" * 300], "--sample-prompt: does not fit the context"),
+    (["--device", "bogus"], "unknown device 'bogus'"),
+])
+def test_eval_refuses_bad_options_before_it_measures(random_run, capsys, extra, message):
+    rc, out, err = run_main(["eval", random_run, "--depths", 1, "--max-sequences", 2, *extra], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert message in err, err
+    assert not (random_run / "eval.json").exists() and "val ppl" not in out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="cuda:1 exists here")
+def test_a_missing_cuda_device_is_a_user_error(random_run, capsys):
+    rc, _, err = run_main(["generate", random_run, "--prompt", "x", "--device", "cuda:1"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "'cuda:1' requested" in err
+
+
+@pytest.mark.parametrize("command", ["distill", "rl"])
+def test_distill_and_rl_never_write_into_their_source_run(random_run, capsys, command):
+    rc, _, err = run_main([command, random_run, "--out-dir", random_run / "sub", "--device", "cpu"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "overlaps the source run" in err and not (random_run / "sub").exists()
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`looplm --help | head -1`: the reader is gone before looplm writes; no internal error, SIGPIPE's status."""
+    proc = subprocess.Popen(looplm_cmd("--help"), env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=CLI_TIMEOUT) == 141, err
+    assert "error" not in err and "Traceback" not in err, err

@@ -236,7 +236,7 @@ def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp
     with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
         res, from_ckpt, evaluated, ref = pool.map(lambda args: looplm(*args), calls)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout == from_ckpt.stdout and res.stdout.startswith("+1,2=")
+    assert res.stdout == from_ckpt.stdout and res.stdout.startswith("--- prompt 1 of 2 ---\n+1,2=")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "Traceback" not in evaluated.stderr
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -347,6 +347,16 @@ def resolve(path: Path) -> Path:
     return path
 
 
+def refuse_overlap(source: Path, out_dir: Path, option: str = "--out-dir") -> None:
+    """A command that starts a new run from checkpoint `source` (distill, rl) writes beside its source run,
+    never into it: a UserError when `out_dir` lies inside the source's run folder, or holds the source."""
+    source = Path(source).resolve()
+    run = source.parent.parent if source.parent.name == "checkpoints" else source
+    out = Path(out_dir).resolve()
+    if out == run or run in out.parents or out in source.parents:
+        raise UserError(f"{option} {out_dir} overlaps the source run {run}; choose a folder outside it")
+
+
 # -- folders written by `looplm export` (read with json + safetensors only: no transformers here) ------
 HF_EXPORT_INFO = "looplm_export.json"  # {"source", "tokenizer", "job"}: what `looplm export` adds
 HF_LOOPLM_TOKENIZER = "looplm_tokenizer"  # looplm's own tokenizer files (HF's names collide with them)

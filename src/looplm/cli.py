@@ -82,18 +82,19 @@ def _help_labels():
     return registry
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str, disable: bool = False):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=False, disable=disable)
 
 
-def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None) -> dict:
+def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None, progress: bool = True) -> dict:
     from looplm.eval.report import depth_report, format_report, write_report
 
-    n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + -(-cfg.task_examples // cfg.batch_size)
+    task_batches = -(-cfg.task_examples // cfg.batch_size) if data.is_tasks else 0
+    n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + task_batches
                                    + (cfg.sharing_sequences > 0) + len(prefill or ()))
-    bar = _progress(n_batches, "eval")
+    bar = _progress(n_batches, "eval", disable=not progress)
     try:
         report = depth_report(model, tokenizer, data, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
     finally:
@@ -192,10 +193,14 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
         what = "perplexity and exact-match task accuracy" if job.data.source == "tasks" else "perplexity and bits per byte"
         print(f"\nheld-out {what} vs test-time depth R (trained with {job.depth.sampler} depth {job.depth.depth:g}):")
         _report(model, tokenizer, load_data(ckpt_path), job.eval, env.device,
-                job.eval.output or trainer.out_dir / "eval.json")
+                job.eval.output or trainer.out_dir / "eval.json", progress=job.train.progress)
     out = trainer.out_dir
-    print(f"\ncheckpoint: {ckpt_path}\nmetrics:    {out / 'metrics.jsonl'}\nreport:     "
-          f"{job.eval.output or out / 'eval.json'}\ntensorboard: {out / 'tensorboard'} (if tensorboard is installed)")
+    lines = [f"checkpoint:  {ckpt_path}", f"metrics:     {out / 'metrics.jsonl'}"]
+    if job.eval.depths:
+        lines.append(f"report:      {job.eval.output or out / 'eval.json'}")
+    if (out / "tensorboard").is_dir():
+        lines.append(f"tensorboard: {out / 'tensorboard'}")
+    print("\n" + "\n".join(lines))
 
 
 def evaluate(
@@ -228,10 +233,11 @@ def evaluate(
         device = _device(device)
         path = resolve(checkpoint)
         model, tokenizer, _ = load_model(path, device)
-        for r in cfg.depths:
-            if not 1 <= r <= model.cfg.max_depth:
-                raise UserError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
+        cfg.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tokenizer)
         record = _data_record(path, data, model.cfg.max_seq_len)
+        if cfg.generation_examples and not record.is_tasks:
+            print(f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",
+                  file=sys.stderr)
         out = cfg.output or _run_folder(path) / "eval.json"
         arms = None
         if tuple(prefill) != ("teacher",):
@@ -279,7 +285,8 @@ def generate(
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
         prompt: One or more prompts (repeat the text after --prompt); default (task-generator checkpoints
-            only): one generator prompt of the checkpoint's first task kind.
+            only): one generator prompt of the checkpoint's first task kind. One prompt is streamed; several
+            are decoded as a batch and printed each under a `--- prompt i of n ---` line.
         depth: Recurrences per decoded token (R_dec).
         prefill_depth: Recurrences for the prompt (R_pre); default: depth.
         cache: terminal (one KV bank per physical layer) or full (one bank per layer visit).
@@ -291,7 +298,8 @@ def generate(
     """
     from looplm.checkpoint import load_model, resolve
     from looplm.data import generate_examples
-    from looplm.infer.generate import generate as run
+    from looplm.infer.decode import DecodeSpec
+    from looplm.infer.generate import encode_prompts, generate as run
 
     try:  # before the checkpoint loads
         _sampling_for(sampling, tasks=True).validate()
@@ -300,32 +308,32 @@ def generate(
     device = _device(device)
     path = resolve(checkpoint)
     model, tokenizer, _ = load_model(path, device)
-    for r in (depth, prefill_depth or depth):
-        if not 1 <= r <= model.cfg.max_depth:
-            raise UserError(f"depth must be in 1..{model.cfg.max_depth}, got {r}")
-    if sampling.exit_tau is not None and cache != "terminal":
-        raise UserError("adaptive depth (--exit-tau) needs --cache terminal")
     data = _recorded_data(path)
     tasks = data is not None and data.is_tasks
     if prompt is None:
         if not tasks:
             raise UserError("give --prompt TEXT: only checkpoints trained on the task generator have a default prompt")
         prompt = (generate_examples(data.tasks, 1, seed=0)[0].prompt,)
+    if not prompt:
+        raise UserError("--prompt needs at least one text")
     longest = max(len(tokenizer.encode_prompt(p)) for p in prompt)
     config = _sampling_for(sampling, tasks, room=model.cfg.max_seq_len - longest + 1)
+    # everything that can be refused is refused before the first prompt is echoed
+    DecodeSpec(depth, prefill_depth, cache, config).check(model.cfg.max_depth, has_gate=model.exit_gate is not None)
+    encode_prompts(tokenizer, prompt, config.max_new_tokens, model.cfg.max_seq_len)
+    (arm,) = _prefill_arms(model, (prefill,), student)
     stream = None
     if len(prompt) == 1:
         print(prompt[0], end="", flush=True)
         stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
-    (arm,) = _prefill_arms(model, (prefill,), student)
     stats: dict = {}
     texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
                 sampling=config, on_token=stream, stats=stats, prefill=arm)
     if stream is not None:
         print()
-    else:
-        for p, t in zip(prompt, texts):
-            print(f"{p}{t}")
+    else:  # several prompts: each continuation under its own header, as texts may span lines
+        for i, (p, t) in enumerate(zip(prompt, texts), 1):
+            print(f"--- prompt {i} of {len(prompt)} ---\n{p}{t}")
     if config.exit_tau is not None:
         print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
 
@@ -517,11 +525,12 @@ def export(
     """Export a checkpoint as a Hugging Face Transformers model folder (needs `pip install looplm[hf]`).
 
     OUT gets config.json, model.safetensors and the tokenizer; load it with
-    `import looplm; AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`.
+    `import looplm.hf` (which registers the model type), then `AutoModelForCausalLM.from_pretrained(OUT)` and
+    `AutoTokenizer.from_pretrained(OUT)`.
 
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
-        out: Folder to write the transformers model into.
+        out: New (or empty) folder to write the transformers model into, or an earlier export to replace.
         num_steps: Default recurrences per token (R_dec) of the exported model.
         prefill_steps: Default recurrences over the prompt in generate (R_pre); default: num_steps.
         cache: Default KV cache of generate: terminal (one bank per physical layer) or full.
@@ -789,6 +798,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`looplm ... | head`): stop quietly, as a shell tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush of stdout cannot fail again
+        return 141  # 128 + SIGPIPE
     except Exception as err:  # noqa: BLE001 - everything else is a bug, reported in one line
         return _internal_error(err, debug)
     return 0

@@ -60,8 +60,8 @@ class DistillConfig:
     """Continue from the latest checkpoint in out_dir (same teacher and config)."""
     seed: int = 0
     """Seed of the student init and of the data order."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks CUDA when available."""
+    device: str = "auto"
+    """Device: auto (CUDA when available), cpu, cuda, cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     progress: bool = True
     """Show a progress bar."""
     report_rows: int = 32

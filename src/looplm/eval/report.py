@@ -57,6 +57,44 @@ class EvalConfig:
     output: Path | None = None
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
 
+    def validate(self, max_depth: int, max_seq_len: int, *, prefix: str = "", allow_no_depths: bool = False,
+                 tokenizer=None) -> None:
+        """Raise a UserError naming the option (`prefix` + field: "eval." in `looplm train`, "--" in
+        `looplm eval`) for what would fail only after the work has started: depths, sizes, input files, and
+        with `tokenizer`, a sample prompt that does not fit the context."""
+        def bad(field: str, rule: str, value) -> UserError:
+            return UserError(f"{prefix}{field.replace('_', '-') if prefix == '--' else field}: {rule}, got {value}")
+
+        if not self.depths and not allow_no_depths:
+            raise bad("depths", "give at least one depth", "none")
+        for field in ("depths", "sample_depths"):
+            for r in getattr(self, field):
+                if not 1 <= r <= max_depth:
+                    raise bad(field, f"depth must be in 1..{max_depth}", r)
+        if self.prefill_depth is not None and not 1 <= self.prefill_depth <= max_depth:
+            raise bad("prefill_depth", f"depth must be in 1..{max_depth}", self.prefill_depth)
+        for field, least in (("batch_size", 1), ("max_sequences", 1), ("task_examples", 0), ("sharing_sequences", 0),
+                             ("generation_examples", 0), ("gsm8k_max_new_tokens", 1), ("sample_tokens", 1)):
+            if getattr(self, field) < least:
+                raise bad(field, f"must be >= {least}", getattr(self, field))
+        if not self.sample_temperature >= 0:
+            raise bad("sample_temperature", "must be >= 0", self.sample_temperature)
+        if self.cacheeval_span is not None:
+            P, C = self.cacheeval_span
+            if P < 1 or C < 2 or P + C > max_seq_len:
+                raise bad("cacheeval_span", f"P >= 1 prompt and C >= 2 continuation tokens with P + C <= the "
+                          f"context max_seq_len={max_seq_len}", f"{P} {C}")
+        for field in ("choice_tasks", "gsm8k"):
+            path = getattr(self, field)
+            if path is not None and not Path(path).is_file():
+                raise bad(field, "no such file", path)
+        if self.sample_depths:
+            if not self.sample_prompt:
+                raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
+            if tokenizer is not None and len(tokenizer.encode(self.sample_prompt)) > max_seq_len:
+                raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}",
+                          f"{len(tokenizer.encode(self.sample_prompt))} tokens")
+
 
 def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None,
                  prefill=None) -> dict:
@@ -128,7 +166,7 @@ def depth_samples(model, tokenizer, cfg: EvalConfig, device) -> dict:
 
     room = model.cfg.max_seq_len - len(tokenizer.encode(cfg.sample_prompt)) + 1  # the last new token is never fed
     if room < 1:
-        raise ValueError(f"sample prompt {cfg.sample_prompt!r} does not fit the context max_seq_len={model.cfg.max_seq_len}")
+        raise UserError(f"sample prompt {cfg.sample_prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
     n = min(cfg.sample_tokens, room)
     sampling = SamplingConfig(max_new_tokens=n, temperature=cfg.sample_temperature, seed=cfg.task_seed)
     texts = {r: generate(model, tokenizer, [cfg.sample_prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}

@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from looplm.checkpoint import HF_EXPORT_INFO, HF_LOOPLM_TOKENIZER
 from looplm.data.chat import CHAT_TEMPLATE_JINJA
@@ -81,15 +82,27 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     from looplm.checkpoint import load_data, load_model
     from looplm.hf.modeling import LoopedLMForCausalLM
 
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / HF_EXPORT_INFO).is_file())):
+        raise UserError(f"{out} exists and is not empty (nor an earlier `looplm export`): export into a new or "
+                        "empty folder")
     model, tokenizer, job = load_model(checkpoint)
+    for name, value in (("num_steps", num_steps), ("prefill_steps", prefill_steps)):
+        if value is not None and not 1 <= value <= model.cfg.max_depth:
+            raise UserError(f"{name} must be in 1..{model.cfg.max_depth} (the model's max_depth), got {value}")
     fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind, "bos_token_id": tokenizer.bos_id}
     if num_steps is not None:
         fields["num_steps"] = num_steps
     hf = LoopedLMForCausalLM.from_looplm(model, tokenizer, dtype=next(model.parameters()).dtype, **fields)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        hf.save_pretrained(out)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Writing model shards" bar for a one-file model
+    try:
+        with torch.no_grad():
+            hf.save_pretrained(out)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     hf_tok = hf_tokenizer(tokenizer)
     hf_tok.chat_template = CHAT_TEMPLATE_JINJA  # the template `looplm serve` documents (vLLM's chat endpoint reads it)
     hf_tok.save_pretrained(out)

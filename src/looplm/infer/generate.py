@@ -19,6 +19,19 @@ from looplm.infer.prefill import Prefill
 __all__ = ["SamplingConfig", "choose", "generate"]
 
 
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, max_seq_len: int) -> list[list[int]]:
+    """The prompts' token ids; a UserError for an empty prompt, or one that leaves no room for
+    `max_new_tokens` in the context `max_seq_len`."""
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise UserError(f"prompt {i} is empty")
+        if len(ids) + max_new_tokens - 1 > max_seq_len:  # the last new token is never fed
+            raise UserError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds "
+                            f"the context max_seq_len={max_seq_len}")
+    return encoded
+
+
 @torch.no_grad()
 def generate(
     model, tokenizer: Tokenizer, prompts: Sequence[str], *, depth: int, prefill_depth: int | None = None,
@@ -40,13 +53,7 @@ def generate(
         raise UserError("no prompts given")
     spec = DecodeSpec(depth, prefill_depth, cache_mode, cfg).check(model.cfg.max_depth,
                                                                     has_gate=model.exit_gate is not None)
-    encoded = [tokenizer.encode_prompt(p) for p in prompts]
-    for i, ids in enumerate(encoded):
-        if not ids:
-            raise UserError(f"prompt {i} is empty")
-        if len(ids) + cfg.max_new_tokens - 1 > model.cfg.max_seq_len:  # the last new token is never fed
-            raise UserError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds "
-                            f"the context max_seq_len={model.cfg.max_seq_len}")
+    encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
     pad = torch.tensor([L - len(ids) for ids in encoded], device=device)

@@ -80,8 +80,8 @@ class RLConfig:
     """Run folder for checkpoints and metrics.jsonl (never the source checkpoint's run folder)."""
     resume: bool = False
     """Continue from the latest checkpoint in out_dir."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks CUDA when available."""
+    device: str = "auto"
+    """Device: auto (CUDA when available), cpu, cuda, cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     progress: bool = True
     """Show a progress bar."""
 

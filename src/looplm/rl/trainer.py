@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -56,22 +57,13 @@ def sampling_seed(seed: int, step: int, prompt: int) -> int:
     return ((seed * 1_000_003 + step) * 1_000_033 + prompt) % 2**63
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
-
-
 class RLTrainer:
     def __init__(self, checkpoint: Path, cfg: RLConfig, env: D.DistEnv | None = None):
         self.cfg = cfg
         self.source_path = ckpt.resolve(Path(checkpoint))
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
-        src = self.source_path
-        source_run = src.parent.parent if src.parent.name == "checkpoints" else src
-        if _inside(src, self.out_dir) or _inside(self.out_dir, source_run):
-            raise UserError(f"out_dir {self.out_dir} overlaps the source run {source_run}; choose another --out-dir "
-                            "(RL never writes into the source run)")
+        ckpt.refuse_overlap(self.source_path, self.out_dir)
         self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
         self.local_prompts = D.rank_share(cfg.prompts_per_step, self.env, "prompts_per_step")
         self.device = self.env.device
@@ -104,6 +96,10 @@ class RLTrainer:
                            min_difficulty=self.cfg.min_difficulty or trained.min_difficulty,
                            max_difficulty=self.cfg.max_difficulty or trained.max_difficulty)
         tasks.validate()
+        if not self.data.is_tasks and self.env.is_main:  # legitimate, but easy to do by accident
+            print(f"note: the checkpoint was trained on {self.data.source!r}, not the task generator; RL trains it "
+                  f"on generator tasks {', '.join(tasks.kinds)} (--task-kinds; or --source a GSM8K-format JSONL)",
+                  file=sys.stderr)
         return tasks
 
     def config_dict(self) -> dict:

@@ -92,14 +92,15 @@ class TrainConfig:
     prefetch: bool = True
     """Assemble the next step's batches on a background thread while this step computes (pinned memory and
     non_blocking copies on CUDA)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks CUDA when available."""
+    device: str = "auto"
+    """Device: auto (CUDA when available), cpu, cuda, cuda:N; under torchrun each rank takes cuda:LOCAL_RANK."""
     seed: int = 0
     """Seed of the model init, data order and initial states."""
     out_dir: Path = Path("runs/tiny")
     """Run folder: checkpoints, metrics.jsonl, TensorBoard logs."""
     resume: bool = False
-    """Continue from the latest checkpoint in out_dir (the config must match)."""
+    """Continue from the latest checkpoint in out_dir (the config must match); with none there, start a new run
+    (and say so)."""
     checkpoint_every: int = 200
     """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2

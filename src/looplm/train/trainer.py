@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -167,6 +168,17 @@ class Trainer:
         for name in ("steps", "micro_batch", "grad_accum"):
             if getattr(j.train, name) < 1:
                 raise UserError(f"train.{name} must be >= 1")
+        t = j.train
+        for name, value, ok, rule in (
+                ("lr", t.lr, t.lr > 0, "> 0"), ("warmup_frac", t.warmup_frac, 0 <= t.warmup_frac <= 1, "in [0, 1]"),
+                ("decay_frac", t.decay_frac, 0 <= t.decay_frac <= 1, "in [0, 1]"),
+                ("warmup_frac + decay_frac", t.warmup_frac + t.decay_frac, t.warmup_frac + t.decay_frac <= 1, "<= 1"),
+                ("weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+                ("beta1", t.beta1, 0 <= t.beta1 < 1, "in [0, 1)"), ("beta2", t.beta2, 0 <= t.beta2 < 1, "in [0, 1)"),
+                ("grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0 disables)")):
+            if not ok:
+                raise UserError(f"train.{name} must be {rule}, got {value:g}")
+        j.eval.validate(j.model.max_depth, j.model.max_seq_len, prefix="eval.", allow_no_depths=True)
         # Depth settings are checked here, before the (possibly long) data build.
         build_sampler(j.depth)
         if j.model.max_depth < j.depth.cap:
@@ -175,13 +187,12 @@ class Trainer:
             raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
                             "train with --train.attention sdpa (or auto) on CPU")
         parse_kernel_options(j.train.flex_kernel_options)
-        for r in j.eval.depths:
-            if not 1 <= r <= j.model.max_depth:
-                raise UserError(f"eval.depths: depth must be in 1..{j.model.max_depth}, got {r}")
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"
         if not latest.exists():
+            if self.job.train.resume and self.env.is_main:  # "resume if there is something": say which it was
+                print(f"--train.resume: {self.out_dir} holds no checkpoint; starting a new run there", file=sys.stderr)
             return None
         if not self.job.train.resume:
             raise UserError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
