@@ -49,7 +49,8 @@ from looplm.config import ModelConfig, model_preset
 from looplm.model import LoopedLM
 from looplm.train.parallelize import apply_activation_checkpointing
 from looplm.train.trainer import param_groups, resolve_dtype
-from prefill_latency import cpu_name  # benchmarks/ is on sys.path when a script there runs
+from _command import command_line  # benchmarks/ is on sys.path when a script there runs
+from prefill_latency import cpu_name
 
 GIB = 2**30
 MIB = 2**20
@@ -303,7 +304,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in LoopedLM(cfg).parameters())
 
     res: dict = {
-        "command": " ".join(["python", *sys.argv]), "device": device.type, "machine": machine_info(device),
+        "command": command_line(), "device": device.type, "machine": machine_info(device),
         "config": {"model": dataclasses.asdict(cfg), "seq": args.seq, "batch": args.batch, "depths": args.depths,
                    "ac": args.ac, "steps": args.steps, "precision": str(dtype).replace("torch.", ""),
                    "seed": args.seed, "memory_budget_gib": args.memory_budget_gib,

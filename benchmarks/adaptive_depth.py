@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+from _command import command_line  # benchmarks/ is on sys.path when a script there runs
 
 from looplm.checkpoint import load_data, load_model
 from looplm.eval.cached import cached_perplexity
@@ -45,7 +46,7 @@ def main() -> None:
     for tau in (0.3, 0.1, 0.05, 0.02, 0.01, 0.005):
         measure(f"adaptive tau={tau}", args.max_depth, tau)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "rows": args.rows, "results": rows}, indent=1))
+    args.out.write_text(json.dumps({"command": command_line(), "checkpoint": str(args.checkpoint), "rows": args.rows, "results": rows}, indent=1))
 
 
 if __name__ == "__main__":

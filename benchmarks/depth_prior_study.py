@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from _command import join  # benchmarks/ is on sys.path when a script there runs
 
 ROOT = Path(__file__).resolve().parents[1]
 # The recorded runs (STUDY.md) read a folder of all 37 plays and 5 poems (the Project Gutenberg
@@ -87,7 +87,7 @@ def train_arm(name: str, out: Path, threads: int, steps_scale: float) -> float:
     run = out / name
     cmd = train_command(name, out, steps_scale)
     run.mkdir(parents=True, exist_ok=True)
-    (run / "command.txt").write_text(shlex.join(cmd) + "\n")
+    (run / "command.txt").write_text(join(cmd) + "\n")  # repository paths relative to the root
     steps = int(cmd[cmd.index("--train.steps") + 1])
     if finished(run):
         return 0.0

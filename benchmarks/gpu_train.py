@@ -41,7 +41,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import signal
 import statistics
 import subprocess
@@ -52,6 +51,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _command import command_line, join  # benchmarks/ is on sys.path when a script runs
 from torch import nn
 
 from looplm.config import ModelConfig, model_preset
@@ -380,7 +380,7 @@ def torchrun_jobs(rec: Recorder, device: torch.device, tiny: bool, root: Path, d
         out = log.read_text(errors="replace")
         group = [line for line in out.splitlines() if line.startswith("process group:")]
         rec.row("torchrun_one_rank", {**row, "rc": rc, "wall_s": round(time.perf_counter() - t, 1), "timeout_s": round(left),
-                                      "process_group": group[0] if group else None, "command": shlex.join(cmd[1:]),
+                                      "process_group": group[0] if group else None, "command": join(cmd[1:]),
                                       "log": log.name, "tail": out[-1500:] if rc != 0 else out[-300:]})
         if name == "train" and rc != 0:
             break
@@ -449,7 +449,7 @@ def main() -> None:
 
     flex_options = parse_kernel_options(tuple(args.flex_kernel_options))
     name = "gpu_train_tiny" if args.tiny else "gpu_train"
-    res = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "torch": torch.__version__,
+    res = {"command": command_line(python=Path(sys.executable).name), "torch": torch.__version__,
            "python": platform.python_version(),
            "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, dry run)",
            "dtype": str(dtype), "depth": DEPTH, "steps": steps, "warmup": warmup, "deadline_s": deadline.seconds,

@@ -17,13 +17,13 @@ import argparse
 import dataclasses
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _command import command_line  # benchmarks/ is on sys.path when a script there runs
 
 from looplm.config import model_preset
 from looplm.data import ByteTokenizer
@@ -59,7 +59,7 @@ def main() -> None:
     from looplm.hf import LoopedLMForCausalLM
 
     torch.set_num_threads(args.threads)
-    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    command = command_line(python=Path(sys.executable).name)
     print(f"command: {command}\nmachine: {machine()}\ndevice: {args.device}\n"
           f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from _command import relative  # benchmarks/ is on sys.path when a script there runs
 
 from looplm.checkpoint import load_data, load_model, resolve
 from looplm.distill import load_student
@@ -86,7 +87,8 @@ def main() -> None:
                          f"--model.max-seq-len {max(args.lengths)}")
     result: dict = {
         "command": "python benchmarks/prefill_latency.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+            f"--{k.replace('_', '-')} {' '.join(map(relative, v)) if isinstance(v, list) else relative(v)}"
+            for k, v in vars(args).items()),
         "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": args.threads, "device": str(device),
                     "torch": torch.__version__},
         "teacher": str(resolve(args.teacher)), "student": str(resolve(args.student)), "student_meta": {

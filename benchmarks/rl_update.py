@@ -30,6 +30,8 @@ from looplm.checkpoint import load_data, load_model, resolve
 from looplm.rl import ProblemSource, action_logprobs, clipped_policy_loss, get_reward, group_advantages, rollout
 from looplm.rl.estimators import score_and_backward
 
+from _command import command_line  # benchmarks/ is on sys.path when a script there runs
+
 ARMS = ("bptt", "recompute", "reuse")
 
 
@@ -104,7 +106,7 @@ def main() -> None:
     tasks = load_data(path).tasks
     problems = ProblemSource("tasks", tasks=tasks, seed=args.seed).draw(0, args.prompts)
     reward_fn = get_reward("exact", "tasks")
-    results = {"checkpoint": str(path), "args": vars(args), "torch": torch.__version__, "machine": platform.processor()
+    results = {"command": command_line(), "checkpoint": str(path), "args": vars(args), "torch": torch.__version__, "machine": platform.processor()
                or platform.machine(), "cpus": os.cpu_count(), "load_before": os.getloadavg(), "depths": {}}
     for R in args.depths:
         ro = rollout(model, tok, [p.prompt for p in problems], group_size=args.group, depth=R,

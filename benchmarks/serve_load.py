@@ -35,7 +35,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from _command import command_line  # benchmarks/ is on sys.path when a script there runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,7 +281,7 @@ def mixed_depth(args) -> None:
         visits = lambda r: job.model.n_prelude + job.model.n_core * r + job.model.n_coda  # noqa: E731
         print(f"mixed / all deep: {ratio:.2f}x end to end, {decode_ratio:.2f}x in decode steps (block visits "
               f"per decode step: {(visits(1) + visits(deep)) / 2 / visits(deep):.2f}x)")
-    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": platform.platform(),
+    record = {"command": command_line(), "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.server_threads,
               "model": {"d_model": 512, "blocks": [job.model.n_prelude, job.model.n_core, job.model.n_coda]},
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -395,7 +395,7 @@ def main() -> None:
     for r in rows:
         for res in r["results"]:
             res.pop("text")
-    record = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "machine": platform.platform(),
+    record = {"command": command_line(), "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "torch": torch.__version__, "checkpoint": str(args.checkpoint or "random tiny"),
               "model": {"d_model": cfg.d_model, "blocks": [cfg.n_prelude, cfg.n_core, cfg.n_coda],
                         "context": cfg.max_seq_len},

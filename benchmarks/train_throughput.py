@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _command import command_line  # benchmarks/ is on sys.path when a script there runs
 from torch import nn
 
 THREADS = 2
@@ -585,7 +586,7 @@ def main() -> None:
     tiny.vocab_size = 258
     d512 = ModelConfig(vocab_size=258, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, n_prelude=1, n_core=2,
                        n_coda=1, max_seq_len=SEQ_LEN, injection="additive")
-    res: dict = {"command": " ".join(["python", *sys.argv]), "quick": q,
+    res: dict = {"command": command_line(), "quick": q,
                  "config": {"threads": THREADS, "seq_len": SEQ_LEN, "depth": DEPTH, "plan": plan,
                             "tiny": dataclasses.asdict(tiny), "d512": dataclasses.asdict(d512)},
                  "machine": machine_info(), "loadavg_start": loadavg()}

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _command import command_line  # noqa: E402
 from serve_load import REPO, Server, prompts, run_load, write_random_run  # noqa: E402
 
 
@@ -112,7 +113,7 @@ def main() -> None:
     print(f"identical texts (of {len(texts)}): {same}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": " ".join(["python", "benchmarks/vllm_serve.py", *sys.argv[1:]]),
+        "command": command_line(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "load_average_at_end": os.getloadavg()},
         "model": cfg.to_dict(), "depth": args.depth, "rows": rows, "kv_capacity": capacity, "identical_texts": same,

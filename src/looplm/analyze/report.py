@@ -225,6 +225,16 @@ def _fmt(x, spec: str = ".3g") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _change_line(c: dict) -> str:
+    """The median relative change at r = 1, 5, 16 and the horizon H: one label per value, so depths
+    past the horizon are left out of both, and H is not repeated when it is one of them."""
+    H = c["horizon"]
+    depths = [r for r in (1, 5, 16) if r < H] + [H]
+    labels = [str(r) for r in depths[:-1]] + [f"H = {H}"]
+    return (f"  relative change (median) at r = {', '.join(labels)}: "
+            + ", ".join(_fmt(c["change"]["median"][r - 1]) for r in depths))
+
+
 def format_summary(report: dict) -> str:
     """A one-screen plain-text summary of the report."""
     c = report["convergence"]
@@ -236,8 +246,7 @@ def format_summary(report: dict) -> str:
              f"{c['intervals'][0]['end'] - c['intervals'][0]['start']}-position interval: "
              + ", ".join(f"{b['start']}: {_fmt(b['median_depth'])}" for b in c["intervals"][:6])
              + (" ..." if len(c["intervals"]) > 6 else ""),
-             "  relative change (median) at r = 1, 5, 16, H: "
-             + ", ".join(_fmt(c["change"]["median"][r - 1]) for r in (1, 5, 16, c["horizon"]) if r <= c["horizon"])]
+             _change_line(c)]
     if report["kv_settling"]:
         rows = report["kv_settling"]
         depths = sorted({row["depth"] for row in rows})
