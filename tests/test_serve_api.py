@@ -558,3 +558,72 @@ def test_the_api_key_is_compared_in_constant_time(model, monkeypatch):
         assert http.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
         assert http.get("/v1/models").status_code == 401
     assert len(compared) == 3 and all(b"sekret" in b for _, b in compared)
+
+
+# -- echo with logprobs scores the prompt (OpenAI's legacy completions, lm-eval's local-completions) --------
+def _native_prompt_scores(model, ids: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probabilities after each prefix ids[:j + 1] and those of ids[j + 1], from the native
+    no-cache forward at `depth` (example id 0)."""
+    with torch.no_grad():
+        lp = model(torch.tensor([ids]), depth, init="seeded").logits[0, :-1].log_softmax(-1)
+    return lp, lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
+    """echo + logprobs: `tokens`, `token_logprobs` (null first), `top_logprobs` (null first) and
+    `text_offset` cover the prompt, then the completion; the prompt's scores are the no-cache forward's
+    at the request's prefill depth (to 1e-5). max_tokens 0 with echo only scores the prompt (as lm-eval
+    sends it); without echo it stays a 400."""
+    from fastapi.testclient import TestClient
+
+    prompt = "score me, caf\u00e9"
+    ids = TOK.encode(prompt)
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=5))
+    with TestClient(create_app(engine, NAME)) as http:
+        body = {"model": NAME, "prompt": prompt, "echo": True, "logprobs": 2, "temperature": 0,
+                "depth": 2, "prefill_depth": 5}
+        scored = http.post("/v1/completions", json={**body, "max_tokens": 0})
+        assert scored.status_code == 200, scored.text
+        choice = scored.json()["choices"][0]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        native, want = _native_prompt_scores(model, ids, 5)
+        assert lp["tokens"] == [_spelled(t)[0] for t in ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert torch.allclose(torch.tensor(lp["token_logprobs"][1:]), want, atol=1e-5, rtol=0)
+        for top, row in zip(lp["top_logprobs"][1:], native):
+            best = row.topk(2)
+            assert top == pytest.approx({_spelled(t)[0]: v for t, v in zip(best.indices.tolist(),
+                                                                           best.values.tolist())}, abs=1e-5)
+        # each token advances the offset by its own text, as the completion's tokens do
+        assert lp["text_offset"] == [sum(len(TOK.decode([t])) for t in ids[:j]) for j in range(len(ids))]
+        assert lp["text_offset"][:14] == list(range(14))  # the ASCII part: offsets into the prompt text
+        assert scored.json()["usage"]["completion_tokens"] == 0
+        assert scored.json()["usage"]["prompt_tokens"] == len(ids)
+
+        both = http.post("/v1/completions", json={**body, "max_tokens": 4}).json()["choices"][0]
+        alone = http.post("/v1/completions", json={**body, "max_tokens": 4, "echo": False}).json()["choices"][0]
+        assert both["text"] == prompt + alone["text"]
+        n = len(ids)
+        assert both["logprobs"]["tokens"] == lp["tokens"] + alone["logprobs"]["tokens"]
+        assert both["logprobs"]["token_logprobs"][:n] == lp["token_logprobs"]
+        assert both["logprobs"]["token_logprobs"][n:] == alone["logprobs"]["token_logprobs"]
+        assert both["logprobs"]["text_offset"][:n] == lp["text_offset"]
+        assert both["logprobs"]["text_offset"][n:] == [len(prompt) + o for o in alone["logprobs"]["text_offset"]]
+
+        plain = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0})
+        assert plain.status_code == 200 and plain.json()["choices"][0] == {
+            "index": 0, "text": prompt, "logprobs": None, "finish_reason": "length"}
+        refused = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 0})
+        assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]
+
+        stream = http.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
+        chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+        for c in chunks:
+            for key in merged:
+                merged[key] += c["choices"][0]["logprobs"][key]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == both["text"]
+        assert merged == {key: both["logprobs"][key] for key in merged}
+    assert engine.pool.running == 0
