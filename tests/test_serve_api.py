@@ -331,8 +331,8 @@ def test_metrics_and_health(model):
 
 @pytest.mark.slow
 def test_looplm_serve_command(tmp_path):
-    """`looplm serve` on a run folder: binds 127.0.0.1 (port 0: the kernel picks a free one, read back
-    from uvicorn's start-up line), answers, and refuses a bad flag with one error line."""
+    """`looplm serve` on a run folder: binds 127.0.0.1 (port 0: the kernel picks a free one, which the
+    banner shows), answers, and refuses a bad flag with one error line."""
     import subprocess
 
     from _jobs import error_line, looplm_cmd, subprocess_env, write_random_run
@@ -353,14 +353,15 @@ def test_looplm_serve_command(tmp_path):
     reader.start()
     seen = []
     try:
-        while True:  # uvicorn logs its bound address once it accepts connections
+        while True:  # the banner comes once the socket listens: a request waits in its backlog until served
             line = lines.get(timeout=120)
             assert line is not None, "looplm serve exited:\n" + "".join(seen)
             seen.append(line)
-            started = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            if started:
-                port = int(started.group(1))
+            banner = re.search(r"serving 'run' on http://127\.0\.0\.1:(\d+)/v1", line)
+            if banner:
+                port = int(banner.group(1))
                 break
+        assert port != 0  # the port the system chose for --port 0
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["run"] and models[0]["max_model_len"] == 64
@@ -378,6 +379,55 @@ def test_looplm_serve_command(tmp_path):
     bad = subprocess.run(looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True,
                          env=subprocess_env())
     assert bad.returncode == 2 and "--cache" in error_line(bad.stderr)
+
+
+@pytest.mark.slow
+def test_looplm_serve_on_a_busy_port_is_one_error_line(tmp_path):
+    """A port already listened on is refused before the model loads and before any banner: exit 2 and
+    one `error:` line (a server that started anyway would hang until the timeout kills it)."""
+    import subprocess
+
+    from _jobs import error_line, looplm_cmd, subprocess_env, write_random_run
+
+    run = write_random_run(tmp_path / "run")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        got = subprocess.run(looplm_cmd("serve", str(run), "--port", str(port)), capture_output=True, text=True,
+                             env=subprocess_env(), timeout=120)
+    assert got.returncode == 2, got.stderr
+    assert error_line(got.stderr).startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert "serving" not in got.stdout and "Uvicorn" not in got.stderr
+
+
+@pytest.mark.parametrize(("flags", "needs_model", "message"), [
+    (["--port", "70000"], False, "--port must be in 0..65535"),
+    (["--port", "-1"], False, "--port must be in 0..65535"),
+    (["--depth", "0"], False, "--depth must be >= 1"),
+    (["--max-batch", "0"], False, "--max-batch must be >= 1"),
+    (["--max-queue", "0"], False, "--max-queue must be >= 1"),
+    (["--max-seq-len", "1"], False, "--max-seq-len must be >= 2"),
+    (["--depth", "4", "--max-depth", "3"], False, "--max-depth (3) must be >= --depth (4)"),
+    (["--cache", "full", "--prefill", "student"], False, "--prefill student writes terminal banks"),
+    (["--host", "no-such-host.invalid", "--port", "0"], False, "cannot listen on no-such-host.invalid:0: "),
+    (["--port", "0", "--depth", "100"], True, "--depth must be in 1..64 (the model's max_depth), got 100"),
+    (["--port", "0", "--max-depth", "65"], True, "--max-depth must be in 1..64"),
+    (["--port", "0", "--max-seq-len", "100000"], True, "--max-seq-len must be in 2..64 (the model's context)"),
+])
+def test_looplm_serve_refuses_bad_options_with_one_error_line(tmp_path, capsys, flags, needs_model, message):
+    """Each bad option is a user error naming it (exit 2), not an internal error: those about the model
+    once it has loaded, the others before anything loads (the checkpoint is not even there)."""
+    from looplm import cli
+
+    run = tmp_path / "run"
+    if needs_model:
+        from _jobs import write_random_run
+
+        write_random_run(run)
+    assert cli.main(["serve", str(run), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
 # -- defects found in review (issue 19) ----------------------------------------------------------------
