@@ -331,8 +331,8 @@ def test_metrics_and_health(model):
 
 @pytest.mark.slow
 def test_looplm_serve_command(tmp_path):
-    """`looplm serve` on a run folder: binds 127.0.0.1 (port 0: the kernel picks a free one, read back
-    from uvicorn's start-up line), answers, and refuses a bad flag with one error line."""
+    """`looplm serve` on a run folder: binds 127.0.0.1 (port 0: the kernel picks a free one, which the
+    banner shows), answers, and refuses a bad flag with one error line."""
     import subprocess
 
     from _jobs import error_line, looplm_cmd, subprocess_env, write_random_run
@@ -353,14 +353,15 @@ def test_looplm_serve_command(tmp_path):
     reader.start()
     seen = []
     try:
-        while True:  # uvicorn logs its bound address once it accepts connections
+        while True:  # the banner comes once the socket listens: a request waits in its backlog until served
             line = lines.get(timeout=120)
             assert line is not None, "looplm serve exited:\n" + "".join(seen)
             seen.append(line)
-            started = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            if started:
-                port = int(started.group(1))
+            banner = re.search(r"serving 'run' on http://127\.0\.0\.1:(\d+)/v1", line)
+            if banner:
+                port = int(banner.group(1))
                 break
+        assert port != 0  # the port the system chose for --port 0
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["run"] and models[0]["max_model_len"] == 64
@@ -378,6 +379,55 @@ def test_looplm_serve_command(tmp_path):
     bad = subprocess.run(looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True,
                          env=subprocess_env())
     assert bad.returncode == 2 and "--cache" in error_line(bad.stderr)
+
+
+@pytest.mark.slow
+def test_looplm_serve_on_a_busy_port_is_one_error_line(tmp_path):
+    """A port already listened on is refused before the model loads and before any banner: exit 2 and
+    one `error:` line (a server that started anyway would hang until the timeout kills it)."""
+    import subprocess
+
+    from _jobs import error_line, looplm_cmd, subprocess_env, write_random_run
+
+    run = write_random_run(tmp_path / "run")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        got = subprocess.run(looplm_cmd("serve", str(run), "--port", str(port)), capture_output=True, text=True,
+                             env=subprocess_env(), timeout=120)
+    assert got.returncode == 2, got.stderr
+    assert error_line(got.stderr).startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert "serving" not in got.stdout and "Uvicorn" not in got.stderr
+
+
+@pytest.mark.parametrize(("flags", "needs_model", "message"), [
+    (["--port", "70000"], False, "--port must be in 0..65535"),
+    (["--port", "-1"], False, "--port must be in 0..65535"),
+    (["--depth", "0"], False, "--depth must be >= 1"),
+    (["--max-batch", "0"], False, "--max-batch must be >= 1"),
+    (["--max-queue", "0"], False, "--max-queue must be >= 1"),
+    (["--max-seq-len", "1"], False, "--max-seq-len must be >= 2"),
+    (["--depth", "4", "--max-depth", "3"], False, "--max-depth (3) must be >= --depth (4)"),
+    (["--cache", "full", "--prefill", "student"], False, "--prefill student writes terminal banks"),
+    (["--host", "no-such-host.invalid", "--port", "0"], False, "cannot listen on no-such-host.invalid:0: "),
+    (["--port", "0", "--depth", "100"], True, "--depth must be in 1..64 (the model's max_depth), got 100"),
+    (["--port", "0", "--max-depth", "65"], True, "--max-depth must be in 1..64"),
+    (["--port", "0", "--max-seq-len", "100000"], True, "--max-seq-len must be in 2..64 (the model's context)"),
+])
+def test_looplm_serve_refuses_bad_options_with_one_error_line(tmp_path, capsys, flags, needs_model, message):
+    """Each bad option is a user error naming it (exit 2), not an internal error: those about the model
+    once it has loaded, the others before anything loads (the checkpoint is not even there)."""
+    from looplm import cli
+
+    run = tmp_path / "run"
+    if needs_model:
+        from _jobs import write_random_run
+
+        write_random_run(run)
+    assert cli.main(["serve", str(run), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
 # -- defects found in review (issue 19) ----------------------------------------------------------------
@@ -558,3 +608,72 @@ def test_the_api_key_is_compared_in_constant_time(model, monkeypatch):
         assert http.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
         assert http.get("/v1/models").status_code == 401
     assert len(compared) == 3 and all(b"sekret" in b for _, b in compared)
+
+
+# -- echo with logprobs scores the prompt (OpenAI's legacy completions, lm-eval's local-completions) --------
+def _native_prompt_scores(model, ids: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probabilities after each prefix ids[:j + 1] and those of ids[j + 1], from the native
+    no-cache forward at `depth` (example id 0)."""
+    with torch.no_grad():
+        lp = model(torch.tensor([ids]), depth, init="seeded").logits[0, :-1].log_softmax(-1)
+    return lp, lp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
+    """echo + logprobs: `tokens`, `token_logprobs` (null first), `top_logprobs` (null first) and
+    `text_offset` cover the prompt, then the completion; the prompt's scores are the no-cache forward's
+    at the request's prefill depth (to 1e-5). max_tokens 0 with echo only scores the prompt (as lm-eval
+    sends it); without echo it stays a 400."""
+    from fastapi.testclient import TestClient
+
+    prompt = "score me, caf\u00e9"
+    ids = TOK.encode(prompt)
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=5))
+    with TestClient(create_app(engine, NAME)) as http:
+        body = {"model": NAME, "prompt": prompt, "echo": True, "logprobs": 2, "temperature": 0,
+                "depth": 2, "prefill_depth": 5}
+        scored = http.post("/v1/completions", json={**body, "max_tokens": 0})
+        assert scored.status_code == 200, scored.text
+        choice = scored.json()["choices"][0]
+        assert choice["text"] == prompt and choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        native, want = _native_prompt_scores(model, ids, 5)
+        assert lp["tokens"] == [_spelled(t)[0] for t in ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert torch.allclose(torch.tensor(lp["token_logprobs"][1:]), want, atol=1e-5, rtol=0)
+        for top, row in zip(lp["top_logprobs"][1:], native):
+            best = row.topk(2)
+            assert top == pytest.approx({_spelled(t)[0]: v for t, v in zip(best.indices.tolist(),
+                                                                           best.values.tolist())}, abs=1e-5)
+        # each token advances the offset by its own text, as the completion's tokens do
+        assert lp["text_offset"] == [sum(len(TOK.decode([t])) for t in ids[:j]) for j in range(len(ids))]
+        assert lp["text_offset"][:14] == list(range(14))  # the ASCII part: offsets into the prompt text
+        assert scored.json()["usage"]["completion_tokens"] == 0
+        assert scored.json()["usage"]["prompt_tokens"] == len(ids)
+
+        both = http.post("/v1/completions", json={**body, "max_tokens": 4}).json()["choices"][0]
+        alone = http.post("/v1/completions", json={**body, "max_tokens": 4, "echo": False}).json()["choices"][0]
+        assert both["text"] == prompt + alone["text"]
+        n = len(ids)
+        assert both["logprobs"]["tokens"] == lp["tokens"] + alone["logprobs"]["tokens"]
+        assert both["logprobs"]["token_logprobs"][:n] == lp["token_logprobs"]
+        assert both["logprobs"]["token_logprobs"][n:] == alone["logprobs"]["token_logprobs"]
+        assert both["logprobs"]["text_offset"][:n] == lp["text_offset"]
+        assert both["logprobs"]["text_offset"][n:] == [len(prompt) + o for o in alone["logprobs"]["text_offset"]]
+
+        plain = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0})
+        assert plain.status_code == 200 and plain.json()["choices"][0] == {
+            "index": 0, "text": prompt, "logprobs": None, "finish_reason": "length"}
+        refused = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 0})
+        assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]
+
+        stream = http.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
+        chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+        for c in chunks:
+            for key in merged:
+                merged[key] += c["choices"][0]["logprobs"][key]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == both["text"]
+        assert merged == {key: both["logprobs"][key] for key in merged}
+    assert engine.pool.running == 0

@@ -18,6 +18,7 @@ from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
 from looplm.infer.generate import SamplingConfig, generate
 from looplm.serve import Engine, EngineConfig, EngineFull, EngineStopped, Finish, Request, Token
+from looplm.serve.engine import PromptLogprobs
 from looplm.serve.slots import SlotPool
 
 TOK = ByteTokenizer()
@@ -240,6 +241,57 @@ def test_logprobs_match_the_native_forward_without_a_cache(model):
             seq.append(t.token_id)
         assert len(tokens) == req.max_tokens
         assert_logprobs_equal(tokens, ref, 3, greedy=True)
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
+    """Each prompt token's score (and the top-k there) is the native no-cache forward's log-softmax at
+    the request's prefill depth, seeded by its example id; emitted before the first token. max_tokens 0
+    only scores the prompt and frees its slot."""
+    reqs = [Request(TOK.encode("score this prompt"), max_tokens=0, depth=2, prefill_depth=4, prompt_logprobs=3,
+                    example_id=5),
+            Request(TOK.encode("and this one too"), max_tokens=4, depth=3, prompt_logprobs=0, logprobs=0),
+            Request(TOK.encode("x"), max_tokens=0, depth=3, prompt_logprobs=2)]
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=4, cache=mode))
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_done(handles)
+    for req, h in zip(reqs, handles):
+        events = list(h.events(timeout=1))
+        scores, fin = events[0], events[-1]
+        assert isinstance(scores, PromptLogprobs) and isinstance(fin, Finish)
+        with torch.no_grad():
+            native = model(torch.tensor([req.prompt_ids]), req.prefill_depth or req.depth, init="seeded",
+                           example_ids=torch.tensor([req.example_id])).logits[0, :-1].log_softmax(-1)
+        want = native.gather(-1, torch.tensor(req.prompt_ids[1:])[:, None])[:, 0]
+        assert len(scores.logprobs) == len(req.prompt_ids) - 1
+        assert torch.allclose(torch.tensor(scores.logprobs), want, atol=TOL, rtol=0)
+        if req.prompt_logprobs:
+            assert len(scores.top_logprobs) == len(scores.logprobs)
+            for top, lp in zip(scores.top_logprobs, native):
+                best = lp.topk(req.prompt_logprobs)
+                assert [t for t, _ in top] == best.indices.tolist()
+                assert torch.allclose(torch.tensor([v for _, v in top]), best.values, atol=TOL, rtol=0)
+        else:
+            assert scores.top_logprobs is None
+        tokens = [e for e in events[1:-1] if isinstance(e, Token)]
+        assert len(tokens) == len(events) - 2 and fin.completion_tokens == len(tokens)
+        if req.max_tokens == 0:
+            assert fin.reason == "length" and not tokens and fin.text == ""
+        else:
+            assert tokens and fin.text == _alone(model, "and this one too", req, mode)
+    assert engine.pool.running == 0 and engine.finished["length"] >= 2
+
+
+def test_max_tokens_zero_needs_prompt_logprobs(model):
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.submit(Request(TOK.encode("abc"), max_tokens=0))
+    with pytest.raises(ValueError, match="prompt_logprobs must be in 0..20"):
+        engine.submit(Request(TOK.encode("abc"), max_tokens=0, prompt_logprobs=21))
+    with pytest.raises(ValueError, match="more than the context of 64"):
+        engine.submit(Request([1] * 65, max_tokens=0, prompt_logprobs=0))
+    engine.submit(Request([1] * 64, max_tokens=0, prompt_logprobs=0))  # a full context can be scored
+    assert len(engine._pending) == 1
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -706,6 +706,8 @@ def serve(
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
     """
+    import socket
+
     try:
         import uvicorn
 
@@ -715,17 +717,56 @@ def serve(
     from looplm.checkpoint import load_model
     from looplm.serve import Engine, EngineConfig
 
-    model, tokenizer, _ = load_model(checkpoint, _device(device))
-    (arm,) = _prefill_arms(model, (prefill,), student)
-    engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
-                                                   max_depth=max_depth, cache=cache, max_queue=max_queue),
-                    prefill=arm)
-    folder = checkpoint.resolve()
-    name = served_model_name or (folder.parent.parent.name if folder.parent.name == "checkpoints" else folder.name)
-    print(f"serving {name!r} on http://{host}:{port}/v1 ({engine.describe()})", flush=True)
-    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
-    uvicorn.run(create_app(engine, name, api_key=api_key), host=host, port=port, log_level="info")
+    # the options that need no model are checked before it loads; EngineConfig checks them again for library users
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in 0..65535 (0: any free port), got {port}")
+    for option, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--depth", depth)):
+        if value < 1:
+            raise UserError(f"{option} must be >= 1, got {value}")
+    if max_depth is not None and max_depth < depth:
+        raise UserError(f"--max-depth ({max_depth}) must be >= --depth ({depth})")
+    if max_seq_len is not None and max_seq_len < 2:
+        raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
+    if prefill == "student" and cache != "terminal":
+        raise UserError("--prefill student writes terminal banks: it needs --cache terminal")
+    # listen before loading anything (a busy port fails at once) and before the banner, which then
+    # names the port the system chose for --port 0
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts at once
+            listener.bind(address)
+            listener.listen(2048)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as err:
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    try:
+        model, tokenizer, _ = load_model(checkpoint, _device(device))
+        cap, context = model.cfg.max_depth, model.cfg.max_seq_len
+        for option, value in (("--depth", depth), ("--max-depth", max_depth)):
+            if value is not None and value > cap:
+                raise UserError(f"{option} must be in 1..{cap} (the model's max_depth), got {value}")
+        if max_seq_len is not None and max_seq_len > context:
+            raise UserError(f"--max-seq-len must be in 2..{context} (the model's context), got {max_seq_len}")
+        (arm,) = _prefill_arms(model, (prefill,), student)
+        engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
+                                                       max_depth=max_depth, cache=cache, max_queue=max_queue),
+                        prefill=arm)
+        folder = checkpoint.resolve()
+        name = served_model_name or (folder.parent.parent.name if folder.parent.name == "checkpoints" else folder.name)
+        bound = listener.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"serving {name!r} on http://{shown}:{bound}/v1 ({engine.describe()})", flush=True)
+        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
+        config = uvicorn.Config(create_app(engine, name, api_key=api_key), host=host, port=bound, log_level="info")
+        uvicorn.Server(config).run(sockets=[listener])
+    finally:
+        listener.close()
 
 
 def _deferred(fn):

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looplm.data import Tokenizer
-from looplm.serve.engine import Engine, EngineFull, EngineStopped, Finish, Request, RequestHandle, Token
+from looplm.serve.engine import (Engine, EngineFull, EngineStopped, Finish, PromptLogprobs, Request, RequestHandle,
+                                 Token)
 from looplm.serve.protocol import ChatRequest, CompletionRequest
 
 POLL_S = 0.25
@@ -128,7 +130,7 @@ class _Choices:
             if h.finish is None:
                 h.cancel()
 
-    async def stream(self, http: HTTPRequest) -> AsyncIterator[tuple[int, Token | Finish]]:
+    async def stream(self, http: HTTPRequest) -> AsyncIterator[tuple[int, PromptLogprobs | Token | Finish]]:
         """Events until every choice finished; stops, cancelling them all, once the client goes away
         (watched alongside the events, so a steady stream of tokens cannot hide it)."""
         left = len(self.handles)
@@ -150,14 +152,17 @@ class _Choices:
                     task.cancel()  # no-op once done
             self.cancel()  # no-op for finished choices
 
-    async def collect(self, http: HTTPRequest) -> tuple[dict[int, list[Token]], dict[int, Finish]] | None:
-        """Every choice's tokens and finish (non-streaming); None if the client went away; a
-        failed generation raises a 500."""
+    async def collect(self, http: HTTPRequest) -> _Collected | None:
+        """Every choice's events (non-streaming); None if the client went away; a failed generation
+        raises a 500."""
         tokens: dict[int, list[Token]] = {}
+        prompts: dict[int, PromptLogprobs] = {}
         finishes: dict[int, Finish] = {}
         async for i, ev in self.stream(http):
             if isinstance(ev, Token):
                 tokens.setdefault(i, []).append(ev)
+            elif isinstance(ev, PromptLogprobs):
+                prompts[i] = ev
             else:
                 finishes[i] = ev
         if len(finishes) < len(self.handles):
@@ -165,7 +170,16 @@ class _Choices:
         failed = [f for f in finishes.values() if f.reason == "error"]
         if failed:
             raise APIError(500, failed[0].error or "generation failed", "server_error")
-        return tokens, finishes
+        return _Collected(tokens, prompts, finishes)
+
+
+class _Collected(NamedTuple):
+    """The events of a non-streamed request, by choice."""
+
+    tokens: dict[int, list[Token]]
+    prompts: dict[int, PromptLogprobs]
+    """The prompt's scores of the choices that asked for them (`Request.prompt_logprobs`)."""
+    finishes: dict[int, Finish]
 
 
 async def _client_gone(http: HTTPRequest) -> None:
@@ -175,11 +189,12 @@ async def _client_gone(http: HTTPRequest) -> None:
 
 
 async def _sse_events(choices: _Choices, http: HTTPRequest, start: Callable[[int], dict | None],
-                      token: Callable[[int, Token], dict | None], finish: Callable[[int, Finish], dict],
+                      token: Callable[[int, PromptLogprobs | Token], dict | None],
+                      finish: Callable[[int, Finish], dict],
                       usage: Callable[[list[Finish]], dict] | None) -> AsyncIterator[str]:
     """The server-sent events of a streamed request: `start(i)` before choice i's first event, a
-    chunk per token (`token` may skip one by returning None) and per finish, then the usage chunk
-    (when asked) and `[DONE]`. Leaving early (the client went away) cancels the unfinished choices."""
+    chunk per token and per prompt score (`token` may skip one by returning None) and per finish, then
+    the usage chunk (when asked) and `[DONE]`. Leaving early (the client went away) cancels the unfinished choices."""
     finishes: dict[int, Finish] = {}
     opened: set[int] = set()
     try:
@@ -188,13 +203,13 @@ async def _sse_events(choices: _Choices, http: HTTPRequest, start: Callable[[int
             if i not in opened:
                 opened.add(i)
                 out.append(start(i))
-            if isinstance(ev, Token):
-                out.append(token(i, ev))
-            else:
+            if isinstance(ev, Finish):
                 finishes[i] = ev
                 failed = ev.reason == "error"
                 out.append(APIError(500, ev.error or "generation failed", "server_error").body() if failed
                            else finish(i, ev))
+            else:
+                out.append(token(i, ev))
             for data in out:
                 if data is not None:
                     yield _sse(data)
@@ -231,6 +246,11 @@ def _spelling(tok: Tokenizer, token_id: int) -> tuple[str, list[int] | None]:
         return piece.decode("utf-8"), list(piece)
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in piece), list(piece)
+
+
+_Scored = tuple[int, float | None, list[tuple[int, float]] | None]
+"""A token in a completion's logprobs: its id, its log-probability (None: the first prompt token), the top
+alternatives (token id, log-probability)."""
 
 
 def _sse(data: dict | str) -> str:
@@ -286,9 +306,11 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         except EngineStopped as err:
             raise APIError(503, str(err), "server_error", code="shutting_down") from None
 
-    def choice_requests(body, prompts_ids: list[list[int]], max_tokens: int, stop, logprobs) -> list[Request]:
+    def choice_requests(body, prompts_ids: list[list[int]], max_tokens: int, stop, logprobs, *,
+                        prompt_logprobs: int | None = None) -> list[Request]:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
-        return [Request(ids, max_tokens=max_tokens, stop=stop, seed=seed + k, logprobs=logprobs, **body.engine_fields())
+        return [Request(ids, max_tokens=max_tokens, stop=stop, seed=seed + k, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs, **body.engine_fields())
                 for ids in prompts_ids for k in range(body.n)]
 
     def encode(prompt: str | list[int]) -> list[int]:
@@ -316,28 +338,48 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             raise APIError(400, str(err), param="stop") from None
         prompts = body.prompts()
         ids = [encode(p) for p in prompts]
-        choices = start(choice_requests(body, ids, body.max_tokens, stop, body.logprobs))
+        # echo with logprobs scores the prompt too (OpenAI's legacy API); max_tokens 0 (echo only) needs
+        # the engine's scoring pass even without logprobs: it is what such a request runs
+        score = body.echo and (body.logprobs is not None or body.max_tokens == 0)
+        requests = choice_requests(body, ids, body.max_tokens, stop, body.logprobs,
+                                   prompt_logprobs=(body.logprobs or 0) if score else None)
+        choices = start(requests)
         rid, name, created = f"cmpl-{uuid.uuid4().hex}", body.model or model_name, int(time.time())
         prefix = [(tok.decode(i) if isinstance(p, list) else p) if body.echo else "" for p, i in zip(prompts, ids)]
         n_prompt = sum(len(i) for i in ids)
+        echo_logprobs = body.echo and body.logprobs is not None
 
-        def lp_block(tokens: list[Token], offset: int) -> dict:
+        def top_entry(alternatives: list[tuple[int, float]] | None) -> dict[str, float] | None:
+            top: dict[str, float] = {}
+            for i, lp in alternatives or []:  # most likely first: of two tokens spelled alike, it stays
+                top.setdefault(_spelling(tok, i)[0], lp)
+            return top or None
+
+        def lp_block(entries: Sequence[_Scored], offset: int) -> dict:
+            """OpenAI's logprobs of (token id, its log-prob, the top alternatives) from text offset `offset`."""
             out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            for t in tokens:
-                out["tokens"].append(_spelling(tok, t.token_id)[0])
-                out["token_logprobs"].append(t.logprob)
-                top: dict[str, float] = {}
-                for i, lp in t.top_logprobs or []:  # most likely first: of two tokens spelled alike, it stays
-                    top.setdefault(_spelling(tok, i)[0], lp)
-                out["top_logprobs"].append(top or None)
+            for token_id, lp, top in entries:
+                out["tokens"].append(_spelling(tok, token_id)[0])
+                out["token_logprobs"].append(lp)
+                out["top_logprobs"].append(top_entry(top))
                 out["text_offset"].append(offset)
-                offset += len(tok.decode([t.token_id]))
+                offset += len(tok.decode([token_id]))
             return out
 
-        def chunk(index: int, text: str, finish: str | None, tokens: list[Token], offset: int) -> dict:
-            lp = lp_block(tokens, offset) if body.logprobs is not None else None
+        def generated(tokens: list[Token], offset: int) -> dict:
+            return lp_block([(t.token_id, t.logprob, t.top_logprobs) for t in tokens], offset)
+
+        def scored_prompt(prompt_ids: list[int], scores: PromptLogprobs) -> dict:
+            """The echoed prompt's logprobs: the first token's are null (nothing precedes it)."""
+            tops = scores.top_logprobs or [None] * len(scores.logprobs)
+            return lp_block([(prompt_ids[0], None, None), *zip(prompt_ids[1:], scores.logprobs, tops)], 0)
+
+        def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
             return {**_envelope(rid, name, "text_completion", created),
-                    "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+        def no_tokens(offset: int) -> dict | None:
+            return generated([], offset) if body.logprobs is not None else None
 
         if body.stream:
             offsets: dict[int, int] = {}
@@ -345,12 +387,17 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             def start_choice(i: int) -> dict | None:
                 head = prefix[i // body.n]
                 offsets[i] = len(head)
-                return chunk(i, head, None, [], 0) if head else None
+                # an echo with logprobs is sent with the prompt's scores (the choice's first event)
+                return chunk(i, head, None, no_tokens(0)) if head and not echo_logprobs else None
 
-            def token_chunk(i: int, ev: Token) -> dict | None:
+            def token_chunk(i: int, ev: PromptLogprobs | Token) -> dict | None:
+                if isinstance(ev, PromptLogprobs):
+                    if not echo_logprobs:
+                        return None
+                    return chunk(i, prefix[i // body.n], None, scored_prompt(ids[i // body.n], ev))
                 if not (ev.text or body.logprobs is not None):
                     return None
-                out = chunk(i, ev.text, None, [ev], offsets[i])
+                out = chunk(i, ev.text, None, generated([ev], offsets[i]) if body.logprobs is not None else None)
                 offsets[i] += len(ev.text)
                 return out
 
@@ -359,21 +406,25 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                         "usage": _usage(n_prompt, finishes)}
 
             events = _sse_events(choices, http, start_choice, token_chunk,
-                                 lambda i, ev: chunk(i, ev.tail, ev.reason, [], offsets[i]),
+                                 lambda i, ev: chunk(i, ev.tail, ev.reason, no_tokens(offsets[i])),
                                  usage_chunk if body.include_usage() else None)
             return StreamingResponse(events, media_type="text/event-stream")
 
         collected = await choices.collect(http)
         if collected is None:
             return Response(status_code=499)  # the client went away
-        tokens, finishes = collected
         out = []
-        for i in sorted(finishes):
+        for i, finish in sorted(collected.finishes.items()):
             head = prefix[i // body.n]
-            c = chunk(i, head + finishes[i].text, finishes[i].reason, tokens.get(i, []), len(head))["choices"][0]
-            out.append(c)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = generated(collected.tokens.get(i, []), len(head))
+                if echo_logprobs:  # the prompt's tokens first, then the completion's
+                    prompt = scored_prompt(ids[i // body.n], collected.prompts[i])
+                    logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
+            out.append({"index": i, "text": head + finish.text, "logprobs": logprobs, "finish_reason": finish.reason})
         return {**_envelope(rid, name, "text_completion", created),
-                "choices": out, "usage": _usage(n_prompt, list(finishes.values()))}
+                "choices": out, "usage": _usage(n_prompt, list(collected.finishes.values()))}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HTTPRequest):
@@ -417,7 +468,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
         collected = await choices.collect(http)
         if collected is None:
             return Response(status_code=499)  # the client went away
-        tokens, finishes = collected
+        tokens, _, finishes = collected
         out = [{"index": i, "message": {"role": "assistant", "content": finishes[i].text},
                 "logprobs": lp_content(tokens.get(i, [])), "finish_reason": finishes[i].reason}
                for i in sorted(finishes)]

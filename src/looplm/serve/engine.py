@@ -74,8 +74,25 @@ class Request:
     min_depth: int = 1
     logprobs: int | None = None
     """Return each chosen token's log-probability and the `logprobs` most likely alternatives."""
+    prompt_logprobs: int | None = None
+    """Also score the prompt (a `PromptLogprobs` event before the first token): each prompt token's
+    log-probability after the tokens before it, and the `prompt_logprobs` most likely tokens there.
+    With it, `max_tokens` may be 0: the prompt is only scored."""
     example_id: int = 0
     """Seeds the initial recurrent state by (example id, position), as `generate` does (row 0 alone)."""
+
+
+@dataclass
+class PromptLogprobs:
+    """A prompt's scores from its prefill pass (the logits that also choose the first token), emitted
+    before any `Token` of a request with `prompt_logprobs`. Entry j is about prompt token j + 1 (the
+    first token has no context to be scored in)."""
+
+    logprobs: list[float]
+    """log p(prompt[j + 1] | prompt[:j + 1]) at the request's prefill depth."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """The `prompt_logprobs` most likely (token id, log-probability) at each of those positions, most
+    likely first; None when `prompt_logprobs` is 0."""
 
 
 @dataclass
@@ -104,7 +121,7 @@ class Finish:
     error: str | None = None
 
 
-Event = Token | Finish
+Event = PromptLogprobs | Token | Finish
 
 
 class EngineFull(RuntimeError):
@@ -228,7 +245,9 @@ class Engine:
 
     def check(self, request: Request) -> SamplingConfig:
         """The request's sampling settings; ValueError with a one-line reason if it cannot run."""
-        sampling = SamplingConfig(max_new_tokens=request.max_tokens, temperature=request.temperature,
+        scoring_only = request.max_tokens == 0 and request.prompt_logprobs is not None
+        # a request that only scores its prompt decodes nothing, but its sampling settings are still checked
+        sampling = SamplingConfig(max_new_tokens=1 if scoring_only else request.max_tokens, temperature=request.temperature,
                                   top_k=request.top_k, top_p=request.top_p, seed=request.seed,
                                   stop=tuple(request.stop), exit_tau=request.exit_tau, min_depth=request.min_depth)
         depth, prefill_depth = self.depths(request)
@@ -238,12 +257,14 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        need = len(request.prompt_ids) + request.max_tokens - 1  # the last new token is never fed
+        need = len(request.prompt_ids) + max(request.max_tokens, 1) - 1  # the last new token is never fed
         if need > self.max_len:
             raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {request.max_tokens} "
                              f"it needs {need} positions, more than the context of {self.max_len}")
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {request.logprobs}")
+        if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in 0..20, got {request.prompt_logprobs}")
         return sampling
 
     def submit(self, request: Request, sink: Callable[[Event], None] | None = None) -> RequestHandle:
@@ -362,13 +383,18 @@ class Engine:
         slot, view = self.pool.claim()
         tokens = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
         ids = torch.tensor([req.example_id], device=self.device)
-        logits = self.prefill(self.model, tokens, view, prefill_depth, example_ids=ids)[0, -1]
+        logits = self.prefill(self.model, tokens, view, prefill_depth, example_ids=ids)[0]
         self.pool.set_length(slot, len(req.prompt_ids))
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
         row = _Row(handle, depth, gen, TextStream(self.tokenizer, req.stop))
         self._rows.append(row)
         self.prompt_tokens += len(req.prompt_ids)
-        self._accept(slot, logits, self.prefill.teacher_depth(prefill_depth))
+        if req.prompt_logprobs is not None:
+            handle.emit(_score_prompt(logits[:-1], tokens[0, 1:], req.prompt_logprobs))
+        if req.max_tokens == 0:  # only scored
+            self._finish(slot, "error" if handle.sink_error else "length", error=handle.sink_error)
+            return
+        self._accept(slot, logits[-1], self.prefill.teacher_depth(prefill_depth))
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -467,6 +493,16 @@ class Engine:
         return (f"{c.cache} cache, {c.max_batch} slots x {self.max_len} positions "
                 f"({self.pool.nbytes / 2**20:.1f} MiB), depth {c.depth} (requests up to {self.max_depth}), "
                 f"queue {c.max_queue}")
+
+
+def _score_prompt(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> PromptLogprobs:
+    """The scores of `next_ids` [n] under the logits [n, V] of the positions before them."""
+    lp = logits.float().log_softmax(-1)
+    scores = PromptLogprobs(lp.gather(-1, next_ids[:, None])[:, 0].tolist())
+    if k:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        scores.top_logprobs = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    return scores
 
 
 def request_from(prompt_ids: Sequence[int], **fields) -> Request:

@@ -73,7 +73,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)
+    """0 only with echo: the prompt is scored, nothing generated (how lm-eval's `local-completions` scores)."""
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -92,6 +93,8 @@ class CompletionRequest(_Common):
             raise ValueError("best_of is not supported (leave it unset)")
         if self.suffix:
             raise ValueError("suffix (insertion) is not supported")
+        if self.max_tokens == 0 and not self.echo:  # nothing would be returned
+            raise ValueError("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
