@@ -36,7 +36,7 @@ SMALLER = {
     "analyze": ["--sequences", "2", "--horizon", "6", "--kv-depths", "2", "--solve-spans", "1", "--solve-length", "8",
                 "--sharing-sequences", "1", "--sharing-depths", "2", "--no-plots", "--device", "cpu"],
     "generate": ["--device", "cpu"],
-    "serve": ["--device", "cpu"],
+    "serve": ["--device", "cpu", "--port", "0"],  # looplm serve binds its port before serving: any free one
     "distill": ["--steps", "2", "--micro-batch", "4", "--calibration-rows", "4", "--val-rows", "2", "--val-every", "0",
                 "--report-rows", "2", "--report-examples", "4", "--device", "cpu"],
 }
@@ -96,15 +96,16 @@ def readme_world(tmp_path, monkeypatch):
 
 
 def serve_once(monkeypatch, served: list):
-    """`uvicorn.run` replaced by one request to the app it was given (nothing listens on a port)."""
+    """`uvicorn.Server.run` replaced by one request to the server's app (the socket `looplm serve` bound is
+    closed by it, unused)."""
     uvicorn = pytest.importorskip("uvicorn")
     from fastapi.testclient import TestClient
 
-    def run(app, **kwargs):
-        with TestClient(app) as client:
+    def run(server, sockets=None):
+        with TestClient(server.config.app) as client:
             served.append(client.post("/v1/completions", json={"prompt": "ROMEO.\n", "max_tokens": 4}).json())
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
 
 
 @pytest.mark.slow

@@ -671,6 +671,27 @@ def _parse_error_line(report: str, args: list[str]) -> str:
     return f"error: {message}; see {' '.join(prog)} --help"
 
 
+def _listen(host: str, port: int):
+    """A socket listening on host:port (port 0: one the system chooses), for uvicorn to serve on; a busy
+    port or an unknown host is a UserError."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts at once
+            listener.bind(address)
+            listener.listen(2048)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as err:
+        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return listener
+
+
 def serve(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     host: str = "127.0.0.1",
@@ -706,8 +727,6 @@ def serve(
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
     """
-    import socket
-
     try:
         import uvicorn
 
@@ -729,21 +748,7 @@ def serve(
         raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
     if prefill == "student" and cache != "terminal":
         raise UserError("--prefill student writes terminal banks: it needs --cache terminal")
-    # listen before loading anything (a busy port fails at once) and before the banner, which then
-    # names the port the system chose for --port 0
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        listener = socket.socket(family, kind, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts at once
-            listener.bind(address)
-            listener.listen(2048)
-        except OSError:
-            listener.close()
-            raise
-    except OSError as err:
-        raise UserError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    listener = _listen(host, port)  # before the model loads (a busy port fails at once) and before the banner
     try:
         model, tokenizer, _ = load_model(checkpoint, _device(device))
         cap, context = model.cfg.max_depth, model.cfg.max_seq_len
