@@ -85,7 +85,7 @@ def main() -> None:
     job.train.steps, job.train.progress, job.train.eval_every = 60, False, 0
     job.train.out_dir = Path("/tmp/gpu_run")
     job.train.checkpoint_every, job.train.tensorboard = 1000, False
-    job.data.n_task_examples = 20000
+    job.data.source, job.data.n_task_examples = "tasks", 20000  # as recorded: the preset trained on tasks then
     tr = Trainer(job)
     assert tr.dtype == torch.bfloat16, tr.dtype
     losses = [tr.train_step().loss for _ in range(60)]

@@ -334,6 +334,7 @@ def make_trainer(model_cfg, micro_batch: int, precision: str, depth: int, bptt_w
     job = job_preset("tiny")
     job.model = dataclasses.replace(model_cfg)
     job.depth = DepthConfig(sampler="fixed", depth=float(depth), bptt_window=bptt_window)
+    job.data.source = "tasks"  # as measured (the tiny preset trained on the task generator then)
     job.data.seq_len = SEQ_LEN
     job.data.cache_dir = workdir / "cache"
     job.data.n_task_examples = N_TASK_EXAMPLES
