@@ -290,6 +290,12 @@ def test_unserved_settings_are_refused_by_name(base, override, words):
             pass
 
 
+def test_prompt_embeddings_are_refused_at_load_by_name(base):
+    with pytest.raises(Exception, match=r"prompt embeddings \(enable_prompt_embeds\) are not served"):
+        with engine(base[1], enable_prompt_embeds=True):
+            pass
+
+
 def test_refusals_of_parallelism_and_unknown_switches():
     hf = dataclasses.make_dataclass("HF", [("num_steps", int, 3)])()
     with pytest.raises(Refused, match="pipeline parallelism"):

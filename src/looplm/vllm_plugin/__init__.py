@@ -31,13 +31,21 @@ class LoopedConfigHook:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        from looplm.vllm_plugin.model import check_servable
+        from looplm.vllm_plugin.model import Refused, check_servable
 
         hf = vllm_config.model_config.hf_config
         par = vllm_config.parallel_config
         check_servable(hf, tensor_parallel=par.tensor_parallel_size, pipeline_parallel=par.pipeline_parallel_size)
-        if not getattr(hf, "allow_prefix_caching", False):
+        if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
+            raise Refused("prompt embeddings (enable_prompt_embeds) are not served by the looplm vLLM plugin: its "
+                          "initial state and value embeddings are functions of the token ids; pass token ids or text")
+        if not getattr(hf, "allow_prefix_caching", False) and vllm_config.cache_config.enable_prefix_caching:
             vllm_config.cache_config.enable_prefix_caching = False
+            from vllm.logger import init_logger
+
+            init_logger("vllm.looplm_plugin").info(
+                "looplm: prefix caching is off (a cached block holds the terminal K/V its tokens got when written, "
+                "not what a fresh prefill computes); --hf-overrides '{\"allow_prefix_caching\": true}' turns it on")
 
 
 def register() -> None:

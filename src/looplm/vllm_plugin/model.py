@@ -79,7 +79,7 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
         raise Refused(f"num_steps must be in 1..max_depth={cfg.max_depth}, got {depth}")
     if getattr(hf_config, "cache_kind", "terminal") != "terminal":
         raise Refused(f"cache_kind={hf_config.cache_kind!r}: the vLLM plugin serves the terminal cache only "
-                      "(one KV bank per physical layer); export with --cache-kind terminal or override "
+                      "(one KV bank per physical layer); export with --cache terminal or override "
                       "--hf-overrides '{\"cache_kind\": \"terminal\"}'")
     pre = getattr(hf_config, "prefill_steps", None)
     if pre is not None and pre != depth:
