@@ -91,9 +91,9 @@ class EvalConfig:
         if self.sample_depths:
             if not self.sample_prompt:
                 raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
-            if tokenizer is not None and len(tokenizer.encode(self.sample_prompt)) > max_seq_len:
-                raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}",
-                          f"{len(tokenizer.encode(self.sample_prompt))} tokens")
+            n = len(tokenizer.encode(self.sample_prompt)) if tokenizer is not None else 0
+            if n > max_seq_len:
+                raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}", f"{n} tokens")
 
 
 def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None,

@@ -169,15 +169,15 @@ class Trainer:
             if getattr(j.train, name) < 1:
                 raise UserError(f"train.{name} must be >= 1")
         t = j.train
-        for name, value, ok, rule in (
-                ("lr", t.lr, t.lr > 0, "> 0"), ("warmup_frac", t.warmup_frac, 0 <= t.warmup_frac <= 1, "in [0, 1]"),
-                ("decay_frac", t.decay_frac, 0 <= t.decay_frac <= 1, "in [0, 1]"),
-                ("warmup_frac + decay_frac", t.warmup_frac + t.decay_frac, t.warmup_frac + t.decay_frac <= 1, "<= 1"),
-                ("weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
-                ("beta1", t.beta1, 0 <= t.beta1 < 1, "in [0, 1)"), ("beta2", t.beta2, 0 <= t.beta2 < 1, "in [0, 1)"),
-                ("grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0 disables)")):
-            if not ok:
-                raise UserError(f"train.{name} must be {rule}, got {value:g}")
+        for name, ok, rule in (("lr", lambda v: v > 0, "> 0"), ("warmup_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                               ("decay_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                               ("weight_decay", lambda v: v >= 0, ">= 0"), ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+                               ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+                               ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables)")):
+            if not ok(getattr(t, name)):
+                raise UserError(f"train.{name} must be {rule}, got {getattr(t, name):g}")
+        if t.warmup_frac + t.decay_frac > 1:
+            raise UserError(f"train.warmup_frac + decay_frac must be <= 1, got {t.warmup_frac + t.decay_frac:g}")
         j.eval.validate(j.model.max_depth, j.model.max_seq_len, prefix="eval.", allow_no_depths=True)
         # Depth settings are checked here, before the (possibly long) data build.
         build_sampler(j.depth)
