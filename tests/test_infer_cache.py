@@ -407,3 +407,27 @@ def test_full_cache_banks_after_a_step_with_per_row_depths():
         for visit in range(4):
             for j, kv in enumerate(mine[min(visit, depth - 1)]):
                 _assert_holds(cache.core[visit][j], b, pos, kv, visits[b][visit][j])
+
+
+def test_full_cache_chunk_with_per_row_depths_keeps_each_rows_own_visits():
+    """A chunk of several tokens with per-row depths [3, 5] on a full cache of depth 3: the deeper row's
+    recurrences 3 and 4 reuse visit bank 2 and must not overwrite the shallower row's entries there.
+    Reference: each row run alone at its own fixed depth (issue: row 0's visit-2 bank was overwritten)."""
+    from _models import decisive_model
+
+    m = decisive_model(vocab_size=50, max_seq_len=32)
+    x = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    cache = FullCache(m.cfg, 2, 32, depth=3)
+    extend(m, x, cache, torch.tensor([3, 5]), example_ids=torch.arange(2))
+    nxt = torch.tensor([[7], [9]])
+    logits = extend(m, nxt, cache, 3, example_ids=torch.arange(2)).logits[:, -1]
+    for b, depth in enumerate([3, 5]):
+        alone = FullCache(m.cfg, 1, 32, depth=3)
+        extend(m, x[b:b + 1], alone, depth, example_ids=torch.tensor([b]))
+        for visit in range(3):
+            for j in range(m.cfg.n_core):
+                for mine, ref in zip((cache.core[visit][j].k, cache.core[visit][j].v),
+                                     (alone.core[visit][j].k, alone.core[visit][j].v)):
+                    assert (mine[b, :, :6] - ref[0, :, :6]).abs().max() <= 1e-5, (b, visit, j)
+        ref = extend(m, nxt[b:b + 1], alone, 3, example_ids=torch.tensor([b])).logits[0, -1]
+        assert (logits[b] - ref).abs().max() <= 1e-4

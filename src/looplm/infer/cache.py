@@ -94,18 +94,21 @@ class KVCache:
             mask = mask & (real[:, None, None, :] | own[None, None])
         return positions, mask
 
-    def slot(self, stack: str, layer: int, recurrence: int = 0) -> KVSlot:
-        """The slot of one layer visit: the chunk is written at `length` in the bank the visit maps to."""
+    def slot(self, stack: str, layer: int, recurrence: int = 0, keep: torch.Tensor | None = None) -> KVSlot:
+        """The slot of one layer visit: the chunk is written at `length` in the bank the visit maps to;
+        with `keep` [B, n] (the tokens still recurring) a stopped token's entry keeps its terminal K/V."""
         if stack == "core":
-            return self.core_read(recurrence, layer).slot(self.length)
+            return self.core_slot(recurrence, layer, keep)
         return getattr(self, stack)[layer].slot(self.length)
 
-    def keep_terminal(self, j: int, kv, used: torch.Tensor, early: bool) -> None:
-        """After a chunk: core layer j's terminal K/V `kv` (each token's last recurrence), `used` [B, n]
-        recurrences per token, go to every bank of layer j that a token's recurrences did not write.
-        `early`: some token may have stopped before the chunk's last recurrence (its later,
-        discarded recurrences then overwrote the banks it reads)."""
-        raise NotImplementedError
+    def core_slot(self, r: int, j: int, keep: torch.Tensor | None) -> KVSlot:
+        return self.core_read(r, j).slot(self.length, keep)
+
+    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None) -> None:
+        """After a chunk of n tokens ran a loop of `recurrences` steps, `used` [B, n] recurrences per
+        token (None: all of them): every bank a token reads later holds its terminal K/V. The terminal
+        cache has them already (a stopped token's writes are masked, `slot(keep=...)`); the full cache
+        fills the visits a token did not reach (design §7)."""
 
     def advance(self, n: int) -> None:
         self.length = self.length + n
@@ -140,10 +143,6 @@ class TerminalCache(KVCache):
     def core_read(self, r, j):
         return self.core[j]  # design §7: every recurrence reads the terminal bank; the last one's K/V stay
 
-    def keep_terminal(self, j, kv, used, early):
-        if early:  # a token that stopped early: its exit recurrence's K/V, not later scratch
-            self.core[j].write(self.length, kv)  # otherwise the last recurrence already left exactly `kv` here
-
 
 class FullCache(KVCache):
     mode = "full"
@@ -161,9 +160,21 @@ class FullCache(KVCache):
     def core_read(self, r, j):
         return self.core[min(r, self.depth - 1)][j]
 
-    def keep_terminal(self, j, kv, used, early):
-        for v in range(int(used.min()), self.depth):  # visits a shallower token did not reach
-            self.core[v][j].write(self.length, kv, keep=used <= v)
+    def core_slot(self, r, j, keep):
+        # a stopped token's visit-r entry is its terminal K/V, i.e. its entry of visit r - 1 (filled
+        # the same way when it stopped earlier), so chunk siblings read what a later token will
+        fallback = self.core[r - 1][j] if keep is not None and 0 < r < self.depth else None
+        return self.core_read(r, j).slot(self.length, keep, fallback)
+
+    def keep_terminal(self, n, recurrences, used=None):
+        # visits a token did not reach take its terminal K/V: in order, visit v copies visit v - 1 where
+        # used <= v, so each entry ends with the K/V of the token's last recurrence (a no-op where the
+        # loop's masked writes already did it)
+        lowest = recurrences if used is None else int(used.min())
+        for v in range(max(lowest, 1), self.depth):
+            stopped = None if used is None else used <= v
+            for j in range(self.cfg.n_core):
+                self.core[v][j].write(self.length, self.core[v - 1][j].read(self.length, n), keep=stopped)
 
 
 def make_cache(mode: str, cfg: ModelConfig, batch: int, max_len: int, depth: int, **kw) -> KVCache:

@@ -4,9 +4,11 @@ An attention layer computes this chunk's K (after RoPE) and V, hands them to its
 `update(k, v)` and attends to what the slot returns. The model never knows which cache it has:
 
 - no slot: the chunk attends to itself (the parallel forward);
-- `KVBank.slot(start)`: a preallocated bank [B, H_kv, max_len, hd]; the chunk is written in place
-  at [start, start + n) and attention reads [0, start + n) (or, for per-row starts [B] and one
-  token per row, the whole bank under the caller's mask);
+- `KVBank.slot(start, keep=...)`: a preallocated bank [B, H_kv, max_len, hd]; the chunk is written
+  in place at [start, start + n) and attention reads [0, start + n) (or, for per-row starts [B] and
+  one token per row, the whole bank under the caller's mask). With `keep` [B, n] only the tokens
+  still recurring write: a stopped token's entry keeps its terminal K/V, taken from its own bank
+  or, where the cache says so, from the bank of the visit before (`fallback`);
 - `RowsView(rows).slot(bank_slot)`: the rows of a one-token step that still recur, on their
   gathered copy of the bank (gathered once per bank while the rows stay the same);
 - `KVRecord(inner)`: keeps the chunk's K/V (diagnostics, and the terminal cache's bookkeeping)
@@ -34,11 +36,13 @@ class LayerCache(Protocol):
     def chunk(self, n: int, pad: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [B, n], boolean mask [B or 1, 1, n, S]) of n new tokens after the cached ones."""
 
-    def slot(self, stack: str, layer: int, recurrence: int = 0) -> KVSlot:
-        """The slot of one layer visit ("prelude", "core" at a 0-based recurrence, "coda")."""
+    def slot(self, stack: str, layer: int, recurrence: int = 0, keep: torch.Tensor | None = None) -> KVSlot:
+        """The slot of one layer visit ("prelude", "core" at a 0-based recurrence, "coda"); `keep`
+        [B, n]: the tokens still recurring (a stopped token's entry keeps its terminal K/V)."""
 
-    def keep_terminal(self, layer: int, kv, used: torch.Tensor, early: bool) -> None:
-        """After the recurrences: each token's K/V from its last recurrence for core layer `layer`."""
+    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None) -> None:
+        """After a chunk of n tokens ran `recurrences` loop steps (`used` [B, n] per token, None: all):
+        every bank a token reads later holds its terminal K/V (a full cache fills unreached visits)."""
 
     def advance(self, n: int) -> None:
         """The chunk's n tokens are now cached."""
@@ -58,24 +62,37 @@ class KVBank:
         bank.k, bank.v = k, v
         return bank
 
-    def slot(self, start: int | torch.Tensor) -> BankSlot:
-        """The slot of a chunk that starts at `start` (an int, or per-row starts [B] for one token per row)."""
-        return BankSlot(self, start)
+    def slot(self, start: int | torch.Tensor, keep: torch.Tensor | None = None,
+             fallback: KVBank | None = None) -> BankSlot:
+        """The slot of a chunk that starts at `start` (an int, or per-row starts [B] for one token per
+        row); with `keep` [B, n] only those tokens write, the others keep `fallback`'s entry (default:
+        this bank's own)."""
+        return BankSlot(self, start, keep, fallback)
+
+    def read(self, start: int | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V [B, H, n, hd] stored at [start, start + n) (per-row starts [B]: n = 1)."""
+        if isinstance(start, torch.Tensor):
+            rows = torch.arange(self.k.shape[0], device=self.k.device)
+            return self.k[rows, :, start][:, :, None], self.v[rows, :, start][:, :, None]
+        return self.k[:, :, start:start + n], self.v[:, :, start:start + n]
 
     def write(self, start: int | torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-              keep: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+              keep: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+              fallback: KVBank | None = None) -> None:
         """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B] for n = 1);
-        with `keep` [B, n] only where it is True; with `rows` [b] the chunk holds those batch rows only."""
+        with `keep` [B, n] only where it is True (elsewhere `fallback`'s entry, default the old one);
+        with `rows` [b] the chunk holds those batch rows only."""
         per_row = isinstance(start, torch.Tensor)
         sel = rows if rows is not None else (torch.arange(self.k.shape[0], device=self.k.device) if per_row
                                              else slice(None))
         at = start[sel] if per_row else start
-        for buf, new in zip((self.k, self.v), kv):
+        source = fallback if fallback is not None else self
+        for buf, src, new in zip((self.k, self.v), (source.k, source.v), kv):
             n = new.shape[2]
             if per_row and n != 1:
                 raise ValueError(f"per-row cache lengths take one token per row, got {n}")
             if keep is not None:
-                old = buf[sel, :, at][:, :, None] if per_row else buf[sel, :, start:start + n]
+                old = src[sel, :, at][:, :, None] if per_row else src[sel, :, start:start + n]
                 new = torch.where(keep[:, None, :, None], new, old)
             if per_row:
                 buf[sel, :, at] = new[:, :, 0]
@@ -90,11 +107,12 @@ class KVBank:
 class BankSlot:
     """A chunk's place in a bank: `update` writes it in place, then returns what attention reads."""
 
-    def __init__(self, bank: KVBank, start: int | torch.Tensor):
-        self.bank, self.start = bank, start
+    def __init__(self, bank: KVBank, start: int | torch.Tensor, keep: torch.Tensor | None = None,
+                 fallback: KVBank | None = None):
+        self.bank, self.start, self.keep, self.fallback = bank, start, keep, fallback
 
     def update(self, k, v):
-        self.bank.write(self.start, (k, v))
+        self.bank.write(self.start, (k, v), keep=self.keep, fallback=self.fallback)
         if isinstance(self.start, torch.Tensor):
             return self.bank.k, self.bank.v  # per-row lengths: the caller's mask marks each row's [0, start_b]
         end = self.start + k.shape[2]

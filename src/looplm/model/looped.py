@@ -337,62 +337,71 @@ class LoopedLM(nn.Module):
 
     def iterate(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
                 bptt_window: int | None = None, return_states: bool = False):
-        """The recurrences of `forward` from s^0: (endpoint, per-recurrence states or None, depths [B, L]).
-
-        Tokens that stop early (`plan.freezes`) keep their state; with a cache, each core layer's
-        terminal K/V (each token's last recurrence) are handed to `cache.keep_terminal`, which also
-        fills a full cache's visits that shallower tokens did not reach."""
+        """The recurrences of `forward` from s^0: (endpoint, per-recurrence states or None, depths [B, L]
+        or None when every token ran `plan.depth`). A fixed depth runs `fixed_depth`; tokens that may
+        stop early (`plan.freezes`) run `with_exits`; the exit gate picks each token's state after."""
+        n = s.shape[1]
+        if plan.freezes:
+            s, states, used = self.with_exits(s, ctx, plan, cache=cache, return_states=return_states)
+            if cache is not None:
+                cache.keep_terminal(n, plan.largest, used)
+            return s, states, used
         R = plan.largest
-        B, n = s.shape[:2]
-        exits = Exits(plan, B, n, s.device) if plan.freezes else None
+        visited = [] if plan.exit_gate is not None or return_states else None
+        s = self.fixed_depth(s, ctx, R, cache=cache, bptt_window=bptt_window, visited=visited)
+        if cache is not None:
+            cache.keep_terminal(n, R)
+        used = None if cache is None else torch.full(s.shape[:2], R, dtype=torch.long, device=s.device)
+        if plan.exit_gate is not None:  # the gate's exit: each token's state at its exit recurrence enters the coda
+            index = threshold_exit(exit_distribution([self.exit_gate(v) for v in visited]), plan.exit_gate)
+            s, used = select_depth(torch.stack(visited, 2), index), index + 1
+        return s, (visited if return_states else None), used
+
+    def fixed_depth(self, s: torch.Tensor, ctx: Context, R: int, *, cache: LayerCache | None = None,
+                    bptt_window: int | None = None, visited: list | None = None) -> torch.Tensor:
+        """R recurrences of every token; only the last min(R, b) record autograd (design §3: the first
+        R - b run without it, their output a constant). `visited` collects each recurrence's state."""
         n_grad = R if bptt_window is None else min(R, bptt_window)
-        states = [] if return_states else None
-        visited = [] if plan.exit_gate is not None else None  # each recurrence's state, for the gate
-        kept: list = [None] * len(self.core)  # with a cache: each token's K/V from its last recurrence
-        view: RowsView | None = None  # the recurring rows of a one-token step, once some stopped
+        grad = torch.is_grad_enabled()
         for r in range(R):
+            slots = None if cache is None else [cache.slot("core", j, r) for j in range(len(self.core))]
+            with torch.set_grad_enabled(grad and r >= R - n_grad):
+                s = self.recurrence(s, ctx, slots=slots)
+            if visited is not None:
+                visited.append(s)
+        return s
+
+    def with_exits(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
+                   return_states: bool = False):
+        """Recurrences where tokens stop at their row's depth or by adaptive exit (design §13): a stopped
+        token's state is frozen and, with a cache, its writes are masked (`slot(keep=...)`), so the
+        K/V of its last recurrence stay its terminal K/V for everyone who reads them. In a one-token
+        step without autograd the stopped rows leave the batch (`RowsView`): the rest recur alone, so
+        a step costs the sum of its rows' depths. Returns (endpoint, states or None, used [B, n])."""
+        B, n = s.shape[:2]
+        exits = Exits(plan, B, n, s.device)
+        compact = n == 1 and not torch.is_grad_enabled()
+        states = [] if return_states else None
+        view: RowsView | None = None
+        for r in range(plan.largest):
             prev = s
-            rows = exits.compact() if exits is not None and n == 1 and not torch.is_grad_enabled() else None
-            if rows is not None:  # design §13: rows that stopped leave the batch; the rest recur alone
+            rows = exits.compact() if compact else None
+            if rows is not None:
                 if view is None or not torch.equal(view.rows, rows):
                     view, sub = RowsView(rows), ctx.select(rows)
-                slots = None if cache is None else [KVRecord(view.slot(cache.slot("core", j, r)))
-                                                    for j in range(len(self.core))]
+                slots = None if cache is None else [view.slot(cache.slot("core", j, r)) for j in range(len(self.core))]
                 s = s.clone()
                 s[rows] = self.recurrence(s[rows], sub, slots=slots)
             else:
-                slots = None if cache is None else [KVRecord(cache.slot("core", j, r)) for j in range(len(self.core))]
-                # design §3: the first R-b recurrences run without autograd; their output is a constant.
-                with torch.set_grad_enabled(torch.is_grad_enabled() and r >= R - n_grad):
-                    s = self.recurrence(s, ctx, slots=slots)
-            if slots is not None:
-                for j, slot in enumerate(slots):
-                    if kept[j] is None or exits is None:
-                        kept[j] = slot.kv
-                    elif rows is not None:  # only the recurring rows have new K/V
-                        for old, new in zip(kept[j], slot.kv):
-                            old[rows] = new
-                    else:
-                        kept[j] = tuple(torch.where(exits.active[:, None, :, None], new, old)
-                                        for new, old in zip(slot.kv, kept[j]))
-            if visited is not None:
-                visited.append(s)
-            if exits is not None:
-                s = exits.after(r, s, prev)
+                keep = None if compact else exits.active  # compacting: every row here still recurs
+                slots = None if cache is None else [cache.slot("core", j, r, keep) for j in range(len(self.core))]
+                s = self.recurrence(s, ctx, slots=slots)
+            s = exits.after(r, s, prev)
             if states is not None:
                 states.append(s)
-            if exits is not None and exits.done:
+            if exits.done:
                 break
-        used = exits.used if exits is not None else None
-        if used is None and (cache is not None or visited is not None):
-            used = torch.full((B, n), R, dtype=torch.long, device=s.device)
-        if cache is not None:
-            for j, kv in enumerate(kept):
-                cache.keep_terminal(j, kv, used, early=exits is not None)
-        if visited is not None:  # the gate's exit: each token's state at its exit recurrence enters the coda
-            index = threshold_exit(exit_distribution([self.exit_gate(v) for v in visited]), plan.exit_gate)
-            s, used = select_depth(torch.stack(visited, 2), index), index + 1
-        return s, states, used
+        return s, states, exits.used
 
     def begin(
         self,
