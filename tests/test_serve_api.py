@@ -761,3 +761,43 @@ def test_text_offsets_count_characters_for_multi_byte_text():
             text, merged = _streamed_logprobs(http, {**body, "echo": echo})
             assert text == choice["text"]
             assert merged == {key: choice["logprobs"][key] for key in merged}
+
+
+# -- unknown request fields are refused by name; OpenAI's own are accepted -----------------------------
+def test_an_unknown_field_is_400_naming_it_and_openai_fields_are_accepted(model):
+    """A misspelt looplm field (`deph`) used to be dropped silently (the reply came at the server's
+    depth); now it is a 400 that names it. Fields of OpenAI's APIs that looplm does not use, and the
+    bodies the openai client sends, are still accepted."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(create_app(engine, NAME)) as http:
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+            refused = http.post(path, json={**body, "deph": 3, "exit_tua": 0.1})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert "'deph'" in error["message"] and "'exit_tua'" in error["message"] and error["param"] == "deph"
+            assert http.post(path, json={**body, "deph": None}).status_code == 400  # null too: it is still a typo
+        assert "'messages'" in http.post("/v1/completions", json={"prompt": "hi", "messages": []}).json()["error"]["message"]
+
+        ignored = {"user": "u1", "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "n": 1,
+                   "best_of": 1, "suffix": None, "seed": 3, "stream_options": None}
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **ignored})
+        assert ok.status_code == 200, ok.text
+        chat_ignored = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "metadata": {"k": "v"},
+                        "store": False, "parallel_tool_calls": False, "service_tier": "auto", "user": "u1",
+                        "reasoning_effort": None, "modalities": ["text"], "prompt_cache_key": "x",
+                        "safety_identifier": "s"}
+        ok = http.post("/v1/chat/completions", json={**chat, **chat_ignored})
+        assert ok.status_code == 200, ok.text
+
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        out = client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0, user="u", seed=1,
+                                        stream_options=None, extra_body={"depth": 2})
+        assert out.choices[0].text == _alone(model, "hi", 2, 2)
+        reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               response_format={"type": "text"}, store=False, metadata={"k": "v"})
+        assert reply.choices[0].message.role == "assistant"
+        with pytest.raises(openai.BadRequestError, match="deph"):
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body={"deph": 3})

@@ -57,6 +57,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == "unknown_field":
+        return msg, first["ctx"]["first"]
     return (f"{param}: {msg}" if param else msg), param
 
 
