@@ -227,6 +227,10 @@ def test_a_folder_from_another_tokenizer_is_replaced_only_with_overwrite(tmp_pat
 
     assert main([*argv, "--overwrite"]) == 0
     assert pretokenized_info(out)["vocab_size"] == 320
+    load_tokenizer(out).save(tmp_path / "saved")  # the folder's own tokenizer, given by path: up to date
+    kept = pretokenized_info(out)
+    assert pretokenized_info(tokenize_corpus(source, out, tokenizer=str(tmp_path / "saved"), holdout=0.25,
+                                             progress=False)) == kept
     new_hash = load_tokenizer(out).fingerprint()[:12]
     with pytest.raises(DataError) as refused:
         build_datasets(str(out), run_tokenizer, seq_len=8)
