@@ -12,6 +12,7 @@ import pytest
 from _jobs import error_line, looplm_cmd, subprocess_env
 
 import looplm.data.pretokenized as pretok
+from looplm.cli import main
 from looplm.data import (
     BPETokenizer,
     ByteTokenizer,
@@ -27,6 +28,8 @@ from looplm.data import (
     pretokenized_info,
     tokenize_corpus,
 )
+from looplm.data.datasets import build_datasets
+from looplm.errors import UserError
 
 SPLIT_FILES = ("tokens.bin", "supervised.bin", "doc_starts.npy", "meta.json")
 TASKS = dict(task_config=TaskConfig(min_difficulty=1, max_difficulty=3), n_task_examples=300)
@@ -188,7 +191,10 @@ def test_same_inputs_are_kept_and_other_inputs_replace(tmp_path: Path, monkeypat
     assert pretokenized_info(tokenize_corpus(source, out, holdout=0.25, progress=False)) == first
     assert calls == []  # nothing tokenized again
 
-    tokenize_corpus(source, out, holdout=0.5, progress=False)
+    with pytest.raises(UserError, match=r"holdout 0\.5 \(the folder's: 0\.25\).*--overwrite"):
+        tokenize_corpus(source, out, holdout=0.5, progress=False)  # runs may train on it: not replaced silently
+    assert calls == [] and pretokenized_info(out) == first
+    tokenize_corpus(source, out, holdout=0.5, progress=False, overwrite=True)
     assert calls == [1] and pretokenized_info(out)["holdout"] == 0.5
     train_dir, _ = prepare_caches(source, ByteTokenizer(), holdout=0.5, cache_dir=tmp_path / "cache")
     assert_same_splits(out, train_dir)
@@ -198,6 +204,39 @@ def test_same_inputs_are_kept_and_other_inputs_replace(tmp_path: Path, monkeypat
     assert calls == [1, 1]
     open_pretokenized(out, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "corpus", "out"]
+
+
+def test_a_folder_from_another_tokenizer_is_replaced_only_with_overwrite(tmp_path: Path, capsys) -> None:
+    """`looplm tokenize` into a folder made with another tokenizer refuses, naming the vocabulary sizes and
+    the folder's tokenizer hash, unless --overwrite; a run trained on the old folder then reads the new one
+    with an error naming both tokenizers (once "another tokenizer (bpe) than this run's (bpe)")."""
+    source, out = str(make_folder(tmp_path / "corpus")), tmp_path / "tok"
+    tokenize_corpus(source, out, tokenizer="bpe", bpe_vocab_size=300, holdout=0.25, progress=False)
+    first = pretokenized_info(out)
+    old_hash = first["tokenizer_fingerprint"][:12]
+    run_tokenizer = load_tokenizer(out)  # what a run trained on the folder has in its checkpoint
+
+    argv = ["tokenize", source, str(out), "--tokenizer", "bpe", "--bpe-vocab-size", "320", "--holdout", "0.25"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert "vocabulary 320" in err and "vocabulary 300" in err and old_hash in err and "--overwrite" in err
+    assert pretokenized_info(out) == first
+    with pytest.raises(UserError, match=f"byte, vocabulary 258, hash {ByteTokenizer().fingerprint()[:12]}"):
+        tokenize_corpus(source, out, tokenizer="byte", holdout=0.25, progress=False)  # a given one: its own hash
+
+    assert main([*argv, "--overwrite"]) == 0
+    assert pretokenized_info(out)["vocab_size"] == 320
+    load_tokenizer(out).save(tmp_path / "saved")  # the folder's own tokenizer, given by path: up to date
+    kept = pretokenized_info(out)
+    assert pretokenized_info(tokenize_corpus(source, out, tokenizer=str(tmp_path / "saved"), holdout=0.25,
+                                             progress=False)) == kept
+    new_hash = load_tokenizer(out).fingerprint()[:12]
+    with pytest.raises(DataError) as refused:
+        build_datasets(str(out), run_tokenizer, seq_len=8)
+    message = str(refused.value)
+    assert "vocabulary 320" in message and "vocabulary 300" in message
+    assert new_hash in message and old_hash in message
 
 
 def test_an_interrupted_run_leaves_nothing_that_looks_finished(tmp_path: Path, monkeypatch) -> None:
@@ -219,7 +258,7 @@ def test_an_interrupted_run_leaves_nothing_that_looks_finished(tmp_path: Path, m
     before = pretokenized_info(out)
     monkeypatch.setattr(ByteTokenizer, "save", explode)
     with pytest.raises(Interrupted):  # replacing a finished folder: the old one stays intact
-        tokenize_corpus(source, out, holdout=0.5, progress=False)
+        tokenize_corpus(source, out, holdout=0.5, progress=False, overwrite=True)
     assert pretokenized_info(out) == before
     open_pretokenized(out, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]

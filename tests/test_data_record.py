@@ -122,3 +122,31 @@ def test_a_converted_release_is_evaluated_on_text_by_default(tmp_path, monkeypat
     val = record.with_source(str(held)).validation(ckpt.load_model(out)[1])  # a row or two of the held text
     assert len(val) < AnalyzeConfig().sequences < len(record.validation(ckpt.load_model(out)[1]))
     assert analysis["convergence"]["tokens"] == len(val) * 64
+
+
+@pytest.mark.parametrize("source", ["data/corpus.jsonl", "data/corpus-tok"])
+def test_a_relative_data_source_is_read_back_from_another_folder(tmp_path, monkeypatch, source):
+    """A run trained with `--data.source data/...` (and the default relative token cache) recorded the
+    paths as typed, so `looplm eval` from another folder failed with "data source not found"; the
+    record now holds them absolute (the README lets run folders move, not the data)."""
+    from looplm.data import tokenize_corpus
+    from looplm.train.trainer import Trainer
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "data" / "corpus.jsonl").write_text(
+        "".join(json.dumps({"text": f"a looped model reads document {i} again and again."}) + "\n" for i in range(60)))
+    monkeypatch.chdir(project)
+    if source.endswith("-tok"):
+        tokenize_corpus("data/corpus.jsonl", source, holdout=0.1, progress=False)
+    job = tiny_job(project, "run", data__source=source, data__cache_dir=Path(".cache/looplm"), data__holdout=0.1,
+                   train__steps=1, model__max_seq_len=32, data__seq_len=32)
+    Trainer(job).fit()
+    record = ckpt.load_data(project / "run")
+    assert record.source == str(project / source) and record.cache_dir == str(project / ".cache/looplm")
+
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", str(project / "run"), *CHEAP_EVAL, "--output", str(elsewhere / "eval.json")]) == 0
+    assert json.loads((elsewhere / "eval.json").read_text())["perplexity"]["1"]["tokens"] > 0
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["eval.json"]  # no second token cache here

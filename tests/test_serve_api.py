@@ -645,9 +645,8 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
             best = row.topk(2)
             assert top == pytest.approx({_spelled(t)[0]: v for t, v in zip(best.indices.tolist(),
                                                                            best.values.tolist())}, abs=1e-5)
-        # each token advances the offset by its own text, as the completion's tokens do
-        assert lp["text_offset"] == [sum(len(TOK.decode([t])) for t in ids[:j]) for j in range(len(ids))]
-        assert lp["text_offset"][:14] == list(range(14))  # the ASCII part: offsets into the prompt text
+        # offsets into the prompt text: both bytes of "\u00e9" start at its character
+        assert lp["text_offset"] == _char_of_each_byte(prompt) == [*range(14), 13]
         assert scored.json()["usage"]["completion_tokens"] == 0
         assert scored.json()["usage"]["prompt_tokens"] == len(ids)
 
@@ -677,3 +676,128 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
         assert "".join(c["choices"][0]["text"] for c in chunks) == both["text"]
         assert merged == {key: both["logprobs"][key] for key in merged}
     assert engine.pool.running == 0
+
+
+# -- text_offset: the character where each token starts, for multi-byte characters too ----------------
+def _char_of_each_byte(text: str) -> list[int]:
+    """For each UTF-8 byte of `text`, the index of the character it belongs to: the `text_offset` of
+    each token of a byte tokenizer (a byte inside a character gets that character's offset)."""
+    return [k for k, ch in enumerate(text) for _ in ch.encode("utf-8")]
+
+
+class _ScriptedEngine:
+    """Stands in for `Engine` in `create_app`: every request's reply is the bytes of `reply` (up to
+    max_tokens), each token released as text once its character is whole; prompt scores are -1. So
+    the completion's bytes are known to the test, which a trained or random model would not give."""
+
+    def __init__(self, reply: str):
+        self.tokenizer, self.reply = TOK, TOK.encode(reply)
+        self.config, self.max_len, self.running, self.waiting = EngineConfig(max_batch=1), 64, 0, 0
+
+    def start(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def check(self, request):
+        pass
+
+    def submit(self, request, sink):
+        import codecs
+        from types import SimpleNamespace
+
+        from looplm.serve.engine import Finish, PromptLogprobs, Token
+
+        if request.prompt_logprobs is not None:
+            n = len(request.prompt_ids) - 1
+            sink(PromptLogprobs([-1.0] * n, [[(t, -1.0)] for t in request.prompt_ids[1:]] if request.prompt_logprobs else None))
+        utf8, text = codecs.getincrementaldecoder("utf-8")(), ""
+        ids = self.reply[:request.max_tokens]
+        for t in ids:
+            piece = utf8.decode(bytes([t]))
+            text += piece
+            sink(Token(t, piece, 1, -0.5, [(t, -0.5)] if request.logprobs else None))
+        handle = SimpleNamespace(finish=Finish("length", text, "", len(request.prompt_ids), len(ids), 1.0),
+                                 cancel=lambda: None)
+        sink(handle.finish)
+        return handle
+
+
+def _streamed_logprobs(http, body: dict) -> tuple[str, dict[str, list]]:
+    stream = http.post("/v1/completions", json={**body, "stream": True})
+    assert stream.status_code == 200, stream.text
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    merged: dict[str, list] = {"tokens": [], "text_offset": []}
+    for c in chunks:
+        for key in merged:
+            merged[key] += c["choices"][0]["logprobs"][key]
+    return "".join(c["choices"][0]["text"] for c in chunks), merged
+
+
+def test_text_offsets_count_characters_for_multi_byte_text():
+    """Each token's `text_offset` is the index, in the returned text, of the character its first byte
+    belongs to (byte tokens of one character share its offset): in the completion, in an echoed prompt
+    before it, and the same streamed as not; the offsets are computed here from the text alone."""
+    from fastapi.testclient import TestClient
+
+    prompt, reply = "h\u00e9llo w\u00f6rld", "\u65e5\u672c \U0001f642 \u0436!"  # 2-, 3-, 4-byte characters
+    with TestClient(create_app(_ScriptedEngine(reply), NAME)) as http:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": len(reply.encode()), "logprobs": 1}
+        plain = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert plain["text"] == reply
+        assert plain["logprobs"]["text_offset"] == _char_of_each_byte(reply)
+
+        echoed = http.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+        assert echoed["text"] == prompt + reply
+        want = _char_of_each_byte(prompt) + [len(prompt) + k for k in _char_of_each_byte(reply)]
+        assert echoed["logprobs"]["text_offset"] == want
+
+        scored = http.post("/v1/completions", json={**body, "echo": True, "max_tokens": 0}).json()["choices"][0]
+        assert scored["logprobs"]["text_offset"] == _char_of_each_byte(prompt)
+
+        for echo, choice in ((False, plain), (True, echoed)):
+            text, merged = _streamed_logprobs(http, {**body, "echo": echo})
+            assert text == choice["text"]
+            assert merged == {key: choice["logprobs"][key] for key in merged}
+
+
+# -- unknown request fields are refused by name; OpenAI's own are accepted -----------------------------
+def test_an_unknown_field_is_400_naming_it_and_openai_fields_are_accepted(model):
+    """A misspelt looplm field (`deph`) used to be dropped silently (the reply came at the server's
+    depth); now it is a 400 that names it. Fields of OpenAI's APIs that looplm does not use, and the
+    bodies the openai client sends, are still accepted."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(create_app(engine, NAME)) as http:
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+            refused = http.post(path, json={**body, "deph": 3, "exit_tua": 0.1})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert "'deph'" in error["message"] and "'exit_tua'" in error["message"] and error["param"] == "deph"
+            assert http.post(path, json={**body, "deph": None}).status_code == 400  # null too: it is still a typo
+        assert "'messages'" in http.post("/v1/completions", json={"prompt": "hi", "messages": []}).json()["error"]["message"]
+
+        ignored = {"user": "u1", "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "n": 1,
+                   "best_of": 1, "suffix": None, "seed": 3, "stream_options": None}
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **ignored})
+        assert ok.status_code == 200, ok.text
+        chat_ignored = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "metadata": {"k": "v"},
+                        "store": False, "parallel_tool_calls": False, "service_tier": "auto", "user": "u1",
+                        "reasoning_effort": None, "modalities": ["text"], "prompt_cache_key": "x",
+                        "safety_identifier": "s"}
+        ok = http.post("/v1/chat/completions", json={**chat, **chat_ignored})
+        assert ok.status_code == 200, ok.text
+
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        out = client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0, user="u", seed=1,
+                                        stream_options=None, extra_body={"depth": 2})
+        assert out.choices[0].text == _alone(model, "hi", 2, 2)
+        reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               response_format={"type": "text"}, store=False, metadata={"k": "v"})
+        assert reply.choices[0].message.role == "assistant"
+        with pytest.raises(openai.BadRequestError, match="deph"):
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body={"deph": 3})

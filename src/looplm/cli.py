@@ -474,6 +474,7 @@ def tokenize(
     text_field: str = "text",
     seed: int = 0,
     n_task_examples: int = DEFAULT_TASK_EXAMPLES,
+    overwrite: bool = False,
 ) -> None:
     """Tokenize a corpus once into a folder that training reads directly (--data.source OUT),
     instead of tokenizing it at the start of every fresh run.
@@ -484,13 +485,14 @@ def tokenize(
     Args:
         src: The corpus: a text file or folder (*.txt, *.md), a .jsonl file, hf:<name>[:<split>] or tasks.
         out: Folder to write: new, empty, or an earlier `looplm tokenize` output (kept if made from the
-            same inputs, else replaced).
+            same inputs; made from other ones, refused unless --overwrite).
         tokenizer: byte, bpe (trained on the corpus) or a path to a tokenizer.json or saved tokenizer folder.
         bpe_vocab_size: Vocabulary size when training a BPE tokenizer.
         holdout: Fraction of documents held out for validation.
         text_field: Field of each JSONL record (or HF dataset row) that holds the text.
         seed: Seed of the held-out draw (and of the generator for source tasks).
         n_task_examples: Training examples drawn from the task generator (source tasks).
+        overwrite: Replace an earlier output made from other inputs (runs trained on it can no longer read it).
     """
     import shlex
 
@@ -502,7 +504,7 @@ def tokenize(
     except UserError:  # not a `looplm tokenize` folder (yet)
         before = None
     path = tokenize_corpus(src, out, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size, holdout=holdout,
-                           text_field=text_field, seed=seed, n_task_examples=n_task_examples)
+                           text_field=text_field, seed=seed, n_task_examples=n_task_examples, overwrite=overwrite)
     info = pretokenized_info(path)
     if info == before:
         print(f"up to date (same source, tokenizer, holdout and seed): {path}")

@@ -211,6 +211,29 @@ class _DocProgress:
         self.bar.close()
 
 
+def _same_tokenizer(old_tok: Tokenizer, tok: Tokenizer | None) -> bool:
+    """Whether a given tokenizer is the folder's (which a request for a BPE to train, recorded as such, hides)."""
+    return tok is not None and tok.fingerprint() == old_tok.fingerprint()
+
+
+def _differences(info: dict[str, Any], old_tok: Tokenizer, source: str, request: dict[str, Any],
+                 tok: Tokenizer | None, bpe_vocab_size: int) -> list[str]:
+    """What differs between the inputs of the folder with marker `info` (and tokenizer `old_tok`) and a
+    new request, in words: "holdout 0.5 (the folder's: 0.25)"."""
+    old = info.get("request") or {}
+    out = []
+    if old.get("source") != request["source"]:
+        same = os.path.abspath(str(info.get("source"))) == os.path.abspath(source)
+        out.append("the source's files changed since (sizes or times)" if same
+                   else f"source {source} (the folder's: {info.get('source')})")
+    if old.get("tokenizer") != request["tokenizer"] and not _same_tokenizer(old_tok, tok):
+        new = tok.summary() if tok is not None else f"bpe, vocabulary {bpe_vocab_size}, to be trained"
+        out.append(f"tokenizer {new} (the folder's: {old_tok.summary()})")
+    out += [f"{key} {request[key]} (the folder's: {old.get(key)})" for key in ("holdout", "seed")
+            if old.get(key) != request[key]]
+    return out
+
+
 def tokenize_corpus(
     source: str | Path,
     out_dir: str | Path,
@@ -223,6 +246,7 @@ def tokenize_corpus(
     n_task_examples: int = DEFAULT_TASK_EXAMPLES,
     task_config: TaskConfig | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Tokenize ``source`` once into the pretokenized folder ``out_dir``; return its path.
 
@@ -233,9 +257,11 @@ def tokenize_corpus(
 
     ``out_dir`` must be new, empty, or an earlier pretokenized folder: one made from the same
     source (paths, sizes, mtimes), tokenizer request, holdout and seed is kept as it is (nothing
-    is tokenized); any other is replaced. Everything is written into a temporary sibling folder
-    that is renamed into place only when complete, so an interrupted run never leaves a folder
-    that looks finished. ``progress`` shows a documents bar on stderr.
+    is tokenized), as is one whose tokenizer is the given one; one made from other inputs is
+    refused, naming what differs (runs trained on it would no longer read it), unless
+    ``overwrite``, which replaces it; a damaged one is rebuilt. Everything is written into a
+    temporary sibling folder that is renamed into place only when complete, so an interrupted run
+    never leaves a folder that looks finished. ``progress`` shows a documents bar on stderr.
 
     The marker ``pretokenized.json`` records: ``format``, ``version``, ``cache_version``, the
     ``source`` as given and its ``source_description``, ``tokenizer`` (name),
@@ -263,10 +289,15 @@ def tokenize_corpus(
     }
     if state == "finished":
         try:
-            if _validate(out)[0].get("request") == request:
-                return out
+            info, old_tok = _validate(out)
         except DataError:
-            pass  # damaged: rebuild it
+            info = None  # damaged: rebuild it
+        differs = None if info is None else _differences(info, old_tok, source, request, tok, bpe_vocab_size)
+        if differs == []:
+            return out
+        if differs and not overwrite:
+            raise UserError(f"{out} was tokenized from other inputs: {'; '.join(differs)}. Runs trained on it "
+                            "would no longer read it; choose another folder, or --overwrite to replace it")
     if tok is None:
         if progress:
             print(f"training a {bpe_vocab_size}-id BPE tokenizer on {source} ...", file=sys.stderr, flush=True)

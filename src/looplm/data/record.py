@@ -10,10 +10,12 @@ record as data.json (`looplm.checkpoint`); a training run's record is read off i
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .corpus import CORPORA
 from .sources import DataError
 from .tasks import DEFAULT_TASK_EXAMPLES, Example, TaskConfig, generate_examples
 
@@ -78,11 +80,14 @@ class DataRecord:
 
     @classmethod
     def from_job(cls, job: dict, origin: Origin = "trained") -> DataRecord:
-        """The record of a training job's dict (`TrainJob.to_dict()`: its data section and training seed)."""
+        """The record of a training job's dict (`TrainJob.to_dict()`: its data section and training seed),
+        with a local source and the cache folder made absolute against the working folder: the commands
+        that read the record back may run from another one."""
         try:
             data, seed = job["data"], job["train"]["seed"]
-            return cls(source=str(data["source"]), seq_len=int(data["seq_len"]), holdout=float(data["holdout"]),
-                       text_field=str(data["text_field"]), cache_dir=str(data["cache_dir"]),
+            return cls(source=_absolute_source(str(data["source"])), seq_len=int(data["seq_len"]),
+                       holdout=float(data["holdout"]), text_field=str(data["text_field"]),
+                       cache_dir=os.path.abspath(str(data["cache_dir"])),
                        n_task_examples=int(data["n_task_examples"]), tasks=_task_config(data["tasks"]),
                        seed=int(seed), origin=origin)
         except (KeyError, TypeError, ValueError) as err:
@@ -105,6 +110,14 @@ class DataRecord:
         """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold."""
         seen = {ex.prompt for ex in generate_examples(self.tasks, self.n_task_examples, self.seed)}
         return [ex for ex in generate_examples(self.tasks, n, seed) if ex.prompt not in seen]
+
+
+def _absolute_source(source: str) -> str:
+    """An existing local file or folder as an absolute path; the generator, a built-in corpus, hf:<name>
+    and a path that does not exist (its error names it as typed) as they are."""
+    if source == TASKS_SOURCE or source in CORPORA or source.startswith("hf:") or not os.path.exists(source):
+        return source
+    return os.path.abspath(source)
 
 
 def _task_config(data) -> TaskConfig:

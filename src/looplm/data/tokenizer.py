@@ -91,6 +91,10 @@ class Tokenizer(ABC):
         """sha256 hex digest of :meth:`canonical_description` (used as a cache key)."""
         return hashlib.sha256(self.canonical_description().encode("utf-8")).hexdigest()
 
+    def summary(self) -> str:
+        """Name, vocabulary size and hash (the fingerprint's start): what tells two tokenizers apart in a message."""
+        return f"{self.name}, vocabulary {self.vocab_size}, hash {self.fingerprint()[:12]}"
+
     @abstractmethod
     def save(self, directory: Path) -> None:
         """Write the tokenizer to ``directory`` so :func:`load_tokenizer` can read it."""

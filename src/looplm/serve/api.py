@@ -57,6 +57,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == "unknown_field":
+        return msg, first["ctx"]["first"]
     return (f"{param}: {msg}" if param else msg), param
 
 
@@ -248,6 +250,36 @@ def _spelling(tok: Tokenizer, token_id: int) -> tuple[str, list[int] | None]:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in piece), list(piece)
 
 
+class _Offsets:
+    """`text_offset`s of a sequence of tokens: where each token's text starts in the text they decode
+    to, i.e. how many whole characters the tokens before it decode to. A token holding the later
+    bytes of a character gets the offset of that character (the one it contributes to), so offsets
+    never decrease; and an offset depends only on the tokens before it, so a stream sends the same
+    ones as a whole response. Decodes a short window, as `TextStream` does, so that each token
+    costs the same however long the sequence."""
+
+    def __init__(self, tok: Tokenizer, start: int = 0):
+        self.tok, self.ids = tok, []
+        self._prefix = self._read = 0  # ids[prefix:read] are decoded and give the window its context
+        self._done = start  # characters of ids[:read] (plus `start`)
+        self._next = start
+
+    def push(self, token_id: int) -> int:
+        """The offset of `token_id`, the sequence's next token."""
+        offset = self._next
+        self.ids.append(token_id)
+        done = self.tok.decode(self.ids[self._prefix:self._read])
+        window = self.tok.decode(self.ids[self._prefix:])
+        new = window[len(done):] if window.startswith(done) else ""
+        if new and not new.endswith("\ufffd"):  # whole characters: the next window starts after them
+            self._done += len(new)
+            self._prefix, self._read = self._read, len(self.ids)
+            self._next = self._done
+        else:  # an incomplete character at the end (one U+FFFD): the next token still belongs to it
+            self._next = max(offset, self._done + len(new) - new.endswith("\ufffd"))
+        return offset
+
+
 _Scored = tuple[int, float | None, list[tuple[int, float]] | None]
 """A token in a completion's logprobs: its id, its log-probability (None: the first prompt token), the top
 alternatives (token id, log-probability)."""
@@ -355,40 +387,40 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                 top.setdefault(_spelling(tok, i)[0], lp)
             return top or None
 
-        def lp_block(entries: Sequence[_Scored], offset: int) -> dict:
-            """OpenAI's logprobs of (token id, its log-prob, the top alternatives) from text offset `offset`."""
+        def lp_block(entries: Sequence[_Scored], offsets: _Offsets) -> dict:
+            """OpenAI's logprobs of (token id, its log-prob, the top alternatives), the next tokens of `offsets`."""
             out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for token_id, lp, top in entries:
                 out["tokens"].append(_spelling(tok, token_id)[0])
                 out["token_logprobs"].append(lp)
                 out["top_logprobs"].append(top_entry(top))
-                out["text_offset"].append(offset)
-                offset += len(tok.decode([token_id]))
+                out["text_offset"].append(offsets.push(token_id))
             return out
 
-        def generated(tokens: list[Token], offset: int) -> dict:
-            return lp_block([(t.token_id, t.logprob, t.top_logprobs) for t in tokens], offset)
+        def generated(tokens: list[Token], offsets: _Offsets) -> dict:
+            return lp_block([(t.token_id, t.logprob, t.top_logprobs) for t in tokens], offsets)
 
         def scored_prompt(prompt_ids: list[int], scores: PromptLogprobs) -> dict:
-            """The echoed prompt's logprobs: the first token's are null (nothing precedes it)."""
+            """The echoed prompt's logprobs: the first token's are null (nothing precedes it); offsets into
+            the prompt's text, which the returned text starts with."""
             tops = scores.top_logprobs or [None] * len(scores.logprobs)
-            return lp_block([(prompt_ids[0], None, None), *zip(prompt_ids[1:], scores.logprobs, tops)], 0)
+            return lp_block([(prompt_ids[0], None, None), *zip(prompt_ids[1:], scores.logprobs, tops)], _Offsets(tok))
 
         def chunk(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
             return {**_envelope(rid, name, "text_completion", created),
                     "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
-        def no_tokens(offset: int) -> dict | None:
-            return generated([], offset) if body.logprobs is not None else None
+        def no_tokens() -> dict | None:
+            return generated([], _Offsets(tok)) if body.logprobs is not None else None
 
         if body.stream:
-            offsets: dict[int, int] = {}
+            offsets: dict[int, _Offsets] = {}
 
             def start_choice(i: int) -> dict | None:
                 head = prefix[i // body.n]
-                offsets[i] = len(head)
+                offsets[i] = _Offsets(tok, len(head))  # the completion's text follows the echoed prompt
                 # an echo with logprobs is sent with the prompt's scores (the choice's first event)
-                return chunk(i, head, None, no_tokens(0)) if head and not echo_logprobs else None
+                return chunk(i, head, None, no_tokens()) if head and not echo_logprobs else None
 
             def token_chunk(i: int, ev: PromptLogprobs | Token) -> dict | None:
                 if isinstance(ev, PromptLogprobs):
@@ -397,16 +429,14 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
                     return chunk(i, prefix[i // body.n], None, scored_prompt(ids[i // body.n], ev))
                 if not (ev.text or body.logprobs is not None):
                     return None
-                out = chunk(i, ev.text, None, generated([ev], offsets[i]) if body.logprobs is not None else None)
-                offsets[i] += len(ev.text)
-                return out
+                return chunk(i, ev.text, None, generated([ev], offsets[i]) if body.logprobs is not None else None)
 
             def usage_chunk(finishes: list[Finish]) -> dict:
                 return {**_envelope(rid, name, "text_completion", created), "choices": [],
                         "usage": _usage(n_prompt, finishes)}
 
             events = _sse_events(choices, http, start_choice, token_chunk,
-                                 lambda i, ev: chunk(i, ev.tail, ev.reason, no_tokens(offsets[i])),
+                                 lambda i, ev: chunk(i, ev.tail, ev.reason, no_tokens()),
                                  usage_chunk if body.include_usage() else None)
             return StreamingResponse(events, media_type="text/event-stream")
 
@@ -418,7 +448,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             head = prefix[i // body.n]
             logprobs = None
             if body.logprobs is not None:
-                logprobs = generated(collected.tokens.get(i, []), len(head))
+                logprobs = generated(collected.tokens.get(i, []), _Offsets(tok, len(head)))
                 if echo_logprobs:  # the prompt's tokens first, then the completion's
                     prompt = scored_prompt(ids[i // body.n], collected.prompts[i])
                     logprobs = {key: prompt[key] + logprobs[key] for key in prompt}

@@ -3,22 +3,35 @@
 Fields follow OpenAI's completions and chat completions APIs; looplm's extensions (`depth`,
 `prefill_depth`, `exit_tau`, `min_depth`, `top_k`) ride in the same body (the openai client sends
 them through `extra_body`). Parameters the engine does not implement are accepted only at their
-neutral value, so a client never gets silently different behaviour. `null` for a field means its
-default, as in OpenAI's API.
+neutral value, so a client never gets silently different behaviour; a chat request's fields in
+`IGNORED_CHAT_FIELDS` (OpenAI's, about tools, formats and bookkeeping) are accepted and ignored; any
+other field is refused by name (a misspelt `depth` would otherwise serve at the server's depth).
+`null` for a field means its default, as in OpenAI's API.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import difflib
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from looplm.data.chat import CHAT_STOP, CHAT_TEMPLATE
 
+IGNORED_CHAT_FIELDS = frozenset({
+    "audio", "function_call", "functions", "metadata", "modalities", "parallel_tool_calls", "prediction",
+    "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "service_tier", "store",
+    "tool_choice", "tools", "verbosity", "web_search_options",
+})
+"""Fields of OpenAI's chat completions request that looplm accepts and ignores (whatever their value):
+no tool calls, audio or structured output are produced, and nothing is stored. Every field of OpenAI's
+completions request is one of `CompletionRequest`'s."""
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # after `_known_fields`, only the ignored ones are left
+    ignored_fields: ClassVar[frozenset[str]] = frozenset()
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -41,10 +54,21 @@ class _Common(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data):
-        """OpenAI reads `null` for an optional field as "not given" (clients send it): drop such
-        fields so their defaults apply; a required field sent as null is then reported missing."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    def _known_fields(cls, data):
+        """Refuses fields neither looplm nor OpenAI's API defines, naming them (null ones too: a typo is a
+        typo). Then, as OpenAI reads `null` for an optional field as "not given" (clients send it), drops
+        such fields so their defaults apply; a required field sent as null is then reported missing."""
+        if not isinstance(data, dict):
+            return data
+        known = cls.model_fields.keys() | cls.ignored_fields
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            own = sorted(cls.model_fields)
+            named = ", ".join(repr(k) + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(k, own, 1))
+                              for k in unknown)
+            raise PydanticCustomError("unknown_field", "unknown field(s) {named} for this endpoint",
+                                      {"named": named, "first": unknown[0]})
+        return {k: v for k, v in data.items() if v is not None}
 
     @model_validator(mode="after")
     def _neutral_only(self):
@@ -123,6 +147,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Common):
+    ignored_fields: ClassVar[frozenset[str]] = IGNORED_CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
