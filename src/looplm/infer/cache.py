@@ -104,9 +104,10 @@ class KVCache:
     def core_slot(self, r: int, j: int, keep: torch.Tensor | None) -> KVSlot:
         return self.core_read(r, j).slot(self.length, keep)
 
-    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None) -> None:
+    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None,
+                      lowest: int | None = None) -> None:
         """After a chunk of n tokens ran a loop of `recurrences` steps, `used` [B, n] recurrences per
-        token (None: all of them): every bank a token reads later holds its terminal K/V. The terminal
+        token (None: all of them; `lowest` a known lower bound of them): every bank a token reads later holds its terminal K/V. The terminal
         cache has them already (a stopped token's writes are masked, `slot(keep=...)`); the full cache
         fills the visits a token did not reach (design §7)."""
 
@@ -166,11 +167,12 @@ class FullCache(KVCache):
         fallback = self.core[r - 1][j] if keep is not None and 0 < r < self.depth else None
         return self.core_read(r, j).slot(self.length, keep, fallback)
 
-    def keep_terminal(self, n, recurrences, used=None):
+    def keep_terminal(self, n, recurrences, used=None, lowest=None):
         # visits a token did not reach take its terminal K/V: in order, visit v copies visit v - 1 where
         # used <= v, so each entry ends with the K/V of the token's last recurrence (a no-op where the
         # loop's masked writes already did it)
-        lowest = recurrences if used is None else int(used.min())
+        if lowest is None:  # the caller may know a bound (no host sync)
+            lowest = recurrences if used is None else int(used.min())
         for v in range(max(lowest, 1), self.depth):
             stopped = None if used is None else used <= v
             for j in range(self.cfg.n_core):

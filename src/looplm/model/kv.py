@@ -40,7 +40,8 @@ class LayerCache(Protocol):
         """The slot of one layer visit ("prelude", "core" at a 0-based recurrence, "coda"); `keep`
         [B, n]: the tokens still recurring (a stopped token's entry keeps its terminal K/V)."""
 
-    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None) -> None:
+    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None,
+                      lowest: int | None = None) -> None:
         """After a chunk of n tokens ran `recurrences` loop steps (`used` [B, n] per token, None: all):
         every bank a token reads later holds its terminal K/V (a full cache fills unreached visits)."""
 

@@ -1,0 +1,174 @@
+"""The one-token decode step with static shapes: no host sync inside it, compilable (design §16).
+
+`DecodeStep` runs one new token per row over a preallocated cache (terminal or full) whose rows
+sit at their own positions. Its only inputs are tensors: the tokens [B], where each row writes
+(`write_at` [B]) and its first real position (`first` [B], left padding), per-row depths and
+exit settings. Attention always reads the whole bank [0, max_len) under a mask built from those
+tensors, so every step has the same shapes and `torch.compile` traces it once per batch size.
+
+The step is three compiled pieces: the prelude (and the initial state), one recurrence, and the
+coda with the head; the recurrence runs `loop_depth` times. Per-row depth and adaptive exit are
+masks: a stopped row keeps its frozen state, its core writes are masked (the cache keeps its exit
+recurrence's K/V as terminal K/V, exactly as `LoopedLM.with_exits` does) and it costs what its
+deepest sibling costs. With `stop_early` (default on a CPU, where a host sync costs nothing) the
+loop ends once every row has stopped. Results equal the model's cached forward (`extend`) to
+float rounding (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from looplm.infer.cache import KVCache
+from looplm.model.blocks import rope_tables
+from looplm.model.kv import KVBank
+from looplm.model.looped import Context
+
+__all__ = ["DecodeStep", "StepRows"]
+
+
+@dataclass
+class StepRows:
+    """The per-row inputs of one decode step (tensors [B] on the model's device)."""
+
+    tokens: torch.Tensor
+    """The token each row feeds."""
+    write_at: torch.Tensor
+    """Where each row's token goes in the cache (its number of cached positions, padding included)."""
+    first: torch.Tensor
+    """Each row's first real position (left padding before it is never read); its RoPE position is
+    write_at - first."""
+    example_ids: torch.Tensor
+    """Seeds each row's initial state (with the position)."""
+    depth: torch.Tensor | None = None
+    """Recurrences per row (at most the step's `loop_depth`); None: every row runs `loop_depth`."""
+    exit_tau: torch.Tensor | None = None
+    """Adaptive exit per row (0 = never), or None for no adaptive exit."""
+    min_depth: torch.Tensor | None = None
+    """Fewest recurrences per row under adaptive exit."""
+    lowest: int = 1
+    """A lower bound of the recurrences any row uses, known to the caller (spares the full cache
+    filling visits no row can leave unreached)."""
+
+    @property
+    def exits(self) -> bool:
+        """Rows may stop before the loop's last recurrence."""
+        return self.depth is not None or self.exit_tau is not None
+
+
+class _Slots:
+    """The cache slots of the prelude and coda layers inside a traced step."""
+
+    def __init__(self, banks: dict, write_at: torch.Tensor):
+        self.banks, self.write_at = banks, write_at
+
+    def slot(self, stack: str, layer: int, recurrence: int = 0, keep=None):
+        k, v = self.banks[stack][layer]
+        return KVBank.of(k, v).slot(self.write_at)
+
+
+class DecodeStep:
+    """One-token decode steps on the first rows of `cache` (see the module docstring).
+
+    `compile=True` compiles the three pieces with `torch.compile` (inductor; on CUDA with
+    `mode="reduce-overhead"`, i.e. CUDA graphs); the first step of each batch size pays the
+    compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped."""
+
+    def __init__(self, model, cache: KVCache, *, compile: bool = False, stop_early: bool | None = None,
+                 seed: int = 0):
+        self.model, self.cache, self.seed = model, cache, seed
+        device = next(model.parameters()).device
+        self.stop_early = device.type == "cpu" if stop_early is None else stop_early
+        self.keys = torch.arange(cache.max_len, device=device)
+        self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
+        self._banks: dict[int, dict] = {}
+        self.begin, self.recur, self.end = self._begin, self._recur, self._end
+        if compile:
+            options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+            # one graph per batch size and piece; the engine buckets its batch sizes
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.begin, self.recur, self.end = (torch.compile(f, dynamic=False, **options)
+                                                for f in (self._begin, self._recur, self._end))
+
+    def banks(self, B: int) -> dict:
+        """The bank tensors of rows [0, B): prelude, coda, and per recurrence each core layer's
+        (K, V, fallback K, fallback V); views, so the step writes into the cache."""
+        if B not in self._banks:
+            c = self.cache
+
+            def cut(bank: KVBank) -> tuple[torch.Tensor, torch.Tensor]:
+                return bank.k[:B], bank.v[:B]
+
+            core = []
+            for r in range(self.model.cfg.max_depth):
+                layers = []
+                for j in range(c.cfg.n_core):
+                    bank = c.core_read(r, j)
+                    # full cache: a stopped row's visit-r entry is its visit r - 1 entry (design §7)
+                    back = c.core[r - 1][j] if c.mode == "full" and 0 < r < c.depth else bank
+                    layers.append((*cut(bank), *cut(back)))
+                core.append(layers)
+            self._banks[B] = {"prelude": [cut(b) for b in c.prelude], "coda": [cut(b) for b in c.coda], "core": core}
+        return self._banks[B]
+
+    @torch.no_grad()
+    def __call__(self, rows: StepRows, loop_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `rows.tokens`; returns (fp32 logits [B, V], recurrences used [B]). The cache's
+        entries at `write_at` are written; the caller moves its lengths on."""
+        B = rows.tokens.shape[0]
+        banks = self.banks(B)
+        exits = rows.exits
+        s, *shared = self.begin(rows.tokens[:, None], rows.write_at, rows.first, rows.example_ids, banks)
+        active = torch.ones(B, dtype=torch.bool, device=s.device)
+        depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
+        used = depth.clone()
+        for r in range(loop_depth):
+            s, active, used = self.recur(self._steps[r], s, active, used, depth, rows.exit_tau, rows.min_depth,
+                                         rows.write_at, shared, banks["core"][r], exits)
+            if exits and self.stop_early and not bool(active.any()):
+                break
+        logits = self.end(s, rows.write_at, shared, banks)
+        if self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
+            # visits a row did not reach take its terminal K/V (`FullCache.keep_terminal`)
+            view = self.cache.view(slice(0, B), length=rows.write_at)
+            view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)
+        return logits, used
+
+    # -- the three pieces (traced by torch.compile; tensors in, tensors out) -------------------
+    def _mask_and_rope(self, write_at, first):
+        positions = (write_at - first)[:, None]
+        keys = self.keys[None, :]
+        mask = ((keys >= first[:, None]) & (keys <= write_at[:, None]))[:, None, None, :]  # [B, 1, 1, S]
+        cos, sin = rope_tables(positions, self.model.cfg.head_dim, self.model.cfg.rope_base)
+        return positions, mask, cos, sin
+
+    def _begin(self, tokens, write_at, first, example_ids, banks):
+        m = self.model
+        positions, mask, cos, sin = self._mask_and_rope(write_at, first)
+        e = m.run_prelude(tokens, (cos, sin), mask, _Slots(banks, write_at))
+        ctx = m.context(e, (cos, sin), mask, tokens)
+        s = m.start_state(e, ctx, init="seeded", positions=positions, example_ids=example_ids, seed=self.seed)
+        return s, mask, cos, sin, ctx.injected, ctx.qkv_offsets, ctx.core_values, ctx.coda_values
+
+    def _recur(self, step, s, active, used, depth, tau, floor, write_at, shared, core, exits: bool):
+        mask, cos, sin, injected, offsets, core_values, _ = shared
+        ctx = Context((cos, sin), mask, injected, offsets, core_values)
+        keep = active[:, None] if exits else None
+        slots = [KVBank.of(k, v).slot(write_at, keep, KVBank.of(fk, fv)) for k, v, fk, fv in core]
+        new = self.model.recurrence(s, ctx, slots=slots)
+        if not exits:
+            return new, active, used
+        new = torch.where(active[:, None, None], new, s)  # a stopped row's state stays frozen
+        stop = active & (step >= depth)
+        if tau is not None:  # design §13: relative state change below exit_tau, after min_depth
+            change = (new - s).float().norm(dim=-1)[:, 0] / s.float().norm(dim=-1)[:, 0].clamp_min(1e-12)
+            stop = stop | (active & (change < tau) & (step >= floor))
+        used = torch.where(stop & active, step, used)
+        return new, active & ~stop, used
+
+    def _end(self, s, write_at, shared, banks):
+        mask, cos, sin, injected, offsets, core_values, coda_values = shared
+        ctx = Context((cos, sin), mask, injected, offsets, core_values, coda_values)
+        return self.model.run_coda(s, (cos, sin), mask, ctx, _Slots(banks, write_at))[:, -1]
