@@ -187,6 +187,12 @@ class Trainer:
             raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
                             "train with --train.attention sdpa (or auto) on CPU")
         parse_kernel_options(j.train.flex_kernel_options)
+        out = Path(j.train.out_dir)
+        for p in (out, *out.parents):  # the first that exists must be a folder (mkdir fails on a file)
+            if p.exists():
+                if not p.is_dir():
+                    raise UserError(f"train.out_dir {out}: {p} is a file, not a folder: choose another --train.out-dir")
+                break
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"
