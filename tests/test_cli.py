@@ -311,7 +311,8 @@ def test_resume_into_a_different_config(trained_run, cache, capsys):
     flags = tiny_flags(trained_run, "run", cache=cache, train__steps=2)
     rc, _, err = run_main(["train", "tiny", *flags, "--train.resume", "--train.steps", "4", "--train.lr", "0.001"], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
-    assert "cannot resume into a different config" in err and "train.lr" in err and "train.steps" in err
+    assert "cannot resume into a different config" in err and "train.lr" in err
+    assert "train.steps" not in err  # a resume may train longer
 
 
 def test_fresh_run_into_a_used_folder(trained_run, cache, capsys):

@@ -324,6 +324,35 @@ def test_resume_allows_run_settings_to_change(stopped_run, cache):
     assert t.latest_checkpoint().name == "step_0000004"
 
 
+def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, capsys):
+    """A 4-step run stopped at step 2 and resumed with 6 steps trains to step 6 on the 6-step
+    schedule: decay_frac 0.5 gives D = 3 decay steps from step 3, so the lr of step index 4 is
+    0.1 + 0.45 (1 + cos(pi / 3)) = 0.775 of the peak (the 4-step schedule would be at 0.1 by then)."""
+    sched = dict(train__decay_frac=0.5, train__warmup_frac=0.0, train__lr=1e-3)
+    Trainer(job(tmp_path, cache, train__steps=4, train__stop_after=2, **sched)).fit()
+    capsys.readouterr()
+    t = Trainer(job(tmp_path, cache, train__steps=6, train__resume=True, **sched))
+    assert t.step == 2
+    assert "extending the run from 4 to 6 steps: the learning-rate schedule is recomputed for 6 steps" \
+        in capsys.readouterr().out
+    assert t.fit()["step"] == 6
+    lrs = {s: r["lr"] for s, r in step_records(t.out_dir).items()}
+    # record of step k: the lr of step index k - 1; W = max(1, round(6 * 0)) = 1 warmup step, D = 3
+    want = {3: 1e-3, 4: 1e-3, 5: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 3))),
+            6: 1e-3 * (0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3)))}
+    for s, lr in want.items():
+        assert lrs[s] == pytest.approx(lr, rel=1e-12), s
+    assert t.latest_checkpoint().name == "step_0000006"
+    assert ckpt.read_json(t.latest_checkpoint(), "config.json")["train"]["steps"] == 6
+
+
+def test_resume_with_fewer_steps_than_trained_is_refused(stopped_run, cache):
+    from looplm.errors import UserError
+
+    with pytest.raises(UserError, match=r"train.steps 1 is below the checkpoint's step 2"):
+        Trainer(job(stopped_run, cache, train__steps=1, train__resume=True))
+
+
 def test_resume_keeps_the_global_batch_when_micro_batch_changes(stopped_run, cache):
     """micro_batch bounds one forward on resume; the checkpoint's global batch (4 sequences per
     microbatch) stays, run as 4 forwards of 1: same data, depths and noise, so the losses follow

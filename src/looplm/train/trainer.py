@@ -50,7 +50,7 @@ RESUMABLE_CHANGES = {
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
     "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir", "train.flex_kernel_options",
-    "train.cross_entropy",
+    "train.cross_entropy", "train.steps",  # steps: a longer (or shorter) schedule, see Trainer._check_steps
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
@@ -214,7 +214,20 @@ class Trainer:
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
+        self._check_steps(saved["train"]["steps"], ckpt.read_json(path, "trainer_state.json")["step"])
         return path
+
+    def _check_steps(self, saved_steps: int, done: int) -> None:
+        """A resume may train longer or shorter than its checkpoint's run planned, not shorter than it has
+        trained; the warmup-stable-decay schedule then spans the new total (it is a function of it)."""
+        steps = self.job.train.steps
+        if steps < done:
+            raise UserError(f"train.steps {steps} is below the checkpoint's step {done}: resume with "
+                            f"--train.steps {done} or more")
+        if steps != saved_steps and self.env.is_main:
+            what = "extending" if steps > saved_steps else "shortening"
+            print(f"{what} the run from {saved_steps} to {steps} steps: the learning-rate schedule is recomputed "
+                  f"for {steps} steps", flush=True)
 
     def _plan_layout(self, resume_from: Path | None) -> BatchLayout:
         """The global batch over this run's ranks: a fresh run's micro_batch x ranks sequences per
