@@ -54,6 +54,7 @@ RESUMABLE_CHANGES = {
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
     "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir", "train.flex_kernel_options",
     "train.cross_entropy", "train.steps",  # steps: a longer (or shorter) schedule, see Trainer._check_steps
+    "train.parallel",  # where the checkpoint's form loads, see Trainer._check_form
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
@@ -246,6 +247,7 @@ class Trainer:
             raise UserError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
                             f"or choose another --train.out-dir")
         path = self.ckpt_root / latest.read_text().strip()
+        self._check_form(path)
         verify_checkpoint(path, self.env)
         # fills fields added since, and resolves the window (checkpoints record it resolved; explicit
         # values of older ones stay as they are, so they resume into the same explicit or 'auto' window)
@@ -258,6 +260,17 @@ class Trainer:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
         self._check_steps(saved["train"]["steps"], ckpt.read_json(path, "trainer_state.json")["step"])
         return path
+
+    def _check_form(self, path: Path) -> None:
+        """train.parallel may change on resume where this run reads the checkpoint's form: the single-file
+        form (one process, DDP, `looplm consolidate`) loads everywhere, the sharded one (FSDP2/HSDP) into
+        sharded ranks or one process; DDP ranks are refused it (checked before any collective)."""
+        if ckpt.is_sharded(path) and self.env.distributed and self.job.train.parallel == "ddp":
+            run = self.out_dir
+            raise ckpt.CheckpointError(
+                f"{path} is sharded (FSDP2/HSDP), which DDP ranks do not read: write it in the single-file form "
+                f"with `looplm consolidate {run} {run}-consolidated` and resume with --train.out-dir "
+                f"{run}-consolidated, or resume with --train.parallel fsdp")
 
     def _check_steps(self, saved_steps: int, done: int) -> None:
         """A resume may train longer or shorter than its checkpoint's run planned, not shorter than it has
