@@ -277,6 +277,7 @@ class LoopedLM(nn.Module):
         seed: int = 0,
         generator: torch.Generator | None = None,
         return_states: bool = False,
+        keep_states: int | None = None,
         compute_logits: bool = True,
         attention: AttentionKernel = "sdpa",
         flex_options: dict | None = None,
@@ -295,7 +296,8 @@ class LoopedLM(nn.Module):
         masks are applied ('flex': one FlexAttention block mask per forward, the fast path on CUDA);
         `flex_options` are its CUDA kernel options (`blocks.flex_kernel_options`). `targets` [B, L]
         (ignored where -100): return their summed cross-entropy as `ce_sum` instead of logits, computed
-        `ce_chunk_rows` rows at a time (`cross_entropy_sum`; training, without a cache).
+        `ce_chunk_rows` rows at a time (`cross_entropy_sum`; without a cache). `keep_states` k: with
+        `return_states`, only the last k states are kept (each is [B, L, d]; evaluation needs two).
 
         With a `cache` (`looplm.infer.cache`, design §7) the tokens are a chunk after the cache's
         tokens: every layer visit writes its K/V through the cache's slot and attends to the cached
@@ -322,7 +324,7 @@ class LoopedLM(nn.Module):
                                 initial=initial, example_ids=example_ids, seed=seed, generator=generator,
                                 attention=attention, flex_options=flex_options)
         s, states, used = self.iterate(s, ctx, plan or DepthPlan(R), cache=cache, bptt_window=bptt_window,
-                                       return_states=return_states)
+                                       return_states=return_states, keep_states=keep_states)
         if targets is not None:
             if cache is not None:
                 raise ValueError("targets (the summed cross-entropy) are for training, without a cache")
@@ -336,7 +338,7 @@ class LoopedLM(nn.Module):
         return LoopOutput(logits=logits, endpoint=s, states=states, depths=used)
 
     def iterate(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
-                bptt_window: int | None = None, return_states: bool = False):
+                bptt_window: int | None = None, return_states: bool = False, keep_states: int | None = None):
         """The recurrences of `forward` from s^0: (endpoint, per-recurrence states or None, depths [B, L]).
 
         Tokens that stop early (`plan.freezes`) keep their state; with a cache, each core layer's
@@ -381,6 +383,8 @@ class LoopedLM(nn.Module):
                 s = exits.after(r, s, prev)
             if states is not None:
                 states.append(s)
+                if keep_states is not None and len(states) > keep_states:
+                    del states[0]
             if exits is not None and exits.done:
                 break
         used = exits.used if exits is not None else None
