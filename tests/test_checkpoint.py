@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import json
 import shutil
 
@@ -429,3 +431,33 @@ def test_consolidated_weights_only_loads_but_does_not_resume(sharded_runs, tmp_p
         Trainer(tiny_job(tmp_path, "single", cache=shared_cache(tmp_path_factory), train__steps=4, train__resume=True))
     with pytest.raises(ckpt.CheckpointError, match="already a single-file checkpoint"):
         ckpt.consolidate(sharded_runs / "full", tmp_path / "again")
+
+
+# -- file modes -------------------------------------------------------------------------------------
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_weights_follow_the_umask(umask_022, tmp_path, tmp_path_factory):
+    """safetensors writes 0600 files; looplm's weights (training checkpoint, consolidated checkpoint,
+    export) are readable as every other file is under umask 022: 0644."""
+    t = sharded_trainer(tmp_path_factory, tmp_path, "run", train__steps=1)
+    t.fit()
+    sharded = ckpt.resolve(t.out_dir)
+    single = ckpt.consolidate(t.out_dir, tmp_path / "single")
+    Trainer(tiny_job(tmp_path, "plain", cache=shared_cache(tmp_path_factory), train__steps=1)).fit()
+    plain = ckpt.resolve(tmp_path / "plain")
+    files = [single / "model.safetensors", single / "optimizer.safetensors", plain / "model.safetensors",
+             plain / "optimizer.safetensors", *sorted((sharded / ckpt.SHARDS).iterdir())]
+    try:
+        from looplm.hf import export
+    except ImportError:
+        export = None
+    if export is not None:
+        export(plain, tmp_path / "hf")
+        files += sorted((tmp_path / "hf").glob("*.safetensors"))
+    modes = {str(f.relative_to(tmp_path)): oct(stat.S_IMODE(f.stat().st_mode)) for f in files}
+    assert modes == dict.fromkeys(modes, "0o644"), modes

@@ -411,6 +411,58 @@ def test_single_file_checkpoint_resumes_on_two_ranks(two_ranks, single_process):
     assert all(r["gathers_in_save"] == [] for r in reports)
 
 
+@pytest.fixture(scope="module")
+def consolidated_resumes(tmp_path_factory, two_ranks):
+    """The 2-rank FSDP2 run's sharded step-SAVED checkpoint, consolidated (`looplm consolidate`), then
+    resumed with --train.parallel ddp on 2 gloo ranks and on one process."""
+    from looplm.checkpoint import consolidate
+
+    fsdp = two_ranks[0]["fsdp"]
+    root = tmp_path_factory.mktemp("consolidated")
+    sharded = copy_at(fsdp.train.out_dir, root / "sharded")
+    for name in ("ddp", "one"):
+        consolidate(sharded, root / name)
+        shutil.copy(sharded / "metrics.jsonl", root / name / "metrics.jsonl")  # steps 1-SAVED, for assert_follows
+    ddp = resumed_in(fsdp, root / "ddp", parallel="ddp")
+    reports = torchrun(root, [ddp])["ddp"]
+    with one_thread():
+        one = Trainer(resumed_in(fsdp, root / "one", parallel="ddp"))
+        one.fit()
+    return fsdp, ddp.train.out_dir, reports, one
+
+
+@pytest.mark.slow
+def test_consolidated_fsdp_checkpoint_resumes_with_ddp(consolidated_resumes):
+    """2 FSDP2 ranks -> consolidate -> 2 DDP ranks, and -> 1 process: both follow the uninterrupted
+    FSDP2 run (same depths, tokens, losses) to weights equal to its final ones."""
+    fsdp, ddp_run, reports, one = consolidated_resumes
+    assert [r["wrapped"] for r in reports] == ["DistributedDataParallel"] * 2
+    assert [(r["step"], r["sharded"]) for r in reports] == [(STEPS, False)] * 2
+    want = load_weights(step_dir(fsdp.train.out_dir, STEPS))
+    for run in (ddp_run, one.out_dir):
+        assert_follows(run, fsdp.train.out_dir, range(SAVED + 1, STEPS + 1))
+        final = step_dir(run, STEPS)
+        verify(final)
+        assert not is_sharded(final) and read_json(final, "config.json")["train"]["parallel"] == "ddp"
+        got = load_tensors(final, "model.safetensors")
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_sharded_checkpoint_into_ddp_ranks_is_refused(tmp_path):
+    """DDP ranks read the single-file form: a sharded checkpoint is refused before any collective,
+    naming `looplm consolidate`."""
+    fsdp = tiny_job(tmp_path, "run", train__steps=2, train__parallel="fsdp")
+    step = tmp_path / "run" / "checkpoints" / "step_0000001"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / ".metadata").write_bytes(b"")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text(step.name)
+    job = resumed_in(fsdp, tmp_path / "run", parallel="ddp")
+    with pytest.raises(CheckpointError, match=r"sharded \(FSDP2/HSDP\).*looplm consolidate .* --train.out-dir"):
+        Trainer(job, env=DistEnv(world_size=2, joined=True))
+
+
 @pytest.mark.slow
 def test_readers_load_sharded_checkpoints(two_ranks, tmp_path):
     """load_model (under eval, generate, analyze, export, distill, rl and serve) consolidates the shards

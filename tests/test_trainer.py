@@ -14,6 +14,7 @@ from _jobs import losses, read_metrics, shared_cache, step_records, tiny_job
 from looplm import checkpoint as ckpt
 from looplm.data import IGNORE_INDEX, Batch
 from looplm.depth import DepthConfig, LearnedPriorConfig, build_sampler
+from looplm.errors import UserError
 from looplm.model import LoopedLM
 from looplm.train.layout import BatchLayout
 from looplm.train.noise import noise_seed
@@ -324,6 +325,35 @@ def test_resume_allows_run_settings_to_change(stopped_run, cache):
     assert t.latest_checkpoint().name == "step_0000004"
 
 
+def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, capsys):
+    """A 4-step run stopped at step 2 and resumed with 6 steps trains to step 6 on the 6-step
+    schedule: decay_frac 0.5 gives D = 3 decay steps from step 3, so the lr of step index 4 is
+    0.1 + 0.45 (1 + cos(pi / 3)) = 0.775 of the peak (the 4-step schedule would be at 0.1 by then)."""
+    sched = dict(train__decay_frac=0.5, train__warmup_frac=0.0, train__lr=1e-3)
+    Trainer(job(tmp_path, cache, train__steps=4, train__stop_after=2, **sched)).fit()
+    capsys.readouterr()
+    t = Trainer(job(tmp_path, cache, train__steps=6, train__resume=True, **sched))
+    assert t.step == 2
+    assert "extending the run from 4 to 6 steps: the learning-rate schedule is recomputed for 6 steps" \
+        in capsys.readouterr().out
+    assert t.fit()["step"] == 6
+    lrs = {s: r["lr"] for s, r in step_records(t.out_dir).items()}
+    # record of step k: the lr of step index k - 1; W = max(1, round(6 * 0)) = 1 warmup step, D = 3
+    want = {3: 1e-3, 4: 1e-3, 5: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 3))),
+            6: 1e-3 * (0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3)))}
+    for s, lr in want.items():
+        assert lrs[s] == pytest.approx(lr, rel=1e-12), s
+    assert t.latest_checkpoint().name == "step_0000006"
+    assert ckpt.read_json(t.latest_checkpoint(), "config.json")["train"]["steps"] == 6
+
+
+def test_resume_with_fewer_steps_than_trained_is_refused(stopped_run, cache):
+    from looplm.errors import UserError
+
+    with pytest.raises(UserError, match=r"train.steps 1 is below the checkpoint's step 2"):
+        Trainer(job(stopped_run, cache, train__steps=1, train__resume=True))
+
+
 def test_resume_keeps_the_global_batch_when_micro_batch_changes(stopped_run, cache):
     """micro_batch bounds one forward on resume; the checkpoint's global batch (4 sequences per
     microbatch) stays, run as 4 forwards of 1: same data, depths and noise, so the losses follow
@@ -411,3 +441,54 @@ def test_vocab_size_is_the_tokenizers_unless_the_job_pads_it(tmp_path, cache):
     assert resumed.model.cfg.vocab_size == 320
     with pytest.raises(UserError, match="model.vocab_size 100 is smaller than the tokenizer's 258 tokens"):
         Trainer(job(tmp_path, cache, "short", model__vocab_size=100))
+
+
+# -- torchrun and start-up tokenization --------------------------------------------------------------
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus"
+    path.mkdir()
+    for i in range(40):
+        (path / f"{i:02d}.txt").write_text(f"document {i} of a small corpus, long enough to pack. " * 8)
+    return path
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "byte"])
+def test_torchrun_on_raw_text_asks_for_looplm_tokenize(tmp_path, cache, corpus, tokenizer):
+    """Rank 0 would train the tokenizer / tokenize the corpus while the other ranks wait in a timed
+    collective: refused before any of it, naming the `looplm tokenize` command that does it once."""
+    from looplm.train.distributed import DistEnv
+
+    fresh = tmp_path / "fresh-cache"
+    j = job(tmp_path, fresh, data__source=str(corpus), data__tokenizer=tokenizer, data__bpe_vocab_size=300)
+    with pytest.raises(UserError) as err:
+        Trainer(j, env=DistEnv(world_size=2))
+    msg = str(err.value)
+    assert "\n" not in msg and "2 ranks" in msg
+    out = f"{corpus}-tokenized"
+    vocab = " --bpe-vocab-size 300" if tokenizer == "bpe" else ""
+    assert f"`looplm tokenize {corpus} {out} --tokenizer {tokenizer}{vocab} --holdout 0.05 --seed 0`" in msg, msg
+    assert f"--data.source {out}" in msg
+    assert not fresh.exists() and not (tmp_path / "run").exists()
+
+
+def test_torchrun_reads_a_built_cache_and_the_cheap_sources(tmp_path, cache, corpus):
+    """A token cache that one process already built, the task generator and the built-in corpus
+    need no long pass on rank 0, so more ranks may start on them."""
+    from looplm.data.tokenizer import ByteTokenizer
+    from looplm.train.config import DataConfig
+    from looplm.train.distributed import DistEnv
+    from looplm.train.trainer import refuse_rank0_preparation
+
+    Trainer(job(tmp_path, cache, "one", data__source=str(corpus)))  # builds the byte-level cache
+    t = Trainer(job(tmp_path, cache, "two", data__source=str(corpus)), env=DistEnv(world_size=2))
+    assert len(t.train_data) > 0
+    for source in ("tasks", "shakespeare"):
+        refuse_rank0_preparation(4, DataConfig(source=source, tokenizer="bpe"), seed=0, tokenizer=None)
+    refuse_rank0_preparation(1, DataConfig(source=str(corpus), tokenizer="bpe"), seed=0, tokenizer=None)
+    with pytest.raises(UserError, match="looplm tokenize"):
+        refuse_rank0_preparation(2, DataConfig(source=str(corpus), cache_dir=tmp_path / "none"), seed=0,
+                                 tokenizer=ByteTokenizer())
+    with pytest.raises(UserError, match="resume once on one process to build it, or point --data.cache-dir"):
+        refuse_rank0_preparation(2, DataConfig(source=str(corpus), cache_dir=tmp_path / "none"), seed=0,
+                                 tokenizer=ByteTokenizer(), resumed=True)

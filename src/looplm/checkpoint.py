@@ -207,6 +207,29 @@ def write_json(path: Path, name: str, data: dict) -> None:
 
 def save_tensors(path: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(Path(path) / name))
+    follow_umask(Path(path) / name)
+
+
+def current_umask() -> int:
+    """The process's umask, read from /proc where it can be (setting it to read it back is not
+    thread-safe: another thread's files would be created meanwhile with mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(*files: Path) -> None:
+    """Give `files` the mode a plain `open` would (0666 less the umask): safetensors' `save_file`
+    creates them owner-only (0600), which makes a checkpoint or export unreadable to other accounts."""
+    mode = 0o666 & ~current_umask()
+    for f in files:
+        os.chmod(f, mode)
 
 
 def load_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:

@@ -225,6 +225,36 @@ def write_splits(
         raise
 
 
+def _cache_folder(source: str, tokenizer: Tokenizer, holdout: float, cache_dir: Path, opts: dict) -> tuple[Path, str]:
+    """(the cache folder of these inputs, the source description its key covers)."""
+    if not 0.0 < holdout < 1.0:
+        raise UserError(f"holdout must be in (0, 1), got {holdout}")
+    desc = describe_source(source, **opts)
+    key_material = json.dumps(
+        {"v": CACHE_VERSION, "source": desc, "tokenizer": tokenizer.fingerprint(), "holdout": holdout,
+         "seed": opts["seed"]},
+        sort_keys=True,
+    )
+    return cache_dir / hashlib.sha256(key_material.encode()).hexdigest()[:32], desc
+
+
+def caches_ready(
+    source: str,
+    tokenizer: Tokenizer,
+    *,
+    holdout: float = 0.05,
+    cache_dir: Path = Path(".cache/looplm"),
+    text_field: str = "text",
+    task_config: TaskConfig | None = None,
+    n_task_examples: int = DEFAULT_TASK_EXAMPLES,
+    seed: int = 0,
+) -> bool:
+    """Whether :func:`prepare_caches` with these arguments would reuse a finished cache (no tokenizing)."""
+    opts = dict(text_field=text_field, task_config=task_config, n_task_examples=n_task_examples, seed=seed)
+    final, _ = _cache_folder(source, tokenizer, holdout, Path(cache_dir), opts)
+    return all((final / split / "meta.json").is_file() for split in ("train", "val"))
+
+
 def prepare_caches(
     source: str,
     tokenizer: Tokenizer,
@@ -243,17 +273,9 @@ def prepare_caches(
     call with the same inputs reuses the cache without tokenizing. The cache is built
     in a temporary directory and moved into place atomically.
     """
-    if not 0.0 < holdout < 1.0:
-        raise UserError(f"holdout must be in (0, 1), got {holdout}")
     opts = dict(text_field=text_field, task_config=task_config, n_task_examples=n_task_examples, seed=seed)
-    desc = describe_source(source, **opts)  # type: ignore[arg-type]
-    key_material = json.dumps(
-        {"v": CACHE_VERSION, "source": desc, "tokenizer": tokenizer.fingerprint(), "holdout": holdout, "seed": seed},
-        sort_keys=True,
-    )
-    key = hashlib.sha256(key_material.encode()).hexdigest()[:32]
-    cache_dir = Path(cache_dir)
-    final = cache_dir / key
+    final, desc = _cache_folder(source, tokenizer, holdout, Path(cache_dir), opts)
+    cache_dir, key = final.parent, final.name
     train_dir, val_dir = final / "train", final / "val"
     if (train_dir / "meta.json").is_file() and (val_dir / "meta.json").is_file():
         return train_dir, val_dir

@@ -6,16 +6,18 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from looplm.data import IGNORE_INDEX, PackedDataset
 from looplm.errors import UserError
+
+EVAL_CE_CHUNK_ROWS = 1024
+"""Rows per chunk of the evaluation's cross-entropy: [1024, V] fp32 logits at a time (0.26 GB at V = 64256)."""
 
 
 @torch.no_grad()
 def native_perplexity(
     model, data: PackedDataset, depths: Sequence[int], *, batch_size: int = 8, max_sequences: int | None = 64,
-    device: torch.device | str = "cpu", progress=None, tokenizer=None,
+    device: torch.device | str = "cpu", progress=None, tokenizer=None, ce_chunk_rows: int = EVAL_CE_CHUNK_ROWS,
 ) -> dict[int, dict[str, float]]:
     """{depth: {"loss", "ppl", "tokens", "state_change", "bits_per_byte"}} over the first
     `max_sequences` sequences of `data`, with the deterministic seeded initial state so results do
@@ -25,7 +27,10 @@ def native_perplexity(
     target tokens' text, comparable across tokenizers (end-of-text targets add bits, no bytes).
 
     `state_change` is the token mean of |s^R - s^(R-1)| / |s^(R-1)| at the last recurrence (design §11):
-    how far the recurrence still is from a fixed point at depth R (None at R = 1)."""
+    how far the recurrence still is from a fixed point at depth R (None at R = 1).
+
+    Memory (`looplm.eval.memory`): the CE is summed `ce_chunk_rows` rows at a time (no [B, L, V] fp32
+    logits) and only the last two recurrence states are kept."""
     n = len(data) if max_sequences is None else min(len(data), max_sequences)
     if n == 0:
         raise UserError("no evaluation sequences")
@@ -36,9 +41,9 @@ def native_perplexity(
         for start in range(0, n, batch_size):
             batch = data.get_batch(list(range(start, min(n, start + batch_size)))).to(device)
             out = model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                        init="seeded", example_ids=batch.example_ids, return_states=depth > 1)
-            total += F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(),
-                                     ignore_index=IGNORE_INDEX, reduction="sum").item()
+                        init="seeded", example_ids=batch.example_ids, return_states=depth > 1, keep_states=2,
+                        targets=batch.targets, ce_chunk_rows=ce_chunk_rows)
+            total += out.ce_sum.item()
             count += batch.n_targets
             if depth > 1:
                 prev, last = out.states[-2].float(), out.states[-1].float()

@@ -17,7 +17,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from looplm.checkpoint import HF_EXPORT_INFO, HF_LOOPLM_TOKENIZER
+from looplm.checkpoint import HF_EXPORT_INFO, HF_LOOPLM_TOKENIZER, follow_umask
 from looplm.data.chat import CHAT_TEMPLATE_JINJA
 from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, BPETokenizer, ByteTokenizer, Tokenizer
 from looplm.errors import UserError
@@ -103,6 +103,7 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    follow_umask(*out.glob("*.safetensors"))  # transformers writes them with safetensors' 0600
     hf_tok = hf_tokenizer(tokenizer)
     hf_tok.chat_template = CHAT_TEMPLATE_JINJA  # the template `looplm serve` documents (vLLM's chat endpoint reads it)
     hf_tok.save_pretrained(out)

@@ -277,6 +277,7 @@ class LoopedLM(nn.Module):
         seed: int = 0,
         generator: torch.Generator | None = None,
         return_states: bool = False,
+        keep_states: int | None = None,
         compute_logits: bool = True,
         attention: AttentionKernel = "sdpa",
         flex_options: dict | None = None,
@@ -295,7 +296,8 @@ class LoopedLM(nn.Module):
         masks are applied ('flex': one FlexAttention block mask per forward, the fast path on CUDA);
         `flex_options` are its CUDA kernel options (`blocks.flex_kernel_options`). `targets` [B, L]
         (ignored where -100): return their summed cross-entropy as `ce_sum` instead of logits, computed
-        `ce_chunk_rows` rows at a time (`cross_entropy_sum`; training, without a cache).
+        `ce_chunk_rows` rows at a time (`cross_entropy_sum`; without a cache). `keep_states` k: with
+        `return_states`, only the last k states are kept (each is [B, L, d]; evaluation needs two).
 
         With a `cache` (`looplm.infer.cache`, design §7) the tokens are a chunk after the cache's
         tokens: every layer visit writes its K/V through the cache's slot and attends to the cached
@@ -322,7 +324,7 @@ class LoopedLM(nn.Module):
                                 initial=initial, example_ids=example_ids, seed=seed, generator=generator,
                                 attention=attention, flex_options=flex_options)
         s, states, used = self.iterate(s, ctx, plan or DepthPlan(R), cache=cache, bptt_window=bptt_window,
-                                       return_states=return_states)
+                                       return_states=return_states, keep_states=keep_states)
         if targets is not None:
             if cache is not None:
                 raise ValueError("targets (the summed cross-entropy) are for training, without a cache")
@@ -336,19 +338,22 @@ class LoopedLM(nn.Module):
         return LoopOutput(logits=logits, endpoint=s, states=states, depths=used)
 
     def iterate(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
-                bptt_window: int | None = None, return_states: bool = False):
+                bptt_window: int | None = None, return_states: bool = False, keep_states: int | None = None):
         """The recurrences of `forward` from s^0: (endpoint, per-recurrence states or None, depths [B, L]
         or None when every token ran `plan.depth`). A fixed depth runs `fixed_depth`; tokens that may
-        stop early (`plan.freezes`) run `with_exits`; the exit gate picks each token's state after."""
+        stop early (`plan.freezes`) run `with_exits`; the exit gate picks each token's state after.
+        `keep_states` k: of the returned states only the last k are kept."""
         n = s.shape[1]
         if plan.freezes:
-            s, states, used = self.with_exits(s, ctx, plan, cache=cache, return_states=return_states)
+            s, states, used = self.with_exits(s, ctx, plan, cache=cache, return_states=return_states,
+                                              keep_states=keep_states)
             if cache is not None:
                 cache.keep_terminal(n, plan.largest, used)
             return s, states, used
         R = plan.largest
         visited = [] if plan.exit_gate is not None or return_states else None
-        s = self.fixed_depth(s, ctx, R, cache=cache, bptt_window=bptt_window, visited=visited)
+        keep = None if plan.exit_gate is not None else keep_states  # the gate needs every state
+        s = self.fixed_depth(s, ctx, R, cache=cache, bptt_window=bptt_window, visited=visited, keep_states=keep)
         if cache is not None:
             cache.keep_terminal(n, R)
         used = None if cache is None else torch.full(s.shape[:2], R, dtype=torch.long, device=s.device)
@@ -358,9 +363,11 @@ class LoopedLM(nn.Module):
         return s, (visited if return_states else None), used
 
     def fixed_depth(self, s: torch.Tensor, ctx: Context, R: int, *, cache: LayerCache | None = None,
-                    bptt_window: int | None = None, visited: list | None = None) -> torch.Tensor:
+                    bptt_window: int | None = None, visited: list | None = None,
+                    keep_states: int | None = None) -> torch.Tensor:
         """R recurrences of every token; only the last min(R, b) record autograd (design §3: the first
-        R - b run without it, their output a constant). `visited` collects each recurrence's state."""
+        R - b run without it, their output a constant). `visited` collects each recurrence's state
+        (the last `keep_states` of them, when given)."""
         n_grad = R if bptt_window is None else min(R, bptt_window)
         grad = torch.is_grad_enabled()
         for r in range(R):
@@ -369,10 +376,12 @@ class LoopedLM(nn.Module):
                 s = self.recurrence(s, ctx, slots=slots)
             if visited is not None:
                 visited.append(s)
+                if keep_states is not None and len(visited) > keep_states:
+                    del visited[0]
         return s
 
     def with_exits(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
-                   return_states: bool = False):
+                   return_states: bool = False, keep_states: int | None = None):
         """Recurrences where tokens stop at their row's depth or by adaptive exit (design §13): a stopped
         token's state is frozen and, with a cache, its writes are masked (`slot(keep=...)`), so the
         K/V of its last recurrence stay its terminal K/V for everyone who reads them. In a one-token
@@ -399,6 +408,8 @@ class LoopedLM(nn.Module):
             s = exits.after(r, s, prev)
             if states is not None:
                 states.append(s)
+                if keep_states is not None and len(states) > keep_states:
+                    del states[0]
             if exits.done:
                 break
         return s, states, exits.used

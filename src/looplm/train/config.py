@@ -51,7 +51,8 @@ class TrainConfig:
     """Optimisation and run settings (design §6)."""
 
     steps: int = 600
-    """Optimizer steps T (the warmup-stable-decay schedule spans them)."""
+    """Optimizer steps T (the warmup-stable-decay schedule spans them). A resume may change it (the schedule is
+    recomputed for the new total), down to the checkpoint's step."""
     micro_batch: int = 16
     """Sequences per microbatch on each rank. A resumed run keeps its checkpoint's global batch; this then bounds
     the sequences of one forward (a run resumed on fewer ranks splits each rank's rows into several forwards)."""
@@ -99,8 +100,8 @@ class TrainConfig:
     out_dir: Path = Path("runs/tiny")
     """Run folder: checkpoints, metrics.jsonl, TensorBoard logs."""
     resume: bool = False
-    """Continue from the latest checkpoint in out_dir (the config must match); with none there, start a new run
-    (and say so)."""
+    """Continue from the latest checkpoint in out_dir (the config must match, but for run settings such as steps,
+    micro_batch, parallel, logging and eval); with none there, start a new run (and say so)."""
     checkpoint_every: int = 200
     """Write a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
@@ -229,6 +230,9 @@ def _paper(size: str, lr: float) -> TrainJob:
         depth=DepthConfig(sampler="pln", depth=5.0),
         data=DataConfig(source=_required_source(), tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
         train=TrainConfig(steps=20_000, micro_batch=1, grad_accum=8, lr=lr, out_dir=Path(f"runs/{size}")),
+        # The end-of-training report sized for one GPU (fp32 model, 8K rows; `looplm.eval.memory`, about 22 GB
+        # at L): 4 rows per forward, 32 rows (262K tokens), the sharing table on 8 CacheEval spans (App. D.4).
+        eval=EvalConfig(batch_size=4, max_sequences=32, sharing_sequences=8, cacheeval_span=(1024, 512)),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,8 @@ import torch
 from looplm import checkpoint as ckpt
 from looplm.data import Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
 from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized
+from looplm.data.corpus import CORPORA
+from looplm.data.packing import caches_ready
 from looplm.data.record import DataRecord
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
@@ -34,7 +37,7 @@ from looplm.train import distributed as D
 from looplm.train import parallelize as P
 from looplm.train.checkpointing import Checkpointer, is_sharded_run
 from looplm.train.checkpointing import verify as verify_checkpoint
-from looplm.train.config import TrainConfig, TrainJob, job_from_dict, vocab_size_for
+from looplm.train.config import DataConfig, TrainConfig, TrainJob, job_from_dict, vocab_size_for
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.layout import BatchLayout
 from looplm.train.loss import cross_entropy_sum, loss_kind, microbatch_loss, parse_kernel_options
@@ -50,9 +53,44 @@ RESUMABLE_CHANGES = {
     "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
     "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
     "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir", "train.flex_kernel_options",
-    "train.cross_entropy",
+    "train.cross_entropy", "train.steps",  # steps: a longer (or shorter) schedule, see Trainer._check_steps
+    "train.parallel",  # where the checkpoint's form loads, see Trainer._check_form
 }
 RESUMABLE_PREFIXES = ("eval.",)
+
+
+def refuse_rank0_preparation(world_size: int, d: DataConfig, *, seed: int, tokenizer: Tokenizer | None,
+                             resumed: bool = False) -> None:
+    """Refuse (a UserError naming the `looplm tokenize` command) a run on several ranks whose rank 0
+    would first train a BPE tokenizer on the corpus (`tokenizer` None) or tokenize it into the token
+    cache: the other ranks would wait in a collective that times out (LOOPLM_DIST_TIMEOUT_S, 600 s)
+    on a corpus of real size. `looplm tokenize` folders, the task generator and the built-in corpora
+    (generated or read in seconds) pass, as does a corpus whose cache an earlier run built."""
+    if world_size == 1 or d.source in ("tasks", *CORPORA) or is_pretokenized(d.source):
+        return
+    kw = dict(holdout=d.holdout, cache_dir=d.cache_dir, text_field=d.text_field, task_config=d.tasks,
+              n_task_examples=d.n_task_examples, seed=seed)
+    if tokenizer is not None and caches_ready(d.source, tokenizer, **kw):
+        return
+    src = str(d.source)
+    if resumed:  # the run's data.source stays; only the cache can be built (or found) elsewhere
+        raise UserError(f"data.source {src} on {world_size} ranks: its token cache is not in data.cache_dir "
+                        f"{d.cache_dir}, and rank 0 would tokenize the corpus while the other ranks wait in a collective "
+                        "that times out; resume once on one process to build it, or point --data.cache-dir at the "
+                        "cache the run was started with")
+    out = (src.removeprefix("hf:").replace("/", "-").replace(":", "-") if src.startswith("hf:")
+           else str(Path(src).with_suffix(""))) + "-tokenized"
+    cmd = ["looplm", "tokenize", src, out, "--tokenizer", str(d.tokenizer)]
+    if d.tokenizer == "bpe":
+        cmd += ["--bpe-vocab-size", str(d.bpe_vocab_size)]
+    cmd += ["--holdout", f"{d.holdout:g}"]
+    if src.startswith("hf:") or src.endswith(".jsonl"):
+        cmd += ["--text-field", d.text_field]
+    cmd += ["--seed", str(seed)]
+    work = "train the BPE tokenizer on and tokenize" if tokenizer is None else "tokenize"
+    raise UserError(f"data.source {src} on {world_size} ranks: rank 0 would {work} the corpus while the other ranks "
+                    f"wait in a collective that times out; tokenize it once with `{shlex.join(cmd)}` and train with "
+                    f"--data.source {shlex.quote(out)}")
 
 
 def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -116,7 +154,12 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints"
         resume_from = self._find_resume()
         self.layout = self._plan_layout(resume_from)
-        self.tokenizer = load_tokenizer(resume_from) if resume_from else self._build_tokenizer()
+        d = job.data
+        saved_tok = load_tokenizer(resume_from) if resume_from else None
+        refuse_rank0_preparation(self.env.world_size, d, seed=t.seed, tokenizer=saved_tok or (
+            None if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, d.bpe_vocab_size)),
+        resumed=resume_from is not None)
+        self.tokenizer = saved_tok or self._build_tokenizer()
         m.vocab_size = vocab_size_for(m.vocab_size, self.tokenizer.vocab_size)
         self.train_data, self.val_data = self._build_data()
         torch.manual_seed(t.seed)
@@ -187,6 +230,12 @@ class Trainer:
             raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
                             "train with --train.attention sdpa (or auto) on CPU")
         parse_kernel_options(j.train.flex_kernel_options)
+        out = Path(j.train.out_dir)
+        for p in (out, *out.parents):  # the first that exists must be a folder (mkdir fails on a file)
+            if p.exists():
+                if not p.is_dir():
+                    raise UserError(f"train.out_dir {out}: {p} is a file, not a folder: choose another --train.out-dir")
+                break
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"
@@ -198,6 +247,7 @@ class Trainer:
             raise UserError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
                             f"or choose another --train.out-dir")
         path = self.ckpt_root / latest.read_text().strip()
+        self._check_form(path)
         verify_checkpoint(path, self.env)
         # fills fields added since, and resolves the window (checkpoints record it resolved; explicit
         # values of older ones stay as they are, so they resume into the same explicit or 'auto' window)
@@ -208,7 +258,31 @@ class Trainer:
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
+        self._check_steps(saved["train"]["steps"], ckpt.read_json(path, "trainer_state.json")["step"])
         return path
+
+    def _check_form(self, path: Path) -> None:
+        """train.parallel may change on resume where this run reads the checkpoint's form: the single-file
+        form (one process, DDP, `looplm consolidate`) loads everywhere, the sharded one (FSDP2/HSDP) into
+        sharded ranks or one process; DDP ranks are refused it (checked before any collective)."""
+        if ckpt.is_sharded(path) and self.env.distributed and self.job.train.parallel == "ddp":
+            run = self.out_dir
+            raise ckpt.CheckpointError(
+                f"{path} is sharded (FSDP2/HSDP), which DDP ranks do not read: write it in the single-file form "
+                f"with `looplm consolidate {run} {run}-consolidated` and resume with --train.out-dir "
+                f"{run}-consolidated, or resume with --train.parallel fsdp")
+
+    def _check_steps(self, saved_steps: int, done: int) -> None:
+        """A resume may train longer or shorter than its checkpoint's run planned, not shorter than it has
+        trained; the warmup-stable-decay schedule then spans the new total (it is a function of it)."""
+        steps = self.job.train.steps
+        if steps < done:
+            raise UserError(f"train.steps {steps} is below the checkpoint's step {done}: resume with "
+                            f"--train.steps {done} or more")
+        if steps != saved_steps and self.env.is_main:
+            what = "extending" if steps > saved_steps else "shortening"
+            print(f"{what} the run from {saved_steps} to {steps} steps: the learning-rate schedule is recomputed "
+                  f"for {steps} steps", flush=True)
 
     def _plan_layout(self, resume_from: Path | None) -> BatchLayout:
         """The global batch over this run's ranks: a fresh run's micro_batch x ranks sequences per

@@ -1,0 +1,107 @@
+"""The depth report's memory estimate (`looplm.eval.memory`) against bytes measured on the CPU, and
+the paper presets' end-of-training report sized to fit a GPU."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from looplm.config import ModelConfig
+from looplm.data import PackedDataset, build_datasets
+from looplm.data.tokenizer import ByteTokenizer
+from looplm.eval.cached import sharing_table
+from looplm.eval.memory import eval_peak_bytes, parameter_count, perplexity_bytes, sharing_bytes
+from looplm.eval.perplexity import native_perplexity
+from looplm.model import LoopedLM
+from looplm.train.config import job_preset
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors created while it is active: every op's output storage
+    is counted once until the last tensor viewing it is freed (CPU: freed memory is released at once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors alive on it]
+        self.now = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.live:
+                    self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+                    self.now += self.live[ptr][0]
+                    self.peak = max(self.peak, self.now)
+                self.live[ptr][1] += 1
+                weakref.finalize(t, self._release, ptr)
+        return out
+
+
+CFG = ModelConfig(vocab_size=2048, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, max_depth=16)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> PackedDataset:
+    """Validation rows of 64 byte tokens (documents longer than a row, so each row is one document)."""
+    folder = tmp_path_factory.mktemp("texts")
+    for i in range(40):
+        (folder / f"{i:02d}.txt").write_text(f"text {i}: " + "the quick brown fox jumps over the lazy dog " * 4)
+    return build_datasets(str(folder), ByteTokenizer(), seq_len=64, holdout=0.5, cache_dir=folder / "cache")[1]
+
+
+def test_perplexity_estimate_bounds_the_measured_peak(rows):
+    """A batch of 4 x 64 tokens at R = 8, CE in chunks of 64 rows: the estimate is an upper bound of the
+    measured peak, and a close one (the [B, L, V] fp32 logits and log-softmax of a whole batch, 4 MB here,
+    or every recurrence state, are far above it)."""
+    torch.manual_seed(0)
+    model = LoopedLM(CFG).eval()
+    with LiveBytes() as mem:
+        native_perplexity(model, rows, [8], batch_size=4, max_sequences=4, ce_chunk_rows=64)
+    estimate = perplexity_bytes(CFG, 64, 4, ce_chunk_rows=64)
+    full_logits = 2 * 4 * 64 * CFG.vocab_size * 4
+    assert mem.peak <= estimate <= 2 * mem.peak, (mem.peak, estimate)
+    assert estimate < full_logits
+
+
+def test_sharing_estimate_bounds_the_measured_peak(rows):
+    """One row with the full cache at R = 8 (the largest of the table's three protocols)."""
+    torch.manual_seed(0)
+    model = LoopedLM(CFG).eval()
+    for span in (None, (16, 24)):
+        with LiveBytes() as mem:
+            sharing_table(model, rows, [8], max_sequences=1, span=span)
+        estimate = sharing_bytes(CFG, 64, 8, span)
+        assert mem.peak <= estimate <= 2 * mem.peak, (span, mem.peak, estimate)
+
+
+def test_parameter_count_is_the_models():
+    assert parameter_count(CFG) == sum(p.numel() for p in LoopedLM(CFG).parameters())
+
+
+GPU_BUDGET = 40e9
+
+
+@pytest.mark.parametrize("preset", ["S", "M", "L"])
+def test_paper_presets_report_fits_a_40_gb_budget(preset):
+    """The end-of-training report of `looplm train S/M/L` (8,192-token rows, a 64,256 BPE vocabulary,
+    depths to 32) fits in 40 GB: batch 4, 32 rows, the sharing table on CacheEval spans."""
+    job = job_preset(preset)
+    cfg = ModelConfig(**{**job.model.to_dict(), "vocab_size": job.data.bpe_vocab_size})
+    est = eval_peak_bytes(cfg, job.data.seq_len, job.eval)
+    assert est["peak"] < GPU_BUDGET, {k: f"{v / 1e9:.1f} GB" for k, v in est.items()}
+    assert max(job.eval.depths) == 32 and job.eval.max_sequences * job.data.seq_len >= 2 ** 18
