@@ -119,11 +119,11 @@ class DecodeSpec:
         return DepthPlan(self.prefill if depth is None else depth, exit_gate=self.sampling.exit_gate)
 
 
-def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V]."""
-    if cfg.temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / cfg.temperature
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution [B, V] that `choose` samples from at temperature > 0: softmax(logits / T)
+    restricted to the top-k tokens, then to the nucleus (the smallest set of most likely tokens
+    whose probability reaches top_p), renormalised."""
+    logits = logits.float() / cfg.temperature
     if cfg.top_k > 0:
         kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -133,7 +133,21 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         drop = probs.cumsum(-1) - probs > cfg.top_p  # tokens after the nucleus is complete
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row [B] drawn from `probs` [B, V] without a host sync: the exponential race
+    argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, V] (greedy at temperature 0)."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1)
+    return sample(probabilities(logits, cfg), generator)
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:

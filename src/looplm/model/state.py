@@ -20,8 +20,8 @@ StateInit = Literal["gaussian", "seeded", "zero"]
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer on int64 tensors (values stay < 2^59, so no overflow)."""
+def _mix32(h):
+    """A 32-bit integer finalizer on int64 tensors or Python ints (values stay < 2^59, so no overflow)."""
     h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
     h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
     return (h >> 16) ^ h
@@ -32,7 +32,7 @@ def seeded_normal(
 ) -> torch.Tensor:
     """Standard normals [B, L, dim] that depend only on (seed, example id, position, channel)."""
     dev = positions.device
-    h = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=dev) ^ 0x9E3779B9)
+    h = _mix32((seed & _M32) ^ 0x9E3779B9)  # a Python int: no host-to-device copy (CUDA graphs)
     h = _mix32(h ^ (example_ids.to(torch.int64).to(dev) & _M32))[:, None]  # [B, 1]
     h = _mix32(h ^ (positions.to(torch.int64) & _M32))[..., None]  # [B, L, 1]
     h = _mix32(h ^ torch.arange(dim, dtype=torch.int64, device=dev))  # [B, L, d]
