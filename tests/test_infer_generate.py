@@ -132,3 +132,61 @@ def test_sampling_config_edges_are_accepted(model):
         cfg.validate()
     with pytest.raises(ValueError, match="min_depth 3 exceeds the decode depth 2"):
         generate(model, TOK, ["ab"], depth=2, sampling=SamplingConfig(exit_tau=0.1, min_depth=3))
+
+
+# -- sampling filters against the exact filtered distribution ---------------------------------------------
+# Two rows of unsorted logits over 8 tokens (ties inside the kept and the dropped sets, never at a cut).
+ROWS = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.3, 1.2, -2.5, 0.9],
+                     [-0.4, 0.1, 3.1, -0.4, 1.7, -3.0, 0.6, 2.2]])
+
+
+def _exact(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution [V] sampled from, written out: softmax(logits / temperature) restricted to the
+    top_k largest logits, renormalised, then to the fewest most likely tokens whose mass reaches top_p,
+    renormalised (float64, one token at a time). The cases never cut between two tied tokens."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if top_k:
+        ranked = logits.sort(descending=True).values
+        assert ranked[top_k - 1] != ranked[top_k], "a tie at the top-k cut"
+        keep &= logits >= ranked[top_k - 1]
+    p = torch.where(keep, p, 0.0) / p[keep].sum()
+    if top_p < 1:
+        nucleus, mass = torch.zeros_like(keep), 0.0
+        for i in p.argsort(descending=True).tolist():
+            if mass >= top_p:
+                assert all(logits[j] != logits[i] for j in nucleus.nonzero()[:, 0].tolist()), "a tie at the cut"
+                break
+            nucleus[i], mass = True, mass + float(p[i])
+        p = torch.where(nucleus, p, 0.0) / p[nucleus].sum()
+    return p
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [
+    (0.7, 0, 1.0),  # temperature alone
+    (1.3, 3, 1.0),  # top-k: row 0's leader and its two tied seconds (its tied 0.3s dropped); row 1's three largest
+    (1.0, 0, 0.6),  # a nucleus on unsorted logits
+    (2.0, 4, 0.75),  # both filters, the nucleus taken from the top-k renormalised
+    (1.0, 0, 0.05),  # a one-token nucleus: each row's argmax only
+])
+def test_sampling_draws_from_the_exact_filtered_distribution(temperature, top_k, top_p):
+    """`choose` on a batch of 4000 copies of each row, interleaved: every row's draws follow its own
+    filtered distribution (no token outside the filter is ever drawn; each count within 5 standard
+    deviations of its expectation), whatever the sampling trick."""
+    n = 4000
+    logits = ROWS.repeat(n, 1)  # rows 0, 1, 0, 1, ...
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    draws = choose(logits, cfg, torch.Generator().manual_seed(1))
+    assert draws.shape == (2 * n,)
+    for r in range(2):
+        want = _exact(ROWS[r], temperature, top_k, top_p)
+        counts = torch.bincount(draws[r::2], minlength=8).double()
+        assert (counts[want == 0] == 0).all(), (r, counts, want)
+        sd = (n * want * (1 - want)).sqrt()
+        assert ((counts - n * want).abs() <= 5 * sd + 1).all(), (r, counts / n, want)
+    if top_p == 0.05:
+        assert set(draws[1::2].tolist()) == {2} and set(draws[0::2].tolist()) == {1}
+
+
+def test_greedy_choice_is_each_rows_argmax():
+    assert choose(ROWS[[1, 0, 1]], SamplingConfig(), None).tolist() == [2, int(ROWS[0].argmax()), 2]
