@@ -254,3 +254,13 @@ def sentencepiece_tokenizer():
     tok = BPETokenizer(backend)
     assert not tok._byte_level and any(backend.id_to_token(i).startswith("\u2581") for i in range(tok.vocab_size))
     return tok
+
+
+# -- the depth-and-cache matrix the decode loops are checked on ---------------------------------------------
+DEPTH_CASES = [
+    # (cache, prefill depth, decode depth, exit_tau): prefill < = > decode in both caches, and adaptive exit
+    ("terminal", 2, 5, None), ("terminal", 4, 4, None), ("terminal", 6, 3, None),
+    ("full", 2, 5, None), ("full", 4, 4, None), ("full", 6, 3, None),
+    ("terminal", 3, 8, 0.05),
+]
+DEPTH_IDS = [f"{c}-pre{p}-dec{d}" + ("-tau" if t else "") for c, p, d, t in DEPTH_CASES]
