@@ -230,6 +230,25 @@ def test_generate_logits_equal_a_decode_by_hand(hf_model, mode, prefill, depth, 
         assert tau is None or min(used[1:]) < depth
 
 
+def test_a_chunk_appended_with_adaptive_exit_equals_a_decode_by_hand(hf_model):
+    """The manual loop: a prompt through `use_cache=True`, then a 4-token chunk with exit_tau (its tokens
+    stop at their own recurrences, frozen while the others go on), then one token: every logit equals
+    the row decoded by hand, to 1e-4."""
+    from _reference import NaiveDecoder
+
+    ids = torch.tensor([TOK.encode("a prompt, then a chunk!")])
+    with torch.no_grad():
+        out = hf_model(ids[:, :16], use_cache=True, num_steps=6, prefill_steps=3)
+        chunk = hf_model(ids[:, 16:20], cache=out.cache, num_steps=6, exit_tau=0.05)
+        last = hf_model(ids[:, 20:21], cache=out.cache, num_steps=6)
+    ref = NaiveDecoder(hf_model.model, "terminal")
+    assert (out.logits[0] - ref.chunk(ids[0, :16].tolist(), 3)[0]).abs().max() <= 1e-4
+    want, used, _ = ref.chunk(ids[0, 16:20].tolist(), 6, exit_tau=0.05)
+    assert len(set(used.tolist())) > 1 and int(used.min()) < 6, used
+    assert (chunk.logits[0] - want).abs().max() <= 1e-4
+    assert (last.logits[0, 0] - ref.step(int(ids[0, 20]), 6)[0]).abs().max() <= 1e-4
+
+
 def test_a_sentencepiece_checkpoint_exports_its_tokenizer_and_generates(tmp_path):
     """A SentencePiece-style tokenizer (`▁` word markers) through export: AutoTokenizer encodes and
     decodes like looplm's (any ids, spaces kept inside a text), and greedy generation decoded by it

@@ -688,7 +688,8 @@ def sp_model():
 
 
 def _sp_alone(model, sp, prompt: str, max_tokens: int, stop=()) -> str:
-    return generate(model, sp, [prompt], depth=3, sampling=SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop)))[0]
+    sampling = SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop))
+    return generate(model, sp, [prompt], depth=3, sampling=sampling)[0]
 
 
 def test_sentencepiece_stop_strings_through_the_api(sp_model):
