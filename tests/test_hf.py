@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import decisive_model
+from _reference import DEPTH_CASES, DEPTH_IDS, SP_TEXTS, decode_replay, greedy_replay, sentencepiece_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -206,6 +207,72 @@ def test_generate_logits_equal_looplms_per_step_logits(exported, hf_model, mode)
         scores = torch.stack([step[row] for step in out.scores[:n]])
         assert (got - want).abs().max() <= 1e-5 and (scores - want).abs().max() <= 1e-5
         assert chosen[:n] == want.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(("mode", "prefill", "depth", "tau"), DEPTH_CASES, ids=DEPTH_IDS)
+def test_generate_logits_equal_a_decode_by_hand(hf_model, mode, prefill, depth, tau):
+    """`generate` over the depth matrix (prefill_steps below, equal to and above num_steps, both caches,
+    adaptive exit): every step's logits of a left-padded batch equal each row decoded alone by hand
+    (`_reference.NaiveDecoder`), to 1e-4."""
+    ids, mask = padded_batch(PROMPTS[1:])
+    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=depth,
+                            prefill_steps=prefill, cache_kind=mode, exit_tau=tau, return_dict_in_generate=True,
+                            output_logits=True)
+    new = out.sequences[:, ids.shape[1]:]
+    for row, prompt in enumerate(PROMPTS[1:]):
+        chosen = new[row].tolist()
+        n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)
+        want, used = decode_replay(hf_model.model, mode, TOK.encode(prompt), chosen[:n - 1], prefill, depth,
+                                   example_id=row, exit_tau=tau)
+        got = torch.stack([step[row] for step in out.logits[:n]])
+        assert (got - want).abs().max() <= 1e-4, (row, (got - want).abs().amax(-1))
+        assert chosen[:n] == want.argmax(-1).tolist()
+        assert tau is None or min(used[1:]) < depth
+
+
+def test_a_chunk_appended_with_adaptive_exit_equals_a_decode_by_hand(hf_model):
+    """The manual loop: a prompt through `use_cache=True`, then a 4-token chunk with exit_tau (its tokens
+    stop at their own recurrences, frozen while the others go on), then one token: every logit equals
+    the row decoded by hand, to 1e-4."""
+    from _reference import NaiveDecoder
+
+    ids = torch.tensor([TOK.encode("a prompt, then a chunk!")])
+    with torch.no_grad():
+        out = hf_model(ids[:, :16], use_cache=True, num_steps=6, prefill_steps=3)
+        chunk = hf_model(ids[:, 16:20], cache=out.cache, num_steps=6, exit_tau=0.05)
+        last = hf_model(ids[:, 20:21], cache=out.cache, num_steps=6)
+    ref = NaiveDecoder(hf_model.model, "terminal")
+    assert (out.logits[0] - ref.chunk(ids[0, :16].tolist(), 3)[0]).abs().max() <= 1e-4
+    want, used, _ = ref.chunk(ids[0, 16:20].tolist(), 6, exit_tau=0.05)
+    assert len(set(used.tolist())) > 1 and int(used.min()) < 6, used
+    assert (chunk.logits[0] - want).abs().max() <= 1e-4
+    assert (last.logits[0, 0] - ref.step(int(ids[0, 20]), 6)[0]).abs().max() <= 1e-4
+
+
+def test_a_sentencepiece_checkpoint_exports_its_tokenizer_and_generates(tmp_path):
+    """A SentencePiece-style tokenizer (`▁` word markers) through export: AutoTokenizer encodes and
+    decodes like looplm's (any ids, spaces kept inside a text), and greedy generation decoded by it
+    equals looplm's generate and the decode by hand."""
+    sp = sentencepiece_tokenizer()
+    model = tiny_model(vocab_size=sp.vocab_size)
+    write_checkpoint(tmp_path / "ckpt", model, sp)
+    export(tmp_path / "ckpt", tmp_path / "hf", num_steps=3)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in SP_TEXTS:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == sp.encode(text) and tok.decode(ids) == sp.decode(ids) == text
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        ids = torch.randint(0, sp.vocab_size, (12,), generator=g).tolist()
+        assert tok.decode(ids, skip_special_tokens=True) == sp.decode(ids)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = "the quick brown"
+    out = hf.generate(torch.tensor([sp.encode(prompt)]), max_new_tokens=8, do_sample=False)
+    new = out[0, len(sp.encode(prompt)):].tolist()
+    new = new[:new.index(sp.eos_id)] if sp.eos_id in new else new
+    assert new == greedy_replay(model, "terminal", sp.encode(prompt), 8, 3, 3, eos=sp.eos_id)[0]
+    want = looplm_generate.generate(model, sp, [prompt], depth=3, sampling=SamplingConfig(max_new_tokens=8))[0]
+    assert tok.decode(new, skip_special_tokens=True) == want
 
 
 def test_sampling_samples_and_return_dict_in_generate(hf_model):

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from _reference import naive_block as _naive_block
+from _reference import naive_chunk_block as _naive_chunk_block
 
 from looplm.config import INJECTIONS, ModelConfig
 from looplm.infer import FullCache, TerminalCache, extend, make_cache
@@ -41,49 +43,6 @@ def test_full_cache_incremental_decoding_equals_native_forward(injection):
     steps = [extend(m, x[:, i:i + 1], cache, 4).logits for i in range(7, 20)]
     got = torch.cat([first, *steps], dim=1)
     assert (got - ref).abs().max() <= 1e-5
-
-
-def _rope(x, pos, base):
-    hd = x.shape[-1]
-    inv = [1.0 / base ** (2 * i / hd) for i in range(hd // 2)]
-    ang = torch.tensor([pos * f for f in inv], dtype=torch.float64)
-    c, s = ang.cos().float(), ang.sin().float()
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def _naive_block(block, x, pos, keys, values, cfg, offsets=None):
-    """One block for a single token [d] attending to stored keys/values (lists of [H_kv, hd])."""
-    out, k, v = _naive_chunk_block(block, x[None], [pos], keys, values, cfg,
-                                   None if offsets is None else tuple(o[None] for o in offsets))
-    return out[0], k[0], v[0]
-
-
-def _naive_chunk_block(block, x, positions, keys, values, cfg, offsets=None):
-    """A block for a chunk x [n, d] at `positions`: each token attends to the stored prefix K/V
-    (lists of [H_kv, hd]) and to the chunk's own K/V through an explicit causal mask."""
-    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    n, P = x.shape[0], len(keys)
-    a = block.attn
-    h = block.attn_norm(x)
-    q, k, v = h @ a.wq.weight.T, h @ a.wk.weight.T, h @ a.wv.weight.T
-    if offsets is not None:
-        q, k, v = q + offsets[0], k + offsets[1], v + offsets[2]
-    q = torch.stack([_rope(q[i].view(H, hd), positions[i], cfg.rope_base) for i in range(n)])  # [n, H, hd]
-    k = torch.stack([_rope(k[i].view(Hkv, hd), positions[i], cfg.rope_base) for i in range(n)])
-    v = v.view(n, Hkv, hd)
-    K = torch.cat([torch.stack(keys), k]) if keys else k  # [P + n, Hkv, hd]
-    V = torch.cat([torch.stack(values), v]) if values else v
-    mask = torch.ones(n, P + n, dtype=torch.bool)
-    mask[:, P:] = torch.ones(n, n, dtype=torch.bool).tril()
-    out = []
-    for head in range(H):
-        g = head // (H // Hkv)
-        scores = (q[:, head] @ K[:, g].T) / math.sqrt(hd)
-        w = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        out.append(w @ V[:, g])
-    hres = x + torch.cat(out, dim=-1) @ a.wo.weight.T
-    return hres + block.ffn(block.ffn_norm(hres)), k, v
 
 
 @pytest.mark.parametrize("injection", ["parcae-nonorm", "ortho", "huginn-linear", "deq-qkv"])
@@ -173,22 +132,33 @@ def test_adaptive_depth_limits_equal_fixed_depth():
 
 
 def test_adaptive_depth_rows_match_fixed_depth_at_their_own_exit():
-    """One-token decoding: each row equals a batch-1 run at the fixed depth that row used."""
+    """One-token decoding: each row's exit recurrence is the one its relative state change gives, computed
+    here from the states of a plain per-recurrence loop (the row by hand, no exit rule in the model), and
+    its logits equal a batch-1 run at that fixed depth."""
+    from _reference import NaiveDecoder, first_exit, relative_changes
+
     m = _model("parcae-nonorm")
     x = torch.randint(0, 50, (6, 8))
+    changes = []
+    for row in range(6):  # delta^r of each row's decoded token over 24 recurrences, by hand
+        ref = NaiveDecoder(m, "terminal", example_id=row)
+        ref.chunk(x[row, :7].tolist(), 5)
+        changes.append(relative_changes(ref.chunk(x[row, 7:].tolist(), 24)[2])[:, 0])
     for tau in (0.2, 0.1, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001):
-        cache = TerminalCache(m.cfg, 6, 32)
-        extend(m, x[:, :7], cache, 5)
-        step = extend(m, x[:, 7:], cache, 24, exit_tau=tau, min_depth=1)
-        logits, used = step.logits, step.depths
-        if len(set(used[:, 0].tolist())) > 1:
+        want = [first_exit(c, tau) for c in changes]
+        if len(set(want)) > 1:
             break
-    assert len(set(used[:, 0].tolist())) > 1, "no threshold separated the rows' exit depths"
+    assert len(set(want)) > 1, "no threshold separated the rows' exit depths"
+    cache = TerminalCache(m.cfg, 6, 32)
+    extend(m, x[:, :7], cache, 5)
+    step = extend(m, x[:, 7:], cache, 24, exit_tau=tau, min_depth=1)
+    logits, used = step.logits, step.depths
+    assert used[:, 0].tolist() == want
     for row in range(6):
         single = TerminalCache(m.cfg, 1, 32)
         ids = torch.tensor([row])
         extend(m, x[row:row + 1, :7], single, 5, example_ids=ids)
-        ref = extend(m, x[row:row + 1, 7:], single, int(used[row, 0]), example_ids=ids).logits
+        ref = extend(m, x[row:row + 1, 7:], single, want[row], example_ids=ids).logits
         assert (logits[row] - ref[0]).abs().max() <= 1e-5
 
 
@@ -367,14 +337,18 @@ def test_terminal_banks_hold_each_tokens_kv_from_its_own_exit_recurrence(rule):
     view = cache.view(slice(0, 3), max_len=max(lengths) + 1, length=torch.tensor(lengths))
     if rule == "per-row depth":
         kw, depths, taus = dict(depth=torch.tensor([1, 4, 6])), [1, 4, 6], [None] * 3
-    else:  # a row with exit_tau 0 never exits: it runs to the step's depth
-        kw, depths, taus = dict(depth=8, exit_tau=torch.tensor([0.3, 0.06, 0.0])), [8] * 3, [0.3, 0.06, None]
+    else:  # a row with exit_tau 0 never exits: it runs to the step's depth. The exits (2, 5, 8) lie two or
+        # more recurrences apart: a row that leaves the batch recurrences before the next one stops shows
+        # whether the recurring rows' states still move (adjacent exits such as 3, 4 hide a broken copy)
+        kw, depths, taus = dict(depth=8, exit_tau=torch.tensor([0.5, 0.02, 0.0])), [8] * 3, [0.5, 0.02, None]
     step = extend(m, nxt, view, example_ids=torch.arange(3), **kw)
     logits, used = step.logits, step.depths
     with torch.no_grad():
         refs = [_naive_decode(m, int(nxt[b, 0]), lengths[b], b, prefix[b], depths[b], taus[b]) for b in range(3)]
     assert used[:, 0].tolist() == [r[4] for r in refs]
     assert len(set(used[:, 0].tolist())) == 3, used  # every row stopped at its own recurrence
+    if rule == "adaptive exit":
+        assert used[:, 0].tolist() == [2, 5, 8]
     for b, (ref_logits, pre, visits, coda, depth) in enumerate(refs):
         assert (logits[b, 0] - ref_logits).abs().max() <= 1e-4
         want = [*pre, *visits[depth - 1], *coda]  # the core layers: the K/V of the exit recurrence
@@ -431,3 +405,91 @@ def test_full_cache_chunk_with_per_row_depths_keeps_each_rows_own_visits():
                     assert (mine[b, :, :6] - ref[0, :, :6]).abs().max() <= 1e-5, (b, visit, j)
         ref = extend(m, nxt[b:b + 1], alone, 3, example_ids=torch.tensor([b])).logits[0, -1]
         assert (logits[b] - ref).abs().max() <= 1e-4
+
+
+# -- chunks of more than one token: per-row depth and adaptive exit (design §7, §13) --------------------
+def test_the_reference_decoder_is_the_native_forward_where_the_protocol_is_exact():
+    """The hand-written decoder of `_reference` (used below and by generate, engine and Transformers tests):
+    a prompt chunk is the parallel forward, and a full cache at one depth decodes like it too."""
+    from _models import decisive_model
+    from _reference import NaiveDecoder, plain_loop
+
+    m = decisive_model(vocab_size=50, max_seq_len=32)
+    x = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        native = m(x, 4, init="seeded").logits[0]
+    assert (plain_loop(m, x, 4)[0][0] - native).abs().max() <= 1e-5
+    for mode in ("terminal", "full"):
+        ref = NaiveDecoder(m, mode)
+        assert (ref.chunk(x[0, :7].tolist(), 4)[0] - native[:7]).abs().max() <= 1e-4
+    steps = torch.stack([ref.step(int(t), 4)[0] for t in x[0, 7:]])  # the full cache, one token at a time
+    assert (steps - native[7:]).abs().max() <= 1e-4
+
+
+def _chunk_case(prefix: int):
+    """A model, 2 rows of `prefix` + 6 tokens and a next token per row."""
+    from _models import decisive_model
+
+    m = decisive_model(vocab_size=50, max_seq_len=32)
+    g = torch.Generator().manual_seed(5)
+    return m, torch.randint(0, 50, (2, prefix + 6), generator=g), torch.randint(0, 50, (2, 1), generator=g)
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_adaptive_exit_inside_a_chunk_freezes_each_token_at_its_own_exit(prefix):
+    """A chunk of 6 tokens with exit_tau, after `prefix` cached tokens: tokens stop at different
+    recurrences while the others go on. Each token's depth, each logit and the terminal K/V it leaves
+    (seen by the next decoded token) equal a hand-written loop in which a stopped token's state stays
+    frozen and the tokens still recurring read its exit recurrence's K/V (design §13)."""
+    from _reference import NaiveDecoder
+
+    m, x, nxt = _chunk_case(prefix)
+    refs, tau = None, None
+    for tau in (0.1, 0.05, 0.03, 0.02):  # a threshold at which the tokens stop at several depths before 10
+        refs = []
+        for b in range(2):
+            ref = NaiveDecoder(m, "terminal", example_id=b)
+            if prefix:
+                ref.chunk(x[b, :prefix].tolist(), 3)
+            refs.append((ref, *ref.chunk(x[b, prefix:].tolist(), 10, exit_tau=tau)[:2]))
+        used = torch.stack([r[2] for r in refs])
+        if len(set(used.flatten().tolist())) >= 3 and int(used.max()) < 10:
+            break
+    assert len(set(used.flatten().tolist())) >= 3 and int(used.max()) < 10, used
+    cache = TerminalCache(m.cfg, 2, 32)
+    if prefix:
+        extend(m, x[:, :prefix], cache, 3)
+    out = extend(m, x[:, prefix:], cache, 10, exit_tau=tau)
+    assert torch.equal(out.depths, used)
+    want = torch.stack([r[1] for r in refs])
+    assert (out.logits - want).abs().max() <= 1e-4, (out.logits - want).abs().amax(-1)
+    step = extend(m, nxt, cache, 4).logits[:, 0]  # reads each chunk token's exit-recurrence K/V
+    for b, (ref, _, _) in enumerate(refs):
+        assert (step[b] - ref.step(int(nxt[b, 0]), 4)[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_per_row_depths_on_a_chunk_equal_each_row_at_its_own_depth(prefix):
+    """A 6-token chunk with per-row depths [2, 7]: each row's logits equal the row alone at its own
+    depth (over an empty cache: the native forward), and the next decoded token reads the row's K/V of
+    that depth, not of the deepest row's."""
+    from _reference import NaiveDecoder
+
+    m, x, nxt = _chunk_case(prefix)
+    depths = [2, 7]
+    cache = TerminalCache(m.cfg, 2, 32)
+    if prefix:
+        extend(m, x[:, :prefix], cache, 3)
+    out = extend(m, x[:, prefix:], cache, torch.tensor(depths))
+    assert out.depths.tolist() == [[d] * 6 for d in depths]
+    step = extend(m, nxt, cache, 4).logits[:, 0]
+    for b, depth in enumerate(depths):
+        ref = NaiveDecoder(m, "terminal", example_id=b)
+        if prefix:
+            ref.chunk(x[b, :prefix].tolist(), 3)
+        else:
+            with torch.no_grad():
+                native = m(x[b:b + 1], depth, init="seeded", example_ids=torch.tensor([b])).logits[0]
+            assert (out.logits[b] - native).abs().max() <= 1e-4
+        assert (out.logits[b] - ref.chunk(x[b, prefix:].tolist(), depth)[0]).abs().max() <= 1e-4
+        assert (step[b] - ref.step(int(nxt[b, 0]), 4)[0]).abs().max() <= 1e-4

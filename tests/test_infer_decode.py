@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _reference import SP_TEXTS, sentencepiece_tokenizer
 
 from looplm.data import BPETokenizer, ByteTokenizer
 from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, cut_at_stop
@@ -16,6 +17,11 @@ TEXTS = ["Hello, world! déjà vu — 東京タワー 🙂 ok.\nNext line", "aaa
 @pytest.fixture(scope="module")
 def bpe():
     return BPETokenizer.train(TEXTS * 20, vocab_size=300)
+
+
+def _tokenizer(kind, bpe):
+    """byte, byte-level BPE, or SentencePiece-style (`▁` word markers; unknown characters are <unk>)."""
+    return {"byte": ByteTokenizer, "bpe": lambda: bpe, "sentencepiece": sentencepiece_tokenizer}[kind]()
 
 
 def stream_all(tokenizer, ids, stop=()):
@@ -30,11 +36,11 @@ def stream_all(tokenizer, ids, stop=()):
     return pieces, s
 
 
-@pytest.mark.parametrize("kind", ["byte", "bpe"])
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
 def test_pieces_join_into_the_whole_decode(kind, bpe):
-    tok = ByteTokenizer() if kind == "byte" else bpe
+    tok = _tokenizer(kind, bpe)
     rng = random.Random(0)
-    for text in TEXTS:
+    for text in TEXTS + SP_TEXTS[:2]:
         ids = tok.encode(text)
         pieces, s = stream_all(tok, ids)
         assert "".join(pieces) == s.text == tok.decode(ids)
@@ -46,12 +52,13 @@ def test_pieces_join_into_the_whole_decode(kind, bpe):
         assert "".join(pieces) == tok.decode(ids), ids
 
 
-@pytest.mark.parametrize("kind", ["byte", "bpe"])
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
 def test_stop_strings_cut_like_the_whole_decode_and_are_never_released(kind, bpe):
-    tok = ByteTokenizer() if kind == "byte" else bpe
-    for text in TEXTS:
+    tok = _tokenizer(kind, bpe)
+    for text in TEXTS + SP_TEXTS[:3]:
         ids = tok.encode(text)
-        for stop in (("STOP",), ("é",), ("world", "ok"), ("\n",), ("zzz",), ("タワ",)):
+        for stop in (("STOP",), ("é",), ("world", "ok"), ("\n",), ("zzz",), ("タワ",), (" brown",), ("o",),
+                     ("n, t",)):
             pieces, s = stream_all(tok, ids, stop)
             want, hit = cut_at_stop(tok.decode(ids), stop)
             assert "".join(pieces) == want, (text, stop)
@@ -60,6 +67,20 @@ def test_stop_strings_cut_like_the_whole_decode_and_are_never_released(kind, bpe
             for p in pieces[:-1]:  # before finish: no released text may end in part of a stop string
                 released += p
                 assert not any(x in released for x in stop)
+
+
+def test_sentencepiece_words_stream_with_their_spaces():
+    """Each `▁word` token releases " word": its space comes from decoding it after the tokens before it
+    (a token decoded on its own loses the space), so the pieces read like the text."""
+    sp = sentencepiece_tokenizer()
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = sp.encode(text)
+    assert len(ids) == 9 and sp.decode(ids[1:2]) == "quick"  # one token per word; alone, no space
+    pieces, s = stream_all(sp, ids)
+    assert pieces[:9] == ["the", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog"]
+    assert "".join(pieces) == s.text == text
+    pieces, s = stream_all(sp, ids, (" fox",))
+    assert "".join(pieces) == "the quick brown" and s.stopped
 
 
 def test_a_stop_prefix_and_an_incomplete_character_are_held_back():

@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from _models import decisive_model  # noqa: E402
+from _reference import sentencepiece_tokenizer  # noqa: E402
 
 from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import ByteTokenizer  # noqa: E402
@@ -801,3 +802,84 @@ def test_an_unknown_field_is_400_naming_it_and_openai_fields_are_accepted(model)
         assert reply.choices[0].message.role == "assistant"
         with pytest.raises(openai.BadRequestError, match="deph"):
             client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body={"deph": 3})
+
+
+# -- a SentencePiece-style tokenizer (`▁` word markers) behind the API ------------------------------------
+@pytest.fixture(scope="module")
+def sp_model():
+    sp = sentencepiece_tokenizer()
+    return decisive_model(sp.vocab_size, max_depth=8), sp
+
+
+def _sp_alone(model, sp, prompt: str, max_tokens: int, stop=()) -> str:
+    sampling = SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop))
+    return generate(model, sp, [prompt], depth=3, sampling=sampling)[0]
+
+
+def test_sentencepiece_stop_strings_through_the_api(sp_model):
+    """Stop strings that begin with a word's space, streamed or not: the text equals `generate` on the
+    prompt alone with the same stop, cut before it, and the streamed pieces join into it."""
+    from fastapi.testclient import TestClient
+
+    model, sp = sp_model
+    prompt = "a looped model"
+    free = _sp_alone(model, sp, prompt, 12)
+    words = free.split(" ")
+    assert len(words) >= 3, free
+    engine = Engine(model, sp, EngineConfig(max_batch=2, depth=3))
+    with TestClient(create_app(engine, NAME)) as http:
+        for stop in (" " + words[1], words[2][:2], "zzz"):
+            want = _sp_alone(model, sp, prompt, 12, stop=(stop,))
+            assert want == (free[:free.index(stop)] if stop in free else free)
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+            done = http.post("/v1/completions", json=body).json()["choices"][0]
+            assert done["text"] == want, stop
+            assert done["finish_reason"] == ("stop" if stop in free else "length")
+            stream = http.post("/v1/completions", json={**body, "stream": True})
+            chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want, stop
+    assert engine.pool.running == 0
+
+
+@pytest.mark.xfail(strict=True, reason="found by issue 29: a `▁word` token is named by decoding it alone, which "
+                   "drops its space (tokens 'model', not ' model'); the reply also loses its first space")
+def test_sentencepiece_token_names_spell_the_text(sp_model):
+    """Completions' logprob tokens and chat's token bytes, joined, spell the reply (every word's space
+    included), and the echoed prompt + reply is the decode of all the ids."""
+    from fastapi.testclient import TestClient
+
+    model, sp = sp_model
+    prompt = "a looped model"
+    engine = Engine(model, sp, EngineConfig(max_batch=2, depth=3))
+    with TestClient(create_app(engine, NAME)) as http:
+        done = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 10,
+                                                  "temperature": 0, "logprobs": 1}).json()["choices"][0]
+        assert " " in done["text"].strip()
+        assert "".join(done["logprobs"]["tokens"]) == done["text"]
+        chat = http.post("/v1/chat/completions", json={
+            "model": NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True}).json()["choices"][0]
+        content = chat["logprobs"]["content"]
+        assert bytes(b for e in content for b in e["bytes"]).decode() == chat["message"]["content"]
+        echoed = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 10,
+                                                    "temperature": 0, "echo": True}).json()["choices"][0]
+        assert echoed["text"] == prompt + done["text"] and prompt + " " in echoed["text"]
+
+
+@pytest.mark.xfail(reason="found by issue 29: text_offset advances by each token decoded alone, which drops a "
+                   "`▁word` token's space (serve/api.py's text_offset is being reworked separately)")
+def test_sentencepiece_text_offsets_point_into_the_text(sp_model):
+    """Each logprob token's `text_offset` is where its text starts in the reply."""
+    from fastapi.testclient import TestClient
+
+    model, sp = sp_model
+    engine = Engine(model, sp, EngineConfig(max_batch=2, depth=3))
+    with TestClient(create_app(engine, NAME)) as http:
+        done = http.post("/v1/completions", json={"model": NAME, "prompt": "a looped model", "max_tokens": 10,
+                                                  "temperature": 0, "logprobs": 1}).json()["choices"][0]
+    text, lp = done["text"], done["logprobs"]
+    ids = [sp.encode(t) for t in lp["tokens"]]
+    assert all(ids) and " " in text.strip()
+    ends = lp["text_offset"][1:] + [len(text)]
+    assert [text[a:b] for a, b in zip(lp["text_offset"], ends)] == lp["tokens"]

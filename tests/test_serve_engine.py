@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from _models import decisive_model
+from _reference import DEPTH_CASES, decode_replay
 
 from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
@@ -390,3 +391,29 @@ def test_a_seed_outside_the_generators_range_is_refused_before_queueing(model, s
     assert not engine._pending
     for edge in (2**64 - 1, -(2**63)):  # torch.Generator's own limits are accepted
         assert engine.generate([Request(TOK.encode("a"), max_tokens=2, temperature=1.0, seed=edge)])[0].reason
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_requests_deeper_than_the_engine_default_match_a_decode_by_hand(model, mode):
+    """An engine whose default depth (2) is below its max_depth (8) runs, together, requests from the
+    depth matrix (`_reference.DEPTH_CASES`: prefill depth below, equal to and above the decode depth,
+    adaptive exit): each token's id, depth and log-probability equal the request decoded alone by hand
+    (`NaiveDecoder`, which holds every visit a full cache sized for the deepest request would), to 1e-4."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=2, max_depth=8, cache=mode))
+    cases = [c for c in DEPTH_CASES if c[0] == mode]
+    prompts = ["deep request", "xy", "the third prompt", "four"]
+    reqs = [Request(TOK.encode(prompts[i]), max_tokens=8, depth=dec, prefill_depth=pre, exit_tau=tau, logprobs=0,
+                    example_id=i) for i, (_, pre, dec, tau) in enumerate(cases)]
+    events = {i: [] for i in range(len(reqs))}
+    handles = [engine.submit(r, sink=events[i].append) for i, r in enumerate(reqs)]
+    engine.run_until_done(handles)
+    for i, (req, (_, pre, dec, tau)) in enumerate(zip(reqs, cases)):
+        tokens = [e for e in events[i] if isinstance(e, Token)]
+        ids = [t.token_id for t in tokens]
+        logits, used = decode_replay(model, mode, req.prompt_ids, ids[:-1], pre, dec, example_id=i, exit_tau=tau)
+        lp = logits.log_softmax(-1)
+        assert ids == lp.argmax(-1).tolist(), i
+        assert [t.depth for t in tokens] == used, i
+        assert tau is None or min(used[1:]) < dec  # the adaptive request did exit early
+        got = torch.tensor([t.logprob for t in tokens])
+        assert (got - lp[torch.arange(len(ids)), ids]).abs().max() <= 1e-4, i

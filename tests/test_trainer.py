@@ -17,7 +17,7 @@ from looplm.depth import DepthConfig, LearnedPriorConfig, build_sampler
 from looplm.errors import UserError
 from looplm.model import LoopedLM
 from looplm.train.layout import BatchLayout
-from looplm.train.noise import noise_seed
+from looplm.train.noise import initial_state_noise
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -155,17 +155,36 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max
 
     original_step = t.optimizer.step
     t.optimizer.step = capture_then_step
+    seen = []  # the initial states each forward was given, in order
+    original_loss = t._loss
+
+    def record_noise(batch, depth, bptt_window, state0):
+        seen.append(state0.detach().clone())
+        return original_loss(batch, depth, bptt_window, state0)
+
+    t._loss = record_noise
     res = t.train_step()
     assert res.depths == [3, 3]
     assert len(captured) == len(list(t.model.parameters()))
 
-    # Reference: one forward over the concatenated global batch, same inputs and noise (the whole
-    # microbatch's noise drawn in one call, as every rank once did).
+    # The noise, checked without the trainer's seed function: one [4, L, d] block per microbatch (its
+    # forwards' rows in order), N(0, 1/d), every row its own draw and the two microbatches independent
+    # (a step that gave each microbatch the same noise, or each forward the same rows, fails here).
     seed, L, d = t.job.train.seed, t.job.data.seq_len, t.job.model.d_model
+    per_micro = len(seen) // 2
+    noise = [torch.cat(seen[i * per_micro:(i + 1) * per_micro]) for i in range(2)]
+    assert all(z.shape == (4, L, d) for z in noise)
+    flat = torch.cat(noise).flatten(1)  # [8 rows, L * d]
+    assert abs(float(flat.std()) * math.sqrt(d) - 1) < 0.05 and abs(float(flat.mean())) * math.sqrt(d) < 0.05
+    corr = torch.corrcoef(flat)
+    assert (corr - torch.eye(8)).abs().max() < 0.15, corr  # no row repeats another (7 sd of 2048 values)
+    # ... and it is the documented draw of each global row, however the rows are split into forwards
+    for i, z in enumerate(noise):
+        assert torch.equal(z, initial_state_noise(seed, 0, i, range(4), L, d, torch.device("cpu")))
+
+    # Reference: one forward over the concatenated global batch, same inputs and noise.
     batches = [Batch(*(torch.cat(parts) for parts in zip(*(vars(b).values() for _, b in t._host_batch(t.train_data, 0, i, 2, seed)))))
                for i in range(2)]
-    noise = [torch.randn((4, L, d), generator=torch.Generator().manual_seed(noise_seed(seed, 0, i))) / math.sqrt(d)
-             for i in range(2)]
     n = [b.n_targets for b in batches]
     assert n[1] == 5 and n[0] > 5 * n[1]
     assert res.n_targets == sum(n)
