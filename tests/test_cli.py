@@ -352,7 +352,7 @@ def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
     assert lines[0] == "--- prompt 1 of 2 ---" and lines[1].startswith("+1,2=")
     assert lines[2] == "--- prompt 2 of 2 ---" and lines[3].startswith("+30,40=")
     for bad, msg in ((["--depth", "0"], "depth"), (["--prompt", ""], "empty"),
-                     (["--prompt", "x" * 300], "exceeds the context"),
+                     (["--prompt", "x" * 300], "has 300 tokens, more than the context max_seq_len=64"),
                      (["--prompt", "x", "--prefill-depth", "0"], "prefill_depth must be in 1..64, got 0"),
                      (["--prompt", "x", "--max-new-tokens", "1000"], "exceeds the context"),
                      (["--prompt", "x", "--exit-tau", "0.1", "--min-depth", "9"], "min_depth 9 exceeds"),

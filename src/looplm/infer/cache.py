@@ -131,6 +131,21 @@ class KVCache:
         return view
 
 
+    def take(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache holding copies of batch rows `rows` [b] (in that order), same length."""
+        out = copy.copy(self)
+        out.batch = rows.shape[0]
+        out.length = self.length[rows] if isinstance(self.length, torch.Tensor) else self.length
+
+        def pick(bank: KVBank) -> KVBank:
+            return KVBank.of(bank.k[rows], bank.v[rows])
+
+        out.prelude, out.coda = [pick(b) for b in self.prelude], [pick(b) for b in self.coda]
+        out.core = [pick(b) for b in self.core] if self.mode == "terminal" else [[pick(b) for b in v] for v in self.core]
+        out._new = None  # a taken cache grows no new banks
+        return out
+
+
 class TerminalCache(KVCache):
     mode = "terminal"
 

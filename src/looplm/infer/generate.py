@@ -7,6 +7,7 @@ the terminal cache the two are independent because decoding reads only terminal 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +16,10 @@ from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, choose
 from looplm.infer.prefill import Prefill
+from looplm.infer.speculative import SpeculationStats, speculative_decode
+from looplm.infer.step import DecodeStep, StepRows
 
-__all__ = ["SamplingConfig", "choose", "generate"]
+__all__ = ["SamplingConfig", "Speculation", "choose", "generate"]
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, max_seq_len: int) -> list[list[int]]:
@@ -26,10 +29,36 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens:
     for i, ids in enumerate(encoded):
         if not ids:
             raise UserError(f"prompt {i} is empty")
+        if len(ids) > max_seq_len:
+            raise UserError(f"prompt {i} has {len(ids)} tokens, more than the context max_seq_len={max_seq_len}")
         if len(ids) + max_new_tokens - 1 > max_seq_len:  # the last new token is never fed
             raise UserError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds "
-                            f"the context max_seq_len={max_seq_len}")
+                            f"the context max_seq_len={max_seq_len} (at most {max_seq_len - len(ids) + 1} new tokens)")
     return encoded
+
+
+@dataclass
+class Speculation:
+    """Self-speculative decoding (`looplm.infer.speculative`): draft `k` tokens at `draft_depth`,
+    verify them in one chunk at the decode depth."""
+
+    k: int = 4
+    """Draft tokens per verify chunk."""
+    draft_depth: int = 2
+    """Recurrences per draft token (r_d < depth)."""
+
+    def check(self, depth: int) -> None:
+        if self.k < 1:
+            raise UserError(f"speculate needs k >= 1 draft tokens, got {self.k}")
+        if not 1 <= self.draft_depth < depth:
+            raise UserError(f"draft_depth must be in 1..{depth - 1} (below the decode depth {depth}), "
+                            f"got {self.draft_depth}")
+
+
+def _bucket(n: int, compiled: bool) -> int:
+    """The batch size a step runs at for n live rows: n eagerly; compiled, the next power of two
+    (one graph per bucket, not one per batch size)."""
+    return n if not compiled else 1 << (n - 1).bit_length()
 
 
 @torch.no_grad()
@@ -38,58 +67,138 @@ def generate(
     cache_mode: str = "terminal", sampling: SamplingConfig | None = None,
     on_token: Callable[[int, str], None] | None = None, stats: dict | None = None,
     example_ids: Sequence[int] | None = None, prefill: Prefill | None = None,
+    compile: bool = False, speculate: Speculation | None = None, step: DecodeStep | None = None,
 ) -> list[str]:
     """Continue each prompt; returns the generated texts (stop strings and EOS excluded).
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
-    receives "mean_decode_depth" (the mean recurrences per decode step, < depth with adaptive exit).
+    receives "mean_decode_depth" (the mean recurrences per decoded token of the rows still running,
+    < depth with adaptive exit) and, with `speculate`, "acceptance_rate" and "tokens_per_verify".
     `example_ids` seed each row's initial state (default 0..B-1); give each example a fixed id so
     its result does not depend on the batch it was run in. `prefill` chooses how the prompts enter
     the cache (`looplm.infer.prefill`: teacher at prefill_depth, distilled student, R = 1 or 2);
     default: the model at prefill_depth.
+
+    Decoding runs `DecodeStep` (static shapes, no host sync inside a step); `compile=True` compiles
+    it (`torch.compile`; its first steps pay the compilation, see BENCHMARKS.md). Rows that finish
+    leave the batch. `speculate` decodes each prompt alone by self-speculation (draft at a shallow
+    depth, verify at `depth`). A model's exit gate (`sampling.exit_gate`) decodes through the
+    model's forward, one token at a time.
     """
     cfg = sampling or SamplingConfig()
     if not prompts:
         raise UserError("no prompts given")
     spec = DecodeSpec(depth, prefill_depth, cache_mode, cfg).check(model.cfg.max_depth,
                                                                     has_gate=model.exit_gate is not None)
+    if speculate is not None:
+        speculate.check(depth)
+        if cfg.exit_tau is not None or cfg.exit_gate is not None:
+            raise UserError("speculative decoding verifies at one fixed depth: it takes no exit_tau or exit_gate")
     encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
+    ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
+    if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
+        out, totals = [], SpeculationStats()
+        for i, prompt in enumerate(prompts):
+            row_stats: dict = {}
+            emit = None if on_token is None else (lambda _row, piece, i=i: on_token(i, piece))
+            out += generate(model, tokenizer, [prompt], depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
+                            sampling=cfg, on_token=emit, stats=row_stats, example_ids=[ids_all[i]], prefill=prefill,
+                            compile=compile, speculate=speculate, step=step)
+            for f in ("rounds", "drafted", "accepted"):
+                setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
+        if stats is not None:
+            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth))
+        return out
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
     pad = torch.tensor([L - len(ids) for ids in encoded], device=device)
     tokens = torch.full((B, L), tokenizer.pad_id, dtype=torch.long, device=device)
     for i, ids in enumerate(encoded):
         tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
-    ids_arg = torch.arange(B, device=device) if example_ids is None else torch.tensor(list(example_ids), device=device)
+    ids_arg = torch.tensor(ids_all, device=device)
     cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens - 1, max(depth, spec.prefill), device=device,
                        dtype=next(model.parameters()).dtype)
     gate = {} if cfg.exit_gate is None else {"exit_gate": cfg.exit_gate}
     logits = (prefill or Prefill())(model, tokens, cache, spec.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     streams = [TextStream(tokenizer, cfg.stop) for _ in range(B)]
-    done = [False] * B
+    step = step or DecodeStep(model, cache, compile=compile)
+    if step.cache is not cache:
+        step.reset(cache)
+    if speculate is not None:
+        def emit(tok: int) -> bool:
+            if tok == tokenizer.eos_id:
+                return True
+            piece, stopped = streams[0].push(tok)
+            if on_token is not None and piece:
+                on_token(0, piece)
+            return stopped
+
+        totals = SpeculationStats()
+        speculative_decode(model, cache, step, logits, length=L, depth=depth, draft_depth=speculate.draft_depth,
+                           k=speculate.k, sampling=cfg, generator=gen, pad=pad, example_ids=ids_arg, emit=emit,
+                           stats=totals)
+        _finish(streams, on_token)
+        if stats is not None:
+            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth))
+        return [streams[0].text]
     plan = spec.decode_plan()
-    depths_used: list[float] = []
-    for step in range(cfg.max_new_tokens):
-        nxt = choose(logits, cfg, gen)
-        for i, tok in enumerate(nxt.tolist()):
-            if done[i]:
-                continue
+    live = list(range(B))  # the prompt of each row of the decode batch
+    done = [False] * B
+    depths_used: list[int] = []
+    for t in range(cfg.max_new_tokens):
+        nxt = choose(logits[:len(live)], cfg, gen)
+        for i, tok in zip(live, nxt.tolist()):
             if tok == tokenizer.eos_id:
                 done[i] = True
                 continue
             piece, done[i] = streams[i].push(tok)
             if on_token is not None and piece:
                 on_token(i, piece)
-        if all(done) or step + 1 == cfg.max_new_tokens:
+        if all(done) or t + 1 == cfg.max_new_tokens:
             break
-        out = model(nxt[:, None], plan, cache=cache, pad=pad, init="seeded", example_ids=ids_arg)
-        logits = out.logits[:, -1]
-        depths_used.append(float(out.depths.float().mean()))
+        keep = [k for k, i in enumerate(live) if not done[i]]
+        if len(keep) < len(live):  # finished rows leave the batch (a compiled step keeps its bucket size)
+            live = [live[k] for k in keep]
+            index = torch.tensor(keep + keep[-1:] * (_bucket(len(keep), compile) - len(keep)), device=device)
+            cache, pad, ids_arg = cache.take(index), pad[index], ids_arg[index]
+            nxt = nxt[index[:len(keep)]]
+            step.reset(cache)
+        if cache.batch > len(live):  # padding rows of the bucket repeat the last live row
+            nxt = torch.cat([nxt, nxt[-1:].expand(cache.batch - len(live))])
+        write_at = torch.full((cache.batch,), L + t, device=device)
+        if cfg.exit_gate is not None:
+            cache.length = L + t
+            out = model(nxt[:, None], plan, cache=cache, pad=pad, init="seeded", example_ids=ids_arg)
+            logits, used = out.logits[:, -1], out.depths[:, 0]
+        else:
+            rows_in = _step_rows(nxt, write_at, pad, ids_arg, spec, cfg)
+            logits, used = step(rows_in, depth)
+        depths_used += used[:len(live)].tolist()
+    _finish(streams, on_token)
+    if stats is not None:
+        stats["mean_decode_depth"] = sum(depths_used) / len(depths_used) if depths_used else float(depth)
+    return [stream.text for stream in streams]
+
+
+def _step_rows(tokens, write_at, pad, example_ids, spec: DecodeSpec, cfg: SamplingConfig) -> StepRows:
+    """A decode step's rows: every row at the decode depth, with adaptive exit when asked."""
+    if cfg.exit_tau is None:
+        return StepRows(tokens, write_at, pad, example_ids)
+    B = tokens.shape[0]
+    full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device=tokens.device)  # noqa: E731
+    return StepRows(tokens, write_at, pad, example_ids, depth=full(spec.depth, torch.long),
+                    exit_tau=full(cfg.exit_tau, torch.float32), min_depth=full(cfg.min_depth, torch.long),
+                    lowest=cfg.min_depth)
+
+
+def _finish(streams: list[TextStream], on_token) -> None:
     for i, stream in enumerate(streams):
         tail = stream.finish()
         if on_token is not None and tail:
             on_token(i, tail)
-    if stats is not None:
-        stats["mean_decode_depth"] = sum(depths_used) / len(depths_used) if depths_used else float(depth)
-    return [stream.text for stream in streams]
+
+
+def _speculation_stats(s: SpeculationStats) -> dict:
+    return {"acceptance_rate": s.acceptance_rate, "tokens_per_verify": s.tokens_per_verify,
+            "speculation": {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}}

@@ -92,6 +92,10 @@ class DecodeStep:
             self.begin, self.recur, self.end = (torch.compile(f, dynamic=False, **options)
                                                 for f in (self._begin, self._recur, self._end))
 
+    def reset(self, cache: KVCache) -> None:
+        """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
+        self.cache, self._banks = cache, {}
+
     def banks(self, B: int) -> dict:
         """The bank tensors of rows [0, B): prelude, coda, and per recurrence each core layer's
         (K, V, fallback K, fallback V); views, so the step writes into the cache."""
@@ -114,9 +118,10 @@ class DecodeStep:
         return self._banks[B]
 
     @torch.no_grad()
-    def __call__(self, rows: StepRows, loop_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `rows.tokens`; returns (fp32 logits [B, V], recurrences used [B]). The cache's
-        entries at `write_at` are written; the caller moves its lengths on."""
+        entries at `write_at` are written; the caller moves its lengths on. `fill=False` leaves a
+        full cache's visits past a row's depth unwritten (a draft that the verifier rewrites)."""
         B = rows.tokens.shape[0]
         banks = self.banks(B)
         exits = rows.exits
@@ -130,7 +135,7 @@ class DecodeStep:
             if exits and self.stop_early and not bool(active.any()):
                 break
         logits = self.end(s, rows.write_at, shared, banks)
-        if self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
+        if fill and self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
             # visits a row did not reach take its terminal K/V (`FullCache.keep_terminal`)
             view = self.cache.view(slice(0, B), length=rows.write_at)
             view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)

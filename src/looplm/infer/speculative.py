@@ -1,0 +1,134 @@
+"""Self-speculative decoding: the looped model drafts at a shallow depth and verifies at its own
+depth (design §16). Near a fixed point the argmax at depth 2-4 already equals the argmax at depth
+32 at most positions, so the same weights serve as draft and verifier.
+
+One round, after the cache holds `length` tokens and the next token `last` has been chosen:
+1. draft: k one-token steps at depth r_d (`DecodeStep`) from `last`, writing positions
+   length..length+k-1 and proposing d_1..d_k;
+2. verify: the chunk [last, d_1..d_k] at depth R through the model's cached forward (`extend`),
+   which rewrites positions length..length+k with the verifier's K/V;
+3. accept the longest prefix on which the verifier agrees (greedy), or by the speculative-sampling
+   rule (accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), on rejection draw from
+   norm(max(p_i - q_i, 0))), which leaves each emitted token distributed as the verifier's p;
+   the verifier's distribution after the last accepted token gives one more token for free;
+4. roll back: the cache's length becomes length + 1 + accepted, so a rejected draft's K/V (past
+   the length) are never read and the next round overwrites them.
+
+With the full cache the verify chunk at depth R is the parallel forward, so greedy output equals
+plain decoding at depth R token for token. With the terminal cache the chunk's tokens read each
+other's current-recurrence K/V (the chunk protocol of design §7), so the output equals decoding in
+which each accepted window was written as one chunk; BENCHMARKS.md measures what that costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from looplm.infer.cache import KVCache
+from looplm.infer.decode import SamplingConfig, probabilities, sample
+from looplm.infer.step import DecodeStep, StepRows
+from looplm.model.exits import DepthPlan
+
+__all__ = ["SpeculationStats", "accept", "speculative_decode"]
+
+
+@dataclass
+class SpeculationStats:
+    rounds: int = 0
+    """Verify chunks run."""
+    drafted: int = 0
+    """Draft tokens proposed."""
+    accepted: int = 0
+    """Draft tokens the verifier accepted."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens emitted per verify chunk (accepted drafts + the verifier's own token)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+def accept(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+           generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """How many of `drafts` [k] to keep, and the next token after them.
+
+    Greedy (`q` None): `p` [k + 1, V] are the verifier's logits; keep the longest prefix where
+    d_i = argmax p_i, then argmax p at the first disagreement (or after the last draft).
+    Sampling: `p` [k + 1, V] and `q` [k, V] are the verifier's and the draft's distributions; keep
+    d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from
+    norm(max(p_i - q_i, 0)); when every draft is kept, draw from p_k."""
+    k = drafts.shape[0]
+    if q is None:
+        agree = (p[:k].argmax(-1) == drafts).int()
+        n = int(agree.cumprod(0).sum())
+        return n, p[n].argmax(-1)
+    idx = torch.arange(k, device=drafts.device)
+    ratio = p[idx, drafts] / q[idx, drafts].clamp_min(1e-30)
+    u = torch.rand(k, generator=generator, device=drafts.device)
+    keep = (u < ratio.clamp(max=1.0)).int()
+    n = int(keep.cumprod(0).sum())
+    if n == k:
+        return n, sample(p[k:k + 1], generator)[0]
+    residual = (p[n] - q[n]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if float(total) > 0 else p[n]  # p == q: any draw from p is exact
+    return n, sample(residual[None], generator)[0]
+
+
+@torch.no_grad()
+def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: torch.Tensor, *, length: int,
+                       depth: int, draft_depth: int, k: int, sampling: SamplingConfig,
+                       generator: torch.Generator | None, pad: torch.Tensor, example_ids: torch.Tensor,
+                       emit: Callable[[int], bool], stats: SpeculationStats) -> None:
+    """Decode one row (batch 1) speculatively from `first_logits` [1, V] (the prompt's last position)
+    with `length` tokens cached; `emit(token)` takes each new token and returns True to stop.
+    At most `sampling.max_new_tokens` tokens are emitted."""
+    greedy = sampling.temperature <= 0
+    dev = first_logits.device
+
+    def choose_from(logits):  # (token [1], distribution or None)
+        if greedy:
+            return logits.argmax(-1), None
+        probs = probabilities(logits, sampling)
+        return sample(probs, generator), probs
+
+    last, _ = choose_from(first_logits)
+    emitted = 1
+    if emit(int(last)) or emitted >= sampling.max_new_tokens:
+        return
+    while True:
+        # drafts beyond what may still be emitted, or past the cache, would be wasted
+        n_draft = min(k, sampling.max_new_tokens - emitted - 1, cache.max_len - length - 1)
+        if n_draft < 1:  # the last token: one plain step at the verifier's depth
+            logits, _ = step(StepRows(last, torch.tensor([length], device=dev), pad, example_ids), depth)
+            emit(int(choose_from(logits)[0]))
+            return
+        tok, drafts, qs = last, [], []
+        for i in range(n_draft):
+            logits, _ = step(StepRows(tok, torch.tensor([length + i], device=dev), pad, example_ids), draft_depth,
+                             fill=False)  # a draft's deeper visits are never read: the verifier rewrites them
+            tok, q = choose_from(logits)
+            drafts.append(tok)
+            qs.append(q)
+        chunk = torch.cat([last, *drafts])[None]
+        cache.length = length
+        out = model(chunk, DepthPlan(depth), cache=cache, pad=pad, init="seeded", example_ids=example_ids)
+        verify = out.logits[0]
+        p = verify if greedy else probabilities(verify, sampling)
+        n, nxt = accept(torch.cat(drafts), p, None if greedy else torch.cat(qs), generator)
+        stats.rounds += 1
+        stats.drafted += n_draft
+        stats.accepted += n
+        length += 1 + n
+        cache.length = length  # roll back: the rejected drafts' K/V lie past the length
+        for t in [*(int(d) for d in drafts[:n]), int(nxt)]:
+            emitted += 1
+            if emit(t) or emitted >= sampling.max_new_tokens:
+                return
+        last = nxt.reshape(1)
