@@ -279,6 +279,10 @@ def generate(
     device: str = "auto",
     prefill: PrefillArm = "teacher",
     student: Path | None = None,
+    compile: bool = False,
+    speculate: int = 0,
+    draft_depth: int = 2,
+    verbose: bool = False,
 ) -> None:
     """Continue prompts with a KV cache; a single prompt is streamed as it is generated.
 
@@ -295,11 +299,23 @@ def generate(
         prefill: How the prompt enters the cache: teacher (at prefill_depth), student (distilled prefill,
             needs --student and the terminal cache), r1 or r2 (the model at 1 or 2 recurrences).
         student: Distilled student (`looplm distill` output) for --prefill student.
+        compile: Compile the decode step with torch.compile: faster steps after a warm-up of tens of
+            seconds on a CPU (worth it for long generations; BENCHMARKS.md measures both).
+        speculate: Self-speculative decoding: draft this many tokens at --draft-depth, then verify them in
+            one chunk at --depth (0 = off). Greedy output with the full cache equals plain decoding.
+        draft_depth: Recurrences per draft token with --speculate (below --depth).
+        verbose: Print decode speed (and with --speculate the acceptance rate) to stderr.
     """
     from looplm.checkpoint import load_model, resolve
     from looplm.data import generate_examples
     from looplm.infer.decode import DecodeSpec
-    from looplm.infer.generate import encode_prompts, generate as run
+    from looplm.infer.generate import Speculation, encode_prompts, generate as run
+
+    if speculate < 0:
+        raise UserError(f"--speculate must be >= 0 (0 = off), got {speculate}")
+    spec_cfg = Speculation(speculate, draft_depth) if speculate else None
+    if spec_cfg is not None:
+        spec_cfg.check(depth)
 
     try:  # before the checkpoint loads
         _sampling_for(sampling, tasks=True).validate()
@@ -327,8 +343,10 @@ def generate(
         print(prompt[0], end="", flush=True)
         stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
     stats: dict = {}
+    if compile:
+        print("compiling the decode step (the first tokens wait for it)", file=sys.stderr, flush=True)
     texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
-                sampling=config, on_token=stream, stats=stats, prefill=arm)
+                sampling=config, on_token=stream, stats=stats, prefill=arm, compile=compile, speculate=spec_cfg)
     if stream is not None:
         print()
     else:  # several prompts: each continuation under its own header, as texts may span lines
@@ -336,6 +354,13 @@ def generate(
             print(f"--- prompt {i} of {len(prompt)} ---\n{p}{t}")
     if config.exit_tau is not None:
         print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
+    if verbose:
+        line = (f"decoded {stats['decoded_tokens']} tokens in {stats['decode_seconds']:.2f} s "
+                f"({stats['decoded_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tokens/s)")
+        if spec_cfg is not None:
+            line += (f"; speculation: {stats['acceptance_rate']:.0%} of drafts accepted, "
+                     f"{stats['tokens_per_verify']:.2f} tokens per verify")
+        print(line, file=sys.stderr)
 
 
 def distill(

@@ -6,6 +6,7 @@ the terminal cache the two are independent because decoding reads only terminal 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def generate(
     encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
     ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
-        out, totals = [], SpeculationStats()
+        out, totals, decoded, seconds = [], SpeculationStats(), 0, 0.0
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
             emit = None if on_token is None else (lambda _row, piece, i=i: on_token(i, piece))
@@ -106,8 +107,11 @@ def generate(
                             compile=compile, speculate=speculate, step=step)
             for f in ("rounds", "drafted", "accepted"):
                 setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
+            decoded += row_stats["decoded_tokens"]
+            seconds += row_stats["decode_seconds"]
         if stats is not None:
-            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth))
+            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth), decoded_tokens=decoded,
+                         decode_seconds=seconds)
         return out
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
@@ -121,6 +125,7 @@ def generate(
     gate = {} if cfg.exit_gate is None else {"exit_gate": cfg.exit_gate}
     logits = (prefill or Prefill())(model, tokens, cache, spec.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
+    started = time.perf_counter()
     streams = [TextStream(tokenizer, cfg.stop) for _ in range(B)]
     step = step or DecodeStep(model, cache, compile=compile)
     if step.cache is not cache:
@@ -140,7 +145,8 @@ def generate(
                            stats=totals)
         _finish(streams, on_token)
         if stats is not None:
-            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth))
+            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth),
+                         decoded_tokens=len(streams[0].ids), decode_seconds=time.perf_counter() - started)
         return [streams[0].text]
     plan = spec.decode_plan()
     live = list(range(B))  # the prompt of each row of the decode batch
@@ -178,6 +184,8 @@ def generate(
     _finish(streams, on_token)
     if stats is not None:
         stats["mean_decode_depth"] = sum(depths_used) / len(depths_used) if depths_used else float(depth)
+        stats["decoded_tokens"] = sum(len(stream.ids) for stream in streams)
+        stats["decode_seconds"] = time.perf_counter() - started
     return [stream.text for stream in streams]
 
 

@@ -29,6 +29,7 @@ import torch
 from looplm.data import Tokenizer
 from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, choose
 from looplm.infer.prefill import Prefill
+from looplm.infer.step import DecodeStep, StepRows
 from looplm.model.exits import DepthPlan
 from looplm.serve.slots import SlotPool
 
@@ -52,6 +53,10 @@ class EngineConfig:
     """terminal: one KV bank per physical layer; full: one bank per layer visit."""
     max_queue: int = 64
     """Requests waiting for a slot; more are refused (`EngineFull`, HTTP 429)."""
+    compile: bool = False
+    """Decode through the compiled static step (`looplm.infer.step.DecodeStep`, one graph per batch
+    bucket 1, 2, 4, ... max_batch); otherwise eager steps in which rows that stopped leave the
+    recurrence (a step costs the sum of its rows' depths)."""
 
 
 @dataclass
@@ -209,6 +214,7 @@ class Engine:
             raise ValueError("distilled prefill writes terminal banks; use the terminal cache")
         self.pool = SlotPool(model.cfg, config.max_batch, max_len, mode=config.cache, depth=self.max_depth,
                              device=self.device, dtype=param.dtype)
+        self._step = DecodeStep(model, self.pool.cache, compile=True) if config.compile else None
         self._rows: list[_Row] = []
         self._pending: deque[RequestHandle] = deque()
         self._wake = threading.Condition()
@@ -402,17 +408,22 @@ class Engine:
         tokens = torch.tensor([[r.next_token] for r in rows], dtype=torch.long, device=self.device)
         depths = [r.depth for r in rows]
         taus = [r.handle.request.exit_tau for r in rows]
-        kw: dict = {}
-        if any(t is not None for t in taus):
-            kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=self.device)
-            kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in rows], device=self.device)
-        depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=self.device)
         example_ids = torch.tensor([r.handle.request.example_id for r in rows], device=self.device)
-        out = self.model(tokens, DepthPlan(depth, **kw), cache=self.pool.decode_view(), init="seeded",
-                         example_ids=example_ids)
-        logits = out.logits
+        if self._step is not None:
+            logits, used_t = self._compiled_step(tokens[:, 0], depths, taus, example_ids)
+            out = None
+        else:
+            kw: dict = {}
+            if any(t is not None for t in taus):
+                kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=self.device)
+                kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in rows], device=self.device)
+            depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=self.device)
+            out = self.model(tokens, DepthPlan(depth, **kw), cache=self.pool.decode_view(), init="seeded",
+                             example_ids=example_ids)
+            logits, used_t = out.logits[:, -1], out.depths[:, 0]
+        logits = logits[:, None]
         self.pool.advance()
-        used = out.depths[:, 0].tolist()
+        used = used_t.tolist()
         now = time.monotonic()
         with self._stats_lock:
             self.decoded_tokens += len(rows)
@@ -426,6 +437,31 @@ class Engine:
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
         for i in range(len(rows) - 1, -1, -1):
             self._accept(i, logits[i, -1], used[i], None if rows[i].generator is not None else greedy[i])
+
+    def _compiled_step(self, tokens, depths: list[int], taus: list, example_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """One static decode step over the running rows padded to a bucket of 1, 2, 4, ... max_batch
+        rows (a padding row sits in a free slot at position 0, which a later prefill overwrites, and
+        runs the deepest row's depth, so a uniform batch needs no exit masks)."""
+        n, dev, deepest = len(depths), self.device, max(depths)
+        B = min(1 << (n - 1).bit_length(), self.pool.max_batch)
+        extra = B - n
+
+        def padded(values: list, fill, dtype) -> torch.Tensor:
+            return torch.tensor(values + [fill] * extra, dtype=dtype, device=dev)
+
+        kw: dict = {}
+        if any(t is not None for t in taus):  # adaptive exit: a row's tau 0 never exits
+            floors = [r.handle.request.min_depth for r in self._rows]
+            kw = {"exit_tau": padded([t or 0.0 for t in taus], 0.0, torch.float32),
+                  "min_depth": padded(floors, 1, torch.long),
+                  "lowest": min(f if t is not None else d for f, t, d in zip(floors, taus, depths))}
+        elif len(set(depths)) > 1:
+            kw = {"lowest": min(depths)}
+        rows = StepRows(padded(tokens.tolist(), 0, torch.long), padded(self.pool.lengths, 0, torch.long),
+                        torch.zeros(B, dtype=torch.long, device=dev), padded(example_ids.tolist(), 0, torch.long),
+                        depth=padded(depths, deepest, torch.long) if kw else None, **kw)
+        logits, used = self._step(rows, deepest)
+        return logits[:n], used[:n]
 
     def _accept(self, slot: int, logits: torch.Tensor, depth: int, token: int | None = None) -> None:
         """Choose slot's next token from its last logits [V] (or take the greedy `token`); emit it;
