@@ -66,7 +66,7 @@ def generate(
     gate = {} if cfg.exit_gate is None else {"exit_gate": cfg.exit_gate}
     logits = (prefill or Prefill())(model, tokens, cache, spec.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
-    streams = [TextStream(tokenizer, cfg.stop) for _ in range(B)]
+    streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
     done = [False] * B
     plan = spec.decode_plan()
     depths_used: list[float] = []
