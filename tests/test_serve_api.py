@@ -842,8 +842,6 @@ def test_sentencepiece_stop_strings_through_the_api(sp_model):
     assert engine.pool.running == 0
 
 
-@pytest.mark.xfail(strict=True, reason="found by issue 29: a `▁word` token is named by decoding it alone, which "
-                   "drops its space (tokens 'model', not ' model'); the reply also loses its first space")
 def test_sentencepiece_token_names_spell_the_text(sp_model):
     """Completions' logprob tokens and chat's token bytes, joined, spell the reply (every word's space
     included), and the echoed prompt + reply is the decode of all the ids."""
