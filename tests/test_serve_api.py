@@ -865,8 +865,6 @@ def test_sentencepiece_token_names_spell_the_text(sp_model):
         assert echoed["text"] == prompt + done["text"] and prompt + " " in echoed["text"]
 
 
-@pytest.mark.xfail(reason="found by issue 29: text_offset advances by each token decoded alone, which drops a "
-                   "`▁word` token's space (serve/api.py's text_offset is being reworked separately)")
 def test_sentencepiece_text_offsets_point_into_the_text(sp_model):
     """Each logprob token's `text_offset` is where its text starts in the reply."""
     from fastapi.testclient import TestClient
