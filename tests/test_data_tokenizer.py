@@ -110,6 +110,21 @@ def test_token_pieces_are_each_tokens_own_bytes() -> None:
         byte.token_piece(258)
 
 
+def test_sentencepiece_token_pieces_keep_their_words_spaces() -> None:
+    """A `▁word` token's piece is " word", the text it adds after other tokens (decoded alone, the
+    Metaspace decoder drops a text's first space); pieces after a text's first token spell the rest."""
+    from _reference import SP_TEXTS, sentencepiece_tokenizer
+
+    sp = sentencepiece_tokenizer()
+    for text in SP_TEXTS:
+        ids = sp.encode(text)
+        first = sp.decode(ids[:1])
+        assert b"".join(sp.token_piece(i) for i in ids[1:]).decode() == text[len(first):], text
+    the, quick = sp.encode("the quick")
+    assert (sp.decode([quick]), sp.token_piece(quick), sp.token_piece(the)) == ("quick", b" quick", b" the")
+    assert (sp.token_piece(sp.eos_id), sp.token_piece(sp.pad_id)) == ("<eos>", "<pad>")
+
+
 def test_byte_level_alphabet_is_the_backends() -> None:
     from tokenizers import pre_tokenizers
 

@@ -83,6 +83,51 @@ def test_sentencepiece_words_stream_with_their_spaces():
     assert "".join(pieces) == "the quick brown" and s.stopped
 
 
+@pytest.mark.parametrize("kind", ["byte", "bpe", "sentencepiece"])
+def test_a_reply_decoded_after_its_prompt_joins_into_the_whole_decode(kind, bpe):
+    """With the prompt's ids as context, prompt text + streamed pieces = the decode of prompt + reply ids
+    (for a SentencePiece tokenizer the reply's first `▁word` keeps its space); byte and BPE tokenizers
+    stream exactly what they stream without a context."""
+    tok = _tokenizer(kind, bpe)
+    rng = random.Random(1)
+    for text in TEXTS + SP_TEXTS:
+        ids = tok.encode(text)
+        for cut in {1, len(ids) // 2, len(ids) - 1} - {0, len(ids)}:
+            prompt, reply = ids[:cut], ids[cut:]
+            if tok.decode(prompt).endswith("\ufffd"):  # cut inside a character: the random ids' case below
+                continue
+            for stop in ((), (" ",), ("o",)):
+                s = TextStream(tok, stop, context=prompt)
+                pieces = [s.push(t)[0] for t in reply if not s.stopped] + [s.finish()]
+                want, hit = cut_at_stop(tok.decode(ids)[len(tok.decode(prompt)):], stop)
+                assert tok.decode(ids).startswith(tok.decode(prompt)), (text, cut)
+                assert "".join(pieces) == s.text == want and s.stopped == hit, (text, cut, stop)
+                assert s.ids == reply[:len(s.ids)]  # `ids` are the reply's alone
+                if kind != "sentencepiece":
+                    assert pieces == stream_all(tok, s.ids, stop)[0], (text, cut, stop)
+    for _ in range(30):  # arbitrary ids, a prompt ending inside a character included
+        ids = [t for t in (rng.randrange(tok.vocab_size) for _ in range(rng.randrange(2, 40)))
+               if t not in (tok.eos_id, tok.pad_id)] or [ord("a"), ord("b")]
+        cut = rng.randrange(1, len(ids)) if len(ids) > 1 else 1
+        s = TextStream(tok, context=ids[:cut])
+        pieces = [s.push(t)[0] for t in ids[cut:]] + [s.finish()]
+        whole, before = tok.decode(ids), tok.decode(ids[:cut])
+        if not before.endswith("\ufffd") and whole.startswith(before):
+            assert "".join(pieces) == whole[len(before):], ids
+        else:  # no usable context: the reply decoded on its own
+            assert "".join(pieces) == tok.decode(ids[cut:]), ids
+
+
+def test_a_sentencepiece_reply_keeps_its_first_space_after_the_prompt():
+    sp = sentencepiece_tokenizer()
+    prompt, reply = sp.encode("a looped model"), sp.encode("the end")
+    assert sp.decode(reply[:1]) == "the"  # alone, a text's first space is dropped
+    s = TextStream(sp, context=prompt)
+    assert s.push(reply[0]) == (" the", False)
+    assert s.push(reply[1])[0] == " end" and s.finish() == "" and s.text == " the end"
+    assert stream_all(sp, reply)[1].text == "the end"  # without context: the text on its own
+
+
 def test_a_stop_prefix_and_an_incomplete_character_are_held_back():
     tok = ByteTokenizer()
     s = TextStream(tok, ("STOP",))

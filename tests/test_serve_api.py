@@ -842,8 +842,6 @@ def test_sentencepiece_stop_strings_through_the_api(sp_model):
     assert engine.pool.running == 0
 
 
-@pytest.mark.xfail(strict=True, reason="found by issue 29: a `▁word` token is named by decoding it alone, which "
-                   "drops its space (tokens 'model', not ' model'); the reply also loses its first space")
 def test_sentencepiece_token_names_spell_the_text(sp_model):
     """Completions' logprob tokens and chat's token bytes, joined, spell the reply (every word's space
     included), and the echoed prompt + reply is the decode of all the ids."""
@@ -867,8 +865,6 @@ def test_sentencepiece_token_names_spell_the_text(sp_model):
         assert echoed["text"] == prompt + done["text"] and prompt + " " in echoed["text"]
 
 
-@pytest.mark.xfail(reason="found by issue 29: text_offset advances by each token decoded alone, which drops a "
-                   "`▁word` token's space (serve/api.py's text_offset is being reworked separately)")
 def test_sentencepiece_text_offsets_point_into_the_text(sp_model):
     """Each logprob token's `text_offset` is where its text starts in the reply."""
     from fastapi.testclient import TestClient

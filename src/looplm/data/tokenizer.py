@@ -255,7 +255,22 @@ class BPETokenizer(Tokenizer):
             return bytes(BYTE_LEVEL[c] for c in name)
         if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):  # a byte-fallback piece
             return bytes([int(name[3:5], 16)])
-        return self.decode([token_id]).encode()
+        alone = self.decode([token_id])
+        context = self._piece_context()
+        if context is None:
+            return alone.encode()
+        # decoded after an ordinary token, as in running text: a SentencePiece `▁word` adds " word"
+        # (decoded alone, the decoder strips a text's first space); what the context's text leaves
+        before, after = self.decode(context), self.decode([*context, token_id])
+        return (after[len(before):] if after.startswith(before) else alone).encode()
+
+    def _piece_context(self) -> list[int] | None:
+        """The ids of a short ordinary text that `token_piece` decodes a token after (None: none found)."""
+        if not hasattr(self, "_context"):  # found once, on first use
+            self._context = next((ids for ids in map(self.encode, ("a", "e", "x", "0", "."))
+                                  if ids and not any(i in self._added for i in ids)
+                                  and (text := self.decode(ids)) and "\ufffd" not in text), None)
+        return self._context
 
     @property
     def backend_json(self) -> str:

@@ -6,7 +6,8 @@
 - `TextStream`: incremental detokenisation with stop strings. Each new token decodes only a short
   window of recent ids, so a step costs the same at the thousandth token as at the first; text is
   released except for what may still become a stop string or an incomplete character, and the
-  released pieces join into exactly the final text.
+  released pieces join into exactly the final text. Given the prompt's ids as `context`, the reply
+  is decoded after them, so prompt + reply reads as the decode of both (SentencePiece spaces).
 """
 
 from __future__ import annotations
@@ -167,6 +168,17 @@ def _stop_prefix(text: str, stop: Sequence[str]) -> int:
     return hold
 
 
+CONTEXT_IDS = 8
+"""How many of the prompt's last ids `TextStream` decodes the reply after (`context`)."""
+
+
+def decode_context(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
+    """The last `CONTEXT_IDS` of `ids` to decode a continuation after, or none when they end inside a
+    character (the continuation may complete it, so their text is not a prefix of the whole)."""
+    ctx = [int(t) for t in list(ids)[-CONTEXT_IDS:]]
+    return [] if ctx and tokenizer.decode(ctx).endswith("\ufffd") else ctx
+
+
 class TextStream:
     """The text of one generated sequence, built token by token.
 
@@ -174,30 +186,38 @@ class TextStream:
     Decoding works on a window: `_prefix` ids already turned into text give the context a
     tokenizer needs to decode the ids after them (leading spaces, multi-byte characters), and only
     ids from `_prefix` on are decoded again, so a step's cost does not grow with the output.
-    `text` is everything decoded so far (cut at a stop string); `released` is how much of it was
-    handed out; `finish()` returns the rest.
+    `context` (the prompt's ids; its last `CONTEXT_IDS` are kept) starts the first window, so the
+    text is decode(prompt + reply) minus decode(prompt), what a reader joining the two sees: a
+    SentencePiece tokenizer drops the space of a text's first `▁word`, not of the reply's. Without
+    it, or when the prompt ends inside a character, the reply is decoded on its own.
+    `ids` are the generated ids; `text` is everything decoded so far (cut at a stop string);
+    `released` is how much of it was handed out; `finish()` returns the rest.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), context: Sequence[int] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
+        ctx = decode_context(tokenizer, context)
         self.ids: list[int] = []
+        self._all: list[int] = list(ctx)  # the context, then `ids`: what the windows index
+        self._n_context = len(ctx)
         self.text = ""
         self.released = 0
         self.stopped = False
-        self._prefix = 0  # first id of the decode window
-        self._read = 0  # ids before this are in `text`
+        self._prefix = 0  # first id of the decode window (in `_all`)
+        self._read = len(ctx)  # ids before this are in `text` (or are the context)
         self._longest_stop = max((len(s) for s in self.stop), default=0)
 
     def push(self, token: int) -> tuple[str, bool]:
         if self.stopped:
             raise RuntimeError("the sequence already ended at a stop string")
         self.ids.append(token)
+        self._all.append(token)
         before = len(self.text)
-        done = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        window = self.tokenizer.decode(self.ids[self._prefix:])
+        done = self.tokenizer.decode(self._all[self._prefix:self._read])
+        window = self.tokenizer.decode(self._all[self._prefix:])
         if len(window) > len(done) and not window.endswith("\ufffd") and window.startswith(done):
             self.text += window[len(done):]
-            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix, self._read = self._read, len(self._all)
         if self.stop and len(self.text) > before:
             # a stop string can only end in the new text: search from where it could start
             start = max(0, before - self._longest_stop + 1)
@@ -214,15 +234,21 @@ class TextStream:
 
     def finish(self) -> str:
         """At the end of the sequence: decode what the window still holds back; the rest of the text."""
-        if not self.stopped and self._read < len(self.ids):  # held back: an incomplete character at the end
-            done = self.tokenizer.decode(self.ids[self._prefix:self._read])
-            window = self.tokenizer.decode(self.ids[self._prefix:])
+        if not self.stopped and self._read < len(self._all):  # held back: an incomplete character at the end
+            done = self.tokenizer.decode(self._all[self._prefix:self._read])
+            window = self.tokenizer.decode(self._all[self._prefix:])
             if window.startswith(done):
                 self.text += window[len(done):]
             else:  # a tokenizer whose window decodes differently: once, the whole sequence
-                self.text = self.tokenizer.decode(self.ids)
-            self._prefix = self._read = len(self.ids)
+                self.text = self._whole()
+            self._prefix = self._read = len(self._all)
             self.text, self.stopped = cut_at_stop(self.text, self.stop)
         tail = self.text[self.released:]
         self.released = len(self.text)
         return tail
+
+    def _whole(self) -> str:
+        """The whole reply's text: decoded after the context when the context's text is kept as it is."""
+        whole = self.tokenizer.decode(self._all)
+        context = self.tokenizer.decode(self._all[:self._n_context])
+        return whole[len(context):] if whole.startswith(context) else self.tokenizer.decode(self.ids)

@@ -126,7 +126,7 @@ def generate(
     logits = (prefill or Prefill())(model, tokens, cache, spec.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     started = time.perf_counter()
-    streams = [TextStream(tokenizer, cfg.stop) for _ in range(B)]
+    streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
     step = step or DecodeStep(model, cache, compile=compile)
     if step.cache is not cache:
         step.reset(cache)

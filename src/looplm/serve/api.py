@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looplm.data import Tokenizer
+from looplm.infer.decode import decode_context
 from looplm.serve.engine import (Engine, EngineFull, EngineStopped, Finish, PromptLogprobs, Request, RequestHandle,
                                  Token)
 from looplm.serve.protocol import ChatRequest, CompletionRequest
@@ -256,11 +257,13 @@ class _Offsets:
     bytes of a character gets the offset of that character (the one it contributes to), so offsets
     never decrease; and an offset depends only on the tokens before it, so a stream sends the same
     ones as a whole response. Decodes a short window, as `TextStream` does, so that each token
-    costs the same however long the sequence."""
+    costs the same however long the sequence. `context` (the prompt's ids) starts the first window as
+    it starts `TextStream`'s, so the offsets count the characters the reply's text has (a SentencePiece
+    reply's first `▁word` keeps its space)."""
 
-    def __init__(self, tok: Tokenizer, start: int = 0):
-        self.tok, self.ids = tok, []
-        self._prefix = self._read = 0  # ids[prefix:read] are decoded and give the window its context
+    def __init__(self, tok: Tokenizer, start: int = 0, context: Sequence[int] = ()):
+        self.tok, self.ids = tok, decode_context(tok, context)
+        self._prefix, self._read = 0, len(self.ids)  # ids[prefix:read] are decoded: the window's context
         self._done = start  # characters of ids[:read] (plus `start`)
         self._next = start
 
@@ -418,7 +421,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
 
             def start_choice(i: int) -> dict | None:
                 head = prefix[i // body.n]
-                offsets[i] = _Offsets(tok, len(head))  # the completion's text follows the echoed prompt
+                # the completion's text follows the echoed prompt, and is decoded after the prompt's ids
+                offsets[i] = _Offsets(tok, len(head), ids[i // body.n])
                 # an echo with logprobs is sent with the prompt's scores (the choice's first event)
                 return chunk(i, head, None, no_tokens()) if head and not echo_logprobs else None
 
@@ -448,7 +452,7 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
             head = prefix[i // body.n]
             logprobs = None
             if body.logprobs is not None:
-                logprobs = generated(collected.tokens.get(i, []), _Offsets(tok, len(head)))
+                logprobs = generated(collected.tokens.get(i, []), _Offsets(tok, len(head), ids[i // body.n]))
                 if echo_logprobs:  # the prompt's tokens first, then the completion's
                     prompt = scored_prompt(ids[i // body.n], collected.prompts[i])
                     logprobs = {key: prompt[key] + logprobs[key] for key in prompt}

@@ -392,7 +392,7 @@ class Engine:
         logits = self.prefill(self.model, tokens, view, prefill_depth, example_ids=ids)[0]
         self.pool.set_length(slot, len(req.prompt_ids))
         gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
-        row = _Row(handle, depth, gen, TextStream(self.tokenizer, req.stop))
+        row = _Row(handle, depth, gen, TextStream(self.tokenizer, req.stop, context=req.prompt_ids))
         self._rows.append(row)
         self.prompt_tokens += len(req.prompt_ids)
         if req.prompt_logprobs is not None:
