@@ -654,3 +654,53 @@ def test_a_closed_pipe_ends_quietly():
     err = proc.stderr.read()
     assert proc.wait(timeout=CLI_TIMEOUT) == 141, err
     assert "error" not in err and "Traceback" not in err, err
+
+
+# -- resumed and interrupted runs say where they are (issue 33 item 3) --------------------------------
+def test_a_resumed_run_counts_the_steps_of_this_session(tmp_path, cache, capsys):
+    flags = tiny_flags(tmp_path, "run", cache=cache, train__steps=2, eval__depths=())
+    rc, out, _ = run_main(["train", "tiny", *flags], capsys)
+    assert rc == 0 and "\ntrained 2 steps, " in out
+    rc, out, _ = run_main(["train", "tiny", *flags, "--train.resume", "--train.steps", "5"], capsys)
+    assert rc == 0
+    assert f"resuming {tmp_path / 'run'} from step 2 (of 5)" in out.splitlines()
+    assert "\ntrained steps 3..5 (3 this session), " in out, out
+
+
+def test_ctrl_c_names_the_step_the_checkpoint_and_the_resume_command(tmp_path, cache, capsys, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt from within step 6) ends with one line naming the interrupted step, the
+    last checkpoint and the command that resumes the run; that command does."""
+    import shlex
+
+    step = Trainer.train_step
+
+    def interrupted_at_6(self):
+        if self.step == 5:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_6)
+    flags = tiny_flags(tmp_path, "run", cache=cache, train__steps=8, train__checkpoint_every=2, eval__depths=())
+    rc, _, err = run_main(["train", "tiny", *flags], capsys)
+    assert rc == 130
+    line = err.strip().splitlines()[-1]
+    prefix = "interrupted at step 5; last checkpoint step 4; resume with: "
+    assert line.startswith(prefix), err
+    command = shlex.split(line.removeprefix(prefix))
+    assert command[:3] == ["looplm", "train", "tiny"]
+    assert command[-3:] == ["--train.resume", "--train.out-dir", str(tmp_path / "run")]
+    monkeypatch.setattr(Trainer, "train_step", step)
+    rc, out, _ = run_main(command[1:], capsys)
+    assert rc == 0 and "\ntrained steps 5..8 (4 this session), " in out, out
+    assert latest_step(tmp_path / "run") == 8
+
+
+def test_ctrl_c_before_the_first_checkpoint(tmp_path, cache, capsys, monkeypatch):
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    rc, _, err = run_main(["train", "tiny", *tiny_flags(tmp_path, "run", cache=cache, eval__depths=())], capsys)
+    assert rc == 130
+    assert err.strip().splitlines()[-1] == ("interrupted at step 0, before the first checkpoint (step 8): "
+                                            "nothing to resume; run the same command to start again")

@@ -162,3 +162,27 @@ def test_cli_refuses_a_student_of_another_teacher_and_a_missing_student(teacher,
     assert "another teacher" in capsys.readouterr().err
     assert main(["generate", str(teacher), "--prefill", "student"]) == 2
     assert "--student" in capsys.readouterr().err
+
+
+def test_start_up_line_resume_line_and_session_summary(teacher, tmp_path, capsys):
+    """distill says what it trains before the first step, where a resume starts, and counts a resumed
+    session's steps as the run numbers them."""
+    args = ["distill", str(teacher), "--out-dir", str(tmp_path / "d"), "--depth", "2", "--micro-batch", "2",
+            "--calibration-rows", "4", "--val-rows", "4", "--no-progress", "--device", "cpu", "--report-rows", "0",
+            "--report-examples", "0", "--checkpoint-every", "2"]
+    assert main([*args, "--steps", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in out if x.startswith("teacher: ")]
+    assert ", vocab 258 (byte), context 64, student " in line and " at R 2, device cpu, fp32" in line, line
+    assert any(x.startswith("distilled 2 steps in ") for x in out), out
+    part = DistillTrainer(teacher, DistillConfig(out_dir=tmp_path / "p", depth=2, micro_batch=2, calibration_rows=4,
+                                                 val_rows=4, progress=False, device="cpu", report_rows=0,
+                                                 report_examples=0, checkpoint_every=2, steps=3))
+    for _ in range(2):
+        part.train_step()
+    part.save()
+    capsys.readouterr()
+    assert main([*args, "--out-dir", str(tmp_path / "p"), "--steps", "3", "--resume"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"resuming {tmp_path / 'p'} from step 2 (of 3)" in out
+    assert any(x.startswith("distilled steps 3..3 (1 this session) in ") for x in out), out

@@ -123,3 +123,16 @@ def test_kl_is_zero_while_the_policy_is_the_reference_with_every_estimator(sourc
     assert len(kl) == 2
     assert 0 <= kl[0] < 1e-7, kl
     assert kl[1] > 1e-6, kl
+
+
+def test_start_up_line_resume_line_and_session_summary(source, tmp_path, capsys):
+    out = tmp_path / "rl"
+    assert main(rl_args(source, out, "--steps", "1")) == 0
+    printed = capsys.readouterr().out.splitlines()
+    (line,) = [x for x in printed if x.startswith("model: ")]
+    assert ", vocab 258 (byte), context 64, estimator reuse at depth 2, device cpu, fp32" in line, line
+    assert any(x.startswith("1 RL steps (reuse) in ") for x in printed), printed
+    assert main(rl_args(source, out, "--resume")) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert f"resuming {out} from step 1 (of 2)" in printed
+    assert any(x.startswith("RL steps 2..2 (1 this session, reuse) in ") for x in printed), printed

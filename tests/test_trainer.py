@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -511,3 +512,121 @@ def test_torchrun_reads_a_built_cache_and_the_cheap_sources(tmp_path, cache, cor
     with pytest.raises(UserError, match="resume once on one process to build it, or point --data.cache-dir"):
         refuse_rank0_preparation(2, DataConfig(source=str(corpus), cache_dir=tmp_path / "none"), seed=0,
                                  tokenizer=ByteTokenizer(), resumed=True)
+
+
+# -- what a run says at start-up (issue 33 item 3) ---------------------------------------------------
+def test_start_up_model_line(tmp_path, cache, capsys):
+    """One line on the model and where it trains comes before the depth line and the first step."""
+    t = Trainer(job(tmp_path, cache, train__steps=1, data__seq_len=32))
+    t.fit()
+    n = sum(p.numel() for p in t.model.parameters())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"model: {n / 1e6:.2f} M params, vocab 258 (byte), context 64 (rows of 32), device cpu, fp32",
+                         "depth: pln mean 5, backprop window b = 10 (truncated)"]
+
+
+def test_start_up_line_of_a_padded_vocabulary(tmp_path, cache, capsys):
+    Trainer(job(tmp_path, cache, train__steps=1, model__vocab_size=320)).fit()
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("model:")]
+    assert ", vocab 320 (byte, 258 used), context 64, device cpu, fp32" in line
+
+
+def test_paper_preset_on_a_cpu_warns_before_any_work(tmp_path, capsys):
+    """`train S` on a CPU says what it is in for (steps, parameters, FLOPs, days) before the tokenizer
+    or data are built: here the source does not exist, and the warning still came first."""
+    from looplm.train.config import job_preset
+
+    j = job_preset("S")
+    j.data.source = str(tmp_path / "nowhere.txt")
+    j.train.device, j.train.out_dir, j.train.progress = "cpu", tmp_path / "run", False
+    with pytest.raises(Exception, match="nowhere"):
+        Trainer(j)
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: preset S on a CPU")]
+    assert len(warnings) == 1, warnings
+    line = warnings[0]
+    assert "20,000 steps of a 303.58 M-parameter model (65,536 tokens a step, 4.4e+18 FLOPs) take about 51 days " \
+           "even at 1 TFLOP/s; use a GPU (--train.device cuda) or the tiny preset" in line, line
+
+
+def test_tiny_and_gpu_runs_get_no_cpu_warning():
+    from looplm.config import model_preset
+    from looplm.train.startup import cpu_warning
+
+    assert cpu_warning(model_preset("tiny"), 870_000, 400, 4096, 1e7, "cpu") is None
+    assert cpu_warning(model_preset("S"), 3e8, 20_000, 65536, 3e9, "cuda") is None
+    assert cpu_warning(model_preset("M"), 8e8, 10, 65536, 3e9, "cpu").startswith("warning: preset M on a CPU: 10 steps")
+
+
+@pytest.mark.parametrize(("tokenizer", "bpe_vocab", "asked"), [
+    ("byte", 4096, "byte, vocabulary 258"),
+    ("bpe", 64256, "bpe, vocabulary 64,256"),  # the paper presets' tokenizer
+])
+def test_a_tokenized_folder_that_overrides_the_tokenizer_is_named(tmp_path, cache, capsys, tokenizer, bpe_vocab, asked):
+    from looplm.data.pretokenized import pretokenized_info, tokenize_corpus
+
+    src = tmp_path / "text"
+    src.mkdir()
+    for i in range(20):
+        (src / f"{i}.txt").write_text(f"document {i} of a small corpus, long enough to pack. " * 8)
+    folder = tokenize_corpus(str(src), tmp_path / "tok", tokenizer="bpe", bpe_vocab_size=300)
+    vocab = pretokenized_info(folder)["vocab_size"]
+    capsys.readouterr()
+    Trainer(job(tmp_path, cache, train__steps=1, data__source=str(folder), data__tokenizer=tokenizer,
+                data__bpe_vocab_size=bpe_vocab))
+    err = capsys.readouterr().err
+    assert (f"warning: data.source {folder} is a `looplm tokenize` folder: the run uses its tokenizer "
+            f"(bpe, vocabulary {vocab}), not data.tokenizer's ({asked})") in err.splitlines(), err
+
+
+def test_a_tokenized_folder_of_the_same_tokenizer_gives_no_warning(tmp_path, cache, capsys):
+    from looplm.data.pretokenized import tokenize_corpus
+
+    src = tmp_path / "text"
+    src.mkdir()
+    for i in range(20):
+        (src / f"{i}.txt").write_text(f"document {i} of a small corpus, long enough to pack. " * 8)
+    folder = tokenize_corpus(str(src), tmp_path / "tok", tokenizer="byte")
+    capsys.readouterr()
+    Trainer(job(tmp_path, cache, train__steps=1, data__source=str(folder)))
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_resume_says_where_it_resumes(stopped_run, cache, capsys):
+    capsys.readouterr()
+    t = Trainer(job(stopped_run, cache, train__steps=4, train__resume=True))
+    assert f"resuming {stopped_run / 'run'} from step 2 (of 4)" in capsys.readouterr().out.splitlines()
+    assert t.fit()["start_step"] == 2
+
+
+# -- resume from another working folder (issue 28 item 7) --------------------------------------------
+def test_resume_from_another_folder_reads_the_runs_relative_source(tmp_path, cache, monkeypatch):
+    """A run started on a relative source (and cache folder) resumes from another working folder, on
+    the same relative text (which means what it meant where the run started) or on a path that names
+    the same folder; the data is the run's, and the new checkpoint's data record still names it
+    absolutely."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    (first / "corpus").mkdir(parents=True)
+    other.mkdir()
+    for i in range(30):
+        (first / "corpus" / f"{i:02d}.txt").write_text(f"document {i} of a small corpus, long enough to pack. " * 8)
+    monkeypatch.chdir(first)
+    run = first / "run"
+    kw = dict(data__source="corpus", data__cache_dir=Path(".cache"), train__out_dir=Path("run"))
+    started = Trainer(job(tmp_path, cache, train__steps=2, **kw))
+    n_rows = len(started.train_data)
+    started.fit()
+    monkeypatch.chdir(other)
+    t = Trainer(job(tmp_path, cache, **{**kw, "train__out_dir": run}, train__steps=4, train__resume=True))
+    assert t.step == 2 and len(t.train_data) == n_rows
+    assert t.fit()["step"] == 4
+    assert not (other / ".cache").exists()  # the run's token cache was read, not rebuilt here
+    record = ckpt.read_json(t.latest_checkpoint(), "data.json")
+    assert record["source"] == str(first / "corpus") and record["cache_dir"] == str(first / ".cache")
+    assert ckpt.read_json(t.latest_checkpoint(), "config.json")["data"]["source"] == "corpus"
+    t = Trainer(job(tmp_path, cache, **{**kw, "train__out_dir": run, "data__source": "../first/corpus"},
+                    train__steps=6, train__resume=True))
+    assert t.fit()["step"] == 6
+    (other / "corpus").mkdir()  # another folder is not the run's, however it is named
+    with pytest.raises(ckpt.CheckpointError, match="data.source"):
+        Trainer(job(tmp_path, cache, **{**kw, "train__out_dir": run, "data__source": str(other / "corpus")},
+                    train__steps=8, train__resume=True))

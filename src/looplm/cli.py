@@ -174,18 +174,29 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
     """
     from looplm.checkpoint import load_model
     from looplm.train import distributed as D
-    from looplm.train.trainer import Trainer
+    from looplm.train.trainer import Trainer, TrainingInterrupted
 
     job: TrainJob
     start = time.time()
     trainer = Trainer(job)
-    summary = trainer.fit()
     env = trainer.env
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as stop:
+        D.shutdown(env)
+        raise KeyboardInterrupt(_interrupted_line(stop, trainer.out_dir) if env.is_main else "") from None
     D.shutdown(env)
     if not env.is_main:
         return
     ckpt_path = Path(summary["checkpoint"])
-    print(f"\ntrained {summary['step']} steps, {summary['tokens']:,} tokens in {time.time() - start:.0f} s")
+    first, last, took = summary["start_step"], summary["step"], f"{summary['session_tokens']:,} tokens in " \
+        f"{time.time() - start:.0f} s"
+    if first == 0:
+        print(f"\ntrained {last} steps, {took}")
+    elif last > first:  # a resumed run: its steps of this session, numbered as the run counts them
+        print(f"\ntrained steps {first + 1}..{last} ({last - first} this session), {took}")
+    else:
+        print(f"\nno steps to train: the run is at step {last} (of {job.train.steps})")
     if job.eval.depths:
         from looplm.checkpoint import load_data
 
@@ -201,6 +212,38 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
     if (out / "tensorboard").is_dir():
         lines.append(f"tensorboard: {out / 'tensorboard'}")
     print("\n" + "\n".join(lines))
+
+
+_ARGS: list[str] | None = None  # the command line main parsed, for train's resume command
+
+
+def _resume_command(out_dir: Path) -> str:
+    """The command that resumes the run in `out_dir`: the one this process was started with, its
+    --train.resume and --train.out-dir replaced by `--train.resume --train.out-dir <absolute out_dir>`."""
+    import shlex
+
+    tail = ["--train.resume", "--train.out-dir", os.path.abspath(out_dir)]
+    if _ARGS is None or _ARGS[:1] != ["train"]:  # train() called as a function: the options are not known
+        return f"looplm train PRESET [OPTIONS] {shlex.join(tail)}"
+    kept, args = [], iter(_ARGS)
+    for arg in args:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if name in ("--train.resume", "--train.no-resume"):
+            continue
+        if name == "--train.out-dir":
+            if "=" not in arg:
+                next(args, None)
+            continue
+        kept.append(arg)
+    return shlex.join(["looplm", *kept, *tail])
+
+
+def _interrupted_line(stop, out_dir: Path) -> str:
+    if stop.checkpoint_step is None:
+        return (f"interrupted at step {stop.step}, before the first checkpoint (step {stop.first_checkpoint}): "
+                "nothing to resume; run the same command to start again")
+    return (f"interrupted at step {stop.step}; last checkpoint step {stop.checkpoint_step}; resume with: "
+            f"{_resume_command(out_dir)}")
 
 
 def evaluate(
@@ -393,7 +436,9 @@ def distill(
         D.shutdown(trainer.env)  # the collectives end with fit; the arms report runs on rank 0 alone
     if not trainer.env.is_main:
         return
-    print(f"\ndistilled {summary['step']} steps in {summary['elapsed_s']:.0f} s; held-out relative state error "
+    first, last = summary["start_step"], summary["step"]
+    steps = f"{last} steps" if first == 0 else f"steps {first + 1}..{last} ({last - first} this session)"
+    print(f"\ndistilled {steps} in {summary['session_s']:.0f} s; held-out relative state error "
           f"{summary['val_rel_err']:.4f} (after one teacher recurrence {summary['val_rel_err_next']:.4f}), "
           f"KL {summary['val_kl']:.4f}")
     report = {"distill": summary}
@@ -486,7 +531,10 @@ def rl(
     for step, ev in sorted(summary["evals"].items()):
         if ev:
             print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-    print(f"{summary['step']} RL steps ({cfg.estimator}) in {summary['elapsed_s']:.0f} s\n"
+    first, last = summary["start_step"], summary["step"]
+    steps = f"{last} RL steps ({cfg.estimator})" if first == 0 else \
+        f"RL steps {first + 1}..{last} ({last - first} this session, {cfg.estimator})"
+    print(f"{steps} in {summary['session_s']:.0f} s\n"
           f"checkpoint: {summary['checkpoint']}\nmetrics:    {trainer.out_dir / 'metrics.jsonl'}")
 
 
@@ -831,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     import contextlib
     import io
 
+    global _ARGS
+
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     if args[:1] == ["--debug"]:  # global switches come before the subcommand
@@ -860,6 +910,7 @@ def main(argv: list[str] | None = None) -> int:
         if rejected:
             print(_parse_error_line(report.getvalue(), args), file=sys.stderr)
             return 2
+        _ARGS = args
         run()
     except USER_ERRORS as err:
         if debug:
@@ -868,8 +919,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(err)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # train says where the run stopped and how to resume it
+        print(str(err) or "interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`looplm ... | head`): stop quietly, as a shell tool does
         devnull = os.open(os.devnull, os.O_WRONLY)

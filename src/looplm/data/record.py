@@ -85,7 +85,7 @@ class DataRecord:
         that read the record back may run from another one."""
         try:
             data, seed = job["data"], job["train"]["seed"]
-            return cls(source=_absolute_source(str(data["source"])), seq_len=int(data["seq_len"]),
+            return cls(source=absolute_source(str(data["source"])), seq_len=int(data["seq_len"]),
                        holdout=float(data["holdout"]), text_field=str(data["text_field"]),
                        cache_dir=os.path.abspath(str(data["cache_dir"])),
                        n_task_examples=int(data["n_task_examples"]), tasks=_task_config(data["tasks"]),
@@ -112,8 +112,8 @@ class DataRecord:
         return [ex for ex in generate_examples(self.tasks, n, seed) if ex.prompt not in seen]
 
 
-def _absolute_source(source: str) -> str:
-    """An existing local file or folder as an absolute path; the generator, a built-in corpus, hf:<name>
+def absolute_source(source: str) -> str:
+    """An existing local file or folder as an absolute path (against the working folder); the generator, a built-in corpus, hf:<name>
     and a path that does not exist (its error names it as typed) as they are."""
     if source == TASKS_SOURCE or source in CORPORA or source.startswith("hf:") or not os.path.exists(source):
         return source

@@ -38,6 +38,7 @@ from looplm.errors import UserError
 from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
+from looplm.train.startup import format_params, model_line
 
 
 @dataclass
@@ -146,8 +147,11 @@ class DistillTrainer:
         if resume_from is not None:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
+            if self.env.is_main:
+                print(f"resuming {self.out_dir} from step {self.step} (of {cfg.steps})", flush=True)
         else:
             self.energy = self.calibrate()
+        self.start_step, self.start_elapsed = self.step, self.elapsed
 
     # -- pieces -------------------------------------------------------------------------------
     def _batch(self, data, rows) -> Batch:
@@ -232,8 +236,20 @@ class DistillTrainer:
         return {f"val_{k}": v / max(n_tok, 1) for k, v in zip(sums, totals)}
 
     # -- the loop -----------------------------------------------------------------------------
+    def summary_line(self) -> str:
+        """'teacher: 0.87 M params, vocab 258 (byte), context 256, student 0.40 M params (in_proj + 2 blocks)
+        at R 5, device cpu, fp32'."""
+        tcfg = self.teacher.cfg
+        n_teacher = sum(p.numel() for p in self.teacher.parameters())
+        n_student = sum(p.numel() for p in self.student.parameters())
+        student = f"student {format_params(n_student)} params (in_proj + {self.student.n_blocks} blocks) at R {self.cfg.depth}"
+        return model_line(n_teacher, tcfg.vocab_size, self.tokenizer, tcfg.max_seq_len, self.device, "fp32",
+                          rows=self.seq_len, world_size=self.env.world_size, extra=student, label="teacher")
+
     def fit(self) -> dict:
         cfg = self.cfg
+        if self.env.is_main:
+            print(self.summary_line(), flush=True)
         bar = None
         if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
@@ -264,8 +280,8 @@ class DistillTrainer:
         self.logger.close()
         if not val:
             val = self.validate()
-        return {"step": self.step, "checkpoint": str(last or ckpt.resolve(self.out_dir)), "energy": self.energy,
-                "elapsed_s": self.elapsed, **val}
+        return {"step": self.step, "start_step": self.start_step, "checkpoint": str(last or ckpt.resolve(self.out_dir)),
+                "energy": self.energy, "elapsed_s": self.elapsed, "session_s": self.elapsed - self.start_elapsed, **val}
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:

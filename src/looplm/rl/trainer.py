@@ -45,6 +45,7 @@ from looplm.rl.rollout import rollout
 from looplm.train import distributed as D
 from looplm.train.config import jsonable
 from looplm.train.metrics import MetricsLogger
+from looplm.train.startup import model_line
 from looplm.train.trainer import flat_diff, param_groups
 
 # Settings that may change when a run is resumed; everything else must match.
@@ -85,6 +86,9 @@ class RLTrainer:
         if resume_from is not None:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
+            if self.env.is_main:
+                print(f"resuming {self.out_dir} from step {self.step} (of {cfg.steps})", flush=True)
+        self.start_step, self.start_elapsed = self.step, self.elapsed
         self._eval_set = None
 
     # -- setup ---------------------------------------------------------------------------------
@@ -242,8 +246,17 @@ class RLTrainer:
         return {"eval_reward": total_reward / n_sampled, "eval_greedy_pass@1": n_solved / n_greedy}
 
     # -- the loop -------------------------------------------------------------------------------
+    def summary_line(self) -> str:
+        """'model: 0.87 M params, vocab 258 (byte), context 256, estimator reuse at depth 6, device cpu, fp32'."""
+        m = self.model.cfg
+        return model_line(sum(p.numel() for p in self.model.parameters()), m.vocab_size, self.tokenizer, m.max_seq_len,
+                          self.device, "fp32", world_size=self.env.world_size,
+                          extra=f"estimator {self.cfg.estimator} at depth {self.cfg.depth}")
+
     def fit(self) -> dict:
         cfg = self.cfg
+        if self.env.is_main:
+            print(self.summary_line(), flush=True)
         bar = None
         if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
@@ -275,8 +288,9 @@ class RLTrainer:
         if bar is not None:
             bar.close()
         self.logger.close()
-        return {"step": self.step, "checkpoint": str(last or self.latest_checkpoint()), "out_dir": str(self.out_dir),
-                "evals": evals, "elapsed_s": self.elapsed}
+        return {"step": self.step, "start_step": self.start_step, "checkpoint": str(last or self.latest_checkpoint()),
+                "out_dir": str(self.out_dir), "evals": evals, "elapsed_s": self.elapsed,
+                "session_s": self.elapsed - self.start_elapsed}
 
     # -- checkpoints ----------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shlex
 import sys
 import time
@@ -25,10 +26,10 @@ import torch
 
 from looplm import checkpoint as ckpt
 from looplm.data import Batch, PackedDataset, Tokenizer, batch_indices, build_datasets, build_tokenizer
-from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized
+from looplm.data import is_pretokenized, iter_documents, load_tokenizer, open_pretokenized, pretokenized_info
 from looplm.data.corpus import CORPORA
 from looplm.data.packing import caches_ready
-from looplm.data.record import DataRecord
+from looplm.data.record import DataRecord, absolute_source
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
 from looplm.errors import UserError
@@ -37,13 +38,15 @@ from looplm.train import distributed as D
 from looplm.train import parallelize as P
 from looplm.train.checkpointing import Checkpointer, is_sharded_run
 from looplm.train.checkpointing import verify as verify_checkpoint
-from looplm.train.config import DataConfig, TrainConfig, TrainJob, job_from_dict, vocab_size_for
+from looplm.train.config import DataConfig, TrainConfig, TrainJob, job_from_dict, jsonable, vocab_size_for
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.layout import BatchLayout
 from looplm.train.loss import cross_entropy_sum, loss_kind, microbatch_loss, parse_kernel_options
 from looplm.train.metrics import MetricsLogger
 from looplm.train.noise import initial_state_noise
 from looplm.train.schedule import wsd_multiplier
+from looplm.train.startup import PAPER_PRESETS, count_params, cpu_warning, model_line, precision_name, preset_of
+from looplm.train.startup import tokenizer_warning
 
 # Settings that may change between a run and its resume; everything else must match. The global
 # batch is the checkpoint's, so train.micro_batch only bounds the rows of one forward on resume; a
@@ -132,6 +135,15 @@ def attention_kernel(t: TrainConfig, device: torch.device) -> str:
     return t.attention if t.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `Trainer.fit`: the steps done, the step of the last checkpoint (None: none yet) and
+    the step the first one is due at, for the caller to say how to resume."""
+
+    def __init__(self, step: int, checkpoint_step: int | None, first_checkpoint: int):
+        super().__init__(step, checkpoint_step, first_checkpoint)
+        self.step, self.checkpoint_step, self.first_checkpoint = step, checkpoint_step, first_checkpoint
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -152,10 +164,13 @@ class Trainer:
         self._validate()
         self.out_dir = Path(t.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
+        self._saved: dict | None = None  # the resumed checkpoint's job, its step and data record
         resume_from = self._find_resume()
+        job = self.job  # _find_resume may have replaced its data section: the source as the run recorded it
+        self.data = d = self._run_data()
         self.layout = self._plan_layout(resume_from)
-        d = job.data
         saved_tok = load_tokenizer(resume_from) if resume_from else None
+        self._warn_cpu(saved_tok)  # before the tokenizer, data and model are built, which may take long
         refuse_rank0_preparation(self.env.world_size, d, seed=t.seed, tokenizer=saved_tok or (
             None if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, d.bpe_vocab_size)),
         resumed=resume_from is not None)
@@ -164,6 +179,7 @@ class Trainer:
         self.train_data, self.val_data = self._build_data()
         torch.manual_seed(t.seed)
         self.model = LoopedLM(m).to(self.env.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
         self.dtype = resolve_dtype(t.precision, self.env.device)
         self.sampler: DepthSampler = build_sampler(job.depth)
         # Wrapped from outside, in torchtitan's order: checkpointing, compile, data parallelism.
@@ -196,6 +212,7 @@ class Trainer:
         if resume_from:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
+        self.start_step = self.step
 
     # -- setup ---------------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -255,11 +272,53 @@ class Trainer:
         now = self.job.to_dict()
         if now["model"]["vocab_size"] == 0:  # the tokenizer's size, as the checkpoint's was
             now["model"]["vocab_size"] = saved["model"]["vocab_size"]
+        # data.json holds the source as it resolved where the run started (older checkpoints: config.json's,
+        # read from here); another spelling of the same file or folder is the same source
+        record = ckpt.load_data(path)
+        source = now["data"]["source"]
+        if source != saved["data"]["source"] and absolute_source(str(source)) == record.source:
+            now["data"]["source"] = saved["data"]["source"]
+            self.job = dataclasses.replace(self.job, data=dataclasses.replace(self.job.data,
+                                                                             source=saved["data"]["source"]))
         diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
-        self._check_steps(saved["train"]["steps"], ckpt.read_json(path, "trainer_state.json")["step"])
+        done = ckpt.read_json(path, "trainer_state.json")["step"]
+        self._saved = {"job": saved, "step": done, "record": record}
+        self._check_steps(saved["train"]["steps"], done)
         return path
+
+    def _run_data(self) -> DataConfig:
+        """The data section this run reads: a local source and the token-cache folder as absolute paths.
+        A resume reads the run's own (as data.json records them, resolved where the run started), so it
+        runs from any working folder; a cache folder given anew is taken from here."""
+        d = self.job.data
+        source, cache = absolute_source(str(d.source)), Path(os.path.abspath(d.cache_dir))
+        if self._saved is not None:
+            source = self._saved["record"].source  # config.json's source, checked equal in _find_resume
+            if str(d.cache_dir) == self._saved["job"]["data"]["cache_dir"]:
+                cache = Path(self._saved["record"].cache_dir)
+        return dataclasses.replace(d, source=source, cache_dir=cache)
+
+    def _warn_cpu(self, saved_tok: Tokenizer | None) -> None:
+        """One warning line when a paper-size preset is about to train on a CPU (`startup.cpu_warning`)."""
+        m, d, t = self.job.model, self.data, self.job.train
+        if not self.env.is_main or self.env.device.type != "cpu" or preset_of(m) not in PAPER_PRESETS:
+            return
+        if saved_tok is not None:
+            vocab = saved_tok.vocab_size
+        elif is_pretokenized(d.source):
+            vocab = pretokenized_info(d.source)["vocab_size"]
+        else:  # a BPE is trained to at most its vocab size; byte and tokenizer files are read at once
+            vocab = d.bpe_vocab_size if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, 0).vocab_size
+        cfg = dataclasses.replace(m, vocab_size=m.vocab_size or vocab)
+        end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
+        done = self._saved["step"] if self._saved else 0
+        flops = expected_flops_per_token(cfg, d.seq_len, build_sampler(self.job.depth).pmf(), self.job.depth.bptt_window)
+        line = cpu_warning(cfg, count_params(cfg), end - done, self.layout.global_batch * d.seq_len, flops,
+                           self.env.device)
+        if line:
+            print(line, file=sys.stderr, flush=True)
 
     def _check_form(self, path: Path) -> None:
         """train.parallel may change on resume where this run reads the checkpoint's form: the single-file
@@ -274,11 +333,14 @@ class Trainer:
 
     def _check_steps(self, saved_steps: int, done: int) -> None:
         """A resume may train longer or shorter than its checkpoint's run planned, not shorter than it has
-        trained; the warmup-stable-decay schedule then spans the new total (it is a function of it)."""
+        trained; the warmup-stable-decay schedule then spans the new total (it is a function of it). Says
+        where the run resumes."""
         steps = self.job.train.steps
         if steps < done:
             raise UserError(f"train.steps {steps} is below the checkpoint's step {done}: resume with "
                             f"--train.steps {done} or more")
+        if self.env.is_main:
+            print(f"resuming {self.out_dir} from step {done} (of {steps})", flush=True)
         if steps != saved_steps and self.env.is_main:
             what = "extending" if steps > saved_steps else "shortening"
             print(f"{what} the run from {saved_steps} to {steps} steps: the learning-rate schedule is recomputed "
@@ -300,9 +362,14 @@ class Trainer:
         return layout
 
     def _build_tokenizer(self) -> Tokenizer:
-        d = self.job.data
+        d = self.data
         if is_pretokenized(d.source):  # `looplm tokenize` output carries its tokenizer
-            return open_pretokenized(d.source, d.seq_len)[0]
+            tok = open_pretokenized(d.source, d.seq_len)[0]
+            asked = None if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, d.bpe_vocab_size)
+            line = tokenizer_warning(self.job.data.source, tok, d.tokenizer, d.bpe_vocab_size, asked)
+            if line and self.env.is_main:
+                print(line, file=sys.stderr, flush=True)
+            return tok
 
         def corpus():
             return (doc.text for doc in iter_documents(d.source, text_field=d.text_field, task_config=d.tasks,
@@ -313,7 +380,7 @@ class Trainer:
         return D.broadcast_object(tok, self.env) if d.tokenizer == "bpe" else tok
 
     def _build_data(self) -> tuple[PackedDataset, PackedDataset]:
-        d = self.job.data
+        d = self.data
         kw = dict(seq_len=d.seq_len, holdout=d.holdout, cache_dir=d.cache_dir, text_field=d.text_field,
                   task_config=d.tasks, n_task_examples=d.n_task_examples, seed=self.job.train.seed)
         if self.env.is_main:  # one process tokenizes; the others open the finished cache
@@ -433,6 +500,13 @@ class Trainer:
         return P.compiled_graphs() - self.recompiles_baseline if self.recompiles_baseline is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------
+    def model_summary(self) -> str:
+        """One line on the model and where it trains, e.g. 'model: 0.87 M params, vocab 258 (byte),
+        context 256, device cpu, fp32'."""
+        m = self.job.model
+        return model_line(self.n_params, m.vocab_size, self.tokenizer, m.max_seq_len, self.env.device,
+                          precision_name(self.dtype), rows=self.job.data.seq_len, world_size=self.env.world_size)
+
     def depth_summary(self) -> str:
         """One line naming the depth sampler and the backprop window it trains with (design §3),
         e.g. 'depth: pln mean 5, backprop window b = 10 (truncated)'."""
@@ -461,6 +535,7 @@ class Trainer:
         end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
         tokens_per_step = self.layout.global_batch * self.job.data.seq_len
         if env.is_main:
+            print(self.model_summary(), flush=True)
             print(self.depth_summary(), flush=True)
         bar = None
         if env.is_main and t.progress:
@@ -473,6 +548,37 @@ class Trainer:
             if bar is not None:
                 bar.write(f"compiled blocks and injection in {time.perf_counter() - t0:.1f} s "
                           f"({P.compiled_graphs()} graphs)")
+        tokens_before = self.tokens_seen
+        try:
+            last = self._loop(end, bar, tokens_per_step)
+        except KeyboardInterrupt:
+            self._close(bar, wait=False)
+            raise TrainingInterrupted(self.step, self._checkpoint_step(), min(end, t.checkpoint_every)) from None
+        self._close(bar)
+        if env.is_main and isinstance(self.sampler, LearnedDepthPrior):
+            plot_prior(self.logger.path, self.out_dir / "depth_prior.png", title=str(self.out_dir))
+        return {"step": self.step, "start_step": self.start_step, "checkpoint": str(last or self.latest_checkpoint()),
+                "out_dir": str(self.out_dir), "tokens": self.tokens_seen, "session_tokens": self.tokens_seen - tokens_before,
+                "elapsed_s": self.elapsed}
+
+    def _close(self, bar, wait: bool = True) -> None:
+        """End the session: the asynchronous checkpoint in flight committed, the bar, prefetch thread and
+        metrics closed (also on Ctrl-C, where a batch being assembled is not waited for)."""
+        self.checkpointer.wait()
+        if bar is not None:
+            bar.close()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=wait, cancel_futures=True)
+            self._prefetched = None
+        self.logger.close()
+
+    def _checkpoint_step(self) -> int | None:
+        latest = self.latest_checkpoint()
+        return ckpt.read_json(latest, "trainer_state.json")["step"] if latest is not None else None
+
+    def _loop(self, end: int, bar, tokens_per_step: int) -> Path | None:
+        """Train to step `end`; the last checkpoint written, if any."""
+        t = self.job.train
         window_t, window_tokens, window_depths, last = time.perf_counter(), 0, [], None
         while self.step < end:
             t0 = time.perf_counter()
@@ -516,17 +622,7 @@ class Trainer:
                     bar.write(f"step {self.step}: val loss {val:.4f} (ppl {math.exp(min(val, 50)):.3f})")
             if self.step % t.checkpoint_every == 0 or self.step == end:
                 last = self.save()
-        self.checkpointer.wait()
-        if bar is not None:
-            bar.close()
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True, cancel_futures=True)
-            self._prefetched = None
-        self.logger.close()
-        if env.is_main and isinstance(self.sampler, LearnedDepthPrior):
-            plot_prior(self.logger.path, self.out_dir / "depth_prior.png", title=str(self.out_dir))
-        return {"step": self.step, "checkpoint": str(last or self.latest_checkpoint()), "out_dir": str(self.out_dir),
-                "tokens": self.tokens_seen, "elapsed_s": self.elapsed}
+        return last
 
     # -- checkpoints ----------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:
@@ -544,7 +640,9 @@ class Trainer:
 
         def write_files(tmp: Path) -> None:
             ckpt.write_json(tmp, "config.json", self.job.to_dict())
-            ckpt.write_data_record(tmp, DataRecord.from_job(self.job.to_dict()))
+            # the data as this run resolved it (config.json keeps the job as given)
+            ckpt.write_data_record(tmp, DataRecord.from_job({**self.job.to_dict(),
+                                                             "data": jsonable(dataclasses.asdict(self.data))}))
             self.tokenizer.save(tmp)
 
         return self.checkpointer.save(self.step, state, write_files)
