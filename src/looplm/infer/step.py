@@ -100,7 +100,7 @@ class DecodeStep:
         """The bank tensors of rows [0, B): prelude, coda, and per recurrence each core layer's
         (K, V, fallback K, fallback V); views, so the step writes into the cache."""
         if B not in self._banks:
-            c = self.cache
+            cache = self.cache
 
             def cut(bank: KVBank) -> tuple[torch.Tensor, torch.Tensor]:
                 return bank.k[:B], bank.v[:B]
@@ -108,13 +108,13 @@ class DecodeStep:
             core = []
             for r in range(self.model.cfg.max_depth):
                 layers = []
-                for j in range(c.cfg.n_core):
-                    bank = c.core_read(r, j)
+                for j in range(cache.cfg.n_core):
+                    bank = cache.core_read(r, j)
                     # full cache: a stopped row's visit-r entry is its visit r - 1 entry (design §7)
-                    back = c.core[r - 1][j] if c.mode == "full" and 0 < r < c.depth else bank
+                    back = cache.core[r - 1][j] if cache.mode == "full" and 0 < r < cache.depth else bank
                     layers.append((*cut(bank), *cut(back)))
                 core.append(layers)
-            self._banks[B] = {"prelude": [cut(b) for b in c.prelude], "coda": [cut(b) for b in c.coda], "core": core}
+            self._banks[B] = {"prelude": [cut(b) for b in cache.prelude], "coda": [cut(b) for b in cache.coda], "core": core}
         return self._banks[B]
 
     @torch.no_grad()
