@@ -99,6 +99,7 @@ def generate(
     ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
         out, totals, decoded, seconds = [], SpeculationStats(), 0, 0.0
+        step = step or DecodeStep(model, compile=compile)  # one step (and its compiled graphs) for every prompt
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
             emit = None if on_token is None else (lambda _row, piece, i=i: on_token(i, piece))
@@ -120,16 +121,17 @@ def generate(
     for i, ids in enumerate(encoded):
         tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
     ids_arg = torch.tensor(ids_all, device=device)
-    cache = make_cache(cache_mode, model.cfg, B, L + cfg.max_new_tokens - 1, max(depth, spec.prefill), device=device,
+    # a compiled step keeps one graph per batch size: its cache always spans the whole context
+    max_len = model.cfg.max_seq_len if compile else L + cfg.max_new_tokens - 1
+    cache = make_cache(cache_mode, model.cfg, B, max_len, max(depth, spec.prefill), device=device,
                        dtype=next(model.parameters()).dtype)
     gate = {} if cfg.exit_gate is None else {"exit_gate": cfg.exit_gate}
     logits = (prefill or Prefill())(model, tokens, cache, spec.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     started = time.perf_counter()
     streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
-    step = step or DecodeStep(model, cache, compile=compile)
-    if step.cache is not cache:
-        step.reset(cache)
+    step = step or DecodeStep(model, compile=compile)
+    step.reset(cache)
     if speculate is not None:
         def emit(tok: int) -> bool:
             if tok == tokenizer.eos_id:

@@ -76,14 +76,14 @@ class DecodeStep:
     `mode="reduce-overhead"`, i.e. CUDA graphs); the first step of each batch size pays the
     compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped."""
 
-    def __init__(self, model, cache: KVCache, *, compile: bool = False, stop_early: bool | None = None,
-                 seed: int = 0):
-        self.model, self.cache, self.seed = model, cache, seed
-        device = next(model.parameters()).device
+    def __init__(self, model, cache: KVCache | None = None, *, compile: bool = False,
+                 stop_early: bool | None = None, seed: int = 0):
+        self.model, self.seed = model, seed
+        self.device = device = next(model.parameters()).device
         self.stop_early = device.type == "cpu" if stop_early is None else stop_early
-        self.keys = torch.arange(cache.max_len, device=device)
         self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
-        self._banks: dict[int, dict] = {}
+        if cache is not None:
+            self.reset(cache)
         self.begin, self.recur, self.end = self._begin, self._recur, self._end
         if compile:
             options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
@@ -95,6 +95,7 @@ class DecodeStep:
     def reset(self, cache: KVCache) -> None:
         """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
         self.cache, self._banks = cache, {}
+        self.keys = torch.arange(cache.max_len, device=self.device)
 
     def banks(self, B: int) -> dict:
         """The bank tensors of rows [0, B): prelude, coda, and per recurrence each core layer's
@@ -103,7 +104,8 @@ class DecodeStep:
             cache = self.cache
 
             def cut(bank: KVBank) -> tuple[torch.Tensor, torch.Tensor]:
-                return bank.k[:B], bank.v[:B]
+                # the whole tensors where they fit (a compiled write into a view of an input costs a copy)
+                return (bank.k, bank.v) if B == bank.k.shape[0] else (bank.k[:B], bank.v[:B])
 
             core = []
             for r in range(self.model.cfg.max_depth):

@@ -1,0 +1,234 @@
+"""Decode speed: today's eager step vs the compiled static step vs compiled + self-speculation,
+against a plain compiled looped stack of the same shape, side by side in one process.
+
+    python benchmarks/decode_speed.py [--quick] [--checkpoint runs/tiny] [--threads 1]
+        [--out benchmarks/results/decode_speed.json]
+
+Speed arms (random weights; speed does not depend on them), for each shape (the tiny preset's
+d 128, 4/2 heads, FFN 384, and d 512, 8/2 heads, FFN 1536; 1/2/1 blocks), batch (1, 16), depth
+R (5, 32) and cache (terminal, full), after a prompt of 64 tokens:
+  * `eager`: the model's cached forward one token at a time (`extend`, what `generate` ran before
+    the static step);
+  * `compiled`: `looplm.infer.step.DecodeStep(compile=True)`;
+  * `plain`: `benchmarks/_plain_looped.py`, a looped decoder written from scratch with no looplm
+    code (terminal banks, additive injection), compiled with the same three-piece split: the
+    limit to approach.
+Arms are interleaved over `--rounds` rounds after a warm-up; each figure is the median seconds
+per step (tokens/s = batch / that). Compile (warm-up) time is recorded per shape and batch.
+
+With `--checkpoint` (the main job's run, `looplm train tiny`), self-speculative decoding at
+R = 32, batch 1, k = 4 and draft depth 2, 3, 4 against the compiled plain decode, for both caches,
+through `looplm.infer.generate` on held-out Shakespeare prompts: tokens/s, acceptance rate,
+tokens per verify, whether the greedy text equals plain decoding, and the quality cost as the mean
+log-likelihood per generated token under the checkpoint's native forward at depth 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _command import command_line  # noqa: E402
+from _plain_looped import PlainLooped  # noqa: E402
+
+from looplm.config import ModelConfig  # noqa: E402
+from looplm.infer import extend, make_cache  # noqa: E402
+from looplm.infer.step import DecodeStep, StepRows  # noqa: E402
+from looplm.model import LoopedLM  # noqa: E402
+
+PROMPT = 64
+SHAPES = {"tiny": dict(d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384),
+          "d512": dict(d_model=512, n_heads=8, n_kv_heads=2, ffn_dim=1536)}
+
+
+def median_time(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds: int, steps: int) -> list[dict]:
+    """Every (depth, cache) cell of one shape and batch: the three arms, interleaved."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=258, max_seq_len=256, **SHAPES[shape])
+    model = LoopedLM(cfg).eval()
+    plain = PlainLooped(258, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_core, B, 256)
+    prompt = torch.randint(0, 258, (B, PROMPT))
+    tok = torch.zeros(B, dtype=torch.long)
+    at = torch.full((B,), PROMPT)
+    caches_by = {}
+    with torch.no_grad():
+        for mode in caches:
+            eager_c = make_cache(mode, cfg, B, 256, max(depths))
+            static_c = make_cache(mode, cfg, B, 256, max(depths))
+            extend(model, prompt, eager_c, max(depths))
+            extend(model, prompt, static_c, max(depths))
+            caches_by[mode] = (eager_c, static_c)
+    step = DecodeStep(model, compile=True)
+    plain.compiled()
+    rows = StepRows(tok, at, torch.zeros(B, dtype=torch.long), torch.arange(B))
+    # warm-up: compile the step's three graphs and the plain stack's (shapes do not depend on R or cache)
+    step.reset(caches_by[caches[0]][1])
+    t = time.perf_counter()
+    step(rows, 1)
+    compile_step = time.perf_counter() - t
+    t = time.perf_counter()
+    plain.step(tok, at, 1)
+    compile_plain = time.perf_counter() - t
+    out = []
+    for R in depths:
+        for mode in caches:
+            eager_c, static_c = caches_by[mode]
+
+            def eager():
+                eager_c.length = PROMPT  # the same position every step: a step's cost, not a growing cache
+                extend(model, tok[:, None], eager_c, R)
+
+            def compiled():
+                step(rows, R)
+
+            def plain_step():
+                plain.step(tok, at, R)
+
+            step.reset(static_c)
+            arms = {"eager": eager, "compiled": compiled, "plain": plain_step}
+            for fn in arms.values():
+                fn()
+            times: dict[str, list[float]] = {name: [] for name in arms}
+            for r in range(rounds):
+                names = list(arms)[r % 3:] + list(arms)[:r % 3]  # rotate the order
+                for name in names:
+                    times[name].append(median_time(arms[name], steps))
+            cell = {"shape": shape, "batch": B, "depth": R, "cache": mode}
+            for name, v in times.items():
+                s = statistics.median(v)
+                cell[f"{name}_s_per_step"] = s
+                cell[f"{name}_tokens_per_s"] = B / s
+            cell["compiled_vs_eager"] = cell["eager_s_per_step"] / cell["compiled_s_per_step"]
+            cell["compiled_vs_plain"] = cell["compiled_s_per_step"] / cell["plain_s_per_step"]
+            cell["compile_s"] = {"step": compile_step, "plain": compile_plain}
+            print(f"{shape} B={B} R={R} {mode:8s}: eager {cell['eager_tokens_per_s']:8.1f}  compiled "
+                  f"{cell['compiled_tokens_per_s']:8.1f}  plain {cell['plain_tokens_per_s']:8.1f} tok/s  "
+                  f"(compiled/eager {cell['compiled_vs_eager']:.2f}x, compiled time / plain {cell['compiled_vs_plain']:.2f})",
+                  flush=True)
+            out.append(cell)
+    return out
+
+
+def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
+    """The first 60 characters of the first `n` held-out scenes of the run's data (the split of
+    `looplm.data.packing.write_splits`: a seeded choice of documents)."""
+    import numpy as np
+
+    from looplm.data.sources import iter_documents
+
+    run = checkpoint if (checkpoint / "data.json").exists() else checkpoint.parent.parent
+    record = json.loads((run / "data.json").read_text()) if (run / "data.json").exists() else {}
+    holdout, seed = record.get("holdout", 0.05), record.get("seed", 0)
+    docs = [d.text for d in iter_documents(record.get("source", "shakespeare"))]
+    n_val = min(len(docs) - 1, max(1, round(len(docs) * holdout)))
+    val = sorted(np.random.default_rng([seed, len(docs)]).choice(len(docs), n_val, replace=False))
+    return [docs[i][:60] for i in val[:n]]
+
+
+def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> list[dict]:
+    from looplm.checkpoint import load_model
+    from looplm.infer.generate import Speculation, generate
+    from looplm.infer.decode import SamplingConfig
+
+    model, tokenizer, _ = load_model(checkpoint, torch.device("cpu"))
+    prompts = held_out_prompts(checkpoint, n_prompts)
+    sampling = SamplingConfig(max_new_tokens=max_new)
+    R = 32
+    out = []
+    for mode in ("full", "terminal"):
+        step = DecodeStep(model, compile=True)
+        arms = {"compiled": None, **{f"speculate r_d={r}": Speculation(4, r) for r in (2, 3, 4)}}
+        for spec in arms.values():  # warm-up (compiles)
+            generate(model, tokenizer, prompts[:1], depth=R, cache_mode=mode, sampling=SamplingConfig(max_new_tokens=8),
+                     compile=True, speculate=spec, step=step)
+        results = {name: {"seconds": [], "texts": None, "stats": None} for name in arms}
+        for r in range(rounds):
+            names = list(arms)[r % len(arms):] + list(arms)[:r % len(arms)]
+            for name in names:
+                stats: dict = {}
+                texts = generate(model, tokenizer, prompts, depth=R, cache_mode=mode, sampling=sampling, compile=True,
+                                 speculate=arms[name], step=step, stats=stats)
+                results[name]["seconds"].append(stats["decode_seconds"])
+                results[name]["tokens"] = stats["decoded_tokens"]
+                results[name]["texts"], results[name]["stats"] = texts, stats
+        base = results["compiled"]
+        base_s = statistics.median(base["seconds"])
+        for name, res in results.items():
+            s = statistics.median(res["seconds"])
+            row = {"cache": mode, "arm": name, "depth": R, "k": 4 if name != "compiled" else 0,
+                   "tokens": res["tokens"], "decode_s": s, "tokens_per_s": res["tokens"] / s,
+                   "vs_compiled": base_s / s * res["tokens"] / base["tokens"],
+                   "same_text_as_compiled": res["texts"] == base["texts"],
+                   "mean_loglik": mean_loglik(model, tokenizer, prompts, res["texts"], R)}
+            if name != "compiled":
+                row["acceptance_rate"] = res["stats"]["acceptance_rate"]
+                row["tokens_per_verify"] = res["stats"]["tokens_per_verify"]
+            print(f"speculative {mode:8s} {name:16s}: {row['tokens_per_s']:7.1f} tok/s ({row['vs_compiled']:.2f}x "
+                  f"compiled), same text {row['same_text_as_compiled']}, loglik {row['mean_loglik']:.4f}"
+                  + (f", acceptance {row['acceptance_rate']:.1%}, {row['tokens_per_verify']:.2f} tokens/verify"
+                     if name != "compiled" else ""), flush=True)
+            out.append(row)
+    return out
+
+
+@torch.no_grad()
+def mean_loglik(model, tokenizer, prompts, texts, depth: int) -> float:
+    """Mean log-probability per generated token under the native forward at `depth`."""
+    total, count = 0.0, 0
+    for prompt, text in zip(prompts, texts):
+        p, c = tokenizer.encode_prompt(prompt), tokenizer.encode(text)
+        if not c:
+            continue
+        ids = torch.tensor([p + c])
+        lp = model(ids, depth, init="seeded").logits[0].log_softmax(-1)
+        target = ids[0, len(p):]
+        total += float(lp[len(p) - 1:-1].gather(-1, target[:, None]).sum())
+        count += len(c)
+    return total / max(count, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny shape at R = 32 only, fewer rounds")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="a trained run for the speculative arms")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    shapes, depths = (["tiny"], [32]) if args.quick else (list(SHAPES), [5, 32])
+    steps = 3 if args.quick else 5
+    speed = []
+    for shape in shapes:
+        for B in (1, 16):
+            speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps)
+    spec = speculative(args.checkpoint, args.rounds, 64, 4) if args.checkpoint else []
+    result = {"command": command_line(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}, {args.threads} thread(s)", "elapsed_s": time.time() - started,
+              "speed": speed, "speculative": spec}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
