@@ -588,7 +588,7 @@ def convert(
             (sandyresearch/parcae, its state dict saved as safetensors).
         dtype: Weights dtype of the checkpoint: fp32 (exact) or bf16.
         data: Held-out text that `looplm eval` and `analyze` read for this checkpoint (a text file or
-            folder, a .jsonl, or hf:<name>[:<split>]); default: the generator's tasks.
+            folder, a .jsonl, or hf:<name>[:<split>]); default: the built-in Shakespeare text.
         teacher: For an xllm-loop distilled student (IFM/LoopedLM-P2-distilled-*): the looplm checkpoint
             converted from its teacher artifact; OUT is then a student for --prefill student --student OUT.
     """
