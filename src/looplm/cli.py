@@ -28,7 +28,7 @@ import tyro
 from looplm.analyze.report import AnalyzeConfig
 from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
-from looplm.errors import UserError
+from looplm.errors import UserError, install_hint
 from looplm.eval.report import EvalConfig
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
@@ -524,7 +524,7 @@ def export(
     prefill_steps: int | None = None,
     cache: Literal["terminal", "full"] = "terminal",
 ) -> None:
-    """Export a checkpoint as a Hugging Face Transformers model folder (needs `pip install looplm[hf]`).
+    """Export a checkpoint as a Hugging Face Transformers model folder (needs the hf extra).
 
     OUT gets config.json, model.safetensors and the tokenizer; load it with
     `import looplm.hf` (which registers the model type), then `AutoModelForCausalLM.from_pretrained(OUT)` and
@@ -540,7 +540,7 @@ def export(
     try:
         from looplm.hf import export as run
     except ImportError as err:
-        raise UserError(f"looplm export needs transformers ({err}): pip install 'looplm[hf]'") from None
+        raise UserError(f"looplm export needs transformers ({err}): {install_hint('hf')}") from None
     path = run(checkpoint, out, num_steps=num_steps, prefill_steps=prefill_steps, cache_kind=cache)
     print(f"wrote {path}")
 

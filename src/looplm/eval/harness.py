@@ -1,4 +1,4 @@
-"""lm-evaluation-harness model adapter (optional extra: `pip install -e ".[lm-eval]"`).
+"""lm-evaluation-harness model adapter (optional extra: `pip install -c constraints.txt -e ".[lm-eval]"`).
 
     lm_eval --model looplm --model_args checkpoint=runs/tiny,depth=5,cache=terminal --tasks ...
 
