@@ -603,6 +603,52 @@ def convert(
         return
     print(f"wrote {path}\nevaluate it with: looplm eval {path}")
 
+def _command_options(prog: str) -> list[str]:
+    """The options `prog --help` lists (`looplm eval`: --depths, ...), read from the help tyro prints."""
+    import contextlib
+    import io
+    import re
+
+    shown = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(io.StringIO()), _help_labels():
+            _parse([*prog.split()[1:], "--help"])
+    except SystemExit:
+        pass
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.getvalue())
+    return list(dict.fromkeys(re.findall(r"^[│|\s]*(?:-\w, )?(--[a-z][\w.-]*)", text, flags=re.M)))
+
+
+def _swallowed_path(args: list[str]) -> tuple[str, str] | None:
+    """(option, value) where an option of several values (--prompt A B) has read past its own into what
+    looks like a path, the positional the user meant (tyro leaves a positional only at the very end)."""
+    import os
+
+    option = None
+    for i, arg in enumerate(args):
+        if arg.startswith("-"):
+            option = arg if arg.startswith("--") and "=" not in arg else None
+        elif option is not None and args[i - 1] != option and ("/" in arg or os.sep in arg or Path(arg).exists()):
+            return option, arg
+    return None
+
+
+def _suggestion(option: str, similar: list[tuple[str, set[str]]], prog: str) -> str:
+    """What to say after an unknown `option`: tyro's `similar` names (with the commands that have them)
+    narrowed to command `prog`'s own, those of the same leaf name (`steps`: --train.steps) first; or, for
+    an option of a subcommand given before the subcommand's name, where it goes."""
+    leaf = option.lstrip("-").rsplit(".", 1)[-1]
+    for name, commands in similar:
+        deeper = sorted(c for c in commands if c.startswith(prog + " "))
+        if name == option and deeper and prog not in commands:
+            return f" (an option of {prog} {'|'.join(c.split()[-1] for c in deeper)}: give it after the subcommand's name)"
+    own = [name for name, commands in similar if not commands or prog in commands]
+    own += [name for name in _command_options(prog) if name.lstrip("-").rsplit(".", 1)[-1] == leaf
+            and name != option and name not in own]  # tyro's similarity misses --steps for --train.steps
+    own.sort(key=lambda name: name.lstrip("-").rsplit(".", 1)[-1] != leaf)  # stable: tyro's order otherwise
+    return f" (did you mean {' or '.join(own[:3])}?)" if own else ""
+
+
 def _parse_error_line(report: str, args: list[str]) -> str:
     """tyro's boxed parse-error report collapsed into one line:
     `error: <what> (did you mean ...?); see looplm <subcommand> --help`.
@@ -620,6 +666,12 @@ def _parse_error_line(report: str, args: list[str]) -> str:
         lines = [line.strip()[2:-1] for line in lines if line.lstrip().startswith("│")]
     elif len(lines) > 1 and not lines[1].strip(" -"):  # ASCII layout: ` title`, ` ----`, `  line`
         boxed, lines = True, [line[2:] for line in lines[2:]]
+    words = ["looplm"]  # the subcommand whose --help lists what was expected
+    if args and args[0] in _SUBCOMMANDS:
+        words.append(args[0])
+        if args[0] == "train" and len(args) > 1 and args[1] in JOB_PRESETS:
+            words.append(args[1])
+    prog = " ".join(words)
     sections: list[list[tuple[int, str]]] = [[]]
     for line in lines:
         if not line.strip(" ─-"):  # a rule between sections
@@ -629,17 +681,27 @@ def _parse_error_line(report: str, args: list[str]) -> str:
     if not boxed:
         message = " ".join(line for sec in sections for _, line in sec)
     else:
-        parts, metavar, similar = [], "", {}  # similar: unknown option (or None) -> the names tyro suggests
+        # similar: unknown option (or None) -> [(a name tyro suggests, the commands whose --help lists it)]
+        parts, metavar, similar = [], "", {}
         for sec in filter(None, sections):
             head = " ".join(line for indent, line in sec if indent == 0)
             items = [line for indent, line in sec if 0 < indent < 8]
-            names = list(dict.fromkeys(i.split()[0] for i in items if i.startswith("-")))[:3]
             m = re.match(r"(?:Perhaps you meant|Arguments similar to (\S+)):$", head)
-            if m:
-                similar[m[1]] = names
+            if m:  # tyro suggests the options of every subcommand; each item ends `in looplm <command> --help`
+                found: dict[str, set[str]] = {}
+                for indent, line in sec:
+                    if 0 < indent < 8 and line.startswith("-"):
+                        commands = found.setdefault(line.split()[0], set())
+                    elif indent >= 8 and found and (where := re.fullmatch(r"in (looplm.*?) --help", line)):
+                        commands.add(where[1])
+                similar[m[1]] = list(found.items())
+            elif head.startswith("Unrecognized or misplaced options:"):  # `--steps (applied to looplm train tiny)`
+                parts.append("Unrecognized options: " + ", ".join(re.sub(r" \(applied to .*\)$", "", i) for i in items))
             elif head.startswith("Argument helptext"):  # `--train.steps INT`: the expected type
                 words = items[0].split() if items else []
                 metavar = words[1] if len(words) == 2 and words[0].startswith("-") else ""
+            elif head.startswith("Arguments are applied to the directly preceding"):
+                pass  # tyro's general hint on misplaced options: _suggestion says where such an option goes
             elif not head.startswith("For full helptext"):  # replaced by the pointer below
                 parts.append(head + (" " + ", ".join(items) if items else ""))
         message = "; ".join(parts)
@@ -653,24 +715,21 @@ def _parse_error_line(report: str, args: list[str]) -> str:
                 prev.startswith("-") and prev in tokens and cur == tok for prev, cur in zip(args, args[1:]))]
             if None in similar and len(unknown) == 1:
                 similar[unknown[0]] = similar.pop(None)
-            shown = [tok + (f" (did you mean {' or '.join(similar[tok])}?)" if similar.get(tok) else "")
-                     for tok in unknown]
+            shown = [tok + _suggestion(tok, similar.get(tok, []), prog) for tok in unknown]
             message = f"unrecognized option{'s' if len(shown) > 1 else ''} {', '.join(shown)}{message[m.end(1):]}"
         m = re.match(r"Error parsing (\S+?):\s*(.*)", message)
         if m:
             message = f"invalid value for {m[1]}{f' (expects {metavar})' if metavar else ''}: {m[2]}"
         message = re.sub(r"^Missing from (.+?):", r"missing required input for \1:", message)
+        m = re.match(r"missing required input for [^:]+: ([A-Z]+)", message)
+        if m and (swallowed := _swallowed_path(args)):
+            message += f"; {swallowed[0]} took {swallowed[1]!r} as one of its values: put {m[1]} first ({prog} {m[1]} {swallowed[0]} ...)"
     message = re.sub(r"\s+", " ", re.sub(r"^error:\s*", "", message, flags=re.I)).strip(" .") or "invalid command line"
     message = re.sub(r"\.?(;|$)", r"\1", message)  # no sentence stops before the separators
     message = re.sub(r"(^|; |: )([A-Z])(?=[a-z])", lambda m: m[1] + m[2].lower(), message)
     if len(message) > 300:
         message = message[:297] + "..."
-    prog = ["looplm"]  # the subcommand whose --help lists what was expected
-    if args and args[0] in _SUBCOMMANDS:
-        prog.append(args[0])
-        if args[0] == "train" and len(args) > 1 and args[1] in JOB_PRESETS:
-            prog.append(args[1])
-    return f"error: {message}; see {' '.join(prog)} --help"
+    return f"error: {message}; see {prog} --help"
 
 
 def _listen(host: str, port: int):
@@ -802,6 +861,16 @@ def _internal_error(err: BaseException, debug: bool) -> int:
     return 1
 
 
+def _parse(args: list[str]):
+    """The command line parsed by tyro: the deferred call of the subcommand (SystemExit for --help and errors)."""
+    return tyro.extras.subcommand_cli_from_dict(
+        {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
+        description="looplm: looped language models shaped around fixed points. "
+                    "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
+                    f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import contextlib
     import io
@@ -819,12 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             with contextlib.redirect_stderr(report), _help_labels():  # parse errors: a box, then SystemExit(2)
-                run = tyro.extras.subcommand_cli_from_dict(
-                    {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
-                    description="looplm: looped language models shaped around fixed points. "
-                                "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
-                                f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
-                )
+                run = _parse(args)
         except SystemExit as exit_:
             rejected = exit_.code == 2
             if not rejected:
