@@ -62,8 +62,11 @@ class EvalConfig:
         """Raise a UserError naming the option (`prefix` + field: "eval." in `looplm train`, "--" in
         `looplm eval`) for what would fail only after the work has started: depths, sizes, input files, and
         with `tokenizer`, a sample prompt that does not fit the context."""
+        def name(field: str) -> str:
+            return f"{prefix}{field.replace('_', '-') if prefix == '--' else field}"
+
         def bad(field: str, rule: str, value) -> UserError:
-            return UserError(f"{prefix}{field.replace('_', '-') if prefix == '--' else field}: {rule}, got {value}")
+            return UserError(f"{name(field)}: {rule}, got {value}")
 
         if not self.depths and not allow_no_depths:
             raise bad("depths", "give at least one depth", "none")
@@ -84,10 +87,26 @@ class EvalConfig:
             if P < 1 or C < 2 or P + C > max_seq_len:
                 raise bad("cacheeval_span", f"P >= 1 prompt and C >= 2 continuation tokens with P + C <= the "
                           f"context max_seq_len={max_seq_len}", f"{P} {C}")
-        for field in ("choice_tasks", "gsm8k"):
+        from looplm.eval.choice import load_choice_jsonl
+        from looplm.eval.generation import GSM8K_PROMPT, load_gsm8k_jsonl
+
+        for field, load in (("choice_tasks", load_choice_jsonl), ("gsm8k", load_gsm8k_jsonl)):
             path = getattr(self, field)
-            if path is not None and not Path(path).is_file():
+            if path is None:
+                continue
+            if not Path(path).is_file():
                 raise bad(field, "no such file", path)
+            try:  # read now: a bad line would otherwise surface after all the perplexity work
+                items = load(path)
+            except UserError as err:
+                raise UserError(f"{name(field)}: {err}") from None
+            if not items:
+                raise bad(field, "no items in the file", path)
+            if field == "gsm8k" and tokenizer is not None:
+                longest = max(len(tokenizer.encode_prompt(GSM8K_PROMPT.format(question=it.question))) for it in items)
+                if longest >= max_seq_len:
+                    raise bad(field, f"a prompt of {longest} tokens leaves no room in the context "
+                              f"max_seq_len={max_seq_len}", path)
         if self.sample_depths:
             if not self.sample_prompt:
                 raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
@@ -134,7 +153,7 @@ def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cp
 def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device) -> dict:
     """Protocols scored by decoding with a KV cache, per depth: generation exact match, choice tasks, GSM8K."""
     from looplm.eval.choice import load_choice_jsonl, score_choices
-    from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
+    from looplm.eval.generation import GSM8K_PROMPT, exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
 
     kw = dict(prefill_depth=cfg.prefill_depth, cache_mode=cfg.cache)
     out: dict = {}
@@ -148,7 +167,7 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
                              if k != "items"} for r in cfg.depths}
     if cfg.gsm8k is not None:
         items = load_gsm8k_jsonl(cfg.gsm8k)
-        longest = max(len(tokenizer.encode_prompt(f"Question: {it.question}\nAnswer:")) for it in items)
+        longest = max(len(tokenizer.encode_prompt(GSM8K_PROMPT.format(question=it.question))) for it in items)
         room = min(cfg.gsm8k_max_new_tokens, model.cfg.max_seq_len - longest)
         if room < 1:
             raise UserError(f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "

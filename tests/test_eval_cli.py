@@ -1,0 +1,33 @@
+"""`looplm eval` on a random tiny run: inputs checked before any measuring, the report's file name per
+data source, samples that fit the run's data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _jobs import write_random_run
+from test_cli import assert_clean_exit, run_main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+FAST = ["--depths", "1", "--max-sequences", "2", "--sharing-sequences", "0", "--task-examples", "0", "--device", "cpu"]
+
+
+@pytest.fixture
+def text_run(tmp_path):
+    return write_random_run(tmp_path / "run", data__source="shakespeare")
+
+
+@pytest.mark.parametrize(("option", "line", "message"), [
+    ("--choice-tasks", '{"context": "a", "choices": ["b"], "gold": 0}', "need at least 2 choices"),
+    ("--choice-tasks", "not json", "invalid JSON"),
+    ("--choice-tasks", "", "no items"),
+    ("--gsm8k", '{"question": "1+1?", "answer": "2"}', "no '#### <number>' final answer"),
+])
+def test_eval_reads_its_input_files_before_it_measures(text_run, tmp_path, capsys, option, line, message):
+    bad = tmp_path / "items.jsonl"
+    bad.write_text(line + "\n")
+    rc, out, err = run_main(["eval", text_run, *FAST, option, bad], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert f"{option}:" in err and message in err, err
+    assert "val ppl" not in out and not list(text_run.glob("eval*.json")), out
