@@ -31,3 +31,23 @@ def test_eval_reads_its_input_files_before_it_measures(text_run, tmp_path, capsy
     assert_clean_exit(rc, err, looplm_error=True)
     assert f"{option}:" in err and message in err, err
     assert "val ppl" not in out and not list(text_run.glob("eval*.json")), out
+
+
+def test_samples_of_a_task_run_start_from_a_generator_prompt(tmp_path, capsys):
+    """Not the Shakespeare default ("KING." then nothing a task model would write): a prompt of its own data."""
+    from looplm.eval.report import EvalConfig
+
+    run = write_random_run(tmp_path / "tasks")
+    rc, out, err = run_main(["eval", run, *FAST, "--sample-depths", "1", "--sample-tokens", "4"], capsys)
+    assert rc == 0, err
+    report = json.loads((run / "eval.json").read_text())
+    from looplm.checkpoint import load_data, resolve
+
+    record = load_data(resolve(run))
+    prompts = {ex.prompt for ex in record.held_out_examples(50, EvalConfig.task_seed)}
+    assert report["samples"]["prompt"] in prompts and "KING" not in out
+    from looplm.data.record import DataRecord
+    from looplm.eval.report import sample_prompt_for
+
+    assert sample_prompt_for(EvalConfig(), DataRecord(source="shakespeare")) == "KING.\n"
+    assert sample_prompt_for(EvalConfig(sample_prompt="Once"), record) == "Once"

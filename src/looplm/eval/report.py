@@ -48,8 +48,9 @@ class EvalConfig:
     """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
     sample_depths: tuple[int, ...] = ()
     """Depths at which to continue `sample_prompt` (one sample each, same seed: what depth changes)."""
-    sample_prompt: str = "KING.\n"
-    """Prompt of the samples."""
+    sample_prompt: str | None = None
+    """Prompt of the samples; default: one from the data: a held-out generator prompt (task generator), a
+    speaker's line (the built-in Shakespeare), else the first line of the first held-out document."""
     sample_tokens: int = 200
     """Tokens per sample."""
     sample_temperature: float = 0.8
@@ -108,9 +109,9 @@ class EvalConfig:
                     raise bad(field, f"a prompt of {longest} tokens leaves no room in the context "
                               f"max_seq_len={max_seq_len}", path)
         if self.sample_depths:
-            if not self.sample_prompt:
+            if self.sample_prompt == "":
                 raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
-            n = len(tokenizer.encode(self.sample_prompt)) if tokenizer is not None else 0
+            n = len(tokenizer.encode(self.sample_prompt)) if tokenizer is not None and self.sample_prompt else 0
             if n > max_seq_len:
                 raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}", f"{n} tokens")
 
@@ -139,7 +140,7 @@ def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cp
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, data, device))
     if cfg.sample_depths:
-        report["samples"] = depth_samples(model, tokenizer, cfg, device)
+        report["samples"] = depth_samples(model, tokenizer, cfg, device, prompt=sample_prompt_for(cfg, data, val, tokenizer))
     if prefill:
         from looplm.eval.prefill_arms import prefill_table
 
@@ -177,19 +178,44 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
     return out
 
 
-def depth_samples(model, tokenizer, cfg: EvalConfig, device) -> dict:
-    """One seeded continuation of `cfg.sample_prompt` per depth with the terminal cache, the same
-    seed and initial state at every depth, so the texts differ only by depth. A sample is cut to what
-    the model's context leaves after the prompt (`tokens` records the length used)."""
+TEXT_SAMPLE_PROMPT = "KING.\n"  # a speaker's name: the built-in Shakespeare text's lines start so
+
+
+def sample_prompt_for(cfg: EvalConfig, data: DataRecord, val=None, tokenizer=None) -> str:
+    """The samples' prompt: `cfg.sample_prompt`, else one of the data's own, so that a model continues what
+    it was trained on (a task model given "KING." writes nothing): a held-out generator prompt, the built-in
+    text's speaker line, or the first line (at most 32 tokens) of the first document of `val`, the held-out
+    split (decoded with `tokenizer`)."""
+    from looplm.data import generate_examples
+    from looplm.data.record import BUILTIN_TEXT
+
+    if cfg.sample_prompt is not None:
+        return cfg.sample_prompt
+    if data.is_tasks:
+        examples = data.held_out_examples(1, cfg.task_seed) or generate_examples(data.tasks, 1, seed=cfg.task_seed)
+        return examples[0].prompt
+    if data.source == BUILTIN_TEXT or val is None or tokenizer is None or not len(val.doc_starts):
+        return TEXT_SAMPLE_PROMPT
+    start = int(val.doc_starts[0])
+    text = tokenizer.decode([int(t) for t in val.tokens[start:start + 32]])
+    line = text.split("\n", 1)[0]
+    return line + "\n" if line.strip() and "\n" in text else (text if text.strip() else TEXT_SAMPLE_PROMPT)
+
+
+def depth_samples(model, tokenizer, cfg: EvalConfig, device, prompt: str | None = None) -> dict:
+    """One seeded continuation of `prompt` (default: `cfg.sample_prompt`, else the built-in text's) per depth
+    with the terminal cache, the same seed and initial state at every depth, so the texts differ only by depth.
+    A sample is cut to what the model's context leaves after the prompt (`tokens` records the length used)."""
     from looplm.infer.generate import SamplingConfig, generate
 
-    room = model.cfg.max_seq_len - len(tokenizer.encode(cfg.sample_prompt)) + 1  # the last new token is never fed
+    prompt = prompt or cfg.sample_prompt or TEXT_SAMPLE_PROMPT
+    room = model.cfg.max_seq_len - len(tokenizer.encode(prompt)) + 1  # the last new token is never fed
     if room < 1:
-        raise UserError(f"sample prompt {cfg.sample_prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
+        raise UserError(f"sample prompt {prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
     n = min(cfg.sample_tokens, room)
     sampling = SamplingConfig(max_new_tokens=n, temperature=cfg.sample_temperature, seed=cfg.task_seed)
-    texts = {r: generate(model, tokenizer, [cfg.sample_prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
-    return {"prompt": cfg.sample_prompt, "temperature": cfg.sample_temperature, "tokens": n,
+    texts = {r: generate(model, tokenizer, [prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
+    return {"prompt": prompt, "temperature": cfg.sample_temperature, "tokens": n,
             "seed": cfg.task_seed, "by_depth": texts}
 
 
