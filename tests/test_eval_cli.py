@@ -51,3 +51,21 @@ def test_samples_of_a_task_run_start_from_a_generator_prompt(tmp_path, capsys):
 
     assert sample_prompt_for(EvalConfig(), DataRecord(source="shakespeare")) == "KING.\n"
     assert sample_prompt_for(EvalConfig(sample_prompt="Once"), record) == "Once"
+
+
+def test_eval_on_other_data_keeps_the_runs_report(text_run, tmp_path, capsys):
+    """--data other: its own eval-<source>.json beside the run's eval.json, which stays the main report."""
+    assert run_main(["eval", text_run, *FAST], capsys)[0] == 0
+    main_report = (text_run / "eval.json").read_text()
+    held = tmp_path / "my held out"  # a folder: one document per file
+    held.mkdir()
+    for i in range(4):
+        (held / f"doc{i}.txt").write_text("The recurrent model thinks deeper and deeper.\n" * 20)
+    rc, out, err = run_main(["eval", text_run, *FAST, "--data", held], capsys)
+    assert rc == 0, err
+    assert (text_run / "eval.json").read_text() == main_report
+    other = text_run / "eval-my-held-out.json"
+    assert json.loads(other.read_text())["perplexity"]["1"]["tokens"] > 0 and f"report: {other}" in out
+    from looplm.eval.report import report_name
+
+    assert report_name("hf:org/set:test") == "eval-hf-org-set-test.json" and report_name(None) == "eval.json"

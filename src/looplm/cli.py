@@ -29,7 +29,7 @@ from looplm.analyze.report import AnalyzeConfig
 from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
 from looplm.errors import UserError, install_hint
-from looplm.eval.report import EvalConfig
+from looplm.eval.report import EvalConfig, report_name
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
 from looplm.rl.config import RLConfig
@@ -220,6 +220,7 @@ def evaluate(
         data: Held-out data to score instead of the checkpoint's own: tasks, shakespeare, a text file or
             folder, a .jsonl, a `looplm tokenize` folder or hf:<name>[:<split>]. Default: the data the
             checkpoint records (a converted release: the built-in Shakespeare text, or its convert --data).
+            Other data is reported in <run>/eval-<data>.json, beside the run's own eval.json.
         device: Torch device to evaluate on: auto (CUDA when available), cpu, cuda, cuda:1, ...
         prefill: Prefill arms to compare (teacher, student, r1, r2): each arm's continuation perplexity and
             generator-task exact match per depth (the paper's Table 5); teacher alone adds nothing.
@@ -238,7 +239,9 @@ def evaluate(
         if cfg.generation_examples and not record.is_tasks:
             print(f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",
                   file=sys.stderr)
-        out = cfg.output or _run_folder(path) / "eval.json"
+        own = _recorded_data(path)
+        other = data is not None and (own is None or own.source != record.source)
+        out = cfg.output or _run_folder(path) / report_name(data if other else None)
         arms = None
         if tuple(prefill) != ("teacher",):
             arms = _prefill_arms(model, prefill, student)

@@ -56,7 +56,8 @@ class EvalConfig:
     sample_temperature: float = 0.8
     """Sampling temperature of the samples (seeded, so a run prints the same text each time)."""
     output: Path | None = None
-    """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
+    """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run; with --data other
+    than the run's own, <run>/eval-<data>.json)."""
 
     def validate(self, max_depth: int, max_seq_len: int, *, prefix: str = "", allow_no_depths: bool = False,
                  tokenizer=None) -> None:
@@ -274,6 +275,20 @@ def format_report(report: dict) -> str:
         lines += ["", "prefill arms (decoding at R with the terminal cache; blocks = block passes per prompt token):",
                   format_prefill_table(report["prefill"])]
     return "\n".join(lines)
+
+
+def report_name(source: str | None) -> str:
+    """The file name of an eval report in a run folder: eval.json for the run's own data (source None),
+    eval-<source>.json for other data (`--data`), so that scoring other text never replaces the run's report.
+    <source> is the data's name made safe for any file system: a path's last part, hf:org/set:split as
+    hf-org-set-split."""
+    import re
+
+    if source is None:
+        return "eval.json"
+    name = source if source.startswith("hf:") else (Path(source.rstrip("/\\")).name or source)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:80] or "data"
+    return f"eval-{safe}.json"
 
 
 def write_report(report: dict, path: Path) -> None:
