@@ -99,8 +99,12 @@ def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, pre
         report = depth_report(model, tokenizer, data, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
     finally:
         bar.close()
+    from looplm.eval.plots import write_run_plots
+
     print(format_report(report))
     write_report(report, out_json)
+    for picture in write_run_plots(report, Path(out_json)):
+        print(f"plot:        {picture}")
     return report
 
 
