@@ -82,21 +82,23 @@ def _help_labels():
     return registry
 
 
-def _progress(total: int, desc: str, disable: bool = False):
+def _progress(total: int, desc: str, disable: bool = False, unit: str = "batch"):
+    """A progress bar on stderr, off when stderr is not a terminal (a log file or a pipe gets no bar redraws)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=False, disable=disable)
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False, disable=True if disable else None)
 
 
 def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None, progress: bool = True) -> dict:
     from looplm.eval.report import depth_report, format_report, write_report
 
     task_batches = -(-cfg.task_examples // cfg.batch_size) if data.is_tasks else 0
-    n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + task_batches
-                                   + (cfg.sharing_sequences > 0) + len(prefill or ()))
-    bar = _progress(n_batches, "eval", disable=not progress)
+    per_depth = (-(-cfg.max_sequences // cfg.batch_size) + task_batches + (cfg.sharing_sequences > 0)
+                 + len(prefill or ()))
+    # in recurrences, not batches: a batch at depth R costs about R at depth 1, so the ETA holds across depths
+    bar = _progress(sum(cfg.depths) * per_depth, "eval", disable=not progress, unit="R")
     try:
-        report = depth_report(model, tokenizer, data, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
+        report = depth_report(model, tokenizer, data, cfg, device=device, progress=bar.update, prefill=prefill)
     finally:
         bar.close()
     from looplm.eval.plots import write_run_plots

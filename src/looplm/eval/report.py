@@ -119,7 +119,9 @@ class EvalConfig:
 
 def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None,
                  prefill=None) -> dict:
-    """{"perplexity": {R: ...}, "tasks": {R: ...} or None, ...} for a trained model on the held-out split
+    """`progress(R)` is called after each batch (or table row) measured at depth R.
+
+    {"perplexity": {R: ...}, "tasks": {R: ...} or None, ...} for a trained model on the held-out split
     of `data`, its checkpoint's data record (`looplm.checkpoint.load_data`); task accuracy when that data is
     the task generator.
 
