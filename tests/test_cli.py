@@ -388,7 +388,7 @@ def test_eval_decoding_protocols_from_jsonl(tmp_path, capsys):
     assert main(["eval", str(job.train.out_dir), "--depths", "1", "--task-examples", "0", "--sharing-sequences", "0",
                  "--max-sequences", "2", "--choice-tasks", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "\rerror: " in err and "bad.jsonl" in err and "Traceback" not in err
+    assert err.startswith("error: --choice-tasks: ") and "bad.jsonl" in err and "Traceback" not in err  # before measuring
 
 
 # -- defaults that follow the checkpoint, reports, devices (issue: a newcomer's first hour) ------------
@@ -569,7 +569,7 @@ def test_help_texts_are_readable(capsys, command):
     if command:
         source = job_preset(command[1]) if command[0] == "train" else cli._SUBCOMMANDS[command[0]]
         multiline = [s for s in string_defaults(source) if "\n" in s]
-        if command[0] in ("train", "eval", "rl"):
+        if command[0] == "rl":  # its prompt template (eval's sample prompt now defaults to one from the data)
             assert multiline, "the check below would see nothing"
         for value in multiline:
             assert flat(value.replace("\n", "\\n")) in flat(out), value

@@ -285,7 +285,10 @@ def test_an_incomplete_or_inconsistent_folder_is_a_data_error(tmp_path: Path, ho
     assert "\n" not in str(err.value)
 
 
-def test_progress_bar_counts_documents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bar_counts_documents(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is drawn only on a terminal
     out = tokenize_corpus("tasks", tmp_path / "out", holdout=0.1, progress=True, **TASKS)
     err = capsys.readouterr().err
     assert "tokenizing" in err and "doc" in err

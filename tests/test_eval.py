@@ -314,7 +314,7 @@ def test_depth_samples_fit_the_context():
     tok = ByteTokenizer()
     m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
                              max_seq_len=24)).eval()
-    cfg = EvalConfig(sample_depths=(1, 3), sample_tokens=200)
+    cfg = EvalConfig(sample_depths=(1, 3), sample_tokens=200, sample_prompt="KING.\n")
     room = 24 - len(tok.encode(cfg.sample_prompt)) + 1
     got = depth_samples(m, tok, cfg, "cpu")
     assert got["tokens"] == room < 200

@@ -28,8 +28,8 @@ import tyro
 from looplm.analyze.report import AnalyzeConfig
 from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
-from looplm.errors import UserError
-from looplm.eval.report import EvalConfig
+from looplm.errors import UserError, install_hint
+from looplm.eval.report import EvalConfig, report_name
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
 from looplm.rl.config import RLConfig
@@ -82,25 +82,31 @@ def _help_labels():
     return registry
 
 
-def _progress(total: int, desc: str, disable: bool = False):
+def _progress(total: int, desc: str, disable: bool = False, unit: str = "batch"):
+    """A progress bar on stderr, off when stderr is not a terminal (a log file or a pipe gets no bar redraws)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, leave=False, disable=disable)
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False, disable=True if disable else None)
 
 
 def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None, progress: bool = True) -> dict:
     from looplm.eval.report import depth_report, format_report, write_report
 
     task_batches = -(-cfg.task_examples // cfg.batch_size) if data.is_tasks else 0
-    n_batches = len(cfg.depths) * (-(-cfg.max_sequences // cfg.batch_size) + task_batches
-                                   + (cfg.sharing_sequences > 0) + len(prefill or ()))
-    bar = _progress(n_batches, "eval", disable=not progress)
+    per_depth = (-(-cfg.max_sequences // cfg.batch_size) + task_batches + (cfg.sharing_sequences > 0)
+                 + len(prefill or ()))
+    # in recurrences, not batches: a batch at depth R costs about R at depth 1, so the ETA holds across depths
+    bar = _progress(sum(cfg.depths) * per_depth, "eval", disable=not progress, unit="R")
     try:
-        report = depth_report(model, tokenizer, data, cfg, device=device, progress=lambda: bar.update(1), prefill=prefill)
+        report = depth_report(model, tokenizer, data, cfg, device=device, progress=bar.update, prefill=prefill)
     finally:
         bar.close()
+    from looplm.eval.plots import write_run_plots
+
     print(format_report(report))
     write_report(report, out_json)
+    for picture in write_run_plots(report, Path(out_json)):
+        print(f"plot:        {picture}")
     return report
 
 
@@ -263,6 +269,7 @@ def evaluate(
         data: Held-out data to score instead of the checkpoint's own: tasks, shakespeare, a text file or
             folder, a .jsonl, a `looplm tokenize` folder or hf:<name>[:<split>]. Default: the data the
             checkpoint records (a converted release: the built-in Shakespeare text, or its convert --data).
+            Other data is reported in <run>/eval-<data>.json, beside the run's own eval.json.
         device: Torch device to evaluate on: auto (CUDA when available), cpu, cuda, cuda:1, ...
         prefill: Prefill arms to compare (teacher, student, r1, r2): each arm's continuation perplexity and
             generator-task exact match per depth (the paper's Table 5); teacher alone adds nothing.
@@ -281,7 +288,9 @@ def evaluate(
         if cfg.generation_examples and not record.is_tasks:
             print(f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",
                   file=sys.stderr)
-        out = cfg.output or _run_folder(path) / "eval.json"
+        own = _recorded_data(path)
+        other = data is not None and (own is None or own.source != record.source)
+        out = cfg.output or _run_folder(path) / report_name(data if other else None)
         arms = None
         if tuple(prefill) != ("teacher",):
             arms = _prefill_arms(model, prefill, student)
@@ -597,7 +606,7 @@ def export(
     prefill_steps: int | None = None,
     cache: Literal["terminal", "full"] = "terminal",
 ) -> None:
-    """Export a checkpoint as a Hugging Face Transformers model folder (needs `pip install looplm[hf]`).
+    """Export a checkpoint as a Hugging Face Transformers model folder (needs the hf extra).
 
     OUT gets config.json, model.safetensors and the tokenizer; load it with
     `import looplm.hf` (which registers the model type), then `AutoModelForCausalLM.from_pretrained(OUT)` and
@@ -613,7 +622,7 @@ def export(
     try:
         from looplm.hf import export as run
     except ImportError as err:
-        raise UserError(f"looplm export needs transformers ({err}): pip install 'looplm[hf]'") from None
+        raise UserError(f"looplm export needs transformers ({err}): {install_hint('hf')}") from None
     path = run(checkpoint, out, num_steps=num_steps, prefill_steps=prefill_steps, cache_kind=cache)
     print(f"wrote {path}")
 
@@ -661,7 +670,7 @@ def convert(
             (sandyresearch/parcae, its state dict saved as safetensors).
         dtype: Weights dtype of the checkpoint: fp32 (exact) or bf16.
         data: Held-out text that `looplm eval` and `analyze` read for this checkpoint (a text file or
-            folder, a .jsonl, or hf:<name>[:<split>]); default: the generator's tasks.
+            folder, a .jsonl, or hf:<name>[:<split>]); default: the built-in Shakespeare text.
         teacher: For an xllm-loop distilled student (IFM/LoopedLM-P2-distilled-*): the looplm checkpoint
             converted from its teacher artifact; OUT is then a student for --prefill student --student OUT.
     """
@@ -675,6 +684,52 @@ def convert(
         print(f"wrote {path}\nuse it with: looplm generate {teacher} --prefill student --student {path}")
         return
     print(f"wrote {path}\nevaluate it with: looplm eval {path}")
+
+def _command_options(prog: str) -> list[str]:
+    """The options `prog --help` lists (`looplm eval`: --depths, ...), read from the help tyro prints."""
+    import contextlib
+    import io
+    import re
+
+    shown = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(io.StringIO()), _help_labels():
+            _parse([*prog.split()[1:], "--help"])
+    except SystemExit:
+        pass
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.getvalue())
+    return list(dict.fromkeys(re.findall(r"^[│|\s]*(?:-\w, )?(--[a-z][\w.-]*)", text, flags=re.M)))
+
+
+def _swallowed_path(args: list[str]) -> tuple[str, str] | None:
+    """(option, value) where an option of several values (--prompt A B) has read past its own into what
+    looks like a path, the positional the user meant (tyro leaves a positional only at the very end)."""
+    import os
+
+    option = None
+    for i, arg in enumerate(args):
+        if arg.startswith("-"):
+            option = arg if arg.startswith("--") and "=" not in arg else None
+        elif option is not None and args[i - 1] != option and ("/" in arg or os.sep in arg or Path(arg).exists()):
+            return option, arg
+    return None
+
+
+def _suggestion(option: str, similar: list[tuple[str, set[str]]], prog: str) -> str:
+    """What to say after an unknown `option`: tyro's `similar` names (with the commands that have them)
+    narrowed to command `prog`'s own, those of the same leaf name (`steps`: --train.steps) first; or, for
+    an option of a subcommand given before the subcommand's name, where it goes."""
+    leaf = option.lstrip("-").rsplit(".", 1)[-1]
+    for name, commands in similar:
+        deeper = sorted(c for c in commands if c.startswith(prog + " "))
+        if name == option and deeper and prog not in commands:
+            return f" (an option of {prog} {'|'.join(c.split()[-1] for c in deeper)}: give it after the subcommand's name)"
+    own = [name for name, commands in similar if not commands or prog in commands]
+    own += [name for name in _command_options(prog) if name.lstrip("-").rsplit(".", 1)[-1] == leaf
+            and name != option and name not in own]  # tyro's similarity misses --steps for --train.steps
+    own.sort(key=lambda name: name.lstrip("-").rsplit(".", 1)[-1] != leaf)  # stable: tyro's order otherwise
+    return f" (did you mean {' or '.join(own[:3])}?)" if own else ""
+
 
 def _parse_error_line(report: str, args: list[str]) -> str:
     """tyro's boxed parse-error report collapsed into one line:
@@ -693,6 +748,12 @@ def _parse_error_line(report: str, args: list[str]) -> str:
         lines = [line.strip()[2:-1] for line in lines if line.lstrip().startswith("│")]
     elif len(lines) > 1 and not lines[1].strip(" -"):  # ASCII layout: ` title`, ` ----`, `  line`
         boxed, lines = True, [line[2:] for line in lines[2:]]
+    words = ["looplm"]  # the subcommand whose --help lists what was expected
+    if args and args[0] in _SUBCOMMANDS:
+        words.append(args[0])
+        if args[0] == "train" and len(args) > 1 and args[1] in JOB_PRESETS:
+            words.append(args[1])
+    prog = " ".join(words)
     sections: list[list[tuple[int, str]]] = [[]]
     for line in lines:
         if not line.strip(" ─-"):  # a rule between sections
@@ -702,17 +763,27 @@ def _parse_error_line(report: str, args: list[str]) -> str:
     if not boxed:
         message = " ".join(line for sec in sections for _, line in sec)
     else:
-        parts, metavar, similar = [], "", {}  # similar: unknown option (or None) -> the names tyro suggests
+        # similar: unknown option (or None) -> [(a name tyro suggests, the commands whose --help lists it)]
+        parts, metavar, similar = [], "", {}
         for sec in filter(None, sections):
             head = " ".join(line for indent, line in sec if indent == 0)
             items = [line for indent, line in sec if 0 < indent < 8]
-            names = list(dict.fromkeys(i.split()[0] for i in items if i.startswith("-")))[:3]
             m = re.match(r"(?:Perhaps you meant|Arguments similar to (\S+)):$", head)
-            if m:
-                similar[m[1]] = names
+            if m:  # tyro suggests the options of every subcommand; each item ends `in looplm <command> --help`
+                found: dict[str, set[str]] = {}
+                for indent, line in sec:
+                    if 0 < indent < 8 and line.startswith("-"):
+                        commands = found.setdefault(line.split()[0], set())
+                    elif indent >= 8 and found and (where := re.fullmatch(r"in (looplm.*?) --help", line)):
+                        commands.add(where[1])
+                similar[m[1]] = list(found.items())
+            elif head.startswith("Unrecognized or misplaced options:"):  # `--steps (applied to looplm train tiny)`
+                parts.append("Unrecognized options: " + ", ".join(re.sub(r" \(applied to .*\)$", "", i) for i in items))
             elif head.startswith("Argument helptext"):  # `--train.steps INT`: the expected type
                 words = items[0].split() if items else []
                 metavar = words[1] if len(words) == 2 and words[0].startswith("-") else ""
+            elif head.startswith("Arguments are applied to the directly preceding"):
+                pass  # tyro's general hint on misplaced options: _suggestion says where such an option goes
             elif not head.startswith("For full helptext"):  # replaced by the pointer below
                 parts.append(head + (" " + ", ".join(items) if items else ""))
         message = "; ".join(parts)
@@ -726,24 +797,21 @@ def _parse_error_line(report: str, args: list[str]) -> str:
                 prev.startswith("-") and prev in tokens and cur == tok for prev, cur in zip(args, args[1:]))]
             if None in similar and len(unknown) == 1:
                 similar[unknown[0]] = similar.pop(None)
-            shown = [tok + (f" (did you mean {' or '.join(similar[tok])}?)" if similar.get(tok) else "")
-                     for tok in unknown]
+            shown = [tok + _suggestion(tok, similar.get(tok, []), prog) for tok in unknown]
             message = f"unrecognized option{'s' if len(shown) > 1 else ''} {', '.join(shown)}{message[m.end(1):]}"
         m = re.match(r"Error parsing (\S+?):\s*(.*)", message)
         if m:
             message = f"invalid value for {m[1]}{f' (expects {metavar})' if metavar else ''}: {m[2]}"
         message = re.sub(r"^Missing from (.+?):", r"missing required input for \1:", message)
+        m = re.match(r"missing required input for [^:]+: ([A-Z]+)", message)
+        if m and (swallowed := _swallowed_path(args)):
+            message += f"; {swallowed[0]} took {swallowed[1]!r} as one of its values: put {m[1]} first ({prog} {m[1]} {swallowed[0]} ...)"
     message = re.sub(r"\s+", " ", re.sub(r"^error:\s*", "", message, flags=re.I)).strip(" .") or "invalid command line"
     message = re.sub(r"\.?(;|$)", r"\1", message)  # no sentence stops before the separators
     message = re.sub(r"(^|; |: )([A-Z])(?=[a-z])", lambda m: m[1] + m[2].lower(), message)
     if len(message) > 300:
         message = message[:297] + "..."
-    prog = ["looplm"]  # the subcommand whose --help lists what was expected
-    if args and args[0] in _SUBCOMMANDS:
-        prog.append(args[0])
-        if args[0] == "train" and len(args) > 1 and args[1] in JOB_PRESETS:
-            prog.append(args[1])
-    return f"error: {message}; see {' '.join(prog)} --help"
+    return f"error: {message}; see {prog} --help"
 
 
 def _listen(host: str, port: int):
@@ -875,6 +943,16 @@ def _internal_error(err: BaseException, debug: bool) -> int:
     return 1
 
 
+def _parse(args: list[str]):
+    """The command line parsed by tyro: the deferred call of the subcommand (SystemExit for --help and errors)."""
+    return tyro.extras.subcommand_cli_from_dict(
+        {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
+        description="looplm: looped language models shaped around fixed points. "
+                    "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
+                    f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import contextlib
     import io
@@ -894,12 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             with contextlib.redirect_stderr(report), _help_labels():  # parse errors: a box, then SystemExit(2)
-                run = tyro.extras.subcommand_cli_from_dict(
-                    {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
-                    description="looplm: looped language models shaped around fixed points. "
-                                "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
-                                f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
-                )
+                run = _parse(args)
         except SystemExit as exit_:
             rejected = exit_.code == 2
             if not rejected:

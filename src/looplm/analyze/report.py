@@ -212,7 +212,7 @@ def analyze(model, tokenizer, data, cfg: AnalyzeConfig, device="cpu", progress: 
     if cfg.sharing_depths and cfg.sharing_sequences:
         t = time.perf_counter()
         report["sharing"] = sharing_table(model, data, cfg.sharing_depths, max_sequences=cfg.sharing_sequences,
-                                          device=device, progress=lambda: progress("sharing", 1))
+                                          device=device, progress=lambda _depth: progress("sharing", 1))
         seconds["sharing"] = time.perf_counter() - t
     report["model"] = {k: model.cfg.to_dict()[k] for k in ("injection", "d_model", "n_prelude", "n_core", "n_coda")}
     report["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))

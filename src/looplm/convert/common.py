@@ -39,6 +39,52 @@ def read_json(path: Path, what: str = "a release folder") -> dict:
     return data
 
 
+def folder_family(src: Path) -> str | None:
+    """What `src` holds, judged from config.json alone (its model type first): "looplm" (a looplm checkpoint
+    or run folder), "looplm-export" (a `looplm export` folder), a `--from` name, or None (not recognised:
+    the converter asked for judges it)."""
+    src = Path(src)
+    if (src / "checkpoints").is_dir() or (src / "latest").is_file():
+        return "looplm"  # a run folder, or its checkpoints/
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    if model_type == "looplm":
+        return "looplm-export"
+    if model_type == "huginn_raven" or "RavenForCausalLM" in archs:
+        return "huginn"
+    if model_type == "ouro" or "OuroForCausalLM" in archs:
+        return "ouro"
+    if model_type is not None:
+        return None  # another Transformers family: the converter names what it lacks
+    if "Parcae" in (config.get("_class_name"), config.get("model_class_name")) or config.get("_class_name") == "ParcaeConfig":
+        return "parcae"
+    if isinstance(config.get("model"), dict):  # both keep the model's fields in a `model` section
+        if (src / "manifest.json").is_file() and "depth" in config:
+            return "looplm"
+        if isinstance(config.get("tokenizer"), dict) or isinstance(config.get("student"), dict):
+            return "xllm-loop"
+    return None
+
+
+def check_family(src: Path, family: str) -> None:
+    """Refuse, before any converter reads it, a folder that holds looplm's own formats (nothing to convert)
+    or another family than `family` (naming the --from that reads it)."""
+    found = folder_family(src)
+    if found == "looplm":
+        raise refuse(f"{src} is a looplm checkpoint: no conversion needed (looplm eval {src} reads it)")
+    if found == "looplm-export":
+        raise refuse(f"{src} is a looplm export (config.json model_type 'looplm'): no conversion needed "
+                     f"(looplm eval {src} reads it)")
+    if found is not None and found != family:
+        raise refuse(f"{src} looks like {found}, not {family}: use --from {found}")
+
+
 def inside(src: Path, name: str) -> Path:
     """`src / name` for a relative path that stays inside src."""
     if not isinstance(name, str) or not name or name.startswith("/") or ".." in Path(name).parts:

@@ -33,6 +33,7 @@ import torch
 
 from looplm.config import ModelConfig
 from looplm.convert.common import (
+    check_family,
     check_model,
     check_tied,
     check_vocab,
@@ -169,6 +170,7 @@ def convert_huginn(src: Path, out: Path, dtype: str | None = None, *, data: str 
     source recorded in the checkpoint (what `looplm eval` reads; default the built-in text corpus). Raises CheckpointError
     (a ValueError) with a one-line reason for anything it cannot convert exactly."""
     src, out = Path(src), Path(out)
+    check_family(src, "huginn")
     config, tokenizer, tok_note = open_source(src, out, dtype, "a Huginn folder")
     cfg, extra = _config(config, tokenizer.vocab_size)
     check_vocab(tokenizer, cfg)

@@ -30,6 +30,7 @@ import torch
 
 from looplm.config import ModelConfig
 from looplm.convert.common import (
+    check_family,
     check_model,
     check_tied,
     check_vocab,
@@ -132,6 +133,7 @@ def convert_ouro(src: Path, out: Path, dtype: str | None = None, *, data: str | 
     source recorded in the checkpoint (what `looplm eval` reads; default the built-in text corpus). Raises CheckpointError
     (a ValueError) with a one-line reason for anything it cannot convert exactly."""
     src, out = Path(src), Path(out)
+    check_family(src, "ouro")
     config, tokenizer, tok_note = open_source(src, out, dtype, "an Ouro folder")
     cfg, extra = _config(config)
     check_vocab(tokenizer, cfg)

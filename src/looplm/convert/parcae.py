@@ -35,6 +35,7 @@ import torch
 
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
 from looplm.convert.common import (
+    check_family,
     check_folders,
     check_model,
     check_tied,
@@ -228,6 +229,7 @@ def convert_parcae(src: Path, out: Path, dtype: str | None = None, *, data: str 
     recorded in the job. Raises CheckpointError (a ValueError) with a one-line reason for anything it
     cannot convert exactly."""
     src, out = Path(src), Path(out)
+    check_family(src, "parcae")
     check_folders(src, out, dtype)
     refuse_pickles(src)
     config = read_json(src / "config.json", "a Parcae folder")

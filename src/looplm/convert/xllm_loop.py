@@ -44,7 +44,7 @@ import torch
 
 from looplm.checkpoint import CheckpointError, save_tensors, write_atomic
 from looplm.config import ModelConfig
-from looplm.convert.common import (DTYPES, INDEX, check_folders, check_vocab, read_checked, read_json, release_job,
+from looplm.convert.common import (DTYPES, INDEX, check_family, check_folders, check_vocab, read_checked, read_json, release_job,
                                    write_release_files)
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
@@ -314,6 +314,7 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     from the release teacher the student pins.
     """
     src, out = Path(src), Path(out)
+    check_family(src, "xllm-loop")
     check_folders(src, out, dtype)
     _refuse_pickles(src)
     if _student_artifact(src):

@@ -197,7 +197,8 @@ class _DocProgress:
     def __init__(self) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(desc="reading documents", unit="doc", dynamic_ncols=True, leave=False, file=sys.stderr)
+        self.bar = tqdm(desc="reading documents", unit="doc", dynamic_ncols=True, leave=False, file=sys.stderr,
+                        disable=None)  # None: off when stderr is not a terminal
         self.counting = True
 
     def __call__(self, done: int, total: int | None) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from looplm.errors import UserError
+from looplm.errors import UserError, install_hint
 
 from .corpus import CORPORA, describe_corpus, iter_corpus
 from .tasks import DEFAULT_TASK_EXAMPLES, TaskConfig, generate_examples
@@ -102,7 +102,7 @@ def _iter_hf(source: str, text_field: str) -> Iterator[Document]:
         import datasets
     except ImportError:
         raise DataError(
-            f"source {source!r} needs the 'datasets' package (pip install 'looplm[datasets]')"
+            f"source {source!r} needs the 'datasets' package: {install_hint('datasets')}"
         ) from None
     try:
         ds = datasets.load_dataset(name, split=split)

@@ -254,7 +254,8 @@ class DistillTrainer:
         if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
+                       disable=None)  # None: off when stderr is not a terminal (metrics.jsonl has every step)
         last, val = None, {}
         while self.step < cfg.steps:
             t0 = time.perf_counter()

@@ -143,5 +143,5 @@ def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequ
                       "cacheeval_penalty": 100.0 * (step["ppl"] / full["ppl"] - 1.0),
                       "span": None if span is None else tuple(span)}
         if progress is not None:
-            progress()
+            progress(depth)
     return out

@@ -55,6 +55,9 @@ def extract_final_number(text: str) -> str | None:
     return normalize_number(found[-1]) if found else None
 
 
+GSM8K_PROMPT = "Question: {question}\nAnswer:"  # what exact_match_gsm8k prompts with by default
+
+
 def load_gsm8k_jsonl(path: str | Path) -> list[GenItem]:
     """Read lines {"question": str, "answer": str}; the gold is the number after the last '####'."""
     items = []
@@ -129,7 +132,7 @@ def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[
 
 def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, depth: int,
                       prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 256,
-                      prompt_template: str = "Question: {question}\nAnswer:",
+                      prompt_template: str = GSM8K_PROMPT,
                       stop: Sequence[str] = ("\n\n", "Question:"), batch_size: int = 8) -> dict:
     """Greedy-generate an answer per question; correct when its final number equals the gold.
 

@@ -1,8 +1,9 @@
-"""lm-evaluation-harness model adapter (optional extra: `pip install -e ".[lm-eval]"`).
+"""lm-evaluation-harness model adapter (optional extra: `pip install -c constraints.txt -e ".[lm-eval]"`).
 
-    lm_eval --model looplm --model_args checkpoint=runs/tiny,depth=5,cache=terminal --tasks ...
+    looplm-lm-eval --model looplm --model_args checkpoint=runs/tiny,depth=5,cache=terminal --tasks ...
 
-(after `import looplm.eval.harness`, which registers the model name). Every request is scored by
+`looplm-lm-eval` is lm-eval's own command line after `import looplm.eval.harness`, which registers the
+model name (`lm_eval` alone does not know it; `looplm.eval.harness_cli`). Every request is scored by
 decoding with a KV cache, as in the paper's protocol (design §8): prefill the context at
 `prefill_depth`, then feed the continuation one token at a time at `depth`.
 """
@@ -25,10 +26,22 @@ from looplm.eval.generation import greedy_generate
 class LoopLMHarness(LM):
     """`checkpoint` (run or checkpoint folder) or an already loaded `model` + `tokenizer`."""
 
+    # what lm-eval itself adds to every model's arguments (from its --batch_size, --max_batch_size)
+    HARNESS_ARGS = ("batch_size", "max_batch_size")
+
     def __init__(self, checkpoint: str | None = None, model=None, tokenizer=None, depth: int = 5,
-                 prefill_depth: int | None = None, cache: str = "terminal", device: str = "cpu",
-                 max_gen_toks: int = 64, **_ignored):
+                 prefill_depth: int | None = None, cache: str = "terminal", device: str = "auto",
+                 max_gen_toks: int = 64, **others):
         super().__init__()
+        unknown = [k for k in others if k not in self.HARNESS_ARGS]
+        if unknown:  # a misspelt depth= would otherwise evaluate at the default depth, silently
+            known = "checkpoint, depth, prefill_depth, cache, device, max_gen_toks"
+            raise UserError(f"unknown model_args: {', '.join(unknown)} (known: {known})")
+        if cache not in ("terminal", "full"):
+            raise UserError(f"model_args cache must be terminal or full, got {cache!r}")
+        from looplm.train.distributed import resolve_device
+
+        device = resolve_device(str(device))  # auto: CUDA when available; lm-eval's --device cuda on a CPU machine: one line
         if model is None:
             if checkpoint is None:
                 raise UserError("looplm harness model needs checkpoint=PATH")

@@ -50,7 +50,7 @@ def native_perplexity(
                 change += ((last - prev).norm(dim=-1) / prev.norm(dim=-1).clamp_min(1e-12)).sum().item()
                 n_tok += last.shape[0] * last.shape[1]
             if progress is not None:
-                progress()
+                progress(depth)  # the depth: a batch at R costs about R batches at 1
         loss = total / max(count, 1)
         results[depth] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
                           "state_change": change / n_tok if n_tok else None,

@@ -39,7 +39,7 @@ def prefill_table(model, tokenizer, val, examples: Sequence, arms: Sequence[Pref
                                  "acc": acc["acc"] if acc else None, "n": acc["n"] if acc else 0,
                                  "bank_rel_err": err, "block_passes": arm.block_passes(model.cfg, r)}
             if progress is not None:
-                progress()
+                progress(r)
     return table
 
 

@@ -48,22 +48,27 @@ class EvalConfig:
     """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
     sample_depths: tuple[int, ...] = ()
     """Depths at which to continue `sample_prompt` (one sample each, same seed: what depth changes)."""
-    sample_prompt: str = "KING.\n"
-    """Prompt of the samples."""
+    sample_prompt: str | None = None
+    """Prompt of the samples; default: one from the data: a held-out generator prompt (task generator), a
+    speaker's line (the built-in Shakespeare), else the first line of the first held-out document."""
     sample_tokens: int = 200
     """Tokens per sample."""
     sample_temperature: float = 0.8
     """Sampling temperature of the samples (seeded, so a run prints the same text each time)."""
     output: Path | None = None
-    """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run)."""
+    """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run; with --data other
+    than the run's own, <run>/eval-<data>.json)."""
 
     def validate(self, max_depth: int, max_seq_len: int, *, prefix: str = "", allow_no_depths: bool = False,
                  tokenizer=None) -> None:
         """Raise a UserError naming the option (`prefix` + field: "eval." in `looplm train`, "--" in
         `looplm eval`) for what would fail only after the work has started: depths, sizes, input files, and
         with `tokenizer`, a sample prompt that does not fit the context."""
+        def name(field: str) -> str:
+            return f"{prefix}{field.replace('_', '-') if prefix == '--' else field}"
+
         def bad(field: str, rule: str, value) -> UserError:
-            return UserError(f"{prefix}{field.replace('_', '-') if prefix == '--' else field}: {rule}, got {value}")
+            return UserError(f"{name(field)}: {rule}, got {value}")
 
         if not self.depths and not allow_no_depths:
             raise bad("depths", "give at least one depth", "none")
@@ -84,21 +89,39 @@ class EvalConfig:
             if P < 1 or C < 2 or P + C > max_seq_len:
                 raise bad("cacheeval_span", f"P >= 1 prompt and C >= 2 continuation tokens with P + C <= the "
                           f"context max_seq_len={max_seq_len}", f"{P} {C}")
-        for field in ("choice_tasks", "gsm8k"):
+        from looplm.eval.choice import load_choice_jsonl
+        from looplm.eval.generation import GSM8K_PROMPT, load_gsm8k_jsonl
+
+        for field, load in (("choice_tasks", load_choice_jsonl), ("gsm8k", load_gsm8k_jsonl)):
             path = getattr(self, field)
-            if path is not None and not Path(path).is_file():
+            if path is None:
+                continue
+            if not Path(path).is_file():
                 raise bad(field, "no such file", path)
+            try:  # read now: a bad line would otherwise surface after all the perplexity work
+                items = load(path)
+            except UserError as err:
+                raise UserError(f"{name(field)}: {err}") from None
+            if not items:
+                raise bad(field, "no items in the file", path)
+            if field == "gsm8k" and tokenizer is not None:
+                longest = max(len(tokenizer.encode_prompt(GSM8K_PROMPT.format(question=it.question))) for it in items)
+                if longest >= max_seq_len:
+                    raise bad(field, f"a prompt of {longest} tokens leaves no room in the context "
+                              f"max_seq_len={max_seq_len}", path)
         if self.sample_depths:
-            if not self.sample_prompt:
+            if self.sample_prompt == "":
                 raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
-            n = len(tokenizer.encode(self.sample_prompt)) if tokenizer is not None else 0
+            n = len(tokenizer.encode(self.sample_prompt)) if tokenizer is not None and self.sample_prompt else 0
             if n > max_seq_len:
                 raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}", f"{n} tokens")
 
 
 def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None,
                  prefill=None) -> dict:
-    """{"perplexity": {R: ...}, "tasks": {R: ...} or None, ...} for a trained model on the held-out split
+    """`progress(R)` is called after each batch (or table row) measured at depth R.
+
+    {"perplexity": {R: ...}, "tasks": {R: ...} or None, ...} for a trained model on the held-out split
     of `data`, its checkpoint's data record (`looplm.checkpoint.load_data`); task accuracy when that data is
     the task generator.
 
@@ -120,7 +143,7 @@ def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cp
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, data, device))
     if cfg.sample_depths:
-        report["samples"] = depth_samples(model, tokenizer, cfg, device)
+        report["samples"] = depth_samples(model, tokenizer, cfg, device, prompt=sample_prompt_for(cfg, data, val, tokenizer))
     if prefill:
         from looplm.eval.prefill_arms import prefill_table
 
@@ -134,7 +157,7 @@ def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cp
 def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device) -> dict:
     """Protocols scored by decoding with a KV cache, per depth: generation exact match, choice tasks, GSM8K."""
     from looplm.eval.choice import load_choice_jsonl, score_choices
-    from looplm.eval.generation import exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
+    from looplm.eval.generation import GSM8K_PROMPT, exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
 
     kw = dict(prefill_depth=cfg.prefill_depth, cache_mode=cfg.cache)
     out: dict = {}
@@ -148,7 +171,7 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
                              if k != "items"} for r in cfg.depths}
     if cfg.gsm8k is not None:
         items = load_gsm8k_jsonl(cfg.gsm8k)
-        longest = max(len(tokenizer.encode_prompt(f"Question: {it.question}\nAnswer:")) for it in items)
+        longest = max(len(tokenizer.encode_prompt(GSM8K_PROMPT.format(question=it.question))) for it in items)
         room = min(cfg.gsm8k_max_new_tokens, model.cfg.max_seq_len - longest)
         if room < 1:
             raise UserError(f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "
@@ -158,19 +181,44 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
     return out
 
 
-def depth_samples(model, tokenizer, cfg: EvalConfig, device) -> dict:
-    """One seeded continuation of `cfg.sample_prompt` per depth with the terminal cache, the same
-    seed and initial state at every depth, so the texts differ only by depth. A sample is cut to what
-    the model's context leaves after the prompt (`tokens` records the length used)."""
+TEXT_SAMPLE_PROMPT = "KING.\n"  # a speaker's name: the built-in Shakespeare text's lines start so
+
+
+def sample_prompt_for(cfg: EvalConfig, data: DataRecord, val=None, tokenizer=None) -> str:
+    """The samples' prompt: `cfg.sample_prompt`, else one of the data's own, so that a model continues what
+    it was trained on (a task model given "KING." writes nothing): a held-out generator prompt, the built-in
+    text's speaker line, or the first line (at most 32 tokens) of the first document of `val`, the held-out
+    split (decoded with `tokenizer`)."""
+    from looplm.data import generate_examples
+    from looplm.data.record import BUILTIN_TEXT
+
+    if cfg.sample_prompt is not None:
+        return cfg.sample_prompt
+    if data.is_tasks:
+        examples = data.held_out_examples(1, cfg.task_seed) or generate_examples(data.tasks, 1, seed=cfg.task_seed)
+        return examples[0].prompt
+    if data.source == BUILTIN_TEXT or val is None or tokenizer is None or not len(val.doc_starts):
+        return TEXT_SAMPLE_PROMPT
+    start = int(val.doc_starts[0])
+    text = tokenizer.decode([int(t) for t in val.tokens[start:start + 32]])
+    line = text.split("\n", 1)[0]
+    return line + "\n" if line.strip() and "\n" in text else (text if text.strip() else TEXT_SAMPLE_PROMPT)
+
+
+def depth_samples(model, tokenizer, cfg: EvalConfig, device, prompt: str | None = None) -> dict:
+    """One seeded continuation of `prompt` (default: `cfg.sample_prompt`, else the built-in text's) per depth
+    with the terminal cache, the same seed and initial state at every depth, so the texts differ only by depth.
+    A sample is cut to what the model's context leaves after the prompt (`tokens` records the length used)."""
     from looplm.infer.generate import SamplingConfig, generate
 
-    room = model.cfg.max_seq_len - len(tokenizer.encode(cfg.sample_prompt)) + 1  # the last new token is never fed
+    prompt = prompt or cfg.sample_prompt or TEXT_SAMPLE_PROMPT
+    room = model.cfg.max_seq_len - len(tokenizer.encode(prompt)) + 1  # the last new token is never fed
     if room < 1:
-        raise UserError(f"sample prompt {cfg.sample_prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
+        raise UserError(f"sample prompt {prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
     n = min(cfg.sample_tokens, room)
     sampling = SamplingConfig(max_new_tokens=n, temperature=cfg.sample_temperature, seed=cfg.task_seed)
-    texts = {r: generate(model, tokenizer, [cfg.sample_prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
-    return {"prompt": cfg.sample_prompt, "temperature": cfg.sample_temperature, "tokens": n,
+    texts = {r: generate(model, tokenizer, [prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
+    return {"prompt": prompt, "temperature": cfg.sample_temperature, "tokens": n,
             "seed": cfg.task_seed, "by_depth": texts}
 
 
@@ -229,6 +277,20 @@ def format_report(report: dict) -> str:
         lines += ["", "prefill arms (decoding at R with the terminal cache; blocks = block passes per prompt token):",
                   format_prefill_table(report["prefill"])]
     return "\n".join(lines)
+
+
+def report_name(source: str | None) -> str:
+    """The file name of an eval report in a run folder: eval.json for the run's own data (source None),
+    eval-<source>.json for other data (`--data`), so that scoring other text never replaces the run's report.
+    <source> is the data's name made safe for any file system: a path's last part, hf:org/set:split as
+    hf-org-set-split."""
+    import re
+
+    if source is None:
+        return "eval.json"
+    name = source if source.startswith("hf:") else (Path(source.rstrip("/\\")).name or source)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:80] or "data"
+    return f"eval-{safe}.json"
 
 
 def write_report(report: dict, path: Path) -> None:

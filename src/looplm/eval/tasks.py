@@ -55,7 +55,7 @@ def task_accuracy(
             hit = logits.argmax(-1)[:, :-1] == x[:, 1:]
             correct[sl] = (hit | ~m[:, :-1]).all(-1).cpu()
             if progress is not None:
-                progress()
+                progress(depth)
         by_kind, by_diff = defaultdict(list), defaultdict(list)
         for ex, ok in zip(examples, correct.tolist()):
             by_kind[ex.kind].append(ok)

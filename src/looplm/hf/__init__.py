@@ -1,4 +1,4 @@
-"""Hugging Face Transformers integration (`pip install looplm[hf]`).
+"""Hugging Face Transformers integration (the hf extra: `pip install -c constraints.txt -e ".[hf]"`).
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import looplm.hf  # registers model_type "looplm" with the Auto classes

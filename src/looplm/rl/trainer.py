@@ -261,7 +261,8 @@ class RLTrainer:
         if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.step, desc=f"rl {cfg.estimator}", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=cfg.steps, initial=self.step, desc=f"rl {cfg.estimator}", unit="step", dynamic_ncols=True,
+                       disable=None)  # None: off when stderr is not a terminal (metrics.jsonl has every step)
         evals = {}
         last = None
         if cfg.eval_every and self.step == 0:

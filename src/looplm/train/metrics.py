@@ -22,7 +22,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-            except ImportError:  # optional extra: pip install looplm[tensorboard]
+            except ImportError:  # the tensorboard extra (README: Install)
                 self._tb = None
         if wandb:
             try:

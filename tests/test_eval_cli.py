@@ -1,0 +1,71 @@
+"""`looplm eval` on a random tiny run: inputs checked before any measuring, the report's file name per
+data source, samples that fit the run's data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _jobs import write_random_run
+from test_cli import assert_clean_exit, run_main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+FAST = ["--depths", "1", "--max-sequences", "2", "--sharing-sequences", "0", "--task-examples", "0", "--device", "cpu"]
+
+
+@pytest.fixture
+def text_run(tmp_path):
+    return write_random_run(tmp_path / "run", data__source="shakespeare")
+
+
+@pytest.mark.parametrize(("option", "line", "message"), [
+    ("--choice-tasks", '{"context": "a", "choices": ["b"], "gold": 0}', "need at least 2 choices"),
+    ("--choice-tasks", "not json", "invalid JSON"),
+    ("--choice-tasks", "", "no items"),
+    ("--gsm8k", '{"question": "1+1?", "answer": "2"}', "no '#### <number>' final answer"),
+])
+def test_eval_reads_its_input_files_before_it_measures(text_run, tmp_path, capsys, option, line, message):
+    bad = tmp_path / "items.jsonl"
+    bad.write_text(line + "\n")
+    rc, out, err = run_main(["eval", text_run, *FAST, option, bad], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert f"{option}:" in err and message in err, err
+    assert "val ppl" not in out and not list(text_run.glob("eval*.json")), out
+
+
+def test_samples_of_a_task_run_start_from_a_generator_prompt(tmp_path, capsys):
+    """Not the Shakespeare default ("KING." then nothing a task model would write): a prompt of its own data."""
+    from looplm.eval.report import EvalConfig
+
+    run = write_random_run(tmp_path / "tasks")
+    rc, out, err = run_main(["eval", run, *FAST, "--sample-depths", "1", "--sample-tokens", "4"], capsys)
+    assert rc == 0, err
+    report = json.loads((run / "eval.json").read_text())
+    from looplm.checkpoint import load_data, resolve
+
+    record = load_data(resolve(run))
+    prompts = {ex.prompt for ex in record.held_out_examples(50, EvalConfig.task_seed)}
+    assert report["samples"]["prompt"] in prompts and "KING" not in out
+    from looplm.data.record import DataRecord
+    from looplm.eval.report import sample_prompt_for
+
+    assert sample_prompt_for(EvalConfig(), DataRecord(source="shakespeare")) == "KING.\n"
+    assert sample_prompt_for(EvalConfig(sample_prompt="Once"), record) == "Once"
+
+
+def test_eval_on_other_data_keeps_the_runs_report(text_run, tmp_path, capsys):
+    """--data other: its own eval-<source>.json beside the run's eval.json, which stays the main report."""
+    assert run_main(["eval", text_run, *FAST], capsys)[0] == 0
+    main_report = (text_run / "eval.json").read_text()
+    held = tmp_path / "my held out"  # a folder: one document per file
+    held.mkdir()
+    for i in range(4):
+        (held / f"doc{i}.txt").write_text("The recurrent model thinks deeper and deeper.\n" * 20)
+    rc, out, err = run_main(["eval", text_run, *FAST, "--data", held], capsys)
+    assert rc == 0, err
+    assert (text_run / "eval.json").read_text() == main_report
+    other = text_run / "eval-my-held-out.json"
+    assert json.loads(other.read_text())["perplexity"]["1"]["tokens"] > 0 and f"report: {other}" in out
+    from looplm.eval.report import report_name
+
+    assert report_name("hf:org/set:test") == "eval-hf-org-set-test.json" and report_name(None) == "eval.json"

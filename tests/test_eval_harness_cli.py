@@ -1,0 +1,52 @@
+"""`looplm-lm-eval`: lm-eval's own command line with `--model looplm` registered (the plain `lm_eval` cannot
+import looplm's adapter by itself), on a local task; unknown model_args are refused by name."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from _jobs import write_choice_task, write_random_run
+
+pytest.importorskip("lm_eval", reason="optional extra: lm-eval")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def run_script(monkeypatch, capsys, *args):
+    from looplm.eval.harness_cli import main
+
+    monkeypatch.setattr(sys, "argv", ["looplm-lm-eval", *map(str, args)])
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rc = main()
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.slow
+def test_the_script_runs_lm_eval_with_the_looplm_model(tmp_path, monkeypatch, capsys):
+    run = write_random_run(tmp_path / "run")
+    write_choice_task(tmp_path, [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
+                                 {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0}])
+    rc, out, err = run_script(monkeypatch, capsys, "--model", "looplm", "--model_args", f"checkpoint={run},depth=2",
+                              "--tasks", "looplm_choice", "--include_path", tmp_path, "--output_path", tmp_path / "out")
+    assert rc == 0, err[-3000:]
+    assert "looplm_choice" in out
+    results = [json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results*.json")]
+    assert results and "acc,none" in results[0]["results"]["looplm_choice"]
+
+
+def test_unknown_model_args_are_refused_by_name():
+    from looplm.eval.harness import LoopLMHarness
+
+    with pytest.raises(ValueError, match=r"unknown model_args: dept, cach \(known: checkpoint, depth"):
+        LoopLMHarness.create_from_arg_string("checkpoint=x,dept=3,cach=full", {"batch_size": 1})
+
+
+@pytest.mark.slow
+def test_the_script_refuses_unknown_model_args_in_one_line(tmp_path, monkeypatch, capsys):
+    run = write_random_run(tmp_path / "run")
+    write_choice_task(tmp_path, [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}])
+    rc, _, err = run_script(monkeypatch, capsys, "--model", "looplm", "--model_args", f"checkpoint={run},dept=3",
+                            "--tasks", "looplm_choice", "--include_path", tmp_path)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: unknown model_args: dept"), err[-2000:]

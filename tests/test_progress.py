@@ -1,0 +1,40 @@
+"""Progress bars suit where stderr goes (off when it is not a terminal), and the eval bar counts work by depth."""
+
+from __future__ import annotations
+
+import pytest
+from _jobs import write_random_run
+from test_cli import run_main
+
+import looplm.cli as cli
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_bars_are_off_when_stderr_is_not_a_terminal(capsys):
+    bar = cli._progress(10, "eval")  # pytest's captured stderr is not a terminal
+    assert bar.disable
+    bar.close()
+
+
+def test_the_eval_bar_advances_by_depth(tmp_path, monkeypatch, capsys):
+    """A batch at depth R costs about R times a batch at depth 1: the bar's units are recurrences."""
+    seen = {}
+
+    class Bar:
+        def __init__(self, total, desc, disable=False, unit="batch"):
+            seen["total"], seen["updates"] = total, []
+
+        def update(self, n):
+            seen["updates"].append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli, "_progress", Bar)
+    run = write_random_run(tmp_path / "run", data__source="shakespeare")
+    rc, _, err = run_main(["eval", run, "--depths", "1", "4", "--max-sequences", "4", "--batch-size", "2",
+                           "--sharing-sequences", "2", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert sorted(set(seen["updates"])) == [1, 4]
+    assert sum(seen["updates"]) == seen["total"] == (1 + 4) * (2 + 1)  # 2 perplexity batches + 1 sharing, per depth
