@@ -38,3 +38,19 @@ def test_the_eval_bar_advances_by_depth(tmp_path, monkeypatch, capsys):
     assert rc == 0, err
     assert sorted(set(seen["updates"])) == [1, 4]
     assert sum(seen["updates"]) == seen["total"] == (1 + 4) * (2 + 1)  # 2 perplexity batches + 1 sharing, per depth
+
+
+def test_training_progress_off_a_terminal_is_plain_lines(capsys):
+    """With stderr not a terminal (nohup, CI) the trainer's progress is a line now and then, never a
+    carriage-return bar."""
+    from looplm.train.progress import LineProgress, progress_bar
+
+    bar = progress_bar(4, 0, "train")  # pytest's captured stderr is not a terminal
+    assert isinstance(bar, LineProgress)
+    bar.every_s = 0.0
+    for i in range(4):
+        bar.set_postfix(loss=f"{1.0 / (i + 1):.3f}")
+        bar.update(1)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert err.splitlines() == [f"train: step {n}/4 ({25 * n}%), loss={1.0 / n:.3f}" for n in range(1, 5)]

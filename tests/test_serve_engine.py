@@ -297,8 +297,8 @@ def test_max_tokens_zero_needs_prompt_logprobs(model):
 
 @pytest.mark.parametrize(("fields", "message"), [
     (dict(depth=0), "depth must be in 1..8"),
-    (dict(depth=9), "depth must be in 1..8"),
-    (dict(prefill_depth=20), "prefill_depth must be in 1..8"),
+    (dict(depth=9), r"depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\), got 9"),
+    (dict(prefill_depth=20), r"prefill_depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\)"),
     (dict(max_tokens=0), "max_new_tokens must be >= 1"),
     (dict(max_tokens=60), "more than the context of 64"),
     (dict(temperature=-1.0), "temperature must be >= 0"),

@@ -850,9 +850,10 @@ def serve(
     device: str = "auto",
     prefill: PrefillArm = "teacher",
     student: Path | None = None,
+    compile: bool = False,
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible HTTP API with continuous batching (needs
-    `pip install 'looplm[serve]'`): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+    the serve extra, README's Install): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
@@ -869,13 +870,15 @@ def serve(
         device: Torch device: auto (CUDA when available), cpu, cuda, ...
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
+        compile: Decode through the compiled static step (torch.compile; one graph per batch size 1, 2, 4,
+            ... max_batch, compiled on first use: the first requests wait for it).
     """
     try:
         import uvicorn
 
         from looplm.serve.api import create_app
     except ImportError as err:
-        raise UserError(f"looplm serve needs the serve extra ({err}): pip install 'looplm[serve]'") from None
+        raise UserError(f"looplm serve needs the serve extra ({err}): {install_hint('serve')}") from None
     from looplm.checkpoint import load_model
     from looplm.serve import Engine, EngineConfig
 
@@ -902,7 +905,8 @@ def serve(
             raise UserError(f"--max-seq-len must be in 2..{context} (the model's context), got {max_seq_len}")
         (arm,) = _prefill_arms(model, (prefill,), student)
         engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
-                                                       max_depth=max_depth, cache=cache, max_queue=max_queue),
+                                                       max_depth=max_depth, cache=cache, max_queue=max_queue,
+                                                       compile=compile),
                         prefill=arm)
         folder = checkpoint.resolve()
         name = served_model_name or (folder.parent.parent.name if folder.parent.name == "checkpoints" else folder.name)

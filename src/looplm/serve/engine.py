@@ -257,6 +257,10 @@ class Engine:
                                   top_k=request.top_k, top_p=request.top_p, seed=request.seed,
                                   stop=tuple(request.stop), exit_tau=request.exit_tau, min_depth=request.min_depth)
         depth, prefill_depth = self.depths(request)
+        for name, r in (("depth", depth), ("prefill_depth", prefill_depth)):
+            if r > self.max_depth:  # name the setting that caps it (the full cache's default is --depth)
+                raise ValueError(f"{name} must be in 1..{self.max_depth} (the server's max_depth, "
+                                 f"looplm serve --max-depth), got {r}")
         DecodeSpec(depth, prefill_depth, self.config.cache, sampling).check(self.max_depth)
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")

@@ -539,9 +539,9 @@ class Trainer:
             print(self.depth_summary(), flush=True)
         bar = None
         if env.is_main and t.progress:
-            from tqdm.auto import tqdm
+            from looplm.train.progress import progress_bar
 
-            bar = tqdm(total=end, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+            bar = progress_bar(end, self.step, "train")
         if self.compiled and self.step < end:
             t0 = time.perf_counter()
             self.warm_up_compile()
