@@ -33,9 +33,8 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
     Adaptive depth (design §13, beyond the paper): with `exit_tau`, `depth` is the largest depth and a
     token stops recurring once r >= `min_depth` and its relative state change
     |s^r - s^(r-1)| / |s^(r-1)| < exit_tau; its state is frozen and the K/V of its last recurrence
-    become its terminal K/V. Exact per token for one-token decoding (rows that stopped leave the
-    step's remaining recurrences); inside a longer chunk, tokens that are still recurring read a
-    stopped token's K/V recomputed from its frozen state.
+    become its terminal K/V, for later tokens and for the tokens of its own chunk that still recur
+    (the cache masks a stopped token's writes, design §16).
 
     Continuous batching (`looplm.serve`): `depth`, `exit_tau` and `min_depth` may be per-row tensors
     [B] (a row's `exit_tau` of 0 never exits; its rows stop at their own depth, frozen like an exit),
