@@ -536,6 +536,18 @@ def main() -> None:
             torch.cuda.empty_cache()
     rec.log("summary: " + json.dumps(res.get("summary")))
 
+    # 3b. decoding: the eager step, the compiled static step (CUDA graphs on CUDA) and self-speculation
+    torch._dynamo.reset()
+    for B in (1, 16):
+        left = deadline.left() - reserve
+        if left < floor or left <= 0:
+            rec.row("decode", {"batch": B, "skipped": f"deadline ({deadline.left():.0f} s left)"})
+            continue
+        for row in decode_rows(cfg, B, device, dtype, args.tiny, args.compile_backend):
+            rec.row("decode", {**row, "s": round(deadline.elapsed(), 1)})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # 4. the real trainers on a process group
     if not args.skip_torchrun:
         with tempfile.TemporaryDirectory(prefix="looplm-gpu-jobs-") as tmp:
@@ -543,6 +555,87 @@ def main() -> None:
     res["wall_s"], res["finished"] = deadline.elapsed(), True
     rec.save()
     rec.log(f"wrote {rec.json} ({res['wall_s']:.0f} s)")
+
+
+def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[dict]:
+    """Decode tokens/s at R = 32 after a 512-token prompt (64 with --tiny), batch B, terminal cache,
+    random weights: `eager` (the cached forward one token at a time), `compiled` (`DecodeStep`,
+    `mode="reduce-overhead"` on CUDA: CUDA graphs) and `compiled+speculate` (k = 4 drafts at depth 4,
+    verified at 32; with random weights the acceptance rate is a lower bound, not a trained model's).
+    Each a median over timed steps after a warm-up that compiles."""
+    from looplm.infer import extend, make_cache
+    from looplm.infer.decode import SamplingConfig
+    from looplm.infer.speculative import SpeculationStats, speculative_decode
+    from looplm.infer.step import DecodeStep, StepRows
+    from looplm.model import LoopedLM
+
+    R, prompt_len, steps = 32, 64 if tiny else 512, 3 if tiny else 16
+    dcfg = ModelConfig(**{**cfg.to_dict(), "max_seq_len": prompt_len + 64})
+    torch.manual_seed(0)
+    model = LoopedLM(dcfg).to(device=device, dtype=dtype).eval()
+    prompt = torch.randint(0, dcfg.vocab_size, (B, prompt_len), device=device)
+    tok = torch.zeros(B, dtype=torch.long, device=device)
+    rows_in = StepRows(tok, torch.full((B,), prompt_len, device=device), torch.zeros(B, dtype=torch.long, device=device),
+                       torch.arange(B, device=device))
+    out = []
+    for arm in ("eager", "compiled", "compiled+speculate"):
+        row = {"arm": arm, "batch": B, "depth": R, "prompt": prompt_len, "cache": "terminal"}
+        try:
+            cache = make_cache("terminal", dcfg, B, dcfg.max_seq_len, R, device=device, dtype=dtype)
+            with torch.no_grad():
+                extend(model, prompt, cache, R)
+            t0 = time.perf_counter()
+            if arm == "eager":
+                def run():
+                    cache.length = prompt_len
+                    extend(model, tok[:, None], cache, R)
+                per_step = 1
+            else:
+                step = DecodeStep(model, cache, compile=True,
+                                  compile_options={} if backend == "inductor" else {"backend": backend})
+                if arm == "compiled":
+                    def run():
+                        step(rows_in, R)
+                    per_step = 1
+                else:
+                    if B != 1:  # speculation decodes one sequence at a time
+                        continue
+                    stats = SpeculationStats()
+                    first = torch.zeros(1, dcfg.vocab_size, device=device)
+
+                    def run():
+                        n = [0]
+
+                        def emit(_t):
+                            n[0] += 1
+                            return n[0] >= 16
+                        speculative_decode(model, cache, step, first, length=prompt_len, depth=R, draft_depth=4, k=4,
+                                           sampling=SamplingConfig(max_new_tokens=16), generator=None,
+                                           pad=torch.zeros(1, dtype=torch.long, device=device),
+                                           example_ids=torch.zeros(1, dtype=torch.long, device=device), emit=emit,
+                                           stats=stats)
+                    per_step = 16
+            run()
+            sync(device)
+            row["first_call_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(max(2, steps // per_step)):
+                t = time.perf_counter()
+                run()
+                sync(device)
+                times.append((time.perf_counter() - t) / per_step)
+            dt = statistics.median(times)
+            row.update(step_s=dt, tokens_per_s=B / dt)
+            if arm == "compiled+speculate":
+                row.update(acceptance_rate=stats.acceptance_rate, tokens_per_verify=stats.tokens_per_verify)
+        except Exception as err:  # recorded; the other arms still run
+            row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+        out.append(row)
+    base = {r["arm"]: r.get("tokens_per_s") for r in out}
+    for r in out:
+        if r.get("tokens_per_s") and base.get("eager"):
+            r["vs_eager"] = r["tokens_per_s"] / base["eager"]
+    return out
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -74,23 +74,25 @@ class DecodeStep:
 
     `compile=True` compiles the three pieces with `torch.compile` (inductor; on CUDA with
     `mode="reduce-overhead"`, i.e. CUDA graphs); the first step of each batch size pays the
-    compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped."""
+    compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped.
+    `compile_options` go to `torch.compile` (e.g. another backend)."""
 
     def __init__(self, model, cache: KVCache | None = None, *, compile: bool = False,
-                 stop_early: bool | None = None, seed: int = 0):
+                 stop_early: bool | None = None, seed: int = 0, compile_options: dict | None = None):
         self.model, self.seed = model, seed
         self.device = device = next(model.parameters()).device
         self.stop_early = device.type == "cpu" if stop_early is None else stop_early
         self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
         if cache is not None:
             self.reset(cache)
-        self.begin, self.recur, self.end = self._begin, self._recur, self._end
+        self.begin, self.recur, self.recur_exits, self.end = self._begin, self._recur, self._recur_exits, self._end
         if compile:
             options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+            options.update(compile_options or {})
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.begin, self.recur, self.end = (torch.compile(f, dynamic=False, **options)
-                                                for f in (self._begin, self._recur, self._end))
+            self.begin, self.recur, self.recur_exits, self.end = (
+                torch.compile(f, dynamic=False, **options) for f in (self._begin, self._recur, self._recur_exits, self._end))
 
     def reset(self, cache: KVCache) -> None:
         """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
@@ -116,7 +118,8 @@ class DecodeStep:
                     back = cache.core[r - 1][j] if cache.mode == "full" and 0 < r < cache.depth else bank
                     layers.append((*cut(bank), *cut(back)))
                 core.append(layers)
-            self._banks[B] = {"prelude": [cut(b) for b in cache.prelude], "coda": [cut(b) for b in cache.coda], "core": core}
+            self._banks[B] = {"prelude": [cut(b) for b in cache.prelude], "coda": [cut(b) for b in cache.coda],
+                              "core": core, "core_kv": [[layer[:2] for layer in visit] for visit in core]}
         return self._banks[B]
 
     @torch.no_grad()
@@ -132,10 +135,13 @@ class DecodeStep:
         depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
         used = depth.clone()
         for r in range(loop_depth):
-            s, active, used = self.recur(self._steps[r], s, active, used, depth, rows.exit_tau, rows.min_depth,
-                                         rows.write_at, shared, banks["core"][r], exits)
-            if exits and self.stop_early and not bool(active.any()):
-                break
+            if exits:
+                s, active, used = self.recur_exits(self._steps[r], s, active, used, depth, rows.exit_tau,
+                                                   rows.min_depth, rows.write_at, shared, banks["core"][r])
+                if self.stop_early and not bool(active.any()):
+                    break
+            else:  # every row recurs: no masks, the fewest inputs (each is a guard to check per call)
+                s = self.recur(s, rows.write_at, shared, banks["core_kv"][r])
         logits = self.end(s, rows.write_at, shared, banks)
         if fill and self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
             # visits a row did not reach take its terminal K/V (`FullCache.keep_terminal`)
@@ -159,20 +165,23 @@ class DecodeStep:
         s = m.start_state(e, ctx, init="seeded", positions=positions, example_ids=example_ids, seed=self.seed)
         return s, mask, cos, sin, ctx.injected, ctx.qkv_offsets, ctx.core_values, ctx.coda_values
 
-    def _recur(self, step, s, active, used, depth, tau, floor, write_at, shared, core, exits: bool):
+    def _recur(self, s, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values)
-        keep = active[:, None] if exits else None
+        return self.model.recurrence(s, ctx, slots=[KVBank.of(k, v).slot(write_at) for k, v in core])
+
+    def _recur_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
+        mask, cos, sin, injected, offsets, core_values, _ = shared
+        ctx = Context((cos, sin), mask, injected, offsets, core_values)
+        keep = active[:, None]  # a stopped row's writes are masked: its entry keeps its terminal K/V
         slots = [KVBank.of(k, v).slot(write_at, keep, KVBank.of(fk, fv)) for k, v, fk, fv in core]
         new = self.model.recurrence(s, ctx, slots=slots)
-        if not exits:
-            return new, active, used
         new = torch.where(active[:, None, None], new, s)  # a stopped row's state stays frozen
         stop = active & (step >= depth)
         if tau is not None:  # design §13: relative state change below exit_tau, after min_depth
             change = (new - s).float().norm(dim=-1)[:, 0] / s.float().norm(dim=-1)[:, 0].clamp_min(1e-12)
             stop = stop | (active & (change < tau) & (step >= floor))
-        used = torch.where(stop & active, step, used)
+        used = torch.where(stop, step, used)
         return new, active & ~stop, used
 
     def _end(self, s, write_at, shared, banks):
