@@ -35,8 +35,8 @@ SMALLER = {
              "--device", "cpu"],
     "analyze": ["--sequences", "2", "--horizon", "6", "--kv-depths", "2", "--solve-spans", "1", "--solve-length", "8",
                 "--sharing-sequences", "1", "--sharing-depths", "2", "--no-plots", "--device", "cpu"],
-    "generate": ["--device", "cpu"],
-    "serve": ["--device", "cpu", "--port", "0"],  # looplm serve binds its port before serving: any free one
+    "generate": ["--device", "cpu", "--no-compile"],  # compiling changes speed, not text (tests/test_infer_step.py)
+    "serve": ["--device", "cpu", "--port", "0", "--no-compile"],  # looplm serve binds its port before serving: any free one
     "distill": ["--steps", "2", "--micro-batch", "4", "--calibration-rows", "4", "--val-rows", "2", "--val-every", "0",
                 "--report-rows", "2", "--report-examples", "4", "--device", "cpu"],
 }
