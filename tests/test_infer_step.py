@@ -157,3 +157,16 @@ def test_compiled_step_equals_the_eager_step(model, compiled):
             assert (got - ref).abs().max() <= TOL, (seed, t)
             assert used.tolist() == ref_used.tolist(), (seed, t)
             assert_banks_equal(cache, twin)
+
+
+@pytest.mark.xfail(strict=True, reason="DecodeStep.reset keeps self.keys = arange(old cache.max_len): a step reused "
+                                       "on a cache of another length (generate(step=...)) fails on the mask shape")
+def test_a_step_reset_onto_a_cache_of_another_length_equals_a_fresh_step(model):
+    prompts = _prompts(2, seed=4)
+    cache, twin, pad, L = _twins(model, "terminal", prompts, depth=3)
+    step = DecodeStep(model, make_cache("terminal", model.cfg, 2, 12, 4))  # made for a 12-position cache
+    step.reset(cache)  # the 32-position one
+    rows = StepRows(torch.tensor([3, 4]), torch.full((2,), L), pad, torch.arange(2))
+    got, _ = step(rows, 4)
+    ref, _ = DecodeStep(model, twin)(rows, 4)
+    assert (got - ref).abs().max() <= TOL
