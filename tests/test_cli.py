@@ -704,3 +704,28 @@ def test_ctrl_c_before_the_first_checkpoint(tmp_path, cache, capsys, monkeypatch
     assert rc == 130
     assert err.strip().splitlines()[-1] == ("interrupted at step 0, before the first checkpoint (step 8): "
                                             "nothing to resume; run the same command to start again")
+
+
+def test_generate_speculate_prints_the_same_text_and_the_acceptance_line(tmp_path, capsys):
+    """`--speculate 2 --draft-depth 1 --verbose` (full cache): the same stdout as plain decoding, and a
+    stderr line with the acceptance rate; bad --speculate / --draft-depth values are one-line errors."""
+    from _jobs import write_random_run
+
+    run = write_random_run(tmp_path / "run", data__source="shakespeare")
+    base = ["generate", run, "--prompt", "ROMEO.", "--depth", "3", "--cache", "full", "--max-new-tokens", "11",
+            "--device", "cpu"]
+    rc, plain, err = run_main(base, capsys)
+    assert rc == 0, err
+    rc, out, err = run_main([*base, "--speculate", "2", "--draft-depth", "1", "--verbose"], capsys)
+    assert rc == 0, err
+    assert out == plain and out.startswith("ROMEO.")
+    line, = [x for x in err.splitlines() if "speculation:" in x]
+    assert re.search(r"decoded \d+ tokens in .* s \(.* tokens/s\); speculation: \d+% of drafts accepted, "
+                     r"\d\.\d\d tokens per verify$", line), line
+    for bad, msg in ((["--speculate", "-1"], "--speculate must be >= 0 (0 = off), got -1"),
+                     (["--speculate", "2", "--draft-depth", "3"], "draft_depth must be in 1..2 (below the decode depth 3), got 3"),
+                     (["--speculate", "2", "--draft-depth", "0"], "draft_depth must be in 1..2")):
+        rc, out, err = run_main([*base, *bad], capsys)
+        assert rc == 2 and out == "", (bad, out)
+        assert len(error_lines(err)) == 1 and err.startswith("error:") and msg in err, err
+        assert "Traceback" not in err

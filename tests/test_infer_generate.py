@@ -239,3 +239,87 @@ def test_a_sentencepiece_continuation_keeps_its_first_space():
     ids, _ = greedy_replay(m, "terminal", sp.encode(prompt), 12, 3, 3, eos=sp.eos_id)
     assert sp.decode(ids[:1]) == "the" and sp.decode(sp.encode(prompt) + ids[:1]) == prompt + " the"
     assert prompt + got == sp.decode(sp.encode(prompt) + ids)
+
+
+# -- rows that finish leave the decode batch -------------------------------------------------------------
+class _EosAt(ByteTokenizer):
+    """Bytes with EOS moved to `eos` (-1: none), to end rows at chosen tokens."""
+
+    def __init__(self, eos: int):
+        self._eos = eos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+
+ENDING_PROMPTS = ["ab", "hello world", "x", "mid size"]
+
+
+def _ended(tokenizer, prompts, mode, depth, cfg, **kw):
+    """Each prompt generated alone (example id = its row): (texts, tokens decoded per row)."""
+    texts, counts = [], []
+    for i, p in enumerate(prompts):
+        st = {}
+        texts += generate(kw["model"], tokenizer, [p], depth=depth, cache_mode=mode, example_ids=[i],
+                          sampling=cfg, stats=st)
+        counts.append(st["decoded_tokens"])
+    return texts, counts
+
+
+def _free_ids(model, mode, depth, n, **kw):
+    """Each ENDING_PROMPTS row's greedy ids without EOS, by hand (`_reference.greedy_replay`)."""
+    return [greedy_replay(model, mode, TOK.encode(p), n, depth, depth, example_id=i, **kw)[0]
+            for i, p in enumerate(ENDING_PROMPTS)]
+
+
+def _eos_ending_rows_early(free):
+    """A token that ends the rows at the most different steps (its first place in each row, if any)."""
+    n = max(map(len, free))
+
+    def ends(t):
+        return {row.index(t) if t in row[1:] else n for row in free}
+
+    return max(sorted({t for row in free for t in row[1:]}), key=lambda t: len(ends(t)))
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_rows_that_end_at_different_times_equal_each_row_alone(model, mode):
+    """An EOS token, then also a stop string, chosen so the rows end after different numbers of tokens
+    (some run to the budget): each row's text is the prompt's generated alone (same example id)."""
+    free = _free_ids(model, mode, 3, 14)
+    eos = _eos_ending_rows_early(free)
+    tok = _EosAt(eos)
+    stop_char = next(chr(t) for row in free if eos not in row  # ends a row that runs to the budget, at j
+                     for j, t in enumerate(row) if 3 <= j < 13 and 32 <= t < 127 and t not in row[:j])
+    for stop in ((), (stop_char,)):
+        cfg = SamplingConfig(max_new_tokens=14, stop=stop)
+        alone, counts = _ended(tok, ENDING_PROMPTS, mode, 3, cfg, model=model)
+        assert len(set(counts)) >= 2 + bool(stop), counts  # the rows do end at different steps
+        stats = {}
+        assert generate(model, tok, ENDING_PROMPTS, depth=3, cache_mode=mode, sampling=cfg, stats=stats) == alone
+        assert stats["decoded_tokens"] == sum(counts)
+
+
+def test_mean_decode_depth_counts_only_live_rows(model):
+    """Adaptive exit over rows that end at different steps: the batch's mean decode depth is the
+    per-token depths of the rows run alone, summed over the steps each row really decodes (a step feeds
+    every chosen token but the row's last; EOS is chosen too), over the number of those steps."""
+    cfg = SamplingConfig(max_new_tokens=12, exit_tau=0.02, min_depth=2)
+    free = _free_ids(model, "terminal", 6, 12, exit_tau=0.02, min_depth=2)
+    tok = _EosAt(_eos_ending_rows_early(free))
+    total = steps = 0
+    lengths = []
+    for i, p in enumerate(ENDING_PROMPTS):
+        st = {}
+        generate(model, tok, [p], depth=6, example_ids=[i], sampling=cfg, stats=st)
+        n = st["decoded_tokens"]
+        chosen = n + (n < cfg.max_new_tokens)  # ended by EOS (no stop strings here)
+        lengths.append(n)
+        total += st["mean_decode_depth"] * (chosen - 1)
+        steps += chosen - 1
+    assert len(set(lengths)) >= 2, lengths
+    stats = {}
+    generate(model, tok, ENDING_PROMPTS, depth=6, sampling=cfg, stats=stats)
+    assert stats["mean_decode_depth"] == pytest.approx(total / steps, abs=1e-9)
+    assert 2 <= stats["mean_decode_depth"] < 6

@@ -417,3 +417,37 @@ def test_requests_deeper_than_the_engine_default_match_a_decode_by_hand(model, m
         assert tau is None or min(used[1:]) < dec  # the adaptive request did exit early
         got = torch.tensor([t.logprob for t in tokens])
         assert (got - lp[torch.arange(len(ids)), ids]).abs().max() <= 1e-4, i
+
+
+# -- the compiled static step ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_engine(model):
+    """One engine whose decode steps run compiled (`EngineConfig(compile=True)`): 4 slots; the tests
+    keep 3-4 rows on the exit path (per-row depths, exit_tau) so one graph set (bucket 4) serves them."""
+    return Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=6, compile=True))
+
+
+@pytest.mark.slow
+def test_compiled_engine_equals_the_eager_engine(model, compiled_engine):
+    """Mixed prompt lengths, decode depths, prefill depths and exit rules (tau 0 = never): tokens, depths
+    and log-probabilities (1e-5) equal the eager engine's; then each against its replay alone."""
+    import time
+
+    prompts = ["a", "hello world", "x+y=", "the quick brown"]
+    reqs = [Request(TOK.encode(p), max_tokens=7, depth=d, prefill_depth=pd, exit_tau=tau, min_depth=2, logprobs=2,
+                    example_id=i)
+            for i, (p, d, pd, tau) in enumerate(zip(prompts, [4, 6, 2, 5], [3, 6, 2, 4], [0.05, None, 0.1, None]))]
+    eager = Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=6))
+    start = time.perf_counter()
+    got = _run(compiled_engine, reqs)
+    print(f"compiled engine (compile included): {time.perf_counter() - start:.1f} s")
+    want = _run(eager, reqs)
+    for (tokens, finish), (ref_tokens, ref_finish), req in zip(got, want, reqs):
+        assert [t.token_id for t in tokens] == [t.token_id for t in ref_tokens]
+        assert [t.depth for t in tokens] == [t.depth for t in ref_tokens]
+        for t, r in zip(tokens, ref_tokens):
+            assert abs(t.logprob - r.logprob) <= TOL
+            assert dict(t.top_logprobs).keys() == dict(r.top_logprobs).keys()
+        assert finish.text == ref_finish.text
+        assert_logprobs_equal(tokens, replay(model, req, [t.token_id for t in tokens], "terminal", 6), 2, greedy=True)
+    assert sum(len(t) for t, _ in got) >= 16

@@ -1,0 +1,278 @@
+"""Self-speculative decoding (`looplm.infer.speculative`, design §16) against independent references:
+
+- full cache, greedy: token for token the no-cache greedy decode at the verifier's depth (and plain
+  `generate`), over several k, draft depths, prompt lengths, stops and EOS inside accepted windows;
+- terminal cache, greedy: each emitted token is the argmax of a replay through `extend` in which the
+  prompt is one chunk and each verify round's accepted window [last, d_1..d_n] is one chunk (the
+  window sizes come from an instrumented run; the replay never calls speculative_decode);
+- the acceptance rule (`accept`): the first emitted token is distributed as the verifier's p;
+- end to end sampling: the first two tokens are distributed as plain sampling's, computed exactly."""
+
+import collections
+
+import pytest
+import torch
+from _models import decisive_model
+
+import looplm.infer.generate as gen_mod
+import looplm.infer.speculative as spec_mod
+from looplm.data import ByteTokenizer
+from looplm.errors import UserError
+from looplm.infer import extend, make_cache
+from looplm.infer.decode import SamplingConfig, probabilities
+from looplm.infer.generate import Speculation, generate
+from looplm.infer.step import DecodeStep
+
+TOK = ByteTokenizer()
+DEPTH = 4
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+
+class _EosTokenizer(ByteTokenizer):
+    """Bytes, with EOS moved to a given id (-1: no EOS), to end generation at a chosen token."""
+
+    def __init__(self, eos: int):
+        self._eos = eos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decisive_model(TOK.vocab_size, max_seq_len=48)
+
+
+def _no_cache_greedy(model, prompt_ids, n, depth, eos, example_id=0):
+    """Reference: the whole sequence re-run natively (no cache) for every new token; ids until EOS."""
+    ids = list(prompt_ids)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), depth, init="seeded", example_ids=torch.tensor([example_id])).logits
+        nxt = int(logits[0, -1].argmax())
+        if nxt == eos:
+            break
+        ids.append(nxt)
+    return ids[len(prompt_ids):]
+
+
+def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=(), depth=DEPTH, **kw):
+    """generate with speculation, instrumented: (text, emitted ids (EOS included), windows [(k_i, n_i)], stats)."""
+    emitted, windows = [], []
+    real_accept, real_decode = spec_mod.accept, gen_mod.speculative_decode
+
+    def accept(drafts, p, q, g):
+        n_acc, nxt = real_accept(drafts, p, q, g)
+        windows.append((drafts.shape[0], n_acc))
+        return n_acc, nxt
+
+    def decode(*a, emit, **k_):
+        return real_decode(*a, emit=lambda t: emitted.append(t) or emit(t), **k_)
+
+    monkeypatch.setattr(spec_mod, "accept", accept)
+    monkeypatch.setattr(gen_mod, "speculative_decode", decode)
+    stats = {}
+    text = generate(model, tok, [prompt], depth=depth, cache_mode=mode, stats=stats, speculate=Speculation(k, draft_depth),
+                    sampling=SamplingConfig(max_new_tokens=n, stop=stop), **kw)[0]
+    monkeypatch.undo()
+    return text, emitted, windows, stats
+
+
+CASES = [(1, 1, 13), (2, 1, 13), (3, 2, 13), (5, 3, 11), (4, 1, 30)]
+
+
+@pytest.mark.parametrize(("k", "draft_depth", "n"), CASES)
+def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k, draft_depth, n):
+    """max_new_tokens is never a multiple of k + 1; prompts of 1, 5 and 17 bytes."""
+    rejected = accepted = 0
+    for prompt in ["a", "hello", "the quick brown f"]:
+        ids = TOK.encode(prompt)
+        want = _no_cache_greedy(model, ids, n, DEPTH, TOK.eos_id)
+        text, emitted, windows, stats = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="full", n=n)
+        assert [t for t in emitted if t != TOK.eos_id] == want, (prompt, emitted, want)
+        plain = generate(model, TOK, [prompt], depth=DEPTH, cache_mode="full", sampling=SamplingConfig(max_new_tokens=n))
+        assert text == plain[0] == TOK.decode(want)
+        rejected += sum(kd - a for kd, a in windows)
+        accepted += sum(a for _, a in windows)
+        assert stats["speculation"]["accepted"] == sum(a for _, a in windows)
+    assert rejected > 0 and accepted > 0  # both paths of the rule ran (draft depth << verifier depth)
+
+
+def _window_positions(emitted, windows):
+    """Indices of emitted tokens that were accepted drafts at position >= 2 of their window (a stop
+    there ends the window in its middle)."""
+    out, p = [], 0
+    for _, n_acc in windows:
+        out += [p + j for j in range(2, n_acc + 1)]
+        p += n_acc + 1
+    return [i for i in out if i < len(emitted)]
+
+
+@pytest.mark.parametrize("mode", ["full", "terminal"])
+def test_stop_and_eos_inside_an_accepted_window(monkeypatch, model, mode):
+    """EOS, and a stop string, that fall on an accepted draft in the middle of a window: the speculative
+    output is the free output cut there (full cache: also plain greedy's)."""
+    n, stops = 30, 0
+    for prompt in ["the quick brown f", "a", "ab"]:
+        free, emitted, windows, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n,
+                                          tok=_EosTokenizer(-1))
+        inside = [i for i in _window_positions(emitted, windows) if emitted[i] not in emitted[:i]]  # first occurrences
+        assert inside, windows
+        i = inside[0]
+        eos_tok = _EosTokenizer(emitted[i])  # EOS = that token: generation ends before it
+        cut, got, _, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n, tok=eos_tok)
+        assert got == emitted[:i + 1] and cut == TOK.decode(emitted[:i])
+        if mode == "full":
+            plain = generate(model, eos_tok, [prompt], depth=DEPTH, cache_mode=mode,
+                             sampling=SamplingConfig(max_new_tokens=n))
+            assert plain == [cut]
+        for i in inside:  # a stop string that the token at i completes (its new text, first seen there)
+            before, after = TOK.decode(emitted[:i]), TOK.decode(emitted[:i + 1])
+            stop = after[len(before):]
+            if after.startswith(before) and stop and "\ufffd" not in stop and free.find(stop) == len(before):
+                break
+        else:
+            continue
+        text, got, _, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n,
+                                tok=_EosTokenizer(-1), stop=(stop,))
+        assert got == emitted[:i + 1] and text == before, (stop, text, before)
+        stops += 1
+    assert stops, "no printable token mid-window: pick other prompts"
+
+
+# -- terminal cache: the accepted windows replayed as chunks -----------------------------------------------
+@torch.no_grad()
+def _terminal_replay_check(model, prompt_ids, emitted, windows, depth, n, eos, example_id=0):
+    """The prompt as one chunk, then each verify round's accepted window [last, d_1..d_a] as one chunk at
+    `depth` (the final plain step, if any, a chunk of one); every emitted token must be the argmax of
+    the chunk logits at its position, and EOS (or the budget) must end the output."""
+    cache = make_cache("terminal", model.cfg, 1, len(prompt_ids) + n, depth)
+    ex = torch.tensor([example_id])
+    logits = extend(model, torch.tensor([prompt_ids]), cache, depth, example_ids=ex).logits[0, -1:]
+    predicted = [int(logits[-1].argmax())]
+    sizes = [a for _, a in windows]
+    p = 0
+    while p < len(emitted) and emitted[p] != eos:
+        a = sizes.pop(0) if sizes else 0
+        chunk = emitted[p:p + a + 1]
+        logits = extend(model, torch.tensor([chunk]), cache, depth, example_ids=ex).logits[0]
+        predicted += [int(x) for x in logits.argmax(-1)]
+        p += len(chunk)
+    assert emitted == predicted[:len(emitted)], (emitted, predicted)
+    assert emitted[-1] == eos or len(emitted) == n
+
+
+@pytest.mark.parametrize(("k", "draft_depth", "n"), CASES)
+def test_terminal_speculative_equals_a_replay_of_its_windows(monkeypatch, model, k, draft_depth, n):
+    for e, prompt in enumerate(["a", "hello", "the quick brown f"]):
+        text, emitted, windows, _ = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="terminal",
+                                          n=n, example_ids=[e + 3])
+        assert windows and text == TOK.decode([t for t in emitted if t != TOK.eos_id])
+        _terminal_replay_check(model, TOK.encode(prompt), emitted, windows, DEPTH, n, TOK.eos_id, example_id=e + 3)
+
+
+def test_batched_speculation_equals_each_prompt_alone(model):
+    prompts = ["a", "hello", "the quick brown f"]
+    spec = Speculation(3, 1)
+    cfg = SamplingConfig(max_new_tokens=12)
+    stats = {}
+    batch = generate(model, TOK, prompts, depth=DEPTH, speculate=spec, sampling=cfg, stats=stats, example_ids=[5, 6, 7])
+    alone = [generate(model, TOK, [p], depth=DEPTH, speculate=spec, sampling=cfg, example_ids=[5 + i])[0]
+             for i, p in enumerate(prompts)]
+    assert batch == alone
+    s = stats["speculation"]
+    assert stats["acceptance_rate"] == s["accepted"] / s["drafted"]
+    assert stats["tokens_per_verify"] == (s["accepted"] + s["rounds"]) / s["rounds"]
+
+
+def test_speculation_settings_are_checked(model):
+    for spec, msg in ((Speculation(0, 1), "k >= 1"), (Speculation(2, 0), "draft_depth must be in 1..3"),
+                      (Speculation(2, DEPTH), "draft_depth must be in 1..3")):
+        with pytest.raises(UserError, match=msg):
+            generate(model, TOK, ["ab"], depth=DEPTH, speculate=spec)
+    with pytest.raises(UserError, match="exit_tau"):
+        generate(model, TOK, ["ab"], depth=DEPTH, speculate=Speculation(2, 1), sampling=SamplingConfig(exit_tau=0.1))
+
+
+# -- the sampling rule ------------------------------------------------------------------------------------
+P = torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05], [0.1, 0.1, 0.2, 0.3, 0.3], [0.2, 0.2, 0.2, 0.2, 0.2]])
+Q = torch.tensor([[0.1, 0.1, 0.4, 0.2, 0.2], [0.3, 0.3, 0.2, 0.1, 0.1]])
+
+
+def test_accept_greedy_keeps_the_agreeing_prefix():
+    logits = torch.log(P)  # argmaxes 0, 3 (tie 3/4: first), 0
+    assert [int(x) for x in spec_mod.accept(torch.tensor([0, 3]), logits, None, None)] == [2, 0]
+    assert [int(x) for x in spec_mod.accept(torch.tensor([0, 1]), logits, None, None)] == [1, 3]
+    assert [int(x) for x in spec_mod.accept(torch.tensor([2, 3]), logits, None, None)] == [0, 0]  # no later agreement counts
+
+
+def test_accept_emits_tokens_distributed_as_the_verifier():
+    """Drafts d_i ~ q_i; the first emitted token (d_1 if kept, else the correction) must follow p_0,
+    and the second, given d_1 was kept, p_1. A rule that always accepts gives q_0 (off by 0.4); one that
+    resamples from p instead of the residual puts 0.3 instead of 0.4 on token 0."""
+    g = torch.Generator().manual_seed(0)
+    N = 4000
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(N):
+        drafts = torch.multinomial(Q, 1, generator=g)[:, 0]
+        n, nxt = spec_mod.accept(drafts, P, Q, g)
+        emitted = [*drafts[:n].tolist(), int(nxt)]
+        first[emitted[0]] += 1
+        if n >= 1:
+            second[emitted[1]] += 1
+    first, second = first / N, second / second.sum()
+    assert (first - P[0]).abs().max() < 0.03, first
+    assert (second - P[1]).abs().max() < 0.05, second
+
+
+def test_accept_when_p_equals_q_keeps_everything_and_draws_the_bonus_from_p():
+    g = torch.Generator().manual_seed(1)
+    bonus = collections.Counter()
+    for _ in range(2000):
+        n, nxt = spec_mod.accept(torch.tensor([2, 4]), P, P[:2], g)
+        assert n == 2
+        bonus[int(nxt)] += 1
+    assert all(abs(bonus[t] / 2000 - 0.2) < 0.04 for t in range(5)), bonus
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_speculative_sampling_matches_plain_sampling_end_to_end():
+    """A 6-token model at temperature 1: the first two tokens under speculation (k = 1, drafts at depth 1,
+    verified at 4) against their exact distribution under plain sampling, computed from `extend`. (Here
+    drafting from the residual matters: resampling from p instead puts the pair 0.1 (total variation)
+    away, always accepting 0.2; 1000 draws: 6-10 s, so slow-marked.)"""
+    V, R = 6, 4
+    m = decisive_model(V, max_seq_len=16, seed=0)
+    cfg = SamplingConfig(max_new_tokens=3, temperature=1.0)
+    prompt = torch.tensor([[1, 4, 2]])
+    ex, pad = torch.tensor([0]), torch.tensor([0])
+
+    def prefilled():
+        cache = make_cache("terminal", m.cfg, 1, 6, R)
+        return cache, extend(m, prompt, cache, R, example_ids=ex).logits[:, -1]
+
+    cache, logits = prefilled()
+    p0 = probabilities(logits, cfg)[0]
+    exact = torch.zeros(V, V)
+    for t0 in range(V):
+        c = cache.take(torch.tensor([0]))
+        exact[t0] = p0[t0] * probabilities(extend(m, torch.tensor([[t0]]), c, R, example_ids=ex).logits[:, -1], cfg)[0]
+    g = torch.Generator().manual_seed(0)
+    N = 1000
+    counts = torch.zeros(V, V)
+    stats = spec_mod.SpeculationStats()
+    step = DecodeStep(m, cache)
+    for _ in range(N):
+        c = cache.take(torch.tensor([0]))
+        step.reset(c)
+        got = []
+        spec_mod.speculative_decode(m, c, step, logits, length=3, depth=R, draft_depth=1, k=1, sampling=cfg,
+                                    generator=g, pad=pad, example_ids=ex, emit=lambda t: got.append(t) or len(got) == 2,
+                                    stats=stats)
+        counts[got[0], got[1]] += 1
+    assert 0.5 < stats.acceptance_rate < 0.9, stats  # drafts are rejected often enough for the residual to matter
+    tv = 0.5 * float((counts / N - exact).abs().sum())
+    print(f"total variation {tv:.3f}, acceptance {stats.acceptance_rate:.2f}")
+    assert tv < 0.06, (counts / N, exact)

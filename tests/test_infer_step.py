@@ -1,0 +1,172 @@
+"""`DecodeStep` (the static-shape one-token step, design §16) against the model's cached forward:
+`extend` one token at a time on a twin cache (same prefill, same tokens). Per-token logits to 1e-5 and
+every bank of the cache afterwards, in the terminal and the full cache, with left padding (`first` >
+0), per-row lengths (`write_at` differing per row), per-row depths and adaptive exit. The compiled
+step (one module-scoped instance, compiled once) equals the eager step."""
+
+import time
+
+import pytest
+import torch
+from _models import decisive_model
+
+from looplm.infer import extend, make_cache
+from looplm.infer.step import DecodeStep, StepRows
+
+TOL = 1e-5
+V = 50
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Context- and depth-sensitive (`_models`), TINY_MODEL-sized (vocab 50, 32 positions)."""
+    return decisive_model(V, max_seq_len=32, max_depth=8)
+
+
+def _twins(model, mode, prompts, depth, cache_depth=6, B=None):
+    """Two identical caches holding the left-padded `prompts` prefilled at `depth`, and (tokens, pad)."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    pad = torch.tensor([L - len(p) for p in prompts])
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, L - len(p):] = torch.tensor(p)
+    cache = make_cache(mode, model.cfg, B, 32, cache_depth)
+    extend(model, tokens, cache, depth, example_ids=torch.arange(B), pad=pad)
+    twin = cache.take(torch.arange(B))
+    return cache, twin, pad, L
+
+
+def assert_banks_equal(a, b, tol=TOL):
+    for i, (x, y) in enumerate(zip(a.banks(), b.banks(), strict=True)):
+        assert (x.k - y.k).abs().max() <= tol and (x.v - y.v).abs().max() <= tol, i
+
+
+def _prompts(B, seed=0, lo=2, hi=9):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(B)]
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_step_with_left_padding_equals_extend_token_by_token(model, mode):
+    """Rows of different prompt lengths (first = pad > 0), all rows at depth R."""
+    prompts = _prompts(3, seed=1)
+    R = 4
+    cache, twin, pad, L = _twins(model, mode, prompts, depth=3, cache_depth=R)
+    step = DecodeStep(model, cache)
+    ids = torch.arange(3)
+    feed = torch.randint(0, V, (3, 6))
+    for t in range(6):
+        tok = feed[:, t]
+        got, used = step(StepRows(tok, torch.full((3,), L + t), pad, ids), R)
+        twin.length = L + t
+        ref = extend(model, tok[:, None], twin, R, example_ids=ids, pad=pad)
+        assert (got - ref.logits[:, -1]).abs().max() <= TOL, t
+        assert used.tolist() == ref.depths[:, 0].tolist() == [R] * 3
+        assert_banks_equal(cache, twin)
+
+
+def _per_row(model, mode, *, depth=None, tau=None, floor=None, loop_depth, cache_depth=6, steps=5, check_depths=True):
+    """Per-row lengths: a uniform prefill of 8, then row b writes at 8 - offset_b + t (rows overwrite
+    their own tails, so the rows' lengths differ); the twin runs `extend` with per-row `cache.length`."""
+    B = 4
+    prompts = [torch.randint(0, V, (8,)).tolist() for _ in range(B)]
+    cache, twin, _, L = _twins(model, mode, prompts, depth=3, cache_depth=cache_depth)
+    offsets = torch.tensor([0, 3, 1, 5])
+    zero = torch.zeros(B, dtype=torch.long)
+    ids = torch.tensor([4, 1, 7, 2])
+    step = DecodeStep(model, cache)
+    seen_depths = set()
+    for t in range(steps):
+        tok = torch.randint(0, V, (B,))
+        at = L - offsets + t
+        rows = StepRows(tok, at, zero, ids, depth=depth, exit_tau=tau, min_depth=floor,
+                        lowest=int(floor.min()) if floor is not None else (int(depth.min()) if depth is not None else 1))
+        got, used = step(rows, loop_depth)
+        twin.length = at.clone()
+        kw = {} if tau is None else dict(exit_tau=tau, min_depth=floor)
+        ref = extend(model, tok[:, None], twin, loop_depth if depth is None else depth, example_ids=ids, **kw)
+        assert (got - ref.logits[:, -1]).abs().max() <= TOL, t
+        assert used.tolist() == ref.depths[:, 0].tolist(), t
+        seen_depths |= set(used.tolist())
+        assert_banks_equal(cache, twin)
+    return seen_depths
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_step_with_per_row_lengths_equals_extend(model, mode):
+    _per_row(model, mode, loop_depth=5)
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_step_with_per_row_depths_equals_extend(model, mode):
+    """Rows at 1, 5, 3, 6 recurrences in one step (full cache of depth 6: the shallow rows' unreached
+    visits take their terminal K/V)."""
+    depth = torch.tensor([1, 5, 3, 6])
+    assert _per_row(model, mode, depth=depth, loop_depth=6) == {1, 3, 5, 6}
+
+
+def test_step_with_adaptive_exit_equals_extend(model):
+    """Terminal cache, per-row exit_tau (0 = never) and min_depth: each row stops at the recurrence the
+    model's own exit rule gives, and its frozen state's K/V stay its terminal K/V."""
+    depth = torch.tensor([8, 8, 6, 8])
+    tau = torch.tensor([0.3, 0.0, 0.3, 0.15])
+    floor = torch.tensor([1, 1, 2, 3])
+    seen = _per_row(model, "terminal", depth=depth, tau=tau, floor=floor, loop_depth=8, steps=6)
+    assert len(seen) >= 3 and min(seen) < 6, seen  # rows did exit at different recurrences
+
+
+# -- compiled vs eager ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled(model):
+    """One compiled step on a terminal cache of 4 rows, traced once for the exit path (per-row depth,
+    exit_tau, min_depth tensors: tau 0 and depth = max reproduce a plain row). (step, compile seconds)"""
+    torch.manual_seed(5)
+    cache, _, _, _ = _twins(model, "terminal", _prompts(4, seed=3), depth=3)
+    step = DecodeStep(model, cache, compile=True)
+    start = time.perf_counter()
+    step(_compiled_rows(torch.zeros(4, dtype=torch.long), torch.full((4,), 8), torch.zeros(4, dtype=torch.long)), 6)
+    return step, time.perf_counter() - start
+
+
+def _compiled_rows(tok, at, first):
+    return StepRows(tok, at, first, torch.tensor([0, 1, 2, 3]), depth=torch.tensor([6, 6, 2, 4]),
+                    exit_tau=torch.tensor([0.0, 0.25, 0.0, 0.3]), min_depth=torch.tensor([1, 2, 1, 1]), lowest=1)
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_the_eager_step(model, compiled):
+    """Left padding, per-row lengths, per-row depths and adaptive exit through one compiled graph: the
+    logits (1e-5), the recurrences used and every bank equal the eager step on a twin cache."""
+    step, seconds = compiled
+    print(f"compile + first step: {seconds:.1f} s")
+    for seed, (prompt_len, offsets) in enumerate([((3, 8, 5, 6), (0, 0, 0, 0)), ((8, 8, 8, 8), (0, 4, 2, 1))]):
+        torch.manual_seed(seed)
+        prompts = [torch.randint(0, V, (n,)).tolist() for n in prompt_len]
+        cache, twin, pad, L = _twins(model, "terminal", prompts, depth=3)
+        step.reset(cache)
+        eager = DecodeStep(model, twin)
+        offsets = torch.tensor(offsets)
+        first = pad if offsets.eq(0).all() else torch.zeros(4, dtype=torch.long)
+        for t in range(4):
+            tok = torch.randint(0, V, (4,))
+            rows = _compiled_rows(tok, L - offsets + t, first)
+            got, used = step(rows, 6)
+            ref, ref_used = eager(rows, 6)
+            assert (got - ref).abs().max() <= TOL, (seed, t)
+            assert used.tolist() == ref_used.tolist(), (seed, t)
+            assert_banks_equal(cache, twin)
+
+
+@pytest.mark.xfail(strict=True, reason="DecodeStep.reset keeps self.keys = arange(old cache.max_len): a step reused "
+                                       "on a cache of another length (generate(step=...)) fails on the mask shape")
+def test_a_step_reset_onto_a_cache_of_another_length_equals_a_fresh_step(model):
+    prompts = _prompts(2, seed=4)
+    cache, twin, pad, L = _twins(model, "terminal", prompts, depth=3)
+    step = DecodeStep(model, make_cache("terminal", model.cfg, 2, 12, 4))  # made for a 12-position cache
+    step.reset(cache)  # the 32-position one
+    rows = StepRows(torch.tensor([3, 4]), torch.full((2,), L), pad, torch.arange(2))
+    got, _ = step(rows, 4)
+    ref, _ = DecodeStep(model, twin)(rows, 4)
+    assert (got - ref).abs().max() <= TOL
