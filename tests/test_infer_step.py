@@ -159,8 +159,6 @@ def test_compiled_step_equals_the_eager_step(model, compiled):
             assert_banks_equal(cache, twin)
 
 
-@pytest.mark.xfail(strict=True, reason="DecodeStep.reset keeps self.keys = arange(old cache.max_len): a step reused "
-                                       "on a cache of another length (generate(step=...)) fails on the mask shape")
 def test_a_step_reset_onto_a_cache_of_another_length_equals_a_fresh_step(model):
     prompts = _prompts(2, seed=4)
     cache, twin, pad, L = _twins(model, "terminal", prompts, depth=3)
