@@ -5,6 +5,7 @@ cache at the same cache memory, and adaptive exit vs fixed depth, side by side i
         [--max-tokens 32] [--depth 5] [--full-slots 4] [--time-limit 120] [--rounds 3]
         [--out benchmarks/results/serve_load.json]
     python benchmarks/serve_load.py --workload mixed-depth [--slots 64] [--deep 12] [--max-tokens 48]
+    python benchmarks/serve_load.py --compiled ...   # also `continuous terminal, --compile`
 
 Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
 from the arm's), waits for /health, and then `--clients` client threads (this process) send the
@@ -171,7 +172,8 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
             "results": sorted(results, key=lambda r: r["index"])}
 
 
-def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict) -> dict:
+def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict,
+                compile: bool = False) -> dict:
     """The same requests through `looplm.serve.Engine` in this process (no HTTP, no clients),
     all submitted at once, on `--server-threads` torch threads: what the engine itself sustains."""
     from looplm.checkpoint import load_model
@@ -183,9 +185,9 @@ def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int
         model, tok, _ = load_model(checkpoint)
         engine = Engine(model, tok, EngineConfig(max_batch=slots, depth=args.depth, cache=cache,
                                                  max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full"
-                                                 else None, max_queue=len(texts)))
+                                                 else None, max_queue=len(texts), compile=compile))
         reqs = [Request(tok.encode(t), max_tokens=args.max_tokens, **extra) for t in texts]
-        engine.generate(reqs[:4])  # warm-up
+        engine.generate(reqs[:slots] if compile else reqs[:4])  # warm-up (compiled: every batch bucket)
         t0 = time.perf_counter()
         finishes = engine.generate(reqs)
         wall = time.perf_counter() - t0
@@ -309,6 +311,7 @@ def main() -> None:
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the server process")
     ap.add_argument("--adaptive-depth", type=int, default=8)
     ap.add_argument("--exit-tau", type=float, default=0.05)
+    ap.add_argument("--compiled", action="store_true", help="add the arm `continuous terminal, --compile`")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
     args = ap.parse_args()
     if args.workload == "mixed-depth":
@@ -330,29 +333,33 @@ def main() -> None:
         texts = prompts(args.requests)
         jobs = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in texts]
         common = ["--depth", str(args.depth), "--max-queue", str(args.requests)]
-        arms = [  # (label, cache, slots, extra request fields)
-            ("continuous terminal", "terminal", terminal_slots, {}),
-            ("one at a time terminal", "terminal", 1, {}),
-            ("continuous full", "full", args.full_slots, {}),
-            (f"continuous terminal, {args.full_slots} slots", "terminal", args.full_slots, {}),
+        arms = [  # (label, cache, slots, extra request fields, compiled)
+            ("continuous terminal", "terminal", terminal_slots, {}, False),
+            ("one at a time terminal", "terminal", 1, {}, False),
+            ("continuous full", "full", args.full_slots, {}, False),
+            (f"continuous terminal, {args.full_slots} slots", "terminal", args.full_slots, {}, False),
         ]
+        if args.compiled:
+            arms.append(("continuous terminal, --compile", "terminal", terminal_slots, {}, True))
         if args.checkpoint is not None:
             R = args.adaptive_depth
-            arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}),
+            arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}, False),
                      (f"adaptive exit tau {args.exit_tau} (max {R})", "terminal", terminal_slots,
-                      {"depth": R, "exit_tau": args.exit_tau})]
+                      {"depth": R, "exit_tau": args.exit_tau}, False)]
         rounds: list[list[dict]] = [[] for _ in arms]
         for rnd in range(args.rounds):  # arms alternate, so drifting machine load hits all of them alike
-            for k, (label, cache, slots, extra) in enumerate(arms):
-                flags = ["--cache", cache, "--max-batch", str(slots)]
+            for k, (label, cache, slots, extra, compiled) in enumerate(arms):
+                flags = ["--cache", cache, "--max-batch", str(slots), *(["--compile"] if compiled else [])]
                 server = Server(checkpoint, common + flags, args.server_threads)
                 try:
-                    run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up
+                    # warm-up; a compiled server compiles a graph set per batch bucket, so all of them
+                    warm = slots if compiled else 4
+                    run_load(server.url, jobs[: min(warm, len(jobs))], warm, args.time_limit)
                     result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
                     result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
                 finally:
                     server.close()
-                result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra)
+                result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra, compiled)
                 rounds[k].append(result)
                 print(f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
                       f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
@@ -360,9 +367,10 @@ def main() -> None:
                       f"depth {result['mean_decode_depth']:.2f}; engine alone "
                       f"{result['engine_only']['tokens_per_s']:.1f} tok/s", flush=True)
         rows = []
-        for (label, cache, slots, extra), runs in zip(arms, rounds):
+        for (label, cache, slots, extra, compiled), runs in zip(arms, rounds):
             med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-            rows.append({"arm": label, "server_flags": " ".join(common + ["--cache", cache, "--max-batch", str(slots)]),
+            rows.append({"arm": label, "server_flags": " ".join(common + ["--cache", cache, "--max-batch", str(slots)]
+                                                               + (["--compile"] if compiled else [])),
                          "extra_body": extra, "slots": slots, "cache_bytes": runs[0]["cache_bytes"],
                          **{f"median_{key}": med(key) for key in ("tokens_per_s", "requests_per_s", "latency_p50_s",
                                                                   "latency_p95_s", "ttft_p50_s", "ttft_p95_s")},
@@ -379,7 +387,8 @@ def main() -> None:
         same_outputs = {  # greedy: batching must not change a request's text
             rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(a["text"] == b["text"] for a, b in
                                                          zip(rows[i]["results"], rows[j]["results"]))
-            for i, j in ((0, 1), (0, 3)) if rows[i]["completed"] == rows[j]["completed"] == len(jobs)}
+            for i, j in ((0, 1), (0, 3), *(((0, 4),) if args.compiled else ()))
+            if rows[i]["completed"] == rows[j]["completed"] == len(jobs)}
         print(f"identical texts (of {len(jobs)}): {same_outputs}")
         quality = None
         if args.checkpoint is not None:
