@@ -308,6 +308,13 @@ def test_unserved_settings_are_refused_by_name(base, override, words):
             pass
 
 
+def test_speculative_decoding_is_refused_at_load_by_name(base):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with pytest.raises(Exception, match=r"speculative decoding \(speculative_config\) is not served"):
+        with engine(base[1], speculative_config=ngram):
+            pass
+
+
 def test_prompt_embeddings_are_refused_at_load_by_name(base):
     with pytest.raises(Exception, match=r"prompt embeddings \(enable_prompt_embeds\) are not served"):
         with engine(base[1], enable_prompt_embeds=True):

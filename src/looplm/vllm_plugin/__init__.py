@@ -9,7 +9,7 @@ process, so a folder written by `looplm export` serves with no extra flag:
 `register()` maps the architecture that `looplm export` writes in config.json
 (`LoopedLMForCausalLM`) to `looplm.vllm_plugin.model.LoopedLMForVLLM`, makes transformers'
 `AutoConfig` know model_type "looplm", and adds a config hook that refuses the settings the plugin
-does not serve and turns chunked prefill and prefix caching off. vLLM is imported only inside this package.
+does not serve (speculative decoding among them) and turns chunked prefill and prefix caching off. vLLM is imported only inside this package.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class LoopedConfigHook:
     context length where it is smaller): under the terminal cache a chunk's tokens read each other's
     current-recurrence K/V and earlier chunks' terminal K/V, so where vLLM cuts a prompt (wherever the
     step's budget runs out, which depends on the other requests) would change its K/V and outputs.
+    Speculative decoding is refused: its verify chunk (the drafts run together) is not what one-token
+    decoding computes under the terminal cache.
     Prefix caching is turned off unless the config sets `allow_prefix_caching`: a cached block holds the
     terminal K/V its tokens got when they were written (by a prompt chunk, or one by one while decoding),
     which a fresh prefill of the same tokens does not compute (design §15)."""
@@ -43,6 +45,10 @@ class LoopedConfigHook:
         if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
             raise Refused("prompt embeddings (enable_prompt_embeds) are not served by the looplm vLLM plugin: its "
                           "initial state and value embeddings are functions of the token ids; pass token ids or text")
+        if vllm_config.speculative_config is not None:
+            raise Refused("speculative decoding (speculative_config) is not served by the looplm vLLM plugin: its "
+                          "verify chunk runs the draft tokens together, which under the terminal cache is not what "
+                          "decoding them one at a time computes; serve without a speculative config")
         from vllm.logger import init_logger
 
         log = init_logger("vllm.looplm_plugin")
