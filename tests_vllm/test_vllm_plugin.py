@@ -48,7 +48,7 @@ from looplm.vllm_plugin.model import Refused, check_servable  # noqa: E402
 TOK = ByteTokenizer()
 TOL = 1e-4
 CONTEXT = 128
-BUDGET = 32  # max_num_batched_tokens: the prompts below fit in one step, LONG does not
+BUDGET = 32  # max_num_batched_tokens asked for: the prompts below fit in it, LONG does not
 PROMPTS = [[72, 105, 33], [84, 111, 32, 98, 101, 32, 111, 114, 32], list(b"All the world's a")]  # 29 tokens in all
 LONG = list(b"Now is the winter of our discontent made glorious summer by this sun")  # 69 tokens > BUDGET
 NEW = 6
@@ -84,7 +84,8 @@ def exported(root: Path, model: LoopedLM, num_steps: int = 3) -> Path:
 
 @contextmanager
 def engine(folder: Path, **kw):
-    """A vllm.LLM over `folder` in fp32 (eager, chunked prefill at BUDGET tokens), shut down afterwards."""
+    """A vllm.LLM over `folder` in fp32 (eager, a BUDGET-token step budget, which the plugin raises to CONTEXT
+    with chunked prefill off), shut down afterwards."""
     args = dict(dtype="float32", enforce_eager=True, max_model_len=CONTEXT, max_num_batched_tokens=BUDGET,
                 max_num_seqs=8, seed=0)
     llm = LLM(model=str(folder), **{**args, **kw})
@@ -164,22 +165,23 @@ def test_greedy_ids_and_logprobs_equal_looplm_generate(base, depth):
     assert looplm_generate(model, shifted, depth, NEW)[0] != vllm_ids_logprobs(outs[1])[0]
 
 
-def test_chunked_prefill_equals_extend_over_the_same_chunks(base):
-    """A prompt longer than max_num_batched_tokens is prefilled in chunks of BUDGET tokens; later chunks
-    read the earlier chunks' terminal K/V, so it equals looplm's `extend` called once per chunk (the
-    protocol of a prompt fed to `looplm generate` in pieces), not one whole-prompt prefill."""
+def test_a_long_prompt_prefills_as_one_chunk(base):
+    """A prompt longer than max_num_batched_tokens is not cut into chunks (the plugin turns chunked prefill
+    off and raises the budget to the context length): it equals looplm's whole-prompt prefill, not `extend`
+    once per BUDGET-token chunk, which would read the earlier chunks' terminal K/V."""
     model, folder = base
     with engine(folder) as llm:
         out = llm.generate([{"prompt_token_ids": LONG}], GREEDY, use_tqdm=False)[0]
         cfg = llm.llm_engine.vllm_config
         blocks, block_size = cfg.cache_config.num_gpu_blocks, cfg.cache_config.block_size
         prefix_caching = cfg.cache_config.enable_prefix_caching
-    chunks = list(range(BUDGET, len(LONG), BUDGET))
-    want_ids, want_lp = looplm_generate(model, LONG, 3, NEW, chunks=chunks)
+        sched = cfg.scheduler_config
+    assert not sched.enable_chunked_prefill and sched.max_num_batched_tokens == CONTEXT
+    want_ids, want_lp = looplm_generate(model, LONG, 3, NEW)
     ids, lp = vllm_ids_logprobs(out)
     assert ids == want_ids and max(abs(a - b) for a, b in zip(lp, want_lp)) <= TOL
-    _, whole_lp = looplm_generate(model, LONG, 3, NEW)
-    assert max(abs(a - b) for a, b in zip(lp, whole_lp)) > 1e-3  # chunking changes the result, and we see it
+    _, chunked_lp = looplm_generate(model, LONG, 3, NEW, chunks=list(range(BUDGET, len(LONG), BUDGET)))
+    assert max(abs(a - b) for a, b in zip(lp, chunked_lp)) > 1e-3  # chunking would change the result, and we see it
 
     # item 3: KV capacity reflects physical layers. vLLM gives each Attention an equal share of the
     # KV memory; terminal sharing has n_prelude + n_core + n_coda = 4 layers, one bank per layer visit
@@ -192,6 +194,45 @@ def test_chunked_prefill_equals_extend_over_the_same_chunks(base):
     assert blocks * block_size == space // (per_token * physical)
     assert blocks * block_size == 2 * (space // (per_token * visits))
     assert not prefix_caching  # off by default for looped models (design §15)
+
+
+def test_outputs_do_not_depend_on_the_other_requests(base):
+    """The same prompt alone and behind 15 others under a small token budget: identical greedy ids, log-probs
+    within 1e-5. With chunked prefill vLLM would cut it wherever a step's budget ran out (at BUDGET, 2 BUDGET
+    alone; elsewhere behind the others), and under the terminal cache its K/V depend on the cut."""
+    model, folder = base
+    others = [list(b"Friends, Romans, countrymen, lend me your ears"[: 3 + 2 * i]) for i in range(15)]
+    with engine(folder, max_num_seqs=16) as llm:
+        alone = llm.generate([{"prompt_token_ids": LONG}], GREEDY, use_tqdm=False)[0]
+        crowd = llm.generate([{"prompt_token_ids": p} for p in [*others, LONG]], GREEDY, use_tqdm=False)
+    ids, lp = vllm_ids_logprobs(alone)
+    ids2, lp2 = vllm_ids_logprobs(crowd[-1])
+    assert ids2 == ids and max(abs(a - b) for a, b in zip(lp, lp2)) <= 1e-5
+    for prompt, out in zip(others, crowd):  # and the others equal looplm on each prompt alone
+        assert vllm_ids_logprobs(out)[0] == looplm_generate(model, prompt, 3, NEW)[0]
+
+
+def test_compiled_execution_equals_eager(base):
+    """vLLM's default mode (no enforce_eager; on CPU: Dynamo traced once, Inductor, the whole forward one graph,
+    so a host sync would break the trace): the same tokens as eager mode and as looplm, log-probs within 1e-5
+    of eager. Compiling the tiny model takes about 100 s on 2 cores (vLLM caches the result)."""
+    model, folder = base
+    with engine(folder, enforce_eager=False) as llm:
+        mode = llm.llm_engine.vllm_config.compilation_config.mode
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        scored = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SCORE, use_tqdm=False)[0]
+        compiled = llm.apply_model(lambda m: (getattr(m, "compiled", False), getattr(m, "do_not_compile", True)))
+    assert mode != 0  # CompilationMode.NONE would mean eager
+    assert compiled == [(True, False)]  # the forward did run through torch.compile
+    with engine(folder) as llm:
+        eager = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        eager_scored = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SCORE, use_tqdm=False)[0]
+    for prompt, out, ref in zip(PROMPTS, outs, eager):
+        ids, lp = vllm_ids_logprobs(out)
+        ref_ids, ref_lp = vllm_ids_logprobs(ref)
+        assert ids == ref_ids == looplm_generate(model, prompt, 3, NEW)[0]
+        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(scored), vllm_prompt_logprobs(eager_scored))) <= 1e-5
 
 
 # -- converted-style models: prompt log-probs equal looplm's forward -----------------------------------
@@ -287,6 +328,13 @@ def test_ouro_style_model_with_threshold_exit(tmp_path):
 def test_unserved_settings_are_refused_by_name(base, override, words):
     with pytest.raises(Exception, match=words):
         with engine(base[1], hf_overrides=override):
+            pass
+
+
+def test_speculative_decoding_is_refused_at_load_by_name(base):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with pytest.raises(Exception, match=r"speculative decoding \(speculative_config\) is not served"):
+        with engine(base[1], speculative_config=ngram):
             pass
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
@@ -222,6 +223,8 @@ class LoopedBlock(nn.Module):
         return self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
 class LoopedLMForVLLM(nn.Module):
     """prelude -> (injection -> core) x num_steps -> coda -> logits over vLLM's flattened batch.
 
