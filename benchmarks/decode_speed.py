@@ -69,18 +69,18 @@ def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds:
     tok = torch.zeros(B, dtype=torch.long)
     at = torch.full((B,), PROMPT)
     caches_by = {}
-    with torch.no_grad():
-        for mode in caches:
-            eager_c = make_cache(mode, cfg, B, 256, max(depths))
-            static_c = make_cache(mode, cfg, B, 256, max(depths))
-            extend(model, prompt, eager_c, max(depths))
-            extend(model, prompt, static_c, max(depths))
-            caches_by[mode] = (eager_c, static_c)
+    with torch.no_grad():  # a full cache as deep as the decode (as generate sizes it), prefilled at that depth
+        for R in depths:
+            for mode in caches:
+                eager_c, static_c = (make_cache(mode, cfg, B, 256, R) for _ in range(2))
+                extend(model, prompt, eager_c, R)
+                extend(model, prompt, static_c, R)
+                caches_by[R, mode] = (eager_c, static_c)
     step = DecodeStep(model, compile=True)
     plain.compiled()
     rows = StepRows(tok, at, torch.zeros(B, dtype=torch.long), torch.arange(B))
     # warm-up: compile the step's three graphs and the plain stack's (shapes do not depend on R or cache)
-    step.reset(caches_by[caches[0]][1])
+    step.reset(caches_by[depths[0], caches[0]][1])
     t = time.perf_counter()
     step(rows, 1)
     compile_step = time.perf_counter() - t
@@ -90,7 +90,7 @@ def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds:
     out = []
     for R in depths:
         for mode in caches:
-            eager_c, static_c = caches_by[mode]
+            eager_c, static_c = caches_by[R, mode]
 
             def eager():
                 eager_c.length = PROMPT  # the same position every step: a step's cost, not a growing cache
@@ -134,8 +134,8 @@ def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
 
     from looplm.data.sources import iter_documents
 
-    run = checkpoint if (checkpoint / "data.json").exists() else checkpoint.parent.parent
-    record = json.loads((run / "data.json").read_text()) if (run / "data.json").exists() else {}
+    path = checkpoint / "data.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
     holdout, seed = record.get("holdout", 0.05), record.get("seed", 0)
     docs = [d.text for d in iter_documents(record.get("source", "shakespeare"))]
     n_val = min(len(docs) - 1, max(1, round(len(docs) * holdout)))
@@ -144,10 +144,11 @@ def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
 
 
 def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> list[dict]:
-    from looplm.checkpoint import load_model
-    from looplm.infer.generate import Speculation, generate
+    from looplm.checkpoint import load_model, resolve
     from looplm.infer.decode import SamplingConfig
+    from looplm.infer.generate import Speculation, generate
 
+    checkpoint = resolve(checkpoint)  # a run folder: its latest checkpoint
     model, tokenizer, _ = load_model(checkpoint, torch.device("cpu"))
     prompts = held_out_prompts(checkpoint, n_prompts)
     sampling = SamplingConfig(max_new_tokens=max_new)
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="a trained run for the speculative arms")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip-speed", action="store_true", help="only the speculative arms (needs --checkpoint)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -218,7 +220,7 @@ def main() -> None:
     shapes, depths = (["tiny"], [32]) if args.quick else (list(SHAPES), [5, 32])
     steps = 3 if args.quick else 5
     speed = []
-    for shape in shapes:
+    for shape in [] if args.skip_speed else shapes:
         for B in (1, 16):
             speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps)
     spec = speculative(args.checkpoint, args.rounds, 64, 4) if args.checkpoint else []

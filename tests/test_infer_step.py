@@ -168,3 +168,22 @@ def test_a_step_reset_onto_a_cache_of_another_length_equals_a_fresh_step(model):
     got, _ = step(rows, 4)
     ref, _ = DecodeStep(model, twin)(rows, 4)
     assert (got - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize(("mode", "cache_depth"), [("terminal", 4), ("full", 4), ("full", 6)])
+def test_a_chunk_per_row_equals_extend_of_the_chunk(model, mode, cache_depth):
+    """The verify chunk of self-speculation: n tokens per row in one step (left-padded rows at their
+    own first position) equal `extend` of the same chunk on the twin cache: every position's logits
+    and every bank, the full cache deeper than the chunk's depth included (its unreached visits filled)."""
+    prompts = _prompts(3, seed=7)
+    cache, twin, pad, L = _twins(model, mode, prompts, depth=4, cache_depth=cache_depth)
+    step = DecodeStep(model, cache)
+    ids = torch.arange(3)
+    chunk = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(8))
+    got, used = step(StepRows(chunk, torch.full((3,), L), pad, ids), 4)
+    ref = extend(model, chunk, twin, 4, example_ids=ids, pad=pad)
+    assert got.shape == ref.logits.shape
+    assert (got - ref.logits).abs().max() <= TOL
+    assert_banks_equal(cache, twin)
+    with pytest.raises(ValueError, match="one fixed depth"):
+        step(StepRows(chunk, torch.full((3,), L), pad, ids, depth=torch.tensor([4, 3, 4])), 4)

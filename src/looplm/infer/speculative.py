@@ -5,8 +5,9 @@ depth (design §16). Near a fixed point the argmax at depth 2-4 already equals t
 One round, after the cache holds `length` tokens and the next token `last` has been chosen:
 1. draft: k one-token steps at depth r_d (`DecodeStep`) from `last`, writing positions
    length..length+k-1 and proposing d_1..d_k;
-2. verify: the chunk [last, d_1..d_k] at depth R through the model's cached forward (`extend`),
-   which rewrites positions length..length+k with the verifier's K/V;
+2. verify: the chunk [last, d_1..d_k] at depth R, one chunk of the same step (the cached
+   forward's chunk protocol with static shapes), which rewrites positions length..length+k with
+   the verifier's K/V;
 3. accept the longest prefix on which the verifier agrees (greedy), or by the speculative-sampling
    rule (accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), on rejection draw from
    norm(max(p_i - q_i, 0))), which leaves each emitted token distributed as the verifier's p;
@@ -30,7 +31,6 @@ import torch
 from looplm.infer.cache import KVCache
 from looplm.infer.decode import SamplingConfig, probabilities, sample
 from looplm.infer.step import DecodeStep, StepRows
-from looplm.model.exits import DepthPlan
 
 __all__ = ["SpeculationStats", "accept", "speculative_decode"]
 
@@ -103,8 +103,10 @@ def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: to
     if emit(int(last)) or emitted >= sampling.max_new_tokens:
         return
     while True:
-        # drafts beyond what may still be emitted, or past the cache, would be wasted
-        n_draft = min(k, sampling.max_new_tokens - emitted - 1, cache.max_len - length - 1)
+        # drafts past the cache cannot be written; past what may still be emitted they are wasted, but a
+        # compiled step keeps k (a shorter chunk is a new graph to compile)
+        room = cache.max_len - length - 1
+        n_draft = min(k, room) if step.compiled else min(k, sampling.max_new_tokens - emitted - 1, room)
         if n_draft < 1:  # the last token: one plain step at the verifier's depth
             logits, _ = step(StepRows(last, torch.tensor([length], device=dev), pad, example_ids), depth)
             emit(int(choose_from(logits)[0]))
@@ -117,16 +119,15 @@ def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: to
             drafts.append(tok)
             qs.append(q)
         chunk = torch.cat([last, *drafts])[None]
-        cache.length = length
-        out = model(chunk, DepthPlan(depth), cache=cache, pad=pad, init="seeded", example_ids=example_ids)
-        verify = out.logits[0]
+        verify, _ = step(StepRows(chunk, torch.tensor([length], device=dev), pad, example_ids), depth)
+        verify = verify[0]
         p = verify if greedy else probabilities(verify, sampling)
         n, nxt = accept(torch.cat(drafts), p, None if greedy else torch.cat(qs), generator)
         stats.rounds += 1
         stats.drafted += n_draft
         stats.accepted += n
         length += 1 + n
-        cache.length = length  # roll back: the rejected drafts' K/V lie past the length
+        # roll back: the next round writes from `length` on, so a rejected draft's K/V are never read
         for t in [*(int(d) for d in drafts[:n]), int(nxt)]:
             emitted += 1
             if emit(t) or emitted >= sampling.max_new_tokens:

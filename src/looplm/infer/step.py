@@ -1,7 +1,8 @@
 """The one-token decode step with static shapes: no host sync inside it, compilable (design §16).
 
 `DecodeStep` runs one new token per row over a preallocated cache (terminal or full) whose rows
-sit at their own positions. Its only inputs are tensors: the tokens [B], where each row writes
+sit at their own positions. Its only inputs are tensors: the tokens [B] (or a chunk [B, n] per row:
+self-speculation's verify chunk), where each row writes
 (`write_at` [B]) and its first real position (`first` [B], left padding), per-row depths and
 exit settings. Attention always reads the whole bank [0, max_len) under a mask built from those
 tensors, so every step has the same shapes and `torch.compile` traces it once per batch size.
@@ -79,7 +80,7 @@ class DecodeStep:
 
     def __init__(self, model, cache: KVCache | None = None, *, compile: bool = False,
                  stop_early: bool | None = None, seed: int = 0, compile_options: dict | None = None):
-        self.model, self.seed = model, seed
+        self.model, self.seed, self.compiled = model, seed, compile
         self.device = device = next(model.parameters()).device
         self.stop_early = device.type == "cpu" if stop_early is None else stop_early
         self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
@@ -124,13 +125,18 @@ class DecodeStep:
 
     @torch.no_grad()
     def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `rows.tokens`; returns (fp32 logits [B, V], recurrences used [B]). The cache's
-        entries at `write_at` are written; the caller moves its lengths on. `fill=False` leaves a
+        """Feed `rows.tokens` [B] (or a chunk [B, n] per row, at one depth); returns (fp32 logits
+        [B, V] (or [B, n, V]), recurrences used [B]). The cache's entries from `write_at` on are
+        written; the caller moves its lengths on. `fill=False` leaves a
         full cache's visits past a row's depth unwritten (a draft that the verifier rewrites)."""
         B = rows.tokens.shape[0]
         banks = self.banks(B)
         exits = rows.exits
-        s, *shared = self.begin(rows.tokens[:, None], rows.write_at, rows.first, rows.example_ids, banks)
+        chunk = rows.tokens.ndim == 2  # [B, n]: n tokens per row (a verify chunk), no exits
+        if chunk and exits:
+            raise ValueError("a chunk of several tokens per row runs one fixed depth (no per-row depth or exit)")
+        s, *shared = self.begin(rows.tokens if chunk else rows.tokens[:, None], rows.write_at, rows.first,
+                                rows.example_ids, banks)
         active = torch.ones(B, dtype=torch.bool, device=s.device)
         depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
         used = depth.clone()
@@ -143,23 +149,28 @@ class DecodeStep:
             else:  # every row recurs: no masks, the fewest inputs (each is a guard to check per call)
                 s = self.recur(s, rows.write_at, shared, banks["core_kv"][r])
         logits = self.end(s, rows.write_at, shared, banks)
+        logits = logits if chunk else logits[:, -1]
         if fill and self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
             # visits a row did not reach take its terminal K/V (`FullCache.keep_terminal`)
             view = self.cache.view(slice(0, B), length=rows.write_at)
-            view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)
+            if chunk:
+                view.keep_terminal(rows.tokens.shape[1], loop_depth)
+            else:
+                view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)
         return logits, used
 
     # -- the three pieces (traced by torch.compile; tensors in, tensors out) -------------------
-    def _mask_and_rope(self, write_at, first):
-        positions = (write_at - first)[:, None]
-        keys = self.keys[None, :]
-        mask = ((keys >= first[:, None]) & (keys <= write_at[:, None]))[:, None, None, :]  # [B, 1, 1, S]
+    def _mask_and_rope(self, write_at, first, n: int):
+        at = write_at[:, None] + torch.arange(n, device=write_at.device)  # [B, n] where each token goes
+        positions = at - first[:, None]
+        keys = self.keys[None, None, :]
+        mask = ((keys >= first[:, None, None]) & (keys <= at[:, :, None]))[:, None]  # [B, 1, n, S], causal
         cos, sin = rope_tables(positions, self.model.cfg.head_dim, self.model.cfg.rope_base)
         return positions, mask, cos, sin
 
     def _begin(self, tokens, write_at, first, example_ids, banks):
         m = self.model
-        positions, mask, cos, sin = self._mask_and_rope(write_at, first)
+        positions, mask, cos, sin = self._mask_and_rope(write_at, first, tokens.shape[1])
         e = m.run_prelude(tokens, (cos, sin), mask, _Slots(banks, write_at))
         ctx = m.context(e, (cos, sin), mask, tokens)
         s = m.start_state(e, ctx, init="seeded", positions=positions, example_ids=example_ids, seed=self.seed)
@@ -187,4 +198,4 @@ class DecodeStep:
     def _end(self, s, write_at, shared, banks):
         mask, cos, sin, injected, offsets, core_values, coda_values = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values, coda_values)
-        return self.model.run_coda(s, (cos, sin), mask, ctx, _Slots(banks, write_at))[:, -1]
+        return self.model.run_coda(s, (cos, sin), mask, ctx, _Slots(banks, write_at))

@@ -71,16 +71,17 @@ class KVBank:
         return BankSlot(self, start, keep, fallback)
 
     def read(self, start: int | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V [B, H, n, hd] stored at [start, start + n) (per-row starts [B]: n = 1)."""
+        """The K/V [B, H, n, hd] stored at [start, start + n) (or from per-row starts [B])."""
         if isinstance(start, torch.Tensor):
-            rows = torch.arange(self.k.shape[0], device=self.k.device)
-            return self.k[rows, :, start][:, :, None], self.v[rows, :, start][:, :, None]
+            rows = torch.arange(self.k.shape[0], device=self.k.device)[:, None]
+            pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
+            return self.k[rows, :, pos].transpose(1, 2), self.v[rows, :, pos].transpose(1, 2)
         return self.k[:, :, start:start + n], self.v[:, :, start:start + n]
 
     def write(self, start: int | torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
               keep: torch.Tensor | None = None, rows: torch.Tensor | None = None,
               fallback: KVBank | None = None) -> None:
-        """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B] for n = 1);
+        """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B]);
         with `keep` [B, n] only where it is True (elsewhere `fallback`'s entry, default the old one);
         with `rows` [b] the chunk holds those batch rows only."""
         per_row = isinstance(start, torch.Tensor)
@@ -90,8 +91,12 @@ class KVBank:
         source = fallback if fallback is not None else self
         for buf, src, new in zip((self.k, self.v), (source.k, source.v), kv):
             n = new.shape[2]
-            if per_row and n != 1:
-                raise ValueError(f"per-row cache lengths take one token per row, got {n}")
+            if per_row and n != 1:  # a chunk per row at its own start (the static step's verify chunk)
+                if keep is not None:
+                    raise ValueError("per-row chunks of several tokens take no keep mask")
+                pos = at[:, None] + torch.arange(n, device=at.device)  # [b, n]
+                buf[sel[:, None].expand(-1, n), :, pos] = new.transpose(1, 2)  # indexed as [b, n, H, hd]
+                continue
             if keep is not None:
                 old = src[sel, :, at][:, :, None] if per_row else src[sel, :, start:start + n]
                 new = torch.where(keep[:, None, :, None], new, old)
