@@ -20,7 +20,9 @@ With `--checkpoint` (the main job's run, `looplm train tiny`), self-speculative 
 R = 32, batch 1, k = 4 and draft depth 2, 3, 4 against the compiled plain decode, for both caches,
 through `looplm.infer.generate` on held-out Shakespeare prompts: tokens/s, acceptance rate,
 tokens per verify, whether the greedy text equals plain decoding, and the quality cost as the mean
-log-likelihood per generated token under the checkpoint's native forward at depth 32.
+log-likelihood per generated token under the checkpoint's native forward at depth 32. Every arm
+there decodes one prompt at a time (batch 1); tokens/s = generated tokens / decode seconds
+(`generate`'s own timing, prefill excluded).
 """
 
 from __future__ import annotations
@@ -163,13 +165,21 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> 
         results = {name: {"seconds": [], "texts": None, "stats": None} for name in arms}
         for r in range(rounds):
             names = list(arms)[r % len(arms):] + list(arms)[:r % len(arms)]
-            for name in names:
-                stats: dict = {}
-                texts = generate(model, tokenizer, prompts, depth=R, cache_mode=mode, sampling=sampling, compile=True,
-                                 speculate=arms[name], step=step, stats=stats)
-                results[name]["seconds"].append(stats["decode_seconds"])
-                results[name]["tokens"] = stats["decoded_tokens"]
-                results[name]["texts"], results[name]["stats"] = texts, stats
+            for name in names:  # batch 1 in every arm: one prompt at a time, as speculation decodes
+                texts, seconds, tokens, spec = [], 0.0, 0, {"rounds": 0, "drafted": 0, "accepted": 0}
+                for prompt in prompts:
+                    stats: dict = {}
+                    texts += generate(model, tokenizer, [prompt], depth=R, cache_mode=mode, sampling=sampling,
+                                      compile=True, speculate=arms[name], step=step, stats=stats)
+                    seconds += stats["decode_seconds"]
+                    tokens += stats["decoded_tokens"]
+                    for key in spec:
+                        spec[key] += stats.get("speculation", {}).get(key, 0)
+                results[name]["seconds"].append(seconds)
+                results[name]["tokens"] = tokens
+                results[name]["texts"] = texts
+                results[name]["stats"] = {"acceptance_rate": spec["accepted"] / max(spec["drafted"], 1),
+                                          "tokens_per_verify": (spec["accepted"] + spec["rounds"]) / max(spec["rounds"], 1)}
         base = results["compiled"]
         base_s = statistics.median(base["seconds"])
         for name, res in results.items():
@@ -224,6 +234,8 @@ def main() -> None:
         for B in (1, 16):
             speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps)
     spec = speculative(args.checkpoint, args.rounds, 64, 4) if args.checkpoint else []
+    if args.skip_speed and args.out.exists():  # keep the speed arms of an earlier run of the same file
+        speed = json.loads(args.out.read_text()).get("speed", [])
     result = {"command": command_line(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               f"torch {torch.__version__}, {args.threads} thread(s)", "elapsed_s": time.time() - started,
               "speed": speed, "speculative": spec}
