@@ -80,8 +80,11 @@ class PlainLooped(nn.Module):
         return self.head(self.norm(self.coda(s, cos, sin, mask, *self.banks[-1], at)))[:, 0].float()
 
     def compiled(self) -> PlainLooped:
-        """Compile the three pieces (the same split as looplm's `DecodeStep`)."""
-        self.begin, self.recur, self.end = (torch.compile(f, dynamic=False) for f in (self.begin, self.recur, self.end))
+        """Compile the three pieces as looplm's `DecodeStep` does on a CPU (the same split, inductor's
+        C++ wrapper)."""
+        options = {"cpp_wrapper": True, "size_asserts": False}
+        self.begin, self.recur, self.end = (torch.compile(f, dynamic=False, options=options)
+                                            for f in (self.begin, self.recur, self.end))
         return self
 
     @torch.no_grad()

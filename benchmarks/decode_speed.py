@@ -11,8 +11,8 @@ R (5, 32) and cache (terminal, full), after a prompt of 64 tokens:
     the static step);
   * `compiled`: `looplm.infer.step.DecodeStep(compile=True)`;
   * `plain`: `benchmarks/_plain_looped.py`, a looped decoder written from scratch with no looplm
-    code (terminal banks, additive injection), compiled with the same three-piece split: the
-    limit to approach.
+    code (terminal banks, additive injection), compiled with the same three-piece split and
+    options (inductor's C++ wrapper): the limit to approach.
 Arms are interleaved over `--rounds` rounds after a warm-up; each figure is the median seconds
 per step (tokens/s = batch / that). Compile (warm-up) time is recorded per shape and batch.
 
