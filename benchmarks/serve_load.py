@@ -187,7 +187,8 @@ def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int
                                                  max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full"
                                                  else None, max_queue=len(texts), compile=compile))
         reqs = [Request(tok.encode(t), max_tokens=args.max_tokens, **extra) for t in texts]
-        engine.generate(reqs[:slots] if compile else reqs[:4])  # warm-up (compiled: every batch bucket)
+        engine.warm_up()  # compiled: every batch bucket, as `looplm serve --compile` does before it listens
+        engine.generate(reqs[:4])  # warm-up
         t0 = time.perf_counter()
         finishes = engine.generate(reqs)
         wall = time.perf_counter() - t0
@@ -352,9 +353,8 @@ def main() -> None:
                 flags = ["--cache", cache, "--max-batch", str(slots), *(["--compile"] if compiled else [])]
                 server = Server(checkpoint, common + flags, args.server_threads)
                 try:
-                    # warm-up; a compiled server compiles a graph set per batch bucket, so all of them
-                    warm = slots if compiled else 4
-                    run_load(server.url, jobs[: min(warm, len(jobs))], warm, args.time_limit)
+                    run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up (a compiled
+                    # server compiled its batch buckets before it listened)
                     result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
                     result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
                 finally:

@@ -431,6 +431,8 @@ def compiled_engine(model):
 
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=6, compile=True))
     engine._step = DecodeStep(model, engine.pool.cache, compile=True, compile_options={"backend": "aot_eager"})
+    assert engine.buckets() == [1, 2, 4]
+    assert engine.warm_up() > 0  # every bucket traced up front; its writes into free slots must not show below
     return engine
 
 

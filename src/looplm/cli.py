@@ -870,8 +870,8 @@ def serve(
         device: Torch device: auto (CUDA when available), cpu, cuda, ...
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
-        compile: Decode through the compiled static step (torch.compile; one graph per batch size 1, 2, 4,
-            ... max_batch, compiled on first use: the first requests wait for it).
+        compile: Decode through the compiled static step (torch.compile; one graph set per batch size 1, 2,
+            4, ... max_batch, compiled before the server listens: tens of seconds each on a CPU the first time).
     """
     try:
         import uvicorn
@@ -908,6 +908,9 @@ def serve(
                                                        max_depth=max_depth, cache=cache, max_queue=max_queue,
                                                        compile=compile),
                         prefill=arm)
+        if compile:
+            print(f"compiling the decode step for batch sizes {', '.join(map(str, engine.buckets()))}", flush=True)
+            print(f"compiled in {engine.warm_up():.0f} s", flush=True)
         folder = checkpoint.resolve()
         name = served_model_name or (folder.parent.parent.name if folder.parent.name == "checkpoints" else folder.name)
         bound = listener.getsockname()[1]

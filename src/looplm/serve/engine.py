@@ -442,6 +442,29 @@ class Engine:
         for i in range(len(rows) - 1, -1, -1):
             self._accept(i, logits[i, -1], used[i], None if rows[i].generator is not None else greedy[i])
 
+    def buckets(self) -> list[int]:
+        """The batch sizes a compiled engine's steps run at: 1, 2, 4, ... and max_batch."""
+        sizes, b = [], 1
+        while b < self.pool.max_batch:
+            sizes.append(b)
+            b *= 2
+        return [*sizes, self.pool.max_batch]
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """Compile the decode step for every batch bucket now (at the engine's depth, every row
+        recurring), so no request waits for it; returns the seconds it took (0 when not compiled).
+        The steps write into position 0 of free slots, which a prefill overwrites."""
+        if self._step is None:
+            return 0.0
+        if self._rows:
+            raise RuntimeError("warm up the engine before it takes requests")
+        t0 = time.perf_counter()
+        for B in self.buckets():
+            zeros = torch.zeros(B, dtype=torch.long, device=self.device)
+            self._step(StepRows(zeros, zeros, zeros, zeros), self.config.depth)
+        return time.perf_counter() - t0
+
     def _compiled_step(self, tokens, depths: list[int], taus: list, example_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """One static decode step over the running rows padded to a bucket of 1, 2, 4, ... max_batch
         rows (a padding row sits in a free slot at position 0, which a later prefill overwrites, and
