@@ -531,7 +531,7 @@ def main() -> None:
         row["s"] = round(deadline.elapsed(), 1)
         res["summary"] = summarize([*res.get("rows", []), row])  # kept current, in case the run is cut short
         rec.row("rows", row)
-        step = keep = None  # free this row's model and optimizer before the next one is built
+        del step, keep  # free this row's model and optimizer before the next one is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rec.log("summary: " + json.dumps(res.get("summary")))

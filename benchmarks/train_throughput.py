@@ -193,7 +193,8 @@ def matmul_peak(sizes: list[int], reps: int, quiet: dict, log) -> dict:
         order = list(dtypes)
         for r in range(reps):
             for k in order[r % 2:] + order[:r % 2]:
-                samples[k].append(measure(lambda: torch.matmul(*mats[k], out=outs[k]), quiet, log))  # noqa: B023
+                (a, b), out = mats[k], outs[k]
+                samples[k].append(measure(lambda a=a, b=b, out=out: torch.matmul(a, b, out=out), quiet, log))
         for k in dtypes:
             flops = 2.0 * n**3
             walls = [x["wall"] for x in samples[k]]

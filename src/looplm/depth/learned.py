@@ -133,11 +133,11 @@ class LearnedDepthPrior(DepthSampler):
     def _step(self, observed) -> None:
         cfg = self.cfg
         depths = [r for r, _, _ in observed]
-        ce = np.array([l for _, l, _ in observed], dtype=np.float64)
+        ce = np.array([loss for _, loss, _ in observed], dtype=np.float64)
         n_tok = np.array([n for _, _, n in observed], dtype=np.float64)
         w = n_tok / n_tok.sum()
         omega = reward_fn(cfg.reward)
-        cost = np.array([-omega(l) for l in ce], dtype=np.float64)
+        cost = np.array([-omega(loss) for loss in ce], dtype=np.float64)
         moments = {name: _weighted_moments(x, w) for name, x in (("ce", ce), ("cost", cost))}
         if self.n == 0:
             # The first token-weighted observation initialises the baselines and their variances
