@@ -73,9 +73,9 @@ class _Slots:
 class DecodeStep:
     """One-token decode steps on the first rows of `cache` (see the module docstring).
 
-    `compile=True` compiles the three pieces with `torch.compile` (inductor; on CUDA with
-    `mode="reduce-overhead"`, i.e. CUDA graphs); the first step of each batch size pays the
-    compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped.
+    `compile=True` compiles the pieces with `torch.compile` (inductor; on CUDA with
+    `mode="reduce-overhead"`, i.e. CUDA graphs, untested on a GPU so far); the first step of each
+    batch size pays the compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped.
     `compile_options` go to `torch.compile` (e.g. another backend)."""
 
     def __init__(self, model, cache: KVCache | None = None, *, compile: bool = False,
@@ -110,7 +110,6 @@ class DecodeStep:
             cache = self.cache
 
             def cut(bank: KVBank) -> tuple[torch.Tensor, torch.Tensor]:
-                # the whole tensors where they fit (a compiled write into a view of an input costs a copy)
                 return (bank.k, bank.v) if B == bank.k.shape[0] else (bank.k[:B], bank.v[:B])
 
             core = []
