@@ -126,11 +126,13 @@ class DecodeStep:
         return self._banks[B]
 
     @torch.no_grad()
-    def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True, endpoint: bool = False):
         """Feed `rows.tokens` [B] (or a chunk [B, n] per row, at one depth); returns (fp32 logits
         [B, V] (or [B, n, V]), recurrences used [B]). The cache's entries from `write_at` on are
         written; the caller moves its lengths on. `fill=False` leaves a
-        full cache's visits past a row's depth unwritten (a draft that the verifier rewrites)."""
+        full cache's visits past a row's depth unwritten (a draft that the verifier rewrites).
+        `endpoint=True` also returns the state that entered the coda, [B, d] (or [B, n, d]): RL's
+        rollout-state reuse saves it (design §10)."""
         B = rows.tokens.shape[0]
         banks = self.banks(B)
         exits = rows.exits
@@ -152,6 +154,7 @@ class DecodeStep:
                 s = self.recur(s, rows.write_at, shared, banks["core_kv"][r])
         logits = self.end(s, rows.write_at, shared, banks)
         logits = logits if chunk else logits[:, -1]
+        z = s if chunk else s[:, -1]
         if fill and self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
             # visits a row did not reach take its terminal K/V (`FullCache.keep_terminal`)
             view = self.cache.view(slice(0, B), length=rows.write_at)
@@ -159,7 +162,7 @@ class DecodeStep:
                 view.keep_terminal(rows.tokens.shape[1], loop_depth)
             else:
                 view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)
-        return logits, used
+        return (logits, used, z) if endpoint else (logits, used)
 
     # -- the three pieces (traced by torch.compile; tensors in, tensors out) -------------------
     def _mask_and_rope(self, write_at, first, n: int):

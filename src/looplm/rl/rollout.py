@@ -25,6 +25,7 @@ from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
 from looplm.infer.decode import TextStream
+from looplm.infer.step import DecodeStep, StepRows
 
 
 class SavedStateError(ValueError):
@@ -158,8 +159,9 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     done = [False] * N
     ended = [False] * N
     lengths = [0] * N
-    streams = [TextStream(tokenizer, stop) for _ in range(N)]  # stop strings, at a cost per token
-    for step in range(max_new_tokens):
+    streams = [TextStream(tokenizer, stop, context=ids) for ids in encoded]  # stop strings, at a cost per token
+    step = DecodeStep(model, cache)  # the decode step generate runs (design §16), returning endpoints
+    for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         probs = logp.exp()
         nxt = torch.cat([torch.multinomial(probs[k * rows_per_gen:(k + 1) * rows_per_gen], 1, generator=g)[:, 0]
@@ -172,11 +174,10 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
             lengths[i] += 1
             if chosen[-1][i] == tokenizer.eos_id or streams[i].push(chosen[-1][i])[1]:
                 done[i] = ended[i] = True
-        if all(done) or step + 1 == max_new_tokens:
+        if all(done) or t + 1 == max_new_tokens:
             break
-        out = extend(model, nxt[:, None], cache, depth, example_ids=ids_arg, pad=pad)
-        logits = out.logits[:, -1]
-        fed_z.append(out.endpoint[:, 0])
+        logits, _, z = step(StepRows(nxt, torch.full((N,), P + t, device=device), pad, ids_arg), depth, endpoint=True)
+        fed_z.append(z)
 
     # the scoring layout: real tokens first, positions 0.. (the same seeds as in decoding)
     completions = [[chosen[j][i] for j in range(lengths[i])] for i in range(N)]
