@@ -31,35 +31,10 @@ class LoopedLMConfig(PretrainedConfig):
         "max_position_embeddings": "max_seq_len",
     }
 
-    # -- ModelConfig (looplm.config) --
-    vocab_size: int = 258
-    d_model: int = 128
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 384
-    n_prelude: int = 1
-    n_core: int = 2
-    n_coda: int = 1
-    max_seq_len: int = 256
-    injection: str = "parcae-nonorm"
-    rope_base: float = 1e6
-    norm_eps: float = 1e-6
-    ortho_eps: float = 1e-6
-    max_depth: int = 64
-    block_norm: str = "pre"
-    qk_bias: bool = False
-    embed_scale: float = 1.0
-    tie_embeddings: bool = False  # looplm ties inside the model (no head weight); tie_word_embeddings stays False
-    exit_norm: str = "auto"
-    post_loop_norm: bool = False
-    head_norm: bool = True
-    state_init: str = "normal"
-    state_std: float = 0.0
-    exit_gate: bool = False
-    ffn_act: str = "swiglu"
-    qk_norm: bool = False
-    value_embeds: str = "none"
-    coda_proj: bool = False
+    # -- ModelConfig (looplm.config): every field with its default, taken from the dataclass itself, so
+    # the two cannot drift (looplm ties embeddings inside the model: tie_word_embeddings stays False) --
+    __annotations__ = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    vars().update({f.name: f.default for f in dataclasses.fields(ModelConfig)})
     # -- test time --
     num_steps: int = 5
     prefill_steps: int | None = None
