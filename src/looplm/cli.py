@@ -407,8 +407,11 @@ def generate(
     if config.exit_tau is not None:
         print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
     if verbose:
-        line = (f"decoded {stats['decoded_tokens']} tokens in {stats['decode_seconds']:.2f} s "
-                f"({stats['decoded_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tokens/s)")
+        n, total, first = stats["decoded_tokens"], stats["decode_seconds"], stats["first_step_seconds"]
+        line = f"decoded {n} tokens in {total:.2f} s ({n / max(total, 1e-9):.1f} tokens/s"
+        if compile and total > first > 0:  # the first step compiled: say what the rest ran at
+            line += f"; the first step took {first:.1f} s with compiling, the rest {(n - 1) / (total - first):.1f} tokens/s"
+        line += ")"
         if spec_cfg is not None:
             line += (f"; speculation: {stats['acceptance_rate']:.0%} of drafts accepted, "
                      f"{stats['tokens_per_verify']:.2f} tokens per verify")

@@ -98,7 +98,7 @@ def generate(
     encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
     ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
-        out, totals, decoded, seconds = [], SpeculationStats(), 0, 0.0
+        out, totals, decoded, seconds, first = [], SpeculationStats(), 0, 0.0, 0.0
         step = step or DecodeStep(model, compile=compile)  # one step (and its compiled graphs) for every prompt
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
@@ -110,9 +110,10 @@ def generate(
                 setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
             decoded += row_stats["decoded_tokens"]
             seconds += row_stats["decode_seconds"]
+            first = row_stats["first_step_seconds"] if i == 0 else first
         if stats is not None:
             stats.update(_speculation_stats(totals), mean_decode_depth=float(depth), decoded_tokens=decoded,
-                         decode_seconds=seconds)
+                         decode_seconds=seconds, first_step_seconds=first)
         return out
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
@@ -148,12 +149,14 @@ def generate(
         _finish(streams, on_token)
         if stats is not None:
             stats.update(_speculation_stats(totals), mean_decode_depth=float(depth),
-                         decoded_tokens=len(streams[0].ids), decode_seconds=time.perf_counter() - started)
+                         decoded_tokens=len(streams[0].ids), decode_seconds=time.perf_counter() - started,
+                         first_step_seconds=totals.first_round_s)
         return [streams[0].text]
     plan = spec.decode_plan()
     live = list(range(B))  # the prompt of each row of the decode batch
     done = [False] * B
     depths_used: list[int] = []
+    first = 0.0
     for t in range(cfg.max_new_tokens):
         nxt = choose(logits[:len(live)], cfg, gen)
         for i, tok in zip(live, nxt.tolist()):
@@ -183,11 +186,14 @@ def generate(
             rows_in = _step_rows(nxt, write_at, pad, ids_arg, spec, cfg)
             logits, used = step(rows_in, depth)
         depths_used += used[:len(live)].tolist()
+        if t == 0:  # what a first step costs (compiling included) against the steps after it
+            first = time.perf_counter() - started
     _finish(streams, on_token)
     if stats is not None:
         stats["mean_decode_depth"] = sum(depths_used) / len(depths_used) if depths_used else float(depth)
         stats["decoded_tokens"] = sum(len(stream.ids) for stream in streams)
         stats["decode_seconds"] = time.perf_counter() - started
+        stats["first_step_seconds"] = first
     return [stream.text for stream in streams]
 
 

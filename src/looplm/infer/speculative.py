@@ -23,6 +23,7 @@ which each accepted window was written as one chunk; BENCHMARKS.md measures what
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ class SpeculationStats:
     """Draft tokens proposed."""
     accepted: int = 0
     """Draft tokens the verifier accepted."""
+    first_round_s: float = 0.0
+    """Seconds of the first round (drafts and verify; compiling included when compiled)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -90,6 +93,7 @@ def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: to
     with `length` tokens cached; `emit(token)` takes each new token and returns True to stop.
     At most `sampling.max_new_tokens` tokens are emitted."""
     greedy = sampling.temperature <= 0
+    started = time.perf_counter()
     dev = first_logits.device
 
     def choose_from(logits):  # (token [1], distribution or None)
@@ -124,6 +128,8 @@ def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: to
         p = verify if greedy else probabilities(verify, sampling)
         n, nxt = accept(torch.cat(drafts), p, None if greedy else torch.cat(qs), generator)
         stats.rounds += 1
+        if stats.rounds == 1:
+            stats.first_round_s = time.perf_counter() - started
         stats.drafted += n_draft
         stats.accepted += n
         length += 1 + n
