@@ -510,3 +510,21 @@ def load_model(path: Path, device: str | torch.device = "cpu"):
     check_model_shapes(model.state_dict(), weights, path)
     model.load_state_dict(weights)
     return model.to(device).eval(), tokenizer, config
+
+
+def resolve_device(pref: str) -> torch.device:
+    """The device of a --device option: auto (CUDA when available, else the CPU), cpu, cuda, cuda:N, ...;
+    a malformed name, or a CUDA device this machine does not have, is a UserError."""
+    if pref == "auto":
+        pref = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(pref)
+    except RuntimeError:
+        raise UserError(f"unknown device {pref!r}: use auto, cpu, cuda, cuda:N, ...") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {pref!r} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"device {pref!r} requested but this machine has {torch.cuda.device_count()} CUDA "
+                            f"device(s)")
+    return device

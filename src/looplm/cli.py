@@ -120,7 +120,7 @@ def _run_folder(checkpoint: Path) -> Path:
 
 def _device(pref: str):
     """The torch device of a --device option: auto is CUDA when available, else the CPU."""
-    from looplm.train.distributed import resolve_device
+    from looplm.checkpoint import resolve_device
 
     return resolve_device(pref)
 

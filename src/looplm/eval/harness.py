@@ -16,7 +16,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from looplm.checkpoint import load_model
+from looplm.checkpoint import load_model, resolve_device
 from looplm.errors import UserError
 from looplm.eval.choice import score_continuation
 from looplm.eval.generation import greedy_generate
@@ -39,8 +39,6 @@ class LoopLMHarness(LM):
             raise UserError(f"unknown model_args: {', '.join(unknown)} (known: {known})")
         if cache not in ("terminal", "full"):
             raise UserError(f"model_args cache must be terminal or full, got {cache!r}")
-        from looplm.train.distributed import resolve_device
-
         device = resolve_device(str(device))  # auto: CUDA when available; lm-eval's --device cuda on a CPU machine: one line
         if model is None:
             if checkpoint is None:

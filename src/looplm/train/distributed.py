@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from looplm.checkpoint import resolve_device  # noqa: F401 - where the device option is resolved (re-exported)
 from looplm.errors import UserError
 
 
@@ -50,24 +51,6 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.joined
-
-
-def resolve_device(pref: str) -> torch.device:
-    """The device of a --device option: auto (CUDA when available, else the CPU), cpu, cuda, cuda:N, ...;
-    a malformed name, or a CUDA device this machine does not have, is a UserError."""
-    if pref == "auto":
-        pref = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(pref)
-    except RuntimeError:
-        raise UserError(f"unknown device {pref!r}: use auto, cpu, cuda, cuda:N, ...") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"device {pref!r} requested but CUDA is not available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"device {pref!r} requested but this machine has {torch.cuda.device_count()} CUDA "
-                            f"device(s)")
-    return device
 
 
 def rank_share(total: int, env: DistEnv, what: str) -> int:
