@@ -409,23 +409,11 @@ class Engine:
     @torch.no_grad()
     def _decode(self) -> None:
         rows = self._rows
-        tokens = torch.tensor([[r.next_token] for r in rows], dtype=torch.long, device=self.device)
         depths = [r.depth for r in rows]
         taus = [r.handle.request.exit_tau for r in rows]
-        example_ids = torch.tensor([r.handle.request.example_id for r in rows], device=self.device)
-        if self._step is not None:
-            logits, used_t = self._compiled_step(tokens[:, 0], depths, taus, example_ids)
-            out = None
-        else:
-            kw: dict = {}
-            if any(t is not None for t in taus):
-                kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=self.device)
-                kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in rows], device=self.device)
-            depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=self.device)
-            out = self.model(tokens, DepthPlan(depth, **kw), cache=self.pool.decode_view(), init="seeded",
-                             example_ids=example_ids)
-            logits, used_t = out.logits[:, -1], out.depths[:, 0]
-        logits = logits[:, None]
+        step = self._compiled_step if self._step is not None else self._eager_step
+        logits, used_t = step([r.next_token for r in rows], depths, taus,
+                              [r.handle.request.example_id for r in rows])
         self.pool.advance()
         used = used_t.tolist()
         now = time.monotonic()
@@ -437,10 +425,23 @@ class Engine:
                 self._recent.popleft()
         for row, u in zip(rows, used):
             row.depths.append(u)
-        greedy = logits[:, -1].argmax(-1).tolist()  # one host sync for every greedy row
+        greedy = logits.argmax(-1).tolist()  # one host sync for every greedy row
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
         for i in range(len(rows) - 1, -1, -1):
-            self._accept(i, logits[i, -1], used[i], None if rows[i].generator is not None else greedy[i])
+            self._accept(i, logits[i], used[i], None if rows[i].generator is not None else greedy[i])
+
+    def _eager_step(self, tokens: list[int], depths: list[int], taus: list, example_ids: list[int]):
+        """One step through the model's cached forward on the running rows' view, cut at the longest
+        row: rows that stopped leave the recurrence (a step costs the sum of its rows' depths)."""
+        dev = self.device
+        kw: dict = {}
+        if any(t is not None for t in taus):
+            kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=dev)
+            kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in self._rows], device=dev)
+        depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=dev)
+        out = self.model(torch.tensor(tokens, device=dev)[:, None], DepthPlan(depth, **kw),
+                         cache=self.pool.decode_view(), init="seeded", example_ids=torch.tensor(example_ids, device=dev))
+        return out.logits[:, -1], out.depths[:, 0]
 
     def buckets(self) -> list[int]:
         """The batch sizes a compiled engine's steps run at: 1, 2, 4, ... and max_batch."""
@@ -465,7 +466,8 @@ class Engine:
             self._step(StepRows(zeros, zeros, zeros, zeros), self.config.depth)
         return time.perf_counter() - t0
 
-    def _compiled_step(self, tokens, depths: list[int], taus: list, example_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compiled_step(self, tokens: list[int], depths: list[int], taus: list,
+                       example_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One static decode step over the running rows padded to a bucket of 1, 2, 4, ... max_batch
         rows (a padding row sits in a free slot at position 0, which a later prefill overwrites, and
         runs the deepest row's depth, so a uniform batch needs no exit masks)."""
@@ -484,8 +486,8 @@ class Engine:
                   "lowest": min(f if t is not None else d for f, t, d in zip(floors, taus, depths))}
         elif len(set(depths)) > 1:
             kw = {"lowest": min(depths)}
-        rows = StepRows(padded(tokens.tolist(), 0, torch.long), padded(self.pool.lengths, 0, torch.long),
-                        torch.zeros(B, dtype=torch.long, device=dev), padded(example_ids.tolist(), 0, torch.long),
+        rows = StepRows(padded(tokens, 0, torch.long), padded(self.pool.lengths, 0, torch.long),
+                        torch.zeros(B, dtype=torch.long, device=dev), padded(example_ids, 0, torch.long),
                         depth=padded(depths, deepest, torch.long) if kw else None, **kw)
         logits, used = self._step(rows, deepest)
         return logits[:n], used[:n]
