@@ -609,7 +609,7 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
                         def emit(_t):
                             n[0] += 1
                             return n[0] >= 16
-                        speculative_decode(model, cache, step, first, length=prompt_len, depth=R, draft_depth=4, k=4,
+                        speculative_decode(step, first, length=prompt_len, depth=R, draft_depth=4, k=4,
                                            sampling=SamplingConfig(max_new_tokens=16), generator=None,
                                            pad=torch.zeros(1, dtype=torch.long, device=device),
                                            example_ids=torch.zeros(1, dtype=torch.long, device=device), emit=emit,

@@ -268,7 +268,7 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
         c = cache.take(torch.tensor([0]))
         step.reset(c)
         got = []
-        spec_mod.speculative_decode(m, c, step, logits, length=3, depth=R, draft_depth=1, k=1, sampling=cfg,
+        spec_mod.speculative_decode(step, logits, length=3, depth=R, draft_depth=1, k=1, sampling=cfg,
                                     generator=g, pad=pad, example_ids=ex, emit=lambda t: got.append(t) or len(got) == 2,
                                     stats=stats)
         counts[got[0], got[1]] += 1

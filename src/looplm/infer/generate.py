@@ -143,7 +143,7 @@ def generate(
             return stopped
 
         totals = SpeculationStats()
-        speculative_decode(model, cache, step, logits, length=L, depth=depth, draft_depth=speculate.draft_depth,
+        speculative_decode(step, logits, length=L, depth=depth, draft_depth=speculate.draft_depth,
                            k=speculate.k, sampling=cfg, generator=gen, pad=pad, example_ids=ids_arg, emit=emit,
                            stats=totals)
         _finish(streams, on_token)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from looplm.infer.cache import KVCache
 from looplm.infer.decode import SamplingConfig, probabilities, sample
 from looplm.infer.step import DecodeStep, StepRows
 
@@ -85,7 +84,7 @@ def accept(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
 
 
 @torch.no_grad()
-def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: torch.Tensor, *, length: int,
+def speculative_decode(step: DecodeStep, first_logits: torch.Tensor, *, length: int,
                        depth: int, draft_depth: int, k: int, sampling: SamplingConfig,
                        generator: torch.Generator | None, pad: torch.Tensor, example_ids: torch.Tensor,
                        emit: Callable[[int], bool], stats: SpeculationStats) -> None:
@@ -109,7 +108,7 @@ def speculative_decode(model, cache: KVCache, step: DecodeStep, first_logits: to
     while True:
         # drafts past the cache cannot be written; past what may still be emitted they are wasted, but a
         # compiled step keeps k (a shorter chunk is a new graph to compile)
-        room = cache.max_len - length - 1
+        room = step.cache.max_len - length - 1
         n_draft = min(k, room) if step.compiled else min(k, sampling.max_new_tokens - emitted - 1, room)
         if n_draft < 1:  # the last token: one plain step at the verifier's depth
             logits, _ = step(StepRows(last, torch.tensor([length], device=dev), pad, example_ids), depth)
