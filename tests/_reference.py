@@ -262,6 +262,26 @@ def sentencepiece_tokenizer():
 
 
 # -- the depth-and-cache matrix the decode loops are checked on ---------------------------------------------
+@torch.no_grad()
+def window_replay_check(model, prompt_ids, emitted, sizes, depth, n, eos, example_id=0):
+    """The prompt as one chunk, then each verify round's accepted window [last, d_1..d_a] as one chunk at
+    `depth` (the final plain step, if any, a chunk of one); every emitted token must be the argmax of
+    the chunk logits at its position, and EOS (or the budget) must end the output. `sizes`: the
+    drafts accepted in each round, in order (self-speculation with the terminal cache, design §16)."""
+    ref = NaiveDecoder(model, "terminal", example_id)
+    predicted = [int(ref.chunk(list(prompt_ids), depth)[0][-1].argmax())]
+    sizes = list(sizes)
+    p = 0
+    while p < len(emitted) and emitted[p] != eos:
+        a = sizes.pop(0) if sizes else 0
+        chunk = emitted[p:p + a + 1]
+        logits = ref.chunk(chunk, depth)[0]
+        predicted += [int(x) for x in logits.argmax(-1)]
+        p += len(chunk)
+    assert emitted == predicted[:len(emitted)], (emitted, predicted)
+    assert emitted[-1] == eos or len(emitted) == n
+
+
 DEPTH_CASES = [
     # (cache, prefill depth, decode depth, exit_tau): prefill < = > decode in both caches, and adaptive exit
     ("terminal", 2, 5, None), ("terminal", 4, 4, None), ("terminal", 6, 3, None),

@@ -13,6 +13,7 @@ import collections
 import pytest
 import torch
 from _models import decisive_model
+from _reference import window_replay_check
 
 import looplm.infer.generate as gen_mod
 import looplm.infer.speculative as spec_mod
@@ -141,35 +142,15 @@ def test_stop_and_eos_inside_an_accepted_window(monkeypatch, model, mode):
     assert stops, "no printable token mid-window: pick other prompts"
 
 
-# -- terminal cache: the accepted windows replayed as chunks -----------------------------------------------
-@torch.no_grad()
-def _terminal_replay_check(model, prompt_ids, emitted, windows, depth, n, eos, example_id=0):
-    """The prompt as one chunk, then each verify round's accepted window [last, d_1..d_a] as one chunk at
-    `depth` (the final plain step, if any, a chunk of one); every emitted token must be the argmax of
-    the chunk logits at its position, and EOS (or the budget) must end the output."""
-    cache = make_cache("terminal", model.cfg, 1, len(prompt_ids) + n, depth)
-    ex = torch.tensor([example_id])
-    logits = extend(model, torch.tensor([prompt_ids]), cache, depth, example_ids=ex).logits[0, -1:]
-    predicted = [int(logits[-1].argmax())]
-    sizes = [a for _, a in windows]
-    p = 0
-    while p < len(emitted) and emitted[p] != eos:
-        a = sizes.pop(0) if sizes else 0
-        chunk = emitted[p:p + a + 1]
-        logits = extend(model, torch.tensor([chunk]), cache, depth, example_ids=ex).logits[0]
-        predicted += [int(x) for x in logits.argmax(-1)]
-        p += len(chunk)
-    assert emitted == predicted[:len(emitted)], (emitted, predicted)
-    assert emitted[-1] == eos or len(emitted) == n
-
-
+# -- terminal cache: the accepted windows replayed as chunks (_reference.window_replay_check) ---------------
 @pytest.mark.parametrize(("k", "draft_depth", "n"), CASES)
 def test_terminal_speculative_equals_a_replay_of_its_windows(monkeypatch, model, k, draft_depth, n):
     for e, prompt in enumerate(["a", "hello", "the quick brown f"]):
         text, emitted, windows, _ = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="terminal",
                                           n=n, example_ids=[e + 3])
         assert windows and text == TOK.decode([t for t in emitted if t != TOK.eos_id])
-        _terminal_replay_check(model, TOK.encode(prompt), emitted, windows, DEPTH, n, TOK.eos_id, example_id=e + 3)
+        window_replay_check(model, TOK.encode(prompt), emitted, [a for _, a in windows], DEPTH, n, TOK.eos_id,
+                            example_id=e + 3)
 
 
 def test_batched_speculation_equals_each_prompt_alone(model):

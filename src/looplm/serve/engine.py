@@ -32,6 +32,7 @@ from looplm.infer.prefill import Prefill
 from looplm.infer.step import DecodeStep, StepRows
 from looplm.model.exits import DepthPlan
 from looplm.serve.slots import SlotPool
+from looplm.serve.speculation import speculative_round
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ class EngineConfig:
     """Decode through the compiled static step (`looplm.infer.step.DecodeStep`, one graph per batch
     bucket 1, 2, 4, ... max_batch); otherwise eager steps in which rows that stopped leave the
     recurrence (a step costs the sum of its rows' depths)."""
+    speculate: int = 0
+    """Self-speculative decoding: draft this many tokens per row at `draft_depth`, then verify them in
+    one chunk at the rows' depth (`looplm.serve.speculation`); 0 = off. A request may turn it off
+    or change k and the draft depth; a step speculates when all running rows agree."""
+    draft_depth: int = 2
+    """Recurrences per draft token (below the depth) with `speculate`."""
 
 
 @dataclass
@@ -85,6 +92,10 @@ class Request:
     With it, `max_tokens` may be 0: the prompt is only scored."""
     example_id: int = 0
     """Seeds the initial recurrent state by (example id, position), as `generate` does (row 0 alone)."""
+    speculate: int | None = None
+    """Draft tokens per verify chunk (0 = no speculation); default: the engine's `speculate`."""
+    draft_depth: int | None = None
+    """Recurrences per draft token; default: the engine's `draft_depth`."""
 
 
 @dataclass
@@ -214,7 +225,11 @@ class Engine:
             raise ValueError("distilled prefill writes terminal banks; use the terminal cache")
         self.pool = SlotPool(model.cfg, config.max_batch, max_len, mode=config.cache, depth=self.max_depth,
                              device=self.device, dtype=param.dtype)
-        self._step = DecodeStep(model, self.pool.cache, compile=True) if config.compile else None
+        if config.speculate < 0:
+            raise ValueError(f"speculate must be >= 0 (0 = off), got {config.speculate}")
+        # the static step: the compiled engine's every step, and any engine's speculative rounds
+        self._step = (DecodeStep(model, self.pool.cache, compile=config.compile)
+                      if config.compile or config.speculate else None)
         self._rows: list[_Row] = []
         self._pending: deque[RequestHandle] = deque()
         self._wake = threading.Condition()
@@ -226,6 +241,8 @@ class Engine:
         self.finished: dict[str, int] = {}
         self.decoded_tokens = 0  # tokens fed by decode steps, and their recurrences summed
         self.decode_depth_sum = 0
+        self.drafted_tokens = 0  # speculative rounds: drafts proposed and accepted
+        self.accepted_tokens = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for the rate
         self._stats_lock = threading.Lock()  # `stats()` runs on the server's thread
 
@@ -249,6 +266,11 @@ class Engine:
         depth = self.config.depth if request.depth is None else request.depth
         return depth, depth if request.prefill_depth is None else request.prefill_depth
 
+    def speculation(self, request: Request) -> tuple[int, int]:
+        """(draft tokens k, draft depth) of a request, defaults filled in; k = 0: no speculation."""
+        k = self.config.speculate if request.speculate is None else request.speculate
+        return k, self.config.draft_depth if request.draft_depth is None else request.draft_depth
+
     def check(self, request: Request) -> SamplingConfig:
         """The request's sampling settings; ValueError with a one-line reason if it cannot run."""
         scoring_only = request.max_tokens == 0 and request.prompt_logprobs is not None
@@ -262,6 +284,11 @@ class Engine:
                 raise ValueError(f"{name} must be in 1..{self.max_depth} (the server's max_depth, "
                                  f"looplm serve --max-depth), got {r}")
         DecodeSpec(depth, prefill_depth, self.config.cache, sampling).check(self.max_depth)
+        k, draft_depth = self.speculation(request)
+        if k < 0:
+            raise ValueError(f"speculate must be >= 0 (0 = off), got {k}")
+        if k and not 1 <= draft_depth < depth:
+            raise ValueError(f"draft_depth must be in 1..{depth - 1} (below the decode depth {depth}), got {draft_depth}")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
@@ -408,10 +435,13 @@ class Engine:
 
     @torch.no_grad()
     def _decode(self) -> None:
+        if self._speculative():
+            self._speculate()
+            return
         rows = self._rows
         depths = [r.depth for r in rows]
         taus = [r.handle.request.exit_tau for r in rows]
-        step = self._compiled_step if self._step is not None else self._eager_step
+        step = self._compiled_step if self.config.compile else self._eager_step
         logits, used_t = step([r.next_token for r in rows], depths, taus,
                               [r.handle.request.example_id for r in rows])
         self.pool.advance()
@@ -429,6 +459,54 @@ class Engine:
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
         for i in range(len(rows) - 1, -1, -1):
             self._accept(i, logits[i], used[i], None if rows[i].generator is not None else greedy[i])
+
+    def _speculative(self) -> bool:
+        """Whether this step is a speculative round: every running row speculates with the same k
+        and draft depth at the same depth, without adaptive exit, and has room for k + 1 positions."""
+        if self._step is None:
+            return False
+        first = self._rows[0]
+        plan = (first.depth, *self.speculation(first.handle.request))
+        if not plan[1]:
+            return False
+        return all((r.depth, *self.speculation(r.handle.request)) == plan and r.handle.request.exit_tau is None
+                   for r in self._rows) and max(self.pool.lengths) + plan[1] + 1 <= self.max_len
+
+    def _speculate(self) -> None:
+        """One speculative round over the running rows (`looplm.serve.speculation`)."""
+        rows, dev = self._rows, self.device
+        n = len(rows)
+        depth, (k, draft_depth) = rows[0].depth, self.speculation(rows[0].handle.request)
+        B = min(1 << (n - 1).bit_length(), self.pool.max_batch) if self.config.compile else n
+        extra = B - n
+
+        def padded(values: list) -> torch.Tensor:
+            return torch.tensor(values + [0] * extra, dtype=torch.long, device=dev)
+
+        step_rows = StepRows(padded([r.next_token for r in rows]), padded(self.pool.lengths),
+                             torch.zeros(B, dtype=torch.long, device=dev),
+                             padded([r.handle.request.example_id for r in rows]))
+        result = speculative_round(self._step, step_rows, n, depth=depth, draft_depth=draft_depth, k=k,
+                                   sampling=[r.handle.sampling for r in rows], generators=[r.generator for r in rows])
+        emitted = [len(t) for t in result.tokens]
+        for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
+            self.pool.set_length(slot, self.pool.lengths[slot] + m)
+        now = time.monotonic()
+        with self._stats_lock:
+            self.decoded_tokens += sum(emitted)
+            self.decode_depth_sum += depth * sum(emitted)
+            self.drafted_tokens += result.drafted
+            self.accepted_tokens += sum(emitted) - n
+            self._recent.append((now, sum(emitted)))
+            while now - self._recent[0][0] > 60.0:
+                self._recent.popleft()
+        for i in range(n - 1, -1, -1):  # rows finish (and move) while we go: from the end
+            row = rows[i]
+            for j, tok in enumerate(result.tokens[i]):
+                row.depths.append(depth)
+                self._accept(i, result.logits[i, j], depth, tok)
+                if i >= len(rows) or rows[i] is not row:  # finished: its slot is free (or another row's)
+                    break
 
     def _eager_step(self, tokens: list[int], depths: list[int], taus: list, example_ids: list[int]):
         """One step through the model's cached forward on the running rows' view, cut at the longest
@@ -454,16 +532,21 @@ class Engine:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Compile the decode step for every batch bucket now (at the engine's depth, every row
-        recurring), so no request waits for it; returns the seconds it took (0 when not compiled).
-        The steps write into position 0 of free slots, which a prefill overwrites."""
-        if self._step is None:
+        recurring; with `speculate` also the draft depth and the verify chunk), so no request waits
+        for it; returns the seconds it took (0 when not compiled). The steps write into the first
+        positions of free slots, which a prefill overwrites."""
+        if self._step is None or not self.config.compile:
             return 0.0
         if self._rows:
             raise RuntimeError("warm up the engine before it takes requests")
-        t0 = time.perf_counter()
+        t0, k = time.perf_counter(), self.config.speculate
         for B in self.buckets():
             zeros = torch.zeros(B, dtype=torch.long, device=self.device)
             self._step(StepRows(zeros, zeros, zeros, zeros), self.config.depth)
+            if k and self.config.draft_depth < self.config.depth:
+                self._step(StepRows(zeros, zeros, zeros, zeros), self.config.draft_depth, fill=False)
+                chunk = torch.zeros(B, k + 1, dtype=torch.long, device=self.device)
+                self._step(StepRows(chunk, zeros, zeros, zeros), self.config.depth)
         return time.perf_counter() - t0
 
     def _compiled_step(self, tokens: list[int], depths: list[int], taus: list,
@@ -538,6 +621,7 @@ class Engine:
         with self._stats_lock:
             recent = [r for r in self._recent if now - r[0] <= window_s]
             decoded, depth_sum = self.decoded_tokens, self.decode_depth_sum
+            drafted, accepted = self.drafted_tokens, self.accepted_tokens
         tokens = sum(n for _, n in recent)
         span = max(now - recent[0][0], 1e-9) if len(recent) > 1 else window_s
         return {
@@ -548,6 +632,9 @@ class Engine:
             "prompt_tokens_total": self.prompt_tokens,
             "tokens_per_second": tokens / span if tokens else 0.0,
             "mean_decode_depth": depth_sum / decoded if decoded else 0.0,
+            "speculative_drafted_total": drafted,
+            "speculative_accepted_total": accepted,
+            "speculative_acceptance_rate": accepted / drafted if drafted else 0.0,
             "cache_bytes_in_use": self.pool.bytes_in_use,
             "cache_bytes_capacity": self.pool.nbytes,
             "finished_total": dict(self.finished),

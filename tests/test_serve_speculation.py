@@ -1,0 +1,133 @@
+"""The serving engine's rows speculating together (`looplm.serve.speculation`, design §16), against
+independent references:
+
+- full cache: every request's greedy tokens equal the no-cache greedy decode of its prompt alone at
+  its depth (the whole sequence re-run natively per token), over mixed prompt lengths and rows that
+  join and leave the batch between rounds;
+- terminal cache: every request's tokens are the argmax of a hand-written replay (`_reference`,
+  explicit attention over stored K/V) in which the prompt is one chunk and each of its rounds'
+  accepted windows [last, d_1..d_a] is one chunk (the window sizes are recorded from the run);
+- a sampling row beside greedy rows leaves the greedy rows' tokens as they are, and is reproducible
+  from its seed; a request that turns speculation off makes the steps plain while it runs; the
+  acceptance counters reach `stats()`; bad settings are refused before queueing."""
+
+import pytest
+import torch
+from _models import decisive_model
+from _reference import window_replay_check
+
+import looplm.serve.engine as engine_mod
+from looplm.data import ByteTokenizer
+from looplm.serve import Engine, EngineConfig, Request, Token
+
+TOK = ByteTokenizer()
+DEPTH = 4
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decisive_model(TOK.vocab_size, max_seq_len=64, max_depth=8)
+
+
+PROMPTS = ["a", "hello", "the quick brown f", "ab", "xyz xyz", "0123456789"]
+
+
+def _requests(n_tokens: int, **fields) -> list[Request]:
+    return [Request(TOK.encode(p), max_tokens=n_tokens, example_id=i + 2, **fields) for i, p in enumerate(PROMPTS)]
+
+
+def _run(engine: Engine, reqs: list[Request], windows: dict | None = None, monkeypatch=None) -> list[list[int]]:
+    """Each request's emitted token ids; with `windows`, records each request's accepted drafts per
+    round (keyed by example id) from the engine's own rounds."""
+    if windows is not None:
+        real = engine_mod.speculative_round
+
+        def recording(step, rows, n, **kw):
+            result = real(step, rows, n, **kw)
+            for b in range(n):
+                windows.setdefault(engine._rows[b].handle.request.example_id, []).append(len(result.tokens[b]) - 1)
+            return result
+
+        monkeypatch.setattr(engine_mod, "speculative_round", recording)
+    # two waves: the second joins while the first is running (rows enter and leave between rounds)
+    handles = [engine.submit(r) for r in reqs[:3]]
+    engine.step()
+    engine.step()
+    handles += [engine.submit(r) for r in reqs[3:]]
+    engine.run_until_done(handles)
+    return [[e.token_id for e in h.events(timeout=1) if isinstance(e, Token)] for h in handles]
+
+
+def _no_cache_greedy(model, prompt_ids, n, depth, example_id):
+    ids = list(prompt_ids)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), depth, init="seeded", example_ids=torch.tensor([example_id])).logits
+        nxt = int(logits[0, -1].argmax())
+        if nxt == TOK.eos_id:
+            break
+        ids.append(nxt)
+    return ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize(("k", "draft_depth"), [(3, 1), (4, 2)])
+def test_full_cache_rows_speculating_together_equal_greedy_alone(model, k, draft_depth):
+    n = 13
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=k,
+                                             draft_depth=draft_depth))
+    got = _run(engine, _requests(n))
+    for i, (prompt, ids) in enumerate(zip(PROMPTS, got)):
+        assert ids == _no_cache_greedy(model, TOK.encode(prompt), n, DEPTH, i + 2), prompt
+    s = engine.stats()
+    assert s["speculative_drafted_total"] > s["speculative_accepted_total"] > 0  # drafts kept and rejected
+
+
+def test_terminal_rows_speculating_together_equal_a_replay_of_their_windows(model, monkeypatch):
+    n, windows = 17, {}
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, speculate=3, draft_depth=1))
+    got = _run(engine, _requests(n), windows, monkeypatch)
+    for i, (prompt, ids) in enumerate(zip(PROMPTS, got)):
+        assert windows[i + 2], prompt
+        window_replay_check(model, TOK.encode(prompt), ids, windows[i + 2], DEPTH, n, TOK.eos_id, example_id=i + 2)
+    assert any(a < 3 for w in windows.values() for a in w) and any(a > 0 for w in windows.values() for a in w)
+
+
+def test_a_sampling_row_leaves_the_greedy_rows_as_they_are(model):
+    n = 12
+    plain = _run(Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3,
+                                                 draft_depth=2)), _requests(n))
+    mixed_reqs = _requests(n)
+    mixed_reqs[1] = Request(TOK.encode(PROMPTS[1]), max_tokens=n, example_id=3, temperature=0.9, top_k=20, seed=5)
+
+    def mixed():
+        return _run(Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3,
+                                                    draft_depth=2)), mixed_reqs)
+
+    first, again = mixed(), mixed()
+    assert [ids for i, ids in enumerate(first) if i != 1] == [ids for i, ids in enumerate(plain) if i != 1]
+    assert first[1] == again[1] and len(first[1]) == n  # the sampled row: reproducible from its seed
+
+
+def test_a_request_without_speculation_makes_the_steps_plain(model, monkeypatch):
+    rounds = []
+    real = engine_mod.speculative_round
+    monkeypatch.setattr(engine_mod, "speculative_round", lambda *a, **kw: rounds.append(1) or real(*a, **kw))
+    engine = Engine(model, TOK, EngineConfig(max_batch=8, depth=DEPTH, speculate=3, draft_depth=1))
+    reqs = _requests(6)
+    reqs[0] = Request(TOK.encode(PROMPTS[0]), max_tokens=40, example_id=2, speculate=0)
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_done(handles)
+    assert rounds == [] and engine.stats()["speculative_drafted_total"] == 0
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(speculate=-1), "speculate must be >= 0"),
+    (dict(speculate=2, draft_depth=DEPTH), f"draft_depth must be in 1..{DEPTH - 1}"),
+    (dict(speculate=2, draft_depth=0), f"draft_depth must be in 1..{DEPTH - 1}"),
+])
+def test_bad_speculation_settings_are_refused_before_queueing(model, fields, message):
+    engine = Engine(model, TOK, EngineConfig(depth=DEPTH))
+    with pytest.raises(ValueError, match=message):
+        engine.submit(Request(TOK.encode("hi"), **fields))
+    assert engine.waiting == 0
