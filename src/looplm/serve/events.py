@@ -1,0 +1,159 @@
+"""An HTTP request's engine requests (its choices) and the events they send back, for both ways of
+answering: `collect` gathers every choice's events for one response body, `sse` writes them as
+server-sent events while they arrive. Both read `Choices.stream`, which watches the client meanwhile:
+a client that disconnects cancels the unfinished choices, and their slots are freed at the engine's
+next step. The engine runs on its own thread and posts each event to the request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fastapi import Request as HTTPRequest
+
+from looplm.serve.engine import (Engine, EngineFull, EngineStopped, Event, Finish, PromptLogprobs, Request,
+                                 RequestHandle, Token)
+from looplm.serve.errors import APIError
+
+POLL_S = 0.25
+"""How often a request checks whether its client is still connected (whether or not tokens arrive)."""
+
+
+class Choices:
+    """The engine requests of one HTTP request and the asyncio queue their events arrive on."""
+
+    def __init__(self, engine: Engine, requests: Sequence[Request]):
+        """Submits `requests`, all or none: ValueError for one that cannot run (or more than the queue
+        holds), checked before any is queued; `EngineFull` or `EngineStopped` cancels those queued."""
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        if len(requests) > engine.config.max_queue:  # it would get a 429 however often it is retried
+            raise ValueError(f"this request has {len(requests)} choices (prompts x n); the server queues at most "
+                             f"max_queue {engine.config.max_queue}")
+        for r in requests:
+            engine.check(r)  # every choice is checked before any is queued
+        self.handles: list[RequestHandle] = []
+        try:
+            for i, r in enumerate(requests):
+                sink = (lambda i: lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, (i, ev)))(i)
+                self.handles.append(engine.submit(r, sink))
+        except (EngineFull, EngineStopped):
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            if h.finish is None:
+                h.cancel()
+
+    async def stream(self, http: HTTPRequest) -> AsyncIterator[tuple[int, Event]]:
+        """Events until every choice finished; stops, cancelling them all, once the client goes away
+        (watched alongside the events, so a steady stream of tokens cannot hide it)."""
+        left = len(self.handles)
+        gone = asyncio.ensure_future(_client_gone(http))
+        event = None
+        try:
+            while left:
+                event = asyncio.ensure_future(self.events.get())
+                await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    return
+                i, ev = event.result()
+                if isinstance(ev, Finish):
+                    left -= 1
+                yield i, ev
+        finally:
+            for task in (gone, event):
+                if task is not None:
+                    task.cancel()  # no-op once done
+            self.cancel()  # no-op for finished choices
+
+
+async def _client_gone(http: HTTPRequest) -> None:
+    """Returns once the client has disconnected."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(POLL_S)
+
+
+@dataclass
+class Collected:
+    """The events of a non-streamed request, by choice."""
+
+    tokens: dict[int, list[Token]] = field(default_factory=dict)
+    prompts: dict[int, PromptLogprobs] = field(default_factory=dict)
+    """The prompt's scores of the choices that asked for them (`Request.prompt_logprobs`)."""
+    finishes: dict[int, Finish] = field(default_factory=dict)
+
+    def add(self, i: int, ev: Event) -> None:
+        if isinstance(ev, Token):
+            self.tokens.setdefault(i, []).append(ev)
+        elif isinstance(ev, PromptLogprobs):
+            self.prompts[i] = ev
+        else:
+            self.finishes[i] = ev
+
+
+async def collect(choices: Choices, http: HTTPRequest) -> Collected | None:
+    """Every choice's events (non-streaming); None if the client went away; a failed generation
+    raises a 500."""
+    got = Collected()
+    async for i, ev in choices.stream(http):
+        got.add(i, ev)
+    if len(got.finishes) < len(choices.handles):
+        return None
+    failed = [f for f in got.finishes.values() if f.reason == "error"]
+    if failed:
+        raise APIError(500, failed[0].error or "generation failed", "server_error")
+    return got
+
+
+class Chunks(Protocol):
+    """The chunks of a streamed reply: `start(i)` before choice i's first event, one per token and per
+    prompt score (None: none for it) and per finish, then `usage` (None: not asked for)."""
+
+    def start(self, i: int) -> dict | None: ...
+
+    def event(self, i: int, ev: PromptLogprobs | Token) -> dict | None: ...
+
+    def finish(self, i: int, ev: Finish) -> dict: ...
+
+    def usage(self, finishes: list[Finish]) -> dict | None: ...
+
+
+async def sse(choices: Choices, http: HTTPRequest, chunks: Chunks) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request: its `chunks` as they arrive (a failed choice's
+    finish as an error body), then the usage chunk (when asked) and `[DONE]`. Leaving early (the
+    client went away) cancels the unfinished choices."""
+    finishes: dict[int, Finish] = {}
+    opened: set[int] = set()
+    try:
+        async for i, ev in choices.stream(http):
+            out = []
+            if i not in opened:
+                opened.add(i)
+                out.append(chunks.start(i))
+            if isinstance(ev, Finish):
+                finishes[i] = ev
+                failed = ev.reason == "error"
+                out.append(APIError(500, ev.error or "generation failed", "server_error").body() if failed
+                           else chunks.finish(i, ev))
+            else:
+                out.append(chunks.event(i, ev))
+            for data in out:
+                if data is not None:
+                    yield _sse(data)
+        if len(finishes) == len(choices.handles):
+            usage = chunks.usage(list(finishes.values()))
+            if usage is not None:
+                yield _sse(usage)
+            yield _sse("[DONE]")
+    finally:
+        choices.cancel()  # no-op for finished choices
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
