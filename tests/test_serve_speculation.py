@@ -131,3 +131,25 @@ def test_bad_speculation_settings_are_refused_before_queueing(model, fields, mes
     with pytest.raises(ValueError, match=message):
         engine.submit(Request(TOK.encode("hi"), **fields))
     assert engine.waiting == 0
+
+
+def test_the_api_takes_speculation_per_request_and_reports_acceptance(model):
+    """Over HTTP: `speculate`/`draft_depth` in the body reach the engine (a bad draft depth is a 400
+    naming it), and /metrics carries the acceptance counters."""
+    fastapi = pytest.importorskip("fastapi")  # noqa: F841
+    from fastapi.testclient import TestClient
+
+    from looplm.serve.api import create_app
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=DEPTH, cache="full"))
+    with TestClient(create_app(engine, "m")) as client:
+        body = {"model": "m", "prompt": "hello", "max_tokens": 9, "temperature": 0, "speculate": 3, "draft_depth": 1}
+        got = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        want = TOK.decode(_no_cache_greedy(model, TOK.encode("hello"), 9, DEPTH, 0))
+        assert got == want
+        bad = client.post("/v1/completions", json={**body, "draft_depth": DEPTH})
+        assert bad.status_code == 400 and "draft_depth" in bad.json()["error"]["message"]
+        metrics = client.get("/metrics").text
+    drafted = [line for line in metrics.splitlines() if line.startswith("looplm_speculative_drafted_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert "looplm_speculative_acceptance_rate" in metrics

@@ -100,12 +100,15 @@ class _EngineCollector:
             "max_batch": "Cache slots",
             "tokens_per_second": "Generated tokens per second over the last 10 s",
             "mean_decode_depth": "Mean recurrences per decoded token since the start (0 before any)",
+            "speculative_acceptance_rate": "Draft tokens accepted / proposed since the start (0 before any)",
             "cache_bytes_in_use": "KV-cache bytes holding live tokens",
             "cache_bytes_capacity": "KV-cache bytes preallocated for all slots",
         }
         for name, doc in gauges.items():
             yield GaugeMetricFamily(f"looplm_{name}", doc, value=s[name])
-        for name, doc in (("generated_tokens", "Tokens generated"), ("prompt_tokens", "Prompt tokens prefilled")):
+        for name, doc in (("generated_tokens", "Tokens generated"), ("prompt_tokens", "Prompt tokens prefilled"),
+                          ("speculative_drafted", "Draft tokens proposed by speculative rounds"),
+                          ("speculative_accepted", "Draft tokens the verifier accepted")):
             yield CounterMetricFamily(f"looplm_{name}", doc, value=s[f"{name}_total"])
         done = CounterMetricFamily("looplm_requests_finished", "Finished sequences by reason", labels=["reason"])
         for reason, count in sorted(s["finished_total"].items()):

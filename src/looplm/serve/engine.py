@@ -227,9 +227,9 @@ class Engine:
                              device=self.device, dtype=param.dtype)
         if config.speculate < 0:
             raise ValueError(f"speculate must be >= 0 (0 = off), got {config.speculate}")
-        # the static step: the compiled engine's every step, and any engine's speculative rounds
-        self._step = (DecodeStep(model, self.pool.cache, compile=config.compile)
-                      if config.compile or config.speculate else None)
+        # the static step: the compiled engine's every step, and the speculative rounds (a request may
+        # speculate on an engine that does not by default)
+        self._step = DecodeStep(model, self.pool.cache, compile=config.compile)
         self._rows: list[_Row] = []
         self._pending: deque[RequestHandle] = deque()
         self._wake = threading.Condition()
@@ -463,8 +463,6 @@ class Engine:
     def _speculative(self) -> bool:
         """Whether this step is a speculative round: every running row speculates with the same k
         and draft depth at the same depth, without adaptive exit, and has room for k + 1 positions."""
-        if self._step is None:
-            return False
         first = self._rows[0]
         plan = (first.depth, *self.speculation(first.handle.request))
         if not plan[1]:
@@ -535,7 +533,7 @@ class Engine:
         recurring; with `speculate` also the draft depth and the verify chunk), so no request waits
         for it; returns the seconds it took (0 when not compiled). The steps write into the first
         positions of free slots, which a prefill overwrites."""
-        if self._step is None or not self.config.compile:
+        if not self.config.compile:
             return 0.0
         if self._rows:
             raise RuntimeError("warm up the engine before it takes requests")
@@ -644,7 +642,8 @@ class Engine:
         c = self.config
         return (f"{c.cache} cache, {c.max_batch} slots x {self.max_len} positions "
                 f"({self.pool.nbytes / 2**20:.1f} MiB), depth {c.depth} (requests up to {self.max_depth}), "
-                f"queue {c.max_queue}")
+                f"queue {c.max_queue}" + (f", speculating {c.speculate} drafts at depth {c.draft_depth}"
+                                           if c.speculate else ""))
 
 
 def _score_prompt(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> PromptLogprobs:

@@ -1,8 +1,8 @@
 """The OpenAI request bodies the server accepts, as pydantic models, and the chat template.
 
 Fields follow OpenAI's completions and chat completions APIs; looplm's extensions (`depth`,
-`prefill_depth`, `exit_tau`, `min_depth`, `top_k`) ride in the same body (the openai client sends
-them through `extra_body`). Parameters the engine does not implement are accepted only at their
+`prefill_depth`, `exit_tau`, `min_depth`, `top_k`, `speculate`, `draft_depth`) ride in the same body
+(the openai client sends them through `extra_body`). Parameters the engine does not implement are accepted only at their
 neutral value, so a client never gets silently different behaviour; a chat request's fields in
 `IGNORED_CHAT_FIELDS` (OpenAI's, about tools, formats and bookkeeping) are accepted and ignored; any
 other field is refused by name (a misspelt `depth` would otherwise serve at the server's depth).
@@ -51,6 +51,9 @@ class _Common(BaseModel):
     prefill_depth: int | None = Field(None, ge=1)
     exit_tau: float | None = Field(None, gt=0.0)
     min_depth: int = Field(1, ge=1)
+    speculate: int | None = Field(None, ge=0)
+    """Self-speculative decoding: draft tokens per verify chunk (0 = off); default: the server's."""
+    draft_depth: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +95,8 @@ class _Common(BaseModel):
     def engine_fields(self) -> dict:
         """The `looplm.serve.Request` fields every choice of this request shares."""
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, depth=self.depth,
-                    prefill_depth=self.prefill_depth, exit_tau=self.exit_tau, min_depth=self.min_depth)
+                    prefill_depth=self.prefill_depth, exit_tau=self.exit_tau, min_depth=self.min_depth,
+                    speculate=self.speculate, draft_depth=self.draft_depth)
 
 
 class CompletionRequest(_Common):
