@@ -6,6 +6,7 @@ cache at the same cache memory, and adaptive exit vs fixed depth, side by side i
         [--out benchmarks/results/serve_load.json]
     python benchmarks/serve_load.py --workload mixed-depth [--slots 64] [--deep 12] [--max-tokens 48]
     python benchmarks/serve_load.py --compiled ...   # also `continuous terminal, --compile`
+    python benchmarks/serve_load.py --speculate 4 --draft-depth 2 [--compiled] ...   # also a speculating arm
 
 Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
 from the arm's), waits for /health, and then `--clients` client threads (this process) send the
@@ -172,8 +173,16 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
             "results": sorted(results, key=lambda r: r["index"])}
 
 
+def server_flags(opts: dict) -> list[str]:
+    """`looplm serve` flags of an arm's engine options (compile, speculate, draft_depth)."""
+    flags = ["--compile"] if opts.get("compile") else []
+    if opts.get("speculate"):
+        flags += ["--speculate", str(opts["speculate"]), "--draft-depth", str(opts["draft_depth"])]
+    return flags
+
+
 def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict,
-                compile: bool = False) -> dict:
+                opts: dict | None = None) -> dict:
     """The same requests through `looplm.serve.Engine` in this process (no HTTP, no clients),
     all submitted at once, on `--server-threads` torch threads: what the engine itself sustains."""
     from looplm.checkpoint import load_model
@@ -185,7 +194,7 @@ def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int
         model, tok, _ = load_model(checkpoint)
         engine = Engine(model, tok, EngineConfig(max_batch=slots, depth=args.depth, cache=cache,
                                                  max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full"
-                                                 else None, max_queue=len(texts), compile=compile))
+                                                 else None, max_queue=len(texts), **(opts or {})))
         reqs = [Request(tok.encode(t), max_tokens=args.max_tokens, **extra) for t in texts]
         engine.warm_up()  # compiled: every batch bucket, as `looplm serve --compile` does before it listens
         engine.generate(reqs[:4])  # warm-up
@@ -313,6 +322,9 @@ def main() -> None:
     ap.add_argument("--adaptive-depth", type=int, default=8)
     ap.add_argument("--exit-tau", type=float, default=0.05)
     ap.add_argument("--compiled", action="store_true", help="add the arm `continuous terminal, --compile`")
+    ap.add_argument("--speculate", type=int, default=0,
+                    help="add an arm with self-speculative decoding: k drafts per round (with --compiled, compiled)")
+    ap.add_argument("--draft-depth", type=int, default=2, help="draft depth of the --speculate arm")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
     args = ap.parse_args()
     if args.workload == "mixed-depth":
@@ -334,23 +346,29 @@ def main() -> None:
         texts = prompts(args.requests)
         jobs = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in texts]
         common = ["--depth", str(args.depth), "--max-queue", str(args.requests)]
-        arms = [  # (label, cache, slots, extra request fields, compiled)
-            ("continuous terminal", "terminal", terminal_slots, {}, False),
-            ("one at a time terminal", "terminal", 1, {}, False),
-            ("continuous full", "full", args.full_slots, {}, False),
-            (f"continuous terminal, {args.full_slots} slots", "terminal", args.full_slots, {}, False),
+        arms = [  # (label, cache, slots, extra request fields, engine options)
+            ("continuous terminal", "terminal", terminal_slots, {}, {}),
+            ("one at a time terminal", "terminal", 1, {}, {}),
+            ("continuous full", "full", args.full_slots, {}, {}),
+            (f"continuous terminal, {args.full_slots} slots", "terminal", args.full_slots, {}, {}),
         ]
+        compared = [(0, 1), (0, 3)]  # greedy: batching must not change a request's text
         if args.compiled:
-            arms.append(("continuous terminal, --compile", "terminal", terminal_slots, {}, True))
+            arms.append(("continuous terminal, --compile", "terminal", terminal_slots, {}, {"compile": True}))
+            compared.append((0, len(arms) - 1))
+        if args.speculate:
+            spec = {"compile": args.compiled, "speculate": args.speculate, "draft_depth": args.draft_depth}
+            arms.append((f"continuous terminal, {' '.join(server_flags(spec))}", "terminal", terminal_slots, {}, spec))
+            compared.append((0, len(arms) - 1))  # terminal cache: texts may differ (design §16's window rule)
         if args.checkpoint is not None:
             R = args.adaptive_depth
-            arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}, False),
+            arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}, {}),
                      (f"adaptive exit tau {args.exit_tau} (max {R})", "terminal", terminal_slots,
-                      {"depth": R, "exit_tau": args.exit_tau}, False)]
+                      {"depth": R, "exit_tau": args.exit_tau}, {})]
         rounds: list[list[dict]] = [[] for _ in arms]
         for rnd in range(args.rounds):  # arms alternate, so drifting machine load hits all of them alike
-            for k, (label, cache, slots, extra, compiled) in enumerate(arms):
-                flags = ["--cache", cache, "--max-batch", str(slots), *(["--compile"] if compiled else [])]
+            for k, (label, cache, slots, extra, opts) in enumerate(arms):
+                flags = ["--cache", cache, "--max-batch", str(slots), *server_flags(opts)]
                 server = Server(checkpoint, common + flags, args.server_threads)
                 try:
                     run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up (a compiled
@@ -359,7 +377,7 @@ def main() -> None:
                     result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
                 finally:
                     server.close()
-                result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra, compiled)
+                result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra, opts)
                 rounds[k].append(result)
                 print(f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
                       f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
@@ -367,10 +385,10 @@ def main() -> None:
                       f"depth {result['mean_decode_depth']:.2f}; engine alone "
                       f"{result['engine_only']['tokens_per_s']:.1f} tok/s", flush=True)
         rows = []
-        for (label, cache, slots, extra, compiled), runs in zip(arms, rounds):
+        for (label, cache, slots, extra, opts), runs in zip(arms, rounds):
             med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
             rows.append({"arm": label, "server_flags": " ".join(common + ["--cache", cache, "--max-batch", str(slots)]
-                                                               + (["--compile"] if compiled else [])),
+                                                               + server_flags(opts)),
                          "extra_body": extra, "slots": slots, "cache_bytes": runs[0]["cache_bytes"],
                          **{f"median_{key}": med(key) for key in ("tokens_per_s", "requests_per_s", "latency_p50_s",
                                                                   "latency_p95_s", "ttft_p50_s", "ttft_p95_s")},
@@ -387,7 +405,7 @@ def main() -> None:
         same_outputs = {  # greedy: batching must not change a request's text
             rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(a["text"] == b["text"] for a, b in
                                                          zip(rows[i]["results"], rows[j]["results"]))
-            for i, j in ((0, 1), (0, 3), *(((0, 4),) if args.compiled else ()))
+            for i, j in compared
             if rows[i]["completed"] == rows[j]["completed"] == len(jobs)}
         print(f"identical texts (of {len(jobs)}): {same_outputs}")
         quality = None
