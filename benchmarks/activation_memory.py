@@ -15,7 +15,7 @@ clip and AdamW:
      tensors: parameters, gradients, AdamW state, activations, temporaries), plus
      `max_memory_reserved` (what the caching allocator held);
    - CPU: torch's `MemTracker` (a dispatch mode that counts every tensor until it is freed; the
-     same tool as `tests/test_parallelize.py`). Its peak snapshot is the breakdown at the moment
+     same tool as `tests/test_train_parallelize.py`). Its peak snapshot is the breakdown at the moment
      of the highest total: the `Activation` category and the total (parameters, gradients,
      optimizer state, activations, temporaries). These are tensor bytes, not allocator memory.
      The highest Activation count at any moment is recorded too (`max act`).

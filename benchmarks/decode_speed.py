@@ -66,7 +66,8 @@ def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=258, max_seq_len=256, **SHAPES[shape])
     model = LoopedLM(cfg).eval()
-    plain = PlainLooped(258, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_core, B, 256)
+    plain = PlainLooped(258, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_prelude, cfg.n_core,
+                        cfg.n_coda).decoding(B, 256)
     prompt = torch.randint(0, 258, (B, PROMPT))
     tok = torch.zeros(B, dtype=torch.long)
     at = torch.full((B,), PROMPT)

@@ -19,10 +19,10 @@ short keeps what it measured; each torchrun job's output goes to `<out>/gpu_trai
 3. training steps at fixed R = 5 (full BPTT, bf16 autocast, fused AdamW; the model built on the GPU),
    seq 2048 x batch 8: `compiled-flex` doc1 (the headline: compiled blocks and injection,
    FlexAttention masks, one document per row, the chunked head + cross-entropy), `plain-compiled`
-   causal (a nanoGPT-style looped model in this file, compiled whole: same shapes, RMSNorm, RoPE, GQA,
-   SwiGLU, 1/2/1 blocks, a linear injection; knows nothing of looplm), `eager-sdpa` doc1 (the old
-   path), then compiled-flex causal / packed, compiled-flex doc1 with full fp32 logits (the loss
-   lever), eager causal / packed; then, after `torch._dynamo.reset()`, seq 8192 x batch 2;
+   causal (a nanoGPT-style looped model, `benchmarks/_plain_looped.py`, compiled whole: same shapes,
+   RMSNorm, RoPE, GQA, SwiGLU, 1/2/1 blocks, a linear injection; knows nothing of looplm), `eager-sdpa`
+   doc1 (the old path), then compiled-flex causal / packed, compiled-flex doc1 with full fp32 logits
+   (the loss lever), eager causal / packed; then, after `torch._dynamo.reset()`, seq 8192 x batch 2;
    masks: `causal` (no document ids), `doc1` (document ids, one document per row), `packed`
    (documents of 64..1024 tokens);
 4. `torchrun --nproc_per_node 1` runs (nccl on CUDA, gloo with --tiny) of the train (compiled, flex),
@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _command import command_line, join  # benchmarks/ is on sys.path when a script runs
-from torch import nn
+from _plain_looped import PlainLooped
 
 from looplm.config import ModelConfig, model_preset
 from looplm.data import Batch
@@ -65,81 +65,6 @@ from looplm.train.trainer import param_groups
 
 DEPTH = 5
 HERE = Path(__file__).resolve().parent
-
-
-# -- the independent baseline -------------------------------------------------------------------
-class PlainNorm(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.g = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6).type_as(x) * self.g
-
-
-def rotate(x, cos, sin):
-    a, b = x.float().chunk(2, -1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), -1).type_as(x)
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, ffn: int):
-        super().__init__()
-        self.h, self.kv, self.hd = heads, kv_heads, d // heads
-        self.n1, self.n2 = PlainNorm(d), PlainNorm(d)
-        self.qkv = nn.Linear(d, (heads + 2 * kv_heads) * self.hd, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
-        self.up = nn.Linear(d, 2 * ffn, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x, cos, sin):
-        B, L, _ = x.shape
-        q, k, v = self.qkv(self.n1(x)).split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], -1)
-        q = rotate(q.view(B, L, self.h, self.hd).transpose(1, 2), cos, sin)
-        k = rotate(k.view(B, L, self.kv, self.hd).transpose(1, 2), cos, sin)
-        v = v.view(B, L, self.kv, self.hd).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.out(y.transpose(1, 2).reshape(B, L, -1))
-        gate, up = self.up(self.n2(x)).chunk(2, -1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class PlainLooped(nn.Module):
-    """prelude -> (s = decay * s + W e; core) x R -> coda, compiled whole."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d = cfg.d_model
-        mk = lambda: PlainBlock(d, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)  # noqa: E731
-        self.emb = nn.Embedding(cfg.vocab_size, d)
-        self.pre = nn.ModuleList(mk() for _ in range(cfg.n_prelude))
-        self.core = nn.ModuleList(mk() for _ in range(cfg.n_core))
-        self.post = nn.ModuleList(mk() for _ in range(cfg.n_coda))
-        self.inject = nn.Linear(d, d, bias=False)
-        self.decay = nn.Parameter(torch.full((d,), 0.5))
-        self.norm = PlainNorm(d)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
-        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, d // cfg.n_heads, 2).double() / (d // cfg.n_heads)))
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
-        for p in self.parameters():
-            if p.ndim == 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, tokens, state0, depth: int):
-        L = tokens.shape[1]
-        ang = torch.arange(L, device=tokens.device).float()[:, None] * self.inv_freq
-        cos, sin = ang.cos(), ang.sin()
-        e = self.emb(tokens)
-        for blk in self.pre:
-            e = blk(e, cos, sin)
-        u, s = self.inject(e), state0.type_as(e)
-        for _ in range(depth):
-            s = self.decay * s + u
-            for blk in self.core:
-                s = blk(s, cos, sin)
-        for blk in self.post:
-            s = blk(s, cos, sin)
-        return self.head(self.norm(s)).float()
 
 
 # -- output: every row on disk as soon as it is measured ------------------------------------------
@@ -266,8 +191,12 @@ def looplm_arm(cfg, B, L, device, dtype, *, compiled: bool, attention: str, mask
 
 def plain_arm(cfg, B, L, device, dtype, backend: str):
     torch.manual_seed(0)
+    # the plain baseline as this benchmark measures it: fused QKV and gate/up matmuls, RMSNorm and RoPE in fp32,
+    # a linear injection (s = decay * s + W e), weights N(0, 0.02^2)
     with torch.device(device):
-        model = PlainLooped(cfg)
+        model = PlainLooped(cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_prelude,
+                            cfg.n_core, cfg.n_coda, injection="linear", fused=True, norm="fp32", rope_fp32=True,
+                            rope_base=cfg.rope_base).init_weights()
     fwd = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (B, L + 1), device=device)

@@ -357,7 +357,7 @@ def test_processes_verify_shares_that_cover_every_file(tmp_path):
     assert len(failing) == 1 and "b.bin is corrupt" in failing[0][1]
 
 
-# -- the sharded form in one process (the torchrun tests in test_distributed.py run it on ranks) ----------
+# -- the sharded form in one process (the torchrun tests in test_train_distributed.py run it on ranks) ----
 def sharded_trainer(tmp_path_factory, root, name, **overrides) -> Trainer:
     """A tiny trainer that writes sharded checkpoints (as FSDP2 ranks do) in one process."""
     from looplm.train.checkpointing import Checkpointer

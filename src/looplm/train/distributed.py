@@ -9,7 +9,7 @@ Why one module: a backend serves some device types only. NCCL has no CPU backend
 cpu"). The helpers here move every tensor to `DistEnv.comm_device` (the device the group serves),
 check it with `check_served`, reduce, and hand the result back on the caller's device. The
 trainer, evaluation, the learned depth prior's feedback, RL and distillation reduce through them;
-`tests/test_distributed.py` checks that no other module calls `torch.distributed` collectives.
+`tests/test_train_distributed.py` checks that no other module calls `torch.distributed` collectives.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fixed-point diagnostics (looplm.analyze) on constructed models with known answers."""
+"""Fixed-point diagnostics (looplm.analyze) on constructed models with known answers: the convergence profile,
+the trajectory, KV settling and carryover alignment."""
 
 from __future__ import annotations
 
@@ -11,14 +12,11 @@ from torch import nn
 
 from looplm.analyze import (
     NEVER,
-    SolveRule,
     carryover_alignment,
     convergence_depths,
     convergence_profile,
     kv_settling,
     run_trajectory,
-    solve,
-    span_solves,
     spearman,
     start,
 )
@@ -191,129 +189,3 @@ def test_parcae_carryover_against_a_direct_computation(tiny_model_config):
     torch.testing.assert_close(out["cos"], cq / (c.norm(dim=-1) * q.norm(dim=-1)), rtol=1e-5, atol=1e-6)
     assert (out["amplification"] - 1).abs().mean() > 0.05  # not OrthoInj's 1
     assert carryover_alignment(LoopedLM(tiny_model_config(injection="deq-qkv")).injection, c, q) is None
-
-
-# -- fixed-point solves --------------------------------------------------------------------------
-def contractive_model(make_cfg) -> LoopedLM:
-    """A real looped model (attention, SwiGLU) with core weights large enough that tokens interact,
-    still contractive thanks to Parcae's decay 1/sqrt(5)."""
-    model = LoopedLM(make_cfg(injection="parcae-decay", max_depth=1024)).eval()
-    with torch.no_grad():
-        for block in model.core:
-            for p in block.parameters():
-                if p.ndim == 2:
-                    p.mul_(6.0)
-    return model
-
-
-def test_joint_and_frozen_prefix_solves_agree_on_a_contractive_model(tiny_model_config):
-    model = contractive_model(tiny_model_config)
-    x, ids = tokens(3, 12), torch.arange(3)
-    out = span_solves(model, x, example_ids=ids, rule=SolveRule(max_depth=400), control_depth=2)
-    for name in ("prefix", "joint", "frozen", "control"):
-        assert out[f"{name}_qualified"].all(), name
-    assert out["gap"].max() < 1e-6
-    assert out["kl"].abs().max() < 1e-9
-    # The prefix matters: freezing a depth-2 prefix instead leaves a far larger gap.
-    assert out["control_gap"].min() > 1e3 * out["gap"].max()
-    # The joint solve reached the fixed point of the native forward (an independent path).
-    native = model(x, 300, init="seeded", example_ids=ids).endpoint[:, -1]
-    assert out["joint_depth"].max() < 300
-    begin = start(model, x, example_ids=ids)
-    joint = solve(lambda s: model.recurrence(s, begin.ctx, return_kv=True), begin.state0, SolveRule(max_depth=400))
-    assert ((joint.state[:, -1] - native).norm(dim=-1) / native.norm(dim=-1)).max() < 1e-5
-
-
-def test_solve_with_a_document_mask_matches_a_masked_span(tiny_model_config):
-    """Packed rows: the current token's document starts mid-span, so its frozen prefix attention must
-    follow the document mask; the solve then equals one on the document alone."""
-    model = contractive_model(tiny_model_config)
-    x = tokens(2, 12)
-    doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 8 + [1] * 4])
-    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7)]), torch.cat([torch.arange(8), torch.arange(4)])])
-    out = span_solves(model, x, doc_ids=doc, positions=pos, example_ids=torch.arange(2), rule=SolveRule(max_depth=400))
-    assert out["joint_qualified"].all() and out["frozen_qualified"].all()
-    assert out["gap"].max() < 1e-6 and out["kl"].abs().max() < 1e-9
-
-
-def test_rule_on_a_scalar_contraction_matches_a_naive_loop():
-    """A scalar geometric contraction: the qualifying depth is where 8 steps in a row first change
-    the state by <= tol (confirmation and the final check then pass trivially)."""
-    lam, target = 0.7, 3.0
-    s0 = torch.full((1, 1, 4), 1000.0, dtype=torch.float64)
-    step = lambda s: (target + lam * (s - target), [])  # noqa: E731
-    rule = SolveRule(max_depth=300)
-    got = solve(step, s0, rule)
-    # Naive loop: record |s^r - s^(r-1)| / |s^(r-1)| and find the end of the first 8-run <= tol.
-    # The first recurrence has no earlier K/V to compare with, so it never counts as stable.
-    s, run, expected = 1000.0, 0, None
-    for r in range(1, 300):
-        new = target + lam * (s - target)
-        run = run + 1 if (r > 1 and abs(new - s) / abs(s) <= rule.tol) else 0
-        s = new
-        if run == rule.stable_steps:
-            expected = r
-            break
-    assert got.qualified.item() and got.depth.item() == expected
-    assert got.steps == expected + rule.confirm_steps + 1
-
-
-def test_solve_rule_rejects_a_two_cycle_and_a_slow_drift(tiny_model_config):
-    model = scaled_model(tiny_model_config, -1.0, zero_input=True)  # F(s) = -s
-    begin = start(model, tokens(), example_ids=torch.arange(3))
-    cyc = solve(lambda s: model.recurrence(s, begin.ctx, return_kv=True), begin.state0, SolveRule(max_depth=200))
-    assert not cyc.qualified.any() and (cyc.depth == -1).all() and cyc.steps == 200
-    # Per-step change 4e-6 <= tol passes the stable run, but the drift over the confirmation exceeds 5e-5.
-    drift = solve(lambda s: (s * (1 + 4e-6), []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=300))
-    assert not drift.qualified.any()
-    slow = solve(lambda s: (s * (1 + 2e-6), []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=300))
-    assert slow.qualified.all()  # 16 x 2e-6 stays within the drift bound
-    # A still state whose layer K/V keep moving does not qualify either.
-    clock = iter(range(1, 10_000))
-
-    def moving_kv(s):
-        k = torch.ones(1, 1, 2, 3, dtype=torch.float64) * (1 + 1e-3 * next(clock))
-        return s, [(k, k.clone())]
-
-    assert not solve(moving_kv, torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=100)).qualified.any()
-
-
-def test_rows_are_judged_separately():
-    lam = 0.5
-    s0 = torch.ones(2, 3, 4, dtype=torch.float64)
-    sign = torch.tensor([1.0, -1.0], dtype=torch.float64)[:, None, None]
-
-    def step(s):  # row 0 contracts toward 2, row 1 flips sign forever
-        return torch.where(sign > 0, 2 + lam * (s - 2), -s), []
-
-    out = solve(step, s0, SolveRule(max_depth=120))
-    assert out.qualified.tolist() == [True, False]
-    assert out.depth[0] > 0 and out.depth[1] == -1
-    torch.testing.assert_close(out.state[0], torch.full((3, 4), 2.0, dtype=torch.float64), rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("bad", [dict(tol=0), dict(drift_tol=-1), dict(stable_steps=0), dict(max_depth=10)])
-def test_solve_rule_validation(bad):
-    with pytest.raises(ValueError):
-        SolveRule(**bad).validate()
-
-
-@pytest.mark.parametrize("horizon, depths", [(1, [1]), (3, [1, 3]), (5, [1, 5]), (8, [1, 5, 8]),
-                                             (16, [1, 5, 16]), (32, [1, 5, 16, 32])])
-def test_summary_labels_one_relative_change_per_value(horizon, depths):
-    # `looplm analyze --horizon 8` printed "at r = 1, 5, 16, H:" with three values: r = 16 > H was
-    # dropped from the values only.
-    from looplm.analyze import format_summary
-
-    median = [1.0 / r for r in range(1, horizon + 1)]  # a distinct value per depth
-    report = {"model": {"injection": "parcae-nonorm"}, "kv_settling": [], "carryover": {"note": "n/a"},
-              "convergence": {"tokens": 10, "horizon": horizon, "tau": 0.01, "fraction_converged": 0.5,
-                              "median_depth": 2.0, "never": 5, "spearman_position_depth": 0.1,
-                              "intervals": [{"start": 0, "end": 8, "median_depth": 2.0}],
-                              "change": {"median": median}}}
-    line = next(x for x in format_summary(report).splitlines() if "relative change (median)" in x)
-    labels, values = line.split(" at r = ", 1)[1].split(": ", 1)
-    labels, values = labels.split(", "), values.split(", ")
-    assert len(labels) == len(values) == len(depths), line
-    assert labels[-1] == f"H = {horizon}" and labels[:-1] == [str(r) for r in depths[:-1]], line
-    assert values == [format(1.0 / r, ".3g") for r in depths], line

@@ -108,3 +108,24 @@ def test_checkpoint_without_a_recurrent_core(run_dir, tmp_path, capsys):
 def test_missing_checkpoint(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "nothing")]) == 2
     assert "no checkpoint folder" in _error(capsys)
+
+
+@pytest.mark.parametrize("horizon, depths", [(1, [1]), (3, [1, 3]), (5, [1, 5]), (8, [1, 5, 8]),
+                                             (16, [1, 5, 16]), (32, [1, 5, 16, 32])])
+def test_summary_labels_one_relative_change_per_value(horizon, depths):
+    # `looplm analyze --horizon 8` printed "at r = 1, 5, 16, H:" with three values: r = 16 > H was
+    # dropped from the values only.
+    from looplm.analyze import format_summary
+
+    median = [1.0 / r for r in range(1, horizon + 1)]  # a distinct value per depth
+    report = {"model": {"injection": "parcae-nonorm"}, "kv_settling": [], "carryover": {"note": "n/a"},
+              "convergence": {"tokens": 10, "horizon": horizon, "tau": 0.01, "fraction_converged": 0.5,
+                              "median_depth": 2.0, "never": 5, "spearman_position_depth": 0.1,
+                              "intervals": [{"start": 0, "end": 8, "median_depth": 2.0}],
+                              "change": {"median": median}}}
+    line = next(x for x in format_summary(report).splitlines() if "relative change (median)" in x)
+    labels, values = line.split(" at r = ", 1)[1].split(": ", 1)
+    labels, values = labels.split(", "), values.split(", ")
+    assert len(labels) == len(values) == len(depths), line
+    assert labels[-1] == f"H = {horizon}" and labels[:-1] == [str(r) for r in depths[:-1]], line
+    assert values == [format(1.0 / r, ".3g") for r in depths], line

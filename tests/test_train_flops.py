@@ -1,9 +1,6 @@
-"""Training FLOPs (design §5) against hand-computed numbers, and the warmup-stable-decay multiplier
-(design §6) against its closed form."""
+"""Training FLOPs (design §5) against hand-computed numbers."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -12,7 +9,6 @@ import torch
 from looplm.config import ModelConfig
 from looplm.depth import FixedDepth, PLNDepth, UniformDepth
 from looplm.train.flops import expected_flops_per_token, flops_per_token, mean_flops_per_token
-from looplm.train.schedule import wsd_multiplier
 
 # d = 32, V = 50, H = 4, H_kv = 2, head_dim = 8, F = 64, 1 / 2 / 1 blocks.
 CFG = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
@@ -191,40 +187,3 @@ def test_expected_flops_is_pmf_weighted_sum():
     assert expected_flops_per_token(CFG, L, UniformDepth(2, 6).pmf(), 3) == pytest.approx(avg, rel=1e-12)
     assert mean_flops_per_token(CFG, L, [2, 3, 4, 5, 6], 3) == pytest.approx(avg, rel=1e-12)
 
-
-# ---------------------------------------------------------------------------------------------
-# Warmup-stable-decay multiplier (design §6): T = 1000, W = 50, D = 100
-# ---------------------------------------------------------------------------------------------
-T, W, D = 1000, 50, 100
-
-
-def closed_form(t: int) -> float:
-    if t < W:
-        return 1e-4 + (1 - 1e-4) * t / W
-    if t < T - D:
-        return 1.0
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - T + D) / D))
-
-
-@pytest.mark.parametrize("t,expected", [
-    (0, 1e-4),
-    (25, 1e-4 + (1 - 1e-4) * 0.5),
-    (W, 1.0),  # end of warmup
-    (500, 1.0),  # mid
-    (T - D, 1.0),  # start of decay
-    (T - D // 2, 0.55),  # half way through the cosine
-    (T, 0.1),  # end
-])
-def test_wsd_closed_form_values(t, expected):
-    assert wsd_multiplier(t, T) == pytest.approx(expected, abs=1e-12)
-
-
-def test_wsd_matches_closed_form_everywhere_and_is_monotone():
-    values = [wsd_multiplier(t, T) for t in range(T + 1)]
-    for t, v in enumerate(values):
-        assert v == pytest.approx(closed_form(t), abs=1e-12)
-    warm = values[: W + 1]
-    assert all(b > a for a, b in zip(warm, warm[1:]))
-    decay = values[T - D :]
-    assert all(b < a for a, b in zip(decay, decay[1:]))
-    assert min(values) == pytest.approx(1e-4) and max(values) == 1.0

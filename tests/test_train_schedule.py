@@ -1,0 +1,46 @@
+"""The warmup-stable-decay learning-rate multiplier (design §6) against its closed form."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from looplm.train.schedule import wsd_multiplier
+
+# ---------------------------------------------------------------------------------------------
+# Warmup-stable-decay multiplier (design §6): T = 1000, W = 50, D = 100
+# ---------------------------------------------------------------------------------------------
+T, W, D = 1000, 50, 100
+
+
+def closed_form(t: int) -> float:
+    if t < W:
+        return 1e-4 + (1 - 1e-4) * t / W
+    if t < T - D:
+        return 1.0
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - T + D) / D))
+
+
+@pytest.mark.parametrize("t,expected", [
+    (0, 1e-4),
+    (25, 1e-4 + (1 - 1e-4) * 0.5),
+    (W, 1.0),  # end of warmup
+    (500, 1.0),  # mid
+    (T - D, 1.0),  # start of decay
+    (T - D // 2, 0.55),  # half way through the cosine
+    (T, 0.1),  # end
+])
+def test_wsd_closed_form_values(t, expected):
+    assert wsd_multiplier(t, T) == pytest.approx(expected, abs=1e-12)
+
+
+def test_wsd_matches_closed_form_everywhere_and_is_monotone():
+    values = [wsd_multiplier(t, T) for t in range(T + 1)]
+    for t, v in enumerate(values):
+        assert v == pytest.approx(closed_form(t), abs=1e-12)
+    warm = values[: W + 1]
+    assert all(b > a for a, b in zip(warm, warm[1:]))
+    decay = values[T - D :]
+    assert all(b < a for a, b in zip(decay, decay[1:]))
+    assert min(values) == pytest.approx(1e-4) and max(values) == 1.0
