@@ -30,6 +30,7 @@ from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
 from looplm.errors import UserError, install_hint
 from looplm.eval.report import EvalConfig, report_name
+from looplm.infer.depth_rule import CacheKind, DepthRule
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
 from looplm.rl.config import RLConfig
@@ -324,9 +325,8 @@ def _sampling_for(sampling: GenerateSampling, tasks: bool, room: int | None = No
 def generate(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     prompt: tuple[str, ...] | None = None,
-    depth: int = 5,
-    prefill_depth: int | None = None,
-    cache: Literal["terminal", "full"] = "terminal",
+    rule: Annotated[DepthRule, tyro.conf.arg(name="")] = DepthRule(5),
+    cache: CacheKind = "terminal",
     sampling: Annotated[GenerateSampling, tyro.conf.arg(name="")] = GenerateSampling(),
     device: str = "auto",
     prefill: PrefillArm = "teacher",
@@ -343,8 +343,7 @@ def generate(
         prompt: One or more prompts (repeat the text after --prompt); default (task-generator checkpoints
             only): one generator prompt of the checkpoint's first task kind. One prompt is streamed; several
             are decoded as a batch and printed each under a `--- prompt i of n ---` line.
-        depth: Recurrences per decoded token (R_dec).
-        prefill_depth: Recurrences for the prompt (R_pre); default: depth.
+        rule: Recurrences per token: decode and prefill depth, exit rule.
         cache: terminal (one KV bank per physical layer) or full (one bank per layer visit).
         sampling: Token choice and stopping.
         device: Torch device: auto (CUDA when available), cpu, cuda, ...
@@ -360,14 +359,13 @@ def generate(
     """
     from looplm.checkpoint import load_model, resolve
     from looplm.data import generate_examples
-    from looplm.infer.decode import DecodeSpec
     from looplm.infer.generate import Speculation, encode_prompts, generate as run
 
     if speculate < 0:
         raise UserError(f"--speculate must be >= 0 (0 = off), got {speculate}")
     spec_cfg = Speculation(speculate, draft_depth) if speculate else None
     if spec_cfg is not None:
-        spec_cfg.check(depth)
+        spec_cfg.check(rule.depth)
 
     try:  # before the checkpoint loads
         _sampling_for(sampling, tasks=True).validate()
@@ -387,7 +385,7 @@ def generate(
     longest = max(len(tokenizer.encode_prompt(p)) for p in prompt)
     config = _sampling_for(sampling, tasks, room=model.cfg.max_seq_len - longest + 1)
     # everything that can be refused is refused before the first prompt is echoed
-    DecodeSpec(depth, prefill_depth, cache, config).check(model.cfg.max_depth, has_gate=model.exit_gate is not None)
+    rule.check(model.cfg.max_depth, cache=cache, has_gate=model.exit_gate is not None)
     encode_prompts(tokenizer, prompt, config.max_new_tokens, model.cfg.max_seq_len)
     (arm,) = _prefill_arms(model, (prefill,), student)
     stream = None
@@ -397,15 +395,15 @@ def generate(
     stats: dict = {}
     if compile:
         print("compiling the decode step (the first tokens wait for it)", file=sys.stderr, flush=True)
-    texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
-                sampling=config, on_token=stream, stats=stats, prefill=arm, compile=compile, speculate=spec_cfg)
+    texts = run(model, tokenizer, list(prompt), rule, cache=cache, sampling=config, on_token=stream, stats=stats,
+                prefill=arm, compile=compile, speculate=spec_cfg)
     if stream is not None:
         print()
     else:  # several prompts: each continuation under its own header, as texts may span lines
         for i, (p, t) in enumerate(zip(prompt, texts), 1):
             print(f"--- prompt {i} of {len(prompt)} ---\n{p}{t}")
-    if config.exit_tau is not None:
-        print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
+    if rule.exit_tau is not None:
+        print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {rule.depth})", file=sys.stderr)
     if verbose:
         n, total, first = stats["decoded_tokens"], stats["decode_seconds"], stats["first_step_seconds"]
         line = f"decoded {n} tokens in {total:.2f} s ({n / max(total, 1e-9):.1f} tokens/s"
@@ -883,34 +881,21 @@ def serve(
     except ImportError as err:
         raise UserError(f"looplm serve needs the serve extra ({err}): {install_hint('serve')}") from None
     from looplm.checkpoint import load_model
+    from looplm.infer.prefill import check_arm_cache
     from looplm.serve import Engine, EngineConfig
 
-    # the options that need no model are checked before it loads; EngineConfig checks them again for library users
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535 (0: any free port), got {port}")
-    for option, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--depth", depth)):
-        if value < 1:
-            raise UserError(f"{option} must be >= 1, got {value}")
-    if max_depth is not None and max_depth < depth:
-        raise UserError(f"--max-depth ({max_depth}) must be >= --depth ({depth})")
-    if max_seq_len is not None and max_seq_len < 2:
-        raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
-    if prefill == "student" and cache != "terminal":
-        raise UserError("--prefill student writes terminal banks: it needs --cache terminal")
+    config = EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth, max_depth=max_depth,
+                          cache=cache, max_queue=max_queue, compile=compile)
+    config.check(prefix="--")  # what needs no model, before it loads
+    check_arm_cache(prefill, cache, prefix="--")
     listener = _listen(host, port)  # before the model loads (a busy port fails at once) and before the banner
     try:
         model, tokenizer, _ = load_model(checkpoint, _device(device))
-        cap, context = model.cfg.max_depth, model.cfg.max_seq_len
-        for option, value in (("--depth", depth), ("--max-depth", max_depth)):
-            if value is not None and value > cap:
-                raise UserError(f"{option} must be in 1..{cap} (the model's max_depth), got {value}")
-        if max_seq_len is not None and max_seq_len > context:
-            raise UserError(f"--max-seq-len must be in 2..{context} (the model's context), got {max_seq_len}")
+        config.check(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--")  # as Engine does, named as options
         (arm,) = _prefill_arms(model, (prefill,), student)
-        engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
-                                                       max_depth=max_depth, cache=cache, max_queue=max_queue,
-                                                       compile=compile),
-                        prefill=arm)
+        engine = Engine(model, tokenizer, config, prefill=arm)
         if compile:
             print(f"compiling the decode step for batch sizes {', '.join(map(str, engine.buckets()))}", flush=True)
             print(f"compiled in {engine.warm_up():.0f} s", flush=True)
@@ -987,6 +972,9 @@ def main(argv: list[str] | None = None) -> int:
             rejected = exit_.code == 2
             if not rejected:
                 raise  # --help (exit 0)
+        except UserError as err:  # an option object refused its values while tyro built it (a DepthRule)
+            rejected = True
+            report = io.StringIO(str(err))
         finally:
             if not rejected:
                 sys.stderr.write(report.getvalue())  # anything else printed while parsing (warnings)

@@ -14,6 +14,7 @@ import numpy as np
 
 from looplm.depth.pln import pln_pmf, pmf_mean
 from looplm.errors import UserError
+from looplm.model.exits import check_depth
 
 
 class DepthSampler(ABC):
@@ -50,8 +51,7 @@ class DepthSampler(ABC):
 
 class FixedDepth(DepthSampler):
     def __init__(self, depth: int, cap: int = 64, seed: int = 0):
-        if not 1 <= depth <= cap:
-            raise UserError(f"fixed depth must be in 1..{cap}, got {depth}")
+        check_depth("fixed depth", depth, cap)
         super().__init__(cap, seed)
         self.depth = depth
 

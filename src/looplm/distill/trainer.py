@@ -36,6 +36,7 @@ from looplm.distill.config import RESUMABLE, DistillConfig
 from looplm.distill.student import EndpointStudent
 from looplm.errors import UserError
 from looplm.model.blocks import causal_document_mask, rope_tables
+from looplm.model.exits import check_depth
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
 from looplm.train.startup import format_params, model_line
@@ -114,8 +115,7 @@ class DistillTrainer:
         self.data = ckpt.load_data(self.teacher_path)
         self.teacher.requires_grad_(False)
         tcfg = self.teacher.cfg
-        if not 1 <= cfg.depth <= tcfg.max_depth:
-            raise UserError(f"depth must be in 1..{tcfg.max_depth}, got {cfg.depth}")
+        check_depth("depth", cfg.depth, tcfg.max_depth)
         self.teacher_sha = teacher_hash(self.teacher)
         self.seq_len = cfg.seq_len or self.data.seq_len
         if self.seq_len > tcfg.max_seq_len:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from looplm.data.tasks import TaskKind
 from looplm.errors import UserError
+from looplm.model.exits import check_depth
 
 
 @dataclass
@@ -86,8 +87,7 @@ class RLConfig:
     """Show a progress bar."""
 
     def validate(self, max_depth: int) -> None:
-        if not 1 <= self.depth <= max_depth:
-            raise UserError(f"depth must be in 1..{max_depth}, got {self.depth}")
+        check_depth("depth", self.depth, max_depth)
         if self.group_size < 2:
             raise UserError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
         for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples"):

@@ -344,8 +344,8 @@ def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -
     def choice_requests(body, prompts_ids: list[list[int]], max_tokens: int, stop, logprobs, *,
                         prompt_logprobs: int | None = None) -> list[Request]:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
-        return [Request(ids, max_tokens=max_tokens, stop=stop, seed=seed + k, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, **body.engine_fields())
+        return [Request(ids, body.sampling(max_tokens, stop, seed + k), body.depth_rule(engine.config.depth),
+                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
                 for ids in prompts_ids for k in range(body.n)]
 
     def encode(prompt: str | list[int]) -> list[int]:
