@@ -22,8 +22,8 @@ from looplm.analyze.convergence import convergence_depths, convergence_profile, 
 from looplm.analyze.kv_settling import KVSums, kv_recurrences
 from looplm.analyze.solves import SolveRule, span_solves
 from looplm.analyze.trajectory import run_trajectory, start
+from looplm.config import check_depth
 from looplm.errors import UserError
-from looplm.model.exits import check_depth
 
 Progress = Callable[[str, int], None]
 """progress(description, units done since the last call)."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import numpy as np
 
+from looplm.config import check_depth
 from looplm.depth.pln import pln_pmf, pmf_mean
 from looplm.errors import UserError
-from looplm.model.exits import check_depth
 
 
 class DepthSampler(ABC):

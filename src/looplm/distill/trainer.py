@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from looplm import checkpoint as ckpt
+from looplm.config import check_depth
 from looplm.data import Batch, batch_indices
 from looplm.distill.checkpoint import load_student, teacher_hash, write_student
 from looplm.distill.config import RESUMABLE, DistillConfig
 from looplm.distill.student import EndpointStudent
 from looplm.errors import UserError
 from looplm.model.blocks import causal_document_mask, rope_tables
-from looplm.model.exits import check_depth
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
 from looplm.train.startup import format_params, model_line

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from looplm.config import check_depth, shown_default
 from looplm.data.record import DataRecord
 from looplm.errors import UserError
-from looplm.model.exits import check_depth
 from looplm.eval.cached import sharing_table
 from looplm.eval.perplexity import native_perplexity
 from looplm.eval.tasks import task_accuracy
@@ -47,7 +47,7 @@ class EvalConfig:
     """GSM8K-format JSONL ({"question", "answer" with '#### N'}): exact match of the final number."""
     gsm8k_max_new_tokens: int = 256
     """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
-    sample_depths: tuple[int, ...] = ()
+    sample_depths: Annotated[tuple[int, ...], shown_default("none")] = ()
     """Depths at which to continue `sample_prompt` (one sample each, same seed: what depth changes)."""
     sample_prompt: str | None = None
     """Prompt of the samples; default: one from the data: a held-out generator prompt (task generator), a
@@ -294,3 +294,4 @@ def report_name(source: str | None) -> str:
 def write_report(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
+

@@ -11,7 +11,8 @@ with `check`, so a setting is refused with the same message wherever it was give
 What the rule means on its own (an exit threshold's range, one exit rule at a time) is checked when
 it is made; what depends on the model and the cache (the depth range, the terminal cache of
 adaptive exit, a model with an exit gate) by `check`. Every depth range of the library is checked
-by `check_depth` (`looplm.model.exits`, below this layer, where the model checks its own).
+by `check_depth` (defined in `looplm.config`, beside the model's max_depth, so that every layer and
+the standard-library-only configs can use it; re-exported here).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from looplm.config import check_depth
 from looplm.errors import UserError
-from looplm.model.exits import DepthPlan, check_depth
+from looplm.model.exits import DepthPlan
 
 __all__ = ["CACHE_KINDS", "CacheKind", "DepthRule", "check_depth"]
 

@@ -2,30 +2,17 @@
 by state change (design §13, beyond the paper) or the model's learned exit gate (design §14).
 
 A `DepthPlan` states the rule of one forward and `Exits` applies it inside the recurrence loop of
-`LoopedLM.forward`. `check_depth` is the one depth-range check of the library: every option,
-request field and config key that names a depth (`looplm.infer.DepthRule`, the CLI, the HTTP API,
-Transformers, vLLM, eval, RL, distillation, analysis, training) is checked by it, with one message.
+`LoopedLM.forward`; its depths are checked by `looplm.config.check_depth`, the one depth-range check
+of the library.
 """
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from looplm.errors import UserError
-
-
-def check_depth(name: str, value, max_depth: int, what: str | None = None) -> int:
-    """`value` if it is a depth in 1..max_depth, else a UserError naming the setting `name` (as the user
-    wrote it: `depth`, `--max-depth`, `num_steps`) and, with `what`, what sets the bound."""
-    bound = f"1..{max_depth}" + (f" ({what})" if what else "")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise UserError(f"{name} must be an integer in {bound}, got {value!r}")
-    if not 1 <= value <= max_depth:
-        raise UserError(f"{name} must be in {bound}, got {value}")
-    return int(value)
+from looplm.config import check_depth
 
 
 def _per_row(value, B: int, device, dtype) -> torch.Tensor:

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import ModelConfig
+from looplm.config import ModelConfig, check_depth
 from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
 from looplm.model.cross_entropy import linear_cross_entropy
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
-from looplm.model.exits import DepthPlan, Exits, check_depth
+from looplm.model.exits import DepthPlan, Exits
 from looplm.model.injection import build_injection
 from looplm.model.kv import KVRecord, LayerCache, RowsView
 from looplm.model.state import StateInit, initial_state

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from looplm.config import check_depth, shown_default
 from looplm.data.tasks import TaskKind
 from looplm.errors import UserError
-from looplm.model.exits import check_depth
+
+GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
 
 
 @dataclass
@@ -40,7 +42,7 @@ class RLConfig:
     """Smallest task difficulty (default: the checkpoint's)."""
     max_difficulty: int | None = None
     """Largest task difficulty (default: the checkpoint's)."""
-    prompt_template: str = "Question: {question}\nAnswer:"
+    prompt_template: Annotated[str, shown_default(repr(GSM8K_TEMPLATE))] = GSM8K_TEMPLATE
     """Prompt for GSM8K-format items ({question} is replaced)."""
     stop: tuple[str, ...] | None = None
     """Stop strings; None: a newline for tasks, a blank line and 'Question:' for GSM8K."""

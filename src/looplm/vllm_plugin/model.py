@@ -38,10 +38,9 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
+from looplm.config import VALUE_GATE_CHANNELS, ModelConfig, check_depth
 from looplm.model.blocks import RMSNorm, apply_rope, per_head_norm, rope_tables
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
-from looplm.model.exits import check_depth
 from looplm.model.injection import build_injection
 from looplm.model.state import initial_state
 
