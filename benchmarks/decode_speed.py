@@ -149,7 +149,7 @@ def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
 def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> list[dict]:
     from looplm.checkpoint import load_model, resolve
     from looplm.infer.decode import SamplingConfig
-    from looplm.infer.generate import Speculation, generate
+    from looplm.infer.generate import DepthRule, Speculation, generate
 
     checkpoint = resolve(checkpoint)  # a run folder: its latest checkpoint
     model, tokenizer, _ = load_model(checkpoint, torch.device("cpu"))
@@ -161,7 +161,7 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> 
         step = DecodeStep(model, compile=True)
         arms = {"compiled": None, **{f"speculate r_d={r}": Speculation(4, r) for r in (2, 3, 4)}}
         for spec in arms.values():  # warm-up (compiles)
-            generate(model, tokenizer, prompts[:1], depth=R, cache_mode=mode, sampling=SamplingConfig(max_new_tokens=8),
+            generate(model, tokenizer, prompts[:1], DepthRule(R), cache=mode, sampling=SamplingConfig(max_new_tokens=8),
                      compile=True, speculate=spec, step=step)
         results = {name: {"seconds": [], "texts": None, "stats": None} for name in arms}
         for r in range(rounds):
@@ -170,7 +170,7 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> 
                 texts, seconds, tokens, spec = [], 0.0, 0, {"rounds": 0, "drafted": 0, "accepted": 0}
                 for prompt in prompts:
                     stats: dict = {}
-                    texts += generate(model, tokenizer, [prompt], depth=R, cache_mode=mode, sampling=sampling,
+                    texts += generate(model, tokenizer, [prompt], DepthRule(R), cache=mode, sampling=sampling,
                                       compile=True, speculate=arms[name], step=step, stats=stats)
                     seconds += stats["decode_seconds"]
                     tokens += stats["decoded_tokens"]

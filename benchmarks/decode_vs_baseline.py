@@ -4,7 +4,7 @@
     python benchmarks/decode_vs_baseline.py --baseline-src /tmp/looplm-baseline/src \
         [--depth 32] [--tokens 128] [--rounds 3] [--out benchmarks/results/decode_vs_baseline.json]
 
-What the user calls: `looplm.infer.generate(model, tokenizer, [prompt], depth=R)` on one 64-byte
+What the user calls: `looplm.infer.generate(model, tokenizer, [prompt], DepthRule(R))` on one 64-byte
 prompt, greedy, terminal cache, the tiny preset's shape (d 128, 4/2 heads, FFN 384, 1/2/1 blocks)
 with random weights (seed 0) and the byte tokenizer. Three arms, each in its own process (a fresh
 interpreter per arm and round, arms alternating within a round):
@@ -41,7 +41,7 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
 
     from looplm.config import ModelConfig
     from looplm.data.tokenizer import ByteTokenizer
-    from looplm.infer.generate import SamplingConfig, generate
+    from looplm.infer.generate import DepthRule, SamplingConfig, generate
     from looplm.model import LoopedLM
 
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
 
     def run(n: int) -> float:
         t = time.perf_counter()
-        out = generate(model, tok, [PROMPT], depth=depth, sampling=SamplingConfig(max_new_tokens=n), **extra)
+        out = generate(model, tok, [PROMPT], DepthRule(depth), sampling=SamplingConfig(max_new_tokens=n), **extra)
         elapsed = time.perf_counter() - t
         assert out[0], "nothing decoded"
         return elapsed

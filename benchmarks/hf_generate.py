@@ -27,7 +27,7 @@ from _command import command_line  # benchmarks/ is on sys.path when a script th
 
 from looplm.config import model_preset
 from looplm.data import ByteTokenizer
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 
 PROMPTS = ["+12,34=", "KING.\nWhat say you", "the looped model", "a"]
 
@@ -81,7 +81,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def run_looplm():
-        return generate(model, tok, PROMPTS, depth=args.depth, cache_mode="terminal", sampling=sampling)
+        return generate(model, tok, PROMPTS, DepthRule(args.depth), cache="terminal", sampling=sampling)
 
     @torch.no_grad()
     def run_hf():

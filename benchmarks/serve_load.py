@@ -186,6 +186,8 @@ def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int
     """The same requests through `looplm.serve.Engine` in this process (no HTTP, no clients),
     all submitted at once, on `--server-threads` torch threads: what the engine itself sustains."""
     from looplm.checkpoint import load_model
+    from looplm.infer import DepthRule
+    from looplm.infer.decode import SamplingConfig
     from looplm.serve import Engine, EngineConfig, Request
 
     threads = torch.get_num_threads()
@@ -195,7 +197,8 @@ def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int
         engine = Engine(model, tok, EngineConfig(max_batch=slots, depth=args.depth, cache=cache,
                                                  max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full"
                                                  else None, max_queue=len(texts), **(opts or {})))
-        reqs = [Request(tok.encode(t), max_tokens=args.max_tokens, **extra) for t in texts]
+        rule = DepthRule(extra.get("depth", args.depth), exit_tau=extra.get("exit_tau"))  # `extra`: HTTP body fields
+        reqs = [Request(tok.encode(t), SamplingConfig(args.max_tokens), rule) for t in texts]
         engine.warm_up()  # compiled: every batch bucket, as `looplm serve --compile` does before it listens
         engine.generate(reqs[:4])  # warm-up
         t0 = time.perf_counter()
@@ -233,6 +236,8 @@ def mixed_depth(args) -> None:
     Arms, alternating over `--rounds`: every row decoding at `--deep`, and half the rows at 1 and
     half at `--deep`. Block visits per decode step: slots * deep vs slots/2 * (1 + deep)."""
     from looplm.data import ByteTokenizer
+    from looplm.infer import DepthRule
+    from looplm.infer.decode import SamplingConfig
     from looplm.model import LoopedLM
     from looplm.serve import Engine, EngineConfig, Request
     from looplm.train.config import job_preset
@@ -249,8 +254,8 @@ def mixed_depth(args) -> None:
     deep = args.deep
 
     def requests(shallow_half: bool) -> list:
-        return [Request(tok.encode(t), max_tokens=args.max_tokens, prefill_depth=deep,
-                        depth=1 if shallow_half and i % 2 else deep) for i, t in enumerate(texts)]
+        return [Request(tok.encode(t), SamplingConfig(args.max_tokens), DepthRule(1 if shallow_half and i % 2 else deep, deep))
+                for i, t in enumerate(texts)]
 
     engine = Engine(model, tok, EngineConfig(max_batch=args.slots, depth=deep, max_queue=args.slots))
     decode_s = [0.0]  # time inside decode steps (prefills excluded): what per-row depth can save

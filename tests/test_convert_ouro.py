@@ -24,7 +24,7 @@ from looplm.checkpoint import CheckpointError, load_model
 from looplm.convert import convert_ouro
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.model.exit_gate import exit_distribution, expected_logits, select_depth, threshold_exit
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -254,8 +254,8 @@ def test_decoding_with_the_exit_gate_follows_the_source_threshold_rule(tmp_path,
     assert used == exits
     assert (torch.stack(got).double() - torch.stack(want)).abs().max() <= 1e-4
     stats: dict = {}
-    text = generate(model, tok, ["the recurrent model"], depth=STEPS, cache_mode=cache_mode, stats=stats,
-                    sampling=SamplingConfig(max_new_tokens=n_new, exit_gate=q))[0]
+    text = generate(model, tok, ["the recurrent model"], DepthRule(STEPS, exit_gate=q), cache=cache_mode, stats=stats,
+                    sampling=SamplingConfig(max_new_tokens=n_new))[0]
     assert text == tok.decode(ids)
     assert stats["mean_decode_depth"] == pytest.approx(sum(exits[1:]) / len(exits[1:]))  # the decode steps
 

@@ -250,16 +250,16 @@ def test_paths_without_the_value_embeddings_refuse(tmp_path):
 
 
 def test_serving_engine_gives_generate_greedy_text(tmp_path):
-    from looplm.infer.generate import SamplingConfig, generate
+    from looplm.infer.generate import DepthRule, SamplingConfig, generate
     from looplm.serve import Engine, EngineConfig, Request
 
     model, tok, _ = load_model(convert_parcae(make_parcae(tmp_path / "parcae"), tmp_path / "converted"))
     prompts = ["the recurrent model", "deeper and", "the"]
     for mode in ("terminal", "full"):
-        want = [generate(model, tok, [p], depth=3, cache_mode=mode,
+        want = [generate(model, tok, [p], DepthRule(3), cache=mode,
                          sampling=SamplingConfig(max_new_tokens=6, temperature=0.0))[0] for p in prompts]
         engine = Engine(model, tok, EngineConfig(max_batch=2, depth=3, max_depth=3, cache=mode))
-        got = engine.generate([Request(tok.encode(p), max_tokens=6, depth=3, temperature=0.0) for p in prompts])
+        got = engine.generate([Request(tok.encode(p), SamplingConfig(6, temperature=0.0), DepthRule(3)) for p in prompts])
         assert [f.text for f in got] == want
 
 

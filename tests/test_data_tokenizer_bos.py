@@ -14,7 +14,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from looplm import checkpoint as ckpt
 from looplm.config import ModelConfig
 from looplm.data import BPETokenizer
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.model import LoopedLM
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -90,7 +90,7 @@ def test_generate_starts_the_prompt_with_bos(bos_run):
         fed.append(tokens.tolist())
         return Prefill()(m, tokens, *args, **kwargs)
 
-    got = generate(model, tok, ["the model"], depth=3, cache_mode="full", sampling=SamplingConfig(max_new_tokens=8),
+    got = generate(model, tok, ["the model"], DepthRule(3), cache="full", sampling=SamplingConfig(max_new_tokens=8),
                    prefill=prefill)
     assert fed == [[[tok.bos_id, *tok.encode("the model")]]]
     assert got == [tok.decode(_greedy_recompute(model, fed[0][0], 8, 3, tok.eos_id))]

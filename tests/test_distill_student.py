@@ -10,7 +10,7 @@ from looplm.config import INJECTIONS, ModelConfig
 from looplm.distill import EndpointStudent, load_student, save_student, teacher_hash
 from looplm.distill.trainer import Targets, distill_loss, relative_error
 from looplm.infer import TerminalCache, extend
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.infer.prefill import Prefill, student_prefill
 from looplm.model import LoopedLM
 from looplm.model.blocks import rope_tables
@@ -98,8 +98,8 @@ def test_student_prefill_of_a_padded_batch_equals_each_row_alone(single_thread):
     arm = Prefill("student", student)
     prompts = ["+12,345=", "+7,8=", "+100,99="]
     sampling = SamplingConfig(max_new_tokens=12)
-    batched = generate(m_byte, tok, prompts, depth=3, prefill=arm, example_ids=[0, 1, 2], sampling=sampling)
-    alone = [generate(m_byte, tok, [p], depth=3, prefill=arm, example_ids=[i], sampling=sampling)[0]
+    batched = generate(m_byte, tok, prompts, DepthRule(3), prefill=arm, example_ids=[0, 1, 2], sampling=sampling)
+    alone = [generate(m_byte, tok, [p], DepthRule(3), prefill=arm, example_ids=[i], sampling=sampling)[0]
              for i, p in enumerate(prompts)]
     assert batched == alone and any(batched)
     # the prefill logits themselves: left-padded rows against each row alone

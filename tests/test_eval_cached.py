@@ -309,7 +309,7 @@ def test_depth_samples_fit_the_context():
     sample is cut to what the context leaves after the prompt, and it is the seeded continuation
     `generate` gives for that length."""
     from looplm.eval.report import EvalConfig, depth_samples
-    from looplm.infer.generate import SamplingConfig, generate
+    from looplm.infer.generate import DepthRule, SamplingConfig, generate
 
     tok = ByteTokenizer()
     m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
@@ -318,7 +318,7 @@ def test_depth_samples_fit_the_context():
     room = 24 - len(tok.encode(cfg.sample_prompt)) + 1
     got = depth_samples(m, tok, cfg, "cpu")
     assert got["tokens"] == room < 200
-    want = generate(m, tok, [cfg.sample_prompt], depth=3, sampling=SamplingConfig(
+    want = generate(m, tok, [cfg.sample_prompt], DepthRule(3), sampling=SamplingConfig(
         max_new_tokens=room, temperature=cfg.sample_temperature, seed=cfg.task_seed))[0]
     assert got["by_depth"][3] == want
     short = depth_samples(m, tok, EvalConfig(sample_depths=(1,), sample_tokens=5), "cpu")

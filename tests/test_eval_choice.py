@@ -36,7 +36,7 @@ def native_loglik(model, context, continuation, depth, example_id):
 
 def test_full_cache_matches_native_forward(model, single_thread):
     depth = 3
-    out = score_choices(model, ByteTokenizer(), ITEMS, depth=depth, prefill_depth=depth, cache_mode="full")
+    out = score_choices(model, ByteTokenizer(), ITEMS, depth=depth, prefill_depth=depth, cache="full")
     assert out["n"] == 2
     for idx, item in enumerate(ITEMS):
         for c, choice in enumerate(item.choices):
@@ -69,7 +69,7 @@ def test_greedy_flag_matches_argmax(model, single_thread):
         pytest.skip("no context with a printable greedy continuation")
     cont = tok.decode(ids[len(ctx):])
     other = "~~" if cont != "~~" else "^^"
-    out = score_choices(model, tok, [ChoiceItem(ctx, (cont, other), 0)], depth=2, cache_mode="full")
+    out = score_choices(model, tok, [ChoiceItem(ctx, (cont, other), 0)], depth=2, cache="full")
     assert out["items"][0]["greedy"][0] is True
     assert out["items"][0]["greedy"] == [True, False]
 
@@ -81,8 +81,8 @@ def test_whitespace_moves_into_continuation():
 
 
 def test_whitespace_rule_in_scoring(model, single_thread):
-    a = score_choices(model, ByteTokenizer(), [ChoiceItem("Q: x ", ("y", "z"), 0)], depth=2, cache_mode="full")
-    b = score_choices(model, ByteTokenizer(), [ChoiceItem("Q: x", (" y", " z"), 0)], depth=2, cache_mode="full")
+    a = score_choices(model, ByteTokenizer(), [ChoiceItem("Q: x ", ("y", "z"), 0)], depth=2, cache="full")
+    b = score_choices(model, ByteTokenizer(), [ChoiceItem("Q: x", (" y", " z"), 0)], depth=2, cache="full")
     assert a["items"][0]["loglik"] == b["items"][0]["loglik"]
     ref = native_loglik(model, "Q: x", " y", 2, 0)
     assert a["items"][0]["loglik"][0] == pytest.approx(ref, abs=1e-4)

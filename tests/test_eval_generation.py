@@ -16,7 +16,7 @@ from looplm.eval.generation import (
     pass_at_k,
 )
 from looplm.eval.tasks import task_accuracy
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.model import LoopedLM
 
 CFG = ModelConfig(vocab_size=258, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
@@ -102,7 +102,7 @@ def test_generator_tasks_full_cache_matches_native_and_task_accuracy(model, sing
     depth = 2
     examples, expected = constructed_examples(model, depth)
     assert any(expected) and not all(expected), "the constructed case should mix right and wrong answers"
-    out = exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=depth, cache_mode="full",
+    out = exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=depth, cache="full",
                                       max_new_tokens=8, batch_size=3)
     assert out["correct"] == expected
     assert out["n"] == len(examples)
@@ -125,8 +125,8 @@ def test_generator_tasks_matches_generate(model, single_thread):
     examples = generate_examples(TaskConfig(max_difficulty=2), 4, seed=5)
     for ex in examples:
         for mode in ("terminal", "full"):
-            mine = exact_match_generator_tasks(model, ByteTokenizer(), [ex], depth=3, cache_mode=mode, max_new_tokens=6)
-            text = generate(model, ByteTokenizer(), [ex.prompt], depth=3, cache_mode=mode,
+            mine = exact_match_generator_tasks(model, ByteTokenizer(), [ex], depth=3, cache=mode, max_new_tokens=6)
+            text = generate(model, ByteTokenizer(), [ex.prompt], DepthRule(3), cache=mode,
                             sampling=SamplingConfig(max_new_tokens=6, stop=("\n",)))[0]
             assert mine["outputs"] == [text]
             assert mine["correct"] == [check_answer(ex, text)]

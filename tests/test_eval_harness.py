@@ -66,7 +66,7 @@ def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
     # independent: the same scores through looplm's own choice scorer
     hits = 0
     for r in rows:
-        lls = [score_continuation(adapter.model, TOK, r["context"], c, depth=3, cache_mode="full",
+        lls = [score_continuation(adapter.model, TOK, r["context"], c, depth=3, cache="full",
                                   example_id=stable_id(r["context"]))[0] for c in r["choices"]]
         hits += max(range(len(lls)), key=lambda i: (lls[i], -i)) == r["gold"]
     assert math.isclose(acc, hits / len(rows))

@@ -23,7 +23,7 @@ from looplm.cli import main  # noqa: E402
 from looplm.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from looplm.hf import LoopedCache, LoopedLMConfig, LoopedLMForCausalLM, export  # noqa: E402
 from looplm.infer import extend, make_cache  # noqa: E402
-from looplm.infer.generate import SamplingConfig  # noqa: E402
+from looplm.infer.generate import DepthRule, SamplingConfig  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -127,7 +127,7 @@ def test_from_looplm_shares_the_parameters():
 
 
 # -- generate --------------------------------------------------------------------------------------
-def looplm_greedy_ids(monkeypatch, model, prompts, **kw) -> list[list[int]]:
+def looplm_greedy_ids(monkeypatch, model, prompts, rule, **kw) -> list[list[int]]:
     """Token ids chosen by looplm's own generate (recorded at its `choose`), cut at EOS."""
     steps = []
     choose = looplm_generate.choose
@@ -138,7 +138,7 @@ def looplm_greedy_ids(monkeypatch, model, prompts, **kw) -> list[list[int]]:
         return nxt
 
     monkeypatch.setattr(looplm_generate, "choose", record)
-    texts = looplm_generate.generate(model, TOK, prompts, **kw)
+    texts = looplm_generate.generate(model, TOK, prompts, rule, **kw)
     monkeypatch.undo()
     rows = []
     for i in range(len(prompts)):
@@ -158,7 +158,7 @@ def cut_at_eos(out, prompt_len):
 @pytest.mark.parametrize("mode", ["terminal", "full"])
 def test_greedy_generate_equals_looplm_generate(exported, hf_model, monkeypatch, mode):
     model, _ = exported
-    want = looplm_greedy_ids(monkeypatch, model, PROMPTS, depth=4, prefill_depth=2, cache_mode=mode,
+    want = looplm_greedy_ids(monkeypatch, model, PROMPTS, DepthRule(4, 2), cache=mode,
                              sampling=SamplingConfig(max_new_tokens=10))
     ids, mask = padded_batch(PROMPTS)
     out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=4,
@@ -169,8 +169,8 @@ def test_greedy_generate_equals_looplm_generate(exported, hf_model, monkeypatch,
 def test_generate_with_config_defaults_and_without_cache(exported, hf_model, monkeypatch):
     model, _ = exported
     sampling = SamplingConfig(max_new_tokens=6)
-    terminal = looplm_greedy_ids(monkeypatch, model, PROMPTS, depth=3, cache_mode="terminal", sampling=sampling)
-    full = looplm_greedy_ids(monkeypatch, model, PROMPTS, depth=3, cache_mode="full", sampling=sampling)
+    terminal = looplm_greedy_ids(monkeypatch, model, PROMPTS, DepthRule(3), cache="terminal", sampling=sampling)
+    full = looplm_greedy_ids(monkeypatch, model, PROMPTS, DepthRule(3), cache="full", sampling=sampling)
     ids, mask = padded_batch(PROMPTS)
     cached = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6)  # config: num_steps 3, terminal
     assert cut_at_eos(cached, ids.shape[1]) == terminal
@@ -271,7 +271,7 @@ def test_a_sentencepiece_checkpoint_exports_its_tokenizer_and_generates(tmp_path
     new = out[0, len(sp.encode(prompt)):].tolist()
     new = new[:new.index(sp.eos_id)] if sp.eos_id in new else new
     assert new == greedy_replay(model, "terminal", sp.encode(prompt), 8, 3, 3, eos=sp.eos_id)[0]
-    want = looplm_generate.generate(model, sp, [prompt], depth=3, sampling=SamplingConfig(max_new_tokens=8))[0]
+    want = looplm_generate.generate(model, sp, [prompt], DepthRule(3), sampling=SamplingConfig(max_new_tokens=8))[0]
     assert tok.decode(new, skip_special_tokens=True) == want
 
 
@@ -307,7 +307,7 @@ def test_user_cache_and_text_generation_pipeline(exported, hf_model, monkeypatch
 
     generator = pipeline("text-generation", model=hf_model, tokenizer=AutoTokenizer.from_pretrained(exported[1]))
     got = generator("hello", max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
-    want = looplm_greedy_ids(monkeypatch, exported[0], ["hello"], depth=3, sampling=SamplingConfig(max_new_tokens=6))
+    want = looplm_greedy_ids(monkeypatch, exported[0], ["hello"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=6))
     assert got == TOK.decode(want[0])
 
 
@@ -324,7 +324,7 @@ def test_unsupported_generation_is_a_clear_error(hf_model):
     ids, mask = padded_batch(PROMPTS)
     with pytest.raises(ValueError, match="greedy search and sampling only"):
         hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2)
-    with pytest.raises(ValueError, match=r"num_steps must be an int in 1\.\.max_depth=16, got 0"):
+    with pytest.raises(ValueError, match=r"num_steps must be in 1\.\.16 \(the config's max_depth\), got 0"):
         hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, num_steps=0)
     with pytest.raises(ValueError, match="exceed the model context"):
         hf_model.generate(ids, attention_mask=mask, max_new_tokens=60)
@@ -350,7 +350,7 @@ def test_labels_give_the_mean_shifted_cross_entropy(hf_model):
 
 @pytest.mark.parametrize("depth", [0, 17, 2.5])
 def test_depth_out_of_range(hf_model, depth):
-    with pytest.raises(ValueError, match=r"num_steps must be an int in 1\.\.max_depth=16"):
+    with pytest.raises(ValueError, match=r"num_steps must be (an integer )?in 1\.\.16 \(the config's max_depth\)"):
         hf_model(torch.tensor([[1, 2, 3]]), num_steps=depth)
 
 

@@ -22,7 +22,7 @@ from looplm import checkpoint as ckpt  # noqa: E402
 from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from looplm.hf import LoopedLMForCausalLM, export  # noqa: E402
-from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
+from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -269,8 +269,9 @@ def test_adaptive_exit_reports_looplms_mean_depth(exported):
     ids, mask = padded_batch(PROMPTS)
     for tau, low in ((0.05, 2), (0.3, 1), (None, 1)):
         stats: dict = {}
-        sampling = SamplingConfig(max_new_tokens=8, exit_tau=tau, min_depth=low)
-        texts = generate(model, TOK, PROMPTS, depth=8, cache_mode="terminal", sampling=sampling, stats=stats)
+        sampling = SamplingConfig(max_new_tokens=8)
+        texts = generate(model, TOK, PROMPTS, DepthRule(8, exit_tau=tau, min_depth=low), cache="terminal",
+                         sampling=sampling, stats=stats)
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_kind="terminal",
                           exit_tau=tau, min_depth=low, return_dict_in_generate=True)
         new = out.sequences[:, ids.shape[1]:]

@@ -9,7 +9,8 @@ import pytest
 from _reference import SP_TEXTS, sentencepiece_tokenizer
 
 from looplm.data import BPETokenizer, ByteTokenizer
-from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, cut_at_stop
+from looplm.infer import DepthRule
+from looplm.infer.decode import TextStream, cut_at_stop
 
 TEXTS = ["Hello, world! déjà vu — 東京タワー 🙂 ok.\nNext line", "aaaa bbbb STOP here", "ümlaut ß ∑ x"]
 
@@ -164,20 +165,24 @@ def test_a_step_decodes_a_window_not_the_whole_output():
     assert s.text == ("abc é " * 200)
 
 
-def test_decode_spec_checks_once_with_one_message():
-    ok = DecodeSpec(depth=4, prefill_depth=8, sampling=SamplingConfig(exit_tau=0.1, min_depth=2))
+def test_depth_rule_checks_once_with_one_message():
+    ok = DepthRule(depth=4, prefill_depth=8, exit_tau=0.1, min_depth=2)
     assert ok.check(8) is ok
     assert ok.decode_plan().exit_tau == 0.1 and ok.prefill_plan().exit_tau is None
     assert ok.prefill_plan().depth == 8
     cases = [
-        (DecodeSpec(depth=9), "depth must be in 1..8, got 9"),
-        (DecodeSpec(depth=2, prefill_depth=0), "prefill_depth must be in 1..8, got 0"),
-        (DecodeSpec(depth=2, cache="full", sampling=SamplingConfig(exit_tau=0.1)), "needs the terminal cache"),
-        (DecodeSpec(depth=2, sampling=SamplingConfig(exit_tau=0.1, min_depth=3)), "min_depth 3 exceeds"),
-        (DecodeSpec(depth=2, cache="paged"), "unknown cache mode"),
-        (DecodeSpec(depth=2, sampling=SamplingConfig(exit_gate=0.5)), "needs a model with an exit gate"),
-        (DecodeSpec(depth=2, sampling=SamplingConfig(top_p=0)), "top_p must be in"),
+        (DepthRule(depth=9), {}, "depth must be in 1..8, got 9"),
+        (DepthRule(depth=2, prefill_depth=0), {}, "prefill_depth must be in 1..8, got 0"),
+        (DepthRule(depth=2, exit_tau=0.1), dict(cache="full"), "needs the terminal cache"),
+        (DepthRule(depth=2, exit_tau=0.1, min_depth=3), {}, "min_depth 3 exceeds"),
+        (DepthRule(depth=2), dict(cache="paged"), "unknown cache mode"),
+        (DepthRule(depth=2, exit_gate=0.5), {}, "needs a model with an exit gate"),
     ]
-    for spec, message in cases:
+    for rule, where, message in cases:
         with pytest.raises(ValueError, match=message):
-            spec.check(8)
+            rule.check(8, **where)
+    for fields, message in ((dict(exit_tau=0.0), "exit_tau must be > 0"), (dict(min_depth=0), "min_depth must be >= 1"),
+                            (dict(exit_gate=1.5), "exit_gate must be a probability"),
+                            (dict(exit_tau=0.1, exit_gate=0.5), "choose one exit rule")):
+        with pytest.raises(ValueError, match=message):  # an exit rule no model could run: refused when made
+            DepthRule(2, **fields)

@@ -21,7 +21,7 @@ from looplm.data import ByteTokenizer
 from looplm.errors import UserError
 from looplm.infer import extend, make_cache
 from looplm.infer.decode import SamplingConfig, probabilities
-from looplm.infer.generate import Speculation, generate
+from looplm.infer.generate import DepthRule, Speculation, generate
 from looplm.infer.step import DecodeStep
 
 TOK = ByteTokenizer()
@@ -74,7 +74,7 @@ def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=
     monkeypatch.setattr(spec_mod, "accept", accept)
     monkeypatch.setattr(gen_mod, "speculative_decode", decode)
     stats = {}
-    text = generate(model, tok, [prompt], depth=depth, cache_mode=mode, stats=stats, speculate=Speculation(k, draft_depth),
+    text = generate(model, tok, [prompt], DepthRule(depth), cache=mode, stats=stats, speculate=Speculation(k, draft_depth),
                     sampling=SamplingConfig(max_new_tokens=n, stop=stop), **kw)[0]
     monkeypatch.undo()
     return text, emitted, windows, stats
@@ -92,7 +92,7 @@ def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k
         want = _no_cache_greedy(model, ids, n, DEPTH, TOK.eos_id)
         text, emitted, windows, stats = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="full", n=n)
         assert [t for t in emitted if t != TOK.eos_id] == want, (prompt, emitted, want)
-        plain = generate(model, TOK, [prompt], depth=DEPTH, cache_mode="full", sampling=SamplingConfig(max_new_tokens=n))
+        plain = generate(model, TOK, [prompt], DepthRule(DEPTH), cache="full", sampling=SamplingConfig(max_new_tokens=n))
         assert text == plain[0] == TOK.decode(want)
         rejected += sum(kd - a for kd, a in windows)
         accepted += sum(a for _, a in windows)
@@ -125,7 +125,7 @@ def test_stop_and_eos_inside_an_accepted_window(monkeypatch, model, mode):
         cut, got, _, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n, tok=eos_tok)
         assert got == emitted[:i + 1] and cut == TOK.decode(emitted[:i])
         if mode == "full":
-            plain = generate(model, eos_tok, [prompt], depth=DEPTH, cache_mode=mode,
+            plain = generate(model, eos_tok, [prompt], DepthRule(DEPTH), cache=mode,
                              sampling=SamplingConfig(max_new_tokens=n))
             assert plain == [cut]
         for i in inside:  # a stop string that the token at i completes (its new text, first seen there)
@@ -158,8 +158,8 @@ def test_batched_speculation_equals_each_prompt_alone(model):
     spec = Speculation(3, 1)
     cfg = SamplingConfig(max_new_tokens=12)
     stats = {}
-    batch = generate(model, TOK, prompts, depth=DEPTH, speculate=spec, sampling=cfg, stats=stats, example_ids=[5, 6, 7])
-    alone = [generate(model, TOK, [p], depth=DEPTH, speculate=spec, sampling=cfg, example_ids=[5 + i])[0]
+    batch = generate(model, TOK, prompts, DepthRule(DEPTH), speculate=spec, sampling=cfg, stats=stats, example_ids=[5, 6, 7])
+    alone = [generate(model, TOK, [p], DepthRule(DEPTH), speculate=spec, sampling=cfg, example_ids=[5 + i])[0]
              for i, p in enumerate(prompts)]
     assert batch == alone
     s = stats["speculation"]
@@ -171,9 +171,9 @@ def test_speculation_settings_are_checked(model):
     for spec, msg in ((Speculation(0, 1), "k >= 1"), (Speculation(2, 0), "draft_depth must be in 1..3"),
                       (Speculation(2, DEPTH), "draft_depth must be in 1..3")):
         with pytest.raises(UserError, match=msg):
-            generate(model, TOK, ["ab"], depth=DEPTH, speculate=spec)
+            generate(model, TOK, ["ab"], DepthRule(DEPTH), speculate=spec)
     with pytest.raises(UserError, match="exit_tau"):
-        generate(model, TOK, ["ab"], depth=DEPTH, speculate=Speculation(2, 1), sampling=SamplingConfig(exit_tau=0.1))
+        generate(model, TOK, ["ab"], DepthRule(DEPTH, exit_tau=0.1), speculate=Speculation(2, 1))
 
 
 # -- the sampling rule ------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from _reference import sentencepiece_tokenizer  # noqa: E402
 from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import ByteTokenizer  # noqa: E402
 from looplm.infer import extend, make_cache  # noqa: E402
-from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
+from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
 from looplm.serve.api import create_app  # noqa: E402
@@ -69,7 +69,7 @@ def _client(url: str, key: str = "unused") -> "openai.OpenAI":
 
 def _alone(model, prompt: str, depth: int, max_tokens: int, mode: str = "terminal", stop=()) -> str:
     sampling = SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop))
-    return generate(model, TOK, [prompt], depth=depth, cache_mode=mode, sampling=sampling)[0]
+    return generate(model, TOK, [prompt], DepthRule(depth), cache=mode, sampling=sampling)[0]
 
 
 @torch.no_grad()
@@ -714,7 +714,7 @@ class _ScriptedEngine:
             n = len(request.prompt_ids) - 1
             sink(PromptLogprobs([-1.0] * n, [[(t, -1.0)] for t in request.prompt_ids[1:]] if request.prompt_logprobs else None))
         utf8, text = codecs.getincrementaldecoder("utf-8")(), ""
-        ids = self.reply[:request.max_tokens]
+        ids = self.reply[:request.sampling.max_new_tokens]
         for t in ids:
             piece = utf8.decode(bytes([t]))
             text += piece
@@ -813,7 +813,7 @@ def sp_model():
 
 def _sp_alone(model, sp, prompt: str, max_tokens: int, stop=()) -> str:
     sampling = SamplingConfig(max_new_tokens=max_tokens, stop=tuple(stop))
-    return generate(model, sp, [prompt], depth=3, sampling=sampling)[0]
+    return generate(model, sp, [prompt], DepthRule(3), sampling=sampling)[0]
 
 
 def test_sentencepiece_stop_strings_through_the_api(sp_model):

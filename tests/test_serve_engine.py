@@ -17,7 +17,7 @@ from _reference import DEPTH_CASES, decode_replay
 
 from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.serve import Engine, EngineConfig, EngineFull, EngineStopped, Finish, Request, Token
 from looplm.serve.engine import PromptLogprobs
 from looplm.serve.slots import SlotPool
@@ -33,11 +33,8 @@ def model():
 
 
 def _alone(model, prompt: str, req: Request, mode: str, stats: dict | None = None) -> str:
-    sampling = SamplingConfig(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                              top_p=req.top_p, seed=req.seed, stop=req.stop, exit_tau=req.exit_tau,
-                              min_depth=req.min_depth)
-    return generate(model, TOK, [prompt], depth=req.depth, prefill_depth=req.prefill_depth, cache_mode=mode,
-                    sampling=sampling, stats=stats, example_ids=[req.example_id])[0]
+    return generate(model, TOK, [prompt], req.rule, cache=mode, sampling=req.sampling, stats=stats,
+                    example_ids=[req.example_id])[0]
 
 
 @torch.no_grad()
@@ -46,13 +43,12 @@ def replay(model, req: Request, ids: list[int], mode: str, cache_depth: int) -> 
     fresh one-row cache: its prompt prefilled at its prefill depth, then `ids` fed one at a time at
     its decode depth (with its exit rule)."""
     cache = make_cache(mode, model.cfg, 1, len(req.prompt_ids) + len(ids), cache_depth)
-    example = torch.tensor([req.example_id])
-    prefill = req.prefill_depth or req.depth
-    logits = extend(model, torch.tensor([req.prompt_ids]), cache, prefill, example_ids=example).logits[0, -1]
-    out = [(logits.log_softmax(-1), prefill)]
-    kw = {} if req.exit_tau is None else dict(exit_tau=req.exit_tau, min_depth=req.min_depth)
+    example, rule = torch.tensor([req.example_id]), req.rule
+    logits = extend(model, torch.tensor([req.prompt_ids]), cache, rule.prefill, example_ids=example).logits[0, -1]
+    out = [(logits.log_softmax(-1), rule.prefill)]
+    kw = {} if rule.exit_tau is None else dict(exit_tau=rule.exit_tau, min_depth=rule.min_depth)
     for t in ids[:-1]:
-        step = extend(model, torch.tensor([[t]]), cache, req.depth, example_ids=example, **kw)
+        step = extend(model, torch.tensor([[t]]), cache, rule.depth, example_ids=example, **kw)
         out.append((step.logits[0, -1].log_softmax(-1), int(step.depths)))
     return out
 
@@ -111,7 +107,7 @@ def test_sixteen_requests_match_their_replay_alone(model, mode):
     text is `generate`'s on the prompt alone, which the tests below compare directly.)"""
     prompts = _prompts(16)
     rng = random.Random(1)
-    reqs = [Request(TOK.encode(p), max_tokens=rng.randint(1, 24), depth=1 + i % 4, prefill_depth=1 + (3 * i) % 4,
+    reqs = [Request(TOK.encode(p), SamplingConfig(rng.randint(1, 24)), DepthRule(1 + i % 4, 1 + (3 * i) % 4),
                     logprobs=3, example_id=i) for i, p in enumerate(prompts)]
     engine = Engine(model, TOK, EngineConfig(max_batch=5, depth=4, max_depth=4, cache=mode))
     moves = _count_moves(engine)
@@ -122,26 +118,28 @@ def test_sixteen_requests_match_their_replay_alone(model, mode):
         assert_logprobs_equal(tokens, replay(model, req, ids, mode, 4), 3, greedy=True)
         assert finish.text == TOK.decode(ids)
     assert engine.pool.running == 0 and sum(engine.finished.values()) == 16
-    assert all(f.completion_tokens == r.max_tokens for (_, f), r in zip(results, reqs) if f.reason == "length")
+    assert all(f.completion_tokens == r.sampling.max_new_tokens for (_, f), r in zip(results, reqs)
+               if f.reason == "length")
     assert sum(len(t) for t, _ in results) > 150  # few rows stop early at EOS: the comparison covers many steps
 
 
 def test_adaptive_exit_and_sampling_per_row_match_their_replay_alone(model):
     prompts = _prompts(8, seed=2)
-    reqs = [Request(TOK.encode(p), max_tokens=12, depth=6, exit_tau=0.05 if i % 2 else None, min_depth=1 + i % 3,
-                    temperature=0.9 if i % 3 == 0 else 0.0, top_k=20 if i % 4 == 0 else 0, seed=100 + i, logprobs=2,
-                    example_id=i) for i, p in enumerate(prompts)]
+    reqs = [Request(TOK.encode(p), SamplingConfig(12, temperature=0.9 if i % 3 == 0 else 0.0, top_k=20 if i % 4 == 0 else 0,
+                                                  seed=100 + i),
+                    DepthRule(6, exit_tau=0.05 if i % 2 else None, min_depth=1 + i % 3), logprobs=2, example_id=i)
+            for i, p in enumerate(prompts)]
     engine = Engine(model, TOK, EngineConfig(max_batch=3, depth=6))
     results = _run(engine, reqs)
     for (tokens, finish), req, prompt in zip(results, reqs, prompts):
         ref = replay(model, req, [t.token_id for t in tokens], "terminal", 8)
-        assert_logprobs_equal(tokens, ref, 2, greedy=req.temperature == 0)
+        assert_logprobs_equal(tokens, ref, 2, greedy=req.sampling.temperature == 0)
         stats: dict = {}
         assert finish.text == _alone(model, prompt, req, "terminal", stats)
         assert finish.mean_decode_depth == pytest.approx(stats["mean_decode_depth"])
-    depths = [t.depth for (tokens, _), r in zip(results, reqs) if r.exit_tau for t in tokens[1:]]
+    depths = [t.depth for (tokens, _), r in zip(results, reqs) if r.rule.exit_tau for t in tokens[1:]]
     assert min(depths) < 6 and len(set(depths)) > 1  # the exit really fired, at different depths
-    sampled = [(tokens, r) for (tokens, _), r in zip(results, reqs) if r.temperature > 0]
+    sampled = [(tokens, r) for (tokens, _), r in zip(results, reqs) if r.sampling.temperature > 0]
     assert any(t.logprob < max(v for _, v in t.top_logprobs) - 1e-3 for tokens, _ in sampled for t in tokens)
 
 
@@ -149,9 +147,9 @@ def test_reused_slot_beside_a_longer_sequence_reads_only_its_own_positions(model
     """Two slots: a long sequence runs in slot 0 while slot 1 serves a long prompt, then a short one.
     The short one's decode view is cut at the long row's length, so the stale K/V the previous
     sequence left in slot 1 lie inside the attended view; its mask must stop at its own length."""
-    long_run = Request(TOK.encode("the long one keeps going"), max_tokens=38, depth=3, logprobs=2, example_id=0)
-    previous = Request(TOK.encode("x" * 30), max_tokens=4, depth=3, logprobs=2, example_id=1)
-    short = Request(TOK.encode("ab"), max_tokens=20, depth=3, logprobs=2, example_id=2)
+    long_run = Request(TOK.encode("the long one keeps going"), SamplingConfig(38), DepthRule(3), logprobs=2, example_id=0)
+    previous = Request(TOK.encode("x" * 30), SamplingConfig(4), DepthRule(3), logprobs=2, example_id=1)
+    short = Request(TOK.encode("ab"), SamplingConfig(20), DepthRule(3), logprobs=2, example_id=2)
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
     seen = []
     decode_view = engine.pool.decode_view
@@ -167,7 +165,7 @@ def test_reused_slot_beside_a_longer_sequence_reads_only_its_own_positions(model
     assert any(len(n) == 2 and n[1] < 20 < width for n, width in seen)
     assert engine.pool.cache.prelude[0].k[1, :, 22:33].abs().sum() > 0  # the previous sequence's K/V are there
     for (tokens, _), req in zip(results, (long_run, previous, short)):
-        assert len(tokens) == req.max_tokens
+        assert len(tokens) == req.sampling.max_new_tokens
         assert_logprobs_equal(tokens, replay(model, req, [t.token_id for t in tokens], "terminal", 8), 2, greedy=True)
 
 
@@ -193,8 +191,8 @@ def test_slot_release_moves_every_bank_and_position(model, mode):
 
 def test_cancel_frees_the_slot_and_leaves_other_rows_exact(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
-    keep = Request(TOK.encode("keep going"), max_tokens=20, logprobs=1)
-    drop = engine.submit(Request(TOK.encode("to be cancelled"), max_tokens=30))
+    keep = Request(TOK.encode("keep going"), SamplingConfig(20), logprobs=1)
+    drop = engine.submit(Request(TOK.encode("to be cancelled"), SamplingConfig(30)))
     kept = engine.submit(keep)
     engine.step()
     engine.step()
@@ -203,7 +201,7 @@ def test_cancel_frees_the_slot_and_leaves_other_rows_exact(model):
     engine.step()
     assert drop.finish is not None and drop.finish.reason == "cancelled" and engine.pool.running == 1
     engine.run_until_done([kept])
-    keep.depth = 3
+    keep.rule = DepthRule(3)
     assert kept.finish.text == _alone(model, "keep going", keep, "terminal")
     tokens = [e for e in kept.events(timeout=1) if isinstance(e, Token)]
     assert_logprobs_equal(tokens, replay(model, keep, [t.token_id for t in tokens], "terminal", 8), 1, greedy=True)
@@ -211,10 +209,10 @@ def test_cancel_frees_the_slot_and_leaves_other_rows_exact(model):
 
 def test_streamed_pieces_hold_back_stop_strings(model):
     prompt = "abc"
-    free = _alone(model, prompt, Request([], max_tokens=20, depth=3), "terminal")
+    free = _alone(model, prompt, Request([], SamplingConfig(20), DepthRule(3)), "terminal")
     stop = free[5:8]  # a string the model really produces: generation stops before it
     assert len(stop) == 3 and stop not in free[:7]
-    req = Request(TOK.encode(prompt), max_tokens=20, depth=3, stop=(stop,))
+    req = Request(TOK.encode(prompt), SamplingConfig(20, stop=(stop,)), DepthRule(3))
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
     handle = engine.submit(req)
     engine.run_until_done([handle])
@@ -230,8 +228,8 @@ def test_streamed_pieces_hold_back_stop_strings(model):
 def test_logprobs_match_the_native_forward_without_a_cache(model):
     """The full cache at the engine's one depth reproduces the native forward (seeded state of the
     request's example id) at every step: no cache involved in the reference."""
-    reqs = [Request(TOK.encode("hello"), max_tokens=8, depth=3, logprobs=3, example_id=4),
-            Request(TOK.encode("a longer prompt of text"), max_tokens=6, depth=3, logprobs=3, example_id=9)]
+    reqs = [Request(TOK.encode("hello"), SamplingConfig(8), DepthRule(3), logprobs=3, example_id=4),
+            Request(TOK.encode("a longer prompt of text"), SamplingConfig(6), DepthRule(3), logprobs=3, example_id=9)]
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, cache="full"))
     for (tokens, _), req in zip(_run(engine, reqs), reqs):
         seq, ref = list(req.prompt_ids), []
@@ -240,7 +238,7 @@ def test_logprobs_match_the_native_forward_without_a_cache(model):
                 out = model(torch.tensor([seq]), 3, init="seeded", example_ids=torch.tensor([req.example_id]))
             ref.append((out.logits[0, -1].log_softmax(-1), 3))
             seq.append(t.token_id)
-        assert len(tokens) == req.max_tokens
+        assert len(tokens) == req.sampling.max_new_tokens
         assert_logprobs_equal(tokens, ref, 3, greedy=True)
 
 
@@ -249,10 +247,10 @@ def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
     """Each prompt token's score (and the top-k there) is the native no-cache forward's log-softmax at
     the request's prefill depth, seeded by its example id; emitted before the first token. max_tokens 0
     only scores the prompt and frees its slot."""
-    reqs = [Request(TOK.encode("score this prompt"), max_tokens=0, depth=2, prefill_depth=4, prompt_logprobs=3,
+    reqs = [Request(TOK.encode("score this prompt"), SamplingConfig(0), DepthRule(2, 4), prompt_logprobs=3,
                     example_id=5),
-            Request(TOK.encode("and this one too"), max_tokens=4, depth=3, prompt_logprobs=0, logprobs=0),
-            Request(TOK.encode("x"), max_tokens=0, depth=3, prompt_logprobs=2)]
+            Request(TOK.encode("and this one too"), SamplingConfig(4), DepthRule(3), prompt_logprobs=0, logprobs=0),
+            Request(TOK.encode("x"), SamplingConfig(0), DepthRule(3), prompt_logprobs=2)]
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=4, cache=mode))
     handles = [engine.submit(r) for r in reqs]
     engine.run_until_done(handles)
@@ -261,7 +259,7 @@ def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
         scores, fin = events[0], events[-1]
         assert isinstance(scores, PromptLogprobs) and isinstance(fin, Finish)
         with torch.no_grad():
-            native = model(torch.tensor([req.prompt_ids]), req.prefill_depth or req.depth, init="seeded",
+            native = model(torch.tensor([req.prompt_ids]), req.rule.prefill, init="seeded",
                            example_ids=torch.tensor([req.example_id])).logits[0, :-1].log_softmax(-1)
         want = native.gather(-1, torch.tensor(req.prompt_ids[1:])[:, None])[:, 0]
         assert len(scores.logprobs) == len(req.prompt_ids) - 1
@@ -276,7 +274,7 @@ def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
             assert scores.top_logprobs is None
         tokens = [e for e in events[1:-1] if isinstance(e, Token)]
         assert len(tokens) == len(events) - 2 and fin.completion_tokens == len(tokens)
-        if req.max_tokens == 0:
+        if req.sampling.max_new_tokens == 0:
             assert fin.reason == "length" and not tokens and fin.text == ""
         else:
             assert tokens and fin.text == _alone(model, "and this one too", req, mode)
@@ -286,23 +284,23 @@ def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
 def test_max_tokens_zero_needs_prompt_logprobs(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        engine.submit(Request(TOK.encode("abc"), max_tokens=0))
+        engine.submit(Request(TOK.encode("abc"), SamplingConfig(0)))
     with pytest.raises(ValueError, match="prompt_logprobs must be in 0..20"):
-        engine.submit(Request(TOK.encode("abc"), max_tokens=0, prompt_logprobs=21))
+        engine.submit(Request(TOK.encode("abc"), SamplingConfig(0), prompt_logprobs=21))
     with pytest.raises(ValueError, match="more than the context of 64"):
-        engine.submit(Request([1] * 65, max_tokens=0, prompt_logprobs=0))
-    engine.submit(Request([1] * 64, max_tokens=0, prompt_logprobs=0))  # a full context can be scored
+        engine.submit(Request([1] * 65, SamplingConfig(0), prompt_logprobs=0))
+    engine.submit(Request([1] * 64, SamplingConfig(0), prompt_logprobs=0))  # a full context can be scored
     assert len(engine._pending) == 1
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    (dict(depth=0), "depth must be in 1..8"),
-    (dict(depth=9), r"depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\), got 9"),
-    (dict(prefill_depth=20), r"prefill_depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\)"),
-    (dict(max_tokens=0), "max_new_tokens must be >= 1"),
-    (dict(max_tokens=60), "more than the context of 64"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(exit_tau=0.1, min_depth=6, depth=4), "min_depth 6 exceeds the decode depth 4"),
+    (dict(rule=DepthRule(0)), "depth must be in 1..8"),
+    (dict(rule=DepthRule(9)), r"depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\), got 9"),
+    (dict(rule=DepthRule(3, 20)), r"prefill_depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\)"),
+    (dict(sampling=SamplingConfig(0)), "max_new_tokens must be >= 1"),
+    (dict(sampling=SamplingConfig(60)), "more than the context of 64"),
+    (dict(sampling=SamplingConfig(16, temperature=-1.0)), "temperature must be >= 0"),
+    (dict(rule=DepthRule(4, exit_tau=0.1, min_depth=6)), "min_depth 6 exceeds the decode depth 4"),
     (dict(logprobs=50), "logprobs must be in 0..20"),
 ])
 def test_bad_requests_are_refused_before_queueing(model, fields, message):
@@ -319,7 +317,7 @@ def test_bad_requests_are_refused_before_queueing(model, fields, message):
 def test_full_cache_refuses_adaptive_exit_and_the_queue_is_bounded(model):
     full = Engine(model, TOK, EngineConfig(max_batch=1, depth=3, cache="full"))
     with pytest.raises(ValueError, match="needs the terminal cache"):
-        full.submit(Request(TOK.encode("a"), exit_tau=0.1))
+        full.submit(Request(TOK.encode("a"), rule=DepthRule(3, exit_tau=0.1)))
     engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3, max_queue=2))
     engine.submit(Request(TOK.encode("a")))
     engine.submit(Request(TOK.encode("b")))
@@ -331,7 +329,8 @@ def test_threaded_engine_and_stats(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=3)).start()
     assert engine.stats()["mean_decode_depth"] == 0.0  # no decode step yet: a number, not NaN
     try:
-        reqs = [Request(TOK.encode(p), max_tokens=8, depth=2 + 3 * (i % 2)) for i, p in enumerate(_prompts(6, seed=3))]
+        reqs = [Request(TOK.encode(p), SamplingConfig(8), DepthRule(2 + 3 * (i % 2)))
+                for i, p in enumerate(_prompts(6, seed=3))]
         handles = [engine.submit(r) for r in reqs]
         finishes = [[e for e in h.events(timeout=60)][-1] for h in handles]
     finally:
@@ -341,7 +340,7 @@ def test_threaded_engine_and_stats(model):
     assert s["generated_tokens_total"] == sum(f.completion_tokens for f in finishes)
     # decode steps per request: one per token after the first, plus the one that produced an EOS
     steps = [f.completion_tokens - (f.reason == "length") for f in finishes]
-    want = sum(n * r.depth for n, r in zip(steps, reqs)) / sum(steps)
+    want = sum(n * r.rule.depth for n, r in zip(steps, reqs)) / sum(steps)
     assert s["running_sequences"] == 0 and s["cache_bytes_in_use"] == 0
     assert s["mean_decode_depth"] == pytest.approx(want, rel=1e-12) and 2 < want < 5
     per_token = 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 4  # K and V, fp32
@@ -352,17 +351,17 @@ def test_a_raising_event_sink_fails_its_request_only(model):
     """A consumer whose sink raises (e.g. its event loop has closed) ends its own request with an
     error; the engine thread lives on and the other rows stay exact."""
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
-    good = engine.submit(Request(TOK.encode("keep going"), max_tokens=12))
+    good = engine.submit(Request(TOK.encode("keep going"), SamplingConfig(12)))
 
     def broken(event):
         raise RuntimeError("the consumer is gone")
 
-    bad = engine.submit(Request(TOK.encode("a broken consumer"), max_tokens=12), sink=broken)
+    bad = engine.submit(Request(TOK.encode("a broken consumer"), SamplingConfig(12)), sink=broken)
     engine.start()
     try:
         events = list(good.events(timeout=30))
-        assert events[-1].text == _alone(model, "keep going", Request([], max_tokens=12, depth=3), "terminal")
-        after = engine.submit(Request(TOK.encode("after"), max_tokens=4))
+        assert events[-1].text == _alone(model, "keep going", Request([], SamplingConfig(12), DepthRule(3)), "terminal")
+        after = engine.submit(Request(TOK.encode("after"), SamplingConfig(4)))
         assert [e for e in after.events(timeout=30)][-1].reason in ("stop", "length")
         assert bad.finish is not None and bad.finish.reason == "error" and "the consumer is gone" in bad.finish.error
         assert engine._thread.is_alive() and engine.pool.running == 0 and engine.finished.get("error") == 1
@@ -378,7 +377,7 @@ def test_submit_after_shutdown_fails_fast(model):
     assert not engine._pending
     engine.start()  # a restarted engine takes requests again
     try:
-        assert [e for e in engine.submit(Request(TOK.encode("again"), max_tokens=2)).events(timeout=30)][-1].reason
+        assert [e for e in engine.submit(Request(TOK.encode("again"), SamplingConfig(2))).events(timeout=30)][-1].reason
     finally:
         engine.shutdown()
 
@@ -387,10 +386,10 @@ def test_submit_after_shutdown_fails_fast(model):
 def test_a_seed_outside_the_generators_range_is_refused_before_queueing(model, seed):
     engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
     with pytest.raises(ValueError, match="seed must be in"):
-        engine.submit(Request(TOK.encode("a"), temperature=1.0, seed=seed))
+        engine.submit(Request(TOK.encode("a"), SamplingConfig(16, temperature=1.0, seed=seed)))
     assert not engine._pending
     for edge in (2**64 - 1, -(2**63)):  # torch.Generator's own limits are accepted
-        assert engine.generate([Request(TOK.encode("a"), max_tokens=2, temperature=1.0, seed=edge)])[0].reason
+        assert engine.generate([Request(TOK.encode("a"), SamplingConfig(2, temperature=1.0, seed=edge))])[0].reason
 
 
 @pytest.mark.parametrize("mode", ["terminal", "full"])
@@ -402,7 +401,7 @@ def test_requests_deeper_than_the_engine_default_match_a_decode_by_hand(model, m
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=2, max_depth=8, cache=mode))
     cases = [c for c in DEPTH_CASES if c[0] == mode]
     prompts = ["deep request", "xy", "the third prompt", "four"]
-    reqs = [Request(TOK.encode(prompts[i]), max_tokens=8, depth=dec, prefill_depth=pre, exit_tau=tau, logprobs=0,
+    reqs = [Request(TOK.encode(prompts[i]), SamplingConfig(8), DepthRule(dec, pre, exit_tau=tau), logprobs=0,
                     example_id=i) for i, (_, pre, dec, tau) in enumerate(cases)]
     events = {i: [] for i in range(len(reqs))}
     handles = [engine.submit(r, sink=events[i].append) for i, r in enumerate(reqs)]
@@ -443,7 +442,7 @@ def test_compiled_engine_equals_the_eager_engine(model, compiled_engine):
     import time
 
     prompts = ["a", "hello world", "x+y=", "the quick brown"]
-    reqs = [Request(TOK.encode(p), max_tokens=7, depth=d, prefill_depth=pd, exit_tau=tau, min_depth=2, logprobs=2,
+    reqs = [Request(TOK.encode(p), SamplingConfig(7), DepthRule(d, pd, exit_tau=tau, min_depth=2), logprobs=2,
                     example_id=i)
             for i, (p, d, pd, tau) in enumerate(zip(prompts, [4, 6, 2, 5], [3, 6, 2, 4], [0.05, None, 0.1, None]))]
     eager = Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=6))

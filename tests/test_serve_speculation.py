@@ -18,6 +18,7 @@ from _reference import window_replay_check
 
 import looplm.serve.engine as engine_mod
 from looplm.data import ByteTokenizer
+from looplm.infer.decode import SamplingConfig
 from looplm.serve import Engine, EngineConfig, Request, Token
 
 TOK = ByteTokenizer()
@@ -34,7 +35,7 @@ PROMPTS = ["a", "hello", "the quick brown f", "ab", "xyz xyz", "0123456789"]
 
 
 def _requests(n_tokens: int, **fields) -> list[Request]:
-    return [Request(TOK.encode(p), max_tokens=n_tokens, example_id=i + 2, **fields) for i, p in enumerate(PROMPTS)]
+    return [Request(TOK.encode(p), SamplingConfig(n_tokens), example_id=i + 2, **fields) for i, p in enumerate(PROMPTS)]
 
 
 def _run(engine: Engine, reqs: list[Request], windows: dict | None = None, monkeypatch=None) -> list[list[int]]:
@@ -98,7 +99,7 @@ def test_a_sampling_row_leaves_the_greedy_rows_as_they_are(model):
     plain = _run(Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3,
                                                  draft_depth=2)), _requests(n))
     mixed_reqs = _requests(n)
-    mixed_reqs[1] = Request(TOK.encode(PROMPTS[1]), max_tokens=n, example_id=3, temperature=0.9, top_k=20, seed=5)
+    mixed_reqs[1] = Request(TOK.encode(PROMPTS[1]), SamplingConfig(n, temperature=0.9, top_k=20, seed=5), example_id=3)
 
     def mixed():
         return _run(Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3,
@@ -115,7 +116,7 @@ def test_a_request_without_speculation_makes_the_steps_plain(model, monkeypatch)
     monkeypatch.setattr(engine_mod, "speculative_round", lambda *a, **kw: rounds.append(1) or real(*a, **kw))
     engine = Engine(model, TOK, EngineConfig(max_batch=8, depth=DEPTH, speculate=3, draft_depth=1))
     reqs = _requests(6)
-    reqs[0] = Request(TOK.encode(PROMPTS[0]), max_tokens=40, example_id=2, speculate=0)
+    reqs[0] = Request(TOK.encode(PROMPTS[0]), SamplingConfig(40), example_id=2, speculate=0)
     handles = [engine.submit(r) for r in reqs]
     engine.run_until_done(handles)
     assert rounds == [] and engine.stats()["speculative_drafted_total"] == 0

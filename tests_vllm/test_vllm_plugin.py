@@ -40,7 +40,7 @@ from looplm.data.chat import CHAT_TEMPLATE  # noqa: E402
 from looplm.hf import export  # noqa: E402
 from looplm.infer.cache import TerminalCache  # noqa: E402
 from looplm.infer.extend import extend  # noqa: E402
-from looplm.infer.generate import SamplingConfig, generate  # noqa: E402
+from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 from looplm.train.config import job_preset  # noqa: E402
 from looplm.vllm_plugin.model import Refused, check_servable  # noqa: E402
@@ -148,7 +148,7 @@ def test_greedy_ids_and_logprobs_equal_looplm_generate(base, depth):
     with engine(folder, hf_overrides={"num_steps": depth}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         scored = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SCORE, use_tqdm=False)[0]
-    texts = [generate(model, TOK, [TOK.decode(p)], depth=depth, sampling=SamplingConfig(max_new_tokens=NEW))[0]
+    texts = [generate(model, TOK, [TOK.decode(p)], DepthRule(depth), sampling=SamplingConfig(max_new_tokens=NEW))[0]
              for p in PROMPTS]  # the function behind `looplm generate`, each prompt alone
     for prompt, out, text in zip(PROMPTS, outs, texts):
         want_ids, want_lp = looplm_generate(model, prompt, depth, NEW)

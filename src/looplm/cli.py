@@ -11,7 +11,9 @@
 
 Errors a user can fix (options, files, checkpoints) end with a one-line `error: ...` on stderr and
 exit status 2; anything else is an internal error (one line, exit status 1) whose traceback
-`looplm --debug ...` or LOOPLM_DEBUG=1 prints. `looplm --version` prints the version.
+`looplm --debug ...` or LOOPLM_DEBUG=1 prints. `looplm --version` prints the version. A command line
+tyro cannot parse is said in one line from tyro's parse-error event (`_rejected`), with the command's
+own options as suggestions (`_options`, read from the same typed configs tyro reads).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
 from looplm.errors import UserError, install_hint
 from looplm.eval.report import EvalConfig, report_name
+from looplm.infer.depth_rule import CacheKind, DepthRule
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
 from looplm.rl.config import RLConfig
+from looplm.serve.engine import EngineConfig
 from looplm.train.config import JOB_PRESETS, TrainJob
 
 # What a user can fix: looplm's UserError (bad options, data, checkpoints), a path that is not there or
@@ -48,40 +52,6 @@ PresetJob = tyro.extras.subcommand_type_from_defaults(
 )
 
 
-def _readable(part: str) -> str:
-    """A default's text with control characters escaped: a literal newline would break the help box."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in part)
-
-
-def _help_labels():
-    """A tyro constructor registry that changes only how defaults of strings and sequences are shown in
-    --help: control characters escaped, and an empty sequence as `none` instead of nothing."""
-    import threading
-    import typing
-
-    from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec
-
-    registry, inside = ConstructorRegistry(), threading.local()
-
-    @registry.primitive_rule
-    def readable_defaults(type_info):
-        if type_info.type is not str and typing.get_origin(type_info.type) not in (tuple, list):
-            return None
-        if getattr(inside, "active", False):
-            return None  # the inner lookup below: let tyro's own rules answer
-        inside.active = True
-        try:
-            spec = ConstructorRegistry.get_primitive_spec(type_info)
-        finally:
-            inside.active = False
-        if not isinstance(spec, PrimitiveConstructorSpec):
-            return None
-        shown = spec.str_from_instance
-        return dataclasses.replace(spec, str_from_instance=lambda value: [_readable(x) for x in shown(value)] or ["none"])
-
-    return registry
-
-
 def _progress(total: int, desc: str, disable: bool = False, unit: str = "batch"):
     """A progress bar on stderr, off when stderr is not a terminal (a log file or a pipe gets no bar redraws)."""
     from tqdm.auto import tqdm
@@ -90,6 +60,9 @@ def _progress(total: int, desc: str, disable: bool = False, unit: str = "batch")
 
 
 def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None, progress: bool = True) -> dict:
+    """`looplm eval`'s (and the end of `looplm train`'s) report: measured under a progress bar, printed as
+    a table, written to `out_json` with its plots beside it."""
+    from looplm.eval.plots import write_run_plots
     from looplm.eval.report import depth_report, format_report, write_report
 
     task_batches = -(-cfg.task_examples // cfg.batch_size) if data.is_tasks else 0
@@ -101,8 +74,6 @@ def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, pre
         report = depth_report(model, tokenizer, data, cfg, device=device, progress=bar.update, prefill=prefill)
     finally:
         bar.close()
-    from looplm.eval.plots import write_run_plots
-
     print(format_report(report))
     write_report(report, out_json)
     for picture in write_run_plots(report, Path(out_json)):
@@ -309,24 +280,25 @@ class GenerateSampling(SamplingConfig):
     """Stop a prompt's generation when its text contains one of these strings (cut before it); default:
     a newline for a checkpoint trained on the task generator (it ends each answer with one), none for text."""
 
+    def __post_init__(self) -> None:
+        self.resolved(tasks=True).validate()  # refused as the command line is parsed, before a checkpoint loads
 
-def _sampling_for(sampling: GenerateSampling, tasks: bool, room: int | None = None) -> SamplingConfig:
-    """`sampling` as a plain SamplingConfig with the checkpoint-dependent defaults filled in; `room`: the
-    most new tokens the context leaves after the longest prompt."""
-    fields = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(SamplingConfig)}
-    if fields["max_new_tokens"] is None:
-        fields["max_new_tokens"] = min(16 if tasks else SamplingConfig.max_new_tokens, max(1, room or 1 << 30))
-    if fields["stop"] is None:
-        fields["stop"] = ("\n",) if tasks else ()
-    return SamplingConfig(**fields)
+    def resolved(self, tasks: bool, room: int | None = None) -> SamplingConfig:
+        """A plain SamplingConfig with the checkpoint-dependent defaults filled in; `room`: the most new
+        tokens the context leaves after the longest prompt."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingConfig)}
+        if fields["max_new_tokens"] is None:
+            fields["max_new_tokens"] = min(16 if tasks else SamplingConfig.max_new_tokens, max(1, room or 1 << 30))
+        if fields["stop"] is None:
+            fields["stop"] = ("\n",) if tasks else ()
+        return SamplingConfig(**fields)
 
 
 def generate(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     prompt: tuple[str, ...] | None = None,
-    depth: int = 5,
-    prefill_depth: int | None = None,
-    cache: Literal["terminal", "full"] = "terminal",
+    rule: Annotated[DepthRule, tyro.conf.arg(name="")] = DepthRule(5),
+    cache: CacheKind = "terminal",
     sampling: Annotated[GenerateSampling, tyro.conf.arg(name="")] = GenerateSampling(),
     device: str = "auto",
     prefill: PrefillArm = "teacher",
@@ -343,8 +315,7 @@ def generate(
         prompt: One or more prompts (repeat the text after --prompt); default (task-generator checkpoints
             only): one generator prompt of the checkpoint's first task kind. One prompt is streamed; several
             are decoded as a batch and printed each under a `--- prompt i of n ---` line.
-        depth: Recurrences per decoded token (R_dec).
-        prefill_depth: Recurrences for the prompt (R_pre); default: depth.
+        rule: Recurrences per token: decode and prefill depth, exit rule.
         cache: terminal (one KV bank per physical layer) or full (one bank per layer visit).
         sampling: Token choice and stopping.
         device: Torch device: auto (CUDA when available), cpu, cuda, ...
@@ -359,23 +330,33 @@ def generate(
         verbose: Print decode speed (and with --speculate the acceptance rate) to stderr.
     """
     from looplm.checkpoint import load_model, resolve
-    from looplm.data import generate_examples
-    from looplm.infer.decode import DecodeSpec
-    from looplm.infer.generate import Speculation, encode_prompts, generate as run
+    from looplm.infer.generate import Speculation, generate as run
 
     if speculate < 0:
         raise UserError(f"--speculate must be >= 0 (0 = off), got {speculate}")
-    spec_cfg = Speculation(speculate, draft_depth) if speculate else None
-    if spec_cfg is not None:
-        spec_cfg.check(depth)
-
-    try:  # before the checkpoint loads
-        _sampling_for(sampling, tasks=True).validate()
-    except ValueError as err:
-        raise UserError(f"{err}; see looplm generate --help") from None
-    device = _device(device)
     path = resolve(checkpoint)
-    model, tokenizer, _ = load_model(path, device)
+    model, tokenizer, _ = load_model(path, _device(device))
+    prompts, tasks = _generate_prompts(path, prompt)
+    room = model.cfg.max_seq_len - max(len(tokenizer.encode_prompt(p)) for p in prompts) + 1
+    (arm,) = _prefill_arms(model, (prefill,), student)
+    speculation = Speculation(speculate, draft_depth) if speculate else None
+    if compile:
+        print("compiling the decode step (the first tokens wait for it)", file=sys.stderr, flush=True)
+    stats: dict = {}
+    printed = _Printed(prompts)
+    printed.done(run(model, tokenizer, list(prompts), rule, cache=cache, sampling=sampling.resolved(tasks, room),
+                     on_token=printed.on_token, stats=stats, prefill=arm, compile=compile, speculate=speculation))
+    if rule.exit_tau is not None:
+        print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {rule.depth})", file=sys.stderr)
+    if verbose:
+        print(_decode_line(stats, compile, speculation is not None), file=sys.stderr)
+
+
+def _generate_prompts(path: Path, prompt: tuple[str, ...] | None) -> tuple[tuple[str, ...], bool]:
+    """`looplm generate`'s prompts (default: a generator prompt of a task checkpoint) and whether the
+    checkpoint was trained on the task generator."""
+    from looplm.data import generate_examples
+
     data = _recorded_data(path)
     tasks = data is not None and data.is_tasks
     if prompt is None:
@@ -384,38 +365,43 @@ def generate(
         prompt = (generate_examples(data.tasks, 1, seed=0)[0].prompt,)
     if not prompt:
         raise UserError("--prompt needs at least one text")
-    longest = max(len(tokenizer.encode_prompt(p)) for p in prompt)
-    config = _sampling_for(sampling, tasks, room=model.cfg.max_seq_len - longest + 1)
-    # everything that can be refused is refused before the first prompt is echoed
-    DecodeSpec(depth, prefill_depth, cache, config).check(model.cfg.max_depth, has_gate=model.exit_gate is not None)
-    encode_prompts(tokenizer, prompt, config.max_new_tokens, model.cfg.max_seq_len)
-    (arm,) = _prefill_arms(model, (prefill,), student)
-    stream = None
-    if len(prompt) == 1:
-        print(prompt[0], end="", flush=True)
-        stream = lambda _row, piece: print(piece, end="", flush=True)  # noqa: E731
-    stats: dict = {}
-    if compile:
-        print("compiling the decode step (the first tokens wait for it)", file=sys.stderr, flush=True)
-    texts = run(model, tokenizer, list(prompt), depth=depth, prefill_depth=prefill_depth, cache_mode=cache,
-                sampling=config, on_token=stream, stats=stats, prefill=arm, compile=compile, speculate=spec_cfg)
-    if stream is not None:
-        print()
-    else:  # several prompts: each continuation under its own header, as texts may span lines
-        for i, (p, t) in enumerate(zip(prompt, texts), 1):
-            print(f"--- prompt {i} of {len(prompt)} ---\n{p}{t}")
-    if config.exit_tau is not None:
-        print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {depth})", file=sys.stderr)
-    if verbose:
-        n, total, first = stats["decoded_tokens"], stats["decode_seconds"], stats["first_step_seconds"]
-        line = f"decoded {n} tokens in {total:.2f} s ({n / max(total, 1e-9):.1f} tokens/s"
-        if compile and total > first > 0:  # the first step compiled: say what the rest ran at
-            line += f"; the first step took {first:.1f} s with compiling, the rest {(n - 1) / (total - first):.1f} tokens/s"
-        line += ")"
-        if spec_cfg is not None:
-            line += (f"; speculation: {stats['acceptance_rate']:.0%} of drafts accepted, "
-                     f"{stats['tokens_per_verify']:.2f} tokens per verify")
-        print(line, file=sys.stderr)
+    return prompt, tasks
+
+
+class _Printed:
+    """What `looplm generate` prints: one prompt streamed (its text echoed with the first piece, so that
+    nothing is printed before `generate` has accepted every setting), several each under a
+    `--- prompt i of n ---` line once they are done."""
+
+    def __init__(self, prompts: tuple[str, ...]):
+        self.prompts, self.echoed = prompts, False
+
+    def on_token(self, row: int, piece: str) -> None:
+        if len(self.prompts) == 1:
+            if not self.echoed:
+                print(self.prompts[0], end="")
+                self.echoed = True
+            print(piece, end="", flush=True)
+
+    def done(self, texts: list[str]) -> None:
+        if len(self.prompts) == 1:
+            print("" if self.echoed else self.prompts[0])
+            return
+        for i, (p, t) in enumerate(zip(self.prompts, texts), 1):  # texts may span lines: each under a header
+            print(f"--- prompt {i} of {len(self.prompts)} ---\n{p}{t}")
+
+
+def _decode_line(stats: dict, compile: bool, speculated: bool) -> str:
+    """`looplm generate --verbose`'s line: decode speed (the first step's compile apart), speculation."""
+    n, total, first = stats["decoded_tokens"], stats["decode_seconds"], stats["first_step_seconds"]
+    line = f"decoded {n} tokens in {total:.2f} s ({n / max(total, 1e-9):.1f} tokens/s"
+    if compile and total > first > 0:  # the first step compiled: say what the rest ran at
+        line += f"; the first step took {first:.1f} s with compiling, the rest {(n - 1) / (total - first):.1f} tokens/s"
+    line += ")"
+    if speculated:
+        line += (f"; speculation: {stats['acceptance_rate']:.0%} of drafts accepted, "
+                 f"{stats['tokens_per_verify']:.2f} tokens per verify")
+    return line
 
 
 def distill(
@@ -607,7 +593,7 @@ def export(
     out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
     num_steps: int = 5,
     prefill_steps: int | None = None,
-    cache: Literal["terminal", "full"] = "terminal",
+    cache: CacheKind = "terminal",
 ) -> None:
     """Export a checkpoint as a Hugging Face Transformers model folder (needs the hf extra).
 
@@ -688,135 +674,6 @@ def convert(
         return
     print(f"wrote {path}\nevaluate it with: looplm eval {path}")
 
-def _command_options(prog: str) -> list[str]:
-    """The options `prog --help` lists (`looplm eval`: --depths, ...), read from the help tyro prints."""
-    import contextlib
-    import io
-    import re
-
-    shown = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(io.StringIO()), _help_labels():
-            _parse([*prog.split()[1:], "--help"])
-    except SystemExit:
-        pass
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.getvalue())
-    return list(dict.fromkeys(re.findall(r"^[│|\s]*(?:-\w, )?(--[a-z][\w.-]*)", text, flags=re.M)))
-
-
-def _swallowed_path(args: list[str]) -> tuple[str, str] | None:
-    """(option, value) where an option of several values (--prompt A B) has read past its own into what
-    looks like a path, the positional the user meant (tyro leaves a positional only at the very end)."""
-    import os
-
-    option = None
-    for i, arg in enumerate(args):
-        if arg.startswith("-"):
-            option = arg if arg.startswith("--") and "=" not in arg else None
-        elif option is not None and args[i - 1] != option and ("/" in arg or os.sep in arg or Path(arg).exists()):
-            return option, arg
-    return None
-
-
-def _suggestion(option: str, similar: list[tuple[str, set[str]]], prog: str) -> str:
-    """What to say after an unknown `option`: tyro's `similar` names (with the commands that have them)
-    narrowed to command `prog`'s own, those of the same leaf name (`steps`: --train.steps) first; or, for
-    an option of a subcommand given before the subcommand's name, where it goes."""
-    leaf = option.lstrip("-").rsplit(".", 1)[-1]
-    for name, commands in similar:
-        deeper = sorted(c for c in commands if c.startswith(prog + " "))
-        if name == option and deeper and prog not in commands:
-            return f" (an option of {prog} {'|'.join(c.split()[-1] for c in deeper)}: give it after the subcommand's name)"
-    own = [name for name, commands in similar if not commands or prog in commands]
-    own += [name for name in _command_options(prog) if name.lstrip("-").rsplit(".", 1)[-1] == leaf
-            and name != option and name not in own]  # tyro's similarity misses --steps for --train.steps
-    own.sort(key=lambda name: name.lstrip("-").rsplit(".", 1)[-1] != leaf)  # stable: tyro's order otherwise
-    return f" (did you mean {' or '.join(own[:3])}?)" if own else ""
-
-
-def _parse_error_line(report: str, args: list[str]) -> str:
-    """tyro's boxed parse-error report collapsed into one line:
-    `error: <what> (did you mean ...?); see looplm <subcommand> --help`.
-
-    The box holds sections between horizontal rules; in each, unindented lines are the message
-    and indented lines list arguments (4 spaces: the name and metavar, 8 or more: helptext,
-    dropped). Anything that is not such a box is joined as it is."""
-    import re
-
-    lines = [line.rstrip() for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", report).splitlines()]
-    lines = [line for line in lines if line.strip()]
-    boxed = bool(lines) and lines[0].lstrip().startswith("╭")
-    title = lines[0].strip(" ╭─╮") if lines else ""
-    if boxed:  # UTF-8 box: `╭─ title ─╮`, `│ line │`, `╰─╯`
-        lines = [line.strip()[2:-1] for line in lines if line.lstrip().startswith("│")]
-    elif len(lines) > 1 and not lines[1].strip(" -"):  # ASCII layout: ` title`, ` ----`, `  line`
-        boxed, lines = True, [line[2:] for line in lines[2:]]
-    words = ["looplm"]  # the subcommand whose --help lists what was expected
-    if args and args[0] in _SUBCOMMANDS:
-        words.append(args[0])
-        if args[0] == "train" and len(args) > 1 and args[1] in JOB_PRESETS:
-            words.append(args[1])
-    prog = " ".join(words)
-    sections: list[list[tuple[int, str]]] = [[]]
-    for line in lines:
-        if not line.strip(" ─-"):  # a rule between sections
-            sections.append([])
-        else:
-            sections[-1].append((len(line) - len(line.lstrip()), line.strip()))
-    if not boxed:
-        message = " ".join(line for sec in sections for _, line in sec)
-    else:
-        # similar: unknown option (or None) -> [(a name tyro suggests, the commands whose --help lists it)]
-        parts, metavar, similar = [], "", {}
-        for sec in filter(None, sections):
-            head = " ".join(line for indent, line in sec if indent == 0)
-            items = [line for indent, line in sec if 0 < indent < 8]
-            m = re.match(r"(?:Perhaps you meant|Arguments similar to (\S+)):$", head)
-            if m:  # tyro suggests the options of every subcommand; each item ends `in looplm <command> --help`
-                found: dict[str, set[str]] = {}
-                for indent, line in sec:
-                    if 0 < indent < 8 and line.startswith("-"):
-                        commands = found.setdefault(line.split()[0], set())
-                    elif indent >= 8 and found and (where := re.fullmatch(r"in (looplm.*?) --help", line)):
-                        commands.add(where[1])
-                similar[m[1]] = list(found.items())
-            elif head.startswith("Unrecognized or misplaced options:"):  # `--steps (applied to looplm train tiny)`
-                parts.append("Unrecognized options: " + ", ".join(re.sub(r" \(applied to .*\)$", "", i) for i in items))
-            elif head.startswith("Argument helptext"):  # `--train.steps INT`: the expected type
-                words = items[0].split() if items else []
-                metavar = words[1] if len(words) == 2 and words[0].startswith("-") else ""
-            elif head.startswith("Arguments are applied to the directly preceding"):
-                pass  # tyro's general hint on misplaced options: _suggestion says where such an option goes
-            elif not head.startswith("For full helptext"):  # replaced by the pointer below
-                parts.append(head + (" " + ", ".join(items) if items else ""))
-        message = "; ".join(parts)
-        first = (title.split() or [""])[0].lower()
-        if title.lower() not in ("value error", "required options") and not message.lower().startswith(first):
-            message = f"{title}: {message}"  # the title says what is wrong: `Missing subcommand: Expected one of {...}`
-        m = re.match(r"Unrecognized options: ([^;]*)", message)
-        if m:  # tyro also lists the value that followed an unknown option (`--train.stpes 3`): drop it
-            tokens = m[1].split(", ")
-            unknown = [tok for tok in tokens if tok.startswith("-") or not any(
-                prev.startswith("-") and prev in tokens and cur == tok for prev, cur in zip(args, args[1:]))]
-            if None in similar and len(unknown) == 1:
-                similar[unknown[0]] = similar.pop(None)
-            shown = [tok + _suggestion(tok, similar.get(tok, []), prog) for tok in unknown]
-            message = f"unrecognized option{'s' if len(shown) > 1 else ''} {', '.join(shown)}{message[m.end(1):]}"
-        m = re.match(r"Error parsing (\S+?):\s*(.*)", message)
-        if m:
-            message = f"invalid value for {m[1]}{f' (expects {metavar})' if metavar else ''}: {m[2]}"
-        message = re.sub(r"^Missing from (.+?):", r"missing required input for \1:", message)
-        m = re.match(r"missing required input for [^:]+: ([A-Z]+)", message)
-        if m and (swallowed := _swallowed_path(args)):
-            message += f"; {swallowed[0]} took {swallowed[1]!r} as one of its values: put {m[1]} first ({prog} {m[1]} {swallowed[0]} ...)"
-    message = re.sub(r"\s+", " ", re.sub(r"^error:\s*", "", message, flags=re.I)).strip(" .") or "invalid command line"
-    message = re.sub(r"\.?(;|$)", r"\1", message)  # no sentence stops before the separators
-    message = re.sub(r"(^|; |: )([A-Z])(?=[a-z])", lambda m: m[1] + m[2].lower(), message)
-    if len(message) > 300:
-        message = message[:297] + "..."
-    return f"error: {message}; see {prog} --help"
-
-
 def _listen(host: str, port: int):
     """A socket listening on host:port (port 0: one the system chooses), for uvicorn to serve on; a busy
     port or an unknown host is a UserError."""
@@ -840,41 +697,29 @@ def _listen(host: str, port: int):
 
 def serve(
     checkpoint: Annotated[Path, tyro.conf.Positional],
+    engine: Annotated[EngineConfig, tyro.conf.arg(name="")] = EngineConfig(),
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_batch: int = 8,
-    max_seq_len: int | None = None,
-    depth: int = 5,
-    max_depth: int | None = None,
-    cache: Literal["terminal", "full"] = "terminal",
-    max_queue: int = 64,
     api_key: str | None = None,
     served_model_name: str | None = None,
     device: str = "auto",
     prefill: PrefillArm = "teacher",
     student: Path | None = None,
-    compile: bool = False,
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible HTTP API with continuous batching (needs
     the serve extra, README's Install): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        engine: The engine's capacity and defaults (--compile: its graphs are compiled before the server
+            listens, tens of seconds each on a CPU the first time).
         host: Interface to bind (default: this machine only; 0.0.0.0 exposes it to the network).
         port: TCP port.
-        max_batch: Cache slots, i.e. sequences decoded together (the KV memory is allocated up front).
-        max_seq_len: Positions per slot (prompt + completion); default: the model's context.
-        depth: Recurrences per token when a request does not give `depth`.
-        max_depth: Deepest request accepted; default: the model's max_depth (terminal cache) or --depth (full cache).
-        cache: terminal (one KV bank per physical layer) or full (one bank per layer visit, up to max_depth).
-        max_queue: Requests waiting for a slot; beyond it the server answers 429.
         api_key: Require `Authorization: Bearer KEY` on /v1/ endpoints.
         served_model_name: The model id clients pass; default: the run (or checkpoint) folder's name.
         device: Torch device: auto (CUDA when available), cpu, cuda, ...
         prefill: How prompts enter the cache: teacher, student (distilled prefill, needs --student), r1 or r2.
         student: Distilled student (`looplm distill` output) for --prefill student.
-        compile: Decode through the compiled static step (torch.compile; one graph set per batch size 1, 2,
-            4, ... max_batch, compiled before the server listens: tens of seconds each on a CPU the first time).
     """
     try:
         import uvicorn
@@ -883,53 +728,37 @@ def serve(
     except ImportError as err:
         raise UserError(f"looplm serve needs the serve extra ({err}): {install_hint('serve')}") from None
     from looplm.checkpoint import load_model
-    from looplm.serve import Engine, EngineConfig
+    from looplm.infer.prefill import check_arm_cache
+    from looplm.serve import Engine
 
-    # the options that need no model are checked before it loads; EngineConfig checks them again for library users
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535 (0: any free port), got {port}")
-    for option, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--depth", depth)):
-        if value < 1:
-            raise UserError(f"{option} must be >= 1, got {value}")
-    if max_depth is not None and max_depth < depth:
-        raise UserError(f"--max-depth ({max_depth}) must be >= --depth ({depth})")
-    if max_seq_len is not None and max_seq_len < 2:
-        raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
-    if prefill == "student" and cache != "terminal":
-        raise UserError("--prefill student writes terminal banks: it needs --cache terminal")
+    engine.check(prefix="--")  # what needs no model, before it loads
+    check_arm_cache(prefill, engine.cache, prefix="--")
     listener = _listen(host, port)  # before the model loads (a busy port fails at once) and before the banner
     try:
         model, tokenizer, _ = load_model(checkpoint, _device(device))
-        cap, context = model.cfg.max_depth, model.cfg.max_seq_len
-        for option, value in (("--depth", depth), ("--max-depth", max_depth)):
-            if value is not None and value > cap:
-                raise UserError(f"{option} must be in 1..{cap} (the model's max_depth), got {value}")
-        if max_seq_len is not None and max_seq_len > context:
-            raise UserError(f"--max-seq-len must be in 2..{context} (the model's context), got {max_seq_len}")
+        engine.check(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--")  # as Engine does, named as options
         (arm,) = _prefill_arms(model, (prefill,), student)
-        engine = Engine(model, tokenizer, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth,
-                                                       max_depth=max_depth, cache=cache, max_queue=max_queue,
-                                                       compile=compile),
-                        prefill=arm)
-        if compile:
-            print(f"compiling the decode step for batch sizes {', '.join(map(str, engine.buckets()))}", flush=True)
-            print(f"compiled in {engine.warm_up():.0f} s", flush=True)
-        folder = checkpoint.resolve()
-        name = served_model_name or (folder.parent.parent.name if folder.parent.name == "checkpoints" else folder.name)
-        bound = listener.getsockname()[1]
+        running = Engine(model, tokenizer, engine, prefill=arm)
+        if engine.compile:
+            print(f"compiling the decode step for batch sizes {', '.join(map(str, running.buckets()))}", flush=True)
+            print(f"compiled in {running.warm_up():.0f} s", flush=True)
+        name = served_model_name or _run_folder(checkpoint.resolve()).name
         shown = f"[{host}]" if ":" in host else host
-        print(f"serving {name!r} on http://{shown}:{bound}/v1 ({engine.describe()})", flush=True)
+        print(f"serving {name!r} on http://{shown}:{listener.getsockname()[1]}/v1 ({running.describe()})", flush=True)
         if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
-        config = uvicorn.Config(create_app(engine, name, api_key=api_key), host=host, port=bound, log_level="info")
-        uvicorn.Server(config).run(sockets=[listener])
+        app = create_app(running, name, api_key=api_key)
+        uvicorn.Server(uvicorn.Config(app, host=host, port=listener.getsockname()[1], log_level="info")).run(
+            sockets=[listener])
     finally:
         listener.close()
 
 
 def _deferred(fn):
     """`fn` with the same signature and docs for tyro, but calling it only returns the call:
-    main runs it after parsing, outside the capture of tyro's error report."""
+    main runs it after parsing, so that anything raised while parsing is about the command line."""
     import functools
 
     @functools.wraps(fn)
@@ -953,20 +782,156 @@ def _internal_error(err: BaseException, debug: bool) -> int:
     return 1
 
 
+# -- the command line's errors: tyro's parse-error events, each said in one line ---------------------------
+class CommandLineError(UserError):
+    """A command line looplm cannot parse; the message is the whole `error: ...; see ... --help` line."""
+
+
+def _command(args: list[str]) -> list[str]:
+    """The words of the (sub)command `args` selects, as far as they name one: `looplm train tiny`."""
+    words = ["looplm"]
+    if args[:1] and args[0] in _SUBCOMMANDS:
+        words.append(args[0])
+        if args[0] == "train" and args[1:2] and args[1] in JOB_PRESETS:
+            words.append(args[1])
+    return words
+
+
+def _children(words: list[str]) -> dict:
+    """The subcommands of command `words`: what each parses (a command function, a preset's job)."""
+    if words == ["looplm"]:
+        return dict(_SUBCOMMANDS)
+    return {name: make() for name, (_, make) in JOB_PRESETS.items()} if words == ["looplm", "train"] else {}
+
+
+def _options(target, prefix: str = "") -> list[str]:
+    """The --options tyro makes of `target` (a command function, or a config dataclass instance): each
+    field by its dotted path with `-` for `_`; a field with `tyro.conf.arg(name=...)` is renamed by it
+    (name "" lends its own fields its parent's prefix); positional arguments are not options."""
+    import inspect
+    import typing
+
+    if dataclasses.is_dataclass(target):
+        hints = typing.get_type_hints(type(target), include_extras=True)
+        fields = [(f.name, getattr(target, f.name)) for f in dataclasses.fields(target)]
+    else:
+        hints = typing.get_type_hints(target, include_extras=True)
+        fields = [(p.name, p.default) for p in inspect.signature(target).parameters.values()]
+    names = []
+    for name, default in fields:
+        hint = hints.get(name)
+        meta = typing.get_args(hint)[1:] if typing.get_origin(hint) is Annotated else ()
+        if tyro.conf.Positional in meta:
+            continue
+        name = next((m.name for m in meta if isinstance(getattr(m, "name", None), str)), name)
+        path = prefix + name
+        if dataclasses.is_dataclass(default) and not isinstance(default, type):
+            names += _options(default, path + "." if name else prefix)
+        elif name:
+            names.append("--" + path.replace("_", "-"))
+    return names
+
+
+def _suggestion(option: str, words: list[str]) -> str:
+    """What to say after the unknown `option` of command `words`: the subcommands it is an option of (given
+    before their name), else the command's options of its leaf name (`steps`: --train.steps) or spelt alike."""
+    import difflib
+
+    owners = sorted(name for name, target in _children(words).items() if option in _options(target))
+    if owners:
+        return f" (an option of {' '.join(words)} {'|'.join(owners)}: give it after the subcommand's name)"
+    if words[1:] == ["train"] or len(words) == 1:
+        return ""
+    own = _options(_SUBCOMMANDS[words[1]] if len(words) == 2 else _children(words[:2])[words[2]])
+    leaf = option.lstrip("-").rsplit(".", 1)[-1]
+    same = [name for name in own if name.lstrip("-").rsplit(".", 1)[-1] == leaf]
+    similar = list(dict.fromkeys(same + difflib.get_close_matches(option, own, n=3, cutoff=0.8)))[:3]
+    return f" (did you mean {' or '.join(similar)}?)" if similar else ""
+
+
+def _unrecognized(tokens: list[str], args: list[str], words: list[str]) -> str:
+    """tyro's unrecognized tokens, less the values that followed an unknown option (`--train.stpes 3`)."""
+    pairs = set(zip(args, args[1:]))
+    unknown: list[str] = []
+    for token in tokens:
+        if token.startswith("-") or not unknown or (unknown[-1], token) not in pairs:
+            unknown.append(token)
+    named = ", ".join(token + (_suggestion(token, words) if token.startswith("-") else "") for token in unknown)
+    line = f"unrecognized option{'s' if len(unknown) > 1 else ''} {named}"
+    if _children(words) and not all(token.startswith("-") for token in unknown):
+        line += f"; available subcommands: {', '.join(_children(words))}"
+    return line
+
+
+def _missing(names: list[str], args: list[str], words: list[str]) -> str:
+    """Missing required input; when an option of several values (--prompt A B) read on into what looks like
+    a path, the positional the user meant (tyro takes every value up to the next option), where it goes."""
+    line = f"missing required input for {' '.join(words)}: {', '.join(names)}"
+    option = None
+    for i, arg in enumerate(args):
+        if arg.startswith("-"):
+            option = arg if arg.startswith("--") and "=" not in arg else None
+        elif option is not None and args[i - 1] != option and ("/" in arg or os.sep in arg or Path(arg).exists()):
+            return (f"{line}; {option} took {arg!r} as one of its values: put {names[0]} first "
+                    f"({' '.join(words)} {names[0]} {option} ...)")
+    return line
+
+
+def _rejected(event, args: list[str]) -> None:
+    """tyro's parse-error hook: raise the event as one CommandLineError line (an event of a kind not
+    handled here returns, and tyro reports it itself)."""
+    from tyro import _errors as e  # tyro's parse-error events (tyro >= 1.0)
+
+    def name(arg) -> str:
+        return arg.lowered.metavar if arg.is_positional() else arg.display_name()
+
+    words = _command(args)
+    if isinstance(event, e.UnrecognizedArgs):
+        what = _unrecognized(event.tokens, args, words)
+    elif isinstance(event, e.MissingArgs):
+        what = _missing([name(a.arg) for a in event.missing_arguments], args, words)
+    elif isinstance(event, e.MissingSubcommand):
+        what = f"missing subcommand: expected one of {{{', '.join(event.subcommand_spec.parser_from_name)}}}"
+    elif isinstance(event, e.InstantiationFailure):
+        arg = event.argument
+        what = event.message if arg is None else \
+            f"invalid value for {name(arg)} (expects {arg.lowered.metavar}): {event.message}"
+    elif isinstance(event, e.InvalidChoice):
+        what = f"invalid choice {event.value!r} for argument '{name(event.argument)}': expected one of " \
+               f"{', '.join(event.choices)}"
+    elif isinstance(event, e.BadValue) and event.reason == "too_few_values":
+        what = f"missing value for argument '{name(event.argument)}'"
+    else:
+        return
+    raise CommandLineError(f"error: {what}; see {' '.join(words)} --help")
+
+
 def _parse(args: list[str]):
-    """The command line parsed by tyro: the deferred call of the subcommand (SystemExit for --help and errors)."""
-    return tyro.extras.subcommand_cli_from_dict(
-        {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
-        description="looplm: looped language models shaped around fixed points. "
-                    "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
-                    f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
-    )
+    """The command line parsed by tyro: the deferred call of the subcommand. A command line that cannot be
+    parsed raises CommandLineError (SystemExit for --help)."""
+    import contextlib
+
+    try:
+        from tyro._errors import on_parse_error
+    except ImportError:  # an older tyro: it reports parse errors itself (its box, exit status 2)
+        hook = contextlib.nullcontext()
+    else:
+        hook = on_parse_error(lambda event: _rejected(event, args))
+    try:
+        with hook:
+            return tyro.extras.subcommand_cli_from_dict(
+                {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
+                description="looplm: looped language models shaped around fixed points. "
+                            "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
+                            f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
+            )
+    except CommandLineError:
+        raise
+    except UserError as err:  # an options object refused its values as tyro built it (DepthRule, GenerateSampling)
+        raise CommandLineError(f"error: {err}; see {' '.join(_command(args))} --help") from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    import contextlib
-    import io
-
     global _ARGS
 
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
@@ -978,23 +943,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"looplm {__version__}")
         return 0
-    report, rejected = io.StringIO(), False
     try:
-        try:
-            with contextlib.redirect_stderr(report), _help_labels():  # parse errors: a box, then SystemExit(2)
-                run = _parse(args)
-        except SystemExit as exit_:
-            rejected = exit_.code == 2
-            if not rejected:
-                raise  # --help (exit 0)
-        finally:
-            if not rejected:
-                sys.stderr.write(report.getvalue())  # anything else printed while parsing (warnings)
-        if rejected:
-            print(_parse_error_line(report.getvalue(), args), file=sys.stderr)
-            return 2
+        run = _parse(args)
         _ARGS = args
         run()
+    except CommandLineError as err:
+        print(err, file=sys.stderr)
+        return 2
     except USER_ERRORS as err:
         if debug:
             import traceback

@@ -7,10 +7,38 @@ config without building a model. design §1 gives the paper's sizes; `tiny` is t
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
 from looplm.errors import UserError
+
+
+def check_depth(name: str, value, max_depth: int, what: str | None = None) -> int:
+    """The one depth-range check of the library: every option, request field and config key that names a
+    depth (`looplm.infer.DepthRule`, the model's forward, the CLI, the HTTP API, Transformers, vLLM, eval,
+    RL, distillation, analysis, training) is checked by it, with one message.
+
+    `value` if it is a depth in 1..max_depth, else a UserError naming the setting `name` (as the user
+    wrote it: `depth`, `--max-depth`, `num_steps`) and, with `what`, what sets the bound."""
+    by = f" ({what})" if what else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UserError(f"{name} must be an integer in 1..{max_depth}{by}, got {value!r}")
+    if not 1 <= value <= max_depth:
+        raise UserError(f"{name} must be in 1..{max_depth}{by}, got {value}")
+    return int(value)
+
+
+def shown_default(text: str):
+    """`Annotated` metadata for a config field whose default tyro's --help would print empty (an empty
+    tuple) or across lines (a newline): tyro's own `help_behavior_hint`, `(default: text)`. None where
+    tyro is not installed (library use, the GPU benchmark's machine), where no help is printed."""
+    try:
+        import tyro
+    except ImportError:
+        return None
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
 
 InjectionName = Literal["parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive", "none"]
 INJECTIONS: tuple[str, ...] = ("parcae-decay", "parcae-nonorm", "ortho", "huginn-linear", "deq-qkv", "additive")

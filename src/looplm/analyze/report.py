@@ -22,6 +22,7 @@ from looplm.analyze.convergence import convergence_depths, convergence_profile, 
 from looplm.analyze.kv_settling import KVSums, kv_recurrences
 from looplm.analyze.solves import SolveRule, span_solves
 from looplm.analyze.trajectory import run_trajectory, start
+from looplm.config import check_depth
 from looplm.errors import UserError
 
 Progress = Callable[[str, int], None]
@@ -81,8 +82,7 @@ class AnalyzeConfig:
         self.solve.validate()
         if max_depth is not None:
             for r in self.sharing_depths:
-                if not 1 <= r <= max_depth:
-                    raise UserError(f"sharing depths must be in 1..{max_depth} (the model's max_depth), got {r}")
+                check_depth("sharing depths", r, max_depth, "the model's max_depth")
 
     def work_units(self, n_rows: int) -> int:
         """Progress units `analyze` reports for a dataset of `n_rows` held-out rows."""

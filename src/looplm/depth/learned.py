@@ -92,7 +92,7 @@ class LearnedDepthPrior(DepthSampler):
             raise UserError("the depth prior needs at least one active depth")
         super().__init__(len(logits), seed)
         if not 1 <= target <= len(logits):
-            raise UserError(f"depth-prior target mean must be in 1..{len(logits)}, got {target}")
+            raise UserError(f"depth-prior target mean must lie in [1, {len(logits)}], got {target}")
         if cfg.ema_decay < 0 or cfg.ema_decay >= 1:
             raise UserError(f"depth-prior ema_decay must be in [0, 1), got {cfg.ema_decay}")
         if cfg.lr <= 0 or cfg.warmup_updates < 0 or cfg.entropy_weight < 0 or cfg.mean_weight < 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import numpy as np
 
+from looplm.config import check_depth
 from looplm.depth.pln import pln_pmf, pmf_mean
 from looplm.errors import UserError
 
@@ -50,8 +51,7 @@ class DepthSampler(ABC):
 
 class FixedDepth(DepthSampler):
     def __init__(self, depth: int, cap: int = 64, seed: int = 0):
-        if not 1 <= depth <= cap:
-            raise UserError(f"fixed depth must be in 1..{cap}, got {depth}")
+        check_depth("fixed depth", depth, cap)
         super().__init__(cap, seed)
         self.depth = depth
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm import checkpoint as ckpt
+from looplm.config import check_depth
 from looplm.data import Batch, batch_indices
 from looplm.distill.checkpoint import load_student, teacher_hash, write_student
 from looplm.distill.config import RESUMABLE, DistillConfig
@@ -114,8 +115,7 @@ class DistillTrainer:
         self.data = ckpt.load_data(self.teacher_path)
         self.teacher.requires_grad_(False)
         tcfg = self.teacher.cfg
-        if not 1 <= cfg.depth <= tcfg.max_depth:
-            raise UserError(f"depth must be in 1..{tcfg.max_depth}, got {cfg.depth}")
+        check_depth("depth", cfg.depth, tcfg.max_depth)
         self.teacher_sha = teacher_hash(self.teacher)
         self.seq_len = cfg.seq_len or self.data.seq_len
         if self.seq_len > tcfg.max_seq_len:

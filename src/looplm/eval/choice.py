@@ -65,7 +65,7 @@ def pick(logliks: Sequence[float], lengths: Sequence[int]) -> tuple[int, int]:
 
 @torch.no_grad()
 def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: str, *, depth: int,
-                       prefill_depth: int | None = None, cache_mode: str = "terminal", example_id: int = 0,
+                       prefill_depth: int | None = None, cache: str = "terminal", example_id: int = 0,
                        device="cpu") -> tuple[float, bool]:
     """(sum of ln p over the target tokens, whether every target token was the argmax)."""
     prefill_depth = prefill_depth or depth
@@ -79,21 +79,21 @@ def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: 
     if need > model.cfg.max_seq_len:
         raise UserError(f"context + continuation need {need} tokens, the model context is {model.cfg.max_seq_len}")
     dtype = next(model.parameters()).dtype
-    cache = make_cache(cache_mode, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
+    kv = make_cache(cache, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
     ids = torch.tensor([example_id], device=device)
-    logits = extend(model, torch.tensor([ctx_ids], device=device), cache, prefill_depth, example_ids=ids).logits[0, -1]
+    logits = extend(model, torch.tensor([ctx_ids], device=device), kv, prefill_depth, example_ids=ids).logits[0, -1]
     total, greedy = 0.0, True
     for t, tok in enumerate(target):
         logp = torch.log_softmax(logits.double(), -1)
         total += float(logp[tok])
         greedy &= int(logits.argmax()) == tok
         if t + 1 < len(target):
-            logits = extend(model, torch.tensor([[tok]], device=device), cache, depth, example_ids=ids).logits[0, -1]
+            logits = extend(model, torch.tensor([[tok]], device=device), kv, depth, example_ids=ids).logits[0, -1]
     return total, greedy
 
 
 def score_choices(model, tokenizer: Tokenizer, items: Sequence[ChoiceItem], *, depth: int,
-                  prefill_depth: int | None = None, cache_mode: str = "terminal", device="cpu") -> dict:
+                  prefill_depth: int | None = None, cache: str = "terminal", device="cpu") -> dict:
     """{"acc", "acc_norm", "n", "items": [{"loglik", "greedy", "pred", "pred_norm", "gold"}, ...]}.
 
     A fresh batch-1 cache per (item, choice); the seeded initial state uses the item index as the
@@ -109,7 +109,7 @@ def score_choices(model, tokenizer: Tokenizer, items: Sequence[ChoiceItem], *, d
         for choice in item.choices:
             ctx, cont = split_context(item.context, choice)
             ll, g = score_continuation(model, tokenizer, ctx, cont, depth=depth, prefill_depth=prefill_depth,
-                                       cache_mode=cache_mode, example_id=idx, device=device)
+                                       cache=cache, example_id=idx, device=device)
             logliks.append(ll)
             greedy.append(g)
             lengths.append(len(cont))

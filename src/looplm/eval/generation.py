@@ -19,7 +19,7 @@ from looplm.errors import UserError
 from looplm.eval.records import read_records
 from looplm.data import Example, Tokenizer
 from looplm.data.tasks import check_answer
-from looplm.infer.generate import SamplingConfig, generate
+from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.infer.prefill import Prefill
 
 
@@ -85,11 +85,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def greedy_generate(model, tokenizer: Tokenizer, prompts: Sequence[str], example_ids: Sequence[int], *, depth: int,
-                    prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 16,
+                    prefill_depth: int | None = None, cache: str = "terminal", max_new_tokens: int = 16,
                     stop: Sequence[str] = ("\n",), prefill: Prefill | None = None) -> list[str]:
     """Greedy continuations (cut before the first stop string; EOS ends a row), each row seeded by
     its own example id so results do not depend on batching; `prefill` picks the prefill arm."""
-    return generate(model, tokenizer, prompts, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
+    return generate(model, tokenizer, prompts, DepthRule(depth, prefill_depth), cache=cache,
                     sampling=SamplingConfig(max_new_tokens=max_new_tokens, stop=tuple(stop)), example_ids=example_ids,
                     prefill=prefill)
 
@@ -105,7 +105,7 @@ def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
 
 
 def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[Example], *, depth: int,
-                                prefill_depth: int | None = None, cache_mode: str = "terminal",
+                                prefill_depth: int | None = None, cache: str = "terminal",
                                 max_new_tokens: int = 16, batch_size: int = 16, prefill: Prefill | None = None) -> dict:
     """Greedy-generate after each prompt (stop at a newline); correct = `check_answer`.
 
@@ -115,7 +115,7 @@ def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[
     if not examples:
         raise UserError("no task examples to evaluate")
     outputs = _batched(model, tokenizer, [ex.prompt for ex in examples], batch_size, depth=depth,
-                       prefill_depth=prefill_depth, cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=("\n",),
+                       prefill_depth=prefill_depth, cache=cache, max_new_tokens=max_new_tokens, stop=("\n",),
                        prefill=prefill)
     correct = [check_answer(ex, out) for ex, out in zip(examples, outputs)]
     by_kind = defaultdict(list)
@@ -131,7 +131,7 @@ def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[
 
 
 def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, depth: int,
-                      prefill_depth: int | None = None, cache_mode: str = "terminal", max_new_tokens: int = 256,
+                      prefill_depth: int | None = None, cache: str = "terminal", max_new_tokens: int = 256,
                       prompt_template: str = GSM8K_PROMPT,
                       stop: Sequence[str] = ("\n\n", "Question:"), batch_size: int = 8) -> dict:
     """Greedy-generate an answer per question; correct when its final number equals the gold.
@@ -142,7 +142,7 @@ def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, 
         raise UserError("no GSM8K items to evaluate")
     prompts = [prompt_template.format(question=it.question) for it in items]
     outputs = _batched(model, tokenizer, prompts, batch_size, depth=depth, prefill_depth=prefill_depth,
-                       cache_mode=cache_mode, max_new_tokens=max_new_tokens, stop=tuple(stop))
+                       cache=cache, max_new_tokens=max_new_tokens, stop=tuple(stop))
     preds = [extract_final_number(o) for o in outputs]
     correct = [p is not None and p == it.gold for p, it in zip(preds, items)]
     return {"acc": sum(correct) / len(correct), "n": len(items), "correct": correct, "predictions": preds,

@@ -52,7 +52,7 @@ class LoopLMHarness(LM):
         if not self.tokenizer.encode_prompt(context):  # an empty context starts from the end-of-text token
             return self._score_after_eos(continuation, example_id)
         return score_continuation(self.model, self.tokenizer, context, continuation, depth=self.depth,
-                                  prefill_depth=self.prefill_depth, cache_mode=self.cache,
+                                  prefill_depth=self.prefill_depth, cache=self.cache,
                                   example_id=example_id, device=self._device)
 
     @torch.no_grad()
@@ -87,7 +87,7 @@ class LoopLMHarness(LM):
             room = self.model.cfg.max_seq_len - len(self.tokenizer.encode_prompt(context)) + 1
             n = max(1, min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), room))
             out += greedy_generate(self.model, self.tokenizer, [context], [stable_id(context)], depth=self.depth,
-                                   prefill_depth=self.prefill_depth, cache_mode=self.cache, max_new_tokens=n,
+                                   prefill_depth=self.prefill_depth, cache=self.cache, max_new_tokens=n,
                                    stop=tuple(until))
         return out
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from looplm.config import check_depth, shown_default
 from looplm.data.record import DataRecord
 from looplm.errors import UserError
 from looplm.eval.cached import sharing_table
@@ -46,7 +47,7 @@ class EvalConfig:
     """GSM8K-format JSONL ({"question", "answer" with '#### N'}): exact match of the final number."""
     gsm8k_max_new_tokens: int = 256
     """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
-    sample_depths: tuple[int, ...] = ()
+    sample_depths: Annotated[tuple[int, ...], shown_default("none")] = ()
     """Depths at which to continue `sample_prompt` (one sample each, same seed: what depth changes)."""
     sample_prompt: str | None = None
     """Prompt of the samples; default: one from the data: a held-out generator prompt (task generator), a
@@ -72,12 +73,9 @@ class EvalConfig:
 
         if not self.depths and not allow_no_depths:
             raise bad("depths", "give at least one depth", "none")
-        for field in ("depths", "sample_depths"):
-            for r in getattr(self, field):
-                if not 1 <= r <= max_depth:
-                    raise bad(field, f"depth must be in 1..{max_depth}", r)
-        if self.prefill_depth is not None and not 1 <= self.prefill_depth <= max_depth:
-            raise bad("prefill_depth", f"depth must be in 1..{max_depth}", self.prefill_depth)
+        depths = [(field, r) for field in ("depths", "sample_depths") for r in getattr(self, field)]
+        for field, r in depths + ([("prefill_depth", self.prefill_depth)] if self.prefill_depth is not None else []):
+            check_depth(f"{name(field)}: depth", r, max_depth)
         for field, least in (("batch_size", 1), ("max_sequences", 1), ("task_examples", 0), ("sharing_sequences", 0),
                              ("generation_examples", 0), ("gsm8k_max_new_tokens", 1), ("sample_tokens", 1)):
             if getattr(self, field) < least:
@@ -159,7 +157,7 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
     from looplm.eval.choice import load_choice_jsonl, score_choices
     from looplm.eval.generation import GSM8K_PROMPT, exact_match_generator_tasks, exact_match_gsm8k, load_gsm8k_jsonl
 
-    kw = dict(prefill_depth=cfg.prefill_depth, cache_mode=cfg.cache)
+    kw = dict(prefill_depth=cfg.prefill_depth, cache=cfg.cache)
     out: dict = {}
     if cfg.generation_examples > 0 and data.is_tasks:
         examples = data.held_out_examples(cfg.generation_examples, cfg.task_seed)
@@ -209,7 +207,7 @@ def depth_samples(model, tokenizer, cfg: EvalConfig, device, prompt: str | None 
     """One seeded continuation of `prompt` (default: `cfg.sample_prompt`, else the built-in text's) per depth
     with the terminal cache, the same seed and initial state at every depth, so the texts differ only by depth.
     A sample is cut to what the model's context leaves after the prompt (`tokens` records the length used)."""
-    from looplm.infer.generate import SamplingConfig, generate
+    from looplm.infer.generate import DepthRule, SamplingConfig, generate
 
     prompt = prompt or cfg.sample_prompt or TEXT_SAMPLE_PROMPT
     room = model.cfg.max_seq_len - len(tokenizer.encode(prompt)) + 1  # the last new token is never fed
@@ -217,7 +215,7 @@ def depth_samples(model, tokenizer, cfg: EvalConfig, device, prompt: str | None 
         raise UserError(f"sample prompt {prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
     n = min(cfg.sample_tokens, room)
     sampling = SamplingConfig(max_new_tokens=n, temperature=cfg.sample_temperature, seed=cfg.task_seed)
-    texts = {r: generate(model, tokenizer, [prompt], depth=r, sampling=sampling)[0] for r in cfg.sample_depths}
+    texts = {r: generate(model, tokenizer, [prompt], DepthRule(r), sampling=sampling)[0] for r in cfg.sample_depths}
     return {"prompt": prompt, "temperature": cfg.sample_temperature, "tokens": n,
             "seed": cfg.task_seed, "by_depth": texts}
 
@@ -296,3 +294,4 @@ def report_name(source: str | None) -> str:
 def write_report(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
+

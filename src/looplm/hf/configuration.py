@@ -7,9 +7,12 @@ import dataclasses
 from transformers import PretrainedConfig
 
 from looplm.config import ModelConfig
+from looplm.infer.depth_rule import DepthRule
 
-CACHE_KINDS = ("terminal", "full")
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+CONFIG_KEYS = {"depth": "num_steps", "prefill_depth": "prefill_steps", "cache": "cache_kind"}
+"""looplm's name of each test-time setting -> its config.json key (and `generate`/forward keyword), kept as
+exported by every looplm version and read by the vLLM plugin; `exit_tau` and `min_depth` are spelled alike."""
 
 
 class LoopedLMConfig(PretrainedConfig):
@@ -20,6 +23,8 @@ class LoopedLMConfig(PretrainedConfig):
     - `prefill_steps`: recurrences over the prompt during `generate` (R_pre; None = num_steps);
     - `cache_kind`: "terminal" (one KV bank per physical layer) or "full" (one per layer visit);
     - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth).
+
+    `depth_rule()` maps them to looplm's `DepthRule` (`CONFIG_KEYS`), the only place the two spellings meet.
     """
 
     model_type = "looplm"
@@ -61,18 +66,23 @@ class LoopedLMConfig(PretrainedConfig):
                              "not a looplm model (export looplm checkpoints with `looplm export`)")
         return super().from_dict(config_dict, **kwargs)
 
+    def depth_rule(self, num_steps: int | None = None, prefill_steps: int | None = None, exit_tau: float | None = None,
+                   min_depth: int | None = None) -> DepthRule:
+        """The config's test-time fields as a looplm `DepthRule`, each argument given (a forward's or
+        `generate`'s keyword) in place of the config's own."""
+        return DepthRule(self.num_steps if num_steps is None else num_steps,
+                         self.prefill_steps if prefill_steps is None else prefill_steps,
+                         self.exit_tau if exit_tau is None else exit_tau,
+                         self.min_depth if min_depth is None else min_depth)
+
+    def check_rule(self, rule: DepthRule, cache: str) -> DepthRule:
+        """`rule` checked for a cache of kind `cache` against this config's max_depth, its settings named by
+        their config keys (ValueError with a one-line reason); returns it."""
+        return rule.check(self.max_depth, cache=cache, what="the config's max_depth", spelling=CONFIG_KEYS)
+
     def check_generation_fields(self) -> None:
         """Raise ValueError with a one-line reason when a test-time field is out of range."""
-        for name in ("num_steps", "prefill_steps"):
-            value = getattr(self, name)
-            if value is not None and not 1 <= value <= self.max_depth:
-                raise ValueError(f"{name} must be in 1..max_depth={self.max_depth}, got {value}")
-        if self.cache_kind not in CACHE_KINDS:
-            raise ValueError(f"unknown cache_kind {self.cache_kind!r}; choose terminal or full")
-        if self.exit_tau is not None and not self.exit_tau > 0:
-            raise ValueError(f"exit_tau must be > 0 (adaptive depth) or None, got {self.exit_tau}")
-        if self.min_depth < 1:
-            raise ValueError(f"min_depth must be >= 1, got {self.min_depth}")
+        self.check_rule(self.depth_rule(), self.cache_kind)
 
     def to_model_config(self) -> ModelConfig:
         """The looplm `ModelConfig` of this config (validated)."""

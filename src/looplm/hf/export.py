@@ -76,7 +76,8 @@ def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
            prefill_steps: int | None = None, cache_kind: str = "terminal") -> Path:
     """Write the looplm checkpoint (a checkpoint or run folder) as a transformers folder `out`;
-    `num_steps` (default 5), `prefill_steps` and `cache_kind` become the config's generation defaults."""
+    `num_steps` (default 5), `prefill_steps` and `cache_kind` become the config's generation defaults (named
+    as its keys; `LoopedLMConfig.depth_rule` maps them to looplm's `DepthRule`, which checks them)."""
     import torch
 
     from looplm.checkpoint import load_data, load_model
@@ -87,9 +88,6 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
         raise UserError(f"{out} exists and is not empty (nor an earlier `looplm export`): export into a new or "
                         "empty folder")
     model, tokenizer, job = load_model(checkpoint)
-    for name, value in (("num_steps", num_steps), ("prefill_steps", prefill_steps)):
-        if value is not None and not 1 <= value <= model.cfg.max_depth:
-            raise UserError(f"{name} must be in 1..{model.cfg.max_depth} (the model's max_depth), got {value}")
     fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind, "bos_token_id": tokenizer.bos_id}
     if num_steps is not None:
         fields["num_steps"] = num_steps

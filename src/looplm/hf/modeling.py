@@ -18,9 +18,9 @@ from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from looplm.hf.configuration import CACHE_KINDS, LoopedLMConfig
+from looplm.hf.configuration import LoopedLMConfig
 from looplm.infer.cache import KVCache, make_cache
-from looplm.infer.decode import DecodeSpec, SamplingConfig
+from looplm.infer.depth_rule import CACHE_KINDS, DepthRule
 from looplm.model import LoopedLM
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -190,11 +190,6 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         self.model.head = value
 
     # -- forward ----------------------------------------------------------------------------------
-    def _depth(self, name: str, value) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.config.max_depth:
-            raise ValueError(f"{name} must be an int in 1..max_depth={self.config.max_depth}, got {value!r}")
-        return value
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -243,14 +238,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, LoopedCache):
             raise ValueError(f"looplm needs a looplm.hf.LoopedCache, got {type(cache).__name__}")
         cfg = self.config
-        depth = self._depth("num_steps", cfg.num_steps if num_steps is None else num_steps)
-        pre = prefill_steps if prefill_steps is not None else cfg.prefill_steps
-        pre = depth if pre is None else self._depth("prefill_steps", pre)
-        kind = cache_kind or cfg.cache_kind
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"unknown cache_kind {kind!r}; choose terminal or full")
-        tau = cfg.exit_tau if exit_tau is None else exit_tau
-        low = cfg.min_depth if min_depth is None else min_depth
+        kind = (cache.kind if cache is not None else None) or cache_kind or cfg.cache_kind
+        rule = cfg.check_rule(cfg.depth_rule(num_steps, prefill_steps, exit_tau, min_depth), kind)
         if cache is None and use_cache:
             if self.training:
                 raise ValueError("use_cache=True needs eval mode (model.eval()): the cached forward runs "
@@ -267,10 +256,10 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 idx = torch.arange(n, device=input_ids.device)[None, :]
                 positions = (idx - pad[:, None]).clamp(min=0)
                 doc_ids = (idx >= pad[:, None]).long()  # padding and real tokens never see each other
-            logits = self.model(input_ids, depth, doc_ids=doc_ids, positions=positions, init="seeded",
+            logits = self.model(input_ids, rule.depth, doc_ids=doc_ids, positions=positions, init="seeded",
                                 example_ids=example_ids).logits
         else:
-            logits = self._extend(input_ids, attention_mask, cache, depth, pre, kind, tau, low, example_ids)
+            logits = self._extend(input_ids, attention_mask, cache, rule, kind, example_ids)
 
         loss = None
         if labels is not None:
@@ -283,12 +272,12 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
-    def _extend(self, input_ids, attention_mask, cache: LoopedCache, depth, pre, kind, tau, low, example_ids):
+    def _extend(self, input_ids, attention_mask, cache: LoopedCache, rule: DepthRule, kind: str, example_ids):
         B, n = input_ids.shape
         if cache.inner is None:  # the prompt: allocate the looplm cache and prefill
-            cache.allocate(self.config, B, max(depth, pre), kind, input_ids.device, self.model.embed.weight.dtype)
+            cache.allocate(self.config, B, rule.deepest, kind, input_ids.device, self.model.embed.weight.dtype)
             cache.pad = left_padding(attention_mask, (B, n))
-            run_depth, tau = pre, None
+            plan = rule.prefill_plan()
         else:
             c = cache.inner.length
             if B != cache.inner.batch:
@@ -302,21 +291,18 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 old = left_padding(attention_mask[:, :c], (B, c)) if c else None
                 if (old is None) != (cache.pad is None) or (old is not None and not torch.equal(old, cache.pad)):
                     raise ValueError("the attention_mask does not match the padding the cache was filled with")
-            run_depth = depth
+            plan = rule.decode_plan()
         if cache.inner.length + n > cache.inner.max_len:
             raise ValueError(f"{cache.inner.length} cached + {n} new tokens exceed the cache length "
                              f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})")
-        spec = DecodeSpec(run_depth, cache=cache.inner.mode, sampling=SamplingConfig(exit_tau=tau, min_depth=low))
-        spec.check(self.config.max_depth)
         first = cache.inner.length == 0
         with torch.no_grad():
-            out = self.model(input_ids, spec.decode_plan(), cache=cache.inner, pad=cache.pad, init="seeded",
-                             example_ids=example_ids)
+            out = self.model(input_ids, plan, cache=cache.inner, pad=cache.pad, init="seeded", example_ids=example_ids)
         if not first:  # a decode step: its mean depth over the rows (a tensor: no device sync here)
-            cache.decode_depth = run_depth
-            cache.depths_used.append(float(run_depth) if tau is None else out.depths.float().mean())
+            cache.decode_depth = rule.depth
+            cache.depths_used.append(float(rule.depth) if rule.exit_tau is None else out.depths.float().mean())
         elif cache.decode_depth is None:
-            cache.decode_depth = depth
+            cache.decode_depth = rule.depth
         return out.logits
 
     # -- generate ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The decoding core shared by `generate`, the serving engine and RL rollouts (design §7, §15).
 
-- `DecodeSpec`: depth, prefill depth, exit rule, cache kind and sampling of one decode, checked
-  once (`check`) with the same messages for the CLI, the HTTP API, Transformers and library calls.
+- `SamplingConfig`: how tokens are chosen and when generation stops (the recurrences of a decode
+  are its `looplm.infer.DepthRule`).
 - `choose`: the next token from last-position logits (greedy, temperature, top-k, top-p).
 - `TextStream`: incremental detokenisation with stop strings. Each new token decodes only a short
   window of recent ids, so a step costs the same at the thousandth token as at the first; text is
@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 
 from looplm.data import Tokenizer
 from looplm.errors import UserError
-from looplm.model.exits import DepthPlan
-
-CacheKind = Literal["terminal", "full"]
-CACHE_KINDS: tuple[str, ...] = ("terminal", "full")
 
 
 @dataclass
@@ -43,13 +38,6 @@ class SamplingConfig:
     """Seed of the sampler."""
     stop: tuple[str, ...] = ()
     """Stop a prompt's generation when its text contains one of these strings (cut before it)."""
-    exit_tau: float | None = None
-    """Adaptive decode depth: stop a token's recurrence once its relative state change < exit_tau (terminal cache)."""
-    min_depth: int = 1
-    """Adaptive decode depth: fewest recurrences per decoded token."""
-    exit_gate: float | None = None
-    """The model's learned exit gate (Ouro): each token's logits come from the first recurrence whose
-    cumulative exit probability reaches this threshold (every recurrence still runs; design §14)."""
 
     def validate(self) -> None:
         """Raise UserError with a one-line reason when a field is out of range."""
@@ -66,58 +54,6 @@ class SamplingConfig:
         for s in self.stop:
             if not s:
                 raise UserError("stop strings must be non-empty, got ''")
-        if self.exit_tau is not None and not self.exit_tau > 0:
-            raise UserError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
-        if self.min_depth < 1:
-            raise UserError(f"min_depth must be >= 1, got {self.min_depth}")
-        if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
-            raise UserError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
-        if self.exit_gate is not None and self.exit_tau is not None:
-            raise UserError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
-
-
-@dataclass
-class DecodeSpec:
-    """Everything that decides how one prompt is decoded, checked once by `check`."""
-
-    depth: int
-    """Recurrences per decoded token (R_dec)."""
-    prefill_depth: int | None = None
-    """Recurrences over the prompt (R_pre); default: depth."""
-    cache: str = "terminal"
-    """terminal (one KV bank per physical layer) or full (one per layer visit)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-    @property
-    def prefill(self) -> int:
-        return self.depth if self.prefill_depth is None else self.prefill_depth
-
-    def check(self, max_depth: int, *, has_gate: bool = False) -> DecodeSpec:
-        """Raise UserError with a one-line reason if this decode cannot run on a model whose
-        deepest allowed depth is `max_depth`; returns self."""
-        s = self.sampling
-        s.validate()
-        if self.cache not in CACHE_KINDS:
-            raise UserError(f"unknown cache mode {self.cache!r}; choose terminal or full")
-        for name, r in (("depth", self.depth), ("prefill_depth", self.prefill)):
-            if not 1 <= r <= max_depth:
-                raise UserError(f"{name} must be in 1..{max_depth}, got {r}")
-        if s.exit_tau is not None:
-            if self.cache != "terminal":
-                raise UserError("adaptive depth (exit_tau) needs the terminal cache")
-            if s.min_depth > self.depth:
-                raise UserError(f"min_depth {s.min_depth} exceeds the decode depth {self.depth}")
-        if s.exit_gate is not None and not has_gate:
-            raise UserError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
-        return self
-
-    def decode_plan(self) -> DepthPlan:
-        s = self.sampling
-        return DepthPlan(self.depth, s.exit_tau, s.min_depth, s.exit_gate)
-
-    def prefill_plan(self, depth: int | None = None) -> DepthPlan:
-        """The prompt's plan at `depth` (default R_pre): the gate applies, adaptive exit does not."""
-        return DepthPlan(self.prefill if depth is None else depth, exit_gate=self.sampling.exit_gate)
 
 
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Text generation with a KV cache: batched prompts, greedy or seeded sampling, stop strings.
 
-Prefill runs at depth `prefill_depth` (R_pre) and every decoded token at `depth` (R_dec); with
-the terminal cache the two are independent because decoding reads only terminal banks (design §7).
+A `DepthRule` says the recurrences: prefill at `prefill_depth` (R_pre), every decoded token at
+`depth` (R_dec) or fewer by its exit rule; with the terminal cache the two depths are independent
+because decoding reads only terminal banks (design §7).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch
 from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.cache import make_cache
-from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, choose
+from looplm.infer.decode import SamplingConfig, TextStream, choose
+from looplm.infer.depth_rule import CacheKind, DepthRule, check_depth
 from looplm.infer.prefill import Prefill
 from looplm.infer.speculative import SpeculationStats, speculative_decode
 from looplm.infer.step import DecodeStep, StepRows
 
-__all__ = ["SamplingConfig", "Speculation", "choose", "generate"]
+__all__ = ["DepthRule", "SamplingConfig", "Speculation", "choose", "generate"]
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, max_seq_len: int) -> list[list[int]]:
@@ -51,9 +53,7 @@ class Speculation:
     def check(self, depth: int) -> None:
         if self.k < 1:
             raise UserError(f"speculate needs k >= 1 draft tokens, got {self.k}")
-        if not 1 <= self.draft_depth < depth:
-            raise UserError(f"draft_depth must be in 1..{depth - 1} (below the decode depth {depth}), "
-                            f"got {self.draft_depth}")
+        check_depth("draft_depth", self.draft_depth, depth - 1, f"below the decode depth {depth}")
 
 
 def _bucket(n: int, compiled: bool) -> int:
@@ -64,36 +64,38 @@ def _bucket(n: int, compiled: bool) -> int:
 
 @torch.no_grad()
 def generate(
-    model, tokenizer: Tokenizer, prompts: Sequence[str], *, depth: int, prefill_depth: int | None = None,
-    cache_mode: str = "terminal", sampling: SamplingConfig | None = None,
+    model, tokenizer: Tokenizer, prompts: Sequence[str], rule: DepthRule, *, cache: CacheKind = "terminal",
+    sampling: SamplingConfig | None = None,
     on_token: Callable[[int, str], None] | None = None, stats: dict | None = None,
     example_ids: Sequence[int] | None = None, prefill: Prefill | None = None,
     compile: bool = False, speculate: Speculation | None = None, step: DecodeStep | None = None,
 ) -> list[str]:
-    """Continue each prompt; returns the generated texts (stop strings and EOS excluded).
+    """Continue each prompt at the recurrences of `rule` with a KV cache of kind `cache` (terminal or
+    full); returns the generated texts (stop strings and EOS excluded).
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
     receives "mean_decode_depth" (the mean recurrences per decoded token of the rows still running,
     < depth with adaptive exit) and, with `speculate`, "acceptance_rate" and "tokens_per_verify".
     `example_ids` seed each row's initial state (default 0..B-1); give each example a fixed id so
     its result does not depend on the batch it was run in. `prefill` chooses how the prompts enter
-    the cache (`looplm.infer.prefill`: teacher at prefill_depth, distilled student, R = 1 or 2);
-    default: the model at prefill_depth.
+    the cache (`looplm.infer.prefill`: teacher at the rule's prefill depth, distilled student, R = 1
+    or 2); default: the model at the prefill depth.
 
     Decoding runs `DecodeStep` (static shapes, no host sync inside a step); `compile=True` compiles
     it (`torch.compile`; its first steps pay the compilation, see BENCHMARKS.md). Rows that finish
     leave the batch. `speculate` decodes each prompt alone by self-speculation (draft at a shallow
-    depth, verify at `depth`). A model's exit gate (`sampling.exit_gate`) decodes through the
+    depth, verify at the rule's depth). A model's exit gate (`rule.exit_gate`) decodes through the
     model's forward, one token at a time.
     """
     cfg = sampling or SamplingConfig()
     if not prompts:
         raise UserError("no prompts given")
-    spec = DecodeSpec(depth, prefill_depth, cache_mode, cfg).check(model.cfg.max_depth,
-                                                                    has_gate=model.exit_gate is not None)
+    cfg.validate()
+    rule.check(model.cfg.max_depth, cache=cache, has_gate=model.exit_gate is not None)
+    depth = rule.depth
     if speculate is not None:
         speculate.check(depth)
-        if cfg.exit_tau is not None or cfg.exit_gate is not None:
+        if rule.exit_tau is not None or rule.exit_gate is not None:
             raise UserError("speculative decoding verifies at one fixed depth: it takes no exit_tau or exit_gate")
     encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
     ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
@@ -103,9 +105,8 @@ def generate(
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
             emit = None if on_token is None else (lambda _row, piece, i=i: on_token(i, piece))
-            out += generate(model, tokenizer, [prompt], depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
-                            sampling=cfg, on_token=emit, stats=row_stats, example_ids=[ids_all[i]], prefill=prefill,
-                            compile=compile, speculate=speculate, step=step)
+            out += generate(model, tokenizer, [prompt], rule, cache=cache, sampling=cfg, on_token=emit, stats=row_stats,
+                            example_ids=[ids_all[i]], prefill=prefill, compile=compile, speculate=speculate, step=step)
             for f in ("rounds", "drafted", "accepted"):
                 setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
             decoded += row_stats["decoded_tokens"]
@@ -124,15 +125,14 @@ def generate(
     ids_arg = torch.tensor(ids_all, device=device)
     # a compiled step keeps one graph per batch size: its cache always spans the whole context
     max_len = model.cfg.max_seq_len if compile else L + cfg.max_new_tokens - 1
-    cache = make_cache(cache_mode, model.cfg, B, max_len, max(depth, spec.prefill), device=device,
-                       dtype=next(model.parameters()).dtype)
-    gate = {} if cfg.exit_gate is None else {"exit_gate": cfg.exit_gate}
-    logits = (prefill or Prefill())(model, tokens, cache, spec.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
+    kv = make_cache(cache, model.cfg, B, max_len, rule.deepest, device=device, dtype=next(model.parameters()).dtype)
+    gate = {} if rule.exit_gate is None else {"exit_gate": rule.exit_gate}
+    logits = (prefill or Prefill())(model, tokens, kv, rule.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     started = time.perf_counter()
     streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
     step = step or DecodeStep(model, compile=compile)
-    step.reset(cache)
+    step.reset(kv)
     if speculate is not None:
         def emit(tok: int) -> bool:
             if tok == tokenizer.eos_id:
@@ -152,7 +152,7 @@ def generate(
                          decoded_tokens=len(streams[0].ids), decode_seconds=time.perf_counter() - started,
                          first_step_seconds=totals.first_round_s)
         return [streams[0].text]
-    plan = spec.decode_plan()
+    plan = rule.decode_plan()
     live = list(range(B))  # the prompt of each row of the decode batch
     done = [False] * B
     depths_used: list[int] = []
@@ -172,18 +172,18 @@ def generate(
         if len(keep) < len(live):  # finished rows leave the batch (a compiled step keeps its bucket size)
             live = [live[k] for k in keep]
             index = torch.tensor(keep + keep[-1:] * (_bucket(len(keep), compile) - len(keep)), device=device)
-            cache, pad, ids_arg = cache.take(index), pad[index], ids_arg[index]
+            kv, pad, ids_arg = kv.take(index), pad[index], ids_arg[index]
             nxt = nxt[index[:len(keep)]]
-            step.reset(cache)
-        if cache.batch > len(live):  # padding rows of the bucket repeat the last live row
-            nxt = torch.cat([nxt, nxt[-1:].expand(cache.batch - len(live))])
-        write_at = torch.full((cache.batch,), L + t, device=device)
-        if cfg.exit_gate is not None:
-            cache.length = L + t
-            out = model(nxt[:, None], plan, cache=cache, pad=pad, init="seeded", example_ids=ids_arg)
+            step.reset(kv)
+        if kv.batch > len(live):  # padding rows of the bucket repeat the last live row
+            nxt = torch.cat([nxt, nxt[-1:].expand(kv.batch - len(live))])
+        write_at = torch.full((kv.batch,), L + t, device=device)
+        if rule.exit_gate is not None:
+            kv.length = L + t
+            out = model(nxt[:, None], plan, cache=kv, pad=pad, init="seeded", example_ids=ids_arg)
             logits, used = out.logits[:, -1], out.depths[:, 0]
         else:
-            rows_in = _step_rows(nxt, write_at, pad, ids_arg, spec, cfg)
+            rows_in = _step_rows(nxt, write_at, pad, ids_arg, rule)
             logits, used = step(rows_in, depth)
         depths_used += used[:len(live)].tolist()
         if t == 0:  # what a first step costs (compiling included) against the steps after it
@@ -197,15 +197,15 @@ def generate(
     return [stream.text for stream in streams]
 
 
-def _step_rows(tokens, write_at, pad, example_ids, spec: DecodeSpec, cfg: SamplingConfig) -> StepRows:
+def _step_rows(tokens, write_at, pad, example_ids, rule: DepthRule) -> StepRows:
     """A decode step's rows: every row at the decode depth, with adaptive exit when asked."""
-    if cfg.exit_tau is None:
+    if rule.exit_tau is None:
         return StepRows(tokens, write_at, pad, example_ids)
     B = tokens.shape[0]
     full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device=tokens.device)  # noqa: E731
-    return StepRows(tokens, write_at, pad, example_ids, depth=full(spec.depth, torch.long),
-                    exit_tau=full(cfg.exit_tau, torch.float32), min_depth=full(cfg.min_depth, torch.long),
-                    lowest=cfg.min_depth)
+    return StepRows(tokens, write_at, pad, example_ids, depth=full(rule.depth, torch.long),
+                    exit_tau=full(rule.exit_tau, torch.float32), min_depth=full(rule.min_depth, torch.long),
+                    lowest=rule.min_depth)
 
 
 def _finish(streams: list[TextStream], on_token) -> None:

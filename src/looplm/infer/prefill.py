@@ -26,6 +26,13 @@ PrefillArm = Literal["teacher", "student", "r1", "r2"]
 PREFILL_ARMS: tuple[str, ...] = ("teacher", "student", "r1", "r2")
 
 
+def check_arm_cache(arm: str, cache: str, *, prefix: str = "") -> None:
+    """UserError when prefill arm `arm` cannot fill a cache of kind `cache`: the student writes terminal
+    banks only. `prefix` "--" names the settings as looplm's options (--prefill, --cache)."""
+    if arm == "student" and cache != "terminal":
+        raise UserError(f"{prefix}prefill student writes terminal banks: it needs {prefix}cache terminal")
+
+
 @torch.no_grad()
 def student_prefill(model, student: nn.Module, tokens: torch.Tensor, cache: KVCache, *,
                     example_ids: torch.Tensor | None = None, seed: int = 0, pad: torch.Tensor | None = None,
@@ -34,8 +41,7 @@ def student_prefill(model, student: nn.Module, tokens: torch.Tensor, cache: KVCa
 
     The student sees the same rope and mask as the teacher's layers (left padding included); one
     teacher recurrence from its prediction writes the core's terminal banks."""
-    if cache.mode != "terminal":
-        raise UserError("distilled prefill writes terminal banks; use the terminal cache")
+    check_arm_cache("student", cache.mode)
     return extend(model, tokens, cache, 1, example_ids=example_ids, seed=seed, pad=pad, initial=student, **kw).logits
 
 

@@ -1,9 +1,9 @@
 """How many recurrences each token runs in a forward: a fixed depth, per-row depths, adaptive exit
 by state change (design §13, beyond the paper) or the model's learned exit gate (design §14).
 
-A `DepthPlan` states the rule and checks it once, with the same messages for every caller (the
-CLI, the HTTP API, Transformers and library calls); `Exits` applies it inside the recurrence loop
-of `LoopedLM.forward`.
+A `DepthPlan` states the rule of one forward and `Exits` applies it inside the recurrence loop of
+`LoopedLM.forward`; its depths are checked by `looplm.config.check_depth`, the one depth-range check
+of the library.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from looplm.config import check_depth
 
 
 def _per_row(value, B: int, device, dtype) -> torch.Tensor:
@@ -54,13 +56,12 @@ class DepthPlan:
         """Tokens may stop before the loop's last recurrence (their state is then frozen)."""
         return self.adaptive or self.per_row
 
-    def check(self, max_depth: int, *, has_gate: bool, cache_mode: str | None) -> None:
-        """Raise ValueError with a one-line reason for a plan this model or cache cannot run."""
+    def check(self, max_depth: int, *, has_gate: bool, cache: str | None) -> None:
+        """Raise ValueError with a one-line reason for a plan this model or cache kind (`cache`) cannot run."""
         low = int(self.depth.min()) if self.per_row else int(self.depth)
-        if not 1 <= low <= self.largest <= max_depth:
-            raise ValueError(f"depth must be in 1..{max_depth}, got {low if low < 1 else self.largest}")
+        check_depth("depth", low if low < 1 else self.largest, max_depth)
         if self.adaptive:
-            if cache_mode != "terminal":
+            if cache != "terminal":
                 raise ValueError("adaptive depth (exit_tau) needs the terminal cache (a full cache would "
                                  "miss the skipped visits)")
             tensors = isinstance(self.exit_tau, torch.Tensor) or isinstance(self.min_depth, torch.Tensor)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from looplm.config import ModelConfig
+from looplm.config import ModelConfig, check_depth
 from looplm.model.blocks import AttentionKernel, Block, RMSNorm, document_mask, init_embedding_, rope_tables
 from looplm.model.cross_entropy import linear_cross_entropy
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
@@ -144,8 +144,7 @@ class LoopedLM(nn.Module):
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the context max_seq_len={self.cfg.max_seq_len}")
-        if not 1 <= depth <= self.cfg.max_depth:
-            raise ValueError(f"depth must be in 1..{self.cfg.max_depth}, got {depth}")
+        check_depth("depth", depth, self.cfg.max_depth)
 
     def value_rows(self, stack: str, tokens: torch.Tensor | None) -> list | None:
         """Value embeddings of `stack` ("prelude", "core" or "coda") for `tokens` [B, L]: per block,
@@ -309,7 +308,7 @@ class LoopedLM(nn.Module):
         self.check_inputs(tokens, R)
         if plan is not None:
             plan.check(self.cfg.max_depth, has_gate=self.exit_gate is not None,
-                       cache_mode=getattr(cache, "mode", None))
+                       cache=getattr(cache, "mode", None))
         if cache is not None:
             if doc_ids is not None or positions is not None:
                 raise ValueError("a cached forward takes its positions and mask from the cache (no doc_ids/positions)")

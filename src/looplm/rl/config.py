@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from looplm.config import check_depth, shown_default
 from looplm.data.tasks import TaskKind
 from looplm.errors import UserError
+
+GSM8K_TEMPLATE = "Question: {question}\nAnswer:"
 
 
 @dataclass
@@ -39,7 +42,7 @@ class RLConfig:
     """Smallest task difficulty (default: the checkpoint's)."""
     max_difficulty: int | None = None
     """Largest task difficulty (default: the checkpoint's)."""
-    prompt_template: str = "Question: {question}\nAnswer:"
+    prompt_template: Annotated[str, shown_default(repr(GSM8K_TEMPLATE))] = GSM8K_TEMPLATE
     """Prompt for GSM8K-format items ({question} is replaced)."""
     stop: tuple[str, ...] | None = None
     """Stop strings; None: a newline for tasks, a blank line and 'Question:' for GSM8K."""
@@ -86,8 +89,7 @@ class RLConfig:
     """Show a progress bar."""
 
     def validate(self, max_depth: int) -> None:
-        if not 1 <= self.depth <= max_depth:
-            raise UserError(f"depth must be in 1..{max_depth}, got {self.depth}")
+        check_depth("depth", self.depth, max_depth)
         if self.group_size < 2:
             raise UserError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
         for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples"):

@@ -173,7 +173,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state: ServerD
     # echo with logprobs scores the prompt too (OpenAI's legacy API); max_tokens 0 (echo only) needs
     # the engine's scoring pass even without logprobs: it is what such a request runs
     score = body.echo and (body.logprobs is not None or body.max_tokens == 0)
-    requests = choice_requests(body, ids, body.max_tokens, stop, body.logprobs,
+    requests = choice_requests(body, ids, body.max_tokens, stop, body.logprobs, depth=state.engine.config.depth,
                                prompt_logprobs=(body.logprobs or 0) if score else None)
     choices = _submit(state, requests)
     reply = CompletionReply(state.tokenizer, body, prompts, ids, _envelope("cmpl", body, state))
@@ -186,7 +186,8 @@ async def chat(body: ChatRequest, http: HTTPRequest, state: ServerDep):
     with bad_request():
         stop, logprobs = body.stop_strings(), body.logprob_count()
     ids = state.tokenizer.encode_prompt(body.render())
-    choices = _submit(state, choice_requests(body, [ids], body.budget(len(ids), state.engine.max_len), stop, logprobs))
+    choices = _submit(state, choice_requests(body, [ids], body.budget(len(ids), state.engine.max_len), stop, logprobs,
+                                                  depth=state.engine.config.depth))
     reply = ChatReply(state.tokenizer, body, len(ids), logprobs, _envelope("chatcmpl", body, state))
     return await _respond(choices, http, reply, body.stream)
 
@@ -202,13 +203,13 @@ def _encode(tok: Tokenizer, prompt: str | list[int]) -> list[int]:
 
 
 def choice_requests(body: CompletionRequest | ChatRequest, prompts_ids: list[list[int]], max_tokens: int,
-                    stop: tuple[str, ...], logprobs: int | None, *,
+                    stop: tuple[str, ...], logprobs: int | None, *, depth: int,
                     prompt_logprobs: int | None = None) -> list[Request]:
     """The engine requests of an HTTP request: `body.n` choices per prompt, choice k seeded `seed + k`
-    (a random seed when the body sets none)."""
+    (a random seed when the body sets none), at the body's depth or else `depth` (the server's)."""
     seed = body.seed if body.seed is not None else secrets.randbits(31)
-    return [Request(ids, max_tokens=max_tokens, stop=stop, seed=seed + k, logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs, **body.engine_fields())
+    return [Request(ids, body.sampling(max_tokens, stop, seed + k), body.depth_rule(depth),
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, **body.speculation())
             for ids in prompts_ids for k in range(body.n)]
 
 

@@ -3,9 +3,9 @@
 One engine owns the model and a `SlotPool` of `max_batch` cache slots. Between decode steps it
 prefills waiting requests into free slots (each prompt alone, so its cache equals what
 `looplm generate` builds for it); every decode step feeds one token per running row, each row at
-its own position, depth, adaptive-exit setting and sampling settings (`extend` with per-row
-lengths and depths); a finished or cancelled row frees its slot at once. Greedy outputs therefore
-equal `looplm.infer.generate` on each prompt alone.
+its own position, depth rule (`DepthRule`: depth, adaptive exit) and sampling settings (`extend`
+with per-row lengths and depths); a finished or cancelled row frees its slot at once. Greedy
+outputs therefore equal `looplm.infer.generate` on each prompt alone.
 
 The engine is a library class: `submit` a `Request`, read its events from the returned handle (or
 give a `sink` callback), and either drive it with `step()` or run it on its own thread (`start()`).
@@ -14,21 +14,22 @@ give a `sink` callback), and either drive it with `step()` or run it on its own 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
 from looplm.data import Tokenizer
-from looplm.infer.decode import DecodeSpec, SamplingConfig, TextStream, choose
-from looplm.infer.prefill import Prefill
+from looplm.errors import UserError
+from looplm.infer.decode import SamplingConfig, TextStream, choose
+from looplm.infer.depth_rule import DepthRule, check_depth
+from looplm.infer.prefill import Prefill, check_arm_cache
 from looplm.infer.step import DecodeStep, StepRows
 from looplm.model.exits import DepthPlan
 from looplm.serve.slots import SlotPool
@@ -65,31 +66,45 @@ class EngineConfig:
     draft_depth: int = 2
     """Recurrences per draft token (below the depth) with `speculate`."""
 
+    def check(self, max_depth: int | None = None, max_seq_len: int | None = None, *, prefix: str = "") -> None:
+        """Raise UserError with a one-line reason for a setting out of range; against the model's
+        `max_depth` and context `max_seq_len` when they are given (`Engine` gives them). `prefix` "--"
+        names the settings as `looplm serve`'s options, which checks them before the model loads."""
+        def name(key: str) -> str:
+            return prefix + (key.replace("_", "-") if prefix else key)
+
+        for key in ("max_batch", "max_queue", "depth"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{name(key)} must be >= 1, got {getattr(self, key)}")
+        if self.max_depth is not None and self.max_depth < self.depth:
+            raise UserError(f"{name('max_depth')} ({self.max_depth}) must be >= {name('depth')} ({self.depth})")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise UserError(f"{name('max_seq_len')} must be >= 2, got {self.max_seq_len}")
+        if max_depth is not None:
+            for key in ("depth", "max_depth"):
+                if getattr(self, key) is not None:
+                    check_depth(name(key), getattr(self, key), max_depth, "the model's max_depth")
+        if max_seq_len is not None and self.max_seq_len is not None and self.max_seq_len > max_seq_len:
+            raise UserError(f"{name('max_seq_len')} must be in 2..{max_seq_len} (the model's context), "
+                            f"got {self.max_seq_len}")
+
 
 @dataclass
 class Request:
     """One sequence to generate (an OpenAI choice)."""
 
     prompt_ids: list[int]
-    max_tokens: int = 16
-    depth: int | None = None
-    """Recurrences per decoded token (R_dec); default: the engine's depth."""
-    prefill_depth: int | None = None
-    """Recurrences over the prompt (R_pre); default: depth."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    exit_tau: float | None = None
-    """Adaptive depth: a token stops recurring once its relative state change < exit_tau."""
-    min_depth: int = 1
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=16))
+    """How its tokens are chosen and when it stops (default: greedy, 16 new tokens, as OpenAI's
+    max_tokens); `max_new_tokens` may be 0 with `prompt_logprobs`: the prompt is only scored."""
+    rule: DepthRule | None = None
+    """Its recurrences (decode and prefill depth, exit rule); default: the engine's depth."""
     logprobs: int | None = None
     """Return each chosen token's log-probability and the `logprobs` most likely alternatives."""
     prompt_logprobs: int | None = None
     """Also score the prompt (a `PromptLogprobs` event before the first token): each prompt token's
     log-probability after the tokens before it, and the `prompt_logprobs` most likely tokens there.
-    With it, `max_tokens` may be 0: the prompt is only scored."""
+    With it, `sampling.max_new_tokens` may be 0: the prompt is only scored."""
     example_id: int = 0
     """Seeds the initial recurrent state by (example id, position), as `generate` does (row 0 alone)."""
     speculate: int | None = None
@@ -151,8 +166,8 @@ class EngineStopped(RuntimeError):
 class RequestHandle:
     """A submitted request: cancel it, or read its events when no sink was given."""
 
-    def __init__(self, request: Request, sampling: SamplingConfig, sink: Callable[[Event], None] | None):
-        self.request, self.sampling = request, sampling
+    def __init__(self, request: Request, rule: DepthRule, sink: Callable[[Event], None] | None):
+        self.request, self.rule = request, rule
         self._events: queue.Queue | None = None if sink is not None else queue.Queue()
         self._sink = sink if sink is not None else self._events.put
         self._cancelled = threading.Event()
@@ -194,11 +209,14 @@ class _Row:
     """A running sequence in slot i (its index in `Engine._rows`)."""
 
     handle: RequestHandle
-    depth: int
     generator: torch.Generator | None
     stream: TextStream
     next_token: int = -1
     depths: list[int] = field(default_factory=list)  # recurrences of each decode step
+
+    @property
+    def rule(self) -> DepthRule:
+        return self.handle.rule
 
 
 class Engine:
@@ -211,18 +229,10 @@ class Engine:
         self.prefill = prefill or Prefill()
         param = next(model.parameters())
         self.device = param.device
-        cap = model.cfg.max_depth
-        self.max_depth = config.max_depth or (cap if config.cache == "terminal" else config.depth)
-        if not 1 <= config.depth <= self.max_depth <= cap:
-            raise ValueError(f"need 1 <= depth ({config.depth}) <= max_depth ({self.max_depth}) <= the model's "
-                             f"max_depth ({cap})")
-        if config.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {config.max_queue}")
+        config.check(model.cfg.max_depth, model.cfg.max_seq_len)
+        check_arm_cache(self.prefill.arm, config.cache)
+        self.max_depth = config.max_depth or (model.cfg.max_depth if config.cache == "terminal" else config.depth)
         max_len = config.max_seq_len or model.cfg.max_seq_len
-        if not 2 <= max_len <= model.cfg.max_seq_len:
-            raise ValueError(f"max_seq_len must be in 2..{model.cfg.max_seq_len} (the model's context), got {max_len}")
-        if self.prefill.arm == "student" and config.cache != "terminal":
-            raise ValueError("distilled prefill writes terminal banks; use the terminal cache")
         self.pool = SlotPool(model.cfg, config.max_batch, max_len, mode=config.cache, depth=self.max_depth,
                              device=self.device, dtype=param.dtype)
         if config.speculate < 0:
@@ -261,48 +271,44 @@ class Engine:
         """Requests queued for a slot."""
         return len(self._pending)
 
-    def depths(self, request: Request) -> tuple[int, int]:
-        """(decode depth, prefill depth) of a request, defaults filled in."""
-        depth = self.config.depth if request.depth is None else request.depth
-        return depth, depth if request.prefill_depth is None else request.prefill_depth
+    def rule(self, request: Request) -> DepthRule:
+        """The request's depth rule, the engine's depth when it gives none."""
+        return request.rule if request.rule is not None else DepthRule(self.config.depth)
 
     def speculation(self, request: Request) -> tuple[int, int]:
         """(draft tokens k, draft depth) of a request, defaults filled in; k = 0: no speculation."""
         k = self.config.speculate if request.speculate is None else request.speculate
         return k, self.config.draft_depth if request.draft_depth is None else request.draft_depth
 
-    def check(self, request: Request) -> SamplingConfig:
-        """The request's sampling settings; ValueError with a one-line reason if it cannot run."""
-        scoring_only = request.max_tokens == 0 and request.prompt_logprobs is not None
-        # a request that only scores its prompt decodes nothing, but its sampling settings are still checked
-        sampling = SamplingConfig(max_new_tokens=1 if scoring_only else request.max_tokens, temperature=request.temperature,
-                                  top_k=request.top_k, top_p=request.top_p, seed=request.seed,
-                                  stop=tuple(request.stop), exit_tau=request.exit_tau, min_depth=request.min_depth)
-        depth, prefill_depth = self.depths(request)
-        for name, r in (("depth", depth), ("prefill_depth", prefill_depth)):
-            if r > self.max_depth:  # name the setting that caps it (the full cache's default is --depth)
-                raise ValueError(f"{name} must be in 1..{self.max_depth} (the server's max_depth, "
-                                 f"looplm serve --max-depth), got {r}")
-        DecodeSpec(depth, prefill_depth, self.config.cache, sampling).check(self.max_depth)
+    def check(self, request: Request) -> DepthRule:
+        """The request's depth rule; ValueError (a UserError) with a one-line reason if it cannot run."""
+        sampling = request.sampling
+        if sampling.max_new_tokens == 0 and request.prompt_logprobs is not None:
+            sampling = replace(sampling, max_new_tokens=1)  # only scored: the other settings are still checked
+        sampling.validate()
+        rule = self.rule(request).check(self.max_depth, cache=self.config.cache,
+                                        what="the server's max_depth, looplm serve --max-depth")
+        max_tokens = request.sampling.max_new_tokens
         k, draft_depth = self.speculation(request)
         if k < 0:
-            raise ValueError(f"speculate must be >= 0 (0 = off), got {k}")
-        if k and not 1 <= draft_depth < depth:
-            raise ValueError(f"draft_depth must be in 1..{depth - 1} (below the decode depth {depth}), got {draft_depth}")
+            raise UserError(f"speculate must be >= 0 (0 = off), got {k}")
+        if k and not 1 <= draft_depth < rule.depth:
+            raise UserError(f"draft_depth must be in 1..{rule.depth - 1} (below the decode depth {rule.depth}), "
+                            f"got {draft_depth}")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        need = len(request.prompt_ids) + max(request.max_tokens, 1) - 1  # the last new token is never fed
+        need = len(request.prompt_ids) + max(max_tokens, 1) - 1  # the last new token is never fed
         if need > self.max_len:
-            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {request.max_tokens} "
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {max_tokens} "
                              f"it needs {need} positions, more than the context of {self.max_len}")
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {request.logprobs}")
         if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs must be in 0..20, got {request.prompt_logprobs}")
-        return sampling
+        return rule
 
     def submit(self, request: Request, sink: Callable[[Event], None] | None = None) -> RequestHandle:
         """Queue a request (ValueError if it cannot run, EngineFull if the queue is full,
@@ -415,23 +421,22 @@ class Engine:
         return admitted
 
     def _prefill(self, handle: RequestHandle) -> None:
-        req = handle.request
-        depth, prefill_depth = self.depths(req)
+        req, rule, sampling = handle.request, handle.rule, handle.request.sampling
         slot, view = self.pool.claim()
         tokens = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
         ids = torch.tensor([req.example_id], device=self.device)
-        logits = self.prefill(self.model, tokens, view, prefill_depth, example_ids=ids)[0]
+        logits = self.prefill(self.model, tokens, view, rule.prefill, example_ids=ids)[0]
         self.pool.set_length(slot, len(req.prompt_ids))
-        gen = torch.Generator(device=self.device).manual_seed(req.seed) if req.temperature > 0 else None
-        row = _Row(handle, depth, gen, TextStream(self.tokenizer, req.stop, context=req.prompt_ids))
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
+        row = _Row(handle, gen, TextStream(self.tokenizer, sampling.stop, context=req.prompt_ids))
         self._rows.append(row)
         self.prompt_tokens += len(req.prompt_ids)
         if req.prompt_logprobs is not None:
             handle.emit(_score_prompt(logits[:-1], tokens[0, 1:], req.prompt_logprobs))
-        if req.max_tokens == 0:  # only scored
+        if sampling.max_new_tokens == 0:  # only scored
             self._finish(slot, "error" if handle.sink_error else "length", error=handle.sink_error)
             return
-        self._accept(slot, logits[-1], self.prefill.teacher_depth(prefill_depth))
+        self._accept(slot, logits[-1], self.prefill.teacher_depth(rule.prefill))
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -439,8 +444,8 @@ class Engine:
             self._speculate()
             return
         rows = self._rows
-        depths = [r.depth for r in rows]
-        taus = [r.handle.request.exit_tau for r in rows]
+        depths = [r.rule.depth for r in rows]
+        taus = [r.rule.exit_tau for r in rows]
         step = self._compiled_step if self.config.compile else self._eager_step
         logits, used_t = step([r.next_token for r in rows], depths, taus,
                               [r.handle.request.example_id for r in rows])
@@ -464,17 +469,17 @@ class Engine:
         """Whether this step is a speculative round: every running row speculates with the same k
         and draft depth at the same depth, without adaptive exit, and has room for k + 1 positions."""
         first = self._rows[0]
-        plan = (first.depth, *self.speculation(first.handle.request))
+        plan = (first.rule.depth, *self.speculation(first.handle.request))
         if not plan[1]:
             return False
-        return all((r.depth, *self.speculation(r.handle.request)) == plan and r.handle.request.exit_tau is None
+        return all((r.rule.depth, *self.speculation(r.handle.request)) == plan and r.rule.exit_tau is None
                    for r in self._rows) and max(self.pool.lengths) + plan[1] + 1 <= self.max_len
 
     def _speculate(self) -> None:
         """One speculative round over the running rows (`looplm.serve.speculation`)."""
         rows, dev = self._rows, self.device
         n = len(rows)
-        depth, (k, draft_depth) = rows[0].depth, self.speculation(rows[0].handle.request)
+        depth, (k, draft_depth) = rows[0].rule.depth, self.speculation(rows[0].handle.request)
         B = min(1 << (n - 1).bit_length(), self.pool.max_batch) if self.config.compile else n
         extra = B - n
 
@@ -485,7 +490,7 @@ class Engine:
                              torch.zeros(B, dtype=torch.long, device=dev),
                              padded([r.handle.request.example_id for r in rows]))
         result = speculative_round(self._step, step_rows, n, depth=depth, draft_depth=draft_depth, k=k,
-                                   sampling=[r.handle.sampling for r in rows], generators=[r.generator for r in rows])
+                                   sampling=[r.handle.request.sampling for r in rows], generators=[r.generator for r in rows])
         emitted = [len(t) for t in result.tokens]
         for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
             self.pool.set_length(slot, self.pool.lengths[slot] + m)
@@ -513,7 +518,7 @@ class Engine:
         kw: dict = {}
         if any(t is not None for t in taus):
             kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=dev)
-            kw["min_depth"] = torch.tensor([r.handle.request.min_depth for r in self._rows], device=dev)
+            kw["min_depth"] = torch.tensor([r.rule.min_depth for r in self._rows], device=dev)
         depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=dev)
         out = self.model(torch.tensor(tokens, device=dev)[:, None], DepthPlan(depth, **kw),
                          cache=self.pool.decode_view(), init="seeded", example_ids=torch.tensor(example_ids, device=dev))
@@ -561,7 +566,7 @@ class Engine:
 
         kw: dict = {}
         if any(t is not None for t in taus):  # adaptive exit: a row's tau 0 never exits
-            floors = [r.handle.request.min_depth for r in self._rows]
+            floors = [r.rule.min_depth for r in self._rows]
             kw = {"exit_tau": padded([t or 0.0 for t in taus], 0.0, torch.float32),
                   "min_depth": padded(floors, 1, torch.long),
                   "lowest": min(f if t is not None else d for f, t, d in zip(floors, taus, depths))}
@@ -578,7 +583,7 @@ class Engine:
         finish the row if it is done."""
         row = self._rows[slot]
         req = row.handle.request
-        tok = token if token is not None else int(choose(logits[None], row.handle.sampling, row.generator)[0])
+        tok = token if token is not None else int(choose(logits[None], req.sampling, row.generator)[0])
         if tok == self.tokenizer.eos_id:
             self._finish(slot, "stop")
             return
@@ -594,7 +599,7 @@ class Engine:
         row.handle.emit(event)
         if stopped:
             self._finish(slot, "stop")
-        elif len(row.stream.ids) >= req.max_tokens:
+        elif len(row.stream.ids) >= req.sampling.max_new_tokens:
             self._finish(slot, "length")
         else:
             row.next_token = tok
@@ -607,7 +612,7 @@ class Engine:
         if moved is not None:
             self._rows[slot] = last
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        depth = sum(row.depths) / len(row.depths) if row.depths else float(row.depth)
+        depth = sum(row.depths) / len(row.depths) if row.depths else float(row.rule.depth)
         tail = row.stream.finish()
         row.handle.emit(Finish(reason, row.stream.text, tail, len(req.prompt_ids), len(row.stream.ids), depth, error))
 
@@ -655,8 +660,3 @@ def _score_prompt(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> Promp
         scores.top_logprobs = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
     return scores
 
-
-def request_from(prompt_ids: Sequence[int], **fields) -> Request:
-    """A `Request` from keyword fields, ignoring None values (so defaults apply)."""
-    known = {f.name for f in dataclasses.fields(Request)}
-    return Request(list(prompt_ids), **{k: v for k, v in fields.items() if k in known and v is not None})

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from looplm.data.chat import CHAT_STOP, CHAT_TEMPLATE
+from looplm.infer.decode import SamplingConfig
+from looplm.infer.depth_rule import DepthRule
 
 IGNORED_CHAT_FIELDS = frozenset({
     "audio", "function_call", "functions", "metadata", "modalities", "parallel_tool_calls", "prediction",
@@ -92,11 +94,19 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def engine_fields(self) -> dict:
-        """The `looplm.serve.Request` fields every choice of this request shares."""
-        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, depth=self.depth,
-                    prefill_depth=self.prefill_depth, exit_tau=self.exit_tau, min_depth=self.min_depth,
-                    speculate=self.speculate, draft_depth=self.draft_depth)
+    def sampling(self, max_tokens: int, stop: tuple[str, ...], seed: int) -> SamplingConfig:
+        """A choice's sampling settings (`looplm.serve.Request.sampling`)."""
+        return SamplingConfig(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=seed, stop=stop)
+
+    def depth_rule(self, default_depth: int) -> DepthRule:
+        """The request's recurrences (`looplm.serve.Request.rule`): its `depth`, else `default_depth` (the server's)."""
+        depth = default_depth if self.depth is None else self.depth
+        return DepthRule(depth, self.prefill_depth, self.exit_tau, self.min_depth)
+
+    def speculation(self) -> dict:
+        """The request's self-speculation settings (`looplm.serve.Request.speculate`, `draft_depth`)."""
+        return dict(speculate=self.speculate, draft_depth=self.draft_depth)
 
 
 class CompletionRequest(_Common):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from looplm.config import ModelConfig, model_preset
+from looplm.config import ModelConfig, model_preset, shown_default
 from looplm.data.record import BUILTIN_TEXT
 from looplm.data.tasks import DEFAULT_TASK_EXAMPLES, TaskConfig
 from looplm.depth.config import DepthConfig
@@ -82,7 +82,7 @@ class TrainConfig:
     warm-up is logged as compile_recompiles."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA)."""
-    flex_kernel_options: tuple[str, ...] = ()
+    flex_kernel_options: Annotated[tuple[str, ...], shown_default("none")] = ()
     """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
     bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is always set."""
     cross_entropy: Literal["auto", "full", "chunked"] = "auto"

@@ -38,7 +38,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
+from looplm.config import VALUE_GATE_CHANNELS, ModelConfig, check_depth
 from looplm.model.blocks import RMSNorm, apply_rope, per_head_norm, rope_tables
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.injection import build_injection
@@ -75,9 +75,7 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
         if f.name not in IMPLEMENTED and getattr(cfg, f.name) != getattr(default, f.name):
             raise Refused(f"model switch {f.name}={getattr(cfg, f.name)!r} is not implemented by the looplm vLLM "
                           "plugin; serve this model with `looplm serve`")
-    depth = getattr(hf_config, "num_steps", 5)
-    if not 1 <= depth <= cfg.max_depth:
-        raise Refused(f"num_steps must be in 1..max_depth={cfg.max_depth}, got {depth}")
+    depth = check_depth("num_steps", getattr(hf_config, "num_steps", 5), cfg.max_depth, "the config's max_depth")
     if getattr(hf_config, "cache_kind", "terminal") != "terminal":
         raise Refused(f"cache_kind={hf_config.cache_kind!r}: the vLLM plugin serves the terminal cache only "
                       "(one KV bank per physical layer); export with --cache terminal or override "
