@@ -154,3 +154,13 @@ def test_the_api_takes_speculation_per_request_and_reports_acceptance(model):
     drafted = [line for line in metrics.splitlines() if line.startswith("looplm_speculative_drafted_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
     assert "looplm_speculative_acceptance_rate" in metrics
+
+
+def test_looplm_serve_takes_speculate_and_checks_it_before_loading(tmp_path, capsys):
+    """`looplm serve --speculate K --draft-depth r`: a draft depth at or above --depth is one error line
+    naming both options, before any checkpoint is read (the folder does not exist)."""
+    from looplm import cli
+
+    code = cli.main(["serve", str(tmp_path / "missing"), "--depth", "4", "--speculate", "3", "--draft-depth", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--draft-depth must be in 1..3 (below --depth 4), got 4" in err, err

@@ -80,6 +80,11 @@ class EngineConfig:
             raise UserError(f"{name('max_depth')} ({self.max_depth}) must be >= {name('depth')} ({self.depth})")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise UserError(f"{name('max_seq_len')} must be >= 2, got {self.max_seq_len}")
+        if self.speculate < 0:
+            raise UserError(f"{name('speculate')} must be >= 0 (0 = off), got {self.speculate}")
+        if self.speculate and not 1 <= self.draft_depth < self.depth:
+            raise UserError(f"{name('draft_depth')} must be in 1..{self.depth - 1} (below {name('depth')} "
+                            f"{self.depth}), got {self.draft_depth}")
         if max_depth is not None:
             for key in ("depth", "max_depth"):
                 if getattr(self, key) is not None:
@@ -235,8 +240,6 @@ class Engine:
         max_len = config.max_seq_len or model.cfg.max_seq_len
         self.pool = SlotPool(model.cfg, config.max_batch, max_len, mode=config.cache, depth=self.max_depth,
                              device=self.device, dtype=param.dtype)
-        if config.speculate < 0:
-            raise ValueError(f"speculate must be >= 0 (0 = off), got {config.speculate}")
         # the static step: the compiled engine's every step, and the speculative rounds (a request may
         # speculate on an engine that does not by default)
         self._step = DecodeStep(model, self.pool.cache, compile=config.compile)
