@@ -43,12 +43,12 @@ _HOOK_MARK = "_looplm_token_roles_hook"
 
 
 class _Staging:
-    """The host side of one model's roles buffer: pinned when the device is a GPU."""
+    """The host side of one model's roles buffer: the buffer itself on a CPU, else a pinned copy."""
 
     def __init__(self, device_buffer: torch.Tensor):
-        pin = device_buffer.device.type == "cuda"
-        self.host = torch.zeros(device_buffer.shape, dtype=device_buffer.dtype, pin_memory=pin)
-        self.same = device_buffer.device.type == "cpu"
+        cpu = device_buffer.device.type == "cpu"
+        self.host = device_buffer if cpu else torch.zeros(device_buffer.shape, dtype=device_buffer.dtype,
+                                                          pin_memory=device_buffer.device.type == "cuda")
         self.filled = 0  # tokens written by the last step (later entries are already 0)
 
 
@@ -82,10 +82,8 @@ def _fill(runner, num_scheduled_tokens: np.ndarray) -> None:
     host = staging.host.numpy()
     host[:T] = roles
     host[T:end] = 0
-    if not staging.same:
+    if staging.host is not buffer:
         buffer[:end].copy_(staging.host[:end], non_blocking=True)
-    else:
-        buffer[:end] = staging.host[:end]
     staging.filled = T
     setattr(model, KINDS_ATTRIBUTE, (bool(roles.any()), not bool(roles.all())))
 
