@@ -28,6 +28,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV memory per eng
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: faster start-up
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the machine's cores, bind none
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -98,20 +99,27 @@ def engine(folder: Path, **kw):
 
 
 # -- looplm's references ----------------------------------------------------------------------------
-def looplm_generate(model: LoopedLM, prompt: list[int], depth: int, n: int, chunks: list[int] | None = None):
+def looplm_generate(model: LoopedLM, prompt: list[int], depth: int, n: int, chunks: list[int] | None = None, *,
+                    prefill_depth: int | None = None, exit_tau: float | None = None, min_depth: int = 1,
+                    used: list | None = None):
     """Greedy ids and their log-probs as `looplm generate --cache terminal` computes them for `prompt`
-    alone (prefill, then one `extend` per token); `chunks` splits the prefill into `extend` calls."""
+    alone (prefill at `prefill_depth`, default `depth`, then one `extend` per token at `depth`, with
+    adaptive exit when `exit_tau` is given); `chunks` splits the prefill into `extend` calls; `used`
+    receives each decoded token's recurrences."""
     cache = TerminalCache(model.cfg, 1, CONTEXT)
     tokens = torch.tensor([prompt])
     bounds = [0, *(chunks or []), len(prompt)]
     for a, b in zip(bounds, bounds[1:]):
-        logits = extend(model, tokens[:, a:b], cache, depth).logits[:, -1]
+        logits = extend(model, tokens[:, a:b], cache, prefill_depth or depth).logits[:, -1]
     ids, logprobs = [], []
     for _ in range(n):
         lp = logits.log_softmax(-1)[0]
         ids.append(int(lp.argmax()))
         logprobs.append(float(lp.max()))
-        logits = extend(model, torch.tensor([[ids[-1]]]), cache, depth).logits[:, -1]
+        step = extend(model, torch.tensor([[ids[-1]]]), cache, depth, exit_tau=exit_tau, min_depth=min_depth)
+        logits = step.logits[:, -1]
+        if used is not None:
+            used.append(int(step.depths[0, 0]))
     return ids, logprobs
 
 
@@ -119,6 +127,19 @@ def prompt_logprobs(model: LoopedLM, prompt: list[int], depth: int) -> list[floa
     """log p(prompt[t] | prompt[:t]) for t >= 1 from the parallel forward with the seeded initial state."""
     lp = model(torch.tensor([prompt]), depth, init="seeded").logits[0].log_softmax(-1)
     return [float(lp[t - 1, prompt[t]]) for t in range(1, len(prompt))]
+
+
+def staggered(llm, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Outputs of `prompts` submitted to the engine together, the first one a step ahead, so that the others'
+    prefills share a step with its decoding (a batch of prompt and decoded tokens); in prompt order."""
+    engine_ = llm.llm_engine
+    engine_.add_request("r0", {"prompt_token_ids": prompts[0]}, params)
+    done = {o.request_id: o for o in engine_.step() if o.finished}
+    for i, p in enumerate(prompts[1:], 1):
+        engine_.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    while engine_.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine_.step() if o.finished)
+    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 def vllm_ids_logprobs(out) -> tuple[list[int], list[float]]:
@@ -163,6 +184,84 @@ def test_greedy_ids_and_logprobs_equal_looplm_generate(base, depth):
     assert any(looplm_generate(model, p, other, NEW)[0] != vllm_ids_logprobs(o)[0] for p, o in zip(PROMPTS, outs))
     shifted = [0, *PROMPTS[1][1:]]
     assert looplm_generate(model, shifted, depth, NEW)[0] != vllm_ids_logprobs(outs[1])[0]
+
+
+@pytest.mark.parametrize("prefill, depth", [(1, 4), (5, 2)])
+def test_prefill_depth_differs_from_decode_depth_per_token(base, prefill, depth):
+    """prefill_steps P != num_steps D: prompt tokens run P recurrences, decoded tokens D, in the same mixed
+    batches (three prompts submitted together: a later prompt's prefill shares a step with the others'
+    decoding): greedy ids equal `looplm generate --prefill-depth P --depth D` on each prompt alone,
+    log-probs within 1e-4, prompt log-probs those of the prefill at depth P. Which tokens are the prompt's
+    comes from the model-runner hook (`looplm.vllm_plugin.token_roles`)."""
+    model, folder = base
+    prompts = [PROMPTS[0], LONG, PROMPTS[1], PROMPTS[2]]
+    with engine(folder, hf_overrides={"num_steps": depth, "prefill_steps": prefill}) as llm:
+        outs = staggered(llm, prompts, GREEDY)
+        scored = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SCORE, use_tqdm=False)[0]
+        stats = llm.apply_model(lambda m: dict(m.loop_stats))[0]
+    assert stats["mixed"] >= 1  # a step did run prompt and decoded tokens together
+    for prompt, out in zip(prompts, outs):
+        text = generate(model, TOK, [TOK.decode(prompt)], depth=depth, prefill_depth=prefill,
+                        sampling=SamplingConfig(max_new_tokens=NEW))[0]
+        want_ids, want_lp = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill)
+        ids, lp = vllm_ids_logprobs(out)
+        assert ids == want_ids
+        if TOK.eos_id not in ids:
+            assert TOK.decode(ids) == text
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) <= TOL
+    got = vllm_prompt_logprobs(scored)
+    assert max(abs(a - b) for a, b in zip(got, prompt_logprobs(model, PROMPTS[2], prefill))) <= TOL
+    # the test can fail: every token at one depth (P or D) gives other outputs
+    assert max(abs(a - b) for a, b in zip(got, prompt_logprobs(model, PROMPTS[2], depth))) > 1e-2
+    for one in (prefill, depth):
+        assert any(looplm_generate(model, p, one, NEW)[1] != pytest.approx(vllm_ids_logprobs(o)[1], abs=1e-3)
+                   for p, o in zip(prompts, outs))
+
+
+EXIT_TAU = 0.112  # the tiny model's decoded tokens exit at recurrence 3 or 4; no state change lies within 1e-3 of it
+
+
+def exit_reference(model, prompts, prefill, depth, min_depth):
+    """looplm's ids, log-probs and recurrences per decoded token under adaptive exit, each prompt alone."""
+    refs = []
+    for prompt in prompts:
+        used: list[int] = []
+        ids, lp = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill, exit_tau=EXIT_TAU,
+                                  min_depth=min_depth, used=used)
+        stats: dict = {}
+        text = generate(model, TOK, [TOK.decode(prompt)], depth=depth, prefill_depth=prefill, stats=stats,
+                        sampling=SamplingConfig(max_new_tokens=NEW, exit_tau=EXIT_TAU, min_depth=min_depth))[0]
+        if TOK.eos_id not in ids:
+            assert TOK.decode(ids) == text  # `looplm generate --exit-tau` (its decode step) decodes the same
+        assert stats["mean_decode_depth"] == pytest.approx(sum(used[:-1]) / (NEW - 1))
+        refs.append((ids, lp, used))
+    return refs
+
+
+@pytest.mark.parametrize("prefill, depth, min_depth", [(None, 6, 2), (2, 8, 3)])
+def test_adaptive_exit_of_decoded_tokens_equals_looplm_generate(base, prefill, depth, min_depth):
+    """exit_tau / min_depth (design §13): a decoded token stops once r >= min_depth and its relative state change
+    is below exit_tau, its state frozen and its last K/V kept; prompt tokens run prefill_steps (default num_steps)
+    without exit. Four prompts submitted together (staggered, so prompt and decoded tokens share steps, and the
+    decoded tokens of one step exit at different recurrences): ids equal `looplm generate --exit-tau` on each
+    prompt alone, log-probs within 1e-4 of looplm's `extend`; the loop ran fewer recurrences than the depth."""
+    model, folder = base
+    prompts = [PROMPTS[0], LONG, PROMPTS[1], PROMPTS[2]]
+    overrides = {"num_steps": depth, "prefill_steps": prefill, "exit_tau": EXIT_TAU, "min_depth": min_depth}
+    with engine(folder, hf_overrides=overrides) as llm:
+        outs = staggered(llm, prompts, GREEDY)
+        stats = llm.apply_model(lambda m: dict(m.loop_stats))[0]
+    refs = exit_reference(model, prompts, prefill, depth, min_depth)
+    for (want_ids, want_lp, _), out in zip(refs, outs):
+        ids, lp = vllm_ids_logprobs(out)
+        assert ids == want_ids
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) <= TOL
+    used = [u for _, _, us in refs for u in us[:-1]]  # the last decoded token is never fed
+    assert len(set(used)) > 1 and max(used) < depth  # tokens exited, at different recurrences
+    assert stats["mixed"] >= 1 and stats["recurrences"] < stats["forwards"] * max(depth, prefill or depth)
+    # the test can fail: without exit (every decoded token at num_steps) the log-probs differ
+    fixed = [looplm_generate(model, p, depth, NEW, prefill_depth=prefill)[1] for p in prompts]
+    assert max(abs(a - b) for f, o in zip(fixed, outs) for a, b in zip(f, vllm_ids_logprobs(o)[1])) > 1e-2
 
 
 def test_a_long_prompt_prefills_as_one_chunk(base):
@@ -233,6 +332,29 @@ def test_compiled_execution_equals_eager(base):
         assert ids == ref_ids == looplm_generate(model, prompt, 3, NEW)[0]
         assert max(abs(a - b) for a, b in zip(lp, ref_lp)) <= 1e-5
     assert max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(scored), vllm_prompt_logprobs(eager_scored))) <= 1e-5
+
+
+def test_compiled_per_token_depth_equals_eager(base):
+    """Per-token depth and adaptive exit compiled (vLLM's default mode): the forward runs every recurrence
+    (max(prefill_steps, num_steps)) with masks and no host sync, where eager mode stops once every token
+    stopped; the extra recurrences change nothing, so ids equal eager's and looplm's, log-probs within 1e-5
+    of eager. No compiled forward touched the eager loop's counters (the loop was traced, not run in Python)."""
+    model, folder = base
+    prompts = [PROMPTS[0], LONG, PROMPTS[1], PROMPTS[2]]
+    overrides = {"num_steps": 4, "prefill_steps": 1, "exit_tau": EXIT_TAU, "min_depth": 2}
+    with engine(folder, enforce_eager=False, hf_overrides=overrides) as llm:
+        outs = staggered(llm, prompts, GREEDY)
+        compiled = llm.apply_model(lambda m: (getattr(m, "compiled", False), dict(m.loop_stats)))
+    with engine(folder, hf_overrides=overrides) as llm:
+        eager = staggered(llm, prompts, GREEDY)
+    assert compiled[0][0] and compiled[0][1]["forwards"] == 0
+    refs = exit_reference(model, prompts, 1, 4, 2)
+    assert len({u for _, _, used in refs for u in used[:-1]}) > 1  # decoded tokens exited at different recurrences
+    for (want_ids, _, _), out, ref in zip(refs, outs, eager):
+        ids, lp = vllm_ids_logprobs(out)
+        ref_ids, ref_lp = vllm_ids_logprobs(ref)
+        assert ids == ref_ids == want_ids
+        assert max(abs(a - b) for a, b in zip(lp, ref_lp)) <= 1e-5
 
 
 # -- converted-style models: prompt log-probs equal looplm's forward -----------------------------------
@@ -348,8 +470,6 @@ def test_threshold_exit_at_an_exact_cumulative_probability(tmp_path):
 
 # -- refusals -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, words", [
-    ({"exit_tau": 0.1}, "exit_tau"),
-    ({"prefill_steps": 1}, "prefill_steps"),
     ({"cache_kind": "full"}, "cache_kind"),
     ({"exit_gate_threshold": 0.5}, "exit_gate_threshold"),  # the base model has no exit gate
 ])
@@ -379,6 +499,46 @@ def test_refusals_of_parallelism_and_unknown_switches():
     with pytest.raises(Refused, match="n_kv_heads"):
         check_servable(hf, tensor_parallel=4)  # 2 kv heads by default
     check_servable(hf, tensor_parallel=2)
+
+
+def test_refusals_of_depth_settings():
+    """Per-token depth is served (prefill_steps, exit_tau, min_depth) within looplm's own rules, refused by
+    name outside them; the exit gate's threshold exit runs one fixed depth, as looplm's DepthPlan requires."""
+    fields = [("num_steps", int, 4), ("prefill_steps", object, None), ("exit_tau", object, None),
+              ("min_depth", int, 1), ("exit_gate_threshold", object, None), ("exit_gate", bool, False)]
+    HF = dataclasses.make_dataclass("HF", fields)
+    check_servable(HF(prefill_steps=2, exit_tau=0.1, min_depth=4))
+    for bad, words in (({"prefill_steps": 0}, r"prefill_steps must be in 1\.\.64 \(the config's max_depth\), got 0"),
+                       ({"exit_tau": 0.0}, "exit_tau must be > 0"),
+                       ({"exit_tau": 0.1, "min_depth": 5}, "min_depth 5 exceeds the decode depth 4")):
+        with pytest.raises(Refused, match=words):
+            check_servable(HF(**bad))
+    for bad in ({"exit_tau": 0.1}, {"prefill_steps": 2}):
+        with pytest.raises(Refused, match="exit_gate_threshold .* takes no exit_tau and no prefill_steps"):
+            check_servable(HF(exit_gate=True, exit_gate_threshold=0.5, **bad))
+
+
+def test_token_roles_and_the_hook_guard(monkeypatch):
+    """A token is its request's prompt token iff its position < the prompt's length, whatever its query length
+    (a one-token prompt, a prompt's last token, decoded tokens); a vLLM without the hooked method, or one
+    running its V2 model runner, is refused at load by name."""
+    from vllm.v1.worker import gpu_model_runner
+
+    from looplm.vllm_plugin import token_roles
+
+    # requests: a 3-token prompt whole, a decode step (5 computed, prompt 4), a 1-token prompt, a decode step
+    # right after a 2-token prompt, a recomputed (preempted) sequence: prompt 2 + 2 generated tokens
+    got = token_roles.token_roles(np.array([3, 1, 1, 1, 4]), np.array([0, 5, 0, 2, 0]), np.array([3, 4, 1, 2, 2]))
+    assert got.tolist() == [1, 1, 1, 0, 1, 0, 1, 1, 0, 0]
+    cfg = type("Config", (), {"use_v2_model_runner": True})()
+    with pytest.raises(Refused, match="V2 model runner"):
+        token_roles.install(cfg)
+    cfg.use_v2_model_runner = False
+    token_roles.install(cfg)  # installed (idempotent)
+    assert getattr(gpu_model_runner.GPUModelRunner._prepare_inputs, "_looplm_token_roles_hook", False)
+    monkeypatch.delattr(gpu_model_runner.GPUModelRunner, "_prepare_inputs")
+    with pytest.raises(Refused, match="has no _prepare_inputs"):
+        token_roles.install(cfg)
 
 
 # -- the OpenAI server ------------------------------------------------------------------------------------

@@ -93,6 +93,76 @@ def _trunc_normal_(w: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
 
 
+def attention_inputs(
+    x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    heads, *, head_dim: int, qk_norm: bool, q_bias: torch.Tensor | None = None, k_bias: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None, value_rows: torch.Tensor | None = None, offsets: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries, keys and values an attention layer attends with, from its input x [..., d] and the
+    projections q, k, v [..., H*hd] of x: the order of operations of looplm's attention, shared by
+    `Attention` and the vLLM plugin's attention (`looplm.vllm_plugin.model`), so a switch is written once.
+
+    1. value embeddings (design §14, Parcae): v += 2 sigmoid(x[..., :32] gate^T) * value_rows, per kv
+       head (`gate` [H_kv, 32], `value_rows` [..., H_kv*hd] = E_v[tokens]; both or neither);
+    2. DEQ-QKV offsets (dQ, dK, dV) added (design §2);
+    3. the q/k bias added (design §14, Huginn);
+    4. `heads(t, n)` splits t into n heads (the caller's layout: [B, H, L, hd], or vLLM's [T, H, hd]);
+    5. RoPE on q and k with `rope` = (cos, sin) broadcast to that layout;
+    6. the gain-free per-head RMSNorm of q and k (`qk_norm`, Parcae), after RoPE.
+    Returns (q, k, v) split into heads."""
+    if gate is not None:
+        g = 2 * torch.sigmoid(F.linear(x[..., :gate.shape[1]], gate))  # [..., H_kv]
+        v = v + (g[..., None] * value_rows.view(*g.shape, head_dim)).flatten(-2).to(v.dtype)
+    if offsets is not None:
+        dq, dk, dv = offsets
+        q, k, v = q + dq, k + dk, v + dv
+    if q_bias is not None:
+        q, k = q + q_bias.to(q.dtype), k + k_bias.to(k.dtype)
+    q, k, v = heads(q, q.shape[-1] // head_dim), heads(k, k.shape[-1] // head_dim), heads(v, v.shape[-1] // head_dim)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if qk_norm:  # gain-free RMSNorm per head after RoPE (Parcae), eps = fp32 machine eps
+        q, k = per_head_norm(q), per_head_norm(k)
+    return q, k, v
+
+
+def ffn_hidden(act: str, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The FFN's hidden activation from its input maps: SwiGLU silu(w1 x) * (w3 x) (a = w1 x, b = w3 x),
+    or ReLU^2 relu(w1 x)^2 (design §14, Parcae; b unused). Shared with the vLLM plugin's FFN."""
+    return F.silu(a) * b if act == "swiglu" else F.relu(a).square()
+
+
+def build_block(block: nn.Module, cfg: ModelConfig, attn: nn.Module, ffn: nn.Module) -> None:
+    """Give `block` its attention `attn`, its FFN `ffn` and the norms of `cfg.block_norm` (design §14):
+    the attributes `block_forward` reads. attn_norm and ffn_norm (every block), attn_out_norm and
+    ffn_out_norm (sandwich and branch; else None), norm_sum (sandwich: the second norm normalises the
+    residual sum). Registered in this order (the parameters' order: optimizer states follow it)."""
+    block.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    block.attn = attn
+    block.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    block.ffn = ffn
+    block.norm_sum = cfg.block_norm == "sandwich"
+    second = cfg.block_norm != "pre"
+    block.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
+    block.ffn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
+
+
+def sublayer_residual(x: torch.Tensor, y: torch.Tensor, norm: nn.Module | None, norm_sum: bool) -> torch.Tensor:
+    """x + y, with the sublayer's second norm on the sum (sandwich, `norm_sum`) or on y (branch)."""
+    if norm is None:
+        return x + y
+    return norm(x + y) if norm_sum else x + norm(y)
+
+
+def block_forward(block: nn.Module, x: torch.Tensor, attend) -> torch.Tensor:
+    """A block's residual stream around its attention (design §1, §14), shared by `Block` and the
+    vLLM plugin's block: h = x (+) attend(attn_norm(x)), out = h (+) ffn(ffn_norm(h)), where (+) is
+    `sublayer_residual` with the block's second norms (`build_block`). `attend(a)` is the
+    attention sublayer's output for its normalised input a (the caller's attention and its cache)."""
+    h = sublayer_residual(x, attend(block.attn_norm(x)), block.attn_out_norm, block.norm_sum)
+    return sublayer_residual(h, block.ffn(block.ffn_norm(h)), block.ffn_out_norm, block.norm_sum)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention through `F.scaled_dot_product_attention`.
 
@@ -131,27 +201,14 @@ class Attention(nn.Module):
         given. `offsets` are DEQ-QKV's additive (dQ, dK, dV). `value_embed` [B, n, H_kv*hd] is
         this chunk's value-embedding rows E_v[tokens] (required iff the layer has a gate)."""
         B, L, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if self.ve_gate is not None:
-            if value_embed is None:
-                raise ValueError("this attention layer has a value embedding: pass value_embed=E_v[tokens] "
-                                 "(the model's Context carries them; see LoopedLM.value_rows)")
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # [B, n, H_kv]
-            v = v + (gate[..., None] * value_embed.view(B, L, self.n_kv_heads, self.head_dim)).flatten(-2).to(v.dtype)
-        elif value_embed is not None:
-            raise ValueError("value_embed given to an attention layer without a value-embedding gate")
-        if offsets is not None:
-            dq, dk, dv = offsets
-            q, k, v = q + dq, k + dk, v + dv
-        if self.q_bias is not None:
-            q, k = q + self.q_bias.to(q.dtype), k + self.k_bias.to(k.dtype)
-        q = q.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.qk_norm:  # gain-free RMSNorm per head after RoPE (Parcae), eps = fp32 machine eps
-            q, k = per_head_norm(q), per_head_norm(k)
+        if (self.ve_gate is None) != (value_embed is None):
+            raise ValueError("this attention layer has a value embedding: pass value_embed=E_v[tokens] (the model's "
+                             "Context carries them; see LoopedLM.value_rows)" if value_embed is None else
+                             "value_embed given to an attention layer without a value-embedding gate")
+        q, k, v = attention_inputs(
+            x, self.wq(x), self.wk(x), self.wv(x), rope, lambda t, n: t.view(B, L, n, self.head_dim).transpose(1, 2),
+            head_dim=self.head_dim, qk_norm=self.qk_norm, q_bias=self.q_bias, k_bias=self.k_bias,
+            gate=None if self.ve_gate is None else self.ve_gate.weight, value_rows=value_embed, offsets=offsets)
         k_all, v_all = (k, v) if kv is None else kv.update(k, v)
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):
@@ -177,7 +234,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(ffn_hidden("swiglu", self.w1(x), self.w3(x)))
 
 
 class ReLU2(nn.Module):
@@ -189,7 +246,7 @@ class ReLU2(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.relu(self.w1(x)).square())
+        return self.w2(ffn_hidden("relu2", self.w1(x)))
 
 
 class Block(nn.Module):
@@ -201,20 +258,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, value_embed: bool = False):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, value_embed)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = ReLU2(cfg) if cfg.ffn_act == "relu2" else SwiGLU(cfg)
-        self.norm_sum = cfg.block_norm == "sandwich"
-        second = cfg.block_norm != "pre"
-        self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
-        self.ffn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
-
-    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
-        """x + y, with the sublayer's second norm on the sum (sandwich) or on y (branch)."""
-        if norm is None:
-            return x + y
-        return norm(x + y) if self.norm_sum else x + norm(y)
+        build_block(self, cfg, Attention(cfg, value_embed), ReLU2(cfg) if cfg.ffn_act == "relu2" else SwiGLU(cfg))
 
     @property
     def has_value_embed(self) -> bool:
@@ -222,9 +266,7 @@ class Block(nn.Module):
 
     def forward(self, x, rope, mask, *, offsets=None, kv: KVSlot | None = None, value_embed=None) -> torch.Tensor:
         """`offsets`, `kv` and `value_embed` go to the attention (see `Attention.forward`)."""
-        a = self.attn(self.attn_norm(x), rope, mask, offsets=offsets, kv=kv, value_embed=value_embed)
-        h = self._residual(x, a, self.attn_out_norm)
-        return self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
+        return block_forward(self, x, lambda a: self.attn(a, rope, mask, offsets=offsets, kv=kv, value_embed=value_embed))
 
     def reset_parameters(self, std: float = 0.02) -> None:
         ffn = [getattr(self.ffn, name) for name in ("w1", "w2", "w3") if hasattr(self.ffn, name)]  # w3: swiglu only

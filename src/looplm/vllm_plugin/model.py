@@ -8,9 +8,15 @@ writes the token's K/V into the token's slot (overwriting the previous recurrenc
 the cached prefix and the chunk, so past tokens keep their last recurrence's K/V and a token reads
 its own current K/V: exactly looplm's terminal cache (`looplm.infer.extend`).
 
-What runs between the attention calls is looplm's own code: the injection schemes, the exit gate,
-norms, RoPE and the seeded initial state are imported from `looplm.model`; only the projections
-are vLLM's tensor-parallel layers.
+Per-token depth (`prefill_steps` for prompt tokens, `num_steps` for decoded ones, adaptive exit of
+decoded tokens with `exit_tau`): which tokens are the prompt's comes from a model-runner hook
+(`looplm.vllm_plugin.token_roles`); the loop runs to the deepest token, a token that stopped keeps
+its frozen state and passes its last K/V again (`TerminalKV`), so its slot keeps its terminal K/V.
+
+What runs between the attention calls is looplm's own code: the block's norms and residual stream
+(`block_forward`), the attention's order of operations (`attention_inputs`), the FFN activation, the
+injection schemes, the exit gate, norms, RoPE and the seeded initial state are imported from
+`looplm.model`; only the projections are vLLM's tensor-parallel layers.
 """
 
 from __future__ import annotations
@@ -38,11 +44,15 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from looplm.config import VALUE_GATE_CHANNELS, ModelConfig, check_depth
-from looplm.model.blocks import RMSNorm, apply_rope, per_head_norm, rope_tables
+from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
+from looplm.errors import UserError
+from looplm.hf.configuration import CONFIG_KEYS
+from looplm.infer.depth_rule import DepthRule
+from looplm.model.blocks import RMSNorm, attention_inputs, block_forward, build_block, ffn_hidden, rope_tables
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.injection import build_injection
 from looplm.model.state import initial_state
+from looplm.vllm_plugin import token_roles
 
 STACKS = ("prelude", "core", "coda")
 # Every ModelConfig switch this module implements. A field added to ModelConfig later is refused at load
@@ -75,24 +85,25 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
         if f.name not in IMPLEMENTED and getattr(cfg, f.name) != getattr(default, f.name):
             raise Refused(f"model switch {f.name}={getattr(cfg, f.name)!r} is not implemented by the looplm vLLM "
                           "plugin; serve this model with `looplm serve`")
-    depth = check_depth("num_steps", getattr(hf_config, "num_steps", 5), cfg.max_depth, "the config's max_depth")
     if getattr(hf_config, "cache_kind", "terminal") != "terminal":
         raise Refused(f"cache_kind={hf_config.cache_kind!r}: the vLLM plugin serves the terminal cache only "
                       "(one KV bank per physical layer); export with --cache terminal or override "
                       "--hf-overrides '{\"cache_kind\": \"terminal\"}'")
-    pre = getattr(hf_config, "prefill_steps", None)
-    if pre is not None and pre != depth:
-        raise Refused(f"prefill_steps={pre} differs from num_steps={depth}: vLLM batches prompt chunks and decode "
-                      "tokens together and does not tell the model which tokens are the prompt's, so the plugin "
-                      "runs every token at num_steps; override --hf-overrides '{\"prefill_steps\": null}'")
-    if getattr(hf_config, "exit_tau", None) is not None:
-        raise Refused("exit_tau (adaptive decode depth) is not served by the vLLM plugin: looplm applies it to "
-                      "decoded tokens only, and a vLLM batch does not mark which tokens are decoded; override "
-                      "--hf-overrides '{\"exit_tau\": null}' to serve at the fixed depth num_steps")
+    pre, tau = getattr(hf_config, "prefill_steps", None), getattr(hf_config, "exit_tau", None)
+    try:  # looplm's one depth rule, its settings named by their config keys
+        rule = DepthRule(getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1) if tau is not None else 1)
+        rule.check(cfg.max_depth, what="the config's max_depth", spelling=CONFIG_KEYS)
+    except UserError as err:
+        raise Refused(str(err)) from None
+    depth = rule.depth
     q = getattr(hf_config, "exit_gate_threshold", None)
     if q is not None and (not cfg.exit_gate or not 0 <= q <= 1):
         raise Refused(f"exit_gate_threshold={q} needs a model with an exit gate (exit_gate=True) and a "
                       "probability in [0, 1]")
+    if q is not None and (tau is not None or (pre is not None and pre != depth)):
+        raise Refused("exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth for every "
+                      "token, as looplm's DepthPlan does: it takes no exit_tau and no prefill_steps different "
+                      "from num_steps")
     if pipeline_parallel != 1:
         raise Refused("pipeline parallelism is not supported by the looplm vLLM plugin (the shared core runs "
                       "every recurrence on one stage); use tensor parallelism")
@@ -116,6 +127,27 @@ def _sharded(shape: tuple[int, ...], dim: int, tp: int, rank: int) -> nn.Paramet
     param = nn.Parameter(torch.zeros(shape), requires_grad=False)
     param.weight_loader = _shard_loader(dim, tp, rank)
     return param
+
+
+class TerminalKV:
+    """A core layer's terminal K/V under per-token depth (design §15): each recurrence's attention passes
+    its tokens' new K/V through `__call__`, which keeps them for the tokens still recurring (`active` [T])
+    and substitutes, for a token that stopped, the K/V it passed at its last recurrence. vLLM's attention
+    writes every token's K/V into its slot at every call, so a stopped token's slot is rewritten with the
+    values it already holds: its last recurrence's K/V stay its terminal K/V, for later tokens and for the
+    tokens of its own chunk that still recur (what looplm's masked writes, `slot(keep=active)`, keep).
+    No host sync, no change to vLLM's slot mapping; any attention backend."""
+
+    def __init__(self):
+        self.active: torch.Tensor | None = None  # None: every token recurs (the first recurrence)
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.active is not None and self.kv is not None:
+            keep = self.active[:, None]
+            k, v = torch.where(keep, k, self.kv[0]), torch.where(keep, v, self.kv[1])
+        self.kv = (k, v)
+        return k, v
 
 
 class LoopedAttention(nn.Module):
@@ -147,25 +179,23 @@ class LoopedAttention(nn.Module):
         return full if self.tp == 1 else full.narrow(-1, self.rank * per_rank, per_rank)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
-                offsets: tuple | None) -> torch.Tensor:
+                offsets: tuple | None, terminal: TerminalKV | None = None) -> torch.Tensor:
+        """The attention sublayer's output for x [T, d]: looplm's order of operations (`attention_inputs`),
+        then vLLM's attention over its paged cache. `terminal` (per-token depth) substitutes a stopped
+        token's last K/V for its new ones (see `TerminalKV`)."""
         T = x.shape[0]
         qkv, _ = self.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.ve_gate is not None:  # v += 2 sigmoid(gate(x[:, :32])) * E_v[token], per kv head
-            gate = 2 * torch.sigmoid(F.linear(x[:, :VALUE_GATE_CHANNELS], self.ve_gate))
-            rows = F.embedding(tokens, self.ve_table).view(T, self.n_kv_heads, self.head_dim)
-            v = v + (gate[..., None] * rows).flatten(-2).to(v.dtype)
-        if offsets is not None:  # DEQ-QKV (design §2)
-            dq, dk, dv = offsets
-            q, k, v = q + self.local(dq, self.q_size), k + self.local(dk, self.kv_size), v + self.local(dv, self.kv_size)
-        if self.q_bias is not None:
-            q, k = q + self.q_bias.to(q.dtype), k + self.k_bias.to(k.dtype)
-        cos, sin = rope
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
-        if self.qk_norm:
-            q, k = per_head_norm(q), per_head_norm(k)
-        y = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v.contiguous())
+        if offsets is not None:  # DEQ-QKV: this rank's columns of the full-width offsets
+            offsets = tuple(self.local(o, n) for o, n in zip(offsets, (self.q_size, self.kv_size, self.kv_size)))
+        rows = F.embedding(tokens, self.ve_table) if self.ve_gate is not None else None
+        q, k, v = attention_inputs(x, q, k, v, rope, lambda t, n: t.view(T, n, self.head_dim), head_dim=self.head_dim,
+                                   qk_norm=self.qk_norm, q_bias=self.q_bias, k_bias=self.k_bias, gate=self.ve_gate,
+                                   value_rows=rows, offsets=offsets)
+        k, v = k.reshape(T, self.kv_size), v.reshape(T, self.kv_size)
+        if terminal is not None:
+            k, v = terminal(k, v)
+        y = self.attn(q.reshape(T, self.q_size), k, v)
         out, _ = self.wo(y)
         return out
 
@@ -188,37 +218,25 @@ class LoopedFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             h, _ = self.w13(x)
-            a, b = h.chunk(2, dim=-1)
-            h = F.silu(a) * b
+            h = ffn_hidden("swiglu", *h.chunk(2, dim=-1))
         else:
             h, _ = self.w1(x)
-            h = F.relu(h).square()
+            h = ffn_hidden("relu2", h)
         out, _ = self.w2(h)
         return out
 
 
 class LoopedBlock(nn.Module):
-    """`looplm.model.blocks.Block` (pre / sandwich / branch norms) over `LoopedAttention`."""
+    """`looplm.model.blocks.Block` over `LoopedAttention`: the same norms and residual stream
+    (`build_block`, `block_forward`)."""
 
     def __init__(self, cfg: ModelConfig, value_embed: bool, prefix: str, cache_config, quant_config):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LoopedAttention(cfg, value_embed, f"{prefix}.attn", cache_config, quant_config)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = LoopedFFN(cfg, f"{prefix}.ffn", quant_config)
-        self.norm_sum = cfg.block_norm == "sandwich"
-        second = cfg.block_norm != "pre"
-        self.attn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
-        self.ffn_out_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if second else None
+        build_block(self, cfg, LoopedAttention(cfg, value_embed, f"{prefix}.attn", cache_config, quant_config),
+                    LoopedFFN(cfg, f"{prefix}.ffn", quant_config))
 
-    def _residual(self, x, y, norm):
-        if norm is None:
-            return x + y
-        return norm(x + y) if self.norm_sum else x + norm(y)
-
-    def forward(self, x, rope, tokens, offsets=None):
-        h = self._residual(x, self.attn(self.attn_norm(x), rope, tokens, offsets), self.attn_out_norm)
-        return self._residual(h, self.ffn(self.ffn_norm(h)), self.ffn_out_norm)
+    def forward(self, x, rope, tokens, offsets=None, terminal=None):
+        return block_forward(self, x, lambda a: self.attn(a, rope, tokens, offsets, terminal))
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0,
@@ -230,7 +248,11 @@ class LoopedLMForVLLM(nn.Module):
     is the one `looplm generate` gives a prompt run alone: the seeded state of example 0 at each
     token's position (or the prelude output for state_init="input"). With `exit_gate_threshold` q
     (Ouro's threshold exit) every recurrence runs and writes its K/V, and each token's coda reads the
-    state of the first recurrence whose cumulative exit probability reaches q (design §14)."""
+    state of the first recurrence whose cumulative exit probability reaches q (design §14).
+
+    Per-token depth (`per_token_loop`): with `prefill_steps` P != num_steps D, or `exit_tau` (and
+    `min_depth`), prompt tokens run P recurrences (default D) and decoded tokens D, stopping earlier by
+    adaptive exit; prompt and decoded tokens are told apart by the runner hook's roles buffer."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -240,6 +262,17 @@ class LoopedLMForVLLM(nn.Module):
                              pipeline_parallel=par.pipeline_parallel_size)
         self.cfg, self.depth = cfg, int(getattr(hf, "num_steps", 5))
         self.exit_threshold = getattr(hf, "exit_gate_threshold", None)
+        pre = getattr(hf, "prefill_steps", None)
+        self.prefill_depth = self.depth if pre is None else int(pre)
+        self.exit_tau = getattr(hf, "exit_tau", None)
+        self.min_depth = int(getattr(hf, "min_depth", 1))
+        self.per_token = self.prefill_depth != self.depth or self.exit_tau is not None
+        # eager forwards of the per-token loop: how many, their recurrences, how many mixed prompt and decoded tokens
+        self.loop_stats = {"forwards": 0, "recurrences": 0, "mixed": 0}
+        if self.per_token:  # which tokens are the prompt's: the model-runner hook fills this buffer
+            token_roles.install(vllm_config)
+            self.register_buffer(token_roles.ROLES_ATTRIBUTE, torch.zeros(
+                vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int8), persistent=False)
         cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, quant_config=quant_config,
                                             prefix=maybe_prefix(prefix, "embed"))
@@ -290,13 +323,13 @@ class LoopedLMForVLLM(nn.Module):
         injected, offsets = self.injection.prepare(x), self.injection.qkv_offsets(x)
         s = self.initial_state(x, positions)
         visited = []
-        for _ in range(self.depth):  # design §7: each core attention rewrites the token's slot every recurrence
-            s = self.injection(s, injected)
-            for j, block in enumerate(self.stack("core")):
-                s = block(s, rope, input_ids, offsets[j] if offsets else None)
-            s = self.injection.exit(s)
-            if self.exit_threshold is not None:
-                visited.append(s)
+        if self.per_token:
+            s = self.per_token_loop(s, injected, offsets, rope, input_ids)
+        else:
+            for _ in range(self.depth):  # design §7: each core attention rewrites the token's slot every recurrence
+                s = self.recurrence(s, injected, offsets, rope, input_ids)
+                if self.exit_threshold is not None:
+                    visited.append(s)
         if visited:  # Ouro's threshold exit: the coda reads each token's exit recurrence
             pdf = exit_distribution([self.exit_gate(v)[None] for v in visited])
             s = select_depth(torch.stack(visited, 1)[None], threshold_exit(pdf, self.exit_threshold))[0]
@@ -305,6 +338,62 @@ class LoopedLMForVLLM(nn.Module):
         for block in self.stack("coda"):
             z = block(z, rope, input_ids)
         return self.norm(z)
+
+    def recurrence(self, s, injected, offsets, rope, input_ids, terminals=None):
+        """One recurrence F (design §2): inject, the core blocks, the exit map."""
+        s = self.injection(s, injected)
+        for j, block in enumerate(self.stack("core")):
+            s = block(s, rope, input_ids, offsets[j] if offsets else None, None if terminals is None else terminals[j])
+        return self.injection.exit(s)
+
+    def per_token_loop(self, s, injected, offsets, rope, input_ids):
+        """The recurrences under per-token depth (looplm's `LoopedLM.with_exits`, design §13, §15): a prompt
+        token (the runner hook's roles buffer) runs `prefill_depth` recurrences, a decoded token `num_steps`,
+        or fewer with `exit_tau` once r >= min_depth and |s^r - s^(r-1)| / |s^(r-1)| < exit_tau. The loop runs
+        to the deepest; a token that stopped keeps its frozen state and its last K/V (`TerminalKV`).
+
+        Eager, the loop ends when every token stopped: the step's depth from the hook's host-side summary
+        (prompt tokens and/or decoded ones), and with exit_tau a host sync after each recurrence from
+        min_depth on. Compiled (vLLM's torch.compile, CUDA graphs) it always runs max(prefill_depth,
+        num_steps) recurrences, with masks and no host sync: the extra recurrences change no token (a
+        stopped token's state and K/V are rewritten with themselves), so compiled equals eager."""
+        T = s.shape[0]
+        prompt = getattr(self, token_roles.ROLES_ATTRIBUTE)[:T].bool()
+        P, D, tau = self.prefill_depth, self.depth, self.exit_tau
+        eager = not torch.compiler.is_compiling()
+        R = max(P, D)
+        has_prompt, has_decoded = True, True
+        if eager:
+            has_prompt, has_decoded = getattr(self, token_roles.KINDS_ATTRIBUTE, (True, True))
+            R = max(P if has_prompt else 0, D if has_decoded else 0) or R
+        terminals = [TerminalKV() for _ in range(self.cfg.n_core)]
+        active = None  # every token recurs
+        r = 0
+        for r in range(R):
+            prev = s
+            s = self.recurrence(s, injected, offsets, rope, input_ids, terminals)
+            if active is not None:
+                s = torch.where(active[:, None], s, prev)  # a stopped token's state stays frozen
+            stop, step = None, r + 1
+            if step >= P:
+                stop = prompt
+            if step >= D:
+                stop = ~prompt if stop is None else stop | ~prompt
+            if tau is not None and step >= self.min_depth and step < D:  # adaptive exit: decoded tokens only
+                change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
+                exits = (change < tau) & ~prompt
+                stop = exits if stop is None else stop | exits
+            if stop is not None:
+                active = ~stop if active is None else active & ~stop
+                for t in terminals:
+                    t.active = active
+                if eager and tau is not None and step < R and not bool(active.any()):
+                    break
+        if eager:
+            self.loop_stats["forwards"] += 1
+            self.loop_stats["recurrences"] += r + 1
+            self.loop_stats["mixed"] += has_prompt and has_decoded
+        return s
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.head, hidden_states)
