@@ -29,6 +29,7 @@ from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.decode import SamplingConfig, TextStream, choose
 from looplm.infer.depth_rule import DepthRule, check_depth
+from looplm.infer.generate import Speculation
 from looplm.infer.prefill import Prefill, check_arm_cache
 from looplm.infer.step import DecodeStep, StepRows
 from looplm.model.exits import DepthPlan
@@ -82,9 +83,8 @@ class EngineConfig:
             raise UserError(f"{name('max_seq_len')} must be >= 2, got {self.max_seq_len}")
         if self.speculate < 0:
             raise UserError(f"{name('speculate')} must be >= 0 (0 = off), got {self.speculate}")
-        if self.speculate and not 1 <= self.draft_depth < self.depth:
-            raise UserError(f"{name('draft_depth')} must be in 1..{self.depth - 1} (below {name('depth')} "
-                            f"{self.depth}), got {self.draft_depth}")
+        if self.speculate:
+            check_depth(name("draft_depth"), self.draft_depth, self.depth - 1, f"below {name('depth')} {self.depth}")
         if max_depth is not None:
             for key in ("depth", "max_depth"):
                 if getattr(self, key) is not None:
@@ -295,9 +295,8 @@ class Engine:
         k, draft_depth = self.speculation(request)
         if k < 0:
             raise UserError(f"speculate must be >= 0 (0 = off), got {k}")
-        if k and not 1 <= draft_depth < rule.depth:
-            raise UserError(f"draft_depth must be in 1..{rule.depth - 1} (below the decode depth {rule.depth}), "
-                            f"got {draft_depth}")
+        if k:
+            Speculation(k, draft_depth).check(rule.depth)
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
