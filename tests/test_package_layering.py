@@ -31,7 +31,7 @@ ALLOWED = {
     "distill": {"config", "model", "infer", "data", "eval", "checkpoint", "train", "distill"},
     "rl": {"config", "model", "infer", "data", "eval", "checkpoint", "train", "rl"},
     "convert": {"config", "model", "data", "checkpoint", "convert", "train", "depth", "distill"},  # job, student format
-    "vllm_plugin": {"config", "model", "hf", "vllm_plugin"},
+    "vllm_plugin": {"config", "model", "infer", "hf", "vllm_plugin"},  # infer: the DepthRule it checks
 }
 BASE = {"errors"}  # the user-error type (stdlib only), importable from every layer
 ALLOWED = {package: allowed | BASE for package, allowed in ALLOWED.items()}
