@@ -70,6 +70,17 @@ class _Slots:
         return KVBank.of(k, v).slot(self.write_at)
 
 
+def _cut(t, m: int):
+    """The part of a step's shared tensor (or list of them) for the chunk's tokens from m on: the
+    token axis is the second to last of the mask and RoPE tables [B, 1, n, .], the second of the
+    rest [B, n, .]; a fresh contiguous copy (a compiled piece sees the strides a one-token step has)."""
+    if t is None:
+        return None
+    if isinstance(t, (list, tuple)):
+        return type(t)(_cut(x, m) for x in t)
+    return (t[:, :, m:] if t.ndim == 4 else t[:, m:]).clone(memory_format=torch.contiguous_format)
+
+
 class DecodeStep:
     """One-token decode steps on the first rows of `cache` (see the module docstring).
 
@@ -126,13 +137,20 @@ class DecodeStep:
         return self._banks[B]
 
     @torch.no_grad()
-    def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True, endpoint: bool = False):
+    def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True, endpoint: bool = False,
+                 resume: tuple[torch.Tensor, int] | None = None):
         """Feed `rows.tokens` [B] (or a chunk [B, n] per row, at one depth); returns (fp32 logits
         [B, V] (or [B, n, V]), recurrences used [B]). The cache's entries from `write_at` on are
         written; the caller moves its lengths on. `fill=False` leaves a
         full cache's visits past a row's depth unwritten (a draft that the verifier rewrites).
         `endpoint=True` also returns the state that entered the coda, [B, d] (or [B, n, d]): RL's
-        rollout-state reuse saves it (design §10)."""
+        rollout-state reuse saves it (design §10).
+
+        `resume=(states, r0)` (a chunk on the full cache): the chunk's first m tokens already ran
+        recurrences 1..r0 as one-token steps at these positions (self-speculation's drafts), so
+        `states` [B, m, d] are their states after recurrence r0 and their visits 0..r0-1 are in the
+        cache; the chunk's other tokens first run recurrences 1..r0 on their own (reading those
+        visits), then the whole chunk recurs from r0 + 1 to `loop_depth` (design §16)."""
         B = rows.tokens.shape[0]
         banks = self.banks(B)
         exits = rows.exits
@@ -141,10 +159,13 @@ class DecodeStep:
             raise ValueError("a chunk of several tokens per row runs one fixed depth (no per-row depth or exit)")
         s, *shared = self.begin(rows.tokens if chunk else rows.tokens[:, None], rows.write_at, rows.first,
                                 rows.example_ids, banks)
+        start = 0
+        if resume is not None:
+            s, start = self._resume(s, shared, rows, banks, *resume, loop_depth)
         active = torch.ones(B, dtype=torch.bool, device=s.device)
         depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
         used = depth.clone()
-        for r in range(loop_depth):
+        for r in range(start, loop_depth):
             if exits:
                 s, active, used = self.recur_exits(self._steps[r], s, active, used, depth, rows.exit_tau,
                                                    rows.min_depth, rows.write_at, shared, banks["core"][r])
@@ -163,6 +184,25 @@ class DecodeStep:
             else:
                 view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)
         return (logits, used, z) if endpoint else (logits, used)
+
+    def _resume(self, s, shared, rows: StepRows, banks: dict, states: torch.Tensor, r0: int, loop_depth: int):
+        """(the chunk's states after recurrence r0, r0): `states` for its first m tokens; the others
+        (usually one: the last draft, never fed) run recurrences 1..r0 now, through the same pieces
+        as a one-token step (their context is the chunk's, cut to their positions)."""
+        if rows.tokens.ndim != 2 or self.cache.mode != "full":
+            raise ValueError("resume continues a chunk on the full cache (whose visits 1..r0 the drafts wrote)")
+        m, n = states.shape[1], rows.tokens.shape[1]
+        if not (1 <= r0 < loop_depth and r0 <= self.cache.depth and m <= n):
+            raise ValueError(f"resume from recurrence {r0} with {m} states: needs 1 <= r0 < {loop_depth}, "
+                             f"r0 <= the cache depth {self.cache.depth} and at most {n} states")
+        if m < n:
+            tail = [_cut(t, m) for t in shared]
+            at = rows.write_at + m
+            rest = s[:, m:]
+            for r in range(r0):
+                rest = self.recur(rest, at, tail, banks["core_kv"][r])
+            states = torch.cat([states, rest], 1)
+        return states.to(s.dtype), r0
 
     # -- the three pieces (traced by torch.compile; tensors in, tensors out) -------------------
     def _mask_and_rope(self, write_at, first, n: int):
