@@ -2,7 +2,7 @@
 against a plain compiled looped stack of the same shape, side by side in one process.
 
     python benchmarks/decode_speed.py [--quick] [--checkpoint runs/tiny] [--threads 1]
-        [--out benchmarks/results/decode_speed.json]
+        [--out benchmarks/results/decode_speed.json] [--skip-speed] [--draft-depths 2 3 4]
 
 Speed arms (random weights; speed does not depend on them), for each shape (the tiny preset's
 d 128, 4/2 heads, FFN 384, and d 512, 8/2 heads, FFN 1536; 1/2/1 blocks), batch (1, 16), depth
@@ -22,7 +22,10 @@ through `looplm.infer.generate` on held-out Shakespeare prompts: tokens/s, accep
 tokens per verify, whether the greedy text equals plain decoding, and the quality cost as the mean
 log-likelihood per generated token under the checkpoint's native forward at depth 32. Every arm
 there decodes one prompt at a time (batch 1); tokens/s = generated tokens / decode seconds
-(`generate`'s own timing, prefill excluded).
+(`generate`'s own timing, prefill excluded). The full cache also runs each draft depth with
+`Speculation(reuse=False)` (`no reuse`): the verify chunk reruns recurrences 1..r_d instead of
+resuming from the drafts' states (design §16); same text, same acceptance, the difference is the
+reuse's gain. `--draft-depths 3` keeps one draft depth.
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
     return [docs[i][:60] for i in val[:n]]
 
 
-def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> list[dict]:
+def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int,
+                draft_depths: tuple[int, ...] = (2, 3, 4)) -> list[dict]:
     from looplm.checkpoint import load_model, resolve
     from looplm.infer.decode import SamplingConfig
     from looplm.infer.generate import DepthRule, Speculation, generate
@@ -159,7 +163,9 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> 
     out = []
     for mode in ("full", "terminal"):
         step = DecodeStep(model, compile=True)
-        arms = {"compiled": None, **{f"speculate r_d={r}": Speculation(4, r) for r in (2, 3, 4)}}
+        arms = {"compiled": None, **{f"speculate r_d={r}": Speculation(4, r) for r in draft_depths}}
+        if mode == "full":  # the verify from recurrence 1 instead of r_d + 1: what reusing the drafts' states saves
+            arms.update({f"speculate r_d={r}, no reuse": Speculation(4, r, reuse=False) for r in draft_depths})
         for spec in arms.values():  # warm-up (compiles)
             generate(model, tokenizer, prompts[:1], DepthRule(R), cache=mode, sampling=SamplingConfig(max_new_tokens=8),
                      compile=True, speculate=spec, step=step)
@@ -191,6 +197,7 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int) -> 
                    "same_text_as_compiled": res["texts"] == base["texts"],
                    "mean_loglik": mean_loglik(model, tokenizer, prompts, res["texts"], R)}
             if name != "compiled":
+                row["reuse"] = mode == "full" and arms[name].reuse  # speculative_decode reuses on the full cache only
                 row["acceptance_rate"] = res["stats"]["acceptance_rate"]
                 row["tokens_per_verify"] = res["stats"]["tokens_per_verify"]
             print(f"speculative {mode:8s} {name:16s}: {row['tokens_per_s']:7.1f} tok/s ({row['vs_compiled']:.2f}x "
@@ -224,6 +231,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true", help="only the speculative arms (needs --checkpoint)")
+    ap.add_argument("--draft-depths", type=int, nargs="+", default=[2, 3, 4], help="r_d of the speculative arms")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -234,7 +242,7 @@ def main() -> None:
     for shape in [] if args.skip_speed else shapes:
         for B in (1, 16):
             speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps)
-    spec = speculative(args.checkpoint, args.rounds, 64, 4) if args.checkpoint else []
+    spec = speculative(args.checkpoint, args.rounds, 64, 4, tuple(args.draft_depths)) if args.checkpoint else []
     if args.skip_speed and args.out.exists():  # keep the speed arms of an earlier run of the same file
         speed = json.loads(args.out.read_text()).get("speed", [])
     result = {"command": command_line(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "

@@ -22,7 +22,7 @@ from looplm.errors import UserError
 from looplm.infer import extend, make_cache
 from looplm.infer.decode import SamplingConfig, probabilities
 from looplm.infer.generate import DepthRule, Speculation, generate
-from looplm.infer.step import DecodeStep
+from looplm.infer.step import DecodeStep, StepRows
 
 TOK = ByteTokenizer()
 DEPTH = 4
@@ -58,7 +58,7 @@ def _no_cache_greedy(model, prompt_ids, n, depth, eos, example_id=0):
     return ids[len(prompt_ids):]
 
 
-def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=(), depth=DEPTH, **kw):
+def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=(), depth=DEPTH, reuse=True, **kw):
     """generate with speculation, instrumented: (text, emitted ids (EOS included), windows [(k_i, n_i)], stats)."""
     emitted, windows = [], []
     real_accept, real_decode = spec_mod.accept, gen_mod.speculative_decode
@@ -74,7 +74,8 @@ def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=
     monkeypatch.setattr(spec_mod, "accept", accept)
     monkeypatch.setattr(gen_mod, "speculative_decode", decode)
     stats = {}
-    text = generate(model, tok, [prompt], DepthRule(depth), cache=mode, stats=stats, speculate=Speculation(k, draft_depth),
+    text = generate(model, tok, [prompt], DepthRule(depth), cache=mode, stats=stats,
+                    speculate=Speculation(k, draft_depth, reuse),
                     sampling=SamplingConfig(max_new_tokens=n, stop=stop), **kw)[0]
     monkeypatch.undo()
     return text, emitted, windows, stats
@@ -83,14 +84,16 @@ def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=
 CASES = [(1, 1, 13), (2, 1, 13), (3, 2, 13), (5, 3, 11), (4, 1, 30)]
 
 
-@pytest.mark.parametrize(("k", "draft_depth", "n"), CASES)
-def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k, draft_depth, n):
-    """max_new_tokens is never a multiple of k + 1; prompts of 1, 5 and 17 bytes."""
+@pytest.mark.parametrize(("k", "draft_depth", "n", "reuse"), [(*c, True) for c in CASES] + [(3, 2, 13, False)])
+def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k, draft_depth, n, reuse):
+    """max_new_tokens is never a multiple of k + 1; prompts of 1, 5 and 17 bytes. `reuse`: the verify
+    resumes from the drafts' states (the default), or reruns every recurrence."""
     rejected = accepted = 0
     for prompt in ["a", "hello", "the quick brown f"]:
         ids = TOK.encode(prompt)
         want = _no_cache_greedy(model, ids, n, DEPTH, TOK.eos_id)
-        text, emitted, windows, stats = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="full", n=n)
+        text, emitted, windows, stats = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="full", n=n,
+                                              reuse=reuse)
         assert [t for t in emitted if t != TOK.eos_id] == want, (prompt, emitted, want)
         plain = generate(model, TOK, [prompt], DepthRule(DEPTH), cache="full", sampling=SamplingConfig(max_new_tokens=n))
         assert text == plain[0] == TOK.decode(want)
@@ -98,6 +101,54 @@ def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k
         accepted += sum(a for _, a in windows)
         assert stats["speculation"]["accepted"] == sum(a for _, a in windows)
     assert rejected > 0 and accepted > 0  # both paths of the rule ran (draft depth << verifier depth)
+
+
+@pytest.mark.parametrize(("k", "draft_depth", "cache_depth", "prompt"),
+                         [(4, 1, DEPTH, "the quick brown f"), (3, 3, DEPTH, "a"), (4, 2, 6, "hello")])
+@torch.no_grad()
+def test_a_verify_resumed_from_the_drafts_equals_a_verify_from_scratch(model, k, draft_depth, cache_depth, prompt):
+    """The full cache's reuse (design §16) against two references that never resume: the same verify
+    chunk rerun at every recurrence after the same drafts (a twin of the cache), and `extend` of the
+    chunk on a copy of the cache taken before any draft ran. Logits and every bank to 1e-5. Also the
+    claim the reuse rests on: a draft's state after recurrence r_d is the parallel forward's state
+    after recurrence r_d at its position (no cache at all), and the resumed logits are its logits."""
+    ids, ex, pad = TOK.encode(prompt), torch.tensor([2]), torch.tensor([0])
+    L = len(ids)
+    cache = make_cache("full", model.cfg, 1, 48, cache_depth)
+    tok = extend(model, torch.tensor([ids]), cache, DEPTH, example_ids=ex).logits[:, -1].argmax(-1)
+    before = cache.take(torch.tensor([0]))
+    step = DecodeStep(model, cache)
+    fed, states = [tok], []
+    for i in range(k):  # the drafts of one round: last, d_1 .. d_{k-1} fed at depth r_d, d_k proposed
+        logits, _, z = step(StepRows(tok, torch.tensor([L + i]), pad, ex), draft_depth, fill=False, endpoint=True)
+        tok = logits.argmax(-1)
+        fed.append(tok)
+        states.append(z)
+    chunk = torch.cat(fed)[None]  # [1, k + 1]
+    twin = cache.take(torch.tensor([0]))
+    rows = StepRows(chunk, torch.tensor([L]), pad, ex)
+    got, used = step(rows, DEPTH, resume=(torch.stack(states, 1), draft_depth))
+    assert used.tolist() == [DEPTH]
+    rerun, _ = DecodeStep(model, twin)(rows, DEPTH)
+    scratch = extend(model, chunk, before, DEPTH, example_ids=ex).logits
+    assert (got - rerun).abs().max() <= 1e-5 and (got - scratch).abs().max() <= 1e-5
+    for a, b in zip(cache.banks(), before.banks(), strict=True):  # before: positions past L + k never written
+        assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
+    native = model(torch.cat([torch.tensor([ids]), chunk], 1), DEPTH, init="seeded", example_ids=ex, return_states=True)
+    assert (torch.stack(states, 1) - native.states[draft_depth - 1][:, L:L + k]).abs().max() <= 1e-5
+    assert (native.states[draft_depth][:, L:L + k] - torch.stack(states, 1)).abs().max() > 1e-3  # depth matters
+    assert (got - native.logits[:, L:]).abs().max() <= 1e-5
+
+
+def test_resume_is_checked(model):
+    cache = make_cache("terminal", model.cfg, 1, 48, DEPTH)
+    rows = StepRows(torch.zeros(1, 3, dtype=torch.long), torch.tensor([0]), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="full cache"):
+        DecodeStep(model, cache)(rows, DEPTH, resume=(torch.zeros(1, 2, model.cfg.d_model), 1))
+    step = DecodeStep(model, make_cache("full", model.cfg, 1, 48, DEPTH))
+    for states, r0 in ((torch.zeros(1, 4, model.cfg.d_model), 1), (torch.zeros(1, 2, model.cfg.d_model), DEPTH)):
+        with pytest.raises(ValueError, match="resume from recurrence"):
+            step(rows, DEPTH, resume=(states, r0))
 
 
 def _window_positions(emitted, windows):

@@ -187,3 +187,72 @@ def test_a_chunk_per_row_equals_extend_of_the_chunk(model, mode, cache_depth):
     assert_banks_equal(cache, twin)
     with pytest.raises(ValueError, match="one fixed depth"):
         step(StepRows(chunk, torch.full((3,), L), pad, ids, depth=torch.tensor([4, 3, 4])), 4)
+
+
+# -- the fixed-depth path unrolled (`unroll`), and a verify chunk resumed from drafts, compiled ----------
+UNROLL = 3
+
+
+@pytest.fixture(scope="module")
+def compiled_unrolled(model):
+    """One compiled step with unroll = 3 for every test below (graphs depend on shapes only)."""
+    return DecodeStep(model, compile=True, unroll=UNROLL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "cache_depth"), [("terminal", 6), ("full", 6)])
+def test_compiled_unrolled_steps_equal_the_eager_step(model, compiled_unrolled, mode, cache_depth):
+    """Depths 7 = 2 x 3 + 1 and 5 = 3 + 2 (the unrolled piece, then single recurrences; the full cache of
+    depth 6 ends a window at its last visit, and depth 7 runs past it) through the compiled unrolled step,
+    against the eager step without unrolling on a twin cache: logits (1e-5) and every bank."""
+    step = compiled_unrolled
+    prompts = _prompts(2, seed=11)
+    cache, twin, pad, L = _twins(model, mode, prompts, depth=3, cache_depth=cache_depth)
+    step.reset(cache)
+    eager = DecodeStep(model, twin)
+    ids = torch.arange(2)
+    g = torch.Generator().manual_seed(12)
+    for t, R in enumerate([7, 5, 7]):
+        rows = StepRows(torch.randint(0, V, (2,), generator=g), torch.full((2,), L + t), pad, ids)
+        got, _ = step(rows, R)
+        ref, _ = eager(rows, R)
+        assert (got - ref).abs().max() <= TOL, (t, R)
+        assert_banks_equal(cache, twin)
+
+
+@pytest.mark.slow
+def test_compiled_resumed_chunk_equals_the_eager_one(model, compiled_unrolled):
+    """Self-speculation's round on the full cache through the compiled unrolled step: drafts at depth 4
+    (one unrolled call, one single), then the verify chunk resumed from their states (the last draft
+    catching up alone) at depth 6, against the eager step; the resume compiles no graph of its own
+    (the catch-up runs the one-token graphs the drafts compiled)."""
+    from torch._dynamo.utils import counters
+
+    step = compiled_unrolled
+    cache, twin, pad, L = _twins(model, "full", _prompts(1, seed=13), depth=6, cache_depth=6)
+    ids, r_d, k = torch.tensor([3]), 4, 3
+    eager = DecodeStep(model, twin)
+    step.reset(cache)
+    g = torch.Generator().manual_seed(14)
+    for round_ in range(2):
+        at = L + round_ * (k + 1)
+        fed = torch.randint(0, V, (1, k + 1), generator=g)
+        states, ref_states = [], []
+        for i in range(k):
+            rows = StepRows(fed[:, i], torch.tensor([at + i]), pad, ids)
+            got, _, z = step(rows, r_d, fill=False, endpoint=True)
+            ref, _, ref_z = eager(rows, r_d, fill=False, endpoint=True)
+            assert (got - ref).abs().max() <= TOL and (z - ref_z).abs().max() <= TOL
+            states.append(z)
+            ref_states.append(ref_z)
+        rows = StepRows(fed, torch.tensor([at]), pad, ids)
+        if round_ == 0:  # compile the chunk's graphs (unrolled and single) on a copy of the cache
+            step.reset(cache.take(torch.tensor([0])))
+            step(rows, UNROLL + 1)
+            step.reset(cache)
+        graphs = counters["stats"]["unique_graphs"]
+        got, _ = step(rows, 6, resume=(torch.stack(states, 1), r_d))
+        assert counters["stats"]["unique_graphs"] == graphs
+        ref, _ = eager(rows, 6, resume=(torch.stack(ref_states, 1), r_d))
+        assert (got - ref).abs().max() <= TOL
+        assert_banks_equal(cache, twin)

@@ -49,6 +49,8 @@ class Speculation:
     """Draft tokens per verify chunk."""
     draft_depth: int = 2
     """Recurrences per draft token (r_d < depth)."""
+    reuse: bool = True
+    """Full cache: the verify starts at recurrence r_d + 1 from the drafts' states (False: all R)."""
 
     def check(self, depth: int) -> None:
         if self.k < 1:
@@ -145,7 +147,7 @@ def generate(
         totals = SpeculationStats()
         speculative_decode(step, logits, length=L, depth=depth, draft_depth=speculate.draft_depth,
                            k=speculate.k, sampling=cfg, generator=gen, pad=pad, example_ids=ids_arg, emit=emit,
-                           stats=totals)
+                           stats=totals, reuse=speculate.reuse)
         _finish(streams, on_token)
         if stats is not None:
             stats.update(_speculation_stats(totals), mean_decode_depth=float(depth),

@@ -19,6 +19,14 @@ With the full cache the verify chunk at depth R is the parallel forward, so gree
 plain decoding at depth R token for token. With the terminal cache the chunk's tokens read each
 other's current-recurrence K/V (the chunk protocol of design §7), so the output equals decoding in
 which each accepted window was written as one chunk; BENCHMARKS.md measures what that costs.
+
+Reuse (full cache, `reuse=True`, the default): a draft's recurrence r < r_d reads the visit-r
+banks, which for the earlier chunk positions hold the earlier drafts' visit-r K/V, exactly what
+the verify chunk's recurrence r computes there; so its state after r_d recurrences is the
+verifier's, and its visits 1..r_d stay in the cache. The drafts fed [last, d_1..d_{k-1}] (`last`,
+the verifier's own token, is not cached yet: the first draft feeds it); d_k was never fed, so it
+runs recurrences 1..r_d alone first, then the chunk of k + 1 runs r_d + 1..R (`DecodeStep`'s
+`resume`, design §16). The prelude reruns on the chunk (it rewrites the same K/V).
 """
 
 from __future__ import annotations
@@ -87,11 +95,14 @@ def accept(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
 def speculative_decode(step: DecodeStep, first_logits: torch.Tensor, *, length: int,
                        depth: int, draft_depth: int, k: int, sampling: SamplingConfig,
                        generator: torch.Generator | None, pad: torch.Tensor, example_ids: torch.Tensor,
-                       emit: Callable[[int], bool], stats: SpeculationStats) -> None:
+                       emit: Callable[[int], bool], stats: SpeculationStats, reuse: bool = True) -> None:
     """Decode one row (batch 1) speculatively from `first_logits` [1, V] (the prompt's last position)
     with `length` tokens cached; `emit(token)` takes each new token and returns True to stop.
-    At most `sampling.max_new_tokens` tokens are emitted."""
+    At most `sampling.max_new_tokens` tokens are emitted. `reuse` (full cache): the verify chunk
+    starts at recurrence draft_depth + 1 from the drafts' states (design §16); False (or the
+    terminal cache) runs its every recurrence."""
     greedy = sampling.temperature <= 0
+    reuse = reuse and step.cache.mode == "full" and draft_depth <= step.cache.depth
     started = time.perf_counter()
     dev = first_logits.device
 
@@ -114,15 +125,18 @@ def speculative_decode(step: DecodeStep, first_logits: torch.Tensor, *, length: 
             logits, _ = step(StepRows(last, torch.tensor([length], device=dev), pad, example_ids), depth)
             emit(int(choose_from(logits)[0]))
             return
-        tok, drafts, qs = last, [], []
+        tok, drafts, qs, states = last, [], [], []
         for i in range(n_draft):
-            logits, _ = step(StepRows(tok, torch.tensor([length + i], device=dev), pad, example_ids), draft_depth,
-                             fill=False)  # a draft's deeper visits are never read: the verifier rewrites them
+            # a draft's deeper visits are never read: the verifier rewrites them
+            logits, _, *z = step(StepRows(tok, torch.tensor([length + i], device=dev), pad, example_ids), draft_depth,
+                                 fill=False, endpoint=reuse)
             tok, q = choose_from(logits)
             drafts.append(tok)
             qs.append(q)
+            states += z  # [1, d]: the state after recurrence draft_depth of the token fed (last, d_1, ...)
         chunk = torch.cat([last, *drafts])[None]
-        verify, _ = step(StepRows(chunk, torch.tensor([length], device=dev), pad, example_ids), depth)
+        resume = (torch.stack(states, 1), draft_depth) if reuse else None  # d_k, never fed, catches up in the step
+        verify, _ = step(StepRows(chunk, torch.tensor([length], device=dev), pad, example_ids), depth, resume=resume)
         verify = verify[0]
         p = verify if greedy else probabilities(verify, sampling)
         n, nxt = accept(torch.cat(drafts), p, None if greedy else torch.cat(qs), generator)
