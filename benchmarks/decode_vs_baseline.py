@@ -4,7 +4,8 @@
     python benchmarks/decode_vs_baseline.py --baseline-src /tmp/looplm-baseline/src \
         [--depth 32] [--tokens 128] [--rounds 3] [--out benchmarks/results/decode_vs_baseline.json]
 
-What the user calls: `looplm.infer.generate(model, tokenizer, [prompt], DepthRule(R))` on one 64-byte
+What the user calls: `looplm.infer.generate(model, tokenizer, [prompt], DepthRule(R))` (the baseline's
+`generate(..., depth=R)`) on one 64-byte
 prompt, greedy, terminal cache, the tiny preset's shape (d 128, 4/2 heads, FFN 384, 1/2/1 blocks)
 with random weights (seed 0) and the byte tokenizer. Three arms, each in its own process (a fresh
 interpreter per arm and round, arms alternating within a round):
@@ -41,8 +42,14 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
 
     from looplm.config import ModelConfig
     from looplm.data.tokenizer import ByteTokenizer
-    from looplm.infer.generate import DepthRule, SamplingConfig, generate
+    from looplm.infer.generate import SamplingConfig, generate
     from looplm.model import LoopedLM
+
+    try:  # today's call: generate(..., DepthRule(R)); the baseline's: generate(..., depth=R)
+        from looplm.infer import DepthRule
+        depth_args, depth_kw = (DepthRule(depth),), {}
+    except ImportError:
+        depth_args, depth_kw = (), {"depth": depth}
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=258, max_seq_len=256, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
@@ -55,7 +62,8 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
 
     def run(n: int) -> float:
         t = time.perf_counter()
-        out = generate(model, tok, [PROMPT], DepthRule(depth), sampling=SamplingConfig(max_new_tokens=n), **extra)
+        out = generate(model, tok, [PROMPT], *depth_args, sampling=SamplingConfig(max_new_tokens=n), **depth_kw,
+                       **extra)
         elapsed = time.perf_counter() - t
         assert out[0], "nothing decoded"
         return elapsed
