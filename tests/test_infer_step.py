@@ -2,7 +2,9 @@
 `extend` one token at a time on a twin cache (same prefill, same tokens). Per-token logits to 1e-5 and
 every bank of the cache afterwards, in the terminal and the full cache, with left padding (`first` >
 0), per-row lengths (`write_at` differing per row), per-row depths and adaptive exit. The compiled
-step (one module-scoped instance, compiled once) equals the eager step."""
+step (one module-scoped instance, compiled once) equals the eager step, on the exit path and, with
+several recurrences per graph (`unroll`), on the fixed-depth path and a verify chunk resumed from
+its drafts' states."""
 
 import time
 
