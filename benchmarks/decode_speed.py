@@ -2,7 +2,7 @@
 against a plain compiled looped stack of the same shape, side by side in one process.
 
     python benchmarks/decode_speed.py [--quick] [--checkpoint runs/tiny] [--threads 1]
-        [--out benchmarks/results/decode_speed.json] [--skip-speed] [--draft-depths 2 3 4]
+        [--out benchmarks/results/decode_speed.json] [--skip-speed] [--draft-depths 2 3 4] [--unroll U]
 
 Speed arms (random weights; speed does not depend on them), for each shape (the tiny preset's
 d 128, 4/2 heads, FFN 384, and d 512, 8/2 heads, FFN 1536; 1/2/1 blocks), batch (1, 16), depth
@@ -25,12 +25,14 @@ there decodes one prompt at a time (batch 1); tokens/s = generated tokens / deco
 (`generate`'s own timing, prefill excluded). The full cache also runs each draft depth with
 `Speculation(reuse=False)` (`no reuse`): the verify chunk reruns recurrences 1..r_d instead of
 resuming from the drafts' states (design §16); same text, same acceptance, the difference is the
-reuse's gain. `--draft-depths 3` keeps one draft depth.
+reuse's gain. `--draft-depths 3` keeps one draft depth; `--unroll 1` compiles one recurrence per
+graph (the step before `DecodeStep(unroll=...)`, whose default is 4).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -64,7 +66,8 @@ def median_time(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds: int, steps: int) -> list[dict]:
+def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds: int, steps: int,
+               unroll: dict) -> list[dict]:
     """Every (depth, cache) cell of one shape and batch: the three arms, interleaved."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=258, max_seq_len=256, **SHAPES[shape])
@@ -82,7 +85,7 @@ def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds:
                 extend(model, prompt, eager_c, R)
                 extend(model, prompt, static_c, R)
                 caches_by[R, mode] = (eager_c, static_c)
-    step = DecodeStep(model, compile=True)
+    step = DecodeStep(model, compile=True, **unroll)
     plain.compiled()
     rows = StepRows(tok, at, torch.zeros(B, dtype=torch.long), torch.arange(B))
     # warm-up: compile the step's three graphs and the plain stack's (shapes do not depend on R or cache)
@@ -150,7 +153,7 @@ def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
 
 
 def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int,
-                draft_depths: tuple[int, ...] = (2, 3, 4)) -> list[dict]:
+                draft_depths: tuple[int, ...] = (2, 3, 4), unroll: dict | None = None) -> list[dict]:
     from looplm.checkpoint import load_model, resolve
     from looplm.infer.decode import SamplingConfig
     from looplm.infer.generate import DepthRule, Speculation, generate
@@ -162,7 +165,7 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int,
     R = 32
     out = []
     for mode in ("full", "terminal"):
-        step = DecodeStep(model, compile=True)
+        step = DecodeStep(model, compile=True, **(unroll or {}))
         arms = {"compiled": None, **{f"speculate r_d={r}": Speculation(4, r) for r in draft_depths}}
         if mode == "full":  # the verify from recurrence 1 instead of r_d + 1: what reusing the drafts' states saves
             arms.update({f"speculate r_d={r}, no reuse": Speculation(4, r, reuse=False) for r in draft_depths})
@@ -231,22 +234,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true", help="only the speculative arms (needs --checkpoint)")
+    ap.add_argument("--unroll", type=int, default=None,
+                    help="recurrences per compiled graph of every compiled step (default: DecodeStep's)")
     ap.add_argument("--draft-depths", type=int, nargs="+", default=[2, 3, 4], help="r_d of the speculative arms")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
     shapes, depths = (["tiny"], [32]) if args.quick else (list(SHAPES), [5, 32])
+    unroll = {} if args.unroll is None else {"unroll": args.unroll}
     steps = 3 if args.quick else 5
     speed = []
     for shape in [] if args.skip_speed else shapes:
         for B in (1, 16):
-            speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps)
-    spec = speculative(args.checkpoint, args.rounds, 64, 4, tuple(args.draft_depths)) if args.checkpoint else []
+            speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps, unroll)
+    spec = speculative(args.checkpoint, args.rounds, 64, 4, tuple(args.draft_depths), unroll) if args.checkpoint else []
     if args.skip_speed and args.out.exists():  # keep the speed arms of an earlier run of the same file
         speed = json.loads(args.out.read_text()).get("speed", [])
     result = {"command": command_line(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               f"torch {torch.__version__}, {args.threads} thread(s)", "elapsed_s": time.time() - started,
+              "unroll": unroll.get("unroll", inspect.signature(DecodeStep).parameters["unroll"].default),
               "speed": speed, "speculative": spec}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,7 +1,11 @@
 """Self-speculative decoding (`looplm.infer.speculative`, design §16) against independent references:
 
 - full cache, greedy: token for token the no-cache greedy decode at the verifier's depth (and plain
-  `generate`), over several k, draft depths, prompt lengths, stops and EOS inside accepted windows;
+  `generate`), over several k, draft depths, prompt lengths, stops and EOS inside accepted windows,
+  with the verify resumed from the drafts' states (the default) and rerun from recurrence 1;
+- the resumed verify chunk itself: its logits and banks against a rerun from recurrence 1, `extend`
+  of the chunk on a cache copied before the drafts, and the no-cache forward (whose state after
+  recurrence r_d is the drafts');
 - terminal cache, greedy: each emitted token is the argmax of a replay through `extend` in which the
   prompt is one chunk and each verify round's accepted window [last, d_1..d_n] is one chunk (the
   window sizes come from an instrumented run; the replay never calls speculative_decode);

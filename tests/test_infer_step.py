@@ -2,7 +2,9 @@
 `extend` one token at a time on a twin cache (same prefill, same tokens). Per-token logits to 1e-5 and
 every bank of the cache afterwards, in the terminal and the full cache, with left padding (`first` >
 0), per-row lengths (`write_at` differing per row), per-row depths and adaptive exit. The compiled
-step (one module-scoped instance, compiled once) equals the eager step."""
+step (one module-scoped instance, compiled once) equals the eager step, on the exit path and, with
+several recurrences per graph (`unroll`), on the fixed-depth path and a verify chunk resumed from
+its drafts' states."""
 
 import time
 
@@ -202,8 +204,8 @@ def compiled_unrolled(model):
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "cache_depth"), [("terminal", 6), ("full", 6)])
 def test_compiled_unrolled_steps_equal_the_eager_step(model, compiled_unrolled, mode, cache_depth):
-    """Depths 7 = 2 x 3 + 1 and 5 = 3 + 2 (the unrolled piece, then single recurrences; the full cache of
-    depth 6 ends a window at its last visit, and depth 7 runs past it) through the compiled unrolled step,
+    """Depths 7 = 2 x 3 + 1 and 5 = 3 + 2 (windows of 3, then a window of 2 or one recurrence; the full
+    cache of depth 6 ends a window at its last visit, and depth 7 runs past it) through the compiled step,
     against the eager step without unrolling on a twin cache: logits (1e-5) and every bank."""
     step = compiled_unrolled
     prompts = _prompts(2, seed=11)
@@ -223,9 +225,9 @@ def test_compiled_unrolled_steps_equal_the_eager_step(model, compiled_unrolled, 
 @pytest.mark.slow
 def test_compiled_resumed_chunk_equals_the_eager_one(model, compiled_unrolled):
     """Self-speculation's round on the full cache through the compiled unrolled step: drafts at depth 4
-    (one unrolled call, one single), then the verify chunk resumed from their states (the last draft
-    catching up alone) at depth 6, against the eager step; the resume compiles no graph of its own
-    (the catch-up runs the one-token graphs the drafts compiled)."""
+    (a window of 3, then one recurrence), then the verify chunk resumed from their states (the last
+    draft catching up alone) to depth 6 (a window of 2), against the eager step; the resume compiles
+    no graph of its own (the catch-up runs the one-token graphs the drafts compiled)."""
     from torch._dynamo.utils import counters
 
     step = compiled_unrolled
@@ -246,9 +248,9 @@ def test_compiled_resumed_chunk_equals_the_eager_one(model, compiled_unrolled):
             states.append(z)
             ref_states.append(ref_z)
         rows = StepRows(fed, torch.tensor([at]), pad, ids)
-        if round_ == 0:  # compile the chunk's graphs (unrolled and single) on a copy of the cache
+        if round_ == 0:  # compile the chunk's graphs the resumed chunk runs (recurrences 5-6) on a copy
             step.reset(cache.take(torch.tensor([0])))
-            step(rows, UNROLL + 1)
+            step(rows, 6 - r_d)
             step.reset(cache)
         graphs = counters["stats"]["unique_graphs"]
         got, _ = step(rows, 6, resume=(torch.stack(states, 1), r_d))

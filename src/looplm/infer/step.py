@@ -9,8 +9,8 @@ tensors, so every step has the same shapes and `torch.compile` traces it once pe
 
 The step is compiled in pieces: the prelude (and the initial state), one recurrence, `unroll`
 recurrences in one graph (rows at one fixed depth: R = q * unroll + rest runs q calls of it and
-`rest` of the single recurrence; fewer calls, each with its per-call wrapper and guards), and the
-coda with the head. A chunk may resume from its drafts' states (`resume`, self-speculation on
+one of a graph of `rest` recurrences; fewer calls, each with its per-call wrapper and guards), and
+the coda with the head. A chunk may resume from its drafts' states (`resume`, self-speculation on
 the full cache, design §16). Per-row depth and adaptive exit are
 masks: a stopped row keeps its frozen state, its core writes are masked (the cache keeps its exit
 recurrence's K/V as terminal K/V, exactly as `LoopedLM.with_exits` does) and it costs what its
@@ -91,9 +91,11 @@ class DecodeStep:
     `mode="reduce-overhead"`, i.e. CUDA graphs, untested on a GPU so far); the first step of each
     batch size pays the compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped.
     `compile_options` go to `torch.compile` (e.g. another backend). `unroll` U: a fixed-depth loop
-    runs U recurrences per call of one graph (per-row depth and exit run one per call); 4 by
-    default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than one recurrence per
-    call, for a cold compile 10-30 s longer (8: a little faster again, twice the compile)."""
+    runs U recurrences per call of one graph, and its R mod U last ones in one call of a shorter
+    graph (compiled when first needed; per-row depth and exit run one recurrence per call). 4 by
+    default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
+    per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
+    faster again, about twice the compile)."""
 
     def __init__(self, model, cache: KVCache | None = None, *, compile: bool = False,
                  stop_early: bool | None = None, seed: int = 0, compile_options: dict | None = None,
@@ -216,17 +218,19 @@ class DecodeStep:
         return states.to(s.dtype), r0
 
     def _fixed(self, s, write_at, shared, banks: dict, start: int, stop: int):
-        """Recurrences start..stop-1 (0-based) of every row: `unroll` at a time while they fit (one
-        call of the unrolled piece), the rest one at a time. A full cache's window must lie inside its
-        visits (past them every recurrence shares the last bank)."""
+        """Recurrences start..stop-1 (0-based) of every row in windows of `unroll` (one call of the
+        unrolled piece each) and one shorter window for the rest (a graph of its own length; a window
+        of one is the single recurrence). A full cache's windows stay inside its visits (past them
+        every recurrence shares the last bank, and runs alone)."""
         visits, U, r = banks["core_kv"], self.unroll, start
         terminal = self.cache.mode == "terminal"
         while r < stop:
-            if U > 1 and r + U <= stop and (terminal or r + U <= self.cache.depth):
+            w = min(U, stop - r) if terminal else min(U, stop - r, self.cache.depth - r)
+            if w > 1:
                 # the terminal cache: the same banks every recurrence, passed once
-                s = self.recur_many(s, write_at, shared, visits[r:r + 1] if terminal else visits[r:r + U],
-                                    U if terminal else 1)
-                r += U
+                s = self.recur_many(s, write_at, shared, visits[r:r + 1] if terminal else visits[r:r + w],
+                                    w if terminal else 1)
+                r += w
             else:
                 s = self.recur(s, write_at, shared, visits[r])
                 r += 1
