@@ -197,17 +197,27 @@ UNROLL = 3
 
 @pytest.fixture(scope="module")
 def compiled_unrolled(model):
-    """One compiled step with unroll = 3 for every test below (graphs depend on shapes only)."""
+    """A step compiled with inductor, unroll = 3 (graphs depend on shapes only)."""
     return DecodeStep(model, compile=True, unroll=UNROLL)
 
 
+@pytest.fixture(scope="module")
+def traced_unrolled(model):
+    """The same step traced by Dynamo into the same graphs (recompiles counted alike) but run by
+    aot_eager, not compiled by inductor: the full cache's windows and the resumed chunk are about
+    which graphs run on which banks, which inductor's kernels (checked above and on the terminal
+    cache) do not change; it spares the suite two cold compiles of tens of seconds each."""
+    return DecodeStep(model, compile=True, unroll=UNROLL, compile_options={"backend": "aot_eager"})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "cache_depth"), [("terminal", 6), ("full", 6)])
-def test_compiled_unrolled_steps_equal_the_eager_step(model, compiled_unrolled, mode, cache_depth):
+@pytest.mark.parametrize(("mode", "cache_depth", "stepper"), [("terminal", 6, "compiled_unrolled"),
+                                                              ("full", 6, "traced_unrolled")])
+def test_compiled_unrolled_steps_equal_the_eager_step(model, request, mode, cache_depth, stepper):
     """Depths 7 = 2 x 3 + 1 and 5 = 3 + 2 (windows of 3, then a window of 2 or one recurrence; the full
     cache of depth 6 ends a window at its last visit, and depth 7 runs past it) through the compiled step,
     against the eager step without unrolling on a twin cache: logits (1e-5) and every bank."""
-    step = compiled_unrolled
+    step = request.getfixturevalue(stepper)
     prompts = _prompts(2, seed=11)
     cache, twin, pad, L = _twins(model, mode, prompts, depth=3, cache_depth=cache_depth)
     step.reset(cache)
@@ -223,14 +233,14 @@ def test_compiled_unrolled_steps_equal_the_eager_step(model, compiled_unrolled, 
 
 
 @pytest.mark.slow
-def test_compiled_resumed_chunk_equals_the_eager_one(model, compiled_unrolled):
+def test_compiled_resumed_chunk_equals_the_eager_one(model, traced_unrolled):
     """Self-speculation's round on the full cache through the compiled unrolled step: drafts at depth 4
     (a window of 3, then one recurrence), then the verify chunk resumed from their states (the last
     draft catching up alone) to depth 6 (a window of 2), against the eager step; the resume compiles
     no graph of its own (the catch-up runs the one-token graphs the drafts compiled)."""
     from torch._dynamo.utils import counters
 
-    step = compiled_unrolled
+    step = traced_unrolled
     cache, twin, pad, L = _twins(model, "full", _prompts(1, seed=13), depth=6, cache_depth=6)
     ids, r_d, k = torch.tensor([3]), 4, 3
     eager = DecodeStep(model, twin)
