@@ -201,7 +201,7 @@ def test_prefill_depth_differs_from_decode_depth_per_token(base, prefill, depth)
         stats = llm.apply_model(lambda m: dict(m.loop_stats))[0]
     assert stats["mixed"] >= 1  # a step did run prompt and decoded tokens together
     for prompt, out in zip(prompts, outs):
-        text = generate(model, TOK, [TOK.decode(prompt)], depth=depth, prefill_depth=prefill,
+        text = generate(model, TOK, [TOK.decode(prompt)], DepthRule(depth, prefill),
                         sampling=SamplingConfig(max_new_tokens=NEW))[0]
         want_ids, want_lp = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill)
         ids, lp = vllm_ids_logprobs(out)
@@ -229,8 +229,8 @@ def exit_reference(model, prompts, prefill, depth, min_depth):
         ids, lp = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill, exit_tau=EXIT_TAU,
                                   min_depth=min_depth, used=used)
         stats: dict = {}
-        text = generate(model, TOK, [TOK.decode(prompt)], depth=depth, prefill_depth=prefill, stats=stats,
-                        sampling=SamplingConfig(max_new_tokens=NEW, exit_tau=EXIT_TAU, min_depth=min_depth))[0]
+        text = generate(model, TOK, [TOK.decode(prompt)], DepthRule(depth, prefill, EXIT_TAU, min_depth), stats=stats,
+                        sampling=SamplingConfig(max_new_tokens=NEW))[0]
         if TOK.eos_id not in ids:
             assert TOK.decode(ids) == text  # `looplm generate --exit-tau` (its decode step) decodes the same
         assert stats["mean_decode_depth"] == pytest.approx(sum(used[:-1]) / (NEW - 1))
