@@ -435,6 +435,20 @@ def compiled_engine(model):
     return engine
 
 
+def test_a_warmed_up_compiled_engine_compiles_nothing_while_serving(model, compiled_engine):
+    """After `warm_up` (the fixture's, before any request), rows at the engine's depth in batch buckets 4,
+    2 and 1 (rows finishing one after another) run the graphs it traced: Dynamo compiles no new graph
+    (a warm-up whose inputs alias each other would leave every bucket to compile on its first request)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    reqs = [Request(TOK.encode(p), SamplingConfig(n), example_id=i) for i, (p, n) in
+            enumerate(zip(["a", "hello world", "x+y="], [3, 5, 8]))]
+    finishes = [f for _, f in _run(compiled_engine, reqs)]
+    assert [f.completion_tokens for f in finishes] == [3, 5, 8]
+    assert counters["stats"]["unique_graphs"] == before
+
+
 @pytest.mark.slow
 def test_compiled_engine_equals_the_eager_engine(model, compiled_engine):
     """Mixed prompt lengths, decode depths, prefill depths and exit rules (tau 0 = never): tokens, depths

@@ -546,12 +546,16 @@ class Engine:
             raise RuntimeError("warm up the engine before it takes requests")
         t0, k = time.perf_counter(), self.config.speculate
         for B in self.buckets():
-            zeros = torch.zeros(B, dtype=torch.long, device=self.device)
-            self._step(StepRows(zeros, zeros, zeros, zeros), self.config.depth)
+            def rows(n: int = 0) -> StepRows:
+                # four distinct tensors, as a real step passes: one tensor in two places is a different
+                # graph to Dynamo (its guards check aliasing), which the first real step would compile
+                tokens = torch.zeros((B, n) if n else B, dtype=torch.long, device=self.device)
+                return StepRows(tokens, *(torch.zeros(B, dtype=torch.long, device=self.device) for _ in range(3)))
+
+            self._step(rows(), self.config.depth)
             if k and self.config.draft_depth < self.config.depth:
-                self._step(StepRows(zeros, zeros, zeros, zeros), self.config.draft_depth, fill=False)
-                chunk = torch.zeros(B, k + 1, dtype=torch.long, device=self.device)
-                self._step(StepRows(chunk, zeros, zeros, zeros), self.config.depth)
+                self._step(rows(), self.config.draft_depth, fill=False)
+                self._step(rows(k + 1), self.config.depth)
         return time.perf_counter() - t0
 
     def _compiled_step(self, tokens: list[int], depths: list[int], taus: list,
