@@ -81,8 +81,18 @@ def rotate(x, cos, sin, fp32: bool = False):
 class PlainBlock(nn.Module):
     """Pre-norm attention and SwiGLU MLP, for a whole causal sequence or one token into a K/V bank."""
 
-    def __init__(self, d: int, heads: int, kv_heads: int, ffn: int, *, fused: bool = False, norm: str = "module",
-                 rope_fp32: bool = False, repeat_kv: bool = False):
+    def __init__(
+        self,
+        d: int,
+        heads: int,
+        kv_heads: int,
+        ffn: int,
+        *,
+        fused: bool = False,
+        norm: str = "module",
+        rope_fp32: bool = False,
+        repeat_kv: bool = False,
+    ):
         super().__init__()
         self.h, self.kvh, self.hd = heads, kv_heads, d // heads
         self.fused, self.rope_fp32, self.repeat_kv = fused, rope_fp32, repeat_kv
@@ -137,16 +147,33 @@ class PlainBlock(nn.Module):
 class PlainLooped(nn.Module):
     """embed -> prelude -> (inject; core) x R -> coda -> norm -> head."""
 
-    def __init__(self, vocab: int, d: int, heads: int, kv_heads: int, ffn: int, n_prelude: int = 1, n_core: int = 2,
-                 n_coda: int = 1, *, injection: str = "additive", fused: bool = False, norm: str = "module",
-                 rope_fp32: bool = False, repeat_kv: bool = False, rope_base: float = 1e6, max_len: int | None = None):
+    def __init__(
+        self,
+        vocab: int,
+        d: int,
+        heads: int,
+        kv_heads: int,
+        ffn: int,
+        n_prelude: int = 1,
+        n_core: int = 2,
+        n_coda: int = 1,
+        *,
+        injection: str = "additive",
+        fused: bool = False,
+        norm: str = "module",
+        rope_fp32: bool = False,
+        repeat_kv: bool = False,
+        rope_base: float = 1e6,
+        max_len: int | None = None,
+    ):
         super().__init__()
         if injection not in ("additive", "linear"):
             raise ValueError(f"unknown injection {injection!r}: additive or linear")
         self.d, self.kv_heads, self.hd, self.injection, self.max_len = d, kv_heads, d // heads, injection, max_len
         mk = lambda n: nn.ModuleList(  # noqa: E731
             PlainBlock(d, heads, kv_heads, ffn, fused=fused, norm=norm, rope_fp32=rope_fp32, repeat_kv=repeat_kv)
-            for _ in range(n))
+            for _ in range(n)
+        )
         self.emb = nn.Embedding(vocab, d)
         self.prelude, self.core, self.coda = mk(n_prelude), mk(n_core), mk(n_coda)
         if injection == "linear":
@@ -200,8 +227,10 @@ class PlainLooped(nn.Module):
     def decoding(self, batch: int, max_len: int) -> PlainLooped:
         """Allocate the K/V banks of `step`: one per physical layer, `batch` rows of `max_len` positions."""
         n = len(self.prelude) + len(self.core) + len(self.coda)
-        self.banks = [(torch.zeros(batch, self.kv_heads, max_len, self.hd),
-                       torch.zeros(batch, self.kv_heads, max_len, self.hd)) for _ in range(n)]
+        self.banks = [
+            (torch.zeros(batch, self.kv_heads, max_len, self.hd), torch.zeros(batch, self.kv_heads, max_len, self.hd))
+            for _ in range(n)
+        ]
         self.keys = torch.arange(max_len)
         return self
 
@@ -230,8 +259,9 @@ class PlainLooped(nn.Module):
         """Compile the three decode pieces as looplm's `DecodeStep` does on a CPU (the same split,
         inductor's C++ wrapper)."""
         options = {"cpp_wrapper": True, "size_asserts": False}
-        self.begin, self.recur, self.end = (torch.compile(f, dynamic=False, options=options)
-                                            for f in (self.begin, self.recur, self.end))
+        self.begin, self.recur, self.end = (
+            torch.compile(f, dynamic=False, options=options) for f in (self.begin, self.recur, self.end)
+        )
         return self
 
     @torch.no_grad()

@@ -62,8 +62,14 @@ MODES = ("none", "block")
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "nproc": os.cpu_count(),
-            "cpu_model": cpu_name(), "threads": torch.get_num_threads(), "loadavg_start": list(os.getloadavg())}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "loadavg_start": list(os.getloadavg()),
+    }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         info.update(gpu=p.name, gpu_memory_gib=p.total_memory / GIB, cuda=torch.version.cuda)
@@ -79,8 +85,12 @@ def build_config(args) -> ModelConfig:
         cfg = model_preset(args.preset)
     else:
         cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads, ffn_dim=args.ffn)
-    for name, value in (("d_model", args.d_model if not args.preset else None),
-                        ("n_prelude", args.blocks[0]), ("n_core", args.blocks[1]), ("n_coda", args.blocks[2])):
+    for name, value in (
+        ("d_model", args.d_model if not args.preset else None),
+        ("n_prelude", args.blocks[0]),
+        ("n_core", args.blocks[1]),
+        ("n_coda", args.blocks[2]),
+    ):
         if value is not None:
             setattr(cfg, name, value)
     cfg.vocab_size = args.vocab
@@ -104,8 +114,9 @@ class Row:
         torch.manual_seed(args.seed)
         self.model = LoopedLM(cfg).to(device)
         apply_activation_checkpointing(self.model, mode)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
-                                           fused=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
+        )
         g = torch.Generator().manual_seed(args.seed + 1)
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
@@ -148,8 +159,12 @@ def memtracker_step(row: Row, depth: int) -> dict:
         row.step(depth)
     peak = mt.get_tracker_snapshot("peak")[row.device]
     by_kind = {str(getattr(k, "value", k)): int(v) for k, v in peak.items()}
-    return {"peak_total_bytes": by_kind.pop("Total"), "peak_activation_bytes": by_kind.get("Activation", 0),
-            "peak_breakdown_bytes": by_kind, "max_activation_bytes": max_act["bytes"]}
+    return {
+        "peak_total_bytes": by_kind.pop("Total"),
+        "peak_activation_bytes": by_kind.get("Activation", 0),
+        "peak_breakdown_bytes": by_kind,
+        "max_activation_bytes": max_act["bytes"],
+    }
 
 
 def cuda_step(row: Row, depth: int) -> dict:
@@ -159,9 +174,12 @@ def cuda_step(row: Row, depth: int) -> dict:
     before = torch.cuda.memory_allocated(dev)
     row.step(depth)
     sync(dev)
-    return {"peak_total_bytes": torch.cuda.max_memory_allocated(dev), "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev),
-            "allocated_before_step_bytes": before,
-            "peak_activation_bytes": torch.cuda.max_memory_allocated(dev) - before}
+    return {
+        "peak_total_bytes": torch.cuda.max_memory_allocated(dev),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev),
+        "allocated_before_step_bytes": before,
+        "peak_activation_bytes": torch.cuda.max_memory_allocated(dev) - before,
+    }
 
 
 def run_row(cfg: ModelConfig, mode: str, depth: int, args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -186,7 +204,11 @@ def run_row(cfg: ModelConfig, mode: str, depth: int, args, device: torch.device,
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if out["status"] == "ok" and args.memory_budget_gib is not None and out["peak_total_bytes"] > args.memory_budget_gib * GIB:
+    if (
+        out["status"] == "ok"
+        and args.memory_budget_gib is not None
+        and out["peak_total_bytes"] > args.memory_budget_gib * GIB
+    ):
         out["status"] = "would not fit"
     return out
 
@@ -224,37 +246,85 @@ def report(res: dict) -> str:
     cuda = res["device"] == "cuda"
     by = {(r["depth"], r["ac"]): r for r in res["rows"]}
     c, m = res["config"], res["machine"]
-    where = (f"{m.get('gpu')} ({m.get('gpu_memory_gib', 0):.0f} GiB), CUDA {m.get('cuda')}" if cuda
-             else f"{m['cpu_model']}, nproc {m['nproc']}, {m['threads']} threads")
-    out = [f"command: {res['command']}",
-           f"machine: {where}; torch {m['torch']}, Python {m['python']}; load average at start {m['loadavg_start']}",
-           f"model: d {c['model']['d_model']}, {c['model']['n_heads']}/{c['model']['n_kv_heads']} heads, FFN {c['model']['ffn_dim']}, "
-           f"{c['model']['n_prelude']}/{c['model']['n_core']}/{c['model']['n_coda']} blocks, vocab {c['model']['vocab_size']}, "
-           f"injection {c['model']['injection']}, {res['parameters'] / 1e6:.2f} M params; batch {c['batch']} x seq {c['seq']}; "
-           f"{c['precision']}; full BPTT; steps per row: 1 warm-up at R=1 + {c['steps']} timed + 1 measured at R",
-           ""]
+    where = (
+        f"{m.get('gpu')} ({m.get('gpu_memory_gib', 0):.0f} GiB), CUDA {m.get('cuda')}"
+        if cuda
+        else f"{m['cpu_model']}, nproc {m['nproc']}, {m['threads']} threads"
+    )
+    out = [
+        f"command: {res['command']}",
+        f"machine: {where}; torch {m['torch']}, Python {m['python']}; load average at start {m['loadavg_start']}",
+        f"model: d {c['model']['d_model']}, {c['model']['n_heads']}/{c['model']['n_kv_heads']} heads, FFN {c['model']['ffn_dim']}, "
+        f"{c['model']['n_prelude']}/{c['model']['n_core']}/{c['model']['n_coda']} blocks, vocab {c['model']['vocab_size']}, "
+        f"injection {c['model']['injection']}, {res['parameters'] / 1e6:.2f} M params; batch {c['batch']} x seq {c['seq']}; "
+        f"{c['precision']}; full BPTT; steps per row: 1 warm-up at R=1 + {c['steps']} timed + 1 measured at R",
+        "",
+    ]
     if cuda:
-        out.append("peak = torch.cuda.max_memory_allocated over one steady-state step (MiB; parameters, grads, AdamW state, "
-                   "activations, temporaries); 'step peak - before' = that minus what was allocated before the step")
-        header = ["R", "peak, no AC", "peak, AC block", "block/none", "step peak - before, no AC", "same, AC block",
-                  "step s, no AC", "step s, AC block", "time block/none"]
+        out.append(
+            "peak = torch.cuda.max_memory_allocated over one steady-state step (MiB; parameters, grads, AdamW state, "
+            "activations, temporaries); 'step peak - before' = that minus what was allocated before the step"
+        )
+        header = [
+            "R",
+            "peak, no AC",
+            "peak, AC block",
+            "block/none",
+            "step peak - before, no AC",
+            "same, AC block",
+            "step s, no AC",
+            "step s, AC block",
+            "time block/none",
+        ]
         keys = ("peak_total_bytes", "peak_activation_bytes")
     else:
-        out.append("MemTracker peak snapshot of one steady-state step (MiB): 'act' = the Activation category, "
-                   "'total' = all tracked tensors (parameters, grads, AdamW state, activations, temporaries), both at "
-                   "the moment of the highest total; 'max act' = the highest Activation count at any moment")
-        header = ["R", "act, no AC", "act, AC block", "act block/none", "max act, no AC", "max act, AC block",
-                  "total, no AC", "total, AC block", "total block/none", "step s, no AC", "step s, AC block", "time block/none"]
+        out.append(
+            "MemTracker peak snapshot of one steady-state step (MiB): 'act' = the Activation category, "
+            "'total' = all tracked tensors (parameters, grads, AdamW state, activations, temporaries), both at "
+            "the moment of the highest total; 'max act' = the highest Activation count at any moment"
+        )
+        header = [
+            "R",
+            "act, no AC",
+            "act, AC block",
+            "act block/none",
+            "max act, no AC",
+            "max act, AC block",
+            "total, no AC",
+            "total, AC block",
+            "total block/none",
+            "step s, no AC",
+            "step s, AC block",
+            "time block/none",
+        ]
         keys = ("peak_activation_bytes", "peak_total_bytes")
     rows = []
     for R in c["depths"]:
         a, b = by.get((R, "none")), by.get((R, "block"))
         if cuda:
-            cells = [str(R), cell(a, keys[0]), cell(b, keys[0]), ratio(b, a, keys[0]), cell(a, keys[1]), cell(b, keys[1])]
+            cells = [
+                str(R),
+                cell(a, keys[0]),
+                cell(b, keys[0]),
+                ratio(b, a, keys[0]),
+                cell(a, keys[1]),
+                cell(b, keys[1]),
+            ]
         else:
-            mx = [mib(r["max_activation_bytes"]) if r and r.get("max_activation_bytes") is not None else "-" for r in (a, b)]
-            cells = [str(R), cell(a, keys[0]), cell(b, keys[0]), ratio(b, a, keys[0]), *mx,
-                     cell(a, keys[1]), cell(b, keys[1]), ratio(b, a, keys[1])]
+            mx = [
+                mib(r["max_activation_bytes"]) if r and r.get("max_activation_bytes") is not None else "-"
+                for r in (a, b)
+            ]
+            cells = [
+                str(R),
+                cell(a, keys[0]),
+                cell(b, keys[0]),
+                ratio(b, a, keys[0]),
+                *mx,
+                cell(a, keys[1]),
+                cell(b, keys[1]),
+                ratio(b, a, keys[1]),
+            ]
         t = [f"{r['step_mean_s']:.3f}" if r and "step_mean_s" in r else "-" for r in (a, b)]
         rows.append(cells + t + [ratio(b, a, "step_mean_s")])
     out.append(fmt_table(header, rows))
@@ -268,7 +338,9 @@ def report(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["tiny", "S", "M", "L"], help="model preset (replaces --d-model/--heads/--kv-heads/--ffn)")
+    ap.add_argument(
+        "--preset", choices=["tiny", "S", "M", "L"], help="model preset (replaces --d-model/--heads/--kv-heads/--ffn)"
+    )
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -282,19 +354,32 @@ def main() -> None:
     ap.add_argument("--ac", nargs="+", choices=MODES, default=list(MODES), help="activation checkpointing modes")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per row (after one warm-up step)")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                    help="auto: bf16 autocast on CUDA and on CPUs with native bf16, fp32 elsewhere (the trainer's rule)")
+    ap.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="auto: bf16 autocast on CUDA and on CPUs with native bf16, fp32 elsewhere (the trainer's rule)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--memory-budget-gib", type=float, help="mark rows whose peak total exceeds this as 'would not fit'")
-    ap.add_argument("--no-skip-after-oom", action="store_true", help="also run larger R of a mode that already ran out of memory")
-    ap.add_argument("--out", type=Path, help="JSON result (default benchmarks/results/activation_memory_<cpu|cuda>.json)")
+    ap.add_argument(
+        "--memory-budget-gib", type=float, help="mark rows whose peak total exceeds this as 'would not fit'"
+    )
+    ap.add_argument(
+        "--no-skip-after-oom", action="store_true", help="also run larger R of a mode that already ran out of memory"
+    )
+    ap.add_argument(
+        "--out", type=Path, help="JSON result (default benchmarks/results/activation_memory_<cpu|cuda>.json)"
+    )
     args = ap.parse_args()
     if args.preset:  # the preset gives the shape; --d-model etc. keep their defaults unused
         args.d_model = None
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.precision, device)
@@ -304,28 +389,48 @@ def main() -> None:
         n_params = sum(p.numel() for p in LoopedLM(cfg).parameters())
 
     res: dict = {
-        "command": command_line(), "device": device.type, "machine": machine_info(device),
-        "config": {"model": dataclasses.asdict(cfg), "seq": args.seq, "batch": args.batch, "depths": args.depths,
-                   "ac": args.ac, "steps": args.steps, "precision": str(dtype).replace("torch.", ""),
-                   "seed": args.seed, "memory_budget_gib": args.memory_budget_gib,
-                   "bptt_window": None, "loss": "next-token CE (mean) + grad-norm clip 1.0 + AdamW"},
+        "command": command_line(),
+        "device": device.type,
+        "machine": machine_info(device),
+        "config": {
+            "model": dataclasses.asdict(cfg),
+            "seq": args.seq,
+            "batch": args.batch,
+            "depths": args.depths,
+            "ac": args.ac,
+            "steps": args.steps,
+            "precision": str(dtype).replace("torch.", ""),
+            "seed": args.seed,
+            "memory_budget_gib": args.memory_budget_gib,
+            "bptt_window": None,
+            "loss": "next-token CE (mean) + grad-norm clip 1.0 + AdamW",
+        },
         "parameters": n_params,
-        "memory_method": ("cuda: torch.cuda.max_memory_allocated over one steady-state step (after reset_peak_memory_stats); "
-                          "peak_activation_bytes = that minus memory_allocated before the step" if device.type == "cuda" else
-                          "cpu: torch.distributed._tools.mem_tracker.MemTracker tracking the model and optimizer over one "
-                          "steady-state step; its peak snapshot (per-category tensor bytes at the moment of the highest "
-                          "total), not the allocator's resident memory; max_activation_bytes = the highest Activation "
-                          "count at any op, which need not fall at the moment of the highest total"),
+        "memory_method": (
+            "cuda: torch.cuda.max_memory_allocated over one steady-state step (after reset_peak_memory_stats); "
+            "peak_activation_bytes = that minus memory_allocated before the step"
+            if device.type == "cuda"
+            else "cpu: torch.distributed._tools.mem_tracker.MemTracker tracking the model and optimizer over one "
+            "steady-state step; its peak snapshot (per-category tensor bytes at the moment of the highest "
+            "total), not the allocator's resident memory; max_activation_bytes = the highest Activation "
+            "count at any op, which need not fall at the moment of the highest total"
+        ),
         "rows": [],
     }
-    print(f"activation memory: {device.type}, {res['config']['precision']}, R in {args.depths}, AC in {args.ac}, "
-          f"batch {args.batch} x seq {args.seq}, {n_params / 1e6:.2f} M params", file=sys.stderr, flush=True)
+    print(
+        f"activation memory: {device.type}, {res['config']['precision']}, R in {args.depths}, AC in {args.ac}, "
+        f"batch {args.batch} x seq {args.seq}, {n_params / 1e6:.2f} M params",
+        file=sys.stderr,
+        flush=True,
+    )
     t_start = time.perf_counter()
     oom_at: dict[str, int] = {}
     for R in args.depths:
         for mode in args.ac:
             if mode in oom_at and not args.no_skip_after_oom:
-                res["rows"].append({"depth": R, "ac": mode, "status": "skipped after oom", "oom_at_depth": oom_at[mode]})
+                res["rows"].append(
+                    {"depth": R, "ac": mode, "status": "skipped after oom", "oom_at_depth": oom_at[mode]}
+                )
                 continue
             t0 = time.perf_counter()
             r = run_row(cfg, mode, R, args, device, dtype)
@@ -333,10 +438,24 @@ def main() -> None:
             if r["status"] == "oom":
                 oom_at[mode] = R
             res["rows"].append(r)
-            mem = (f"act {mib(r['peak_activation_bytes'])} MiB, total {mib(r['peak_total_bytes'])} MiB, "
-                   + (f"max act {mib(r['max_activation_bytes'])} MiB, " if r.get("max_activation_bytes") is not None else "")
-                   + f"step {r['step_mean_s']:.3f} s") if "peak_total_bytes" in r else ""
-            print(f"  R={R:>3} ac={mode:<5} {r['status']:<13} {mem} ({r['row_wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            mem = (
+                (
+                    f"act {mib(r['peak_activation_bytes'])} MiB, total {mib(r['peak_total_bytes'])} MiB, "
+                    + (
+                        f"max act {mib(r['max_activation_bytes'])} MiB, "
+                        if r.get("max_activation_bytes") is not None
+                        else ""
+                    )
+                    + f"step {r['step_mean_s']:.3f} s"
+                )
+                if "peak_total_bytes" in r
+                else ""
+            )
+            print(
+                f"  R={R:>3} ac={mode:<5} {r['status']:<13} {mem} ({r['row_wall_s']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_start
     text = report(res)

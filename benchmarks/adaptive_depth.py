@@ -35,10 +35,19 @@ def main() -> None:
     rows = []
 
     def measure(label, depth, tau=None, min_depth=1):
-        r = cached_perplexity(model, val, depth, "terminal", max_sequences=args.rows, stepwise=True,
-                              exit_tau=tau, min_depth=min_depth)
-        rows.append({"arm": label, "max_depth": depth, "tau": tau, "ppl": r["ppl"],
-                     "mean_decode_depth": r["mean_decode_depth"], "tokens": r["tokens"]})
+        r = cached_perplexity(
+            model, val, depth, "terminal", max_sequences=args.rows, stepwise=True, exit_tau=tau, min_depth=min_depth
+        )
+        rows.append(
+            {
+                "arm": label,
+                "max_depth": depth,
+                "tau": tau,
+                "ppl": r["ppl"],
+                "mean_decode_depth": r["mean_decode_depth"],
+                "tokens": r["tokens"],
+            }
+        )
         print(f"{label:>22}  ppl {r['ppl']:.4f}  mean depth {r['mean_decode_depth']:.2f}", flush=True)
 
     for R in (1, 2, 3, 5, 8, args.max_depth):
@@ -46,7 +55,12 @@ def main() -> None:
     for tau in (0.3, 0.1, 0.05, 0.02, 0.01, 0.005):
         measure(f"adaptive tau={tau}", args.max_depth, tau)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": command_line(), "checkpoint": str(args.checkpoint), "rows": args.rows, "results": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"command": command_line(), "checkpoint": str(args.checkpoint), "rows": args.rows, "results": rows},
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ from looplm.infer.step import DecodeStep, StepRows  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 
 PROMPT = 64
-SHAPES = {"tiny": dict(d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384),
-          "d512": dict(d_model=512, n_heads=8, n_kv_heads=2, ffn_dim=1536)}
+SHAPES = {
+    "tiny": dict(d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384),
+    "d512": dict(d_model=512, n_heads=8, n_kv_heads=2, ffn_dim=1536),
+}
 
 
 def median_time(fn, n: int) -> float:
@@ -66,14 +68,16 @@ def median_time(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds: int, steps: int,
-               unroll: dict) -> list[dict]:
+def speed_cell(
+    shape: str, B: int, depths: list[int], caches: list[str], rounds: int, steps: int, unroll: dict
+) -> list[dict]:
     """Every (depth, cache) cell of one shape and batch: the three arms, interleaved."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=258, max_seq_len=256, **SHAPES[shape])
     model = LoopedLM(cfg).eval()
-    plain = PlainLooped(258, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_prelude, cfg.n_core,
-                        cfg.n_coda).decoding(B, 256)
+    plain = PlainLooped(
+        258, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_prelude, cfg.n_core, cfg.n_coda
+    ).decoding(B, 256)
     prompt = torch.randint(0, 258, (B, PROMPT))
     tok = torch.zeros(B, dtype=torch.long)
     at = torch.full((B,), PROMPT)
@@ -117,7 +121,7 @@ def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds:
                 fn()
             times: dict[str, list[float]] = {name: [] for name in arms}
             for r in range(rounds):
-                names = list(arms)[r % 3:] + list(arms)[:r % 3]  # rotate the order
+                names = list(arms)[r % 3 :] + list(arms)[: r % 3]  # rotate the order
                 for name in names:
                     times[name].append(median_time(arms[name], steps))
             cell = {"shape": shape, "batch": B, "depth": R, "cache": mode}
@@ -128,10 +132,12 @@ def speed_cell(shape: str, B: int, depths: list[int], caches: list[str], rounds:
             cell["compiled_vs_eager"] = cell["eager_s_per_step"] / cell["compiled_s_per_step"]
             cell["compiled_vs_plain"] = cell["compiled_s_per_step"] / cell["plain_s_per_step"]
             cell["compile_s"] = {"step": compile_step, "plain": compile_plain}
-            print(f"{shape} B={B} R={R} {mode:8s}: eager {cell['eager_tokens_per_s']:8.1f}  compiled "
-                  f"{cell['compiled_tokens_per_s']:8.1f}  plain {cell['plain_tokens_per_s']:8.1f} tok/s  "
-                  f"(compiled/eager {cell['compiled_vs_eager']:.2f}x, compiled time / plain {cell['compiled_vs_plain']:.2f})",
-                  flush=True)
+            print(
+                f"{shape} B={B} R={R} {mode:8s}: eager {cell['eager_tokens_per_s']:8.1f}  compiled "
+                f"{cell['compiled_tokens_per_s']:8.1f}  plain {cell['plain_tokens_per_s']:8.1f} tok/s  "
+                f"(compiled/eager {cell['compiled_vs_eager']:.2f}x, compiled time / plain {cell['compiled_vs_plain']:.2f})",
+                flush=True,
+            )
             out.append(cell)
     return out
 
@@ -152,8 +158,14 @@ def held_out_prompts(checkpoint: Path, n: int) -> list[str]:
     return [docs[i][:60] for i in val[:n]]
 
 
-def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int,
-                draft_depths: tuple[int, ...] = (2, 3, 4), unroll: dict | None = None) -> list[dict]:
+def speculative(
+    checkpoint: Path,
+    rounds: int,
+    max_new: int,
+    n_prompts: int,
+    draft_depths: tuple[int, ...] = (2, 3, 4),
+    unroll: dict | None = None,
+) -> list[dict]:
     from looplm.checkpoint import load_model, resolve
     from looplm.infer.decode import SamplingConfig
     from looplm.infer.generate import DepthRule, Speculation, generate
@@ -170,17 +182,36 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int,
         if mode == "full":  # the verify from recurrence 1 instead of r_d + 1: what reusing the drafts' states saves
             arms.update({f"speculate r_d={r}, no reuse": Speculation(4, r, reuse=False) for r in draft_depths})
         for spec in arms.values():  # warm-up (compiles)
-            generate(model, tokenizer, prompts[:1], DepthRule(R), cache=mode, sampling=SamplingConfig(max_new_tokens=8),
-                     compile=True, speculate=spec, step=step)
+            generate(
+                model,
+                tokenizer,
+                prompts[:1],
+                DepthRule(R),
+                cache=mode,
+                sampling=SamplingConfig(max_new_tokens=8),
+                compile=True,
+                speculate=spec,
+                step=step,
+            )
         results = {name: {"seconds": [], "texts": None, "stats": None} for name in arms}
         for r in range(rounds):
-            names = list(arms)[r % len(arms):] + list(arms)[:r % len(arms)]
+            names = list(arms)[r % len(arms) :] + list(arms)[: r % len(arms)]
             for name in names:  # batch 1 in every arm: one prompt at a time, as speculation decodes
                 texts, seconds, tokens, spec = [], 0.0, 0, {"rounds": 0, "drafted": 0, "accepted": 0}
                 for prompt in prompts:
                     stats: dict = {}
-                    texts += generate(model, tokenizer, [prompt], DepthRule(R), cache=mode, sampling=sampling,
-                                      compile=True, speculate=arms[name], step=step, stats=stats)
+                    texts += generate(
+                        model,
+                        tokenizer,
+                        [prompt],
+                        DepthRule(R),
+                        cache=mode,
+                        sampling=sampling,
+                        compile=True,
+                        speculate=arms[name],
+                        step=step,
+                        stats=stats,
+                    )
                     seconds += stats["decode_seconds"]
                     tokens += stats["decoded_tokens"]
                     for key in spec:
@@ -188,25 +219,40 @@ def speculative(checkpoint: Path, rounds: int, max_new: int, n_prompts: int,
                 results[name]["seconds"].append(seconds)
                 results[name]["tokens"] = tokens
                 results[name]["texts"] = texts
-                results[name]["stats"] = {"acceptance_rate": spec["accepted"] / max(spec["drafted"], 1),
-                                          "tokens_per_verify": (spec["accepted"] + spec["rounds"]) / max(spec["rounds"], 1)}
+                results[name]["stats"] = {
+                    "acceptance_rate": spec["accepted"] / max(spec["drafted"], 1),
+                    "tokens_per_verify": (spec["accepted"] + spec["rounds"]) / max(spec["rounds"], 1),
+                }
         base = results["compiled"]
         base_s = statistics.median(base["seconds"])
         for name, res in results.items():
             s = statistics.median(res["seconds"])
-            row = {"cache": mode, "arm": name, "depth": R, "k": 4 if name != "compiled" else 0,
-                   "tokens": res["tokens"], "decode_s": s, "tokens_per_s": res["tokens"] / s,
-                   "vs_compiled": base_s / s * res["tokens"] / base["tokens"],
-                   "same_text_as_compiled": res["texts"] == base["texts"],
-                   "mean_loglik": mean_loglik(model, tokenizer, prompts, res["texts"], R)}
+            row = {
+                "cache": mode,
+                "arm": name,
+                "depth": R,
+                "k": 4 if name != "compiled" else 0,
+                "tokens": res["tokens"],
+                "decode_s": s,
+                "tokens_per_s": res["tokens"] / s,
+                "vs_compiled": base_s / s * res["tokens"] / base["tokens"],
+                "same_text_as_compiled": res["texts"] == base["texts"],
+                "mean_loglik": mean_loglik(model, tokenizer, prompts, res["texts"], R),
+            }
             if name != "compiled":
                 row["reuse"] = mode == "full" and arms[name].reuse  # speculative_decode reuses on the full cache only
                 row["acceptance_rate"] = res["stats"]["acceptance_rate"]
                 row["tokens_per_verify"] = res["stats"]["tokens_per_verify"]
-            print(f"speculative {mode:8s} {name:16s}: {row['tokens_per_s']:7.1f} tok/s ({row['vs_compiled']:.2f}x "
-                  f"compiled), same text {row['same_text_as_compiled']}, loglik {row['mean_loglik']:.4f}"
-                  + (f", acceptance {row['acceptance_rate']:.1%}, {row['tokens_per_verify']:.2f} tokens/verify"
-                     if name != "compiled" else ""), flush=True)
+            print(
+                f"speculative {mode:8s} {name:16s}: {row['tokens_per_s']:7.1f} tok/s ({row['vs_compiled']:.2f}x "
+                f"compiled), same text {row['same_text_as_compiled']}, loglik {row['mean_loglik']:.4f}"
+                + (
+                    f", acceptance {row['acceptance_rate']:.1%}, {row['tokens_per_verify']:.2f} tokens/verify"
+                    if name != "compiled"
+                    else ""
+                ),
+                flush=True,
+            )
             out.append(row)
     return out
 
@@ -221,8 +267,8 @@ def mean_loglik(model, tokenizer, prompts, texts, depth: int) -> float:
             continue
         ids = torch.tensor([p + c])
         lp = model(ids, depth, init="seeded").logits[0].log_softmax(-1)
-        target = ids[0, len(p):]
-        total += float(lp[len(p) - 1:-1].gather(-1, target[:, None]).sum())
+        target = ids[0, len(p) :]
+        total += float(lp[len(p) - 1 : -1].gather(-1, target[:, None]).sum())
         count += len(c)
     return total / max(count, 1)
 
@@ -234,8 +280,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-speed", action="store_true", help="only the speculative arms (needs --checkpoint)")
-    ap.add_argument("--unroll", type=int, default=None,
-                    help="recurrences per compiled graph of every compiled step (default: DecodeStep's)")
+    ap.add_argument(
+        "--unroll",
+        type=int,
+        default=None,
+        help="recurrences per compiled graph of every compiled step (default: DecodeStep's)",
+    )
     ap.add_argument("--draft-depths", type=int, nargs="+", default=[2, 3, 4], help="r_d of the speculative arms")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed.json"))
     args = ap.parse_args()
@@ -251,10 +301,14 @@ def main() -> None:
     spec = speculative(args.checkpoint, args.rounds, 64, 4, tuple(args.draft_depths), unroll) if args.checkpoint else []
     if args.skip_speed and args.out.exists():  # keep the speed arms of an earlier run of the same file
         speed = json.loads(args.out.read_text()).get("speed", [])
-    result = {"command": command_line(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-              f"torch {torch.__version__}, {args.threads} thread(s)", "elapsed_s": time.time() - started,
-              "unroll": unroll.get("unroll", inspect.signature(DecodeStep).parameters["unroll"].default),
-              "speed": speed, "speculative": spec}
+    result = {
+        "command": command_line(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "elapsed_s": time.time() - started,
+        "unroll": unroll.get("unroll", inspect.signature(DecodeStep).parameters["unroll"].default),
+        "speed": speed,
+        "speculative": spec,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

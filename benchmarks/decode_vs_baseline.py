@@ -47,13 +47,15 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
 
     try:  # today's call: generate(..., DepthRule(R)); the baseline's: generate(..., depth=R)
         from looplm.infer import DepthRule
+
         depth_args, depth_kw = (DepthRule(depth),), {}
     except ImportError:
         depth_args, depth_kw = (), {"depth": depth}
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=258, max_seq_len=256, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                      tie_embeddings=False)
+    cfg = ModelConfig(
+        vocab_size=258, max_seq_len=256, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, tie_embeddings=False
+    )
     model = LoopedLM(cfg).eval()
     with torch.no_grad():
         model.head.weight[256:] = 0.0  # <eos> and <pad> never win the argmax: every run decodes `tokens`
@@ -62,8 +64,9 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
 
     def run(n: int) -> float:
         t = time.perf_counter()
-        out = generate(model, tok, [PROMPT], *depth_args, sampling=SamplingConfig(max_new_tokens=n), **depth_kw,
-                       **extra)
+        out = generate(
+            model, tok, [PROMPT], *depth_args, sampling=SamplingConfig(max_new_tokens=n), **depth_kw, **extra
+        )
         elapsed = time.perf_counter() - t
         assert out[0], "nothing decoded"
         return elapsed
@@ -76,8 +79,12 @@ def _arm(depth: int, tokens: int, compile: bool, repeats: int) -> dict:
         long.append(run(tokens))
         short.append(run(1))
     decode_s = statistics.median(long) - statistics.median(short)
-    return {"decode_tokens_per_s": (tokens - 1) / decode_s, "t_long_s": statistics.median(long),
-            "t_one_s": statistics.median(short), "warm_up_s": warm_up}
+    return {
+        "decode_tokens_per_s": (tokens - 1) / decode_s,
+        "t_long_s": statistics.median(long),
+        "t_one_s": statistics.median(short),
+        "warm_up_s": warm_up,
+    }
 
 
 def main() -> None:
@@ -93,6 +100,7 @@ def main() -> None:
     a = p.parse_args()
     if a.arm:  # inside an arm's process
         import torch
+
         torch.set_num_threads(a.threads)
         print(json.dumps(_arm(a.depth, a.tokens, a.arm == "compiled", a.repeats)))
         return
@@ -102,23 +110,44 @@ def main() -> None:
     arms = {"baseline": a.baseline_src.resolve(), "eager": here, "compiled": here}
     results: dict[str, list[dict]] = {k: [] for k in arms}
     for rnd in range(a.rounds):
-        order = list(arms)[rnd % 3:] + list(arms)[:rnd % 3]
+        order = list(arms)[rnd % 3 :] + list(arms)[: rnd % 3]
         for arm in order:
             env = dict(os.environ, PYTHONPATH=str(arms[arm]), OMP_NUM_THREADS=str(a.threads))
-            cmd = [sys.executable, __file__, "--arm", arm, "--depth", str(a.depth), "--tokens", str(a.tokens),
-                   "--repeats", str(a.repeats), "--threads", str(a.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--arm",
+                arm,
+                "--depth",
+                str(a.depth),
+                "--tokens",
+                str(a.tokens),
+                "--repeats",
+                str(a.repeats),
+                "--threads",
+                str(a.threads),
+            ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             results[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {rnd + 1}/{a.rounds} {arm:9s} {results[arm][-1]['decode_tokens_per_s']:8.1f} tok/s",
-                  flush=True)
+            print(
+                f"round {rnd + 1}/{a.rounds} {arm:9s} {results[arm][-1]['decode_tokens_per_s']:8.1f} tok/s", flush=True
+            )
     med = {k: statistics.median(r["decode_tokens_per_s"] for r in v) for k, v in results.items()}
-    summary = {"decode_tokens_per_s": med,
-               "compiled_over_baseline": med["compiled"] / med["baseline"],
-               "eager_over_baseline": med["eager"] / med["baseline"],
-               "compiled_over_eager": med["compiled"] / med["eager"],
-               "compiled_warm_up_s": statistics.median(r["warm_up_s"] for r in results["compiled"])}
-    record = {"command": command_line(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-              "threads": a.threads}, "depth": a.depth, "tokens": a.tokens, "rounds": results, "summary": summary}
+    summary = {
+        "decode_tokens_per_s": med,
+        "compiled_over_baseline": med["compiled"] / med["baseline"],
+        "eager_over_baseline": med["eager"] / med["baseline"],
+        "compiled_over_eager": med["compiled"] / med["eager"],
+        "compiled_warm_up_s": statistics.median(r["warm_up_s"] for r in results["compiled"]),
+    }
+    record = {
+        "command": command_line(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": a.threads},
+        "depth": a.depth,
+        "tokens": a.tokens,
+        "rounds": results,
+        "summary": summary,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -38,8 +38,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # 12-play corpus, so a fresh checkout runs the study, on less text than the recorded one.
 TEXT_SOURCE = "shakespeare"
 TEXT = ["--data.source", TEXT_SOURCE, "--data.tokenizer", "byte", "--data.seq-len", "256"]
-TASKS_ADD = ["--data.source", "tasks", "--data.tasks.kinds", "add", "--data.tasks.min-difficulty", "1",
-             "--data.tasks.max-difficulty", "4"]
+TASKS_ADD = [
+    "--data.source",
+    "tasks",
+    "--data.tasks.kinds",
+    "add",
+    "--data.tasks.min-difficulty",
+    "1",
+    "--data.tasks.max-difficulty",
+    "4",
+]
 MSD = ["--data.source", "tasks"]  # the preset's task config: add_msd, 1-3 digits
 FIXED5 = ["--depth.sampler", "fixed", "--depth.depth", "5", "--depth.bptt-window", "None"]
 LEARNED = ["--depth.sampler", "learned"]
@@ -49,8 +57,12 @@ ARMS: dict[str, tuple[str, list[str], list[str], int]] = {
     "fixed5": ("fixed R=5, full BPTT", TEXT, FIXED5, 200),
     "pln5": ("PLN-5, b=10, parcae-nonorm (the default injection)", TEXT, [], 200),
     "learned0": ("learned prior, lambda_H=0 (prior lr 1e-2)", TEXT, LEARNED + ["--depth.learned.lr", "1e-2"], 200),
-    "learned001": ("learned prior, lambda_H=0.01 (prior lr 1e-2)", TEXT,
-                   LEARNED + ["--depth.learned.lr", "1e-2", "--depth.learned.entropy-weight", "0.01"], 200),
+    "learned001": (
+        "learned prior, lambda_H=0.01 (prior lr 1e-2)",
+        TEXT,
+        LEARNED + ["--depth.learned.lr", "1e-2", "--depth.learned.entropy-weight", "0.01"],
+        200,
+    ),
     "learned0_lr1e-3": ("learned prior, lambda_H=0, the paper's prior lr 1e-3", TEXT, LEARNED, 200),
     "decay": ("PLN-5, parcae-decay", TEXT, ["--model.injection", "parcae-decay"], 200),
     "ortho": ("PLN-5, OrthoInj", TEXT, ["--model.injection", "ortho"], 200),
@@ -59,9 +71,22 @@ ARMS: dict[str, tuple[str, list[str], list[str], int]] = {
     "add_pln5": ("reversed addition, PLN-5 b=10", TASKS_ADD, [], 300),
     "msd_fixed5": ("add_msd, the tiny preset on the task generator, fixed R=5 full BPTT", MSD, FIXED5, 600),
     "msd_pln5": ("add_msd, the tiny preset on the task generator (PLN-5 b=10)", MSD, [], 600),
-    "learned01_ga4": ("learned prior, lambda_H=0.1, 4 draws per update (4 x 4 rows)", TEXT,
-                      LEARNED + ["--depth.learned.lr", "1e-2", "--depth.learned.entropy-weight", "0.1",
-                                 "--train.micro-batch", "4", "--train.grad-accum", "4"], 200),
+    "learned01_ga4": (
+        "learned prior, lambda_H=0.1, 4 draws per update (4 x 4 rows)",
+        TEXT,
+        LEARNED
+        + [
+            "--depth.learned.lr",
+            "1e-2",
+            "--depth.learned.entropy-weight",
+            "0.1",
+            "--train.micro-batch",
+            "4",
+            "--train.grad-accum",
+            "4",
+        ],
+        200,
+    ),
 }
 NATIVE_DEPTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 SHARING_DEPTHS = (5, 16)
@@ -69,9 +94,22 @@ SHARING_DEPTHS = (5, 16)
 
 def train_command(name: str, out: Path, steps_scale: float) -> list[str]:
     _, data, arm, steps = ARMS[name]
-    return ["looplm", "train", "tiny", *data, *arm, "--train.steps", str(max(1, round(steps * steps_scale))),
-            "--train.out-dir", str(out / name), "--train.no-progress", "--train.no-tensorboard",
-            "--train.log-every", "5", "--eval.depths"]
+    return [
+        "looplm",
+        "train",
+        "tiny",
+        *data,
+        *arm,
+        "--train.steps",
+        str(max(1, round(steps * steps_scale))),
+        "--train.out-dir",
+        str(out / name),
+        "--train.no-progress",
+        "--train.no-tensorboard",
+        "--train.log-every",
+        "5",
+        "--eval.depths",
+    ]
 
 
 def finished(run: Path) -> bool:
@@ -112,8 +150,12 @@ def evaluate_arm(name: str, out: Path) -> dict:
     model, tokenizer, _ = load_model(path, "cpu")
     data = load_data(path)
     val = data.validation(tokenizer)
-    result: dict = {"arm": name, "what": ARMS[name][0], "command": (run / "command.txt").read_text().strip(),
-                    "checkpoint": str(path)}
+    result: dict = {
+        "arm": name,
+        "what": ARMS[name][0],
+        "command": (run / "command.txt").read_text().strip(),
+        "checkpoint": str(path),
+    }
     with torch.no_grad():
         result["native"] = native_perplexity(model, val, NATIVE_DEPTHS, batch_size=32, max_sequences=64)
         result["sharing"] = sharing_table(model, val, SHARING_DEPTHS, max_sequences=32)
@@ -129,8 +171,12 @@ def evaluate_arm(name: str, out: Path) -> dict:
 
         p = masked_softmax(np.array(sampler["logits"]), np.array(sampler["active"], dtype=bool))
         k = np.arange(1, len(p) + 1)
-        result["prior"] = {"mean": float(p @ k), "p5": float(p[4]), "entropy": entropy(p),
-                           "pmf_1_12": [round(float(x), 4) for x in p[:12]]}
+        result["prior"] = {
+            "mean": float(p @ k),
+            "p5": float(p[4]),
+            "entropy": entropy(p),
+            "pmf_1_12": [round(float(x), 4) for x in p[:12]],
+        }
         plot_prior(run / "metrics.jsonl", ROOT / "docs" / f"study_prior_{name}.png", title=ARMS[name][0])
     (run / "study.json").write_text(json.dumps(result, indent=1))
     return result
@@ -145,20 +191,26 @@ def markdown(results: list[dict]) -> str:
         nat = {int(k): v for k, v in res["native"].items()}
         lines.append(f"| {res['arm']} | " + " | ".join(f"{nat[r]['ppl']:.3f}" for r in depths) + " |")
     lines.append("")
-    lines.append("| arm | R | terminal PPL | full PPL | chunk penalty % | CacheEval terminal PPL | CacheEval penalty % | tokens |")
+    lines.append(
+        "| arm | R | terminal PPL | full PPL | chunk penalty % | CacheEval terminal PPL | CacheEval penalty % | tokens |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|")
     for res in results:
         for r, s in res["sharing"].items():
-            lines.append(f"| {res['arm']} | {r} | {s['terminal_ppl']:.4f} | {s['full_ppl']:.4f} | "
-                         f"{s['sharing_penalty']:+.3f} | {s['cacheeval_terminal_ppl']:.4f} | "
-                         f"{s['cacheeval_penalty']:+.3f} | {s['tokens']} |")
+            lines.append(
+                f"| {res['arm']} | {r} | {s['terminal_ppl']:.4f} | {s['full_ppl']:.4f} | "
+                f"{s['sharing_penalty']:+.3f} | {s['cacheeval_terminal_ppl']:.4f} | "
+                f"{s['cacheeval_penalty']:+.3f} | {s['tokens']} |"
+            )
     prior = [r for r in results if "prior" in r]
     if prior:
         lines += ["", "| arm | final mean | p(5) | entropy (nats) | pmf R=1..12 |", "|---|---|---|---|---|"]
         for res in prior:
             p = res["prior"]
-            lines.append(f"| {res['arm']} | {p['mean']:.3f} | {p['p5']:.3f} | {p['entropy']:.3f} | "
-                         f"{' '.join(f'{x:.3f}' for x in p['pmf_1_12'])} |")
+            lines.append(
+                f"| {res['arm']} | {p['mean']:.3f} | {p['p5']:.3f} | {p['entropy']:.3f} | "
+                f"{' '.join(f'{x:.3f}' for x in p['pmf_1_12'])} |"
+            )
     acc = [r for r in results if "accuracy" in r]
     if acc:
         ds = list(acc[0]["accuracy"])
@@ -177,8 +229,10 @@ def plot_native(results: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [("Shakespeare (byte level)", [r for r in results if "accuracy" not in r]),
-              ("reversed addition", [r for r in results if "accuracy" in r])]
+    groups = [
+        ("Shakespeare (byte level)", [r for r in results if "accuracy" not in r]),
+        ("reversed addition", [r for r in results if "accuracy" in r]),
+    ]
     groups = [g for g in groups if g[1]]
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
     for ax, (title, rows) in zip(axes[0], groups):
@@ -201,9 +255,12 @@ def main() -> int:
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every arm's steps (quick checks)")
     ap.add_argument("--eval-only", action="store_true", help="evaluate trained arms without training")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the tables from <out>/*/study.json")
-    ap.add_argument("--text-source", default=TEXT_SOURCE,
-                    help="data source of the text arms (default: the built-in 12-play corpus; the recorded runs "
-                         "used a folder of all 42 Project Gutenberg texts)")
+    ap.add_argument(
+        "--text-source",
+        default=TEXT_SOURCE,
+        help="data source of the text arms (default: the built-in 12-play corpus; the recorded runs "
+        "used a folder of all 42 Project Gutenberg texts)",
+    )
     args = ap.parse_args()
     TEXT[1] = args.text_source
     if args.text_source != TEXT_SOURCE and not Path(args.text_source).exists():
@@ -226,7 +283,9 @@ def main() -> int:
         t0 = time.time()
         evaluate_arm(name, out)
         print(f"[{time.strftime('%H:%M:%S')}] evaluated {name} in {time.time() - t0:.0f} s", flush=True)
-    every = sorted((json.loads(p.read_text()) for p in out.glob("*/study.json")), key=lambda r: list(ARMS).index(r["arm"]))
+    every = sorted(
+        (json.loads(p.read_text()) for p in out.glob("*/study.json")), key=lambda r: list(ARMS).index(r["arm"])
+    )
     text = markdown(every)
     res_dir = ROOT / "benchmarks" / "results"
     (res_dir / "depth_prior_study.md").write_text(text)

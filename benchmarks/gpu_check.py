@@ -97,8 +97,18 @@ def main() -> None:
     res["bf16_matmul_peak_tflops"] = peak / 1e12
     rows = []
     for name, cfg, B, L in [
-        ("d512", ModelConfig(vocab_size=32768, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, max_seq_len=2048), 16, 2048),
-        ("S", ModelConfig(vocab_size=64256, d_model=1536, n_heads=24, n_kv_heads=6, ffn_dim=4352, max_seq_len=2048), 8, 2048),
+        (
+            "d512",
+            ModelConfig(vocab_size=32768, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, max_seq_len=2048),
+            16,
+            2048,
+        ),
+        (
+            "S",
+            ModelConfig(vocab_size=64256, d_model=1536, n_heads=24, n_kv_heads=6, ffn_dim=4352, max_seq_len=2048),
+            8,
+            2048,
+        ),
     ]:
         torch.manual_seed(0)
         model = LoopedLM(cfg).cuda()
@@ -109,8 +119,9 @@ def main() -> None:
         for mask_name, doc_ids in [("causal", None), ("doc-mask", docs)]:
             dt = step_time(model, opt, x, 5, doc_ids)
             tps = B * L / dt
-            rows.append({"config": name, "attention": mask_name, "step_s": dt, "tokens_per_s": tps,
-                         "mfu": tps * fpt / peak})
+            rows.append(
+                {"config": name, "attention": mask_name, "step_s": dt, "tokens_per_s": tps, "mfu": tps * fpt / peak}
+            )
             print("3.", rows[-1])
         if name == "d512":
             try:

@@ -73,15 +73,34 @@ def run_distill(root: Path, device: str, tiny: bool) -> None:
     from looplm.eval.prefill_arms import format_prefill_table
     from looplm.eval.report import write_report
 
-    cfg = DistillConfig(steps=4, micro_batch=4, calibration_rows=8, val_rows=8, val_every=2, report_rows=8,
-                        report_examples=8, out_dir=root / "distill", device=device, progress=False)
+    cfg = DistillConfig(
+        steps=4,
+        micro_batch=4,
+        calibration_rows=8,
+        val_rows=8,
+        val_every=2,
+        report_rows=8,
+        report_examples=8,
+        out_dir=root / "distill",
+        device=device,
+        progress=False,
+    )
     trainer = DistillTrainer(root / "train", cfg)
     summary = fit(trainer)
     if summary is None:
         return
     trainer.student.eval()
-    arms = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.data, trainer.val_data, trainer.student,
-                              cfg.depth, rows=cfg.report_rows, n_examples=cfg.report_examples, device=trainer.device)
+    arms = arms_after_distill(
+        trainer.teacher,
+        trainer.tokenizer,
+        trainer.data,
+        trainer.val_data,
+        trainer.student,
+        cfg.depth,
+        rows=cfg.report_rows,
+        n_examples=cfg.report_examples,
+        device=trainer.device,
+    )
     print(format_prefill_table(arms), flush=True)
     write_report({"distill": summary, "prefill": arms}, trainer.out_dir / "report.json")
 
@@ -89,8 +108,17 @@ def run_distill(root: Path, device: str, tiny: bool) -> None:
 def run_rl(root: Path, device: str, tiny: bool) -> None:
     from looplm.rl.trainer import RLTrainer
 
-    cfg = RLConfig(steps=2, prompts_per_step=4, group_size=2, eval_every=2, eval_examples=8, eval_samples=1,
-                   out_dir=root / "rl", device=device, progress=False)
+    cfg = RLConfig(
+        steps=2,
+        prompts_per_step=4,
+        group_size=2,
+        eval_every=2,
+        eval_examples=8,
+        eval_samples=1,
+        out_dir=root / "rl",
+        device=device,
+        progress=False,
+    )
     summary = fit(RLTrainer(root / "train", cfg))
     if summary is not None:
         print(f"{summary['step']} RL steps in {summary['elapsed_s']:.0f} s", flush=True)
@@ -102,7 +130,9 @@ JOBS = {"train": run_train, "distill": run_distill, "rl": run_rl}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("job", choices=list(JOBS))
-    ap.add_argument("--root", type=Path, required=True, help="folder of the jobs' runs (train writes, distill and rl read)")
+    ap.add_argument(
+        "--root", type=Path, required=True, help="folder of the jobs' runs (train writes, distill and rl read)"
+    )
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run's 32-wide model")
     args = ap.parse_args()

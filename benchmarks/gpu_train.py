@@ -157,13 +157,25 @@ def doc_layout(mask: str, B: int, L: int, device, seed: int = 0) -> tuple[torch.
         start, k = 0, 0
         while start < L:
             n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-            doc[b, start:start + n], pos[b, start:start + n] = k, torch.arange(min(n, L - start))
+            doc[b, start : start + n], pos[b, start : start + n] = k, torch.arange(min(n, L - start))
             start, k = start + n, k + 1
     return doc.to(device), pos.to(device)
 
 
-def looplm_arm(cfg, B, L, device, dtype, *, compiled: bool, attention: str, mask: str, loss: str,
-               flex_options: dict | None, backend: str):
+def looplm_arm(
+    cfg,
+    B,
+    L,
+    device,
+    dtype,
+    *,
+    compiled: bool,
+    attention: str,
+    mask: str,
+    loss: str,
+    flex_options: dict | None,
+    backend: str,
+):
     """A step of the trainer's compute: microbatch_loss (what Trainer.train_step calls), backward, clip,
     fused AdamW; the model built on `device`."""
     torch.manual_seed(0)
@@ -180,7 +192,9 @@ def looplm_arm(cfg, B, L, device, dtype, *, compiled: bool, attention: str, mask
     n = B * L
 
     def step():
-        ce = microbatch_loss(model, batch, DEPTH, None, state0, autocast, attention, loss=loss, flex_options=flex_options)
+        ce = microbatch_loss(
+            model, batch, DEPTH, None, state0, autocast, attention, loss=loss, flex_options=flex_options
+        )
         (ce / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -194,9 +208,21 @@ def plain_arm(cfg, B, L, device, dtype, backend: str):
     # the plain baseline as this benchmark measures it: fused QKV and gate/up matmuls, RMSNorm and RoPE in fp32,
     # a linear injection (s = decay * s + W e), weights N(0, 0.02^2)
     with torch.device(device):
-        model = PlainLooped(cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_prelude,
-                            cfg.n_core, cfg.n_coda, injection="linear", fused=True, norm="fp32", rope_fp32=True,
-                            rope_base=cfg.rope_base).init_weights()
+        model = PlainLooped(
+            cfg.vocab_size,
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.ffn_dim,
+            cfg.n_prelude,
+            cfg.n_core,
+            cfg.n_coda,
+            injection="linear",
+            fused=True,
+            norm="fp32",
+            rope_fp32=True,
+            rope_base=cfg.rope_base,
+        ).init_weights()
     fwd = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (B, L + 1), device=device)
@@ -239,10 +265,18 @@ def flex_check(device, flex_options: dict) -> dict:
         extra = {"flex_options": flex_options} if kernel == "flex" else {}
         model(tokens, 3, attention=kernel, **extra, **kw).logits.logsumexp(-1).mean().backward()
         grads[kernel] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    errs = {n: float((grads["flex"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads["sdpa"].items()}
+    errs = {
+        n: float((grads["flex"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads["sdpa"].items()
+    }
     worst = max(errs, key=errs.get)
-    return {"check": "flex_vs_sdpa", "compared": "gradients, fp32", "max_rel_err": errs[worst], "worst": worst,
-            "ok": errs[worst] < 1e-3, "kernel_options": flex_options}
+    return {
+        "check": "flex_vs_sdpa",
+        "compared": "gradients, fp32",
+        "max_rel_err": errs[worst],
+        "worst": worst,
+        "ok": errs[worst] < 1e-3,
+        "kernel_options": flex_options,
+    }
 
 
 def ce_check(device, tiny: bool) -> dict:
@@ -268,10 +302,17 @@ def ce_check(device, tiny: bool) -> dict:
     errs = {"loss": float((chunked - full).abs() / full.abs())}
     for name, a, b in zip(("grad_h", "grad_w"), got, want):
         errs[name] = float((a - b).abs().max() / b.abs().max())
-    bounds = {"loss": 1e-5, "grad_h": 1e-5, "grad_w": 1e-5} if device.type != "cuda" else \
-        {"loss": 1e-4, "grad_h": 1e-2, "grad_w": 2e-2}  # bf16 matmuls: per-chunk rounding of the weight gradient
-    return {"check": "chunked_ce_vs_full", "rel_err": errs, "bounds": bounds,
-            "ok": all(errs[k] < bounds[k] for k in errs)}
+    bounds = (
+        {"loss": 1e-5, "grad_h": 1e-5, "grad_w": 1e-5}
+        if device.type != "cuda"
+        else {"loss": 1e-4, "grad_h": 1e-2, "grad_w": 2e-2}
+    )  # bf16 matmuls: per-chunk rounding of the weight gradient
+    return {
+        "check": "chunked_ce_vs_full",
+        "rel_err": errs,
+        "bounds": bounds,
+        "ok": all(errs[k] < bounds[k] for k in errs),
+    }
 
 
 # -- 4. one-rank torchrun jobs -------------------------------------------------------------------
@@ -301,16 +342,39 @@ def torchrun_jobs(rec: Recorder, device: torch.device, tiny: bool, root: Path, d
         if left < 20:
             rec.row("torchrun_one_rank", {**row, "skipped": f"deadline ({left:.0f} s left)"})
             continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               str(HERE / "gpu_jobs.py"), name, "--root", str(root), "--device", device.type, *(["--tiny"] if tiny else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(HERE / "gpu_jobs.py"),
+            name,
+            "--root",
+            str(root),
+            "--device",
+            device.type,
+            *(["--tiny"] if tiny else []),
+        ]
         log = rec.out / f"{rec.name}_torchrun_{name}.log"
         t = time.perf_counter()
         rc = run_logged(cmd, left, log, env)
         out = log.read_text(errors="replace")
         group = [line for line in out.splitlines() if line.startswith("process group:")]
-        rec.row("torchrun_one_rank", {**row, "rc": rc, "wall_s": round(time.perf_counter() - t, 1), "timeout_s": round(left),
-                                      "process_group": group[0] if group else None, "command": join(cmd[1:]),
-                                      "log": log.name, "tail": out[-1500:] if rc != 0 else out[-300:]})
+        rec.row(
+            "torchrun_one_rank",
+            {
+                **row,
+                "rc": rc,
+                "wall_s": round(time.perf_counter() - t, 1),
+                "timeout_s": round(left),
+                "process_group": group[0] if group else None,
+                "command": join(cmd[1:]),
+                "log": log.name,
+                "tail": out[-1500:] if rc != 0 else out[-300:],
+            },
+        )
         if name == "train" and rc != 0:
             break
 
@@ -321,12 +385,19 @@ def timing_plan(tiny: bool) -> list[tuple[int, int, str, str, str]]:
     shapes = [(128, 2), (256, 1)] if tiny else [(2048, 8), (8192, 2)]
     plan = []
     for L, B in shapes:
-        plan += [(L, B, "compiled-flex", "doc1", "chunked"), (L, B, "plain-compiled", "causal", "full"),
-                 (L, B, "eager-sdpa", "doc1", "chunked"), (L, B, "compiled-flex", "causal", "chunked"),
-                 (L, B, "compiled-flex", "packed", "chunked")]
+        plan += [
+            (L, B, "compiled-flex", "doc1", "chunked"),
+            (L, B, "plain-compiled", "causal", "full"),
+            (L, B, "eager-sdpa", "doc1", "chunked"),
+            (L, B, "compiled-flex", "causal", "chunked"),
+            (L, B, "compiled-flex", "packed", "chunked"),
+        ]
         if L == shapes[0][0]:
-            plan += [(L, B, "compiled-flex", "doc1", "full"), (L, B, "eager-sdpa", "causal", "chunked"),
-                     (L, B, "eager-sdpa", "packed", "chunked")]
+            plan += [
+                (L, B, "compiled-flex", "doc1", "full"),
+                (L, B, "eager-sdpa", "causal", "chunked"),
+                (L, B, "eager-sdpa", "packed", "chunked"),
+            ]
     return plan
 
 
@@ -346,20 +417,42 @@ def module_versions(names) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: a small model, few steps, gloo process groups")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output folder (default $OUT when set; else benchmarks/results with --tiny)")
-    ap.add_argument("--deadline-s", type=float, default=None,
-                    help="wall-clock budget of the whole run, compilation and torchrun jobs included (default 450; tiny 900)")
-    ap.add_argument("--torchrun-reserve-s", type=float, default=None,
-                    help="stop timing rows this long before the deadline, for the torchrun jobs (default 180; tiny 0)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default $OUT when set; else benchmarks/results with --tiny)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="wall-clock budget of the whole run, compilation and torchrun jobs included (default 450; tiny 900)",
+    )
+    ap.add_argument(
+        "--torchrun-reserve-s",
+        type=float,
+        default=None,
+        help="stop timing rows this long before the deadline, for the torchrun jobs (default 180; tiny 0)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 8; tiny 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per row, compile included (default 2; tiny 1)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per row, compile included (default 2; tiny 1)"
+    )
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (a dry run may use aot_eager)")
-    ap.add_argument("--flex-kernel-options", nargs="*", default=(),
-                    help="extra FlexAttention kernel options KEY=VALUE for the compiled rows (as --train.flex-kernel-options)")
+    ap.add_argument(
+        "--flex-kernel-options",
+        nargs="*",
+        default=(),
+        help="extra FlexAttention kernel options KEY=VALUE for the compiled rows (as --train.flex-kernel-options)",
+    )
     ap.add_argument("--skip-torchrun", action="store_true", help="timing rows only")
-    ap.add_argument("--runs-dir", type=Path, default=None,
-                    help="folder of the torchrun jobs' runs (checkpoints, reports; default a temporary folder)")
+    ap.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=None,
+        help="folder of the torchrun jobs' runs (checkpoints, reports; default a temporary folder)",
+    )
     args = ap.parse_args()
     deadline = Deadline(args.deadline_s or (900.0 if args.tiny else 450.0))
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -371,22 +464,35 @@ def main() -> None:
             ap.error("give --out (or set $OUT)")
         out = Path("benchmarks/results")
     steps, warmup = args.steps or (2 if args.tiny else 8), args.warmup or (1 if args.tiny else 2)
-    reserve = 0.0 if args.skip_torchrun else (args.torchrun_reserve_s if args.torchrun_reserve_s is not None
-                                              else (0.0 if args.tiny else 180.0))
+    reserve = (
+        0.0
+        if args.skip_torchrun
+        else (args.torchrun_reserve_s if args.torchrun_reserve_s is not None else (0.0 if args.tiny else 180.0))
+    )
     dtype = torch.float32 if args.tiny else torch.bfloat16
     from looplm.train.loss import parse_kernel_options
 
     flex_options = parse_kernel_options(tuple(args.flex_kernel_options))
     name = "gpu_train_tiny" if args.tiny else "gpu_train"
-    res = {"command": command_line(python=Path(sys.executable).name), "torch": torch.__version__,
-           "python": platform.python_version(),
-           "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, dry run)",
-           "dtype": str(dtype), "depth": DEPTH, "steps": steps, "warmup": warmup, "deadline_s": deadline.seconds,
-           "compile_backend": args.compile_backend, "flex_kernel_options": flex_options,
-           "modules": module_versions(("numpy", "safetensors", "tokenizers", "tqdm", "matplotlib", "tyro")),
-           "finished": False}
+    res = {
+        "command": command_line(python=Path(sys.executable).name),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, dry run)",
+        "dtype": str(dtype),
+        "depth": DEPTH,
+        "steps": steps,
+        "warmup": warmup,
+        "deadline_s": deadline.seconds,
+        "compile_backend": args.compile_backend,
+        "flex_kernel_options": flex_options,
+        "modules": module_versions(("numpy", "safetensors", "tokenizers", "tqdm", "matplotlib", "tyro")),
+        "finished": False,
+    }
     rec = Recorder(out, name, res)
-    rec.log(f"{res['device']}, torch {res['torch']}, python {res['python']}; deadline {deadline.seconds:.0f} s; out {out}")
+    rec.log(
+        f"{res['device']}, torch {res['torch']}, python {res['python']}; deadline {deadline.seconds:.0f} s; out {out}"
+    )
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -408,9 +514,11 @@ def main() -> None:
         peak = measure_matmul_peak(device, dtype)
     sheet = datasheet_peak(res["device"], dtype) if device.type == "cuda" else None
     res["peak"] = {**peak, "datasheet": sheet}
-    rec.log(f"{dtype} matmul peak: best {peak['best'] / 1e12:.1f}, median {peak['median'] / 1e12:.1f} TFLOP/s "
-            f"({peak['timer']}, {peak['windows']} windows of {peak['window_s']:.2f} s); datasheet "
-            f"{sheet / 1e12 if sheet else None} TFLOP/s")
+    rec.log(
+        f"{dtype} matmul peak: best {peak['best'] / 1e12:.1f}, median {peak['median'] / 1e12:.1f} TFLOP/s "
+        f"({peak['timer']}, {peak['windows']} windows of {peak['window_s']:.2f} s); datasheet "
+        f"{sheet / 1e12 if sheet else None} TFLOP/s"
+    )
     rec.save()
 
     # 3. timing rows
@@ -440,19 +548,39 @@ def main() -> None:
             if arm == "plain-compiled":
                 step, keep, doc = plain_arm(cfg, B, L, device, dtype, args.compile_backend)
             else:
-                step, keep, doc = looplm_arm(cfg, B, L, device, dtype, compiled=arm == "compiled-flex", attention=attention,
-                                             mask=mask, loss=loss, flex_options=flex_options if attention == "flex" else None,
-                                             backend=args.compile_backend)
+                step, keep, doc = looplm_arm(
+                    cfg,
+                    B,
+                    L,
+                    device,
+                    dtype,
+                    compiled=arm == "compiled-flex",
+                    attention=attention,
+                    mask=mask,
+                    loss=loss,
+                    flex_options=flex_options if attention == "flex" else None,
+                    backend=args.compile_backend,
+                )
             dt, mem, first, late = time_steps(step, device, warmup, steps)
             tps = B * L / dt
             fpt = flops_per_token(cfg, L, DEPTH, None)
             kpq = keys_per_query(doc) if doc is not None else (L + 1) / 2
             fpt_pairs = flops_per_token(cfg, L, DEPTH, None, keys_per_query=kpq)
-            row.update(step_s=dt, tokens_per_s=tps, flops_per_token=fpt, mfu=tps * fpt / peak["best"],
-                       mfu_median_peak=tps * fpt / peak["median"], mfu_datasheet=tps * fpt / sheet if sheet else None,
-                       keys_per_query=kpq, mfu_pairs=tps * fpt_pairs / peak["best"], peak_gib=mem, first_step_s=first,
-                       graphs_compiled=compiled_graphs() - graphs, graphs_compiled_in_timed_steps=late,
-                       kernel=attention if mask != "causal" else "sdpa-causal")
+            row.update(
+                step_s=dt,
+                tokens_per_s=tps,
+                flops_per_token=fpt,
+                mfu=tps * fpt / peak["best"],
+                mfu_median_peak=tps * fpt / peak["median"],
+                mfu_datasheet=tps * fpt / sheet if sheet else None,
+                keys_per_query=kpq,
+                mfu_pairs=tps * fpt_pairs / peak["best"],
+                peak_gib=mem,
+                first_step_s=first,
+                graphs_compiled=compiled_graphs() - graphs,
+                graphs_compiled_in_timed_steps=late,
+                kernel=attention if mask != "causal" else "sdpa-causal",
+            )
         except torch.OutOfMemoryError as err:
             row["error"] = f"OOM: {str(err)[:200]}"
         except Exception as err:  # recorded; the other rows still run
@@ -504,8 +632,12 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
     model = LoopedLM(dcfg).to(device=device, dtype=dtype).eval()
     prompt = torch.randint(0, dcfg.vocab_size, (B, prompt_len), device=device)
     tok = torch.zeros(B, dtype=torch.long, device=device)
-    rows_in = StepRows(tok, torch.full((B,), prompt_len, device=device), torch.zeros(B, dtype=torch.long, device=device),
-                       torch.arange(B, device=device))
+    rows_in = StepRows(
+        tok,
+        torch.full((B,), prompt_len, device=device),
+        torch.zeros(B, dtype=torch.long, device=device),
+        torch.arange(B, device=device),
+    )
     out = []
     for arm in ("eager", "compiled", "compiled+speculate"):
         row = {"arm": arm, "batch": B, "depth": R, "prompt": prompt_len, "cache": "terminal"}
@@ -515,16 +647,21 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
                 extend(model, prompt, cache, R)
             t0 = time.perf_counter()
             if arm == "eager":
+
                 def run():
                     cache.length = prompt_len
                     extend(model, tok[:, None], cache, R)
+
                 per_step = 1
             else:
-                step = DecodeStep(model, cache, compile=True,
-                                  compile_options={} if backend == "inductor" else {"backend": backend})
+                step = DecodeStep(
+                    model, cache, compile=True, compile_options={} if backend == "inductor" else {"backend": backend}
+                )
                 if arm == "compiled":
+
                     def run():
                         step(rows_in, R)
+
                     per_step = 1
                 else:
                     if B != 1:  # speculation decodes one sequence at a time
@@ -538,11 +675,22 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
                         def emit(_t):
                             n[0] += 1
                             return n[0] >= 16
-                        speculative_decode(step, first, length=prompt_len, depth=R, draft_depth=4, k=4,
-                                           sampling=SamplingConfig(max_new_tokens=16), generator=None,
-                                           pad=torch.zeros(1, dtype=torch.long, device=device),
-                                           example_ids=torch.zeros(1, dtype=torch.long, device=device), emit=emit,
-                                           stats=stats)
+
+                        speculative_decode(
+                            step,
+                            first,
+                            length=prompt_len,
+                            depth=R,
+                            draft_depth=4,
+                            k=4,
+                            sampling=SamplingConfig(max_new_tokens=16),
+                            generator=None,
+                            pad=torch.zeros(1, dtype=torch.long, device=device),
+                            example_ids=torch.zeros(1, dtype=torch.long, device=device),
+                            emit=emit,
+                            stats=stats,
+                        )
+
                     per_step = 16
             run()
             sync(device)
@@ -569,8 +717,13 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
 
 def summarize(rows: list[dict]) -> dict:
     def get(arm, mask, L, loss="chunked", key="tokens_per_s"):
-        hit = [r for r in rows if (r["arm"], r["mask"], r["seq"]) == (arm, mask, L) and key in r
-               and (arm == "plain-compiled" or r["loss"] == loss)]
+        hit = [
+            r
+            for r in rows
+            if (r["arm"], r["mask"], r["seq"]) == (arm, mask, L)
+            and key in r
+            and (arm == "plain-compiled" or r["loss"] == loss)
+        ]
         return hit[0][key] if hit else None
 
     def ratio(a, b):
@@ -583,7 +736,9 @@ def summarize(rows: list[dict]) -> dict:
             "headline_mfu_compiled_doc1": get("compiled-flex", "doc1", L, key="mfu"),
             "headline_mfu_compiled_doc1_datasheet": get("compiled-flex", "doc1", L, key="mfu_datasheet"),
             "compiled_doc1_over_plain_causal": ratio(head, get("plain-compiled", "causal", L)),
-            "compiled_causal_over_plain_causal": ratio(get("compiled-flex", "causal", L), get("plain-compiled", "causal", L)),
+            "compiled_causal_over_plain_causal": ratio(
+                get("compiled-flex", "causal", L), get("plain-compiled", "causal", L)
+            ),
             "compiled_doc1_over_eager_doc1": ratio(head, get("eager-sdpa", "doc1", L)),
             "chunked_over_full_loss_doc1": ratio(head, get("compiled-flex", "doc1", L, loss="full")),
             "mfu_pairs_compiled_packed": get("compiled-flex", "packed", L, key="mfu_pairs"),

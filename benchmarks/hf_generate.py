@@ -60,8 +60,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     command = command_line(python=Path(sys.executable).name)
-    print(f"command: {command}\nmachine: {machine()}\ndevice: {args.device}\n"
-          f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
+    print(
+        f"command: {command}\nmachine: {machine()}\ndevice: {args.device}\n"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}"
+    )
 
     tok = ByteTokenizer()
     torch.manual_seed(0)
@@ -85,13 +87,19 @@ def main() -> None:
 
     @torch.no_grad()
     def run_hf():
-        return hf.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
-                           num_steps=args.depth, cache_kind="terminal")
+        return hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            num_steps=args.depth,
+            cache_kind="terminal",
+        )
 
     def texts_of(out) -> list[str]:
         rows = []
         for row in out[:, L:].tolist():
-            rows.append(tok.decode(row[:row.index(tok.eos_id)] if tok.eos_id in row else row))
+            rows.append(tok.decode(row[: row.index(tok.eos_id)] if tok.eos_id in row else row))
         return rows
 
     want, out = run_looplm(), run_hf()  # warm-up, and the same tokens from both
@@ -103,7 +111,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"looplm": [], "hf": []}
     arms = {"looplm": run_looplm, "hf": run_hf}
     for r in range(args.rounds):
-        for name in (("looplm", "hf") if r % 2 == 0 else ("hf", "looplm")):  # alternate who goes first
+        for name in ("looplm", "hf") if r % 2 == 0 else ("hf", "looplm"):  # alternate who goes first
             sync()
             t = time.perf_counter()
             arms[name]()
@@ -113,12 +121,25 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: tokens / med[k] for k in med}
     result = {
-        "command": command, "machine": machine(), "device": args.device, "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
+        "command": command,
+        "machine": machine(),
+        "device": args.device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
         "model": {**model.cfg.to_dict(), "preset": "tiny", "weights": "random", "dtype": "fp32"},
-        "settings": {"depth": args.depth, "prefill_depth": args.depth, "cache": "terminal", "greedy": True,
-                     "prompts": PROMPTS, "batch": len(PROMPTS), "max_new_tokens": args.max_new_tokens,
-                     "decode_steps": steps, "rounds": args.rounds, "threads": args.threads},
+        "settings": {
+            "depth": args.depth,
+            "prefill_depth": args.depth,
+            "cache": "terminal",
+            "greedy": True,
+            "prompts": PROMPTS,
+            "batch": len(PROMPTS),
+            "max_new_tokens": args.max_new_tokens,
+            "decode_steps": steps,
+            "rounds": args.rounds,
+            "threads": args.threads,
+        },
         "seconds": times,
         "median_seconds": med,
         "tokens_per_s": tps,
@@ -126,8 +147,10 @@ def main() -> None:
         "ratio_hf_over_looplm": tps["hf"] / tps["looplm"],
         "same_tokens": True,
     }
-    print(f"{len(PROMPTS)} prompts x {steps} new tokens, depth {args.depth}, terminal cache, greedy; "
-          f"median of {args.rounds} alternating rounds:")
+    print(
+        f"{len(PROMPTS)} prompts x {steps} new tokens, depth {args.depth}, terminal cache, greedy; "
+        f"median of {args.rounds} alternating rounds:"
+    )
     for k in ("looplm", "hf"):
         print(f"  {k:7} {tps[k]:9.1f} tokens/s  {1e3 * med[k]:8.1f} ms/call  {1e3 * med[k] / steps:6.2f} ms/step")
     print(f"  hf / looplm tokens/s: {result['ratio_hf_over_looplm']:.3f}")

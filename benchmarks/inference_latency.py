@@ -67,7 +67,7 @@ def main() -> None:
         prefill = {"terminal": [], "full": []}
         for rnd in range(rounds + 1):  # round 0 is the warm-up
             order = ["terminal", "full", "nocache"]
-            order = order[rnd % 3:] + order[:rnd % 3]
+            order = order[rnd % 3 :] + order[: rnd % 3]
             for arm in order:
                 if arm == "nocache":
                     seq = prompt.clone()
@@ -104,7 +104,7 @@ def main() -> None:
     b_term = budget // make_cache("terminal", cfg, 1, CTX + n_dec, R).nbytes
     serving = {"full": [], "terminal": []}
     for rnd in range(rounds + 1):
-        for arm in (["full", "terminal"] if rnd % 2 == 0 else ["terminal", "full"]):
+        for arm in ["full", "terminal"] if rnd % 2 == 0 else ["terminal", "full"]:
             B = b_full if arm == "full" else b_term
             cache = make_cache(arm, cfg, B, CTX + n_dec, R)
             assert cache.nbytes <= budget
@@ -114,7 +114,8 @@ def main() -> None:
             if rnd:
                 serving[arm].append(B * n_dec / dt)
     result["serving_R5"] = {
-        "cache_budget_bytes": budget, "batch": {"full": b_full, "terminal": int(b_term)},
+        "cache_budget_bytes": budget,
+        "batch": {"full": b_full, "terminal": int(b_term)},
         "decode_tok_s": {k: mean_std(v) for k, v in serving.items()},
     }
     print(f"serving: {json.dumps(result['serving_R5'])}", flush=True)

@@ -38,7 +38,11 @@ ARMS = ("teacher", "student", "r1", "r2")
 
 
 def mean_std(v: list[float]) -> dict:
-    return {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "median": statistics.median(v)}
+    return {
+        "mean": statistics.mean(v),
+        "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+        "median": statistics.median(v),
+    }
 
 
 def cpu_name() -> str:
@@ -83,17 +87,28 @@ def main() -> None:
     student, meta = load_student(args.student, model)
     arms = {a: Prefill(a, student if a == "student" else None) for a in ARMS}
     if max(args.lengths) > model.cfg.max_seq_len:
-        raise SystemExit(f"the teacher's context is {model.cfg.max_seq_len} tokens; train one with "
-                         f"--model.max-seq-len {max(args.lengths)}")
+        raise SystemExit(
+            f"the teacher's context is {model.cfg.max_seq_len} tokens; train one with "
+            f"--model.max-seq-len {max(args.lengths)}"
+        )
     result: dict = {
-        "command": "python benchmarks/prefill_latency.py " + " ".join(
+        "command": "python benchmarks/prefill_latency.py "
+        + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(relative, v)) if isinstance(v, list) else relative(v)}"
-            for k, v in vars(args).items()),
-        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": args.threads, "device": str(device),
-                    "torch": torch.__version__},
-        "teacher": str(resolve(args.teacher)), "student": str(resolve(args.student)), "student_meta": {
-            k: meta[k] for k in ("depth", "init", "teacher_sha256")},
-        "depth": args.depth, "model": model.cfg.to_dict(),
+            for k, v in vars(args).items()
+        ),
+        "machine": {
+            "cpu": cpu_name(),
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "device": str(device),
+            "torch": torch.__version__,
+        },
+        "teacher": str(resolve(args.teacher)),
+        "student": str(resolve(args.student)),
+        "student_meta": {k: meta[k] for k in ("depth", "init", "teacher_sha256")},
+        "depth": args.depth,
+        "model": model.cfg.to_dict(),
         "block_passes": {a: arm.block_passes(model.cfg, args.depth) for a, arm in arms.items()},
         "speed": {},
     }
@@ -103,7 +118,7 @@ def main() -> None:
         times: dict[str, list[float]] = {a: [] for a in ARMS}
         loads = []
         for rnd in range(args.rounds + 1):  # round 0 is the warm-up
-            order = list(ARMS[rnd % len(ARMS):] + ARMS[:rnd % len(ARMS)])
+            order = list(ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)])
             for a in order:
                 dt = time_prefill(arms[a], model, x, args.depth, device)
                 if rnd:
@@ -114,17 +129,26 @@ def main() -> None:
             "seconds": {a: mean_std(v) for a, v in times.items()},
             "tokens_per_s": {a: mean_std([L / t for t in v]) for a, v in times.items()},
             "speedup_vs_teacher": {a: mean_std([t / s for t, s in zip(times["teacher"], v)]) for a, v in times.items()},
-            "load_avg_1min": mean_std(loads), "raw_seconds": times,
+            "load_avg_1min": mean_std(loads),
+            "raw_seconds": times,
         }
         result["speed"][L] = row
-        print(f"L={L}: " + ", ".join(f"{a} {row['seconds'][a]['mean'] * 1e3:.1f}±{row['seconds'][a]['std'] * 1e3:.1f} ms "
-                                     f"({row['speedup_vs_teacher'][a]['mean']:.2f}x)" for a in ARMS)
-              + f"; load {row['load_avg_1min']['mean']:.1f}", flush=True)
+        print(
+            f"L={L}: "
+            + ", ".join(
+                f"{a} {row['seconds'][a]['mean'] * 1e3:.1f}±{row['seconds'][a]['std'] * 1e3:.1f} ms "
+                f"({row['speedup_vs_teacher'][a]['mean']:.2f}x)"
+                for a in ARMS
+            )
+            + f"; load {row['load_avg_1min']['mean']:.1f}",
+            flush=True,
+        )
     if args.rows or args.examples:
         torch.set_num_threads(1)  # quality does not depend on it; small decode steps run faster on one thread
         val = data.validation(tokenizer)
-        table = arms_after_distill(model, tokenizer, data, val, student, args.depth, rows=args.rows,
-                                   n_examples=args.examples, device=device)
+        table = arms_after_distill(
+            model, tokenizer, data, val, student, args.depth, rows=args.rows, n_examples=args.examples, device=device
+        )
         result["quality"] = table
         print(format_prefill_table(table), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,15 @@ def main() -> None:
     if args.model == "tiny":
         cfg, mb = dataclasses.replace(model_preset("tiny"), vocab_size=258, injection="additive"), 16
     else:
-        cfg = ModelConfig(vocab_size=258, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, max_seq_len=tt.SEQ_LEN,
-                          injection="additive")
+        cfg = ModelConfig(
+            vocab_size=258,
+            d_model=512,
+            n_heads=8,
+            n_kv_heads=4,
+            ffn_dim=1536,
+            max_seq_len=tt.SEQ_LEN,
+            injection="additive",
+        )
         mb = 8
     p = args.precision
     with tempfile.TemporaryDirectory(prefix="looplm-prof-") as tmp:
@@ -63,19 +70,41 @@ def main() -> None:
         arms = [masked, causal, plain]
         tt.run_interleaved(arms, 1, args.rounds, lambda m: print(m, file=sys.stderr), {"left": 0})
         print(f"\n{args.model} {p}, batch {mb} x {tt.SEQ_LEN}, R={tt.DEPTH}, {tt.THREADS} threads")
-        print(tt.fmt_table(["arm", "step s mean +- std", "best", "others (cores)"], [
-            [a.name, "%.3f +- %.3f" % tt.mean_std([x["wall"] for x in a.samples]), "%.3f" % min(x["wall"] for x in a.samples),
-             "%.2f" % (sum(x["foreign_cores"] for x in a.samples) / len(a.samples))] for a in arms]))
+        print(
+            tt.fmt_table(
+                ["arm", "step s mean +- std", "best", "others (cores)"],
+                [
+                    [
+                        a.name,
+                        "%.3f +- %.3f" % tt.mean_std([x["wall"] for x in a.samples]),
+                        "%.3f" % min(x["wall"] for x in a.samples),
+                        "%.2f" % (sum(x["foreign_cores"] for x in a.samples) / len(a.samples)),
+                    ]
+                    for a in arms
+                ],
+            )
+        )
         for a in arms:
             gc.collect()
             with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
                 a.step()
             total = sum(e.self_cpu_time_total for e in prof.key_averages())
             print(f"\n### {a.name}: self CPU {total / 1e6:.2f} s in one profiled step (top {args.top} ops)")
-            rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top]
-            print(tt.fmt_table(["op", "calls", "self CPU ms", "share"], [
-                [e.key, str(e.count), f"{e.self_cpu_time_total / 1e3:.1f}", f"{100 * e.self_cpu_time_total / total:.1f}%"]
-                for e in rows]))
+            rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]
+            print(
+                tt.fmt_table(
+                    ["op", "calls", "self CPU ms", "share"],
+                    [
+                        [
+                            e.key,
+                            str(e.count),
+                            f"{e.self_cpu_time_total / 1e3:.1f}",
+                            f"{100 * e.self_cpu_time_total / total:.1f}%",
+                        ]
+                        for e in rows
+                    ],
+                )
+            )
 
 
 if __name__ == "__main__":

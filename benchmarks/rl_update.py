@@ -82,8 +82,13 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def mean_std(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
-            "median": statistics.median(xs), "n": len(xs), "rounds": xs}
+    return {
+        "mean": statistics.fmean(xs),
+        "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+        "median": statistics.median(xs),
+        "n": len(xs),
+        "rounds": xs,
+    }
 
 
 def main() -> None:
@@ -106,11 +111,27 @@ def main() -> None:
     tasks = load_data(path).tasks
     problems = ProblemSource("tasks", tasks=tasks, seed=args.seed).draw(0, args.prompts)
     reward_fn = get_reward("exact", "tasks")
-    results = {"command": command_line(), "checkpoint": str(path), "args": vars(args), "torch": torch.__version__, "machine": platform.processor()
-               or platform.machine(), "cpus": os.cpu_count(), "load_before": os.getloadavg(), "depths": {}}
+    results = {
+        "command": command_line(),
+        "checkpoint": str(path),
+        "args": vars(args),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg(),
+        "depths": {},
+    }
     for R in args.depths:
-        ro = rollout(model, tok, [p.prompt for p in problems], group_size=args.group, depth=R,
-                     max_new_tokens=args.max_new_tokens, stop=("\n",), seed=args.seed)
+        ro = rollout(
+            model,
+            tok,
+            [p.prompt for p in problems],
+            group_size=args.group,
+            depth=R,
+            max_new_tokens=args.max_new_tokens,
+            stop=("\n",),
+            seed=args.seed,
+        )
         rewards = torch.tensor([reward_fn(problems[i // args.group].reference, x) for i, x in enumerate(ro.texts)])
         adv = group_advantages(rewards, args.group)
 
@@ -131,12 +152,14 @@ def main() -> None:
             sweep[steps] = cosine(flat_grad(model), grads["bptt"])
         memory = {}
         for arm in ARMS:
-            memory[arm] = {"peak_rss_increase_bytes": peak_rss_increase(lambda: run(arm)),
-                           "saved_activation_bytes": saved_activation_bytes(model, lambda: run(arm))}
+            memory[arm] = {
+                "peak_rss_increase_bytes": peak_rss_increase(lambda: run(arm)),
+                "saved_activation_bytes": saved_activation_bytes(model, lambda: run(arm)),
+            }
             model.zero_grad(set_to_none=True)
         times = {arm: [] for arm in ARMS}
         for rnd in range(args.warmup + args.rounds):
-            order = ARMS[rnd % 3:] + ARMS[:rnd % 3]
+            order = ARMS[rnd % 3 :] + ARMS[: rnd % 3]
             for arm in order:
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
@@ -146,26 +169,34 @@ def main() -> None:
                     times[arm].append(dt)
         model.zero_grad(set_to_none=True)
         entry = {
-            "rows": ro.tokens.shape[0], "seq_len": ro.tokens.shape[1], "action_tokens": int(ro.mask.sum()),
+            "rows": ro.tokens.shape[0],
+            "seq_len": ro.tokens.shape[1],
+            "action_tokens": int(ro.mask.sum()),
             "real_tokens": int(sum(p + len(c) - 1 for p, c in zip(ro.prompt_lengths, ro.completions))),
-            "reward": float(rewards.mean()), "endpoint_residual": residual,
+            "reward": float(rewards.mean()),
+            "endpoint_residual": residual,
             "time_s": {arm: mean_std(ts) for arm, ts in times.items()},
-            "speedup_vs_reuse": {arm: mean_std([a / b for a, b in zip(times[arm], times["reuse"])])
-                                 for arm in ("bptt", "recompute")},
+            "speedup_vs_reuse": {
+                arm: mean_std([a / b for a, b in zip(times[arm], times["reuse"])]) for arm in ("bptt", "recompute")
+            },
             "memory": memory,
-            "cosine": {"reuse_vs_recompute": cosine(grads["reuse"], grads["recompute"]),
-                       "reuse_vs_bptt": cosine(grads["reuse"], grads["bptt"]),
-                       "recompute_vs_bptt": cosine(grads["recompute"], grads["bptt"])},
+            "cosine": {
+                "reuse_vs_recompute": cosine(grads["reuse"], grads["recompute"]),
+                "reuse_vs_bptt": cosine(grads["reuse"], grads["bptt"]),
+                "recompute_vs_bptt": cosine(grads["recompute"], grads["bptt"]),
+            },
             "reuse_vs_bptt_by_neumann_steps": sweep,
         }
         results["depths"][R] = entry
         s = entry["speedup_vs_reuse"]
-        print(f"R={R}: bptt {entry['time_s']['bptt']['mean']*1e3:.0f} ms, recompute "
-              f"{entry['time_s']['recompute']['mean']*1e3:.0f} ms, reuse {entry['time_s']['reuse']['mean']*1e3:.0f} ms; "
-              f"bptt/reuse {s['bptt']['mean']:.2f}x +- {s['bptt']['std']:.2f} (median {s['bptt']['median']:.2f}x), recompute/reuse "
-              f"{s['recompute']['mean']:.2f}x +- {s['recompute']['std']:.2f}; cos(reuse, recompute) "
-              f"{entry['cosine']['reuse_vs_recompute']:.4f}, cos(reuse, bptt) {entry['cosine']['reuse_vs_bptt']:.4f}",
-              flush=True)
+        print(
+            f"R={R}: bptt {entry['time_s']['bptt']['mean'] * 1e3:.0f} ms, recompute "
+            f"{entry['time_s']['recompute']['mean'] * 1e3:.0f} ms, reuse {entry['time_s']['reuse']['mean'] * 1e3:.0f} ms; "
+            f"bptt/reuse {s['bptt']['mean']:.2f}x +- {s['bptt']['std']:.2f} (median {s['bptt']['median']:.2f}x), recompute/reuse "
+            f"{s['recompute']['mean']:.2f}x +- {s['recompute']['std']:.2f}; cos(reuse, recompute) "
+            f"{entry['cosine']['reuse_vs_recompute']:.4f}, cos(reuse, bptt) {entry['cosine']['reuse_vs_bptt']:.4f}",
+            flush=True,
+        )
     results["load_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -89,7 +89,13 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        cmd = [*(command or [sys.executable, "-m", "looplm.cli", "serve"]), str(checkpoint), "--port", str(self.port), *args]
+        cmd = [
+            *(command or [sys.executable, "-m", "looplm.cli", "serve"]),
+            str(checkpoint),
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.cmd = cmd
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -133,8 +139,11 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
                     i, body = queue.pop(0)
                 start = time.perf_counter()
                 first, text, usage = None, "", None
-                with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True,
-                                                                        "stream_options": {"include_usage": True}}) as r:
+                with http.stream(
+                    "POST",
+                    f"{url}/v1/completions",
+                    json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                ) as r:
                     if r.status_code != 200:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.read()}")
                     for line in r.iter_lines():
@@ -149,9 +158,16 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
                             text += c["text"]
                 end = time.perf_counter()
                 with lock:
-                    results.append({"index": i, "latency_s": end - start, "ttft_s": (first or end) - start,
-                                    "text": text, "completion_tokens": usage["completion_tokens"],
-                                    "mean_decode_depth": usage.get("mean_decode_depth", math.nan)})  # looplm's
+                    results.append(
+                        {
+                            "index": i,
+                            "latency_s": end - start,
+                            "ttft_s": (first or end) - start,
+                            "text": text,
+                            "completion_tokens": usage["completion_tokens"],
+                            "mean_decode_depth": usage.get("mean_decode_depth", math.nan),
+                        }
+                    )  # looplm's
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -166,11 +182,19 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
     def pct(xs, q):
         return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
 
-    return {"completed": len(results), "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
-            "requests_per_s": len(results) / wall, "latency_p50_s": pct(lat, 0.5), "latency_p95_s": pct(lat, 0.95),
-            "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
-            "mean_decode_depth": sum(r["mean_decode_depth"] * r["completion_tokens"] for r in results) / max(tokens, 1),
-            "results": sorted(results, key=lambda r: r["index"])}
+    return {
+        "completed": len(results),
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "requests_per_s": len(results) / wall,
+        "latency_p50_s": pct(lat, 0.5),
+        "latency_p95_s": pct(lat, 0.95),
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p95_s": pct(ttft, 0.95),
+        "mean_decode_depth": sum(r["mean_decode_depth"] * r["completion_tokens"] for r in results) / max(tokens, 1),
+        "results": sorted(results, key=lambda r: r["index"]),
+    }
 
 
 def server_flags(opts: dict) -> list[str]:
@@ -181,8 +205,9 @@ def server_flags(opts: dict) -> list[str]:
     return flags
 
 
-def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict,
-                opts: dict | None = None) -> dict:
+def engine_only(
+    checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict, opts: dict | None = None
+) -> dict:
     """The same requests through `looplm.serve.Engine` in this process (no HTTP, no clients),
     all submitted at once, on `--server-threads` torch threads: what the engine itself sustains."""
     from looplm.checkpoint import load_model
@@ -194,9 +219,18 @@ def engine_only(checkpoint: Path, texts: list[str], args, cache: str, slots: int
     torch.set_num_threads(args.server_threads)
     try:
         model, tok, _ = load_model(checkpoint)
-        engine = Engine(model, tok, EngineConfig(max_batch=slots, depth=args.depth, cache=cache,
-                                                 max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full"
-                                                 else None, max_queue=len(texts), **(opts or {})))
+        engine = Engine(
+            model,
+            tok,
+            EngineConfig(
+                max_batch=slots,
+                depth=args.depth,
+                cache=cache,
+                max_depth=max(args.depth, extra.get("depth", 0)) if cache == "full" else None,
+                max_queue=len(texts),
+                **(opts or {}),
+            ),
+        )
         rule = DepthRule(extra.get("depth", args.depth), exit_tau=extra.get("exit_tau"))  # `extra`: HTTP body fields
         reqs = [Request(tok.encode(t), SamplingConfig(args.max_tokens), rule) for t in texts]
         engine.warm_up()  # compiled: every batch bucket, as `looplm serve --compile` does before it listens
@@ -223,7 +257,7 @@ def score(checkpoint: Path, texts: list[tuple[str, str]], depth: int) -> float:
                 continue
             ids = torch.tensor([p + c])
             lp = model(ids, depth, init="seeded").logits[0, :-1].log_softmax(-1)
-            total += float(lp[torch.arange(len(p) - 1, len(p) + len(c) - 1), ids[0, len(p):]].sum())
+            total += float(lp[torch.arange(len(p) - 1, len(p) + len(c) - 1), ids[0, len(p) :]].sum())
             count += len(c)
     return total / max(count, 1)
 
@@ -254,8 +288,12 @@ def mixed_depth(args) -> None:
     deep = args.deep
 
     def requests(shallow_half: bool) -> list:
-        return [Request(tok.encode(t), SamplingConfig(args.max_tokens), DepthRule(1 if shallow_half and i % 2 else deep, deep))
-                for i, t in enumerate(texts)]
+        return [
+            Request(
+                tok.encode(t), SamplingConfig(args.max_tokens), DepthRule(1 if shallow_half and i % 2 else deep, deep)
+            )
+            for i, t in enumerate(texts)
+        ]
 
     engine = Engine(model, tok, EngineConfig(max_batch=args.slots, depth=deep, max_queue=args.slots))
     decode_s = [0.0]  # time inside decode steps (prefills excluded): what per-row depth can save
@@ -280,29 +318,56 @@ def mixed_depth(args) -> None:
             wall = time.perf_counter() - t0
             tokens = sum(f.completion_tokens for f in finishes)
             decoded = tokens - len(finishes)  # each request's first token comes from its prefill
-            runs[label].append({"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall,
-                                "decode_s": decode_s[0], "decode_tokens_per_s": decoded / decode_s[0],
-                                "mean_decode_depth": statistics.fmean(f.mean_decode_depth for f in finishes)})
-            print(f"round {rnd + 1} {label:>32}: {tokens} tokens in {wall:6.2f} s = {tokens / wall:7.1f} tok/s; "
-                  f"decode steps {decode_s[0]:6.2f} s = {decoded / decode_s[0]:7.1f} tok/s", flush=True)
-    rows = [{"arm": k, "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
-             "median_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in v), "rounds": v}
-            for k, v in runs.items()]
+            runs[label].append(
+                {
+                    "wall_s": wall,
+                    "completion_tokens": tokens,
+                    "tokens_per_s": tokens / wall,
+                    "decode_s": decode_s[0],
+                    "decode_tokens_per_s": decoded / decode_s[0],
+                    "mean_decode_depth": statistics.fmean(f.mean_decode_depth for f in finishes),
+                }
+            )
+            print(
+                f"round {rnd + 1} {label:>32}: {tokens} tokens in {wall:6.2f} s = {tokens / wall:7.1f} tok/s; "
+                f"decode steps {decode_s[0]:6.2f} s = {decoded / decode_s[0]:7.1f} tok/s",
+                flush=True,
+            )
+    rows = [
+        {
+            "arm": k,
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
+            "median_decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in v),
+            "rounds": v,
+        }
+        for k, v in runs.items()
+    ]
     for r in rows:
-        print(f"{r['arm']:>32}: median {r['median_tokens_per_s']:.1f} tok/s end to end, "
-              f"{r['median_decode_tokens_per_s']:.1f} tok/s in decode steps")
+        print(
+            f"{r['arm']:>32}: median {r['median_tokens_per_s']:.1f} tok/s end to end, "
+            f"{r['median_decode_tokens_per_s']:.1f} tok/s in decode steps"
+        )
     ratio = decode_ratio = None
     if len(rows) == 2:
         ratio = rows[1]["median_tokens_per_s"] / rows[0]["median_tokens_per_s"]
         decode_ratio = rows[1]["median_decode_tokens_per_s"] / rows[0]["median_decode_tokens_per_s"]
         visits = lambda r: job.model.n_prelude + job.model.n_core * r + job.model.n_coda  # noqa: E731
-        print(f"mixed / all deep: {ratio:.2f}x end to end, {decode_ratio:.2f}x in decode steps (block visits "
-              f"per decode step: {(visits(1) + visits(deep)) / 2 / visits(deep):.2f}x)")
-    record = {"command": command_line(), "machine": platform.platform(),
-              "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.server_threads,
-              "model": {"d_model": 512, "blocks": [job.model.n_prelude, job.model.n_core, job.model.n_coda]},
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "arms": rows, "mixed_over_deep": ratio, "mixed_over_deep_decode_steps": decode_ratio}
+        print(
+            f"mixed / all deep: {ratio:.2f}x end to end, {decode_ratio:.2f}x in decode steps (block visits "
+            f"per decode step: {(visits(1) + visits(deep)) / 2 / visits(deep):.2f}x)"
+        )
+    record = {
+        "command": command_line(),
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": args.server_threads,
+        "model": {"d_model": 512, "blocks": [job.model.n_prelude, job.model.n_core, job.model.n_coda]},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "arms": rows,
+        "mixed_over_deep": ratio,
+        "mixed_over_deep_decode_steps": decode_ratio,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
@@ -310,8 +375,12 @@ def mixed_depth(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=["load", "mixed-depth"], default="load",
-                    help="load: the HTTP load test below; mixed-depth: see `mixed_depth`")
+    ap.add_argument(
+        "--workload",
+        choices=["load", "mixed-depth"],
+        default="load",
+        help="load: the HTTP load test below; mixed-depth: see `mixed_depth`",
+    )
     ap.add_argument("--slots", type=int, default=64, help="mixed-depth: engine slots (= requests)")
     ap.add_argument("--deep", type=int, default=12, help="mixed-depth: prefill and deep decode depth")
     ap.add_argument("--arms", choices=["both", "deep", "mixed"], default="both", help="mixed-depth: arms to run")
@@ -327,8 +396,12 @@ def main() -> None:
     ap.add_argument("--adaptive-depth", type=int, default=8)
     ap.add_argument("--exit-tau", type=float, default=0.05)
     ap.add_argument("--compiled", action="store_true", help="add the arm `continuous terminal, --compile`")
-    ap.add_argument("--speculate", type=int, default=0,
-                    help="add an arm with self-speculative decoding: k drafts per round (with --compiled, compiled)")
+    ap.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        help="add an arm with self-speculative decoding: k drafts per round (with --compiled, compiled)",
+    )
     ap.add_argument("--draft-depth", type=int, default=2, help="draft depth of the --speculate arm")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
     args = ap.parse_args()
@@ -367,9 +440,16 @@ def main() -> None:
             compared.append((0, len(arms) - 1))  # terminal cache: texts may differ (design §16's window rule)
         if args.checkpoint is not None:
             R = args.adaptive_depth
-            arms += [(f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}, {}),
-                     (f"adaptive exit tau {args.exit_tau} (max {R})", "terminal", terminal_slots,
-                      {"depth": R, "exit_tau": args.exit_tau}, {})]
+            arms += [
+                (f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}, {}),
+                (
+                    f"adaptive exit tau {args.exit_tau} (max {R})",
+                    "terminal",
+                    terminal_slots,
+                    {"depth": R, "exit_tau": args.exit_tau},
+                    {},
+                ),
+            ]
         rounds: list[list[dict]] = [[] for _ in arms]
         for rnd in range(args.rounds):  # arms alternate, so drifting machine load hits all of them alike
             for k, (label, cache, slots, extra, opts) in enumerate(arms):
@@ -384,55 +464,97 @@ def main() -> None:
                     server.close()
                 result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra, opts)
                 rounds[k].append(result)
-                print(f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
-                      f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
-                      f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
-                      f"depth {result['mean_decode_depth']:.2f}; engine alone "
-                      f"{result['engine_only']['tokens_per_s']:.1f} tok/s", flush=True)
+                print(
+                    f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
+                    f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
+                    f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
+                    f"depth {result['mean_decode_depth']:.2f}; engine alone "
+                    f"{result['engine_only']['tokens_per_s']:.1f} tok/s",
+                    flush=True,
+                )
         rows = []
         for (label, cache, slots, extra, opts), runs in zip(arms, rounds):
             med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-            rows.append({"arm": label, "server_flags": " ".join(common + ["--cache", cache, "--max-batch", str(slots)]
-                                                               + server_flags(opts)),
-                         "extra_body": extra, "slots": slots, "cache_bytes": runs[0]["cache_bytes"],
-                         **{f"median_{key}": med(key) for key in ("tokens_per_s", "requests_per_s", "latency_p50_s",
-                                                                  "latency_p95_s", "ttft_p50_s", "ttft_p95_s")},
-                         "median_engine_only_tokens_per_s": statistics.median(r["engine_only"]["tokens_per_s"]
-                                                                              for r in runs),
-                         "completed": runs[-1]["completed"], "mean_decode_depth": runs[-1]["mean_decode_depth"],
-                         "results": runs[-1]["results"], "rounds": [{k: v for k, v in r.items() if k != "results"}
-                                                                     for r in runs]})
+            rows.append(
+                {
+                    "arm": label,
+                    "server_flags": " ".join(
+                        common + ["--cache", cache, "--max-batch", str(slots)] + server_flags(opts)
+                    ),
+                    "extra_body": extra,
+                    "slots": slots,
+                    "cache_bytes": runs[0]["cache_bytes"],
+                    **{
+                        f"median_{key}": med(key)
+                        for key in (
+                            "tokens_per_s",
+                            "requests_per_s",
+                            "latency_p50_s",
+                            "latency_p95_s",
+                            "ttft_p50_s",
+                            "ttft_p95_s",
+                        )
+                    },
+                    "median_engine_only_tokens_per_s": statistics.median(
+                        r["engine_only"]["tokens_per_s"] for r in runs
+                    ),
+                    "completed": runs[-1]["completed"],
+                    "mean_decode_depth": runs[-1]["mean_decode_depth"],
+                    "results": runs[-1]["results"],
+                    "rounds": [{k: v for k, v in r.items() if k != "results"} for r in runs],
+                }
+            )
         print("\nmedians over rounds:")
         for r in rows:
-            print(f"{r['arm']:>40}: {r['median_tokens_per_s']:8.1f} tok/s, latency p50 {r['median_latency_p50_s']:.3f} s "
-                  f"p95 {r['median_latency_p95_s']:.3f} s, ttft p50 {r['median_ttft_p50_s']:.3f} s; engine alone "
-                  f"{r['median_engine_only_tokens_per_s']:.1f} tok/s; depth {r['mean_decode_depth']:.2f}")
+            print(
+                f"{r['arm']:>40}: {r['median_tokens_per_s']:8.1f} tok/s, latency p50 {r['median_latency_p50_s']:.3f} s "
+                f"p95 {r['median_latency_p95_s']:.3f} s, ttft p50 {r['median_ttft_p50_s']:.3f} s; engine alone "
+                f"{r['median_engine_only_tokens_per_s']:.1f} tok/s; depth {r['mean_decode_depth']:.2f}"
+            )
         same_outputs = {  # greedy: batching must not change a request's text
-            rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(a["text"] == b["text"] for a, b in
-                                                         zip(rows[i]["results"], rows[j]["results"]))
+            rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(
+                a["text"] == b["text"] for a, b in zip(rows[i]["results"], rows[j]["results"])
+            )
             for i, j in compared
-            if rows[i]["completed"] == rows[j]["completed"] == len(jobs)}
+            if rows[i]["completed"] == rows[j]["completed"] == len(jobs)
+        }
         print(f"identical texts (of {len(jobs)}): {same_outputs}")
         quality = None
         if args.checkpoint is not None:
             fixed, adaptive = rows[-2], rows[-1]
             pairs = lambda row: [(texts[r["index"]], r["text"]) for r in row["results"]]  # noqa: E731
-            same = [a["text"] == f["text"] for a, f in zip(adaptive["results"], fixed["results"])
-                    if a["index"] == f["index"]]
-            quality = {"scored_at_depth": args.adaptive_depth,
-                       "fixed_mean_loglik_per_token": score(checkpoint, pairs(fixed), args.adaptive_depth),
-                       "adaptive_mean_loglik_per_token": score(checkpoint, pairs(adaptive), args.adaptive_depth),
-                       "identical_texts": sum(same), "compared": len(same)}
+            same = [
+                a["text"] == f["text"]
+                for a, f in zip(adaptive["results"], fixed["results"])
+                if a["index"] == f["index"]
+            ]
+            quality = {
+                "scored_at_depth": args.adaptive_depth,
+                "fixed_mean_loglik_per_token": score(checkpoint, pairs(fixed), args.adaptive_depth),
+                "adaptive_mean_loglik_per_token": score(checkpoint, pairs(adaptive), args.adaptive_depth),
+                "identical_texts": sum(same),
+                "compared": len(same),
+            }
             print(f"quality: {quality}")
     for r in rows:
         for res in r["results"]:
             res.pop("text")
-    record = {"command": command_line(), "machine": platform.platform(),
-              "cpu_count": os.cpu_count(), "torch": torch.__version__, "checkpoint": str(args.checkpoint or "random tiny"),
-              "model": {"d_model": cfg.d_model, "blocks": [cfg.n_prelude, cfg.n_core, cfg.n_coda],
-                        "context": cfg.max_seq_len},
-              "settings": vars(args) | {"out": str(args.out), "checkpoint": str(args.checkpoint)},
-              "arms": rows, "identical_texts": same_outputs, "adaptive_quality": quality}
+    record = {
+        "command": command_line(),
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "checkpoint": str(args.checkpoint or "random tiny"),
+        "model": {
+            "d_model": cfg.d_model,
+            "blocks": [cfg.n_prelude, cfg.n_core, cfg.n_coda],
+            "context": cfg.max_seq_len,
+        },
+        "settings": vars(args) | {"out": str(args.out), "checkpoint": str(args.checkpoint)},
+        "arms": rows,
+        "identical_texts": same_outputs,
+        "adaptive_quality": quality,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"wrote {args.out}")

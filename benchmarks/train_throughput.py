@@ -64,7 +64,15 @@ def machine_info() -> dict:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         fields = {k.strip(): v.strip() for k, v in fields.items()}
-        for key in ("Model name", "CPU(s)", "Core(s) per socket", "Socket(s)", "Thread(s) per core", "L2 cache", "L3 cache"):
+        for key in (
+            "Model name",
+            "CPU(s)",
+            "Core(s) per socket",
+            "Socket(s)",
+            "Thread(s) per core",
+            "L2 cache",
+            "L3 cache",
+        ):
             if key in fields:
                 info[key] = fields[key]
         flags = set(fields.get("Flags", "").split())
@@ -130,7 +138,12 @@ def timed(fn) -> dict:
     fn()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     b1, s1 = system_busy_s()
-    return {"wall": wall, "cpu": cpu, "foreign_cores": max(0.0, (b1 - b0 - cpu) / wall), "steal_cores": (s1 - s0) / wall}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "foreign_cores": max(0.0, (b1 - b0 - cpu) / wall),
+        "steal_cores": (s1 - s0) / wall,
+    }
 
 
 def wait_quiet(budget: dict, log, threshold: float = 0.2) -> None:
@@ -185,23 +198,34 @@ def matmul_peak(sizes: list[int], reps: int, quiet: dict, log) -> dict:
     rows = []
     for n in sizes:
         g = torch.Generator().manual_seed(n)
-        mats = {k: (torch.randn(n, n, generator=g).to(dt), torch.randn(n, n, generator=g).to(dt)) for k, dt in dtypes.items()}
+        mats = {
+            k: (torch.randn(n, n, generator=g).to(dt), torch.randn(n, n, generator=g).to(dt))
+            for k, dt in dtypes.items()
+        }
         outs = {k: torch.empty(n, n, dtype=dt) for k, dt in dtypes.items()}
         for k in dtypes:  # warm-up (allocation, oneDNN/MKL kernel selection)
             torch.matmul(*mats[k], out=outs[k])
         samples: dict[str, list[dict]] = {k: [] for k in dtypes}
         order = list(dtypes)
         for r in range(reps):
-            for k in order[r % 2:] + order[:r % 2]:
+            for k in order[r % 2 :] + order[: r % 2]:
                 (a, b), out = mats[k], outs[k]
                 samples[k].append(measure(lambda a=a, b=b, out=out: torch.matmul(a, b, out=out), quiet, log))
         for k in dtypes:
             flops = 2.0 * n**3
             walls = [x["wall"] for x in samples[k]]
-            rows.append({"dtype": k, "n": n, "reps": reps, "best_s": min(walls),
-                         "best_gflops": flops / min(walls) / 1e9, "mean_gflops": flops / statistics.fmean(walls) / 1e9,
-                         "foreign_cores_mean": statistics.fmean(x["foreign_cores"] for x in samples[k]),
-                         "contended": sum(x["contended"] for x in samples[k])})
+            rows.append(
+                {
+                    "dtype": k,
+                    "n": n,
+                    "reps": reps,
+                    "best_s": min(walls),
+                    "best_gflops": flops / min(walls) / 1e9,
+                    "mean_gflops": flops / statistics.fmean(walls) / 1e9,
+                    "foreign_cores_mean": statistics.fmean(x["foreign_cores"] for x in samples[k]),
+                    "contended": sum(x["contended"] for x in samples[k]),
+                }
+            )
         del mats, outs
     peak = {k: max(r["best_gflops"] for r in rows if r["dtype"] == k) for k in dtypes}
     return {"rows": rows, "peak_gflops": peak}
@@ -250,8 +274,16 @@ def trainer_arm(name, model_name, model_cfg, micro_batch, precision, workdir) ->
     from looplm.train.flops import flops_per_token
 
     tr = make_trainer(model_cfg, micro_batch, precision, DEPTH, None, workdir, name)
-    return Arm(name, model_name, "looplm Trainer.train_step", precision, tr.train_step, micro_batch * SEQ_LEN,
-               flops_per_token(tr.job.model, SEQ_LEN, DEPTH, None), tr.model.num_parameters())
+    return Arm(
+        name,
+        model_name,
+        "looplm Trainer.train_step",
+        precision,
+        tr.train_step,
+        micro_batch * SEQ_LEN,
+        flops_per_token(tr.job.model, SEQ_LEN, DEPTH, None),
+        tr.model.num_parameters(),
+    )
 
 
 def baseline_arm(name, model_cfg, micro_batch, precision) -> Arm:
@@ -262,8 +294,19 @@ def baseline_arm(name, model_cfg, micro_batch, precision) -> Arm:
     torch.manual_seed(0)
     # the plain baseline as this benchmark measures it: RMSNorm written out in the working dtype, GQA by
     # repeat_interleave, RoPE tables precomputed, additive injection, weights N(0, 0.02^2) (embedding N(0, 1/d))
-    model = PlainLooped(c.vocab_size, c.d_model, c.n_heads, c.n_kv_heads, c.ffn_dim, c.n_prelude, c.n_core, c.n_coda,
-                        norm="written", repeat_kv=True, max_len=c.max_seq_len).init_weights(embed_std=c.d_model**-0.5)
+    model = PlainLooped(
+        c.vocab_size,
+        c.d_model,
+        c.n_heads,
+        c.n_kv_heads,
+        c.ffn_dim,
+        c.n_prelude,
+        c.n_core,
+        c.n_coda,
+        norm="written",
+        repeat_kv=True,
+        max_len=c.max_seq_len,
+    ).init_weights(embed_std=c.d_model**-0.5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, c.vocab_size, (micro_batch, SEQ_LEN + 1), generator=g)
@@ -280,8 +323,16 @@ def baseline_arm(name, model_cfg, micro_batch, precision) -> Arm:
         opt.zero_grad(set_to_none=True)
 
     flops_cfg = dataclasses.replace(c, injection="additive")
-    return Arm(name, "d512", "plain PyTorch baseline", precision, step, micro_batch * SEQ_LEN,
-               flops_per_token(flops_cfg, SEQ_LEN, DEPTH, None), sum(p.numel() for p in model.parameters()))
+    return Arm(
+        name,
+        "d512",
+        "plain PyTorch baseline",
+        precision,
+        step,
+        micro_batch * SEQ_LEN,
+        flops_per_token(flops_cfg, SEQ_LEN, DEPTH, None),
+        sum(p.numel() for p in model.parameters()),
+    )
 
 
 def run_interleaved(arms: list[Arm], warmup: int, rounds: int, log, quiet: dict) -> None:
@@ -291,11 +342,16 @@ def run_interleaved(arms: list[Arm], warmup: int, rounds: int, log, quiet: dict)
         log(f"  warmed up {arm.name}")
     n = len(arms)
     for r in range(rounds):
-        for arm in arms[r % n:] + arms[:r % n]:
+        for arm in arms[r % n :] + arms[: r % n]:
             gc.collect()
             arm.samples.append(measure(arm.step, quiet, log))
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(
-            f"{a.name} {a.samples[-1]['wall']:.2f}s (others {a.samples[-1]['foreign_cores']:.1f} cores)" for a in arms))
+        log(
+            f"  round {r + 1}/{rounds}: "
+            + ", ".join(
+                f"{a.name} {a.samples[-1]['wall']:.2f}s (others {a.samples[-1]['foreign_cores']:.1f} cores)"
+                for a in arms
+            )
+        )
 
 
 def arm_result(arm: Arm, peak: dict) -> dict:
@@ -305,13 +361,25 @@ def arm_result(arm: Arm, peak: dict) -> dict:
     tps, tps_best = arm.tokens_per_step / mean, arm.tokens_per_step / best
     gflops = arm.flops_per_token * tps / 1e9
     return {
-        "name": arm.name, "model": arm.model, "impl": arm.impl, "precision": arm.precision,
-        "params": arm.n_params, "tokens_per_step": arm.tokens_per_step, "flops_per_token": arm.flops_per_token,
-        "step_s": walls, "cpu_s": [x["cpu"] for x in arm.samples],
-        "foreign_cores": [x["foreign_cores"] for x in arm.samples], "steal_cores": [x["steal_cores"] for x in arm.samples],
-        "step_mean_s": mean, "step_std_s": std, "step_best_s": best,
-        "tokens_per_s": tps, "tokens_per_s_std": tps * std / mean, "tokens_per_s_best": tps_best,
-        "model_gflops": gflops, "mfu": gflops / peak[arm.precision],
+        "name": arm.name,
+        "model": arm.model,
+        "impl": arm.impl,
+        "precision": arm.precision,
+        "params": arm.n_params,
+        "tokens_per_step": arm.tokens_per_step,
+        "flops_per_token": arm.flops_per_token,
+        "step_s": walls,
+        "cpu_s": [x["cpu"] for x in arm.samples],
+        "foreign_cores": [x["foreign_cores"] for x in arm.samples],
+        "steal_cores": [x["steal_cores"] for x in arm.samples],
+        "step_mean_s": mean,
+        "step_std_s": std,
+        "step_best_s": best,
+        "tokens_per_s": tps,
+        "tokens_per_s_std": tps * std / mean,
+        "tokens_per_s_best": tps_best,
+        "model_gflops": gflops,
+        "mfu": gflops / peak[arm.precision],
         "mfu_best": arm.flops_per_token * tps_best / 1e9 / peak[arm.precision],
         "cpu_util": statistics.fmean(x["cpu"] for x in arm.samples) / mean,
         "foreign_cores_mean": statistics.fmean(x["foreign_cores"] for x in arm.samples),
@@ -347,8 +415,15 @@ def tbptt_child(spec: dict) -> dict:
     from looplm.train.flops import flops_per_token
 
     cfg = ModelConfig.from_dict(spec["cfg"])
-    tr = make_trainer(cfg, spec["micro_batch"], spec["precision"], spec["depth"], spec["bptt_window"],
-                      Path(spec["workdir"]), spec["tag"])
+    tr = make_trainer(
+        cfg,
+        spec["micro_batch"],
+        spec["precision"],
+        spec["depth"],
+        spec["bptt_window"],
+        Path(spec["workdir"]),
+        spec["tag"],
+    )
     gc.collect()
     hwm_reset = reset_hwm()
     rss0, hwm0 = rss_bytes(), hwm_bytes()
@@ -362,13 +437,22 @@ def tbptt_child(spec: dict) -> dict:
     hwm1 = hwm_bytes()
     n_params = tr.model.num_parameters()
     return {
-        "bptt_window": spec["bptt_window"], "depth": spec["depth"], "step_s": times,
-        "foreign_cores": [x["foreign_cores"] for x in samples], "contended": [x["contended"] for x in samples],
+        "bptt_window": spec["bptt_window"],
+        "depth": spec["depth"],
+        "step_s": times,
+        "foreign_cores": [x["foreign_cores"] for x in samples],
+        "contended": [x["contended"] for x in samples],
         "rejected_contended_s": [t for x in samples for t in x["rejected_s"]],
-        "quiet_wait_used_s": spec["wait_quiet_s"] - quiet["left"], "quiet_waited_s": quiet.get("waited", 0.0),
-        "rss_before_first_step": rss0, "hwm_reset": hwm_reset, "hwm_before_first_step": hwm0, "hwm_after": hwm1,
-        "peak_rss_delta": max(0, hwm1 - rss0), "saved_for_backward_bytes": saved,
-        "params": n_params, "grad_and_adam_state_bytes": 12 * n_params,
+        "quiet_wait_used_s": spec["wait_quiet_s"] - quiet["left"],
+        "quiet_waited_s": quiet.get("waited", 0.0),
+        "rss_before_first_step": rss0,
+        "hwm_reset": hwm_reset,
+        "hwm_before_first_step": hwm0,
+        "hwm_after": hwm1,
+        "peak_rss_delta": max(0, hwm1 - rss0),
+        "saved_for_backward_bytes": saved,
+        "params": n_params,
+        "grad_and_adam_state_bytes": 12 * n_params,
         "flops_per_token": flops_per_token(tr.job.model, SEQ_LEN, spec["depth"], spec["bptt_window"]),
     }
 
@@ -395,52 +479,127 @@ def report(res: dict) -> str:
     out = []
     m = res["machine"]
     isa = m.get("isa", {})
-    out.append(f"Machine: {m.get('Model name', '?')}, {m.get('CPU(s)', '?')} CPUs "
-               f"({m.get('Core(s) per socket', '?')} cores/socket x {m.get('Socket(s)', '?')}), torch {m['torch']} "
-               f"({m['torch_cpu_capability']}), {res['config']['threads']} threads; avx512_bf16={isa.get('avx512_bf16')}, "
-               f"amx_bf16={isa.get('amx_bf16')}. Load average before/after: {res['loadavg_start']} / {res['loadavg_end']}; "
-               f"quiet-wait spent {res['quiet_wait_s']:.0f} s.")
+    out.append(
+        f"Machine: {m.get('Model name', '?')}, {m.get('CPU(s)', '?')} CPUs "
+        f"({m.get('Core(s) per socket', '?')} cores/socket x {m.get('Socket(s)', '?')}), torch {m['torch']} "
+        f"({m['torch_cpu_capability']}), {res['config']['threads']} threads; avx512_bf16={isa.get('avx512_bf16')}, "
+        f"amx_bf16={isa.get('amx_bf16')}. Load average before/after: {res['loadavg_start']} / {res['loadavg_end']}; "
+        f"quiet-wait spent {res['quiet_wait_s']:.0f} s."
+    )
     out.append("")
     out.append("Matmul peak (n x n @ n x n, 2n^3 flops, warm-up then best of N):")
-    out.append(fmt_table(["dtype", "n", "best GFLOP/s", "mean GFLOP/s", "others (cores)", "contended"],
-                         [[r["dtype"], str(r["n"]), f"{r['best_gflops']:.1f}", f"{r['mean_gflops']:.1f}",
-                           f"{r['foreign_cores_mean']:.2f}", f"{r['contended']}/{r['reps']}"] for r in res["matmul"]["rows"]]))
+    out.append(
+        fmt_table(
+            ["dtype", "n", "best GFLOP/s", "mean GFLOP/s", "others (cores)", "contended"],
+            [
+                [
+                    r["dtype"],
+                    str(r["n"]),
+                    f"{r['best_gflops']:.1f}",
+                    f"{r['mean_gflops']:.1f}",
+                    f"{r['foreign_cores_mean']:.2f}",
+                    f"{r['contended']}/{r['reps']}",
+                ]
+                for r in res["matmul"]["rows"]
+            ],
+        )
+    )
     pk = res["matmul"]["peak_gflops"]
-    out.append(f"\nPeak used for MFU: fp32 {pk['fp32']:.1f} GFLOP/s, bf16 {pk['bf16']:.1f} GFLOP/s "
-               f"(bf16/fp32 = {pk['bf16'] / pk['fp32']:.2f})\n")
-    out.append(f"Training step throughput (R={DEPTH}, full BPTT, seq {SEQ_LEN}, grad clip + AdamW included). "
-               "step s = mean +- std over the timed steps (best in brackets); MFU from the mean (best in brackets); "
-               "CPU util = our CPU-seconds per wall second; others = cores used by other processes meanwhile; "
-               f"contended = timed steps kept although others used > {MAX_FOREIGN_CORES} cores:")
+    out.append(
+        f"\nPeak used for MFU: fp32 {pk['fp32']:.1f} GFLOP/s, bf16 {pk['bf16']:.1f} GFLOP/s "
+        f"(bf16/fp32 = {pk['bf16'] / pk['fp32']:.2f})\n"
+    )
+    out.append(
+        f"Training step throughput (R={DEPTH}, full BPTT, seq {SEQ_LEN}, grad clip + AdamW included). "
+        "step s = mean +- std over the timed steps (best in brackets); MFU from the mean (best in brackets); "
+        "CPU util = our CPU-seconds per wall second; others = cores used by other processes meanwhile; "
+        f"contended = timed steps kept although others used > {MAX_FOREIGN_CORES} cores:"
+    )
     rows = []
     for a in res["throughput"]:
-        rows.append([a["model"], a["impl"], a["precision"], str(a["tokens_per_step"] // SEQ_LEN),
-                     f"{a['step_mean_s']:.2f} +- {a['step_std_s']:.2f} ({a['step_best_s']:.2f})",
-                     f"{a['tokens_per_s']:.0f} +- {a['tokens_per_s_std']:.0f}",
-                     f"{a['flops_per_token'] / 1e6:.1f}", f"{a['model_gflops']:.1f}",
-                     f"{100 * a['mfu']:.1f}% ({100 * a['mfu_best']:.1f}%)", f"{a['cpu_util']:.2f}",
-                     f"{a['foreign_cores_mean']:.2f}", f"{a['contended_steps']}/{len(a['step_s'])}"])
-    out.append(fmt_table(["model", "implementation", "precision", "batch", "step s", "tokens/s", "MFLOP/token",
-                          "model GFLOP/s", "MFU", "CPU util", "others", "contended"], rows))
+        rows.append(
+            [
+                a["model"],
+                a["impl"],
+                a["precision"],
+                str(a["tokens_per_step"] // SEQ_LEN),
+                f"{a['step_mean_s']:.2f} +- {a['step_std_s']:.2f} ({a['step_best_s']:.2f})",
+                f"{a['tokens_per_s']:.0f} +- {a['tokens_per_s_std']:.0f}",
+                f"{a['flops_per_token'] / 1e6:.1f}",
+                f"{a['model_gflops']:.1f}",
+                f"{100 * a['mfu']:.1f}% ({100 * a['mfu_best']:.1f}%)",
+                f"{a['cpu_util']:.2f}",
+                f"{a['foreign_cores_mean']:.2f}",
+                f"{a['contended_steps']}/{len(a['step_s'])}",
+            ]
+        )
+    out.append(
+        fmt_table(
+            [
+                "model",
+                "implementation",
+                "precision",
+                "batch",
+                "step s",
+                "tokens/s",
+                "MFLOP/token",
+                "model GFLOP/s",
+                "MFU",
+                "CPU util",
+                "others",
+                "contended",
+            ],
+            rows,
+        )
+    )
     out.append("")
-    out.append(fmt_table(["ratio (tokens/s)", "from means", "from best steps"],
-                         [[k, f"{v['mean']:.3f}", f"{v['best']:.3f}"] for k, v in res["ratios"].items()]))
+    out.append(
+        fmt_table(
+            ["ratio (tokens/s)", "from means", "from best steps"],
+            [[k, f"{v['mean']:.3f}", f"{v['best']:.3f}"] for k, v in res["ratios"].items()],
+        )
+    )
     out.append("")
     tb = res.get("tbptt")
     if tb:
-        out.append(f"Truncated backprop ({tb['model']}, R={tb['depth']}, batch {tb['micro_batch']}, {tb['precision']}, "
-                   f"Trainer.train_step; processes in order {tb['order']}):")
+        out.append(
+            f"Truncated backprop ({tb['model']}, R={tb['depth']}, batch {tb['micro_batch']}, {tb['precision']}, "
+            f"Trainer.train_step; processes in order {tb['order']}):"
+        )
         rows = []
         for a in tb["arms"]:
             mean, std = mean_std(a["step_s"])
-            rows.append([str(a["bptt_window"] or "full"), str(len(a["step_s"])), f"{mean:.2f} +- {std:.2f}",
-                         f"{a['flops_per_token'] / 1e6:.0f}", f"{a['peak_rss_delta'] / 2**20:.0f}",
-                         f"{a['saved_for_backward_bytes'] / 2**20:.0f}", f"{statistics.fmean(a['foreign_cores']):.2f}",
-                         f"{sum(a['contended'])}/{len(a['step_s'])}"])
-        out.append(fmt_table(["window", "timed steps", "step s", "MFLOP/token (flops.py)", "peak RSS delta MiB",
-                              "saved-for-backward MiB", "others", "contended"], rows))
+            rows.append(
+                [
+                    str(a["bptt_window"] or "full"),
+                    str(len(a["step_s"])),
+                    f"{mean:.2f} +- {std:.2f}",
+                    f"{a['flops_per_token'] / 1e6:.0f}",
+                    f"{a['peak_rss_delta'] / 2**20:.0f}",
+                    f"{a['saved_for_backward_bytes'] / 2**20:.0f}",
+                    f"{statistics.fmean(a['foreign_cores']):.2f}",
+                    f"{sum(a['contended'])}/{len(a['step_s'])}",
+                ]
+            )
+        out.append(
+            fmt_table(
+                [
+                    "window",
+                    "timed steps",
+                    "step s",
+                    "MFLOP/token (flops.py)",
+                    "peak RSS delta MiB",
+                    "saved-for-backward MiB",
+                    "others",
+                    "contended",
+                ],
+                rows,
+            )
+        )
         out.append("")
-        out.append(fmt_table([f"window {TBPTT_WINDOW} / full", "ratio"], [[k, f"{v:.3f}"] for k, v in tb["ratios"].items()]))
+        out.append(
+            fmt_table([f"window {TBPTT_WINDOW} / full", "ratio"], [[k, f"{v:.3f}"] for k, v in tb["ratios"].items()])
+        )
         out.append("\n" + tb["memory_method"])
     return "\n".join(out)
 
@@ -464,8 +623,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few repetitions, smaller matmuls, TBPTT on tiny: a smoke run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/train_throughput.json"))
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="up to S seconds in all to wait for other processes to go idle before timed samples, and to rerun contended ones")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="up to S seconds in all to wait for other processes to go idle before timed samples, and to rerun contended ones",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -480,20 +644,45 @@ def main() -> None:
 
     q = args.quick
     plan = {
-        "matmul_sizes": [1024, 2048] if q else [2048, 4096], "matmul_reps": 2 if q else 5,
-        "tiny_warmup": 1 if q else 2, "tiny_rounds": 1 if q else 6,
-        "d512_warmup": 1, "d512_rounds": 1 if q else 5,
-        "tbptt_model": "tiny" if q else "d512", "tbptt_order": [None, TBPTT_WINDOW] if q else [None, TBPTT_WINDOW, TBPTT_WINDOW, None],
-        "tbptt_warmup": 1, "tbptt_steps": 1 if q else 2,
+        "matmul_sizes": [1024, 2048] if q else [2048, 4096],
+        "matmul_reps": 2 if q else 5,
+        "tiny_warmup": 1 if q else 2,
+        "tiny_rounds": 1 if q else 6,
+        "d512_warmup": 1,
+        "d512_rounds": 1 if q else 5,
+        "tbptt_model": "tiny" if q else "d512",
+        "tbptt_order": [None, TBPTT_WINDOW] if q else [None, TBPTT_WINDOW, TBPTT_WINDOW, None],
+        "tbptt_warmup": 1,
+        "tbptt_steps": 1 if q else 2,
     }
     tiny = model_preset("tiny")
     tiny.vocab_size = 258
-    d512 = ModelConfig(vocab_size=258, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=1536, n_prelude=1, n_core=2,
-                       n_coda=1, max_seq_len=SEQ_LEN, injection="additive")
-    res: dict = {"command": command_line(), "quick": q,
-                 "config": {"threads": THREADS, "seq_len": SEQ_LEN, "depth": DEPTH, "plan": plan,
-                            "tiny": dataclasses.asdict(tiny), "d512": dataclasses.asdict(d512)},
-                 "machine": machine_info(), "loadavg_start": loadavg()}
+    d512 = ModelConfig(
+        vocab_size=258,
+        d_model=512,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=1536,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        max_seq_len=SEQ_LEN,
+        injection="additive",
+    )
+    res: dict = {
+        "command": command_line(),
+        "quick": q,
+        "config": {
+            "threads": THREADS,
+            "seq_len": SEQ_LEN,
+            "depth": DEPTH,
+            "plan": plan,
+            "tiny": dataclasses.asdict(tiny),
+            "d512": dataclasses.asdict(d512),
+        },
+        "machine": machine_info(),
+        "loadavg_start": loadavg(),
+    }
     quiet = {"left": args.wait_quiet}
     t_start = time.perf_counter()
 
@@ -504,19 +693,34 @@ def main() -> None:
         cfg, mb = (tiny, 16) if plan["tbptt_model"] == "tiny" else (d512, 8)
         runs: dict = {None: [], TBPTT_WINDOW: []}
         for window in plan["tbptt_order"]:
-            spec = {"cfg": dataclasses.asdict(cfg), "micro_batch": mb, "precision": "fp32", "depth": TBPTT_DEPTH,
-                    "bptt_window": window, "workdir": str(workdir), "tag": f"tbptt-{window}-{len(runs[window])}",
-                    "warmup": plan["tbptt_warmup"], "steps": plan["tbptt_steps"], "wait_quiet_s": max(0.0, quiet["left"])}
+            spec = {
+                "cfg": dataclasses.asdict(cfg),
+                "micro_batch": mb,
+                "precision": "fp32",
+                "depth": TBPTT_DEPTH,
+                "bptt_window": window,
+                "workdir": str(workdir),
+                "tag": f"tbptt-{window}-{len(runs[window])}",
+                "warmup": plan["tbptt_warmup"],
+                "steps": plan["tbptt_steps"],
+                "wait_quiet_s": max(0.0, quiet["left"]),
+            }
             r = run_child(spec)
             quiet["left"] -= r["quiet_wait_used_s"]
             quiet["waited"] = quiet.get("waited", 0.0) + r["quiet_waited_s"]
             runs[window].append(r)
-            log(f"  window {window or 'full'}: steps {['%.2f' % x for x in r['step_s']]}, peak RSS delta "
-                f"{r['peak_rss_delta'] / 2**20:.0f} MiB, saved for backward {r['saved_for_backward_bytes'] / 2**20:.0f} MiB")
+            log(
+                f"  window {window or 'full'}: steps {['%.2f' % x for x in r['step_s']]}, peak RSS delta "
+                f"{r['peak_rss_delta'] / 2**20:.0f} MiB, saved for backward {r['saved_for_backward_bytes'] / 2**20:.0f} MiB"
+            )
         full, win = merge_child_runs(runs[None]), merge_child_runs(runs[TBPTT_WINDOW])
         res["tbptt"] = {
-            "model": plan["tbptt_model"], "depth": TBPTT_DEPTH, "micro_batch": mb, "precision": "fp32",
-            "order": ", ".join(str(w or "full") for w in plan["tbptt_order"]), "arms": [full, win],
+            "model": plan["tbptt_model"],
+            "depth": TBPTT_DEPTH,
+            "micro_batch": mb,
+            "precision": "fp32",
+            "order": ", ".join(str(w or "full") for w in plan["tbptt_order"]),
+            "arms": [full, win],
             "ratios": {
                 "step time (mean)": statistics.fmean(win["step_s"]) / statistics.fmean(full["step_s"]),
                 "step time (best)": min(win["step_s"]) / min(full["step_s"]),
@@ -563,8 +767,10 @@ def main() -> None:
     by = {a["name"]: a for a in results}
 
     def ratio(a, b):
-        return {"mean": by[a]["tokens_per_s"] / by[b]["tokens_per_s"],
-                "best": by[a]["tokens_per_s_best"] / by[b]["tokens_per_s_best"]}
+        return {
+            "mean": by[a]["tokens_per_s"] / by[b]["tokens_per_s"],
+            "best": by[a]["tokens_per_s_best"] / by[b]["tokens_per_s_best"],
+        }
 
     res["ratios"] = {
         "d512 looplm / plain, fp32": ratio("d512-looplm-fp32", "d512-plain-fp32"),

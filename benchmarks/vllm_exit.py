@@ -70,8 +70,14 @@ def main() -> None:
         arms = [(args.depth, None), *((d, None) for d in args.fixed), *((args.depth, t) for t in args.taus)]
         for depth, tau in arms:
             overrides = {"num_steps": depth} if tau is None else {"exit_tau": tau, "min_depth": args.min_depth}
-            llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_num_seqs=args.prompts, seed=0,
-                      hf_overrides=overrides)
+            llm = LLM(
+                model=str(folder),
+                dtype="float32",
+                enforce_eager=True,
+                max_num_seqs=args.prompts,
+                seed=0,
+                hf_overrides=overrides,
+            )
             batch = [{"prompt_token_ids": ids} for ids in encoded]
             llm.generate(batch, params, use_tqdm=False)  # warm-up
             before = llm.apply_model(lambda m: dict(m.loop_stats))[0]
@@ -88,13 +94,19 @@ def main() -> None:
             ids = [list(o.outputs[0].token_ids) for o in outs]
             fixed_ids = ids if fixed_ids is None else fixed_ids  # the first arm: fixed at DEPTH
             forwards = after["forwards"] - before["forwards"]
-            row = {"arm": f"fixed R={depth}" if tau is None else f"exit_tau={tau}", "depth": depth, "exit_tau": tau,
-                   "min_depth": None if tau is None else args.min_depth, "decode_seconds": round(seconds, 3),
-                   "tokens_per_s": round(sum(map(len, ids)) / seconds, 1),
-                   "loop_recurrences_per_forward": (depth if tau is None else
-                                                    round((after["recurrences"] - before["recurrences"]) / forwards, 2)),
-                   "decode_seconds_all_runs": [round(t, 3) for t in times],
-                   f"same_tokens_as_fixed_R{args.depth}": sum(a == b for a, b in zip(ids, fixed_ids))}
+            row = {
+                "arm": f"fixed R={depth}" if tau is None else f"exit_tau={tau}",
+                "depth": depth,
+                "exit_tau": tau,
+                "min_depth": None if tau is None else args.min_depth,
+                "decode_seconds": round(seconds, 3),
+                "tokens_per_s": round(sum(map(len, ids)) / seconds, 1),
+                "loop_recurrences_per_forward": (
+                    depth if tau is None else round((after["recurrences"] - before["recurrences"]) / forwards, 2)
+                ),
+                "decode_seconds_all_runs": [round(t, 3) for t in times],
+                f"same_tokens_as_fixed_R{args.depth}": sum(a == b for a, b in zip(ids, fixed_ids)),
+            }
             if tau is not None:  # looplm's own decoding of each prompt alone
                 depths, same = [], 0
                 for text, got in zip(texts, ids):
@@ -108,10 +120,20 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": command_line(), "checkpoint": str(args.checkpoint), "prompts": args.prompts,
-        "max_tokens": args.max_tokens, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "results": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": command_line(),
+                "checkpoint": str(args.checkpoint),
+                "prompts": args.prompts,
+                "max_tokens": args.max_tokens,
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

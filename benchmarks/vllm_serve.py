@@ -70,14 +70,37 @@ def main() -> None:
         jobs = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in texts]
         vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         arms = [  # (label, server command, folder, flags, extra request fields)
-            ("looplm serve", None, checkpoint,
-             ["--depth", str(args.depth), "--max-batch", str(args.slots), "--max-queue", str(args.requests)], {}),
+            (
+                "looplm serve",
+                None,
+                checkpoint,
+                ["--depth", str(args.depth), "--max-batch", str(args.slots), "--max-queue", str(args.requests)],
+                {},
+            ),
             # `vllm serve`'s server from its module: vllm-cpu 0.32's `vllm` command fails at start-up (README)
-            *((label, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"], folder,
-               ["--host", "127.0.0.1", "--dtype", "float32", *eager, "--max-model-len", str(cfg.max_seq_len),
-                "--max-num-seqs", str(args.slots), "--served-model-name", "looplm"], {"ignore_eos": True})
-              # eager, and vLLM's default mode (on CPU: Dynamo traced once + Inductor, compiled at start-up)
-              for label, eager in (("vllm serve", ["--enforce-eager"]), ("vllm compiled", []))),
+            *(
+                (
+                    label,
+                    [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"],
+                    folder,
+                    [
+                        "--host",
+                        "127.0.0.1",
+                        "--dtype",
+                        "float32",
+                        *eager,
+                        "--max-model-len",
+                        str(cfg.max_seq_len),
+                        "--max-num-seqs",
+                        str(args.slots),
+                        "--served-model-name",
+                        "looplm",
+                    ],
+                    {"ignore_eos": True},
+                )
+                # eager, and vLLM's default mode (on CPU: Dynamo traced once + Inductor, compiled at start-up)
+                for label, eager in (("vllm serve", ["--enforce-eager"]), ("vllm compiled", []))
+            ),
         ]
         rounds: list[list[dict]] = [[] for _ in arms]
         kv = None
@@ -94,33 +117,67 @@ def main() -> None:
                 finally:
                     server.close()
                 rounds[k].append(result)
-                print(f"round {rnd + 1} {label:>13}: {result['completed']:3d} req in {result['wall_s']:7.2f} s, "
-                      f"{result['tokens_per_s']:7.1f} tok/s, latency p50 {result['latency_p50_s']:.2f} s "
-                      f"p95 {result['latency_p95_s']:.2f} s, ttft p50 {result['ttft_p50_s']:.2f} s", flush=True)
+                print(
+                    f"round {rnd + 1} {label:>13}: {result['completed']:3d} req in {result['wall_s']:7.2f} s, "
+                    f"{result['tokens_per_s']:7.1f} tok/s, latency p50 {result['latency_p50_s']:.2f} s "
+                    f"p95 {result['latency_p95_s']:.2f} s, ttft p50 {result['ttft_p50_s']:.2f} s",
+                    flush=True,
+                )
     rows = []
     for (label, command, _, flags, extra), runs in zip(arms, rounds):
         med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-        rows.append({"arm": label, "flags": " ".join(flags), "extra_body": extra, "completed": runs[-1]["completed"],
-                     **{f"median_{key}": med(key) for key in ("tokens_per_s", "latency_p50_s", "latency_p95_s",
-                                                              "ttft_p50_s", "ttft_p95_s")},
-                     "texts": [r["text"] for r in runs[-1]["results"]]})
+        rows.append(
+            {
+                "arm": label,
+                "flags": " ".join(flags),
+                "extra_body": extra,
+                "completed": runs[-1]["completed"],
+                **{
+                    f"median_{key}": med(key)
+                    for key in ("tokens_per_s", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")
+                },
+                "texts": [r["text"] for r in runs[-1]["results"]],
+            }
+        )
     physical = cfg.n_prelude + cfg.n_core + cfg.n_coda
     visits = cfg.n_prelude + cfg.n_core * args.depth + cfg.n_coda
     same = {row["arm"]: sum(a == b for a, b in zip(rows[0]["texts"], row["texts"])) for row in rows[1:]}
-    capacity = {"kv_gib": 1, "terminal_tokens": kv, "per_visit_tokens": kv * physical // visits,
-                "terminal_sequences": kv // cfg.max_seq_len, "per_visit_sequences": kv * physical // visits // cfg.max_seq_len,
-                "banks_terminal": physical, "banks_per_visit": visits}
-    print(f"\nKV memory 1 GiB: terminal sharing {kv} tokens = {capacity['terminal_sequences']} sequences of "
-          f"{cfg.max_seq_len}; one KV per layer visit ({visits} vs {physical} banks) "
-          f"{capacity['per_visit_tokens']} tokens = {capacity['per_visit_sequences']} sequences")
+    capacity = {
+        "kv_gib": 1,
+        "terminal_tokens": kv,
+        "per_visit_tokens": kv * physical // visits,
+        "terminal_sequences": kv // cfg.max_seq_len,
+        "per_visit_sequences": kv * physical // visits // cfg.max_seq_len,
+        "banks_terminal": physical,
+        "banks_per_visit": visits,
+    }
+    print(
+        f"\nKV memory 1 GiB: terminal sharing {kv} tokens = {capacity['terminal_sequences']} sequences of "
+        f"{cfg.max_seq_len}; one KV per layer visit ({visits} vs {physical} banks) "
+        f"{capacity['per_visit_tokens']} tokens = {capacity['per_visit_sequences']} sequences"
+    )
     print(f"texts identical to looplm serve's (of {len(texts)}): {same}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "command": command_line(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "load_average_at_end": os.getloadavg()},
-        "model": cfg.to_dict(), "depth": args.depth, "rows": rows, "kv_capacity": capacity, "identical_texts": same,
-    }, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": command_line(),
+                "machine": {
+                    "platform": platform.platform(),
+                    "processor": platform.processor(),
+                    "cpus": os.cpu_count(),
+                    "load_average_at_end": os.getloadavg(),
+                },
+                "model": cfg.to_dict(),
+                "depth": args.depth,
+                "rows": rows,
+                "kv_capacity": capacity,
+                "identical_texts": same,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

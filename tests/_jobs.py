@@ -111,8 +111,18 @@ def torchrun_cmd(nproc: int, script, *args) -> list[str]:
     """`torch.distributed.run` with `nproc` local ranks. `--standalone` binds its rendezvous store
     and the ranks' store to port 0 and hands the chosen port to the ranks, so no port is picked
     ahead (picking a free port and passing it on races with other processes binding it)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "--local-addr", "127.0.0.1", str(script), *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--local-addr",
+        "127.0.0.1",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def error_line(stderr: str) -> str:
@@ -129,8 +139,13 @@ def error_line(stderr: str) -> str:
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for child processes: one thread each, no CUDA, unbuffered output."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.update(extra)
     return env
 
@@ -224,7 +239,9 @@ def read_hf_weights(root: Path) -> dict:
     from safetensors.torch import load_file
 
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     return {k: t.double() for name in files for k, t in load_file(str(root / name)).items()}
 
 

@@ -32,7 +32,7 @@ def rope(x, pos, base):
     inv = [1.0 / base ** (2 * i / hd) for i in range(hd // 2)]
     ang = torch.tensor([pos * f for f in inv], dtype=torch.float64)
     c, s = ang.cos().float(), ang.sin().float()
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
@@ -70,15 +70,21 @@ def naive_chunk_block(block, x, positions, keys, values, cfg, offsets=None, froz
 
 def naive_block(block, x, pos, keys, values, cfg, offsets=None):
     """One block for a single token [d] attending to stored keys/values (lists of [H_kv, hd])."""
-    out, k, v = naive_chunk_block(block, x[None], [pos], keys, values, cfg,
-                                  None if offsets is None else tuple(o[None] for o in offsets))
+    out, k, v = naive_chunk_block(
+        block, x[None], [pos], keys, values, cfg, None if offsets is None else tuple(o[None] for o in offsets)
+    )
     return out[0], k[0], v[0]
 
 
 def _plain(cfg) -> None:
     """The hand-written block covers looplm's own architecture (design §1-2), not the §14 switches."""
-    assert (cfg.block_norm, cfg.qk_bias, cfg.value_embeds, cfg.qk_norm, cfg.ffn_act) == ("pre", False, "none", False,
-                                                                                          "swiglu"), cfg
+    assert (cfg.block_norm, cfg.qk_bias, cfg.value_embeds, cfg.qk_norm, cfg.ffn_act) == (
+        "pre",
+        False,
+        "none",
+        False,
+        "swiglu",
+    ), cfg
     assert cfg.state_init == "normal" and not cfg.state_std and not cfg.exit_gate, cfg
     assert cfg.embed_scale == 1 and not cfg.post_loop_norm and not cfg.coda_proj, cfg
 
@@ -175,8 +181,18 @@ def first_exit(changes, tau: float, min_depth: int = 1) -> int:
     return len(changes)
 
 
-def decode_replay(model, mode: str, prompt: list[int], fed: list[int], prefill: int, depth: int, *,
-                  example_id: int = 0, exit_tau: float | None = None, min_depth: int = 1):
+def decode_replay(
+    model,
+    mode: str,
+    prompt: list[int],
+    fed: list[int],
+    prefill: int,
+    depth: int,
+    *,
+    example_id: int = 0,
+    exit_tau: float | None = None,
+    min_depth: int = 1,
+):
     """Logits [len(fed) + 1, V] and depths of a prompt prefilled at `prefill` and each token of `fed`
     decoded at `depth` (the row alone, by hand): row i scores the token after prompt + fed[:i]."""
     ref = NaiveDecoder(model, mode, example_id)
@@ -188,8 +204,19 @@ def decode_replay(model, mode: str, prompt: list[int], fed: list[int], prefill: 
     return torch.stack(steps), used
 
 
-def greedy_replay(model, mode: str, prompt: list[int], n: int, prefill: int, depth: int, *, eos: int | None = None,
-                  example_id: int = 0, exit_tau: float | None = None, min_depth: int = 1):
+def greedy_replay(
+    model,
+    mode: str,
+    prompt: list[int],
+    n: int,
+    prefill: int,
+    depth: int,
+    *,
+    eos: int | None = None,
+    example_id: int = 0,
+    exit_tau: float | None = None,
+    min_depth: int = 1,
+):
     """Greedy ids (cut before `eos`) and each chosen token's log-probability, by hand."""
     ref = NaiveDecoder(model, mode, example_id)
     logits = ref.chunk(prompt, prefill)[0][-1]
@@ -207,8 +234,16 @@ def greedy_replay(model, mode: str, prompt: list[int], n: int, prefill: int, dep
 
 # -- the parallel forward's recurrences written out -------------------------------------------------------
 @torch.no_grad()
-def plain_loop(model, tokens: torch.Tensor, depth: int, *, exit_tau=None, min_depth: int = 1,
-               per_row_depth: list[int] | None = None, example_ids: torch.Tensor | None = None):
+def plain_loop(
+    model,
+    tokens: torch.Tensor,
+    depth: int,
+    *,
+    exit_tau=None,
+    min_depth: int = 1,
+    per_row_depth: list[int] | None = None,
+    example_ids: torch.Tensor | None = None,
+):
     """The no-cache forward of `tokens` [B, L] with the seeded initial state, one recurrence at a time
     through the model's public pieces, freezing each token once it stops (per-row depths or the exit
     rule). Returns (logits [B, L, V], used [B, L], states [R + 1, B, L, d] with s^0 first)."""
@@ -274,18 +309,22 @@ def window_replay_check(model, prompt_ids, emitted, sizes, depth, n, eos, exampl
     p = 0
     while p < len(emitted) and emitted[p] != eos:
         a = sizes.pop(0) if sizes else 0
-        chunk = emitted[p:p + a + 1]
+        chunk = emitted[p : p + a + 1]
         logits = ref.chunk(chunk, depth)[0]
         predicted += [int(x) for x in logits.argmax(-1)]
         p += len(chunk)
-    assert emitted == predicted[:len(emitted)], (emitted, predicted)
+    assert emitted == predicted[: len(emitted)], (emitted, predicted)
     assert emitted[-1] == eos or len(emitted) == n
 
 
 DEPTH_CASES = [
     # (cache, prefill depth, decode depth, exit_tau): prefill < = > decode in both caches, and adaptive exit
-    ("terminal", 2, 5, None), ("terminal", 4, 4, None), ("terminal", 6, 3, None),
-    ("full", 2, 5, None), ("full", 4, 4, None), ("full", 6, 3, None),
+    ("terminal", 2, 5, None),
+    ("terminal", 4, 4, None),
+    ("terminal", 6, 3, None),
+    ("full", 2, 5, None),
+    ("full", 4, 4, None),
+    ("full", 6, 3, None),
     ("terminal", 3, 8, 0.05),
 ]
 DEPTH_IDS = [f"{c}-pre{p}-dec{d}" + ("-tau" if t else "") for c, p, d, t in DEPTH_CASES]

@@ -56,12 +56,13 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
-
 def pytest_collection_modifyitems(config, items):
     """Files with `slow` tests first, then the rest by test count, largest first: xdist hands out whole files
     in this order (`--no-loadscope-reorder`), so the long ones start at once and small files fill the tail."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests), -len(tests)))
+    order = sorted(
+        files.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
+    )
     items[:] = [t for tests in order for t in tests]

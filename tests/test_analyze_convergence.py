@@ -65,8 +65,9 @@ def test_exact_contraction_converges_at_the_predicted_depth(tiny_model_config, l
     # the same for every token; delta^r < tau  <=>  lam^(r-1) < tau / (1 - lam + tau).
     r = torch.arange(2, 65, dtype=torch.float64)
     expected = lam ** (r - 1) * (1 - lam) / (1 - lam ** (r - 1))
-    torch.testing.assert_close(traj.change[1:].double(), expected[:, None, None].expand_as(traj.change[1:]),
-                               rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(
+        traj.change[1:].double(), expected[:, None, None].expand_as(traj.change[1:]), rtol=1e-6, atol=1e-12
+    )
     predicted = math.floor(math.log(tau / (1 - lam + tau)) / math.log(lam)) + 1
     assert (convergence_depths(traj.change, tau) == predicted).all()
 
@@ -95,12 +96,14 @@ def test_two_cycle_never_converges(tiny_model_config):
 
 def test_convergence_rule_on_handmade_changes():
     t = 0.1
-    change = torch.tensor([
-        [0.5, 0.05, 0.5, 0.5],
-        [0.05, 0.05, 0.5, 0.05],
-        [0.05, 0.2, 0.05, 0.05],
-        [0.05, 0.05, 0.05, 0.2],
-    ])  # [H = 4, 4 tokens]
+    change = torch.tensor(
+        [
+            [0.5, 0.05, 0.5, 0.5],
+            [0.05, 0.05, 0.5, 0.05],
+            [0.05, 0.2, 0.05, 0.05],
+            [0.05, 0.05, 0.05, 0.2],
+        ]
+    )  # [H = 4, 4 tokens]
     # token 0: below from r = 2 on -> depth 1; token 1: rises at r = 3 -> depth 3; token 2 -> 2; token 3: never
     assert convergence_depths(change, t).tolist() == [1, 3, 2, NEVER]
     with pytest.raises(ValueError, match="tau"):
@@ -127,8 +130,9 @@ def test_profile_intervals_and_spearman_against_a_naive_loop():
     prof = convergence_profile(change, positions, tau=0.05, interval=16)
     depth = convergence_depths(change, 0.05)
     for b in prof["intervals"]:
-        sel = [int(depth[i, p]) for i in range(B) for p in range(L)
-               if b["start"] <= p < b["end"] and depth[i, p] != NEVER]
+        sel = [
+            int(depth[i, p]) for i in range(B) for p in range(L) if b["start"] <= p < b["end"] and depth[i, p] != NEVER
+        ]
         assert b["median_depth"] == (statistics.median(sel) if sel else None)
     assert [b["start"] for b in prof["intervals"]] == [0, 16, 32]
     assert sum(prof["histogram"]) + prof["never"] == B * L

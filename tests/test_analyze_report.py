@@ -16,9 +16,30 @@ from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
-FAST = ["--horizon", "6", "--sequences", "3", "--batch-size", "2", "--kv-depths", "2", "4", "--kv-span", "2",
-        "--solve-spans", "2", "--solve-length", "16", "--solve.max-depth", "200", "--sharing-depths", "1", "2",
-        "--sharing-sequences", "2"]
+FAST = [
+    "--horizon",
+    "6",
+    "--sequences",
+    "3",
+    "--batch-size",
+    "2",
+    "--kv-depths",
+    "2",
+    "4",
+    "--kv-span",
+    "2",
+    "--solve-spans",
+    "2",
+    "--solve-length",
+    "16",
+    "--solve.max-depth",
+    "200",
+    "--sharing-depths",
+    "1",
+    "2",
+    "--sharing-sequences",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +70,27 @@ def test_analyze_writes_report_plots_and_summary(run_dir, tmp_path, capsys):
     model, tokenizer, _ = ckpt.load_model(run_dir)
     b = ckpt.load_data(run_dir).validation(tokenizer).get_batch([0, 1, 2])
     with torch.no_grad():
-        states = model(b.inputs, 6, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
-                       example_ids=b.example_ids, return_states=True).states
-    s0 = initial_state("seeded", states[0].shape, device="cpu", dtype=torch.float32, example_ids=b.example_ids,
-                       positions=b.positions)
+        states = model(
+            b.inputs,
+            6,
+            doc_ids=b.doc_ids,
+            positions=b.positions,
+            init="seeded",
+            example_ids=b.example_ids,
+            return_states=True,
+        ).states
+    s0 = initial_state(
+        "seeded", states[0].shape, device="cpu", dtype=torch.float32, example_ids=b.example_ids, positions=b.positions
+    )
     trajectory = [s0, *states]
     tau, H = report["convergence"]["tau"], 6
     hist, never = [0] * H, 0
     for i in range(3):
         for t in range(b.inputs.shape[1]):
-            delta = [None] + [float((trajectory[r][i, t] - trajectory[r - 1][i, t]).norm()
-                                    / trajectory[r - 1][i, t].norm()) for r in range(1, H + 1)]
+            delta = [None] + [
+                float((trajectory[r][i, t] - trajectory[r - 1][i, t]).norm() / trajectory[r - 1][i, t].norm())
+                for r in range(1, H + 1)
+            ]
             c = H  # walk back while the change of recurrence c is below tau
             while c > 0 and delta[c] < tau:
                 c -= 1
@@ -78,15 +109,18 @@ def _error(capsys) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--horizon", "0"], "horizon must be >= 1, got 0"),
-    (["--tau", "0"], "tau must be > 0, got 0.0"),
-    (["--tau", "-0.5"], "tau must be > 0, got -0.5"),
-    (["--kv-span", "0"], "kv-span must be >= 1"),
-    (["--kv-depths", "0", "5"], "KV depths must be >= 1"),
-    (["--solve.tol", "0"], "solve tolerances must be > 0"),
-    (["--sharing-depths", "100"], "sharing depths must be in 1..64"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--horizon", "0"], "horizon must be >= 1, got 0"),
+        (["--tau", "0"], "tau must be > 0, got 0.0"),
+        (["--tau", "-0.5"], "tau must be > 0, got -0.5"),
+        (["--kv-span", "0"], "kv-span must be >= 1"),
+        (["--kv-depths", "0", "5"], "KV depths must be >= 1"),
+        (["--solve.tol", "0"], "solve tolerances must be > 0"),
+        (["--sharing-depths", "100"], "sharing depths must be in 1..64"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(run_dir, tmp_path, capsys, flags, message):
     assert main(["analyze", str(run_dir), *flags, "--output", str(tmp_path / "o")]) == 2
     assert message in _error(capsys)
@@ -110,19 +144,31 @@ def test_missing_checkpoint(tmp_path, capsys):
     assert "no checkpoint folder" in _error(capsys)
 
 
-@pytest.mark.parametrize("horizon, depths", [(1, [1]), (3, [1, 3]), (5, [1, 5]), (8, [1, 5, 8]),
-                                             (16, [1, 5, 16]), (32, [1, 5, 16, 32])])
+@pytest.mark.parametrize(
+    "horizon, depths", [(1, [1]), (3, [1, 3]), (5, [1, 5]), (8, [1, 5, 8]), (16, [1, 5, 16]), (32, [1, 5, 16, 32])]
+)
 def test_summary_labels_one_relative_change_per_value(horizon, depths):
     # `looplm analyze --horizon 8` printed "at r = 1, 5, 16, H:" with three values: r = 16 > H was
     # dropped from the values only.
     from looplm.analyze import format_summary
 
     median = [1.0 / r for r in range(1, horizon + 1)]  # a distinct value per depth
-    report = {"model": {"injection": "parcae-nonorm"}, "kv_settling": [], "carryover": {"note": "n/a"},
-              "convergence": {"tokens": 10, "horizon": horizon, "tau": 0.01, "fraction_converged": 0.5,
-                              "median_depth": 2.0, "never": 5, "spearman_position_depth": 0.1,
-                              "intervals": [{"start": 0, "end": 8, "median_depth": 2.0}],
-                              "change": {"median": median}}}
+    report = {
+        "model": {"injection": "parcae-nonorm"},
+        "kv_settling": [],
+        "carryover": {"note": "n/a"},
+        "convergence": {
+            "tokens": 10,
+            "horizon": horizon,
+            "tau": 0.01,
+            "fraction_converged": 0.5,
+            "median_depth": 2.0,
+            "never": 5,
+            "spearman_position_depth": 0.1,
+            "intervals": [{"start": 0, "end": 8, "median_depth": 2.0}],
+            "change": {"median": median},
+        },
+    }
     line = next(x for x in format_summary(report).splitlines() if "relative change (median)" in x)
     labels, values = line.split(" at r = ", 1)[1].split(": ", 1)
     labels, values = labels.split(", "), values.split(", ")

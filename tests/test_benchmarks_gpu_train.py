@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Imported first by every Python process that has this folder on its path (the benchmark, torchrun,
 # its worker): `import tyro` fails there, as on the GPU machine, which has torch but not tyro.
-HIDE_TYRO = '''
+HIDE_TYRO = """
 import sys
 
 
@@ -30,7 +30,7 @@ class HideTyro:
 
 
 sys.meta_path.insert(0, HideTyro())
-'''
+"""
 
 
 @pytest.mark.slow
@@ -45,8 +45,17 @@ def test_gpu_train_dry_run_without_tyro(tmp_path):
     out = tmp_path / "out"
     # backend 'eager': dynamo traces every compiled block and the baseline as inductor would (graphs,
     # fullgraph, recompiles) without generating code, which keeps the dry run to a minute
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_train.py"), "--tiny", "--out", str(out),
-           "--compile-backend", "eager", "--runs-dir", str(tmp_path / "runs")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_train.py"),
+        "--tiny",
+        "--out",
+        str(out),
+        "--compile-backend",
+        "eager",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     res = json.loads((out / "gpu_train_tiny.json").read_text())
@@ -75,8 +84,13 @@ def test_gpu_train_dry_run_without_tyro(tmp_path):
     assert report["samples"]["tokens"] < 200 and set(report["samples"]["by_depth"]) == {"1", "5"}
     # every row also went to the JSONL and the log as it was measured
     decode = res["decode"]  # eager, compiled, compiled+speculate at batch 1; the first two at batch 16
-    assert [(r["arm"], r["batch"]) for r in decode] == [("eager", 1), ("compiled", 1), ("compiled+speculate", 1),
-                                                         ("eager", 16), ("compiled", 16)]
+    assert [(r["arm"], r["batch"]) for r in decode] == [
+        ("eager", 1),
+        ("compiled", 1),
+        ("compiled+speculate", 1),
+        ("eager", 16),
+        ("compiled", 16),
+    ]
     for r in decode:
         assert "error" not in r and r["tokens_per_s"] > 0, r
     assert 0 <= decode[2]["acceptance_rate"] <= 1 and decode[2]["tokens_per_verify"] >= 1

@@ -107,7 +107,13 @@ def test_failing_populate_leaves_no_folder_and_keeps_the_old_one(tmp_path):
 
 def test_trainer_checkpoint_manifest_covers_all_files(checkpoint):
     names = sorted(p.name for p in checkpoint.iterdir())
-    for required in ("model.safetensors", "optimizer.safetensors", "trainer_state.json", "config.json", "manifest.json"):
+    for required in (
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+        "config.json",
+        "manifest.json",
+    ):
         assert required in names
     manifest = ckpt.verify(checkpoint)
     assert sorted(manifest["sha256"]) == [n for n in names if n != "manifest.json"]
@@ -146,11 +152,17 @@ def test_missing_manifest(checkpoint):
         ckpt.load_model(checkpoint)
 
 
-@pytest.mark.parametrize(("edit", "match"), [
-    (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
-    (lambda p: (p / "manifest.json").write_text(json.dumps({"format": "other", "sha256": {}})), "unknown checkpoint format"),
-    (lambda p: (p / "config.json").unlink(), "config.json listed in the manifest is missing"),
-])
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda p: (p / "manifest.json").write_text("{not json"), "not valid JSON"),
+        (
+            lambda p: (p / "manifest.json").write_text(json.dumps({"format": "other", "sha256": {}})),
+            "unknown checkpoint format",
+        ),
+        (lambda p: (p / "config.json").unlink(), "config.json listed in the manifest is missing"),
+    ],
+)
 def test_damaged_manifest_or_missing_file(checkpoint, edit, match):
     edit(checkpoint)
     with pytest.raises(ckpt.CheckpointError, match=match):
@@ -232,8 +244,11 @@ def record_depth(checkpoint, run_dir, **depth_fields) -> None:
 
 
 def resume(run_dir, tmp_path_factory, **overrides) -> Trainer:
-    return Trainer(tiny_job(run_dir.parent, "run", cache=shared_cache(tmp_path_factory), train__steps=2,
-                            train__resume=True, **overrides))
+    return Trainer(
+        tiny_job(
+            run_dir.parent, "run", cache=shared_cache(tmp_path_factory), train__steps=2, train__resume=True, **overrides
+        )
+    )
 
 
 def test_config_records_the_resolved_window(checkpoint):
@@ -293,8 +308,9 @@ def test_optimizer_state_flatten_round_trip(tmp_path):
     # through the files a checkpoint uses
     ckpt.save_tensors(tmp_path, "optimizer.safetensors", tensors)
     ckpt.write_json(tmp_path, "meta.json", meta)
-    back = ckpt.unflatten_optimizer_state(ckpt.load_tensors(tmp_path, "optimizer.safetensors"),
-                                          ckpt.read_json(tmp_path, "meta.json"))
+    back = ckpt.unflatten_optimizer_state(
+        ckpt.load_tensors(tmp_path, "optimizer.safetensors"), ckpt.read_json(tmp_path, "meta.json")
+    )
     assert back["state"].keys() == state["state"].keys()
     for key, per_param in state["state"].items():
         assert back["state"][key].keys() == per_param.keys()
@@ -363,8 +379,15 @@ def sharded_trainer(tmp_path_factory, root, name, **overrides) -> Trainer:
     from looplm.train.checkpointing import Checkpointer
 
     t = Trainer(tiny_job(root, name, cache=shared_cache(tmp_path_factory), **overrides))
-    t.checkpointer = Checkpointer(t.ckpt_root, t.env, t.model, t.optimizer, sharded=True,
-                                  async_save=t.job.train.async_checkpoint, keep=t.job.train.keep_checkpoints)
+    t.checkpointer = Checkpointer(
+        t.ckpt_root,
+        t.env,
+        t.model,
+        t.optimizer,
+        sharded=True,
+        async_save=t.job.train.async_checkpoint,
+        keep=t.job.train.keep_checkpoints,
+    )
     return t
 
 
@@ -406,8 +429,10 @@ def test_read_sharded_returns_the_saved_state(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     model = {"w": torch.randn(3, 4), "b": torch.arange(5.0)}
-    optim = {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4)}},
-             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98), "params": ["w"]}, {"lr": 0.2, "params": ["b"]}]}
+    optim = {
+        "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 4)}},
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.98), "params": ["w"]}, {"lr": 0.2, "params": ["b"]}],
+    }
     (tmp_path / ckpt.SHARDS).mkdir()
     with pytest.warns(UserWarning, match="single process"):
         dcp.save({"model": model, "optimizer": optim}, checkpoint_id=str(tmp_path / ckpt.SHARDS))
@@ -450,8 +475,13 @@ def test_weights_follow_the_umask(umask_022, tmp_path, tmp_path_factory):
     single = ckpt.consolidate(t.out_dir, tmp_path / "single")
     Trainer(tiny_job(tmp_path, "plain", cache=shared_cache(tmp_path_factory), train__steps=1)).fit()
     plain = ckpt.resolve(tmp_path / "plain")
-    files = [single / "model.safetensors", single / "optimizer.safetensors", plain / "model.safetensors",
-             plain / "optimizer.safetensors", *sorted((sharded / ckpt.SHARDS).iterdir())]
+    files = [
+        single / "model.safetensors",
+        single / "optimizer.safetensors",
+        plain / "model.safetensors",
+        plain / "optimizer.safetensors",
+        *sorted((sharded / ckpt.SHARDS).iterdir()),
+    ]
     try:
         from looplm.hf import export
     except ImportError:

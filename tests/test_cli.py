@@ -31,8 +31,9 @@ def cache(tmp_path_factory):
 
 
 def looplm(*args, timeout=CLI_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def table_depths(text: str) -> list[int]:
@@ -40,7 +41,7 @@ def table_depths(text: str) -> list[int]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(r"\s*R\s+val ppl", line))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         m = re.match(r"\s*(\d+)\s+(\d+\.\d+)", line)
         if not m:
             break
@@ -124,16 +125,24 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, cache):
     env = subprocess_env()
     with open(tmp_path / "victim.log", "w") as vlog, open(tmp_path / "reference.log", "w") as rlog:
         # the uninterrupted reference runs alongside the victim (one thread each)
-        reference = subprocess.Popen(looplm_cmd("train", "tiny", *tiny_flags(tmp_path, "reference", **common)),
-                                     env=env, stdout=rlog, stderr=subprocess.STDOUT)
-        victim = subprocess.Popen(looplm_cmd("train", "tiny", *victim_flags), env=env, stdout=vlog,
-                                  stderr=subprocess.STDOUT)
+        reference = subprocess.Popen(
+            looplm_cmd("train", "tiny", *tiny_flags(tmp_path, "reference", **common)),
+            env=env,
+            stdout=rlog,
+            stderr=subprocess.STDOUT,
+        )
+        victim = subprocess.Popen(
+            looplm_cmd("train", "tiny", *victim_flags), env=env, stdout=vlog, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + CLI_TIMEOUT
             # kill once a checkpoint at step >= 2 exists and training has moved past it
-            while not (latest_step(victim_dir) >= 2 and max(logged_steps(victim_dir), default=0) > latest_step(victim_dir)):
-                assert victim.poll() is None, \
+            while not (
+                latest_step(victim_dir) >= 2 and max(logged_steps(victim_dir), default=0) > latest_step(victim_dir)
+            ):
+                assert victim.poll() is None, (
                     f"run ended (rc {victim.returncode}) before it could be killed:\n{(tmp_path / 'victim.log').read_text()}"
+                )
                 assert time.monotonic() < deadline, "no checkpoint appeared"
                 time.sleep(0.01)
             os.kill(victim.pid, signal.SIGKILL)
@@ -188,25 +197,39 @@ def trained_run(tmp_path_factory):
 BOX_DRAWING = set("╭╮╰╯│─")
 
 
-@pytest.mark.parametrize(("argv", "message", "help_for"), [
-    (["train", "tiny", "--train.stpes", "3"],
-     "error: unrecognized option --train.stpes (did you mean --train.steps", "train tiny"),
-    (["train", "tiny", "--train.steps", "abc"],
-     "error: invalid value for --train.steps (expects INT): invalid literal for int() with base 10: 'abc'",
-     "train tiny"),
-    (["train", "tiny", "--train.bogus", "1", "--model.injectoin", "x"],
-     "unrecognized options --train.bogus, --model.injectoin (did you mean --model.injection?)", "train tiny"),
-    (["train", "tiny", "--model.injection", "foo"], "invalid choice 'foo' for argument '--model.injection'",
-     "train tiny"),
-    (["train", "XL"], "error: unrecognized option XL; available subcommands: tiny, S, M, L", "train"),
-    (["train", "tiny", "--depth.sampler", "sometimes"], "invalid choice 'sometimes'", "train tiny"),
-    (["train", "tiny", "--train.steps"], "missing value for argument '--train.steps'", "train tiny"),
-    (["eval"], "error: missing required input for looplm eval: PATH", "eval"),
-    (["generate", "ckpt", "--temperature", "warm"], "invalid value for --temperature (expects FLOAT)", "generate"),
-    (["bogus"], "error: unrecognized option bogus; available subcommands: train, eval", ""),
-    ([], "error: missing subcommand: expected one of {train, eval, generate", ""),
-    (["train"], "error: missing subcommand: expected one of {tiny, S, M, L}", "train"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message", "help_for"),
+    [
+        (
+            ["train", "tiny", "--train.stpes", "3"],
+            "error: unrecognized option --train.stpes (did you mean --train.steps",
+            "train tiny",
+        ),
+        (
+            ["train", "tiny", "--train.steps", "abc"],
+            "error: invalid value for --train.steps (expects INT): invalid literal for int() with base 10: 'abc'",
+            "train tiny",
+        ),
+        (
+            ["train", "tiny", "--train.bogus", "1", "--model.injectoin", "x"],
+            "unrecognized options --train.bogus, --model.injectoin (did you mean --model.injection?)",
+            "train tiny",
+        ),
+        (
+            ["train", "tiny", "--model.injection", "foo"],
+            "invalid choice 'foo' for argument '--model.injection'",
+            "train tiny",
+        ),
+        (["train", "XL"], "error: unrecognized option XL; available subcommands: tiny, S, M, L", "train"),
+        (["train", "tiny", "--depth.sampler", "sometimes"], "invalid choice 'sometimes'", "train tiny"),
+        (["train", "tiny", "--train.steps"], "missing value for argument '--train.steps'", "train tiny"),
+        (["eval"], "error: missing required input for looplm eval: PATH", "eval"),
+        (["generate", "ckpt", "--temperature", "warm"], "invalid value for --temperature (expects FLOAT)", "generate"),
+        (["bogus"], "error: unrecognized option bogus; available subcommands: train, eval", ""),
+        ([], "error: missing subcommand: expected one of {train, eval, generate", ""),
+        (["train"], "error: missing subcommand: expected one of {tiny, S, M, L}", "train"),
+    ],
+)
 def test_parse_errors_are_one_line_with_a_help_pointer(argv, message, help_for, capsys):
     """tyro's boxed report becomes `error: ...; see looplm <subcommand> --help`, exit status 2."""
     rc, out, err = run_main(argv, capsys)
@@ -217,16 +240,19 @@ def test_parse_errors_are_one_line_with_a_help_pointer(argv, message, help_for, 
     assert out == ""
 
 
-@pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--temperature", "-1", "temperature must be >= 0 (0 = greedy decoding), got -1.0"),
-    ("--temperature", "nan", "temperature must be >= 0"),
-    ("--top-p", "0", "top_p must be in (0, 1] (1 = all tokens), got 0.0"),
-    ("--top-p", "1.5", "top_p must be in (0, 1] (1 = all tokens), got 1.5"),
-    ("--stop", "", "stop strings must be non-empty"),
-    ("--top-k", "-1", "top_k must be >= 0 (0 = all tokens), got -1"),
-    ("--max-new-tokens", "0", "max_new_tokens must be >= 1, got 0"),
-    ("--exit-tau", "0", "exit_tau must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--temperature", "-1", "temperature must be >= 0 (0 = greedy decoding), got -1.0"),
+        ("--temperature", "nan", "temperature must be >= 0"),
+        ("--top-p", "0", "top_p must be in (0, 1] (1 = all tokens), got 0.0"),
+        ("--top-p", "1.5", "top_p must be in (0, 1] (1 = all tokens), got 1.5"),
+        ("--stop", "", "stop strings must be non-empty"),
+        ("--top-k", "-1", "top_k must be >= 0 (0 = all tokens), got -1"),
+        ("--max-new-tokens", "0", "max_new_tokens must be >= 1, got 0"),
+        ("--exit-tau", "0", "exit_tau must be > 0"),
+    ],
+)
 def test_generate_rejects_bad_sampling_options(tmp_path, capsys, flag, value, message):
     """Checked before the checkpoint loads: the (missing) checkpoint is never reached."""
     rc, out, err = run_main(["generate", tmp_path / "nowhere", flag, value], capsys)
@@ -246,33 +272,43 @@ def test_help_still_prints_in_full(capsys):
     assert rc == 0 and err == "" and "--top-p" in out and "0 = greedy" in out
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--depth.sampler", "fixed", "--depth.depth", "0"], "fixed depth must be in 1..64, got 0"),
-    (["--depth.sampler", "fixed", "--depth.depth", "65"], "fixed depth must be in 1..64, got 65"),
-    (["--depth.sampler", "fixed", "--depth.depth", "2.5"], "fixed depth must be an integer"),
-    (["--model.max-seq-len", "256", "--data.seq-len", "512"], "data.seq_len 512 exceeds the model context max_seq_len 256"),
-    (["--model.n-heads", "3"], "not divisible by n_heads 3"),
-    (["--train.steps", "0"], "train.steps must be >= 1"),
-    (["--eval.depths", "0"], "eval.depths: depth must be in 1..64, got 0"),
-    (["--eval.batch-size", "0"], "eval.batch_size: must be >= 1, got 0"),
-    (["--eval.choice-tasks", "{missing}"], "eval.choice_tasks: no such file"),
-    (["--eval.sample-depths", "1", "--eval.sample-prompt", ""], "eval.sample_prompt: the samples need a non-empty"),
-    (["--eval.cacheeval-span", "60", "10"], "P + C <= the context max_seq_len=64"),
-    (["--train.lr", "-1"], "train.lr must be > 0, got -1"),
-    (["--train.beta1", "2"], "train.beta1 must be in [0, 1), got 2"),
-    (["--train.warmup-frac", "2"], "train.warmup_frac must be in [0, 1], got 2"),
-    (["--train.weight-decay", "-1"], "train.weight_decay must be >= 0, got -1"),
-    (["--data.source", "{missing}"], "data source not found"),
-    (["--data.source", "{empty}"], "has no non-empty document"),
-    (["--data.source", "{latin1}"], "is not valid UTF-8"),
-    (["--train.out-dir", "{file}"], "is a file, not a folder: choose another --train.out-dir"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--depth.sampler", "fixed", "--depth.depth", "0"], "fixed depth must be in 1..64, got 0"),
+        (["--depth.sampler", "fixed", "--depth.depth", "65"], "fixed depth must be in 1..64, got 65"),
+        (["--depth.sampler", "fixed", "--depth.depth", "2.5"], "fixed depth must be an integer"),
+        (
+            ["--model.max-seq-len", "256", "--data.seq-len", "512"],
+            "data.seq_len 512 exceeds the model context max_seq_len 256",
+        ),
+        (["--model.n-heads", "3"], "not divisible by n_heads 3"),
+        (["--train.steps", "0"], "train.steps must be >= 1"),
+        (["--eval.depths", "0"], "eval.depths: depth must be in 1..64, got 0"),
+        (["--eval.batch-size", "0"], "eval.batch_size: must be >= 1, got 0"),
+        (["--eval.choice-tasks", "{missing}"], "eval.choice_tasks: no such file"),
+        (["--eval.sample-depths", "1", "--eval.sample-prompt", ""], "eval.sample_prompt: the samples need a non-empty"),
+        (["--eval.cacheeval-span", "60", "10"], "P + C <= the context max_seq_len=64"),
+        (["--train.lr", "-1"], "train.lr must be > 0, got -1"),
+        (["--train.beta1", "2"], "train.beta1 must be in [0, 1), got 2"),
+        (["--train.warmup-frac", "2"], "train.warmup_frac must be in [0, 1], got 2"),
+        (["--train.weight-decay", "-1"], "train.weight_decay must be >= 0, got -1"),
+        (["--data.source", "{missing}"], "data source not found"),
+        (["--data.source", "{empty}"], "has no non-empty document"),
+        (["--data.source", "{latin1}"], "is not valid UTF-8"),
+        (["--train.out-dir", "{file}"], "is a file, not a folder: choose another --train.out-dir"),
+    ],
+)
 def test_train_user_errors_are_one_line(tmp_path, cache, capsys, extra, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("not a run folder\n")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n\nd\xe9j\xe0 vu\n".encode("latin-1"))
-    paths = {"missing": tmp_path / "missing.txt", "empty": tmp_path / "empty", "latin1": tmp_path / "latin1.txt",
-             "file": tmp_path / "file"}
+    paths = {
+        "missing": tmp_path / "missing.txt",
+        "empty": tmp_path / "empty",
+        "latin1": tmp_path / "latin1.txt",
+        "file": tmp_path / "file",
+    }
     extra = [a.format(**paths) for a in extra]
     rc, _, err = run_main(["train", "tiny", *tiny_flags(tmp_path, cache=cache), *extra], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
@@ -303,13 +339,16 @@ def test_eval_of_a_broken_checkpoint(trained_run, tmp_path, capsys, damage):
             (target / "manifest.json").unlink()
     rc, _, err = run_main(["eval", target, "--depths", "1"], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
-    assert {"flip": "model.safetensors is corrupt", "manifest": "no manifest.json",
-            "missing": "no checkpoint folder"}[damage] in err
+    assert {"flip": "model.safetensors is corrupt", "manifest": "no manifest.json", "missing": "no checkpoint folder"}[
+        damage
+    ] in err
 
 
 def test_resume_into_a_different_config(trained_run, cache, capsys):
     flags = tiny_flags(trained_run, "run", cache=cache, train__steps=2)
-    rc, _, err = run_main(["train", "tiny", *flags, "--train.resume", "--train.steps", "4", "--train.lr", "0.001"], capsys)
+    rc, _, err = run_main(
+        ["train", "tiny", *flags, "--train.resume", "--train.steps", "4", "--train.lr", "0.001"], capsys
+    )
     assert_clean_exit(rc, err, looplm_error=True)
     assert "cannot resume into a different config" in err and "train.lr" in err
     assert "train.steps" not in err  # a resume may train longer
@@ -324,8 +363,13 @@ def test_fresh_run_into_a_used_folder(trained_run, cache, capsys):
 @pytest.mark.slow
 def test_console_script_reports_errors_without_traceback(tmp_path):
     """The installed `looplm` script: exit status and stderr as a user sees them."""
-    calls = [("train", "tiny", "--model.injection", "foo"), ("train", "tiny", "--train.stpes", "3"),
-             ("generate", tmp_path / "nowhere", "--top-p", "1.5"), ("eval", tmp_path / "nowhere"), ("train", "--help")]
+    calls = [
+        ("train", "tiny", "--model.injection", "foo"),
+        ("train", "tiny", "--train.stpes", "3"),
+        ("generate", tmp_path / "nowhere", "--top-p", "1.5"),
+        ("eval", tmp_path / "nowhere"),
+        ("train", "--help"),
+    ]
     with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
         bad_injection, typo, top_p, no_run, help_ = pool.map(lambda args: looplm(*args, timeout=120), calls)
     for res in (bad_injection, typo, top_p, no_run):
@@ -351,12 +395,15 @@ def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "--- prompt 1 of 2 ---" and lines[1].startswith("+1,2=")
     assert lines[2] == "--- prompt 2 of 2 ---" and lines[3].startswith("+30,40=")
-    for bad, msg in ((["--depth", "0"], "depth"), (["--prompt", ""], "empty"),
-                     (["--prompt", "x" * 300], "has 300 tokens, more than the context max_seq_len=64"),
-                     (["--prompt", "x", "--prefill-depth", "0"], "prefill_depth must be in 1..64, got 0"),
-                     (["--prompt", "x", "--max-new-tokens", "1000"], "exceeds the context"),
-                     (["--prompt", "x", "--exit-tau", "0.1", "--min-depth", "9"], "min_depth 9 exceeds"),
-                     (["--prompt", "x", "--exit-gate", "0.5"], "exit gate")):
+    for bad, msg in (
+        (["--depth", "0"], "depth"),
+        (["--prompt", ""], "empty"),
+        (["--prompt", "x" * 300], "has 300 tokens, more than the context max_seq_len=64"),
+        (["--prompt", "x", "--prefill-depth", "0"], "prefill_depth must be in 1..64, got 0"),
+        (["--prompt", "x", "--max-new-tokens", "1000"], "exceeds the context"),
+        (["--prompt", "x", "--exit-tau", "0.1", "--min-depth", "9"], "min_depth 9 exceeds"),
+        (["--prompt", "x", "--exit-gate", "0.5"], "exit gate"),
+    ):
         assert cli.main(["generate", run, *bad]) == 2
         out, err = capsys.readouterr()
         assert err.startswith("error:") and msg in err and "Traceback" not in err, err
@@ -368,14 +415,36 @@ def test_eval_decoding_protocols_from_jsonl(tmp_path, capsys):
     job = tiny_job(tmp_path)
     Trainer(job).fit()
     choice = tmp_path / "choice.jsonl"
-    choice.write_text('{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}\n'
-                      '{"context": "+2,2= ", "choices": ["4", "5", "6"], "gold": 0}\n')
+    choice.write_text(
+        '{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}\n'
+        '{"context": "+2,2= ", "choices": ["4", "5", "6"], "gold": 0}\n'
+    )
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text('{"question": "1+1?", "answer": "so #### 2"}\n')
     out_json = tmp_path / "report.json"
-    rc = main(["eval", str(job.train.out_dir), "--depths", "1", "2", "--task-examples", "0", "--max-sequences", "4",
-               "--sharing-sequences", "0", "--generation-examples", "6", "--choice-tasks", str(choice),
-               "--gsm8k", str(gsm), "--output", str(out_json)])
+    rc = main(
+        [
+            "eval",
+            str(job.train.out_dir),
+            "--depths",
+            "1",
+            "2",
+            "--task-examples",
+            "0",
+            "--max-sequences",
+            "4",
+            "--sharing-sequences",
+            "0",
+            "--generation-examples",
+            "6",
+            "--choice-tasks",
+            str(choice),
+            "--gsm8k",
+            str(gsm),
+            "--output",
+            str(out_json),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     for title in ("generator tasks, greedy generation", "choice tasks (acc / acc_norm)", "GSM8K-format exact match"):
@@ -385,10 +454,29 @@ def test_eval_decoding_protocols_from_jsonl(tmp_path, capsys):
     assert report["generation"]["1"]["n"] >= 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "x", "choices": ["a"], "gold": 0}\n')
-    assert main(["eval", str(job.train.out_dir), "--depths", "1", "--task-examples", "0", "--sharing-sequences", "0",
-                 "--max-sequences", "2", "--choice-tasks", str(bad)]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                str(job.train.out_dir),
+                "--depths",
+                "1",
+                "--task-examples",
+                "0",
+                "--sharing-sequences",
+                "0",
+                "--max-sequences",
+                "2",
+                "--choice-tasks",
+                str(bad),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert err.startswith("error: --choice-tasks: ") and "bad.jsonl" in err and "Traceback" not in err  # before measuring
+    assert (
+        err.startswith("error: --choice-tasks: ") and "bad.jsonl" in err and "Traceback" not in err
+    )  # before measuring
 
 
 # -- defaults that follow the checkpoint, reports, devices (issue: a newcomer's first hour) ------------
@@ -409,8 +497,9 @@ class GenerateSpy:
 
 # text: 64 new tokens, cut to the 59 that the 64-token context leaves after the 6-token prompt
 @pytest.mark.parametrize(("source", "stop", "max_new_tokens"), [("tasks", ("\n",), 16), ("shakespeare", (), 59)])
-def test_generate_stop_and_length_follow_the_checkpoints_data(tmp_path, monkeypatch, capsys, source, stop,
-                                                               max_new_tokens):
+def test_generate_stop_and_length_follow_the_checkpoints_data(
+    tmp_path, monkeypatch, capsys, source, stop, max_new_tokens
+):
     """A text checkpoint continues past newlines (the README's `--prompt "ROMEO."` printed only the
     prompt: the task generator's newline stop applied to text); a task checkpoint stops after its answer."""
     from _jobs import write_random_run
@@ -419,11 +508,12 @@ def test_generate_stop_and_length_follow_the_checkpoints_data(tmp_path, monkeypa
     spy = GenerateSpy(monkeypatch)
     rc, out, err = run_main(["generate", run, "--prompt", "ROMEO.", "--depth", "2", "--device", "cpu"], capsys)
     assert rc == 0, err
-    (args, kwargs), = spy.calls
+    ((args, kwargs),) = spy.calls
     assert (kwargs["sampling"].stop, kwargs["sampling"].max_new_tokens) == (stop, max_new_tokens)
     assert out.startswith("ROMEO.")
-    rc, out, err = run_main(["generate", run, "--prompt", "ROMEO.", "--stop", "x", "--max-new-tokens", "3",
-                             "--device", "cpu"], capsys)
+    rc, out, err = run_main(
+        ["generate", run, "--prompt", "ROMEO.", "--stop", "x", "--max-new-tokens", "3", "--device", "cpu"], capsys
+    )
     assert rc == 0, err
     assert (spy.calls[-1][1]["sampling"].stop, spy.calls[-1][1]["sampling"].max_new_tokens) == (("x",), 3)
 
@@ -437,7 +527,7 @@ def test_generate_prompt_defaults_only_for_task_checkpoints(tmp_path, monkeypatc
     tasks = write_random_run(tmp_path / "tasks")  # the tiny job's tasks: add_msd
     rc, out, err = run_main(["generate", tasks, "--device", "cpu", "--depth", "2"], capsys)
     assert rc == 0, err
-    (args, _), = spy.calls
+    ((args, _),) = spy.calls
     want = generate_examples(TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3), 1, seed=0)[0]
     assert args[2] == [want.prompt] and out.startswith(want.prompt)
     text = write_random_run(tmp_path / "text", data__source="shakespeare")
@@ -456,9 +546,20 @@ def test_reports_of_a_standalone_checkpoint_stay_in_its_folder(tmp_path, capsys,
     folder = tmp_path / "ckpts" / "p2-s"
     folder.parent.mkdir()
     shutil.copytree(ckpt.resolve(run), folder)
-    cheap = {"eval": ["--depths", "1", "--task-examples", "4", "--max-sequences", "2", "--sharing-sequences", "0"],
-             "analyze": ["--horizon", "4", "--kv-depths", "2", "--solve-spans", "0", "--sharing-sequences", "0",
-                         "--no-plots"]}[command]
+    cheap = {
+        "eval": ["--depths", "1", "--task-examples", "4", "--max-sequences", "2", "--sharing-sequences", "0"],
+        "analyze": [
+            "--horizon",
+            "4",
+            "--kv-depths",
+            "2",
+            "--solve-spans",
+            "0",
+            "--sharing-sequences",
+            "0",
+            "--no-plots",
+        ],
+    }[command]
     rc, out, err = run_main([command, folder, *cheap, "--device", "cpu"], capsys)
     assert rc == 0, err
     report = folder / ("eval.json" if command == "eval" else "analyze/report.json")
@@ -532,8 +633,20 @@ def test_user_errors_of_every_layer_share_one_type():
         ModelConfig(d_model=30, n_heads=4).validate()
 
 
-HELP_COMMANDS = [["train", "tiny"], ["train", "S"], ["eval"], ["generate"], ["analyze"], ["distill"], ["rl"],
-                 ["tokenize"], ["export"], ["convert"], ["serve"], []]
+HELP_COMMANDS = [
+    ["train", "tiny"],
+    ["train", "S"],
+    ["eval"],
+    ["generate"],
+    ["analyze"],
+    ["distill"],
+    ["rl"],
+    ["tokenize"],
+    ["export"],
+    ["convert"],
+    ["serve"],
+    [],
+]
 
 
 def string_defaults(obj) -> list[str]:
@@ -544,8 +657,12 @@ def string_defaults(obj) -> list[str]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [s for f in dataclasses.fields(obj) for s in string_defaults(getattr(obj, f.name))]
     if callable(obj):
-        return [s for p in inspect.signature(obj).parameters.values() if p.default is not p.empty
-                for s in string_defaults(p.default)]
+        return [
+            s
+            for p in inspect.signature(obj).parameters.values()
+            if p.default is not p.empty
+            for s in string_defaults(p.default)
+        ]
     if isinstance(obj, (tuple, list)):
         return [s for x in obj for s in string_defaults(x)]
     return [obj] if isinstance(obj, str) else []
@@ -580,7 +697,7 @@ def test_help_lists_the_task_kinds(capsys):
 
     assert set(TASK_KINDS) == set(TASKS)
     rc, out, _ = run_main(["train", "tiny", "--help"], capsys)
-    block = out[out.index("--data.tasks.kinds"):out.index("--data.tasks.min-difficulty")]
+    block = out[out.index("--data.tasks.kinds") : out.index("--data.tasks.min-difficulty")]
     flat = re.sub(r"[│\s]+", " ", block)
     for kind in TASK_KINDS:
         assert kind in flat, kind
@@ -617,14 +734,17 @@ def test_export_writes_only_into_a_new_empty_or_earlier_export_folder(random_run
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_steps"] == 2
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--depths"], "--depths: give at least one depth"),
-    (["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
-    (["--cacheeval-span", "1024", "512"], "P + C <= the context max_seq_len=64"),
-    (["--choice-tasks", "nope.jsonl"], "--choice-tasks: no such file"),
-    (["--sample-depths", "1", "--sample-prompt", "A" * 300], "--sample-prompt: does not fit the context"),
-    (["--device", "bogus"], "unknown device 'bogus'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--depths"], "--depths: give at least one depth"),
+        (["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+        (["--cacheeval-span", "1024", "512"], "P + C <= the context max_seq_len=64"),
+        (["--choice-tasks", "nope.jsonl"], "--choice-tasks: no such file"),
+        (["--sample-depths", "1", "--sample-prompt", "A" * 300], "--sample-prompt: does not fit the context"),
+        (["--device", "bogus"], "unknown device 'bogus'"),
+    ],
+)
 def test_eval_refuses_bad_options_before_it_measures(random_run, capsys, extra, message):
     rc, out, err = run_main(["eval", random_run, "--depths", 1, "--max-sequences", 2, *extra], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
@@ -648,8 +768,9 @@ def test_distill_and_rl_never_write_into_their_source_run(random_run, capsys, co
 
 def test_a_closed_pipe_ends_quietly():
     """`looplm --help | head -1`: the reader is gone before looplm writes; no internal error, SIGPIPE's status."""
-    proc = subprocess.Popen(looplm_cmd("--help"), env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        looplm_cmd("--help"), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=CLI_TIMEOUT) == 141, err
@@ -702,8 +823,10 @@ def test_ctrl_c_before_the_first_checkpoint(tmp_path, cache, capsys, monkeypatch
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     rc, _, err = run_main(["train", "tiny", *tiny_flags(tmp_path, "run", cache=cache, eval__depths=())], capsys)
     assert rc == 130
-    assert err.strip().splitlines()[-1] == ("interrupted at step 0, before the first checkpoint (step 8): "
-                                            "nothing to resume; run the same command to start again")
+    assert err.strip().splitlines()[-1] == (
+        "interrupted at step 0, before the first checkpoint (step 8): "
+        "nothing to resume; run the same command to start again"
+    )
 
 
 def test_generate_speculate_prints_the_same_text_and_the_acceptance_line(tmp_path, capsys):
@@ -712,19 +835,36 @@ def test_generate_speculate_prints_the_same_text_and_the_acceptance_line(tmp_pat
     from _jobs import write_random_run
 
     run = write_random_run(tmp_path / "run", data__source="shakespeare")
-    base = ["generate", run, "--prompt", "ROMEO.", "--depth", "3", "--cache", "full", "--max-new-tokens", "11",
-            "--device", "cpu"]
+    base = [
+        "generate",
+        run,
+        "--prompt",
+        "ROMEO.",
+        "--depth",
+        "3",
+        "--cache",
+        "full",
+        "--max-new-tokens",
+        "11",
+        "--device",
+        "cpu",
+    ]
     rc, plain, err = run_main(base, capsys)
     assert rc == 0, err
     rc, out, err = run_main([*base, "--speculate", "2", "--draft-depth", "1", "--verbose"], capsys)
     assert rc == 0, err
     assert out == plain and out.startswith("ROMEO.")
-    line, = [x for x in err.splitlines() if "speculation:" in x]
-    assert re.search(r"decoded \d+ tokens in .* s \(.* tokens/s\); speculation: \d+% of drafts accepted, "
-                     r"\d\.\d\d tokens per verify$", line), line
-    for bad, msg in ((["--speculate", "-1"], "--speculate must be >= 0 (0 = off), got -1"),
-                     (["--speculate", "2", "--draft-depth", "3"], "draft_depth must be in 1..2 (below the decode depth 3), got 3"),
-                     (["--speculate", "2", "--draft-depth", "0"], "draft_depth must be in 1..2")):
+    (line,) = [x for x in err.splitlines() if "speculation:" in x]
+    assert re.search(
+        r"decoded \d+ tokens in .* s \(.* tokens/s\); speculation: \d+% of drafts accepted, "
+        r"\d\.\d\d tokens per verify$",
+        line,
+    ), line
+    for bad, msg in (
+        (["--speculate", "-1"], "--speculate must be >= 0 (0 = off), got -1"),
+        (["--speculate", "2", "--draft-depth", "3"], "draft_depth must be in 1..2 (below the decode depth 3), got 3"),
+        (["--speculate", "2", "--draft-depth", "0"], "draft_depth must be in 1..2"),
+    ):
         rc, out, err = run_main([*base, *bad], capsys)
         assert rc == 2 and out == "", (bad, out)
         assert len(error_lines(err)) == 1 and err.startswith("error:") and msg in err, err

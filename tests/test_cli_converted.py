@@ -16,9 +16,31 @@ from test_convert_parcae import make_parcae
 from looplm.cli import main
 
 TEXT = ("The recurrent model thinks deeper and deeper. " * 8 + "\n") * 6
-FAST_ANALYZE = ["--horizon", "4", "--sequences", "2", "--batch-size", "2", "--kv-depths", "1", "2", "--kv-span", "1",
-                "--solve-spans", "1", "--solve-length", "8", "--solve.max-depth", "40", "--sharing-depths", "1", "2",
-                "--sharing-sequences", "2", "--no-plots"]
+FAST_ANALYZE = [
+    "--horizon",
+    "4",
+    "--sequences",
+    "2",
+    "--batch-size",
+    "2",
+    "--kv-depths",
+    "1",
+    "2",
+    "--kv-span",
+    "1",
+    "--solve-spans",
+    "1",
+    "--solve-length",
+    "8",
+    "--solve.max-depth",
+    "40",
+    "--sharing-depths",
+    "1",
+    "2",
+    "--sharing-sequences",
+    "2",
+    "--no-plots",
+]
 
 
 @pytest.mark.parametrize("family, make", [("huginn", make_huginn), ("ouro", make_ouro), ("parcae", make_parcae)])
@@ -34,19 +56,72 @@ def test_eval_generate_analyze_on_a_converted_checkpoint(tmp_path, capsys, famil
     capsys.readouterr()
 
     report = tmp_path / "eval.json"
-    assert main(["eval", str(ckpt), "--depths", "1", "2", "--max-sequences", "2", "--task-examples", "0",
-                 "--batch-size", "2", "--sharing-sequences", "2", "--output", str(report)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(ckpt),
+                "--depths",
+                "1",
+                "2",
+                "--max-sequences",
+                "2",
+                "--task-examples",
+                "0",
+                "--batch-size",
+                "2",
+                "--sharing-sequences",
+                "2",
+                "--output",
+                str(report),
+            ]
+        )
+        == 0
+    )
     result = json.loads(report.read_text())
     assert set(result["perplexity"]) == {"1", "2"} and set(result["sharing"]) == {"1", "2"}
     assert "val ppl" in capsys.readouterr().out
 
     for cache in ("terminal", "full"):
-        assert main(["generate", str(ckpt), "--prompt", "The recurrent", "--depth", "2", "--cache", cache,
-                     "--max-new-tokens", "4", "--temperature", "0"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    str(ckpt),
+                    "--prompt",
+                    "The recurrent",
+                    "--depth",
+                    "2",
+                    "--cache",
+                    cache,
+                    "--max-new-tokens",
+                    "4",
+                    "--temperature",
+                    "0",
+                ]
+            )
+            == 0
+        )
     if family == "ouro":  # its own exit gate, next to looplm's state-change exit
         for rule in (["--exit-gate", "0.5"], ["--exit-tau", "0.01", "--min-depth", "1"]):
-            assert main(["generate", str(ckpt), "--prompt", "The recurrent", "--depth", "3", "--max-new-tokens", "4",
-                         "--temperature", "0", *rule]) == 0
+            assert (
+                main(
+                    [
+                        "generate",
+                        str(ckpt),
+                        "--prompt",
+                        "The recurrent",
+                        "--depth",
+                        "3",
+                        "--max-new-tokens",
+                        "4",
+                        "--temperature",
+                        "0",
+                        *rule,
+                    ]
+                )
+                == 0
+            )
     capsys.readouterr()
 
     out = tmp_path / "analyze"
@@ -55,10 +130,44 @@ def test_eval_generate_analyze_on_a_converted_checkpoint(tmp_path, capsys, famil
 
     # distillation reads the teacher's own initial state (Ouro: the embedding; Huginn: its noise)
     student = tmp_path / "student"
-    assert main(["distill", str(ckpt), "--out-dir", str(student), "--depth", "2", "--steps", "2", "--micro-batch", "2",
-                 "--calibration-rows", "2", "--val-rows", "2", "--val-every", "2", "--log-every", "1",
-                 "--checkpoint-every", "100", "--init", "random", "--warmup", "1", "--no-progress", "--device", "cpu",
-                 "--report-rows", "0", "--report-examples", "0"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                str(ckpt),
+                "--out-dir",
+                str(student),
+                "--depth",
+                "2",
+                "--steps",
+                "2",
+                "--micro-batch",
+                "2",
+                "--calibration-rows",
+                "2",
+                "--val-rows",
+                "2",
+                "--val-every",
+                "2",
+                "--log-every",
+                "1",
+                "--checkpoint-every",
+                "100",
+                "--init",
+                "random",
+                "--warmup",
+                "1",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--report-rows",
+                "0",
+                "--report-examples",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert (student / "checkpoints" / "latest").is_file()
 
 

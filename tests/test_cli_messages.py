@@ -25,13 +25,28 @@ def test_a_hub_source_without_datasets_names_readmes_install_command(monkeypatch
         next(_iter_hf("hf:nothing", "text"))
 
 
-@pytest.mark.parametrize(("argv", "wanted", "help_for"), [
-    (["train", "tiny", "--steps", "40"], "unrecognized option --steps (did you mean --train.steps?)", "train tiny"),
-    (["train", "tiny", "--train.stpes", "3"], "unrecognized option --train.stpes (did you mean --train.steps", "train tiny"),
-    (["eval", "run", "--max-sequence", "3"], "unrecognized option --max-sequence (did you mean --max-sequences?)", "eval"),
-    (["eval", "run", "--depth", "3"], "unrecognized option --depth (did you mean --depths", "eval"),
-    (["distill", "run", "--train.steps", "3"], "unrecognized option --train.steps (did you mean --steps?)", "distill"),
-])
+@pytest.mark.parametrize(
+    ("argv", "wanted", "help_for"),
+    [
+        (["train", "tiny", "--steps", "40"], "unrecognized option --steps (did you mean --train.steps?)", "train tiny"),
+        (
+            ["train", "tiny", "--train.stpes", "3"],
+            "unrecognized option --train.stpes (did you mean --train.steps",
+            "train tiny",
+        ),
+        (
+            ["eval", "run", "--max-sequence", "3"],
+            "unrecognized option --max-sequence (did you mean --max-sequences?)",
+            "eval",
+        ),
+        (["eval", "run", "--depth", "3"], "unrecognized option --depth (did you mean --depths", "eval"),
+        (
+            ["distill", "run", "--train.steps", "3"],
+            "unrecognized option --train.steps (did you mean --steps?)",
+            "distill",
+        ),
+    ],
+)
 def test_option_suggestions_belong_to_the_command(argv, wanted, help_for, capsys):
     """tyro suggests options of every subcommand; only the command's own are named, those with the same
     leaf name (`steps` of --train.steps) first."""
@@ -58,5 +73,8 @@ def test_a_path_after_a_several_value_option_is_named(tmp_path, capsys):
 def test_an_option_before_its_subcommand_is_told_where_it_goes(capsys):
     rc, _, err = run_main(["train", "--train.steps", "3", "tiny"], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
-    assert "unrecognized option --train.steps (an option of looplm train L|M|S|tiny: give it after the subcommand's name)" in err, err
+    assert (
+        "unrecognized option --train.steps (an option of looplm train L|M|S|tiny: give it after the subcommand's name)"
+        in err
+    ), err
     assert "ordering can matter" not in err

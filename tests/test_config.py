@@ -20,8 +20,9 @@ D = 32
 
 
 def tiny(**fields) -> ModelConfig:
-    return ModelConfig(vocab_size=50, d_model=D, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32, max_depth=8,
-                       **fields)
+    return ModelConfig(
+        vocab_size=50, d_model=D, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32, max_depth=8, **fields
+    )
 
 
 def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -40,30 +41,57 @@ def _norm(x, w=None, eps=1e-6):
 
 def test_defaults_are_looplms_own_model():
     cfg = ModelConfig()
-    assert (cfg.block_norm, cfg.qk_bias, cfg.embed_scale, cfg.tie_embeddings, cfg.exit_norm, cfg.post_loop_norm,
-            cfg.head_norm, cfg.state_init, cfg.state_std, cfg.exit_gate) == \
-        ("pre", False, 1.0, False, "auto", False, True, "normal", 0.0, False)
+    assert (
+        cfg.block_norm,
+        cfg.qk_bias,
+        cfg.embed_scale,
+        cfg.tie_embeddings,
+        cfg.exit_norm,
+        cfg.post_loop_norm,
+        cfg.head_norm,
+        cfg.state_init,
+        cfg.state_std,
+        cfg.exit_gate,
+    ) == ("pre", False, 1.0, False, "auto", False, True, "normal", 0.0, False)
     keys = set(LoopedLM(tiny()).state_dict())
     assert not [k for k in keys if any(s in k for s in ("out_norm", "_bias", "exit_gate", "exit_norm"))]
     assert {"head.weight", "norm.weight", "embed.weight"} <= keys
     # the older config dict (without the switch fields) still loads
-    old = {k: v for k, v in tiny().to_dict().items() if k in {f.name for f in dataclasses.fields(ModelConfig)}
-           and k not in ("block_norm", "qk_bias", "embed_scale", "tie_embeddings", "exit_norm", "post_loop_norm",
-                         "head_norm", "state_init", "state_std", "exit_gate")}
+    old = {
+        k: v
+        for k, v in tiny().to_dict().items()
+        if k in {f.name for f in dataclasses.fields(ModelConfig)}
+        and k
+        not in (
+            "block_norm",
+            "qk_bias",
+            "embed_scale",
+            "tie_embeddings",
+            "exit_norm",
+            "post_loop_norm",
+            "head_norm",
+            "state_init",
+            "state_std",
+            "exit_gate",
+        )
+    }
     assert ModelConfig.from_dict(old) == tiny()
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"block_norm": "post"}, "unknown block_norm 'post'"),
-    ({"exit_norm": "layer"}, "unknown exit_norm"),
-    ({"state_init": "uniform"}, "unknown state_init"),
-    ({"injection": "none"}, "needs state_init='input'"),
-    ({"post_loop_norm": True, "head_norm": False}, "post_loop_norm reuses"),
-    ({"embed_scale": 0.0}, "embed_scale must be > 0"),
-    ({"state_std": -1.0}, "state_std must be >= 0"),
-    ({"ffn_act": "gelu"}, "unknown ffn_act 'gelu'"),
-    ({"value_embeds": "all"}, "unknown value_embeds 'all'"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"block_norm": "post"}, "unknown block_norm 'post'"),
+        ({"exit_norm": "layer"}, "unknown exit_norm"),
+        ({"state_init": "uniform"}, "unknown state_init"),
+        ({"injection": "none"}, "needs state_init='input'"),
+        ({"post_loop_norm": True, "head_norm": False}, "post_loop_norm reuses"),
+        ({"embed_scale": 0.0}, "embed_scale must be > 0"),
+        ({"state_std": -1.0}, "state_std must be >= 0"),
+        ({"ffn_act": "gelu"}, "unknown ffn_act 'gelu'"),
+        ({"value_embeds": "all"}, "unknown value_embeds 'all'"),
+    ],
+)
 def test_validate_names_the_bad_switch_in_one_line(fields, match):
     with pytest.raises(ValueError, match=match) as err:
         tiny(**fields).validate()
@@ -126,10 +154,16 @@ def test_embed_scale_and_tied_embeddings(tmp_path):
         torch.testing.assert_close(model.logits(h), _norm(h, model.norm.weight) @ model.embed.weight.T)
 
 
-@pytest.mark.parametrize("injection, kind, params", [
-    ("huginn-linear", "auto", 0), ("huginn-linear", "none", None), ("parcae-nonorm", "auto", None),
-    ("parcae-nonorm", "rms", 0), ("additive", "rms-gain", D),
-])
+@pytest.mark.parametrize(
+    "injection, kind, params",
+    [
+        ("huginn-linear", "auto", 0),
+        ("huginn-linear", "none", None),
+        ("parcae-nonorm", "auto", None),
+        ("parcae-nonorm", "rms", 0),
+        ("additive", "rms-gain", D),
+    ],
+)
 def test_exit_norm_kinds(injection, kind, params):
     model = perturbed(LoopedLM(tiny(injection=injection, exit_norm=kind)))
     inj = model.injection
@@ -178,8 +212,19 @@ def test_state_kinds():
 
 
 def test_exit_gate_rules():
-    model = perturbed(LoopedLM(tiny(exit_gate=True, state_init="input", injection="none", n_prelude=0, n_coda=0,
-                                    exit_norm="rms-gain", head_norm=False)))
+    model = perturbed(
+        LoopedLM(
+            tiny(
+                exit_gate=True,
+                state_init="input",
+                injection="none",
+                n_prelude=0,
+                n_coda=0,
+                exit_norm="rms-gain",
+                head_norm=False,
+            )
+        )
+    )
     assert {"exit_gate.proj.weight", "exit_gate.proj.bias"} <= set(model.state_dict())
     tokens = torch.randint(0, 50, (2, 6))
     with torch.no_grad():
@@ -188,8 +233,15 @@ def test_exit_gate_rules():
         per_depth = [model.logits(s) for s in out.states]
     pdf = exit_distribution(gates)
     lam = torch.sigmoid(torch.stack(gates, -1))
-    want = torch.stack([lam[..., 0], lam[..., 1] * (1 - lam[..., 0]), lam[..., 2] * (1 - lam[..., 0]) * (1 - lam[..., 1]),
-                        (1 - lam[..., 0]) * (1 - lam[..., 1]) * (1 - lam[..., 2])], -1)
+    want = torch.stack(
+        [
+            lam[..., 0],
+            lam[..., 1] * (1 - lam[..., 0]),
+            lam[..., 2] * (1 - lam[..., 0]) * (1 - lam[..., 1]),
+            (1 - lam[..., 0]) * (1 - lam[..., 1]) * (1 - lam[..., 2]),
+        ],
+        -1,
+    )
     torch.testing.assert_close(pdf, want)
     torch.testing.assert_close(pdf.sum(-1), torch.ones(2, 6))
     assert torch.equal(threshold_exit(pdf, 0.0), torch.zeros(2, 6, dtype=torch.long))
@@ -199,8 +251,9 @@ def test_exit_gate_rules():
     for b in range(2):
         for t in range(6):
             torch.testing.assert_close(chosen[b, t], per_depth[int(idx[b, t])][b, t])
-    torch.testing.assert_close(expected_logits(per_depth, pdf),
-                               sum(lg * pdf[..., r, None] for r, lg in enumerate(per_depth)))
+    torch.testing.assert_close(
+        expected_logits(per_depth, pdf), sum(lg * pdf[..., r, None] for r, lg in enumerate(per_depth))
+    )
     torch.testing.assert_close(out.logits, per_depth[-1])
 
 
@@ -211,8 +264,18 @@ def test_a_tied_checkpoint_stays_tied_through_looplm_export(tmp_path):
     from looplm.hf import export
     from looplm.train.config import job_preset
 
-    cfg = dataclasses.replace(tiny(tie_embeddings=True, embed_scale=2.0, block_norm="sandwich", qk_bias=True,
-                                   post_loop_norm=True, state_init="trunc-normal", state_std=0.3), vocab_size=258)
+    cfg = dataclasses.replace(
+        tiny(
+            tie_embeddings=True,
+            embed_scale=2.0,
+            block_norm="sandwich",
+            qk_bias=True,
+            post_loop_norm=True,
+            state_init="trunc-normal",
+            state_std=0.3,
+        ),
+        vocab_size=258,
+    )
     model = perturbed(LoopedLM(cfg))
     job = dataclasses.replace(job_preset("tiny"), model=cfg).resolved().to_dict()
     run = save_model(tmp_path / "run", model, job, ByteTokenizer())
@@ -280,8 +343,9 @@ def test_qk_norm_after_rope():
     x = torch.randn(2, 6, D)
     rope = rope_tables(torch.arange(6).expand(2, 6), 8, 1e6)
     with torch.no_grad():
-        torch.testing.assert_close(att(x, rope, None), _attention_reference(att, x, rope, qk_norm=True),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            att(x, rope, None), _attention_reference(att, x, rope, qk_norm=True), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_value_embedding_gate_and_refusals():
@@ -290,8 +354,9 @@ def test_value_embedding_gate_and_refusals():
     x, rows = torch.randn(2, 6, D), torch.randn(2, 6, 16)
     rope = rope_tables(torch.arange(6).expand(2, 6), 8, 1e6)
     with torch.no_grad():
-        torch.testing.assert_close(att(x, rope, None, value_embed=rows), _attention_reference(att, x, rope, rows),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            att(x, rope, None, value_embed=rows), _attention_reference(att, x, rope, rows), rtol=1e-5, atol=1e-5
+        )
         with pytest.raises(ValueError, match="has a value embedding: pass value_embed"):
             att(x, rope, None)
         plain = Block(tiny(value_embeds="odd")).attn

@@ -36,26 +36,59 @@ def hf_tokenizer(specials=(BOS, EOS, PAD)) -> HFTokenizer:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(["the recurrent model thinks deeper and deeper"] * 20, trainer=trainer)
     return tok
 
 
 def raven_config(vocab: int, **overrides) -> dict:
     config = {  # the RavenConfig fields of huginn-0125's config.json, scaled down
-        "architectures": ["RavenForCausalLM"], "model_type": "huginn_raven", "bias": False,
-        "block_class_name": "SandwichBlock", "block_size": BLOCK, "effective_expected_depth": 12,
-        "head_dim": HD, "init_orthogonal": False, "init_strategy": "takase",
-        "init_values": {"embed_scale": math.sqrt(D), "embedding": math.sqrt(2 / (5 * D)),
-                        "out_proj": 0.001, "std": math.sqrt(2 / (5 * D))},
-        "injection_type": "linear", "intermediate_size": FFN, "mean_backprop_depth": 8, "mean_recurrence": 32,
-        "mlp_class_name": "GatedMLP", "n_embd": D, "n_heads": HEADS, "n_layers": 4, "n_layers_in_coda": 1,
-        "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2, "nonlin_name": "SiLU",
-        "norm_class_name": "RMSNorm_llama", "norm_eps": 1e-6, "num_key_value_heads": HEADS,
-        "padded_vocab_size": vocab, "padding_multiple": 64, "qk_bias": True, "rope_base": 50000,
-        "sampling_scheme": "poisson-lognormal-filling", "state_init": "like-init", "tie_embeddings": True,
-        "test_time_noise": 0, "test_time_noise_type": "fixed", "torch_dtype": "bfloat16", "vocab_size": vocab,
+        "architectures": ["RavenForCausalLM"],
+        "model_type": "huginn_raven",
+        "bias": False,
+        "block_class_name": "SandwichBlock",
+        "block_size": BLOCK,
+        "effective_expected_depth": 12,
+        "head_dim": HD,
+        "init_orthogonal": False,
+        "init_strategy": "takase",
+        "init_values": {
+            "embed_scale": math.sqrt(D),
+            "embedding": math.sqrt(2 / (5 * D)),
+            "out_proj": 0.001,
+            "std": math.sqrt(2 / (5 * D)),
+        },
+        "injection_type": "linear",
+        "intermediate_size": FFN,
+        "mean_backprop_depth": 8,
+        "mean_recurrence": 32,
+        "mlp_class_name": "GatedMLP",
+        "n_embd": D,
+        "n_heads": HEADS,
+        "n_layers": 4,
+        "n_layers_in_coda": 1,
+        "n_layers_in_prelude": 1,
+        "n_layers_in_recurrent_block": 2,
+        "nonlin_name": "SiLU",
+        "norm_class_name": "RMSNorm_llama",
+        "norm_eps": 1e-6,
+        "num_key_value_heads": HEADS,
+        "padded_vocab_size": vocab,
+        "padding_multiple": 64,
+        "qk_bias": True,
+        "rope_base": 50000,
+        "sampling_scheme": "poisson-lognormal-filling",
+        "state_init": "like-init",
+        "tie_embeddings": True,
+        "test_time_noise": 0,
+        "test_time_noise_type": "fixed",
+        "torch_dtype": "bfloat16",
+        "vocab_size": vocab,
     }
     config.update(overrides)
     return config
@@ -68,17 +101,29 @@ def raven_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     def rnd(*shape, std=0.2, mean=0.0):
         return (mean + torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    state = {"transformer.wte.weight": rnd(v, d, std=0.5), "transformer.ln_f.weight": rnd(d, mean=1.0),
-             "transformer.adapter.weight": rnd(d, 2 * d, std=0.15)}
+    state = {
+        "transformer.wte.weight": rnd(v, d, std=0.5),
+        "transformer.ln_f.weight": rnd(d, mean=1.0),
+        "transformer.adapter.weight": rnd(d, 2 * d, std=0.15),
+    }
     if config["bias"]:
         state["transformer.adapter.bias"] = rnd(d)
-    for stack, key in (("prelude", "n_layers_in_prelude"), ("core_block", "n_layers_in_recurrent_block"),
-                       ("coda", "n_layers_in_coda")):
+    for stack, key in (
+        ("prelude", "n_layers_in_prelude"),
+        ("core_block", "n_layers_in_recurrent_block"),
+        ("coda", "n_layers_in_coda"),
+    ):
         for i in range(config[key]):
             p = f"transformer.{stack}.{i}."
             state.update({p + f"norm_{k}.weight": rnd(d, mean=1.0) for k in (1, 2, 3, 4)})
-            state.update({p + "attn.Wqkv.weight": rnd(3 * d, d), p + "attn.proj.weight": rnd(d, d),
-                          p + "mlp.fc.weight": rnd(2 * f, d), p + "mlp.proj.weight": rnd(d, f)})
+            state.update(
+                {
+                    p + "attn.Wqkv.weight": rnd(3 * d, d),
+                    p + "attn.proj.weight": rnd(d, d),
+                    p + "mlp.fc.weight": rnd(2 * f, d),
+                    p + "mlp.proj.weight": rnd(d, f),
+                }
+            )
             if config["qk_bias"]:
                 state[p + "attn.qk_bias"] = rnd(2, 1, HEADS, HD, std=0.5)
     # the persistent RoPE buffer: [1, block, 1, hd/2, (cos, sin)], stored in bf16 like the rest
@@ -171,8 +216,9 @@ def reference_logits(root: Path, tokens, depth, state0):
 MAX_DELTA: dict[str, float] = {}
 
 
-@pytest.mark.parametrize("overrides", [{}, {"bias": True, "tie_embeddings": False, "qk_bias": False}],
-                         ids=["release", "untied-bias"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"bias": True, "tie_embeddings": False, "qk_bias": False}], ids=["release", "untied-bias"]
+)
 def test_logits_match_the_source_equations(tmp_path, overrides):
     def add_untied(state):
         if overrides:
@@ -185,8 +231,13 @@ def test_logits_match_the_source_equations(tmp_path, overrides):
     out = convert_huginn(src, tmp_path / "converted", dtype="fp32")
     model, tok, job = load_model(out)
     c = model.cfg
-    assert (c.block_norm, c.injection, c.exit_norm, c.post_loop_norm, c.state_init) == \
-        ("sandwich", "huginn-linear", "none", True, "trunc-normal")
+    assert (c.block_norm, c.injection, c.exit_norm, c.post_loop_norm, c.state_init) == (
+        "sandwich",
+        "huginn-linear",
+        "none",
+        True,
+        "trunc-normal",
+    )
     assert c.tie_embeddings == (not overrides) and c.qk_bias == (not overrides)
     assert c.embed_scale == pytest.approx(math.sqrt(D)) and c.state_std == pytest.approx(math.sqrt(2 / 5))
     g = torch.Generator().manual_seed(1)
@@ -266,16 +317,19 @@ def _untie(state):
     state["lm_head.weight"] = torch.ones_like(state["transformer.wte.weight"])
 
 
-@pytest.mark.parametrize("mutate, overrides, match", [
-    (_extra, {}, "unknown tensor transformer.core_block.0.attn.Wr.weight"),
-    (_drop, {}, "missing tensor transformer.adapter.weight"),
-    (None, {"intermediate_size": 40}, r"mlp\.(fc|proj)\.weight has shape \(\d+, \d+\), config.json implies"),
-    (None, {"n_layers_in_recurrent_block": 3, "n_layers": 5}, "missing tensor transformer.core_block.2"),
-    (None, {"n_layers": 7}, "!= n_layers 7"),
-    (None, {"num_key_value_heads": 2}, "qk_bias with 2 key/value heads"),
-    (None, {"test_time_noise": 0.1}, "test_time_noise"),
-    (_untie, {}, "lm_head.weight differs"),
-])
+@pytest.mark.parametrize(
+    "mutate, overrides, match",
+    [
+        (_extra, {}, "unknown tensor transformer.core_block.0.attn.Wr.weight"),
+        (_drop, {}, "missing tensor transformer.adapter.weight"),
+        (None, {"intermediate_size": 40}, r"mlp\.(fc|proj)\.weight has shape \(\d+, \d+\), config.json implies"),
+        (None, {"n_layers_in_recurrent_block": 3, "n_layers": 5}, "missing tensor transformer.core_block.2"),
+        (None, {"n_layers": 7}, "!= n_layers 7"),
+        (None, {"num_key_value_heads": 2}, "qk_bias with 2 key/value heads"),
+        (None, {"test_time_noise": 0.1}, "test_time_noise"),
+        (_untie, {}, "lm_head.weight differs"),
+    ],
+)
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
     src = make_huginn(tmp_path / "huginn", mutate=mutate, **overrides)
     with pytest.raises(CheckpointError, match=match) as err:

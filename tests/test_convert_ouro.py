@@ -36,13 +36,31 @@ EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 def ouro_config(vocab: int, eos_id: int, **overrides) -> dict:
     config = {  # the OuroConfig fields of Ouro-1.4B's config.json, scaled down
-        "architectures": ["OuroForCausalLM"], "model_type": "ouro", "attention_dropout": 0.0,
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "hidden_act": "silu", "hidden_size": D,
-        "initializer_range": 0.02, "intermediate_size": FFN, "layer_types": ["full_attention"] * LAYERS,
-        "max_position_embeddings": 64, "max_window_layers": LAYERS, "num_attention_heads": HEADS,
-        "num_hidden_layers": LAYERS, "num_key_value_heads": KV, "rms_norm_eps": 1e-6, "rope_scaling": None,
-        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "total_ut_steps": STEPS, "early_exit_threshold": 1.0, "use_cache": True, "use_sliding_window": False,
+        "architectures": ["OuroForCausalLM"],
+        "model_type": "ouro",
+        "attention_dropout": 0.0,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "hidden_act": "silu",
+        "hidden_size": D,
+        "initializer_range": 0.02,
+        "intermediate_size": FFN,
+        "layer_types": ["full_attention"] * LAYERS,
+        "max_position_embeddings": 64,
+        "max_window_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": LAYERS,
+        "num_key_value_heads": KV,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "total_ut_steps": STEPS,
+        "early_exit_threshold": 1.0,
+        "use_cache": True,
+        "use_sliding_window": False,
         "vocab_size": vocab,
     }
     config.update(overrides)
@@ -56,17 +74,37 @@ def ouro_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     def rnd(*shape, std=0.2, mean=0.0):
         return (mean + torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    state = {"model.embed_tokens.weight": rnd(v, d, std=1.0), "model.norm.weight": rnd(d, mean=1.0),
-             "model.early_exit_gate.weight": rnd(1, d, std=0.5), "model.early_exit_gate.bias": rnd(1, std=0.5),
-             "lm_head.weight": rnd(v, d, std=0.3)}
+    state = {
+        "model.embed_tokens.weight": rnd(v, d, std=1.0),
+        "model.norm.weight": rnd(d, mean=1.0),
+        "model.early_exit_gate.weight": rnd(1, d, std=0.5),
+        "model.early_exit_gate.bias": rnd(1, std=0.5),
+        "lm_head.weight": rnd(v, d, std=0.3),
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        state.update({p + n + ".weight": rnd(d, mean=1.0, std=0.1) for n in (
-            "input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")})
-        state.update({p + "self_attn.q_proj.weight": rnd(HEADS * HD, d), p + "self_attn.k_proj.weight": rnd(KV * HD, d),
-                      p + "self_attn.v_proj.weight": rnd(KV * HD, d), p + "self_attn.o_proj.weight": rnd(d, HEADS * HD),
-                      p + "mlp.gate_proj.weight": rnd(f, d), p + "mlp.up_proj.weight": rnd(f, d),
-                      p + "mlp.down_proj.weight": rnd(d, f)})
+        state.update(
+            {
+                p + n + ".weight": rnd(d, mean=1.0, std=0.1)
+                for n in (
+                    "input_layernorm",
+                    "input_layernorm_2",
+                    "post_attention_layernorm",
+                    "post_attention_layernorm_2",
+                )
+            }
+        )
+        state.update(
+            {
+                p + "self_attn.q_proj.weight": rnd(HEADS * HD, d),
+                p + "self_attn.k_proj.weight": rnd(KV * HD, d),
+                p + "self_attn.v_proj.weight": rnd(KV * HD, d),
+                p + "self_attn.o_proj.weight": rnd(d, HEADS * HD),
+                p + "mlp.gate_proj.weight": rnd(f, d),
+                p + "mlp.up_proj.weight": rnd(f, d),
+                p + "mlp.down_proj.weight": rnd(d, f),
+            }
+        )
     return state
 
 
@@ -94,7 +132,7 @@ def _rope_rotate_half(x, base, start=0):  # x [B, H, L, hd] at positions start..
     L, hd = x.shape[-2], x.shape[-1]
     inv = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     emb = torch.cat([torch.arange(start, start + L, dtype=torch.float64)[:, None] * inv] * 2, -1)
-    rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    rotated = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
     return x * emb.cos() + rotated * emb.sin()
 
 
@@ -113,12 +151,14 @@ def _layer(h, w, i, base, past=None):
         k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
     kv = (k, v)
     k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
-    scores = (q @ k.transpose(-1, -2)) * HD ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * HD**-0.5
     scores = scores + torch.full((L, start + L), float("-inf"), dtype=scores.dtype).triu(start + 1)
     att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, D) @ w[p + "self_attn.o_proj.weight"].T
     h = h + _norm(att, w[p + "input_layernorm_2.weight"])
     x = _norm(h, w[p + "post_attention_layernorm.weight"])
-    m = (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    m = (F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[
+        p + "mlp.down_proj.weight"
+    ].T
     return h + _norm(m, w[p + "post_attention_layernorm_2.weight"]), kv
 
 
@@ -164,8 +204,13 @@ def test_logits_match_the_source_equations(tmp_path, sharded):
     model, tok, job = load_model(out)
     c = model.cfg
     assert (c.n_prelude, c.n_core, c.n_coda, c.injection, c.state_init) == (0, LAYERS, 0, "none", "input")
-    assert (c.block_norm, c.exit_norm, c.head_norm, c.exit_gate, c.tie_embeddings) == \
-        ("branch", "rms-gain", False, True, False)
+    assert (c.block_norm, c.exit_norm, c.head_norm, c.exit_gate, c.tie_embeddings) == (
+        "branch",
+        "rms-gain",
+        False,
+        True,
+        False,
+    )
     assert job["depth"]["depth"] == float(STEPS)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, c.vocab_size, (2, 10), generator=g)
@@ -202,8 +247,9 @@ def test_exit_gate_and_exit_rules_match_the_source(tmp_path):
     # the cumulative-probability threshold rule, per token (q = 1.0 is the release's default)
     for q in (0.3, 0.6, 0.9, 1.0):
         cum = want_pdf.cumsum(-1)
-        want_idx = torch.tensor([[next((r for r in range(STEPS) if cum[b, t, r] >= q), STEPS - 1)
-                                  for t in range(9)] for b in range(2)])
+        want_idx = torch.tensor(
+            [[next((r for r in range(STEPS) if cum[b, t, r] >= q), STEPS - 1) for t in range(9)] for b in range(2)]
+        )
         idx = threshold_exit(pdf.double(), q)
         assert torch.equal(idx, want_idx)
         chosen = select_depth(torch.stack(per_loop, 2), idx)
@@ -247,15 +293,22 @@ def test_decoding_with_the_exit_gate_follows_the_source_threshold_rule(tmp_path,
     assert min(exits) < STEPS  # the gate exits early
     cache = make_cache(cache_mode, model.cfg, 1, len(prompt) + n_new, STEPS)
     got, used = [], []
-    for chunk in [prompt, *([t] for t in ids)][:len(want)]:
+    for chunk in [prompt, *([t] for t in ids)][: len(want)]:
         step = extend(model, torch.tensor([chunk]), cache, STEPS, exit_gate=q)
         got.append(step.logits[0, -1])
         used.append(int(step.depths[0, -1]))
     assert used == exits
     assert (torch.stack(got).double() - torch.stack(want)).abs().max() <= 1e-4
     stats: dict = {}
-    text = generate(model, tok, ["the recurrent model"], DepthRule(STEPS, exit_gate=q), cache=cache_mode, stats=stats,
-                    sampling=SamplingConfig(max_new_tokens=n_new))[0]
+    text = generate(
+        model,
+        tok,
+        ["the recurrent model"],
+        DepthRule(STEPS, exit_gate=q),
+        cache=cache_mode,
+        stats=stats,
+        sampling=SamplingConfig(max_new_tokens=n_new),
+    )[0]
     assert text == tok.decode(ids)
     assert stats["mean_decode_depth"] == pytest.approx(sum(exits[1:]) / len(exits[1:]))  # the decode steps
 
@@ -303,14 +356,21 @@ def _drop(state):
     del state["model.early_exit_gate.bias"]
 
 
-@pytest.mark.parametrize("mutate, overrides, match", [
-    (_extra, {}, "unknown tensor model.layers.0.self_attn.q_norm.weight"),
-    (_drop, {}, "missing tensor model.early_exit_gate.bias"),
-    (None, {"num_key_value_heads": 4}, r"k_proj.weight has shape \(16, 32\), config.json implies \(32, 32\)"),
-    (None, {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
-    (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-    (None, {"vocab_size": 999}, r"(embed_tokens|lm_head)\.weight has shape \(\d+, 32\), config.json implies \(999, 32\)"),
-])
+@pytest.mark.parametrize(
+    "mutate, overrides, match",
+    [
+        (_extra, {}, "unknown tensor model.layers.0.self_attn.q_norm.weight"),
+        (_drop, {}, "missing tensor model.early_exit_gate.bias"),
+        (None, {"num_key_value_heads": 4}, r"k_proj.weight has shape \(16, 32\), config.json implies \(32, 32\)"),
+        (None, {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+        (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        (
+            None,
+            {"vocab_size": 999},
+            r"(embed_tokens|lm_head)\.weight has shape \(\d+, 32\), config.json implies \(999, 32\)",
+        ),
+    ],
+)
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
     src = make_ouro(tmp_path / "ouro", mutate=mutate, **overrides)
     with pytest.raises(CheckpointError, match=match) as err:

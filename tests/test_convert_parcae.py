@@ -36,18 +36,45 @@ SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 
 def parcae_config(vocab: int, **overrides) -> dict:
     config = {  # the ParcaeConfig fields of parcae-small-140m, scaled down
-        "_class_name": "ParcaeConfig", "name": "parcae-tiny", "block_size": BLOCK, "vocab_size": vocab,
-        "padding_multiple": 64, "padded_vocab_size": vocab, "n_embd": D, "num_attention_heads": HEADS,
-        "num_key_value_heads": HEADS, "intermediate_size": FFN, "bias": False, "tie_embeddings": True,
-        "architecture_class_name": "Parcae", "block_class_name": "TransformerPreNormBlock",
-        "norm_class_name": "RMSNorm", "norm_eps": 1e-5, "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2",
-        "qk_norm": True, "qk_bias": False, "clip_qkv": None, "logit_softcap": None, "prelude_norm": True,
-        "init_strategy": "scaled-zero", "init_orthogonal": True, "injection_type": "diagonal",
-        "state_init": "like-init", "recurrent_embedding_dimension": D,
-        "recurrent_intermediation_embedding_dimension": FFN, "recurrent_num_attention_heads": None,
-        "n_layers_in_recurrent_block": K, "n_layers_in_prelude": P, "n_layers_in_coda": C,
-        "mean_recurrence": STEPS, "sampling_scheme": "poisson-truncated-full", "mean_backprop_depth": BACKPROP,
-        "recurrent_iteration_method": "per-sequence", "model_class_name": "Parcae", "mup_model_scaling_factor": 1,
+        "_class_name": "ParcaeConfig",
+        "name": "parcae-tiny",
+        "block_size": BLOCK,
+        "vocab_size": vocab,
+        "padding_multiple": 64,
+        "padded_vocab_size": vocab,
+        "n_embd": D,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "intermediate_size": FFN,
+        "bias": False,
+        "tie_embeddings": True,
+        "architecture_class_name": "Parcae",
+        "block_class_name": "TransformerPreNormBlock",
+        "norm_class_name": "RMSNorm",
+        "norm_eps": 1e-5,
+        "mlp_class_name": "BaseMLP",
+        "nonlin_name": "ReLU2",
+        "qk_norm": True,
+        "qk_bias": False,
+        "clip_qkv": None,
+        "logit_softcap": None,
+        "prelude_norm": True,
+        "init_strategy": "scaled-zero",
+        "init_orthogonal": True,
+        "injection_type": "diagonal",
+        "state_init": "like-init",
+        "recurrent_embedding_dimension": D,
+        "recurrent_intermediation_embedding_dimension": FFN,
+        "recurrent_num_attention_heads": None,
+        "n_layers_in_recurrent_block": K,
+        "n_layers_in_prelude": P,
+        "n_layers_in_coda": C,
+        "mean_recurrence": STEPS,
+        "sampling_scheme": "poisson-truncated-full",
+        "mean_backprop_depth": BACKPROP,
+        "recurrent_iteration_method": "per-sequence",
+        "model_class_name": "Parcae",
+        "mup_model_scaling_factor": 1,
         "rope_settings": {"use_rope": True, "rope_condense_ratio": 1, "rope_base": 50000},
     }
     config.update(overrides)
@@ -68,15 +95,28 @@ def parcae_state(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     def rnd(*shape, std=0.2, mean=0.0):
         return (mean + torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    state = {"transformer.wte.weight": rnd(vocab, D, std=1.0), "transformer.ln_f.weight": rnd(D, mean=1.0, std=0.1),
-             "transformer.ln_prelude.weight": rnd(D, mean=1.0, std=0.1),
-             "transformer.adapter.A_log": rnd(D, std=0.5), "transformer.adapter.dt_bias": rnd(D, std=0.5),
-             "transformer.adapter.B": rnd(D, D), "transformer.C.weight": rnd(D, D, std=0.2)}
+    state = {
+        "transformer.wte.weight": rnd(vocab, D, std=1.0),
+        "transformer.ln_f.weight": rnd(D, mean=1.0, std=0.1),
+        "transformer.ln_prelude.weight": rnd(D, mean=1.0, std=0.1),
+        "transformer.adapter.A_log": rnd(D, std=0.5),
+        "transformer.adapter.dt_bias": rnd(D, std=0.5),
+        "transformer.adapter.B": rnd(D, D),
+        "transformer.C.weight": rnd(D, D, std=0.2),
+    }
     for p, flat, ve in _blocks():
-        state.update({p + "norm_1.weight": rnd(D, mean=1.0, std=0.1), p + "norm_2.weight": rnd(D, mean=1.0, std=0.1),
-                      p + "attn.c_q.weight": rnd(D, D), p + "attn.c_k.weight": rnd(D, D),
-                      p + "attn.c_v.weight": rnd(D, D), p + "attn.c_proj.weight": rnd(D, D),
-                      p + "mlp.fc.weight": rnd(FFN, D), p + "mlp.proj.weight": rnd(D, FFN)})
+        state.update(
+            {
+                p + "norm_1.weight": rnd(D, mean=1.0, std=0.1),
+                p + "norm_2.weight": rnd(D, mean=1.0, std=0.1),
+                p + "attn.c_q.weight": rnd(D, D),
+                p + "attn.c_k.weight": rnd(D, D),
+                p + "attn.c_v.weight": rnd(D, D),
+                p + "attn.c_proj.weight": rnd(D, D),
+                p + "mlp.fc.weight": rnd(FFN, D),
+                p + "mlp.proj.weight": rnd(D, FFN),
+            }
+        )
         if ve:
             state[p + "attn.ve_gate.weight"] = rnd(HEADS, 32, std=0.5)
             state[f"value_embeds.{flat}.weight"] = rnd(vocab, D, std=0.5)
@@ -162,10 +202,10 @@ def reference(w: dict, x: torch.Tensor, state0: torch.Tensor, steps: int, kept: 
     s = state0.double()
     for _ in range(steps):
         s = decay * s + dt * (e @ w["transformer.adapter.B"].T)
-        for p, flat, _ in blocks[P:P + K]:
+        for p, flat, _ in blocks[P : P + K]:
             s, new[p] = _block(s, w, p, flat, x, kept.get(p))  # the last recurrence's K/V stay
     h = s @ w["transformer.C.weight"].T
-    for p, flat, _ in blocks[P + K:]:
+    for p, flat, _ in blocks[P + K :]:
         h, new[p] = _block(h, w, p, flat, x, kept.get(p))
     kept.update(new)
     return _rms(h, w["transformer.ln_f.weight"]) @ w["transformer.wte.weight"].T
@@ -178,8 +218,14 @@ def test_logits_match_the_source_equations(tmp_path, sharded):
     model, tok, job = load_model(convert_parcae(src, tmp_path / "converted", dtype="fp32"))
     c = model.cfg
     assert (c.n_prelude, c.n_core, c.n_coda, c.injection, c.exit_norm) == (P, K, C, "parcae-decay", "none")
-    assert (c.ffn_act, c.qk_norm, c.value_embeds, c.coda_proj, c.tie_embeddings, c.state_init) == \
-        ("relu2", True, "odd", True, True, "trunc-normal")
+    assert (c.ffn_act, c.qk_norm, c.value_embeds, c.coda_proj, c.tie_embeddings, c.state_init) == (
+        "relu2",
+        True,
+        "odd",
+        True,
+        True,
+        "trunc-normal",
+    )
     assert c.state_std == pytest.approx(math.sqrt(2 / (5 * D)))
     assert job["depth"]["depth"] == float(STEPS)
     assert model.head.weight is model.embed.weight
@@ -256,10 +302,16 @@ def test_serving_engine_gives_generate_greedy_text(tmp_path):
     model, tok, _ = load_model(convert_parcae(make_parcae(tmp_path / "parcae"), tmp_path / "converted"))
     prompts = ["the recurrent model", "deeper and", "the"]
     for mode in ("terminal", "full"):
-        want = [generate(model, tok, [p], DepthRule(3), cache=mode,
-                         sampling=SamplingConfig(max_new_tokens=6, temperature=0.0))[0] for p in prompts]
+        want = [
+            generate(
+                model, tok, [p], DepthRule(3), cache=mode, sampling=SamplingConfig(max_new_tokens=6, temperature=0.0)
+            )[0]
+            for p in prompts
+        ]
         engine = Engine(model, tok, EngineConfig(max_batch=2, depth=3, max_depth=3, cache=mode))
-        got = engine.generate([Request(tok.encode(p), SamplingConfig(6, temperature=0.0), DepthRule(3)) for p in prompts])
+        got = engine.generate(
+            [Request(tok.encode(p), SamplingConfig(6, temperature=0.0), DepthRule(3)) for p in prompts]
+        )
         assert [f.text for f in got] == want
 
 
@@ -276,17 +328,27 @@ def _lone_table(state):
     del state["transformer.coda.1.attn.ve_gate.weight"]
 
 
-@pytest.mark.parametrize("mutate, overrides, match", [
-    (_extra, {}, "unknown tensor transformer.prelude.0.attn.qk_bias"),
-    (_drop, {}, "missing tensor transformer.adapter.A_log"),
-    (_lone_table, {}, "value_embeds.5.weight has no partner transformer.coda.1.attn.ve_gate.weight"),
-    (None, {"intermediate_size": 128, "recurrent_intermediation_embedding_dimension": 128},
-     r"mlp\.(fc|proj)\.weight has shape \((96, 64|64, 96)\), config.json implies \((128, 64|64, 128)\)"),
-    (None, {"injection_type": "linear"}, "injection_type"),
-    (None, {"nonlin_name": "GELU"}, "nonlin_name"),
-    (None, {"num_key_value_heads": 2}, "num_key_value_heads"),
-    (None, {"padded_vocab_size": 512}, r"(wte|lm_head)\.weight has shape \(\d+, 64\), config.json implies \(512, 64\)"),
-])
+@pytest.mark.parametrize(
+    "mutate, overrides, match",
+    [
+        (_extra, {}, "unknown tensor transformer.prelude.0.attn.qk_bias"),
+        (_drop, {}, "missing tensor transformer.adapter.A_log"),
+        (_lone_table, {}, "value_embeds.5.weight has no partner transformer.coda.1.attn.ve_gate.weight"),
+        (
+            None,
+            {"intermediate_size": 128, "recurrent_intermediation_embedding_dimension": 128},
+            r"mlp\.(fc|proj)\.weight has shape \((96, 64|64, 96)\), config.json implies \((128, 64|64, 128)\)",
+        ),
+        (None, {"injection_type": "linear"}, "injection_type"),
+        (None, {"nonlin_name": "GELU"}, "nonlin_name"),
+        (None, {"num_key_value_heads": 2}, "num_key_value_heads"),
+        (
+            None,
+            {"padded_vocab_size": 512},
+            r"(wte|lm_head)\.weight has shape \(\d+, 64\), config.json implies \(512, 64\)",
+        ),
+    ],
+)
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
     src = make_parcae(tmp_path / "parcae", mutate=mutate, **overrides)
     with pytest.raises(CheckpointError, match=match) as err:

@@ -45,21 +45,48 @@ def _hf_tokenizer() -> HFTokenizer:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS, PAD, "<|bos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS, PAD, "<|bos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(["the looped model thinks again and again"] * 20, trainer=trainer)
     return tok
 
 
 def _fields(vocab: int, variant: str, **overrides) -> dict:
     fields = {  # the shape of huginn_model_fields, scaled down
-        "arch": "huginn", "huginn_depth_control": True, "num_layers": 4, "model_dim": D, "num_heads": HEADS,
-        "num_kv_heads": KV, "head_dim": D // HEADS, "ffn_hidden_dim": FFN, "vocab_size": vocab, "swiglu": True,
-        "apply_bias_term": True, "apply_rmsnorm": True, "rmsnorm_eps": 1e-6, "attn_gate_func": "silu",
-        "rope_base": 10_000.0, "rope_head_dim": D // HEADS, "chunk_size": 1024, "causal_attn_backend": "flash",
-        "fused_block": False, "init_mode": "gaussian", "init_std": 0.02, "loop_times": 5, "loop_start_layer": 1,
-        "loop_end_layers": 3, "huginn_prelude_layers": 1, "huginn_recurrent_layers": 2, "huginn_coda_layers": 1,
-        "huginn_state_init": "normal", "huginn_input_injection": "diagonal", "huginn_sampling_scheme": "fixed",
+        "arch": "huginn",
+        "huginn_depth_control": True,
+        "num_layers": 4,
+        "model_dim": D,
+        "num_heads": HEADS,
+        "num_kv_heads": KV,
+        "head_dim": D // HEADS,
+        "ffn_hidden_dim": FFN,
+        "vocab_size": vocab,
+        "swiglu": True,
+        "apply_bias_term": True,
+        "apply_rmsnorm": True,
+        "rmsnorm_eps": 1e-6,
+        "attn_gate_func": "silu",
+        "rope_base": 10_000.0,
+        "rope_head_dim": D // HEADS,
+        "chunk_size": 1024,
+        "causal_attn_backend": "flash",
+        "fused_block": False,
+        "init_mode": "gaussian",
+        "init_std": 0.02,
+        "loop_times": 5,
+        "loop_start_layer": 1,
+        "loop_end_layers": 3,
+        "huginn_prelude_layers": 1,
+        "huginn_recurrent_layers": 2,
+        "huginn_coda_layers": 1,
+        "huginn_state_init": "normal",
+        "huginn_input_injection": "diagonal",
+        "huginn_sampling_scheme": "fixed",
         "huginn_backprop_depth": 5,
     }
     fields.update(VARIANTS[variant])
@@ -77,12 +104,19 @@ def _release_state(fields: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     state = {"embed.weight": rnd(v, d, std=1.0), "output.final_norm.weight": rnd(d), "output.output.weight": rnd(v, d)}
     for i in range(fields["num_layers"]):
         p = f"layers.{i}."
-        state.update({
-            p + "attention.norm.weight": rnd(d), p + "attention.wq.weight": rnd(HEADS * hd, d),
-            p + "attention.wk.weight": rnd(KV * hd, d), p + "attention.wv.weight": rnd(KV * hd, d),
-            p + "attention.wo.weight": rnd(d, HEADS * hd), p + "nffn.norm.weight": rnd(d),
-            p + "nffn.fc1.weight": rnd(f, d), p + "nffn.fc3.weight": rnd(f, d), p + "nffn.fc2.weight": rnd(d, f),
-        })
+        state.update(
+            {
+                p + "attention.norm.weight": rnd(d),
+                p + "attention.wq.weight": rnd(HEADS * hd, d),
+                p + "attention.wk.weight": rnd(KV * hd, d),
+                p + "attention.wv.weight": rnd(KV * hd, d),
+                p + "attention.wo.weight": rnd(d, HEADS * hd),
+                p + "nffn.norm.weight": rnd(d),
+                p + "nffn.fc1.weight": rnd(f, d),
+                p + "nffn.fc3.weight": rnd(f, d),
+                p + "nffn.fc2.weight": rnd(d, f),
+            }
+        )
     if fields["huginn_input_injection"] == "none":
         pass  # Part I dense-middle: no injection module
     elif fields["huginn_input_injection"] == "linear":
@@ -102,34 +136,54 @@ def _json_bytes(value) -> bytes:
 
 
 def write_manifest(root: Path) -> None:
-    files = [{"path": p.relative_to(root).as_posix(), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
-              "size_bytes": p.stat().st_size}
-             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "artifact_manifest.json"]
-    manifest = {"schema_version": 1, "release": "paper-part2", "format": "xllm-native-bf16-safetensors",
-                "source": {"checkpoint_id": "test"}, "files": files,
-                "model": {"dtype": "bfloat16", "index": "model.safetensors.index.json"}}
+    files = [
+        {
+            "path": p.relative_to(root).as_posix(),
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+            "size_bytes": p.stat().st_size,
+        }
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "artifact_manifest.json"
+    ]
+    manifest = {
+        "schema_version": 1,
+        "release": "paper-part2",
+        "format": "xllm-native-bf16-safetensors",
+        "source": {"checkpoint_id": "test"},
+        "files": files,
+        "model": {"dtype": "bfloat16", "index": "model.safetensors.index.json"},
+    }
     manifest["manifest_sha256"] = hashlib.sha256(
-        json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
     (root / "artifact_manifest.json").write_bytes(_json_bytes(manifest))
 
 
-def make_release(root: Path, variant: str = "diagonal", *, mutate=None, manifest: bool = True,
-                 model_fields: dict | None = None, **overrides) -> Path:
+def make_release(
+    root: Path,
+    variant: str = "diagonal",
+    *,
+    mutate=None,
+    manifest: bool = True,
+    model_fields: dict | None = None,
+    **overrides,
+) -> Path:
     """A release folder; `overrides` change config.json only (the weights keep the variant's shapes),
     `model_fields` change both (another model: Part I fields, a padded vocabulary)."""
     root.mkdir(parents=True)
     tok = _hf_tokenizer()
     (root / "tokenizer").mkdir()
     tok.save(str(root / "tokenizer" / "tokenizer.json"))
-    (root / "tokenizer" / "special_tokens_map.json").write_bytes(_json_bytes(
-        {"eos_token": {"content": EOS, "lstrip": False}, "pad_token": PAD, "bos_token": "<|bos|>"}))
+    (root / "tokenizer" / "special_tokens_map.json").write_bytes(
+        _json_bytes({"eos_token": {"content": EOS, "lstrip": False}, "pad_token": PAD, "bos_token": "<|bos|>"})
+    )
     (root / "tokenizer" / "tokenizer_config.json").write_bytes(_json_bytes({"model_max_length": 8192}))
     fields = _fields(tok.get_vocab_size(), variant, **{**(model_fields or {}), **overrides})
     state = _release_state(_fields(tok.get_vocab_size(), variant, **(model_fields or {})))
     if mutate:
         mutate(state)
     keys = sorted(state)
-    shards = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
+    shards = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
     weight_map = {}
     for i, part in enumerate(shards, start=1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -137,9 +191,11 @@ def make_release(root: Path, variant: str = "diagonal", *, mutate=None, manifest
         weight_map.update(dict.fromkeys(part, name))
     total = sum(t.numel() * t.element_size() for t in state.values())
     (root / "model.safetensors.index.json").write_bytes(
-        _json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (root / "config.json").write_bytes(_json_bytes(
-        {"model": fields, "tokenizer": {"type": "huggingface", "path": "tokenizer"}}))
+        _json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    (root / "config.json").write_bytes(
+        _json_bytes({"model": fields, "tokenizer": {"type": "huggingface", "path": "tokenizer"}})
+    )
     (root / "README.md").write_text("# test artifact\n")
     if manifest:
         write_manifest(root)
@@ -252,12 +308,23 @@ def test_zero_state_and_converted_tokenizer(tmp_path):
     assert build_tokenizer(job.data.tokenizer, None, 0).eos_id == tok.eos_id
 
 
-@pytest.mark.parametrize("overrides, sampler, window", [
-    ({"huginn_sampling_scheme": "poisson-lognormal-capped", "huginn_backprop_depth": 10}, "pln", 10),
-    ({"huginn_sampling_scheme": "poisson-lognormal-capped", "huginn_backprop_depth": 10,
-      "huginn_depth_prior": "learned", "huginn_depth_prior_entropy": 0.01}, "learned", 10),
-    ({"huginn_backprop_depth": None}, "fixed", None),
-])
+@pytest.mark.parametrize(
+    "overrides, sampler, window",
+    [
+        ({"huginn_sampling_scheme": "poisson-lognormal-capped", "huginn_backprop_depth": 10}, "pln", 10),
+        (
+            {
+                "huginn_sampling_scheme": "poisson-lognormal-capped",
+                "huginn_backprop_depth": 10,
+                "huginn_depth_prior": "learned",
+                "huginn_depth_prior_entropy": 0.01,
+            },
+            "learned",
+            10,
+        ),
+        ({"huginn_backprop_depth": None}, "fixed", None),
+    ],
+)
 def test_job_records_the_release_depth_recipe(tmp_path, overrides, sampler, window):
     src = make_release(tmp_path / "release", **overrides)
     out = convert_xllm_loop(src, tmp_path / "converted")
@@ -286,8 +353,10 @@ def test_bf16_output_and_no_manifest(tmp_path):
 # the state started from the prelude output (`LoopedLM-P1-dense-middle-*`).
 PART_ONE = {
     "prelude-injection": ({"huginn_depth_control": False, "huginn_state_init": "input"}, "parcae-nonorm"),
-    "dense-middle": ({"huginn_depth_control": False, "huginn_state_init": "input", "huginn_input_injection": "none"},
-                     "none"),
+    "dense-middle": (
+        {"huginn_depth_control": False, "huginn_state_init": "input", "huginn_input_injection": "none"},
+        "none",
+    ),
 }
 
 
@@ -331,11 +400,14 @@ def _reshape(state):
     state["layers.2.nffn.fc1.weight"] = state["layers.2.nffn.fc1.weight"][:-1]
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (_extra, "unknown tensor layers.0.attention.wr.weight"),
-    (_drop, "missing tensor input_injection.A_log"),
-    (_reshape, r"layers.2.nffn.fc1.weight has shape \(47, 32\), config.json implies \(48, 32\)"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (_extra, "unknown tensor layers.0.attention.wr.weight"),
+        (_drop, "missing tensor input_injection.A_log"),
+        (_reshape, r"layers.2.nffn.fc1.weight has shape \(47, 32\), config.json implies \(48, 32\)"),
+    ],
+)
 def test_refuses_bad_tensors(tmp_path, mutate, match):
     src = make_release(tmp_path / "release", mutate=mutate)
     with pytest.raises(CheckpointError, match=match):
@@ -343,13 +415,16 @@ def test_refuses_bad_tensors(tmp_path, mutate, match):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"ffn_hidden_dim": 40}, "has shape .* config.json implies"),
-    ({"qknorm": True}, "qknorm"),
-    ({"huginn_input_injection": "none"}, "the input would never enter the recurrence"),  # state_init normal
-    ({"huginn_hierarchical_state": "split_hl"}, "huginn_hierarchical_state"),
-    ({"num_layers": 5}, "num_layers 5"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"ffn_hidden_dim": 40}, "has shape .* config.json implies"),
+        ({"qknorm": True}, "qknorm"),
+        ({"huginn_input_injection": "none"}, "the input would never enter the recurrence"),  # state_init normal
+        ({"huginn_hierarchical_state": "split_hl"}, "huginn_hierarchical_state"),
+        ({"num_layers": 5}, "num_layers 5"),
+    ],
+)
 def test_refuses_configs_it_cannot_convert_exactly(tmp_path, overrides, match):
     src = make_release(tmp_path / "release", **overrides)
     with pytest.raises(CheckpointError, match=match):

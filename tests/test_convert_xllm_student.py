@@ -28,12 +28,24 @@ from looplm.infer import TerminalCache
 from looplm.infer.prefill import student_prefill
 from looplm.model.blocks import rope_tables
 
-LEARNED = {"huginn_sampling_scheme": "poisson-lognormal-capped", "huginn_backprop_depth": 10,
-           "huginn_depth_prior": "learned", "huginn_depth_prior_entropy": 0.01}  # the students' teacher recipe
+LEARNED = {
+    "huginn_sampling_scheme": "poisson-lognormal-capped",
+    "huginn_backprop_depth": 10,
+    "huginn_depth_prior": "learned",
+    "huginn_depth_prior_entropy": 0.01,
+}  # the students' teacher recipe
 
 
-def make_student(root: Path, teacher: Path, *, d: int = D, n_layers: int = 2, mutate=None, pin: str | None = None,
-                 manifest: bool = True) -> Path:
+def make_student(
+    root: Path,
+    teacher: Path,
+    *,
+    d: int = D,
+    n_layers: int = 2,
+    mutate=None,
+    pin: str | None = None,
+    manifest: bool = True,
+) -> Path:
     """A release student artifact for the teacher artifact `teacher` (distill.py student_config + Student)."""
     root.mkdir(parents=True)
     teacher_fields = json.loads((teacher / "config.json").read_text())["model"]
@@ -48,24 +60,34 @@ def make_student(root: Path, teacher: Path, *, d: int = D, n_layers: int = 2, mu
     state = {"in_proj.weight": (torch.eye(d) * 0.7 + torch.randn(d, d, generator=g) * 0.1).bfloat16()}
     for j in range(n_layers):
         p = f"layers.{j}."
-        state.update({
-            p + "attention.norm.weight": rnd(d), p + "attention.wq.weight": rnd(HEADS * hd, d),
-            p + "attention.wk.weight": rnd(KV * hd, d), p + "attention.wv.weight": rnd(KV * hd, d),
-            p + "attention.wo.weight": rnd(d, HEADS * hd), p + "nffn.norm.weight": rnd(d),
-            p + "nffn.fc1.weight": rnd(FFN, d), p + "nffn.fc3.weight": rnd(FFN, d), p + "nffn.fc2.weight": rnd(d, FFN),
-        })
+        state.update(
+            {
+                p + "attention.norm.weight": rnd(d),
+                p + "attention.wq.weight": rnd(HEADS * hd, d),
+                p + "attention.wk.weight": rnd(KV * hd, d),
+                p + "attention.wv.weight": rnd(KV * hd, d),
+                p + "attention.wo.weight": rnd(d, HEADS * hd),
+                p + "nffn.norm.weight": rnd(d),
+                p + "nffn.fc1.weight": rnd(FFN, d),
+                p + "nffn.fc3.weight": rnd(FFN, d),
+                p + "nffn.fc2.weight": rnd(d, FFN),
+            }
+        )
     if mutate:
         mutate(state)
     keys = sorted(state)
     weight_map = {}
-    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:]), start=1):
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :]), start=1):
         name = f"model-{i:05d}-of-00002.safetensors"
         save_file({k: state[k] for k in part}, str(root / name))
         weight_map.update(dict.fromkeys(part, name))
     (root / "model.safetensors.index.json").write_bytes(_json_bytes({"metadata": {}, "weight_map": weight_map}))
     pinned = pin or json.loads((teacher / "artifact_manifest.json").read_text())["manifest_sha256"]
-    (root / "config.json").write_bytes(_json_bytes({"model": fields, "student": {
-        "teacher": "huginn-s-learned-entropy0p01", "teacher_manifest_sha256": pinned}}))
+    (root / "config.json").write_bytes(
+        _json_bytes(
+            {"model": fields, "student": {"teacher": "huginn-s-learned-entropy0p01", "teacher_manifest_sha256": pinned}}
+        )
+    )
     for doc in ("README.md", "LICENSE", "NOTICE"):
         (root / doc).write_text(f"test {doc}\n")
     if manifest:
@@ -103,8 +125,10 @@ def test_student_matches_the_release_equations(tmp_path, variant):
     student, meta = load_student(out, model)
     assert (student.n_blocks, student.input_norm) == (2, None)
     assert meta["conversion"]["from"] == "xllm-loop" and meta["conversion"]["manifest_verified"]
-    assert meta["conversion"]["teacher_manifest_sha256"] == \
-        json.loads((teacher_src / "artifact_manifest.json").read_text())["manifest_sha256"]
+    assert (
+        meta["conversion"]["teacher_manifest_sha256"]
+        == json.loads((teacher_src / "artifact_manifest.json").read_text())["manifest_sha256"]
+    )
 
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=g)
@@ -130,8 +154,25 @@ def test_cli_converts_a_student_and_generates_with_it(tmp_path, capsys, converte
     out = tmp_path / "student-ckpt"
     assert main(["convert", str(src), str(out), "--from", "xllm-loop", "--teacher", str(teacher)]) == 0
     assert "--prefill student" in capsys.readouterr().out
-    assert main(["generate", str(teacher), "--prompt", "the looped", "--prefill", "student", "--student", str(out),
-                 "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(teacher),
+                "--prompt",
+                "the looped",
+                "--prefill",
+                "student",
+                "--student",
+                str(out),
+                "--max-new-tokens",
+                "3",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("the looped")
 
 
@@ -152,12 +193,15 @@ def _extra(state):
     state["norm.weight"] = torch.zeros(D, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"d": 48}, "the student's model_dim 48 contradicts the teacher's 32"),
-    ({"mutate": _drop}, "missing tensor layers.1.nffn.fc2.weight"),
-    ({"mutate": _extra}, "unknown tensor norm.weight"),
-    ({"pin": "0" * 64}, "was distilled from the teacher artifact with manifest 000000000000"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"d": 48}, "the student's model_dim 48 contradicts the teacher's 32"),
+        ({"mutate": _drop}, "missing tensor layers.1.nffn.fc2.weight"),
+        ({"mutate": _extra}, "unknown tensor norm.weight"),
+        ({"pin": "0" * 64}, "was distilled from the teacher artifact with manifest 000000000000"),
+    ],
+)
 def test_refuses_students_that_do_not_fit_the_teacher(tmp_path, converted, kwargs, match):
     teacher_src, teacher = converted
     src = make_student(tmp_path / "student", teacher_src, **kwargs)
@@ -181,8 +225,10 @@ def test_cli_refusals_are_one_line_and_write_nothing(tmp_path, capsys, converted
         assert any(m in err for m in match.split("|")), err
         assert not (tmp_path / "out").exists()
     # --teacher with a model artifact, and a student whose manifest was edited
-    assert main(["convert", str(teacher_src), str(tmp_path / "out"), "--from", "xllm-loop",
-                 "--teacher", str(teacher)]) == 2
+    assert (
+        main(["convert", str(teacher_src), str(tmp_path / "out"), "--from", "xllm-loop", "--teacher", str(teacher)])
+        == 2
+    )
     assert "is for a distilled student artifact" in capsys.readouterr().err
     shard = src / "model-00001-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))

@@ -19,17 +19,22 @@ from looplm.serve.protocol import ChatRequest  # noqa: E402
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two\nlines"},
-     {"role": "assistant", "content": "ok"}, {"role": "developer", "content": "dev note"},
-     {"role": "user", "content": "again: ünï"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "two\nlines"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "developer", "content": "dev note"},
+        {"role": "user", "content": "again: ünï"},
+    ],
 ]
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_exported_chat_template_equals_the_served_rendering(tmp_path, messages):
     job = tiny_job(tmp_path)
-    job.model = ModelConfig(vocab_size=ByteTokenizer().vocab_size, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                            max_seq_len=32)
+    job.model = ModelConfig(
+        vocab_size=ByteTokenizer().vocab_size, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32
+    )
     ckpt.save_model(tmp_path / "ckpt", LoopedLM(job.model), job.to_dict(), ByteTokenizer())
     export(tmp_path / "ckpt", tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")

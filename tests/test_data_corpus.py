@@ -8,7 +8,8 @@ from looplm.data import iter_documents
 from looplm.data.corpus import CORPORA, corpus_files, split_scenes
 from looplm.data.sources import describe_source
 
-PLAY = """THE PLAY
+PLAY = (
+    """THE PLAY
 
 PERSONS REPRESENTED.
 A King.
@@ -19,21 +20,28 @@ ACT I.
 SCENE I. A heath.
 
 KING.
-""" + "Blow, winds, and crack your cheeks! " * 8 + """
+"""
+    + "Blow, winds, and crack your cheeks! " * 8
+    + """
 
 Scene 2.--A hovel.
 
 FOOL.
-""" + "He that has a little tiny wit. " * 8 + """
+"""
+    + "He that has a little tiny wit. " * 8
+    + """
 
 ACT 2.
 
 SCENE I. The same.
 
 KING.
-""" + "Never, never, never, never, never. " * 8 + """
+"""
+    + "Never, never, never, never, never. " * 8
+    + """
 This scene that I would see is no heading: a heading starts a line with a capital.
 """
+)
 
 
 def test_split_scenes_cuts_at_headings_and_loses_nothing():

@@ -281,6 +281,13 @@ def test_one_default_for_the_task_generators_size():
     from looplm.train.config import DataConfig
 
     want = DataConfig().n_task_examples
-    for fn in (datasets.build_datasets, packing.prepare_caches, packing.write_splits, sources.iter_documents,
-               sources.describe_source, pretokenized.tokenize_corpus, cli.tokenize):
+    for fn in (
+        datasets.build_datasets,
+        packing.prepare_caches,
+        packing.write_splits,
+        sources.iter_documents,
+        sources.describe_source,
+        pretokenized.tokenize_corpus,
+        cli.tokenize,
+    ):
         assert inspect.signature(fn).parameters["n_task_examples"].default == want, fn.__qualname__

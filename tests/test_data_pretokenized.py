@@ -109,8 +109,11 @@ def test_splits_are_byte_identical_to_prepare_caches(tmp_path: Path, kind: str) 
         meta = json.loads((out / split / "meta.json").read_text())
         assert info["splits"][split] == {"tokens": meta["n_tokens"], "docs": meta["n_docs"], "dtype": "uint16"}
     n_docs = sum(1 for _ in iter_documents(source, **extra))  # tasks: training examples; val is drawn apart
-    assert (info["splits"]["train"]["docs"] if kind == "tasks" else info["splits"]["train"]["docs"]
-            + info["splits"]["val"]["docs"]) == n_docs
+    assert (
+        info["splits"]["train"]["docs"]
+        if kind == "tasks"
+        else info["splits"]["train"]["docs"] + info["splits"]["val"]["docs"]
+    ) == n_docs
     # Nothing but the finished folder is left next to it.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
@@ -148,8 +151,9 @@ def test_bpe_tokenizer_is_trained_saved_and_round_trips(tmp_path: Path) -> None:
     assert_same_splits(out, train_dir)
 
     # A saved tokenizer can be given by path (a tokenizer.json or the folder); it is kept as is.
-    out2 = tokenize_corpus(source, tmp_path / "out2", tokenizer=str(out / "tokenizer.json"), holdout=0.25,
-                           progress=False)
+    out2 = tokenize_corpus(
+        source, tmp_path / "out2", tokenizer=str(out / "tokenizer.json"), holdout=0.25, progress=False
+    )
     tok2, _, _ = open_pretokenized(out2, 4)
     assert tok2.fingerprint() == tok.fingerprint()
     assert_same_splits(out2, train_dir)
@@ -229,8 +233,10 @@ def test_a_folder_from_another_tokenizer_is_replaced_only_with_overwrite(tmp_pat
     assert pretokenized_info(out)["vocab_size"] == 320
     load_tokenizer(out).save(tmp_path / "saved")  # the folder's own tokenizer, given by path: up to date
     kept = pretokenized_info(out)
-    assert pretokenized_info(tokenize_corpus(source, out, tokenizer=str(tmp_path / "saved"), holdout=0.25,
-                                             progress=False)) == kept
+    assert (
+        pretokenized_info(tokenize_corpus(source, out, tokenizer=str(tmp_path / "saved"), holdout=0.25, progress=False))
+        == kept
+    )
     new_hash = load_tokenizer(out).fingerprint()[:12]
     with pytest.raises(DataError) as refused:
         build_datasets(str(out), run_tokenizer, seq_len=8)
@@ -298,8 +304,9 @@ def test_progress_bar_counts_documents(tmp_path: Path, capsys: pytest.CaptureFix
 
 # -- command line ----------------------------------------------------------------------------------
 def looplm(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run(looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -315,8 +322,9 @@ def test_tokenize_command_end_to_end(tmp_path: Path) -> None:
         assert f"{counts['tokens']:,} tokens" in res.stdout and f"{counts['docs']:,} documents" in res.stdout
     assert str(out) in res.stdout.splitlines()[0]
     assert f"looplm train tiny --data.source {out}" in res.stdout
-    train_dir, _ = prepare_caches(str(source), ByteTokenizer(), holdout=0.25, seed=1, text_field="body",
-                                  cache_dir=tmp_path / "cache")
+    train_dir, _ = prepare_caches(
+        str(source), ByteTokenizer(), holdout=0.25, seed=1, text_field="body", cache_dir=tmp_path / "cache"
+    )
     assert_same_splits(out, train_dir)
 
     # Bad input: one line `error: ...`, exit status 2, nothing written.
@@ -337,10 +345,23 @@ def test_training_reads_a_pretokenized_folder(tmp_path: Path) -> None:
 
     from looplm.train.trainer import Trainer
 
-    out = tokenize_corpus(make_folder(tmp_path / "corpus", n=40), tmp_path / "tok", tokenizer="bpe",
-                          bpe_vocab_size=300, holdout=0.1, progress=False)
-    job = tiny_job(tmp_path, "run", data__source=str(out), data__tokenizer="byte", train__steps=2,
-                   model__max_seq_len=32, data__seq_len=32)
+    out = tokenize_corpus(
+        make_folder(tmp_path / "corpus", n=40),
+        tmp_path / "tok",
+        tokenizer="bpe",
+        bpe_vocab_size=300,
+        holdout=0.1,
+        progress=False,
+    )
+    job = tiny_job(
+        tmp_path,
+        "run",
+        data__source=str(out),
+        data__tokenizer="byte",
+        train__steps=2,
+        model__max_seq_len=32,
+        data__seq_len=32,
+    )
     trainer = Trainer(job)
     assert trainer.tokenizer.fingerprint() == open_pretokenized(out, 32)[0].fingerprint()
     assert trainer.job.model.vocab_size == trainer.tokenizer.vocab_size != 258  # BPE, not the byte flag

@@ -28,10 +28,19 @@ def test_record_of_a_training_job(tmp_path):
     job = tiny_job(tmp_path, data__holdout=0.1, train__seed=3)
     record = DataRecord.from_job(job.to_dict())
     d = job.data
-    assert (record.source, record.seq_len, record.holdout, record.text_field, record.cache_dir) == \
-        (d.source, d.seq_len, 0.1, d.text_field, str(d.cache_dir))
-    assert (record.n_task_examples, record.tasks, record.seed, record.origin) == \
-        (d.n_task_examples, d.tasks, 3, "trained")
+    assert (record.source, record.seq_len, record.holdout, record.text_field, record.cache_dir) == (
+        d.source,
+        d.seq_len,
+        0.1,
+        d.text_field,
+        str(d.cache_dir),
+    )
+    assert (record.n_task_examples, record.tasks, record.seed, record.origin) == (
+        d.n_task_examples,
+        d.tasks,
+        3,
+        "trained",
+    )
     assert DataRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
     with pytest.raises(ValueError, match="unknown data record fields"):
         DataRecord.from_dict({**record.to_dict(), "sorce": "tasks"})
@@ -41,7 +50,9 @@ def test_checkpoints_store_their_record(tmp_path):
     run = write_random_run(tmp_path / "run", data__source="shakespeare")
     path = ckpt.resolve(run)
     stored = json.loads((path / ckpt.DATA_RECORD).read_text())
-    assert DataRecord.from_dict(stored) == ckpt.load_data(run) == DataRecord.from_job(ckpt.read_json(path, "config.json"))
+    assert (
+        DataRecord.from_dict(stored) == ckpt.load_data(run) == DataRecord.from_job(ckpt.read_json(path, "config.json"))
+    )
     assert ckpt.load_data(run).source == "shakespeare"
     assert ckpt.DATA_RECORD in ckpt.verify(path)["sha256"]
 
@@ -49,6 +60,7 @@ def test_checkpoints_store_their_record(tmp_path):
 def write_old_checkpoint(folder: Path, job: dict, conversion: dict | None = None) -> Path:
     """A checkpoint folder in the layout written before data records: weights, config.json (the job),
     the tokenizer, conversion.json for a converted one, and the manifest; no data.json."""
+
     def populate(tmp: Path) -> None:
         torch.manual_seed(0)
         ckpt.save_tensors(tmp, "model.safetensors", LoopedLM(ModelFromJob(job)).state_dict())
@@ -80,7 +92,10 @@ def test_a_checkpoint_written_before_data_records_still_loads_and_evaluates(tmp_
     assert config == job
     record = ckpt.load_data(old)
     assert record == DataRecord.from_job(job)
-    assert (record.source, record.tasks) == ("tasks", TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3))
+    assert (record.source, record.tasks) == (
+        "tasks",
+        TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3),
+    )
     assert main(["eval", str(old), *CHEAP_EVAL, "--task-examples", "8"]) == 0
     report = json.loads((old / "eval.json").read_text())  # a standalone folder keeps its report
     assert sorted(report["tasks"]) == ["1"]
@@ -111,13 +126,36 @@ def test_a_converted_release_is_evaluated_on_text_by_default(tmp_path, monkeypat
     assert report["perplexity"]["1"]["bits_per_byte"] > 0
 
     held = tmp_path / "held.jsonl"  # 400 short documents: the held-out split is a few rows
-    held.write_text("".join(json.dumps({"text": f"the recurrent model thinks deeper, take {i}."}) + "\n"
-                            for i in range(400)))
+    held.write_text(
+        "".join(json.dumps({"text": f"the recurrent model thinks deeper, take {i}."}) + "\n" for i in range(400))
+    )
     assert main(["eval", str(out), *CHEAP_EVAL, "--data", str(held), "--output", str(tmp_path / "held.json")]) == 0
     on_held = json.loads((tmp_path / "held.json").read_text())["perplexity"]["1"]
-    assert on_held["tokens"] < report["perplexity"]["1"]["tokens"] and on_held["ppl"] != report["perplexity"]["1"]["ppl"]
-    assert main(["analyze", str(out), "--data", str(held), "--horizon", "4", "--kv-depths", "2", "--solve-spans", "0",
-                 "--sharing-sequences", "0", "--no-plots", "--device", "cpu"]) == 0
+    assert (
+        on_held["tokens"] < report["perplexity"]["1"]["tokens"] and on_held["ppl"] != report["perplexity"]["1"]["ppl"]
+    )
+    assert (
+        main(
+            [
+                "analyze",
+                str(out),
+                "--data",
+                str(held),
+                "--horizon",
+                "4",
+                "--kv-depths",
+                "2",
+                "--solve-spans",
+                "0",
+                "--sharing-sequences",
+                "0",
+                "--no-plots",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     analysis = json.loads((out / "analyze" / "report.json").read_text())
     val = record.with_source(str(held)).validation(ckpt.load_model(out)[1])  # a row or two of the held text
     assert len(val) < AnalyzeConfig().sequences < len(record.validation(ckpt.load_model(out)[1]))
@@ -136,12 +174,21 @@ def test_a_relative_data_source_is_read_back_from_another_folder(tmp_path, monke
     (project / "data").mkdir(parents=True)
     elsewhere.mkdir()
     (project / "data" / "corpus.jsonl").write_text(
-        "".join(json.dumps({"text": f"a looped model reads document {i} again and again."}) + "\n" for i in range(60)))
+        "".join(json.dumps({"text": f"a looped model reads document {i} again and again."}) + "\n" for i in range(60))
+    )
     monkeypatch.chdir(project)
     if source.endswith("-tok"):
         tokenize_corpus("data/corpus.jsonl", source, holdout=0.1, progress=False)
-    job = tiny_job(project, "run", data__source=source, data__cache_dir=Path(".cache/looplm"), data__holdout=0.1,
-                   train__steps=1, model__max_seq_len=32, data__seq_len=32)
+    job = tiny_job(
+        project,
+        "run",
+        data__source=source,
+        data__cache_dir=Path(".cache/looplm"),
+        data__holdout=0.1,
+        train__steps=1,
+        model__max_seq_len=32,
+        data__seq_len=32,
+    )
     Trainer(job).fit()
     record = ckpt.load_data(project / "run")
     assert record.source == str(project / source) and record.cache_dir == str(project / ".cache/looplm")

@@ -119,7 +119,7 @@ def test_sentencepiece_token_pieces_keep_their_words_spaces() -> None:
     for text in SP_TEXTS:
         ids = sp.encode(text)
         first = sp.decode(ids[:1])
-        assert b"".join(sp.token_piece(i) for i in ids[1:]).decode() == text[len(first):], text
+        assert b"".join(sp.token_piece(i) for i in ids[1:]).decode() == text[len(first) :], text
     the, quick = sp.encode("the quick")
     assert (sp.decode([quick]), sp.token_piece(quick), sp.token_piece(the)) == ("quick", b" quick", b" the")
     assert (sp.token_piece(sp.eos_id), sp.token_piece(sp.pad_id)) == ("<eos>", "<pad>")

@@ -27,11 +27,17 @@ def backend(post_processor: bool) -> HFTokenizer:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS, PAD, BOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS, PAD, BOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT] * 20, trainer=trainer)
     if post_processor:  # what Huginn's tokenizer.json does: every encoded text starts with its BOS
-        tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))]
+        )
     return tok
 
 
@@ -77,7 +83,7 @@ def _greedy_recompute(model, ids: list[int], n: int, depth: int, eos: int) -> li
         if nxt == eos:
             break
         out.append(nxt)
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 def test_generate_starts_the_prompt_with_bos(bos_run):
@@ -90,8 +96,15 @@ def test_generate_starts_the_prompt_with_bos(bos_run):
         fed.append(tokens.tolist())
         return Prefill()(m, tokens, *args, **kwargs)
 
-    got = generate(model, tok, ["the model"], DepthRule(3), cache="full", sampling=SamplingConfig(max_new_tokens=8),
-                   prefill=prefill)
+    got = generate(
+        model,
+        tok,
+        ["the model"],
+        DepthRule(3),
+        cache="full",
+        sampling=SamplingConfig(max_new_tokens=8),
+        prefill=prefill,
+    )
     assert fed == [[[tok.bos_id, *tok.encode("the model")]]]
     assert got == [tok.decode(_greedy_recompute(model, fed[0][0], 8, 3, tok.eos_id))]
 
@@ -148,13 +161,16 @@ def test_export_writes_the_policy_into_the_transformers_tokenizer(bos_run, tmp_p
 
 
 # -- the policy of a release tokenizer ------------------------------------------------------------
-@pytest.mark.parametrize(("post_processor", "config", "want"), [
-    (True, {}, BOS),  # the tokenizer's own post-processor adds it (Huginn's tokenizer.json)
-    (False, {"add_bos_token": True, "bos_token": BOS}, BOS),  # tokenizer_config.json says so
-    (False, {"add_bos_token": True, "bos_token": {"content": BOS, "special": True}}, BOS),
-    (True, {"add_bos_token": False}, None),  # an explicit no wins
-    (False, {"bos_token": BOS}, None),  # a BOS that is named but never added
-])
+@pytest.mark.parametrize(
+    ("post_processor", "config", "want"),
+    [
+        (True, {}, BOS),  # the tokenizer's own post-processor adds it (Huginn's tokenizer.json)
+        (False, {"add_bos_token": True, "bos_token": BOS}, BOS),  # tokenizer_config.json says so
+        (False, {"add_bos_token": True, "bos_token": {"content": BOS, "special": True}}, BOS),
+        (True, {"add_bos_token": False}, None),  # an explicit no wins
+        (False, {"bos_token": BOS}, None),  # a BOS that is named but never added
+    ],
+)
 def test_bos_policy_of_a_release_tokenizer(post_processor, config, want):
     from looplm.data.tokenizer import bos_policy
 

@@ -65,12 +65,18 @@ def test_entropy_gradient_formula_matches_finite_differences():
     p = masked_softmax(logits, active)
     formula = -p * (np.log(p) + entropy(p))  # dH/dphi(r) = -p(r) [ln p(r) + H]
     h = 1e-6
-    fd = np.array([(entropy(masked_softmax(logits + h * e, active)) - entropy(masked_softmax(logits - h * e, active)))
-                    / (2 * h) for e in np.eye(12)])
+    fd = np.array(
+        [
+            (entropy(masked_softmax(logits + h * e, active)) - entropy(masked_softmax(logits - h * e, active)))
+            / (2 * h)
+            for e in np.eye(12)
+        ]
+    )
     np.testing.assert_allclose(formula, fd, rtol=1e-6, atol=1e-10)
     # the implementation's entropy term is -lambda_H * dH/dphi
-    g = objective_gradient(logits, active, [], np.array([]), np.array([]), target=5.0, mean_weight=0.0,
-                           entropy_weight=1.0)
+    g = objective_gradient(
+        logits, active, [], np.array([]), np.array([]), target=5.0, mean_weight=0.0, entropy_weight=1.0
+    )
     np.testing.assert_allclose(g, -formula, rtol=1e-12, atol=1e-15)
 
 
@@ -148,8 +154,10 @@ def test_single_first_observation_has_zero_advantage(reward):
     assert torch.equal(s.logits.detach(), start)
 
 
-@pytest.mark.parametrize("reward,expected", [("inv_ppl", -math.exp(-1.3)), ("ce", 1.3),
-                                             ("neg_log_ce", math.log(1.3)), ("neg_exp_ce", math.exp(1.3))])
+@pytest.mark.parametrize(
+    "reward,expected",
+    [("inv_ppl", -math.exp(-1.3)), ("ce", 1.3), ("neg_log_ce", math.log(1.3)), ("neg_exp_ce", math.exp(1.3))],
+)
 def test_rewards_give_the_spec_costs(reward, expected):
     s = prior(reward=reward)
     assert step(s, [(4, 1.3, 10)])["cost"] == pytest.approx(expected)

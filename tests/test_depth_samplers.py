@@ -11,6 +11,7 @@ from test_depth_pln import PAPER_PLN5, R
 
 from looplm.depth import DepthConfig, FixedDepth, PLNDepth, UniformDepth, build_sampler
 
+
 # ---------------------------------------------------------------------------------------------
 # Samplers
 # ---------------------------------------------------------------------------------------------
@@ -50,11 +51,14 @@ def test_pln_sampler_empirical_mean_and_frequencies():
     assert (np.abs(freq - PAPER_PLN5[:10]) <= tol).all()
 
 
-@pytest.mark.parametrize("cfg", [
-    DepthConfig(sampler="pln", depth=5.0, seed=5),
-    DepthConfig(sampler="uniform", low=1, high=12, seed=5),
-    DepthConfig(sampler="fixed", depth=4, seed=5),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DepthConfig(sampler="pln", depth=5.0, seed=5),
+        DepthConfig(sampler="uniform", low=1, high=12, seed=5),
+        DepthConfig(sampler="fixed", depth=4, seed=5),
+    ],
+)
 def test_restored_sampler_continues_the_same_sequence(cfg):
     uninterrupted = build_sampler(cfg)
     reference = [uninterrupted.draw() for _ in range(60)]
@@ -94,21 +98,24 @@ def test_draw_depends_only_on_seed_and_counter():
     assert [c.draw() for _ in range(20)] == seq_a[10:]
 
 
-@pytest.mark.parametrize("cfg", [
-    DepthConfig(sampler="fixed", depth=0),
-    DepthConfig(sampler="fixed", depth=65),
-    DepthConfig(sampler="fixed", depth=2.5),
-    DepthConfig(sampler="pln", depth=0),
-    DepthConfig(sampler="pln", depth=70),
-    DepthConfig(sampler="uniform", low=6, high=3),
-    DepthConfig(sampler="uniform", low=0, high=3),
-    DepthConfig(sampler="uniform", low=2, high=65),
-    DepthConfig(sampler="learned-ish"),  # type: ignore[arg-type]
-    DepthConfig(sampler="pln", bptt_window=0),
-    DepthConfig(sampler="fixed", depth=3, bptt_window=-2),
-    DepthConfig(sampler="pln", bptt_window="full"),  # type: ignore[arg-type]
-    DepthConfig(sampler="fixed", depth=1, cap=0),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DepthConfig(sampler="fixed", depth=0),
+        DepthConfig(sampler="fixed", depth=65),
+        DepthConfig(sampler="fixed", depth=2.5),
+        DepthConfig(sampler="pln", depth=0),
+        DepthConfig(sampler="pln", depth=70),
+        DepthConfig(sampler="uniform", low=6, high=3),
+        DepthConfig(sampler="uniform", low=0, high=3),
+        DepthConfig(sampler="uniform", low=2, high=65),
+        DepthConfig(sampler="learned-ish"),  # type: ignore[arg-type]
+        DepthConfig(sampler="pln", bptt_window=0),
+        DepthConfig(sampler="fixed", depth=3, bptt_window=-2),
+        DepthConfig(sampler="pln", bptt_window="full"),  # type: ignore[arg-type]
+        DepthConfig(sampler="fixed", depth=1, cap=0),
+    ],
+)
 def test_bad_configs_raise(cfg):
     with pytest.raises(ValueError):
         build_sampler(cfg)

@@ -58,7 +58,9 @@ def test_oracle_student_prefill_equals_teacher_prefill_plus_one_recurrence(injec
         assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
     # decoding is unchanged: the next token reads the same terminal banks either way
     nxt = torch.randint(0, 50, (2, 1))
-    assert (extend(m, nxt, cache, R, example_ids=ids).logits - extend(m, nxt, ref_cache, R, example_ids=ids).logits).abs().max() <= 1e-5
+    assert (
+        extend(m, nxt, cache, R, example_ids=ids).logits - extend(m, nxt, ref_cache, R, example_ids=ids).logits
+    ).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("injection", ["parcae-nonorm", "parcae-decay", "ortho", "additive"])
@@ -99,8 +101,10 @@ def test_student_prefill_of_a_padded_batch_equals_each_row_alone(single_thread):
     prompts = ["+12,345=", "+7,8=", "+100,99="]
     sampling = SamplingConfig(max_new_tokens=12)
     batched = generate(m_byte, tok, prompts, DepthRule(3), prefill=arm, example_ids=[0, 1, 2], sampling=sampling)
-    alone = [generate(m_byte, tok, [p], DepthRule(3), prefill=arm, example_ids=[i], sampling=sampling)[0]
-             for i, p in enumerate(prompts)]
+    alone = [
+        generate(m_byte, tok, [p], DepthRule(3), prefill=arm, example_ids=[i], sampling=sampling)[0]
+        for i, p in enumerate(prompts)
+    ]
     assert batched == alone and any(batched)
     # the prefill logits themselves: left-padded rows against each row alone
     enc = [tok.encode(p) for p in prompts]
@@ -191,7 +195,6 @@ def test_teacher_hash_depends_on_every_weight_and_not_on_the_object():
     with torch.no_grad():
         b.injection.A_log[3] += 1e-6
     assert teacher_hash(a) != teacher_hash(b)
-
 
 
 class OneRow:

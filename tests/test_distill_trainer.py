@@ -30,9 +30,21 @@ def teacher(tmp_path_factory):
 
 
 def _cfg(tmp_path, name="distill", **kw) -> DistillConfig:
-    base = dict(out_dir=tmp_path / name, depth=3, steps=30, micro_batch=4, calibration_rows=8, val_rows=8,
-                val_every=0, log_every=1, checkpoint_every=1000, progress=False, device="cpu", report_rows=0,
-                report_examples=0)
+    base = dict(
+        out_dir=tmp_path / name,
+        depth=3,
+        steps=30,
+        micro_batch=4,
+        calibration_rows=8,
+        val_rows=8,
+        val_every=0,
+        log_every=1,
+        checkpoint_every=1000,
+        progress=False,
+        device="cpu",
+        report_rows=0,
+        report_examples=0,
+    )
     return DistillConfig(**{**base, **kw})
 
 
@@ -58,8 +70,9 @@ def test_loss_falls_on_a_toy_teacher_and_energy_is_calibrated_in_fp64(teacher, t
     losses = [r["loss"] for r in records]
     assert len(losses) == 30
     # metrics step s logs the lr of the s-th update: the peak at step 8 (the default warm-up), 0.1x at 30
-    assert [r["lr"] for r in records] == pytest.approx([expected_lr(s - 1, 30, 8, 3e-3) for s in range(1, 31)],
-                                                       rel=1e-12)
+    assert [r["lr"] for r in records] == pytest.approx(
+        [expected_lr(s - 1, 30, 8, 3e-3) for s in range(1, 31)], rel=1e-12
+    )
     assert records[7]["lr"] == 3e-3 and records[-1]["lr"] == pytest.approx(3e-4, rel=1e-12)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:3]) / 3, losses
     assert summary["val_rel_err"] < 0.7 * before["val_rel_err"], (before, summary)
@@ -101,8 +114,10 @@ def test_lr_warms_up_to_the_peak_then_cosine_decays_to_a_tenth(teacher, tmp_path
 
 def test_teacher_init_starts_closer_than_random_init(teacher, tmp_path):
     """Near a fixed point the one-recurrence state from zero is already a fair guess of z^R."""
-    errs = {init: DistillTrainer(teacher, _cfg(tmp_path, init, init=init)).validate()["val_rel_err"]
-            for init in ("teacher", "random")}
+    errs = {
+        init: DistillTrainer(teacher, _cfg(tmp_path, init, init=init)).validate()["val_rel_err"]
+        for init in ("teacher", "random")
+    }
     assert errs["teacher"] < errs["random"], errs
 
 
@@ -128,23 +143,87 @@ def test_resume_reproduces_an_uninterrupted_run(teacher, tmp_path):
 
 def test_cli_distill_then_generate_and_eval_with_each_prefill_arm(teacher, tmp_path, capsys):
     out = tmp_path / "cli"
-    rc = main(["distill", str(teacher), "--out-dir", str(out), "--depth", "2", "--steps", "4", "--micro-batch", "2",
-               "--calibration-rows", "4", "--val-rows", "4", "--no-progress", "--device", "cpu",
-               "--report-rows", "4", "--report-examples", "8"])
+    rc = main(
+        [
+            "distill",
+            str(teacher),
+            "--out-dir",
+            str(out),
+            "--depth",
+            "2",
+            "--steps",
+            "4",
+            "--micro-batch",
+            "2",
+            "--calibration-rows",
+            "4",
+            "--val-rows",
+            "4",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--report-rows",
+            "4",
+            "--report-examples",
+            "8",
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     report = json.loads((out / "report.json").read_text())
     assert set(report["prefill"]) == {"teacher", "student", "r1", "r2"}
-    assert report["prefill"]["student"]["2"]["block_passes"] == 6 and report["prefill"]["teacher"]["2"]["block_passes"] == 6
+    assert (
+        report["prefill"]["student"]["2"]["block_passes"] == 6
+        and report["prefill"]["teacher"]["2"]["block_passes"] == 6
+    )
     for arm in ("teacher", "student", "r1", "r2"):
         assert arm in printed
     # generate with the student's prefill; and the arms table from looplm eval
-    assert main(["generate", str(teacher), "--prompt", "+12,34=", "--depth", "2", "--prefill", "student",
-                 "--student", str(out), "--max-new-tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(teacher),
+                "--prompt",
+                "+12,34=",
+                "--depth",
+                "2",
+                "--prefill",
+                "student",
+                "--student",
+                str(out),
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     eval_json = tmp_path / "eval.json"
-    assert main(["eval", str(teacher), "--depths", "2", "--prefill", "teacher", "student", "r1",
-                 "--student", str(out), "--max-sequences", "4", "--task-examples", "8", "--sharing-sequences", "4",
-                 "--output", str(eval_json)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(teacher),
+                "--depths",
+                "2",
+                "--prefill",
+                "teacher",
+                "student",
+                "r1",
+                "--student",
+                str(out),
+                "--max-sequences",
+                "4",
+                "--task-examples",
+                "8",
+                "--sharing-sequences",
+                "4",
+                "--output",
+                str(eval_json),
+            ]
+        )
+        == 0
+    )
     table = json.loads(eval_json.read_text())["prefill"]
     assert list(table) == ["teacher", "student", "r1"] and 0 < table["student"]["2"]["n"] <= 8  # seen prompts dropped
     assert "prefill arms" in capsys.readouterr().out
@@ -154,9 +233,32 @@ def test_cli_refuses_a_student_of_another_teacher_and_a_missing_student(teacher,
     other = tmp_path / "other"
     Trainer(tiny_job(tmp_path, "other", cache=shared_cache(tmp_path_factory), train__seed=1, train__steps=2)).fit()
     out = tmp_path / "s"
-    assert main(["distill", str(other), "--out-dir", str(out), "--steps", "1", "--micro-batch", "2",
-                 "--calibration-rows", "2", "--val-rows", "2", "--no-progress", "--device", "cpu",
-                 "--report-rows", "0", "--report-examples", "0"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                str(other),
+                "--out-dir",
+                str(out),
+                "--steps",
+                "1",
+                "--micro-batch",
+                "2",
+                "--calibration-rows",
+                "2",
+                "--val-rows",
+                "2",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--report-rows",
+                "0",
+                "--report-examples",
+                "0",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["generate", str(teacher), "--prefill", "student", "--student", str(out)]) == 2
     assert "another teacher" in capsys.readouterr().err
@@ -167,17 +269,50 @@ def test_cli_refuses_a_student_of_another_teacher_and_a_missing_student(teacher,
 def test_start_up_line_resume_line_and_session_summary(teacher, tmp_path, capsys):
     """distill says what it trains before the first step, where a resume starts, and counts a resumed
     session's steps as the run numbers them."""
-    args = ["distill", str(teacher), "--out-dir", str(tmp_path / "d"), "--depth", "2", "--micro-batch", "2",
-            "--calibration-rows", "4", "--val-rows", "4", "--no-progress", "--device", "cpu", "--report-rows", "0",
-            "--report-examples", "0", "--checkpoint-every", "2"]
+    args = [
+        "distill",
+        str(teacher),
+        "--out-dir",
+        str(tmp_path / "d"),
+        "--depth",
+        "2",
+        "--micro-batch",
+        "2",
+        "--calibration-rows",
+        "4",
+        "--val-rows",
+        "4",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--report-rows",
+        "0",
+        "--report-examples",
+        "0",
+        "--checkpoint-every",
+        "2",
+    ]
     assert main([*args, "--steps", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     (line,) = [x for x in out if x.startswith("teacher: ")]
     assert ", vocab 258 (byte), context 64, student " in line and " at R 2, device cpu, fp32" in line, line
     assert any(x.startswith("distilled 2 steps in ") for x in out), out
-    part = DistillTrainer(teacher, DistillConfig(out_dir=tmp_path / "p", depth=2, micro_batch=2, calibration_rows=4,
-                                                 val_rows=4, progress=False, device="cpu", report_rows=0,
-                                                 report_examples=0, checkpoint_every=2, steps=3))
+    part = DistillTrainer(
+        teacher,
+        DistillConfig(
+            out_dir=tmp_path / "p",
+            depth=2,
+            micro_batch=2,
+            calibration_rows=4,
+            val_rows=4,
+            progress=False,
+            device="cpu",
+            report_rows=0,
+            report_examples=0,
+            checkpoint_every=2,
+            steps=3,
+        ),
+    )
     for _ in range(2):
         part.train_step()
     part.save()

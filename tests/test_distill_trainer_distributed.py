@@ -78,10 +78,41 @@ def teacher(tmp_path_factory):
 
 def distill_args(teacher, out) -> list[str]:
     # 5 validation rows split 3 + 2 over the ranks, so the reduced means must weight the ranks by their tokens
-    return ["distill", str(teacher), "--out-dir", str(out), "--depth", "2", "--steps", str(STEPS), "--micro-batch", "4",
-            "--calibration-rows", "6", "--val-rows", "5", "--val-every", "2", "--log-every", "1",
-            "--checkpoint-every", "100", "--init", "random", "--lr", "3e-3", "--warmup", "1", "--no-progress",
-            "--device", "cpu", "--report-rows", "0", "--report-examples", "0"]
+    return [
+        "distill",
+        str(teacher),
+        "--out-dir",
+        str(out),
+        "--depth",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--micro-batch",
+        "4",
+        "--calibration-rows",
+        "6",
+        "--val-rows",
+        "5",
+        "--val-every",
+        "2",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        "100",
+        "--init",
+        "random",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "1",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--report-rows",
+        "0",
+        "--report-examples",
+        "0",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +133,10 @@ def runs(teacher, tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_match_one_process(runs):
     root, reports, stdout = runs
-    assert all(r["rc"] == 0 and r["world_size"] == 2 and r["distributed"] and r["step"] == STEPS
-               and r["shutdowns"] == [True] for r in reports.values())
+    assert all(
+        r["rc"] == 0 and r["world_size"] == 2 and r["distributed"] and r["step"] == STEPS and r["shutdowns"] == [True]
+        for r in reports.values()
+    )
     single = ckpt.resolve(root / "single")
     ref_state = ckpt.read_json(single, "distill_state.json")
     # every rank calibrated the same E (the calibration rows were split over the ranks), close to one process's

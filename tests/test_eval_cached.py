@@ -25,8 +25,13 @@ class _Data:
         from looplm.data import Batch
 
         x = self.tokens[idx]
-        return Batch(inputs=x[:, :-1], targets=x[:, 1:], doc_ids=torch.zeros_like(x[:, :-1]),
-                     positions=torch.arange(x.shape[1] - 1).expand(len(idx), -1), example_ids=torch.tensor(idx))
+        return Batch(
+            inputs=x[:, :-1],
+            targets=x[:, 1:],
+            doc_ids=torch.zeros_like(x[:, :-1]),
+            positions=torch.arange(x.shape[1] - 1).expand(len(idx), -1),
+            example_ids=torch.tensor(idx),
+        )
 
 
 def test_native_perplexity_and_state_change_match_a_direct_computation():
@@ -48,8 +53,9 @@ def test_task_accuracy_equals_greedy_decoding():
     """Teacher-forced argmax over the answer span agrees with greedy decoding of it, per example."""
     torch.manual_seed(1)
     tok = ByteTokenizer()
-    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                             max_seq_len=32)).eval()
+    m = LoopedLM(
+        ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    ).eval()
     examples = [Example(f"+{a},{b}=", str(a + b), "add_msd", 1) for a, b in [(1, 2), (3, 4), (5, 5), (9, 9)]]
     with torch.no_grad():
         greedy = []
@@ -85,8 +91,9 @@ class _Packed:
             ends = torch.tensor(lengths).cumsum(0) - 1
             y[0, ends[:-1] if continues else ends] = -100
             y[0, list(unsupervised)] = -100
-            self.batches.append(Batch(inputs=x[:, :-1], targets=y, doc_ids=doc, positions=pos,
-                                      example_ids=torch.tensor([i])))
+            self.batches.append(
+                Batch(inputs=x[:, :-1], targets=y, doc_ids=doc, positions=pos, example_ids=torch.tensor([i]))
+            )
 
     def __len__(self):
         return len(self.batches)
@@ -127,8 +134,9 @@ _SCORED = {(0, t) for t in (8, 9, 11, 14, 15)} | {(1, t) for t in (8, 9, 11, 12,
 
 def _tiny(vocab=50, max_seq_len=32, seed=0):
     torch.manual_seed(seed)
-    return LoopedLM(ModelConfig(vocab_size=vocab, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                                max_seq_len=max_seq_len)).eval()
+    return LoopedLM(
+        ModelConfig(vocab_size=vocab, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=max_seq_len)
+    ).eval()
 
 
 def test_sharing_rows_score_every_second_half_target_and_full_cache_equals_native():
@@ -154,8 +162,9 @@ def test_sharing_rows_score_every_second_half_target_and_full_cache_equals_nativ
     with torch.no_grad():
         for i in range(len(data)):
             b = data.get_batch([i])
-            logits = m(b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
-                       example_ids=b.example_ids).logits[0]
+            logits = m(
+                b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
+            ).logits[0]
             for row, t in _SCORED:
                 if row == i:
                     total += F.cross_entropy(logits[t], b.targets[0, t]).item()
@@ -183,9 +192,9 @@ def _terminal_reference_ce(m, data, depth, stepwise):
             extend(m, b.inputs[:, start:first], cache, depth, example_ids=b.example_ids)
         if stepwise:
             for u in range(first, t + 1):
-                logits = extend(m, b.inputs[:, u:u + 1], cache, depth, example_ids=b.example_ids).logits
+                logits = extend(m, b.inputs[:, u : u + 1], cache, depth, example_ids=b.example_ids).logits
         else:
-            logits = extend(m, b.inputs[:, first:t + 1], cache, depth, example_ids=b.example_ids).logits
+            logits = extend(m, b.inputs[:, first : t + 1], cache, depth, example_ids=b.example_ids).logits
         total += F.cross_entropy(logits[0, -1], b.targets[0, t]).item()
     return total / len(_SCORED)
 
@@ -195,8 +204,9 @@ def _native_ce(m, data, depth):
     with torch.no_grad():
         for i, t in _SCORED:
             b = data.get_batch([i])
-            logits = m(b.inputs, depth, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
-                       example_ids=b.example_ids).logits[0]
+            logits = m(
+                b.inputs, depth, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
+            ).logits[0]
             total += F.cross_entropy(logits[t], b.targets[0, t]).item()
     return total / len(_SCORED)
 
@@ -241,11 +251,13 @@ def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
     with torch.no_grad():
         for i in range(rows):
             b = val.get_batch([i])
-            logits = m(b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
-                       example_ids=b.example_ids).logits
+            logits = m(
+                b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
+            ).logits
             t = b.targets[:, 24:]
-            total += F.cross_entropy(logits[:, 24:].flatten(0, 1), t.flatten(), ignore_index=-100,
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits[:, 24:].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum"
+            ).item()
             count += int((t != -100).sum())
     for stepwise in (False, True):
         got = cached_perplexity(m, val, 3, "full", max_sequences=rows, stepwise=stepwise)
@@ -275,11 +287,15 @@ def test_cacheeval_span_protocol(tmp_path):
     for i in range(2):
         b = val.get_batch([i])
         doc = b.doc_ids[0].tolist()
-        s = next(a for a in range(len(doc)) if (a == 0 or doc[a] != doc[a - 1]) and doc[a:a + P + C] == [doc[a]] * (P + C))
+        s = next(
+            a for a in range(len(doc)) if (a == 0 or doc[a] != doc[a - 1]) and doc[a : a + P + C] == [doc[a]] * (P + C)
+        )
         with torch.no_grad():  # no cache: the prompt and the C - 1 fed continuation tokens in one forward
-            logits = m(b.inputs[:, s:s + P + C - 1], 2, init="seeded", example_ids=b.example_ids).logits
-        t = b.targets[:, s + P - 1:s + P + C - 1]
-        total += F.cross_entropy(logits[:, P - 1:].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum").item()
+            logits = m(b.inputs[:, s : s + P + C - 1], 2, init="seeded", example_ids=b.example_ids).logits
+        t = b.targets[:, s + P - 1 : s + P + C - 1]
+        total += F.cross_entropy(
+            logits[:, P - 1 :].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum"
+        ).item()
         count += int((t != -100).sum())
     assert count == 2 * C
     for stepwise in (True, False):
@@ -312,14 +328,20 @@ def test_depth_samples_fit_the_context():
     from looplm.infer.generate import DepthRule, SamplingConfig, generate
 
     tok = ByteTokenizer()
-    m = LoopedLM(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                             max_seq_len=24)).eval()
+    m = LoopedLM(
+        ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=24)
+    ).eval()
     cfg = EvalConfig(sample_depths=(1, 3), sample_tokens=200, sample_prompt="KING.\n")
     room = 24 - len(tok.encode(cfg.sample_prompt)) + 1
     got = depth_samples(m, tok, cfg, "cpu")
     assert got["tokens"] == room < 200
-    want = generate(m, tok, [cfg.sample_prompt], DepthRule(3), sampling=SamplingConfig(
-        max_new_tokens=room, temperature=cfg.sample_temperature, seed=cfg.task_seed))[0]
+    want = generate(
+        m,
+        tok,
+        [cfg.sample_prompt],
+        DepthRule(3),
+        sampling=SamplingConfig(max_new_tokens=room, temperature=cfg.sample_temperature, seed=cfg.task_seed),
+    )[0]
     assert got["by_depth"][3] == want
     short = depth_samples(m, tok, EvalConfig(sample_depths=(1,), sample_tokens=5), "cpu")
     assert short["tokens"] == 5

@@ -63,11 +63,11 @@ def test_greedy_flag_matches_argmax(model, single_thread):
             for _ in range(2):
                 logits = model(torch.tensor([ids]), 2, init="seeded", example_ids=torch.tensor([0])).logits[0, -1]
                 ids.append(int(logits.argmax()))
-        if all(32 <= i < 127 for i in ids[len(ctx):]):
+        if all(32 <= i < 127 for i in ids[len(ctx) :]):
             break
     else:
         pytest.skip("no context with a printable greedy continuation")
-    cont = tok.decode(ids[len(ctx):])
+    cont = tok.decode(ids[len(ctx) :])
     other = "~~" if cont != "~~" else "^^"
     out = score_choices(model, tok, [ChoiceItem(ctx, (cont, other), 0)], depth=2, cache="full")
     assert out["items"][0]["greedy"][0] is True
@@ -98,8 +98,7 @@ def test_acc_and_acc_norm_in_score_choices(model, monkeypatch, single_thread):
     import looplm.eval.choice as choice
 
     fake = {"a": -3.0, "bbbbbbbbbbbbbbbbbbbb": -5.0}
-    monkeypatch.setattr(choice, "score_continuation",
-                        lambda m, t, ctx, cont, **kw: (fake[cont.strip()], False))
+    monkeypatch.setattr(choice, "score_continuation", lambda m, t, ctx, cont, **kw: (fake[cont.strip()], False))
     items = [ChoiceItem("Q:", (" a", " bbbbbbbbbbbbbbbbbbbb"), 0), ChoiceItem("Q:", (" a", " bbbbbbbbbbbbbbbbbbbb"), 1)]
     out = score_choices(model, ByteTokenizer(), items, depth=1)
     assert out["acc"] == 0.5 and out["acc_norm"] == 0.5
@@ -116,22 +115,29 @@ def test_empty_context_rejected(model):
 
 def test_load_choice_jsonl(tmp_path):
     p = tmp_path / "ok.jsonl"
-    p.write_text(json.dumps({"context": "Q: ", "choices": ["a", "b"], "gold": 1}) + "\n\n"
-                 + json.dumps({"context": "R", "choices": ["x", "y", "z"], "gold": 0}) + "\n")
+    p.write_text(
+        json.dumps({"context": "Q: ", "choices": ["a", "b"], "gold": 1})
+        + "\n\n"
+        + json.dumps({"context": "R", "choices": ["x", "y", "z"], "gold": 0})
+        + "\n"
+    )
     items = load_choice_jsonl(p)
     assert items == [ChoiceItem("Q: ", ("a", "b"), 1), ChoiceItem("R", ("x", "y", "z"), 0)]
 
 
-@pytest.mark.parametrize("line, msg", [
-    ("{not json", "invalid JSON"),
-    (json.dumps({"context": "Q", "choices": ["a", "b"]}), "missing field 'gold'"),
-    (json.dumps({"choices": ["a", "b"], "gold": 0}), "missing field 'context'"),
-    (json.dumps({"context": "Q", "choices": ["a", "b"], "gold": 2}), "gold"),
-    (json.dumps({"context": "Q", "choices": ["a", "b"], "gold": -1}), "gold"),
-    (json.dumps({"context": "Q", "choices": ["a"], "gold": 0}), "at least 2 choices"),
-    (json.dumps({"context": "Q", "choices": "ab", "gold": 0}), "list of strings"),
-    (json.dumps([1, 2]), "JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, msg",
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"context": "Q", "choices": ["a", "b"]}), "missing field 'gold'"),
+        (json.dumps({"choices": ["a", "b"], "gold": 0}), "missing field 'context'"),
+        (json.dumps({"context": "Q", "choices": ["a", "b"], "gold": 2}), "gold"),
+        (json.dumps({"context": "Q", "choices": ["a", "b"], "gold": -1}), "gold"),
+        (json.dumps({"context": "Q", "choices": ["a"], "gold": 0}), "at least 2 choices"),
+        (json.dumps({"context": "Q", "choices": "ab", "gold": 0}), "list of strings"),
+        (json.dumps([1, 2]), "JSON object"),
+    ],
+)
 def test_load_choice_jsonl_errors(tmp_path, line, msg):
     p = tmp_path / "bad.jsonl"
     good = json.dumps({"context": "Q", "choices": ["a", "b"], "gold": 0})

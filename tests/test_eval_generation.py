@@ -64,19 +64,22 @@ def constructed_examples(model, depth, n=8, steps=6):
     return examples, expected
 
 
-@pytest.mark.parametrize("text, want", [
-    ("The answer is 42.", "42"),
-    ("-3", "-3"),
-    ("from 5 to -3 degrees", "-3"),
-    ("It costs $1,234 in total", "1234"),
-    ("pay 3.50 now", "3.5"),
-    ("2.0", "2"),
-    ("1,234,567.50", "1234567.5"),
-    ("values 1, 2, 3", "3"),
-    ("no digits here", None),
-    ("", None),
-    ("x=7\n#### 18", "18"),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("The answer is 42.", "42"),
+        ("-3", "-3"),
+        ("from 5 to -3 degrees", "-3"),
+        ("It costs $1,234 in total", "1234"),
+        ("pay 3.50 now", "3.5"),
+        ("2.0", "2"),
+        ("1,234,567.50", "1234567.5"),
+        ("values 1, 2, 3", "3"),
+        ("no digits here", None),
+        ("", None),
+        ("x=7\n#### 18", "18"),
+    ],
+)
 def test_extract_final_number(text, want):
     assert extract_final_number(text) == want
 
@@ -102,8 +105,9 @@ def test_generator_tasks_full_cache_matches_native_and_task_accuracy(model, sing
     depth = 2
     examples, expected = constructed_examples(model, depth)
     assert any(expected) and not all(expected), "the constructed case should mix right and wrong answers"
-    out = exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=depth, cache="full",
-                                      max_new_tokens=8, batch_size=3)
+    out = exact_match_generator_tasks(
+        model, ByteTokenizer(), examples, depth=depth, cache="full", max_new_tokens=8, batch_size=3
+    )
     assert out["correct"] == expected
     assert out["n"] == len(examples)
     assert out["acc"] == pytest.approx(sum(expected) / len(expected))
@@ -114,8 +118,10 @@ def test_generator_tasks_full_cache_matches_native_and_task_accuracy(model, sing
 
 def test_generator_tasks_independent_of_batching(model, single_thread):
     examples = generate_examples(TaskConfig(max_difficulty=2), 6, seed=3)
-    runs = [exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=2, max_new_tokens=6, batch_size=b)
-            for b in (1, 4, 16)]
+    runs = [
+        exact_match_generator_tasks(model, ByteTokenizer(), examples, depth=2, max_new_tokens=6, batch_size=b)
+        for b in (1, 4, 16)
+    ]
     assert runs[0]["outputs"] == runs[1]["outputs"] == runs[2]["outputs"]
     assert runs[0]["correct"] == runs[1]["correct"] == runs[2]["correct"]
 
@@ -126,8 +132,14 @@ def test_generator_tasks_matches_generate(model, single_thread):
     for ex in examples:
         for mode in ("terminal", "full"):
             mine = exact_match_generator_tasks(model, ByteTokenizer(), [ex], depth=3, cache=mode, max_new_tokens=6)
-            text = generate(model, ByteTokenizer(), [ex.prompt], DepthRule(3), cache=mode,
-                            sampling=SamplingConfig(max_new_tokens=6, stop=("\n",)))[0]
+            text = generate(
+                model,
+                ByteTokenizer(),
+                [ex.prompt],
+                DepthRule(3),
+                cache=mode,
+                sampling=SamplingConfig(max_new_tokens=6, stop=("\n",)),
+            )[0]
             assert mine["outputs"] == [text]
             assert mine["correct"] == [check_answer(ex, text)]
 
@@ -136,8 +148,11 @@ def test_gsm8k_exact_match(model, monkeypatch, single_thread):
     import looplm.eval.generation as gen
 
     items = [GenItem("q1", "... #### 12", "12"), GenItem("q2", "#### 1,000", "1000"), GenItem("q3", "#### 5", "5")]
-    replies = {"Question: q1\nAnswer:": "so 3*4 = 12.", "Question: q2\nAnswer:": "It is 1,000.00",
-               "Question: q3\nAnswer:": "no idea"}
+    replies = {
+        "Question: q1\nAnswer:": "so 3*4 = 12.",
+        "Question: q2\nAnswer:": "It is 1,000.00",
+        "Question: q3\nAnswer:": "no idea",
+    }
     monkeypatch.setattr(gen, "greedy_generate", lambda m, t, prompts, ids, **kw: [replies[p] for p in prompts])
     out = exact_match_gsm8k(model, ByteTokenizer(), items, depth=1)
     assert out["correct"] == [True, True, False]
@@ -152,21 +167,28 @@ def test_gsm8k_runs_on_model(model, single_thread):
 
 def test_load_gsm8k_jsonl(tmp_path):
     p = tmp_path / "gsm.jsonl"
-    p.write_text(json.dumps({"question": "How many?", "answer": "2+2=4\n#### 1,234"}) + "\n\n"
-                 + json.dumps({"question": "Q", "answer": "#### -3.50"}) + "\n")
+    p.write_text(
+        json.dumps({"question": "How many?", "answer": "2+2=4\n#### 1,234"})
+        + "\n\n"
+        + json.dumps({"question": "Q", "answer": "#### -3.50"})
+        + "\n"
+    )
     items = load_gsm8k_jsonl(p)
     assert [it.gold for it in items] == ["1234", "-3.5"]
     assert items[0].question == "How many?"
 
 
-@pytest.mark.parametrize("line, msg", [
-    ("not json", "invalid JSON"),
-    (json.dumps({"question": "Q"}), "missing field 'answer'"),
-    (json.dumps({"answer": "#### 1"}), "missing field 'question'"),
-    (json.dumps({"question": "Q", "answer": "42"}), "no '####"),
-    (json.dumps({"question": "Q", "answer": "#### many"}), "not a number"),
-    (json.dumps({"question": 3, "answer": "#### 1"}), "must be a string"),
-])
+@pytest.mark.parametrize(
+    "line, msg",
+    [
+        ("not json", "invalid JSON"),
+        (json.dumps({"question": "Q"}), "missing field 'answer'"),
+        (json.dumps({"answer": "#### 1"}), "missing field 'question'"),
+        (json.dumps({"question": "Q", "answer": "42"}), "no '####"),
+        (json.dumps({"question": "Q", "answer": "#### many"}), "not a number"),
+        (json.dumps({"question": 3, "answer": "#### 1"}), "must be a string"),
+    ],
+)
 def test_load_gsm8k_jsonl_errors(tmp_path, line, msg):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"question": "Q", "answer": "#### 1"}) + "\n" + line + "\n")

@@ -25,8 +25,9 @@ class _Req:
 @pytest.fixture(scope="module")
 def adapter():
     torch.manual_seed(0)
-    m = LoopedLM(ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                             max_seq_len=64)).eval()
+    m = LoopedLM(
+        ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    ).eval()
     return LoopLMHarness(model=m, tokenizer=TOK, depth=3, cache="full")
 
 
@@ -44,8 +45,9 @@ def test_request_types_against_native_forward(adapter):
     roll = adapter.loglikelihood_rolling([_Req("abc")])[0]
     x = [TOK.eos_id, *TOK.encode("abc")]
     with torch.no_grad():
-        lp = torch.log_softmax(m(torch.tensor([x]), 3, init="seeded",
-                                 example_ids=torch.tensor([stable_id("abc")])).logits[0].double(), -1)
+        lp = torch.log_softmax(
+            m(torch.tensor([x]), 3, init="seeded", example_ids=torch.tensor([stable_id("abc")])).logits[0].double(), -1
+        )
     assert math.isclose(roll, sum(float(lp[t - 1, x[t]]) for t in range(1, len(x))), rel_tol=1e-6)
     out = adapter.generate_until([_Req("hi", {"until": ["\n"], "max_gen_toks": 5})])
     assert len(out) == 1 and "\n" not in out[0]
@@ -54,9 +56,11 @@ def test_request_types_against_native_forward(adapter):
 @pytest.mark.slow
 def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    rows = [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
-            {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
-            {"context": "+1,1=", "choices": ["2", "7"], "gold": 0}]
+    rows = [
+        {"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
+        {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
+        {"context": "+1,1=", "choices": ["2", "7"], "gold": 0},
+    ]
     write_choice_task(tmp_path, rows)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -66,7 +70,11 @@ def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
     # independent: the same scores through looplm's own choice scorer
     hits = 0
     for r in rows:
-        lls = [score_continuation(adapter.model, TOK, r["context"], c, depth=3, cache="full",
-                                  example_id=stable_id(r["context"]))[0] for c in r["choices"]]
+        lls = [
+            score_continuation(
+                adapter.model, TOK, r["context"], c, depth=3, cache="full", example_id=stable_id(r["context"])
+            )[0]
+            for c in r["choices"]
+        ]
         hits += max(range(len(lls)), key=lambda i: (lls[i], -i)) == r["gold"]
     assert math.isclose(acc, hits / len(rows))

@@ -26,10 +26,27 @@ def run_script(monkeypatch, capsys, *args):
 @pytest.mark.slow
 def test_the_script_runs_lm_eval_with_the_looplm_model(tmp_path, monkeypatch, capsys):
     run = write_random_run(tmp_path / "run")
-    write_choice_task(tmp_path, [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
-                                 {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0}])
-    rc, out, err = run_script(monkeypatch, capsys, "--model", "looplm", "--model_args", f"checkpoint={run},depth=2",
-                              "--tasks", "looplm_choice", "--include_path", tmp_path, "--output_path", tmp_path / "out")
+    write_choice_task(
+        tmp_path,
+        [
+            {"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
+            {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
+        ],
+    )
+    rc, out, err = run_script(
+        monkeypatch,
+        capsys,
+        "--model",
+        "looplm",
+        "--model_args",
+        f"checkpoint={run},depth=2",
+        "--tasks",
+        "looplm_choice",
+        "--include_path",
+        tmp_path,
+        "--output_path",
+        tmp_path / "out",
+    )
     assert rc == 0, err[-3000:]
     assert "looplm_choice" in out
     results = [json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results*.json")]

@@ -104,4 +104,4 @@ def test_paper_presets_report_fits_a_40_gb_budget(preset):
     cfg = ModelConfig(**{**job.model.to_dict(), "vocab_size": job.data.bpe_vocab_size})
     est = eval_peak_bytes(cfg, job.data.seq_len, job.eval)
     assert est["peak"] < GPU_BUDGET, {k: f"{v / 1e9:.1f} GB" for k, v in est.items()}
-    assert max(job.eval.depths) == 32 and job.eval.max_sequences * job.data.seq_len >= 2 ** 18
+    assert max(job.eval.depths) == 32 and job.eval.max_sequences * job.data.seq_len >= 2**18

@@ -12,8 +12,12 @@ from looplm.data import ByteTokenizer, build_datasets, build_tokenizer
 from looplm.eval.perplexity import native_perplexity
 from looplm.model import LoopedLM
 
-TEXTS = ["Blow, winds, and crack your cheeks! rage! blow!", "Ay, every inch a king: when I do stare, see how the subject quakes.",
-         "Là où il y a de l'été, naïve café.", "Nothing will come of nothing: speak again."] * 6
+TEXTS = [
+    "Blow, winds, and crack your cheeks! rage! blow!",
+    "Ay, every inch a king: when I do stare, see how the subject quakes.",
+    "Là où il y a de l'été, naïve café.",
+    "Nothing will come of nothing: speak again.",
+] * 6
 
 
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
@@ -30,8 +34,9 @@ def test_bits_per_byte_against_a_direct_count(tmp_path, tiny_model_config, kind)
     with torch.no_grad():
         for i in range(min(5, len(val))):
             b = val.get_batch([i])
-            logits = model(b.inputs, 2, doc_ids=b.doc_ids, positions=b.positions, init="seeded",
-                           example_ids=b.example_ids).logits
+            logits = model(
+                b.inputs, 2, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
+            ).logits
             keep = b.targets[0] != -100
             nats += F.cross_entropy(logits[0][keep], b.targets[0][keep], reduction="sum").item()
             ids = b.targets[0][keep].tolist()

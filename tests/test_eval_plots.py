@@ -23,8 +23,10 @@ def test_the_depth_series_are_the_reports_numbers(tmp_path, capsys):
     from looplm.eval.plots import depth_series
 
     run = write_random_run(tmp_path / "run", data__source="shakespeare")
-    rc, _, err = run_main(["eval", run, "--depths", "3", "1", "2", "--max-sequences", "2", "--sharing-sequences", "0",
-                           "--device", "cpu"], capsys)
+    rc, _, err = run_main(
+        ["eval", run, "--depths", "3", "1", "2", "--max-sequences", "2", "--sharing-sequences", "0", "--device", "cpu"],
+        capsys,
+    )
     assert rc == 0, err
     report = json.loads((run / "eval.json").read_text())  # keys are strings once written
     series = depth_series(report)
@@ -38,8 +40,13 @@ def test_the_depth_series_are_the_reports_numbers(tmp_path, capsys):
 def test_the_loss_series_are_the_metrics_records(tmp_path):
     from looplm.eval.plots import loss_series, write_loss_plot
 
-    records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "val_loss": 4.5, "val_ppl": 90.0},
-               {"step": 3, "loss": 9.0}, {"step": 3, "loss": 3.0}]  # step 3 logged again after a resume: the last wins
+    records = [
+        {"step": 1, "loss": 5.0},
+        {"step": 2, "loss": 4.0},
+        {"step": 2, "val_loss": 4.5, "val_ppl": 90.0},
+        {"step": 3, "loss": 9.0},
+        {"step": 3, "loss": 3.0},
+    ]  # step 3 logged again after a resume: the last wins
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
     series = loss_series(tmp_path / "metrics.jsonl")
     assert series == {"step": [1, 2, 3], "loss": [5.0, 4.0, 3.0], "val_step": [2], "val_loss": [4.5]}

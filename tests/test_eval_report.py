@@ -18,12 +18,15 @@ def text_run(tmp_path):
     return write_random_run(tmp_path / "run", data__source="shakespeare")
 
 
-@pytest.mark.parametrize(("option", "line", "message"), [
-    ("--choice-tasks", '{"context": "a", "choices": ["b"], "gold": 0}', "need at least 2 choices"),
-    ("--choice-tasks", "not json", "invalid JSON"),
-    ("--choice-tasks", "", "no items"),
-    ("--gsm8k", '{"question": "1+1?", "answer": "2"}', "no '#### <number>' final answer"),
-])
+@pytest.mark.parametrize(
+    ("option", "line", "message"),
+    [
+        ("--choice-tasks", '{"context": "a", "choices": ["b"], "gold": 0}', "need at least 2 choices"),
+        ("--choice-tasks", "not json", "invalid JSON"),
+        ("--choice-tasks", "", "no items"),
+        ("--gsm8k", '{"question": "1+1?", "answer": "2"}', "no '#### <number>' final answer"),
+    ],
+)
 def test_eval_reads_its_input_files_before_it_measures(text_run, tmp_path, capsys, option, line, message):
     bad = tmp_path / "items.jsonl"
     bad.write_text(line + "\n")

@@ -143,7 +143,7 @@ def looplm_greedy_ids(monkeypatch, model, prompts, rule, **kw) -> list[list[int]
     rows = []
     for i in range(len(prompts)):
         row = [s[i] for s in steps]
-        rows.append(row[:row.index(TOK.eos_id)] if TOK.eos_id in row else row)
+        rows.append(row[: row.index(TOK.eos_id)] if TOK.eos_id in row else row)
     assert [TOK.decode(r) for r in rows] == texts
     return rows
 
@@ -151,18 +151,20 @@ def looplm_greedy_ids(monkeypatch, model, prompts, rule, **kw) -> list[list[int]
 def cut_at_eos(out, prompt_len):
     rows = []
     for row in out[:, prompt_len:].tolist():
-        rows.append(row[:row.index(TOK.eos_id)] if TOK.eos_id in row else row)
+        rows.append(row[: row.index(TOK.eos_id)] if TOK.eos_id in row else row)
     return rows
 
 
 @pytest.mark.parametrize("mode", ["terminal", "full"])
 def test_greedy_generate_equals_looplm_generate(exported, hf_model, monkeypatch, mode):
     model, _ = exported
-    want = looplm_greedy_ids(monkeypatch, model, PROMPTS, DepthRule(4, 2), cache=mode,
-                             sampling=SamplingConfig(max_new_tokens=10))
+    want = looplm_greedy_ids(
+        monkeypatch, model, PROMPTS, DepthRule(4, 2), cache=mode, sampling=SamplingConfig(max_new_tokens=10)
+    )
     ids, mask = padded_batch(PROMPTS)
-    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=4,
-                            prefill_steps=2, cache_kind=mode)
+    out = hf_model.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=4, prefill_steps=2, cache_kind=mode
+    )
     assert cut_at_eos(out, ids.shape[1]) == want
 
 
@@ -179,8 +181,9 @@ def test_generate_with_config_defaults_and_without_cache(exported, hf_model, mon
     assert cut_at_eos(recomputed, ids.shape[1]) == full
 
 
-def looplm_step_logits(model, prompt: list[int], fed: list[int], mode: str, prefill: int, depth: int,
-                       example_id: int) -> torch.Tensor:
+def looplm_step_logits(
+    model, prompt: list[int], fed: list[int], mode: str, prefill: int, depth: int, example_id: int
+) -> torch.Tensor:
     """[len(fed) + 1, V] logits of looplm's own cached path on one prompt alone (no padding): the
     prompt prefilled at `prefill`, then each token of `fed` at `depth`."""
     cache = make_cache(mode, model.cfg, 1, len(prompt) + len(fed), max(prefill, depth))
@@ -196,13 +199,23 @@ def test_generate_logits_equal_looplms_per_step_logits(exported, hf_model, mode)
     and decoded at 4, equal looplm's extend on each prompt alone (example id = the row) to 1e-5."""
     model, _ = exported
     ids, mask = padded_batch(PROMPTS)
-    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, num_steps=4, prefill_steps=2,
-                            cache_kind=mode, return_dict_in_generate=True, output_scores=True, output_logits=True)
-    new = out.sequences[:, ids.shape[1]:]
+    out = hf_model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        num_steps=4,
+        prefill_steps=2,
+        cache_kind=mode,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
+    new = out.sequences[:, ids.shape[1] :]
     for row, prompt in enumerate(PROMPTS):
         chosen = new[row].tolist()
         n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)  # after EOS the row only pads
-        want = looplm_step_logits(model, TOK.encode(prompt), chosen[:n - 1], mode, 2, 4, row)
+        want = looplm_step_logits(model, TOK.encode(prompt), chosen[: n - 1], mode, 2, 4, row)
         got = torch.stack([step[row] for step in out.logits[:n]])
         scores = torch.stack([step[row] for step in out.scores[:n]])
         assert (got - want).abs().max() <= 1e-5 and (scores - want).abs().max() <= 1e-5
@@ -215,15 +228,25 @@ def test_generate_logits_equal_a_decode_by_hand(hf_model, mode, prefill, depth, 
     adaptive exit): every step's logits of a left-padded batch equal each row decoded alone by hand
     (`_reference.NaiveDecoder`), to 1e-4."""
     ids, mask = padded_batch(PROMPTS[1:])
-    out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=depth,
-                            prefill_steps=prefill, cache_kind=mode, exit_tau=tau, return_dict_in_generate=True,
-                            output_logits=True)
-    new = out.sequences[:, ids.shape[1]:]
+    out = hf_model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        num_steps=depth,
+        prefill_steps=prefill,
+        cache_kind=mode,
+        exit_tau=tau,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    new = out.sequences[:, ids.shape[1] :]
     for row, prompt in enumerate(PROMPTS[1:]):
         chosen = new[row].tolist()
         n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)
-        want, used = decode_replay(hf_model.model, mode, TOK.encode(prompt), chosen[:n - 1], prefill, depth,
-                                   example_id=row, exit_tau=tau)
+        want, used = decode_replay(
+            hf_model.model, mode, TOK.encode(prompt), chosen[: n - 1], prefill, depth, example_id=row, exit_tau=tau
+        )
         got = torch.stack([step[row] for step in out.logits[:n]])
         assert (got - want).abs().max() <= 1e-4, (row, (got - want).abs().amax(-1))
         assert chosen[:n] == want.argmax(-1).tolist()
@@ -268,8 +291,8 @@ def test_a_sentencepiece_checkpoint_exports_its_tokenizer_and_generates(tmp_path
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     prompt = "the quick brown"
     out = hf.generate(torch.tensor([sp.encode(prompt)]), max_new_tokens=8, do_sample=False)
-    new = out[0, len(sp.encode(prompt)):].tolist()
-    new = new[:new.index(sp.eos_id)] if sp.eos_id in new else new
+    new = out[0, len(sp.encode(prompt)) :].tolist()
+    new = new[: new.index(sp.eos_id)] if sp.eos_id in new else new
     assert new == greedy_replay(model, "terminal", sp.encode(prompt), 8, 3, 3, eos=sp.eos_id)[0]
     want = looplm_generate.generate(model, sp, [prompt], DepthRule(3), sampling=SamplingConfig(max_new_tokens=8))[0]
     assert tok.decode(new, skip_special_tokens=True) == want
@@ -280,20 +303,28 @@ def test_sampling_samples_and_return_dict_in_generate(hf_model):
 
     def sample(seed):
         torch.manual_seed(seed)
-        return hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=20,
-                                 return_dict_in_generate=True, output_logits=True, num_steps=2)
+        return hf_model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=True,
+            top_k=20,
+            return_dict_in_generate=True,
+            output_logits=True,
+            num_steps=2,
+        )
 
     a, b, c = sample(1), sample(1), sample(2)
     assert torch.equal(a.sequences, b.sequences) and a.sequences.shape[0] == 3  # seeded: reproducible
     assert not torch.equal(a.sequences, c.sequences)
-    new = a.sequences[:, ids.shape[1]:]
+    new = a.sequences[:, ids.shape[1] :]
     assert len(a.logits) == new.shape[1]
     assert isinstance(a.cache, LoopedCache) and a.cache.get_seq_length() == a.sequences.shape[1] - 1
     logits = torch.stack(a.logits, 1)  # [B, steps, V]
     live = torch.ones_like(new, dtype=torch.bool)
     for row in range(3):  # steps up to and including EOS
         if TOK.eos_id in new[row].tolist():
-            live[row, new[row].tolist().index(TOK.eos_id) + 1:] = False
+            live[row, new[row].tolist().index(TOK.eos_id) + 1 :] = False
     rank = (logits > logits.gather(-1, new[..., None])).sum(-1)  # how many tokens were more likely
     assert (rank[live] < 20).all()  # top_k: only the 20 most likely tokens are drawn
     assert (rank[live] > 0).sum() >= 3  # it samples: greedy decoding would always take rank 0
@@ -307,7 +338,9 @@ def test_user_cache_and_text_generation_pipeline(exported, hf_model, monkeypatch
 
     generator = pipeline("text-generation", model=hf_model, tokenizer=AutoTokenizer.from_pretrained(exported[1]))
     got = generator("hello", max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
-    want = looplm_greedy_ids(monkeypatch, exported[0], ["hello"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=6))
+    want = looplm_greedy_ids(
+        monkeypatch, exported[0], ["hello"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=6)
+    )
     assert got == TOK.decode(want[0])
 
 
@@ -443,12 +476,14 @@ def test_cli_export_help(capsys):
 
 @pytest.mark.slow
 def test_import_looplm_hf_registers_the_model_type_and_import_looplm_stays_light():
-    code = ("import sys, looplm; assert 'transformers' not in sys.modules; "
-            "from transformers import AutoConfig; "
-            "import transformers.models.auto.configuration_auto as auto; assert 'looplm' not in auto.CONFIG_MAPPING; "
-            "import looplm.hf; from transformers import AutoModelForCausalLM; "
-            "cfg = AutoConfig.for_model('looplm', d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64); "
-            "print(type(AutoModelForCausalLM.from_config(cfg)).__name__)")
+    code = (
+        "import sys, looplm; assert 'transformers' not in sys.modules; "
+        "from transformers import AutoConfig; "
+        "import transformers.models.auto.configuration_auto as auto; assert 'looplm' not in auto.CONFIG_MAPPING; "
+        "import looplm.hf; from transformers import AutoModelForCausalLM; "
+        "cfg = AutoConfig.for_model('looplm', d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64); "
+        "print(type(AutoModelForCausalLM.from_config(cfg)).__name__)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "LoopedLMForCausalLM"
@@ -491,7 +526,7 @@ def test_use_cache_returns_the_cache_the_manual_loop_continues(kind, depth):
         assert isinstance(out.cache, LoopedCache) and out.cache.kind == kind and out.cache.get_seq_length() == n
         steps = [out.logits]
         for j in range(n, ids.shape[1]):
-            out = hf(ids[:, j:j + 1], past_key_values=out.past_key_values)
+            out = hf(ids[:, j : j + 1], past_key_values=out.past_key_values)
             steps.append(out.logits)
         alone = hf(ids[:, -1:]).logits  # the last token without its context
     # logits reach |27| here (scaled weights, 3 recurrences): errors of float reduction order scale with

@@ -29,16 +29,19 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op 
 
 TOK = ByteTokenizer()
 PROMPTS = ["x", "a longer prompt", "mid size"]
-CHOICE_ROWS = [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
-               {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
-               {"context": "+1,1=", "choices": ["2", "7"], "gold": 0},
-               {"context": "ab", "choices": ["c", "d"], "gold": 1}]
+CHOICE_ROWS = [
+    {"context": "+1,2=", "choices": ["3", "4"], "gold": 0},
+    {"context": "+2,2=", "choices": ["4", "5", "6"], "gold": 0},
+    {"context": "+1,1=", "choices": ["2", "7"], "gold": 0},
+    {"context": "ab", "choices": ["c", "d"], "gold": 1},
+]
 
 
 def tiny_model(vocab_size=258, **fields) -> LoopedLM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
-                      max_depth=16, **fields)
+    cfg = ModelConfig(
+        vocab_size=vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, max_depth=16, **fields
+    )
     return LoopedLM(cfg).eval()
 
 
@@ -159,8 +162,9 @@ def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monke
 
 # -- 3. exported folders in looplm's commands --------------------------------------------------------------
 def looplm(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -214,11 +218,13 @@ def test_load_model_rebuilds_a_bpe_tokenizer(tmp_path):
 
 
 def test_checkpoint_module_does_not_import_transformers():
-    code = ("import sys; from looplm import checkpoint; assert 'transformers' not in sys.modules; "
-            "import ast, pathlib; tree = ast.parse(pathlib.Path(checkpoint.__file__).read_text()); "
-            "names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + "
-            "[n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]; "
-            "assert not [m for m in names if m.startswith(('transformers', 'looplm.hf'))], names")
+    code = (
+        "import sys; from looplm import checkpoint; assert 'transformers' not in sys.modules; "
+        "import ast, pathlib; tree = ast.parse(pathlib.Path(checkpoint.__file__).read_text()); "
+        "names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + "
+        "[n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]; "
+        "assert not [m for m in names if m.startswith(('transformers', 'looplm.hf'))], names"
+    )
     done = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -227,12 +233,27 @@ def test_checkpoint_module_does_not_import_transformers():
 def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp_path):
     checkpoint, folder = trained_like
     data = write_choice_task(tmp_path)
-    common = ("--depths", 1, 2, "--choice-tasks", data, "--max-sequences", 4, "--task-examples", 0,
-              "--sharing-sequences", 0)
-    calls = [("generate", src, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
-             for src in (folder, checkpoint)]
-    calls += [("eval", src, *common, "--output", tmp_path / f"{name}.json")
-              for src, name in ((folder, "hf"), (checkpoint, "ckpt"))]
+    common = (
+        "--depths",
+        1,
+        2,
+        "--choice-tasks",
+        data,
+        "--max-sequences",
+        4,
+        "--task-examples",
+        0,
+        "--sharing-sequences",
+        0,
+    )
+    calls = [
+        ("generate", src, "--prompt", "+1,2=", "ab", "--depth", 2, "--max-new-tokens", 4)
+        for src in (folder, checkpoint)
+    ]
+    calls += [
+        ("eval", src, *common, "--output", tmp_path / f"{name}.json")
+        for src, name in ((folder, "hf"), (checkpoint, "ckpt"))
+    ]
     with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
         res, from_ckpt, evaluated, ref = pool.map(lambda args: looplm(*args), calls)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -270,11 +291,26 @@ def test_adaptive_exit_reports_looplms_mean_depth(exported):
     for tau, low in ((0.05, 2), (0.3, 1), (None, 1)):
         stats: dict = {}
         sampling = SamplingConfig(max_new_tokens=8)
-        texts = generate(model, TOK, PROMPTS, DepthRule(8, exit_tau=tau, min_depth=low), cache="terminal",
-                         sampling=sampling, stats=stats)
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_kind="terminal",
-                          exit_tau=tau, min_depth=low, return_dict_in_generate=True)
-        new = out.sequences[:, ids.shape[1]:]
+        texts = generate(
+            model,
+            TOK,
+            PROMPTS,
+            DepthRule(8, exit_tau=tau, min_depth=low),
+            cache="terminal",
+            sampling=sampling,
+            stats=stats,
+        )
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            cache_kind="terminal",
+            exit_tau=tau,
+            min_depth=low,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, ids.shape[1] :]
         assert TOK.eos_id not in new.tolist()  # no row stops early (else the two feed different tokens)
         assert [TOK.decode(row) for row in new.tolist()] == texts
         got = hf.last_generate_stats

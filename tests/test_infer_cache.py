@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op 
 
 def _model(injection="parcae-nonorm", **kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                      injection=injection, **kw)
+    cfg = ModelConfig(
+        vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, injection=injection, **kw
+    )
     return LoopedLM(cfg).eval()
 
 
@@ -40,7 +41,7 @@ def test_full_cache_incremental_decoding_equals_native_forward(injection):
         ref = m(x, 4, init="seeded").logits
     cache = FullCache(m.cfg, 2, 32, depth=4)
     first = extend(m, x[:, :7], cache, 4).logits  # prefill a chunk, then one token at a time
-    steps = [extend(m, x[:, i:i + 1], cache, 4).logits for i in range(7, 20)]
+    steps = [extend(m, x[:, i : i + 1], cache, 4).logits for i in range(7, 20)]
     got = torch.cat([first, *steps], dim=1)
     assert (got - ref).abs().max() <= 1e-5
 
@@ -53,7 +54,7 @@ def test_terminal_decoding_matches_naive_reference(injection):
     cfg, R, T = m.cfg, 3, 12
     x = torch.randint(0, 50, (1, T))
     cache = TerminalCache(cfg, 1, 32)
-    got = torch.cat([extend(m, x[:, t:t + 1], cache, R).logits for t in range(T)], dim=1)[0]
+    got = torch.cat([extend(m, x[:, t : t + 1], cache, R).logits for t in range(T)], dim=1)[0]
     n_layers = cfg.n_prelude + cfg.n_core + cfg.n_coda
     K = [[] for _ in range(n_layers)]
     V = [[] for _ in range(n_layers)]
@@ -157,8 +158,8 @@ def test_adaptive_depth_rows_match_fixed_depth_at_their_own_exit():
     for row in range(6):
         single = TerminalCache(m.cfg, 1, 32)
         ids = torch.tensor([row])
-        extend(m, x[row:row + 1, :7], single, 5, example_ids=ids)
-        ref = extend(m, x[row:row + 1, 7:], single, want[row], example_ids=ids).logits
+        extend(m, x[row : row + 1, :7], single, 5, example_ids=ids)
+        ref = extend(m, x[row : row + 1, 7:], single, want[row], example_ids=ids).logits
         assert (logits[row] - ref[0]).abs().max() <= 1e-5
 
 
@@ -182,7 +183,7 @@ def test_terminal_chunk_matches_naive_masked_reference(injection):
     x = torch.randint(0, 50, (1, P + n))
     cache = TerminalCache(cfg, 1, 32)
     for t in range(P):
-        extend(m, x[:, t:t + 1], cache, R)
+        extend(m, x[:, t : t + 1], cache, R)
     got = extend(m, x[:, P:], cache, R).logits[0]
     # the prefix's terminal K/V, read back from the cache (their correctness is the test above)
     layers = [*cache.prelude, *cache.core, *cache.coda]
@@ -225,8 +226,10 @@ def test_full_cache_with_other_decode_depth_matches_naive_reference(injection, r
     x = torch.randint(0, 50, (1, T))
     cache = FullCache(cfg, 1, 32, depth=max(r_pre, r_dec))
     got = [extend(m, x[:, :P], cache, r_pre).logits]  # prefill at R_pre
-    got += [extend(m, x[:, t:t + 1], cache, r_dec).logits for t in range(P, P + n_steps)]  # one-token decodes at R_dec
-    got.append(extend(m, x[:, P + n_steps:], cache, r_dec).logits)  # then a chunk at R_dec
+    got += [
+        extend(m, x[:, t : t + 1], cache, r_dec).logits for t in range(P, P + n_steps)
+    ]  # one-token decodes at R_dec
+    got.append(extend(m, x[:, P + n_steps :], cache, r_dec).logits)  # then a chunk at R_dec
     got = torch.cat(got, dim=1)[0]
 
     depth_of = [r_pre] * P + [r_dec] * (T - P)
@@ -262,7 +265,6 @@ def test_full_cache_with_other_decode_depth_matches_naive_reference(injection, r
     assert (got - torch.stack(ref)).abs().max() <= 1e-4
 
 
-
 # -- the banks after a step with per-row depths or adaptive exit -----------------------------------------
 def _naive_decode(m, token, pos, example_id, prefix, depth, exit_tau=None, min_depth=1, core_prefix=None):
     """One token at `pos` through the model by hand, attending to `prefix` (per physical layer, the
@@ -282,7 +284,7 @@ def _naive_decode(m, token, pos, example_id, prefix, depth, exit_tau=None, min_d
     for r in range(depth):
         prev = s
         s = m.injection(s[None, None], q[None, None])[0, 0]
-        core = prefix[n_pre:n_pre + n_core] if core_prefix is None else core_prefix[r]
+        core = prefix[n_pre : n_pre + n_core] if core_prefix is None else core_prefix[r]
         visit = []
         for j, blk in enumerate(m.core):
             s, k, v = _naive_block(blk, s, pos, *core[j], cfg)
@@ -305,15 +307,21 @@ def _prefilled(m, mode, lengths, depth=3, cache_depth=4):
     g = torch.Generator().manual_seed(3)
     cache = make_cache(mode, m.cfg, len(lengths), 32, cache_depth)
     for b, n in enumerate(lengths):
-        extend(m, torch.randint(0, m.cfg.vocab_size, (1, n), generator=g), cache.view(slice(b, b + 1)), depth,
-               example_ids=torch.tensor([b])).logits
+        extend(
+            m,
+            torch.randint(0, m.cfg.vocab_size, (1, n), generator=g),
+            cache.view(slice(b, b + 1)),
+            depth,
+            example_ids=torch.tensor([b]),
+        ).logits
     return cache, torch.randint(0, m.cfg.vocab_size, (len(lengths), 1), generator=g)
 
 
 def _stored(banks, b, n):
     """Copies of row b's first n K/V per bank: (K list, V list) each."""
-    return [([bank.k[b, :, t].clone() for t in range(n)], [bank.v[b, :, t].clone() for t in range(n)])
-            for bank in banks]
+    return [
+        ([bank.k[b, :, t].clone() for t in range(n)], [bank.v[b, :, t].clone() for t in range(n)]) for bank in banks
+    ]
 
 
 def _assert_holds(bank, b, pos, kv, prefix):
@@ -375,7 +383,7 @@ def test_full_cache_banks_after_a_step_with_per_row_depths():
         with torch.no_grad():  # recurrence r reads the prefix's visit-r bank
             ref, pre, mine, coda, _ = _naive_decode(m, int(nxt[b, 0]), pos, b, outer[b], depth, core_prefix=visits[b])
         assert (logits[b, 0] - ref).abs().max() <= 1e-4
-        stored = [*outer[b][:n_pre], *outer[b][-len(coda):]]
+        stored = [*outer[b][:n_pre], *outer[b][-len(coda) :]]
         for bank, kv, prefix in zip([*cache.prelude, *cache.coda], [*pre, *coda], stored):
             _assert_holds(bank, b, pos, kv, prefix)
         for visit in range(4):
@@ -397,13 +405,14 @@ def test_full_cache_chunk_with_per_row_depths_keeps_each_rows_own_visits():
     logits = extend(m, nxt, cache, 3, example_ids=torch.arange(2)).logits[:, -1]
     for b, depth in enumerate([3, 5]):
         alone = FullCache(m.cfg, 1, 32, depth=3)
-        extend(m, x[b:b + 1], alone, depth, example_ids=torch.tensor([b]))
+        extend(m, x[b : b + 1], alone, depth, example_ids=torch.tensor([b]))
         for visit in range(3):
             for j in range(m.cfg.n_core):
-                for mine, ref in zip((cache.core[visit][j].k, cache.core[visit][j].v),
-                                     (alone.core[visit][j].k, alone.core[visit][j].v)):
+                for mine, ref in zip(
+                    (cache.core[visit][j].k, cache.core[visit][j].v), (alone.core[visit][j].k, alone.core[visit][j].v)
+                ):
                     assert (mine[b, :, :6] - ref[0, :, :6]).abs().max() <= 1e-5, (b, visit, j)
-        ref = extend(m, nxt[b:b + 1], alone, 3, example_ids=torch.tensor([b])).logits[0, -1]
+        ref = extend(m, nxt[b : b + 1], alone, 3, example_ids=torch.tensor([b])).logits[0, -1]
         assert (logits[b] - ref).abs().max() <= 1e-4
 
 
@@ -489,7 +498,7 @@ def test_per_row_depths_on_a_chunk_equal_each_row_at_its_own_depth(prefix):
             ref.chunk(x[b, :prefix].tolist(), 3)
         else:
             with torch.no_grad():
-                native = m(x[b:b + 1], depth, init="seeded", example_ids=torch.tensor([b])).logits[0]
+                native = m(x[b : b + 1], depth, init="seeded", example_ids=torch.tensor([b])).logits[0]
             assert (out.logits[b] - native).abs().max() <= 1e-4
         assert (out.logits[b] - ref.chunk(x[b, prefix:].tolist(), depth)[0]).abs().max() <= 1e-4
         assert (step[b] - ref.step(int(nxt[b, 0]), 4)[0]).abs().max() <= 1e-4

@@ -58,8 +58,7 @@ def test_stop_strings_cut_like_the_whole_decode_and_are_never_released(kind, bpe
     tok = _tokenizer(kind, bpe)
     for text in TEXTS + SP_TEXTS[:3]:
         ids = tok.encode(text)
-        for stop in (("STOP",), ("é",), ("world", "ok"), ("\n",), ("zzz",), ("タワ",), (" brown",), ("o",),
-                     ("n, t",)):
+        for stop in (("STOP",), ("é",), ("world", "ok"), ("\n",), ("zzz",), ("タワ",), (" brown",), ("o",), ("n, t",)):
             pieces, s = stream_all(tok, ids, stop)
             want, hit = cut_at_stop(tok.decode(ids), stop)
             assert "".join(pieces) == want, (text, stop)
@@ -100,21 +99,24 @@ def test_a_reply_decoded_after_its_prompt_joins_into_the_whole_decode(kind, bpe)
             for stop in ((), (" ",), ("o",)):
                 s = TextStream(tok, stop, context=prompt)
                 pieces = [s.push(t)[0] for t in reply if not s.stopped] + [s.finish()]
-                want, hit = cut_at_stop(tok.decode(ids)[len(tok.decode(prompt)):], stop)
+                want, hit = cut_at_stop(tok.decode(ids)[len(tok.decode(prompt)) :], stop)
                 assert tok.decode(ids).startswith(tok.decode(prompt)), (text, cut)
                 assert "".join(pieces) == s.text == want and s.stopped == hit, (text, cut, stop)
-                assert s.ids == reply[:len(s.ids)]  # `ids` are the reply's alone
+                assert s.ids == reply[: len(s.ids)]  # `ids` are the reply's alone
                 if kind != "sentencepiece":
                     assert pieces == stream_all(tok, s.ids, stop)[0], (text, cut, stop)
     for _ in range(30):  # arbitrary ids, a prompt ending inside a character included
-        ids = [t for t in (rng.randrange(tok.vocab_size) for _ in range(rng.randrange(2, 40)))
-               if t not in (tok.eos_id, tok.pad_id)] or [ord("a"), ord("b")]
+        ids = [
+            t
+            for t in (rng.randrange(tok.vocab_size) for _ in range(rng.randrange(2, 40)))
+            if t not in (tok.eos_id, tok.pad_id)
+        ] or [ord("a"), ord("b")]
         cut = rng.randrange(1, len(ids)) if len(ids) > 1 else 1
         s = TextStream(tok, context=ids[:cut])
         pieces = [s.push(t)[0] for t in ids[cut:]] + [s.finish()]
         whole, before = tok.decode(ids), tok.decode(ids[:cut])
         if not before.endswith("\ufffd") and whole.startswith(before):
-            assert "".join(pieces) == whole[len(before):], ids
+            assert "".join(pieces) == whole[len(before) :], ids
         else:  # no usable context: the reply decoded on its own
             assert "".join(pieces) == tok.decode(ids[cut:]), ids
 
@@ -181,8 +183,11 @@ def test_depth_rule_checks_once_with_one_message():
     for rule, where, message in cases:
         with pytest.raises(ValueError, match=message):
             rule.check(8, **where)
-    for fields, message in ((dict(exit_tau=0.0), "exit_tau must be > 0"), (dict(min_depth=0), "min_depth must be >= 1"),
-                            (dict(exit_gate=1.5), "exit_gate must be a probability"),
-                            (dict(exit_tau=0.1, exit_gate=0.5), "choose one exit rule")):
+    for fields, message in (
+        (dict(exit_tau=0.0), "exit_tau must be > 0"),
+        (dict(min_depth=0), "min_depth must be >= 1"),
+        (dict(exit_gate=1.5), "exit_gate must be a probability"),
+        (dict(exit_tau=0.1, exit_gate=0.5), "choose one exit rule"),
+    ):
         with pytest.raises(ValueError, match=message):  # an exit rule no model could run: refused when made
             DepthRule(2, **fields)

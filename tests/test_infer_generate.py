@@ -29,7 +29,7 @@ def _greedy_no_cache(model, prompt, n, depth):
         if nxt == TOK.eos_id:
             break
         ids.append(nxt)
-    return TOK.decode(ids[len(TOK.encode(prompt)):])
+    return TOK.decode(ids[len(TOK.encode(prompt)) :])
 
 
 def test_full_cache_greedy_equals_no_cache_decoding(model):
@@ -61,9 +61,13 @@ def test_left_padding_does_not_change_logits(model):
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(model):
     s = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=3)
-    assert generate(model, TOK, ["ab"], DepthRule(2), sampling=s) == generate(model, TOK, ["ab"], DepthRule(2), sampling=s)
+    assert generate(model, TOK, ["ab"], DepthRule(2), sampling=s) == generate(
+        model, TOK, ["ab"], DepthRule(2), sampling=s
+    )
     greedy = generate(model, TOK, ["ab"], DepthRule(2), sampling=SamplingConfig(max_new_tokens=8))
-    top1 = generate(model, TOK, ["ab"], DepthRule(2), sampling=SamplingConfig(max_new_tokens=8, temperature=0.7, top_k=1))
+    top1 = generate(
+        model, TOK, ["ab"], DepthRule(2), sampling=SamplingConfig(max_new_tokens=8, temperature=0.7, top_k=1)
+    )
     assert top1 == greedy
 
 
@@ -97,25 +101,35 @@ def test_bad_generation_requests(model):
 def test_adaptive_generation_reports_mean_depth(model):
     fixed = generate(model, TOK, ["abc"], DepthRule(6), sampling=SamplingConfig(max_new_tokens=6))
     stats = {}
-    never = generate(model, TOK, ["abc"], DepthRule(6, exit_tau=1e-30), sampling=SamplingConfig(max_new_tokens=6),
-                     stats=stats)
+    never = generate(
+        model, TOK, ["abc"], DepthRule(6, exit_tau=1e-30), sampling=SamplingConfig(max_new_tokens=6), stats=stats
+    )
     assert never == fixed and stats["mean_decode_depth"] == 6.0
-    generate(model, TOK, ["abc"], DepthRule(6, exit_tau=1e9, min_depth=2), sampling=SamplingConfig(max_new_tokens=6),
-             stats=stats)
+    generate(
+        model,
+        TOK,
+        ["abc"],
+        DepthRule(6, exit_tau=1e9, min_depth=2),
+        sampling=SamplingConfig(max_new_tokens=6),
+        stats=stats,
+    )
     assert stats["mean_decode_depth"] == 2.0
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(temperature=-1.0), r"temperature must be >= 0 \(0 = greedy decoding\), got -1.0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(temperature=float("inf")), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(1 = all tokens\), got 0.0"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), r"top_k must be >= 0 \(0 = all tokens\), got -1"),
-    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
-    (dict(stop=("\n", "")), "stop strings must be non-empty"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(temperature=-1.0), r"temperature must be >= 0 \(0 = greedy decoding\), got -1.0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(temperature=float("inf")), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(1 = all tokens\), got 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), r"top_k must be >= 0 \(0 = all tokens\), got -1"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+        (dict(stop=("\n", "")), "stop strings must be non-empty"),
+    ],
+)
 def test_sampling_config_rejects_out_of_range_fields(model, fields, message):
     cfg = SamplingConfig(**fields)
     with pytest.raises(ValueError, match=message):
@@ -126,18 +140,24 @@ def test_sampling_config_rejects_out_of_range_fields(model, fields, message):
 
 def test_sampling_config_edges_are_accepted(model):
     """The documented edges stay valid: temperature 0 (greedy), top_p 1 and top_k 0 (all tokens)."""
-    for cfg in (SamplingConfig(), SamplingConfig(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=1),
-                SamplingConfig(temperature=1e-3, top_p=1e-9, top_k=1)):
+    for cfg in (
+        SamplingConfig(),
+        SamplingConfig(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=1),
+        SamplingConfig(temperature=1e-3, top_p=1e-9, top_k=1),
+    ):
         cfg.validate()
     DepthRule(2, exit_tau=1e-9, min_depth=2).check(8)
     with pytest.raises(ValueError, match="min_depth 3 exceeds the decode depth 2"):
         generate(model, TOK, ["ab"], DepthRule(2, exit_tau=0.1, min_depth=3))
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(exit_tau=0.0), "exit_tau must be > 0"),
-    (dict(min_depth=0), "min_depth must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(exit_tau=0.0), "exit_tau must be > 0"),
+        (dict(min_depth=0), "min_depth must be >= 1"),
+    ],
+)
 def test_depth_rule_rejects_out_of_range_exit_rules(fields, message):
     with pytest.raises(ValueError, match=message):  # when it is made, before any model is known
         DepthRule(2, **fields)
@@ -145,8 +165,7 @@ def test_depth_rule_rejects_out_of_range_exit_rules(fields, message):
 
 # -- sampling filters against the exact filtered distribution ---------------------------------------------
 # Two rows of unsorted logits over 8 tokens (ties inside the kept and the dropped sets, never at a cut).
-ROWS = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.3, 1.2, -2.5, 0.9],
-                     [-0.4, 0.1, 3.1, -0.4, 1.7, -3.0, 0.6, 2.2]])
+ROWS = torch.tensor([[0.3, 2.0, -1.0, 1.2, 0.3, 1.2, -2.5, 0.9], [-0.4, 0.1, 3.1, -0.4, 1.7, -3.0, 0.6, 2.2]])
 
 
 def _exact(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -171,13 +190,16 @@ def _exact(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: floa
     return p
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [
-    (0.7, 0, 1.0),  # temperature alone
-    (1.3, 3, 1.0),  # top-k: row 0's leader and its two tied seconds (its tied 0.3s dropped); row 1's three largest
-    (1.0, 0, 0.6),  # a nucleus on unsorted logits
-    (2.0, 4, 0.75),  # both filters, the nucleus taken from the top-k renormalised
-    (1.0, 0, 0.05),  # a one-token nucleus: each row's argmax only
-])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [
+        (0.7, 0, 1.0),  # temperature alone
+        (1.3, 3, 1.0),  # top-k: row 0's leader and its two tied seconds (its tied 0.3s dropped); row 1's three largest
+        (1.0, 0, 0.6),  # a nucleus on unsorted logits
+        (2.0, 4, 0.75),  # both filters, the nucleus taken from the top-k renormalised
+        (1.0, 0, 0.05),  # a one-token nucleus: each row's argmax only
+    ],
+)
 def test_sampling_draws_from_the_exact_filtered_distribution(temperature, top_k, top_p):
     """`choose` on a batch of 4000 copies of each row, interleaved: every row's draws follow its own
     filtered distribution (no token outside the filter is ever drawn; each count within 5 standard
@@ -209,11 +231,19 @@ def test_generate_equals_each_row_decoded_by_hand(model, mode, prefill, depth, t
     which K/V it reads), in the terminal cache and a full cache with R_pre != R_dec."""
     prompts = ["ab", "hello world"]
     stats = {}
-    got = generate(model, TOK, prompts, DepthRule(depth, prefill, exit_tau=tau), cache=mode, stats=stats,
-                   sampling=SamplingConfig(max_new_tokens=10))
+    got = generate(
+        model,
+        TOK,
+        prompts,
+        DepthRule(depth, prefill, exit_tau=tau),
+        cache=mode,
+        stats=stats,
+        sampling=SamplingConfig(max_new_tokens=10),
+    )
     for row, prompt in enumerate(prompts):
-        ids, _ = greedy_replay(model, mode, TOK.encode(prompt), 10, prefill, depth, eos=TOK.eos_id, example_id=row,
-                               exit_tau=tau)
+        ids, _ = greedy_replay(
+            model, mode, TOK.encode(prompt), 10, prefill, depth, eos=TOK.eos_id, example_id=row, exit_tau=tau
+        )
         assert got[row] == TOK.decode(ids), (row, got[row], TOK.decode(ids))
     if tau is not None:
         assert stats["mean_decode_depth"] < depth
@@ -234,7 +264,7 @@ def test_generate_with_a_sentencepiece_tokenizer():
     assert " " in text.strip(), got  # the model's words are separated (a space-dropping stream would show none)
     stop = " " + text.strip().split(" ")[1]
     cut = generate(m, sp, prompts, DepthRule(3), sampling=SamplingConfig(max_new_tokens=12, stop=(stop,)))[row]
-    assert cut == text[:text.index(stop)]
+    assert cut == text[: text.index(stop)]
 
 
 def test_a_sentencepiece_continuation_keeps_its_first_space():
@@ -269,16 +299,19 @@ def _ended(tokenizer, prompts, mode, depth, cfg, **kw):
     texts, counts = [], []
     for i, p in enumerate(prompts):
         st = {}
-        texts += generate(kw["model"], tokenizer, [p], DepthRule(depth), cache=mode, example_ids=[i],
-                          sampling=cfg, stats=st)
+        texts += generate(
+            kw["model"], tokenizer, [p], DepthRule(depth), cache=mode, example_ids=[i], sampling=cfg, stats=st
+        )
         counts.append(st["decoded_tokens"])
     return texts, counts
 
 
 def _free_ids(model, mode, depth, n, **kw):
     """Each ENDING_PROMPTS row's greedy ids without EOS, by hand (`_reference.greedy_replay`)."""
-    return [greedy_replay(model, mode, TOK.encode(p), n, depth, depth, example_id=i, **kw)[0]
-            for i, p in enumerate(ENDING_PROMPTS)]
+    return [
+        greedy_replay(model, mode, TOK.encode(p), n, depth, depth, example_id=i, **kw)[0]
+        for i, p in enumerate(ENDING_PROMPTS)
+    ]
 
 
 def _eos_ending_rows_early(free):
@@ -298,8 +331,13 @@ def test_rows_that_end_at_different_times_equal_each_row_alone(model, mode):
     free = _free_ids(model, mode, 3, 14)
     eos = _eos_ending_rows_early(free)
     tok = _EosAt(eos)
-    stop_char = next(chr(t) for row in free if eos not in row  # ends a row that runs to the budget, at j
-                     for j, t in enumerate(row) if 3 <= j < 13 and 32 <= t < 127 and t not in row[:j])
+    stop_char = next(
+        chr(t)
+        for row in free
+        if eos not in row  # ends a row that runs to the budget, at j
+        for j, t in enumerate(row)
+        if 3 <= j < 13 and 32 <= t < 127 and t not in row[:j]
+    )
     for stop in ((), (stop_char,)):
         cfg = SamplingConfig(max_new_tokens=14, stop=stop)
         alone, counts = _ended(tok, ENDING_PROMPTS, mode, 3, cfg, model=model)

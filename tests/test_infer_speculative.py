@@ -59,7 +59,7 @@ def _no_cache_greedy(model, prompt_ids, n, depth, eos, example_id=0):
         if nxt == eos:
             break
         ids.append(nxt)
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=(), depth=DEPTH, reuse=True, **kw):
@@ -78,9 +78,17 @@ def _spec(monkeypatch, model, prompt, *, k, draft_depth, mode, n, tok=TOK, stop=
     monkeypatch.setattr(spec_mod, "accept", accept)
     monkeypatch.setattr(gen_mod, "speculative_decode", decode)
     stats = {}
-    text = generate(model, tok, [prompt], DepthRule(depth), cache=mode, stats=stats,
-                    speculate=Speculation(k, draft_depth, reuse),
-                    sampling=SamplingConfig(max_new_tokens=n, stop=stop), **kw)[0]
+    text = generate(
+        model,
+        tok,
+        [prompt],
+        DepthRule(depth),
+        cache=mode,
+        stats=stats,
+        speculate=Speculation(k, draft_depth, reuse),
+        sampling=SamplingConfig(max_new_tokens=n, stop=stop),
+        **kw,
+    )[0]
     monkeypatch.undo()
     return text, emitted, windows, stats
 
@@ -96,10 +104,13 @@ def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k
     for prompt in ["a", "hello", "the quick brown f"]:
         ids = TOK.encode(prompt)
         want = _no_cache_greedy(model, ids, n, DEPTH, TOK.eos_id)
-        text, emitted, windows, stats = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="full", n=n,
-                                              reuse=reuse)
+        text, emitted, windows, stats = _spec(
+            monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="full", n=n, reuse=reuse
+        )
         assert [t for t in emitted if t != TOK.eos_id] == want, (prompt, emitted, want)
-        plain = generate(model, TOK, [prompt], DepthRule(DEPTH), cache="full", sampling=SamplingConfig(max_new_tokens=n))
+        plain = generate(
+            model, TOK, [prompt], DepthRule(DEPTH), cache="full", sampling=SamplingConfig(max_new_tokens=n)
+        )
         assert text == plain[0] == TOK.decode(want)
         rejected += sum(kd - a for kd, a in windows)
         accepted += sum(a for _, a in windows)
@@ -107,8 +118,10 @@ def test_full_cache_speculative_greedy_equals_plain_greedy(monkeypatch, model, k
     assert rejected > 0 and accepted > 0  # both paths of the rule ran (draft depth << verifier depth)
 
 
-@pytest.mark.parametrize(("k", "draft_depth", "cache_depth", "prompt"),
-                         [(4, 1, DEPTH, "the quick brown f"), (3, 3, DEPTH, "a"), (4, 2, 6, "hello")])
+@pytest.mark.parametrize(
+    ("k", "draft_depth", "cache_depth", "prompt"),
+    [(4, 1, DEPTH, "the quick brown f"), (3, 3, DEPTH, "a"), (4, 2, 6, "hello")],
+)
 @torch.no_grad()
 def test_a_verify_resumed_from_the_drafts_equals_a_verify_from_scratch(model, k, draft_depth, cache_depth, prompt):
     """The full cache's reuse (design §16) against two references that never resume: the same verify
@@ -139,8 +152,8 @@ def test_a_verify_resumed_from_the_drafts_equals_a_verify_from_scratch(model, k,
     for a, b in zip(cache.banks(), before.banks(), strict=True):  # before: positions past L + k never written
         assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
     native = model(torch.cat([torch.tensor([ids]), chunk], 1), DEPTH, init="seeded", example_ids=ex, return_states=True)
-    assert (torch.stack(states, 1) - native.states[draft_depth - 1][:, L:L + k]).abs().max() <= 1e-5
-    assert (native.states[draft_depth][:, L:L + k] - torch.stack(states, 1)).abs().max() > 1e-3  # depth matters
+    assert (torch.stack(states, 1) - native.states[draft_depth - 1][:, L : L + k]).abs().max() <= 1e-5
+    assert (native.states[draft_depth][:, L : L + k] - torch.stack(states, 1)).abs().max() > 1e-3  # depth matters
     assert (got - native.logits[:, L:]).abs().max() <= 1e-5
 
 
@@ -171,28 +184,31 @@ def test_stop_and_eos_inside_an_accepted_window(monkeypatch, model, mode):
     output is the free output cut there (full cache: also plain greedy's)."""
     n, stops = 30, 0
     for prompt in ["the quick brown f", "a", "ab"]:
-        free, emitted, windows, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n,
-                                          tok=_EosTokenizer(-1))
+        free, emitted, windows, _ = _spec(
+            monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n, tok=_EosTokenizer(-1)
+        )
         inside = [i for i in _window_positions(emitted, windows) if emitted[i] not in emitted[:i]]  # first occurrences
         assert inside, windows
         i = inside[0]
         eos_tok = _EosTokenizer(emitted[i])  # EOS = that token: generation ends before it
         cut, got, _, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n, tok=eos_tok)
-        assert got == emitted[:i + 1] and cut == TOK.decode(emitted[:i])
+        assert got == emitted[: i + 1] and cut == TOK.decode(emitted[:i])
         if mode == "full":
-            plain = generate(model, eos_tok, [prompt], DepthRule(DEPTH), cache=mode,
-                             sampling=SamplingConfig(max_new_tokens=n))
+            plain = generate(
+                model, eos_tok, [prompt], DepthRule(DEPTH), cache=mode, sampling=SamplingConfig(max_new_tokens=n)
+            )
             assert plain == [cut]
         for i in inside:  # a stop string that the token at i completes (its new text, first seen there)
-            before, after = TOK.decode(emitted[:i]), TOK.decode(emitted[:i + 1])
-            stop = after[len(before):]
+            before, after = TOK.decode(emitted[:i]), TOK.decode(emitted[: i + 1])
+            stop = after[len(before) :]
             if after.startswith(before) and stop and "\ufffd" not in stop and free.find(stop) == len(before):
                 break
         else:
             continue
-        text, got, _, _ = _spec(monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n,
-                                tok=_EosTokenizer(-1), stop=(stop,))
-        assert got == emitted[:i + 1] and text == before, (stop, text, before)
+        text, got, _, _ = _spec(
+            monkeypatch, model, prompt, k=4, draft_depth=2, mode=mode, n=n, tok=_EosTokenizer(-1), stop=(stop,)
+        )
+        assert got == emitted[: i + 1] and text == before, (stop, text, before)
         stops += 1
     assert stops, "no printable token mid-window: pick other prompts"
 
@@ -201,11 +217,13 @@ def test_stop_and_eos_inside_an_accepted_window(monkeypatch, model, mode):
 @pytest.mark.parametrize(("k", "draft_depth", "n"), CASES)
 def test_terminal_speculative_equals_a_replay_of_its_windows(monkeypatch, model, k, draft_depth, n):
     for e, prompt in enumerate(["a", "hello", "the quick brown f"]):
-        text, emitted, windows, _ = _spec(monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="terminal",
-                                          n=n, example_ids=[e + 3])
+        text, emitted, windows, _ = _spec(
+            monkeypatch, model, prompt, k=k, draft_depth=draft_depth, mode="terminal", n=n, example_ids=[e + 3]
+        )
         assert windows and text == TOK.decode([t for t in emitted if t != TOK.eos_id])
-        window_replay_check(model, TOK.encode(prompt), emitted, [a for _, a in windows], DEPTH, n, TOK.eos_id,
-                            example_id=e + 3)
+        window_replay_check(
+            model, TOK.encode(prompt), emitted, [a for _, a in windows], DEPTH, n, TOK.eos_id, example_id=e + 3
+        )
 
 
 def test_batched_speculation_equals_each_prompt_alone(model):
@@ -213,9 +231,13 @@ def test_batched_speculation_equals_each_prompt_alone(model):
     spec = Speculation(3, 1)
     cfg = SamplingConfig(max_new_tokens=12)
     stats = {}
-    batch = generate(model, TOK, prompts, DepthRule(DEPTH), speculate=spec, sampling=cfg, stats=stats, example_ids=[5, 6, 7])
-    alone = [generate(model, TOK, [p], DepthRule(DEPTH), speculate=spec, sampling=cfg, example_ids=[5 + i])[0]
-             for i, p in enumerate(prompts)]
+    batch = generate(
+        model, TOK, prompts, DepthRule(DEPTH), speculate=spec, sampling=cfg, stats=stats, example_ids=[5, 6, 7]
+    )
+    alone = [
+        generate(model, TOK, [p], DepthRule(DEPTH), speculate=spec, sampling=cfg, example_ids=[5 + i])[0]
+        for i, p in enumerate(prompts)
+    ]
     assert batch == alone
     s = stats["speculation"]
     assert stats["acceptance_rate"] == s["accepted"] / s["drafted"]
@@ -223,8 +245,11 @@ def test_batched_speculation_equals_each_prompt_alone(model):
 
 
 def test_speculation_settings_are_checked(model):
-    for spec, msg in ((Speculation(0, 1), "k >= 1"), (Speculation(2, 0), "draft_depth must be in 1..3"),
-                      (Speculation(2, DEPTH), "draft_depth must be in 1..3")):
+    for spec, msg in (
+        (Speculation(0, 1), "k >= 1"),
+        (Speculation(2, 0), "draft_depth must be in 1..3"),
+        (Speculation(2, DEPTH), "draft_depth must be in 1..3"),
+    ):
         with pytest.raises(UserError, match=msg):
             generate(model, TOK, ["ab"], DepthRule(DEPTH), speculate=spec)
     with pytest.raises(UserError, match="exit_tau"):
@@ -240,7 +265,10 @@ def test_accept_greedy_keeps_the_agreeing_prefix():
     logits = torch.log(P)  # argmaxes 0, 3 (tie 3/4: first), 0
     assert [int(x) for x in spec_mod.accept(torch.tensor([0, 3]), logits, None, None)] == [2, 0]
     assert [int(x) for x in spec_mod.accept(torch.tensor([0, 1]), logits, None, None)] == [1, 3]
-    assert [int(x) for x in spec_mod.accept(torch.tensor([2, 3]), logits, None, None)] == [0, 0]  # no later agreement counts
+    assert [int(x) for x in spec_mod.accept(torch.tensor([2, 3]), logits, None, None)] == [
+        0,
+        0,
+    ]  # no later agreement counts
 
 
 def test_accept_emits_tokens_distributed_as_the_verifier():
@@ -304,9 +332,20 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
         c = cache.take(torch.tensor([0]))
         step.reset(c)
         got = []
-        spec_mod.speculative_decode(step, logits, length=3, depth=R, draft_depth=1, k=1, sampling=cfg,
-                                    generator=g, pad=pad, example_ids=ex, emit=lambda t: got.append(t) or len(got) == 2,
-                                    stats=stats)
+        spec_mod.speculative_decode(
+            step,
+            logits,
+            length=3,
+            depth=R,
+            draft_depth=1,
+            k=1,
+            sampling=cfg,
+            generator=g,
+            pad=pad,
+            example_ids=ex,
+            emit=lambda t: got.append(t) or len(got) == 2,
+            stats=stats,
+        )
         counts[got[0], got[1]] += 1
     assert 0.5 < stats.acceptance_rate < 0.9, stats  # drafts are rejected often enough for the residual to matter
     tv = 0.5 * float((counts / N - exact).abs().sum())

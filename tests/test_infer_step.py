@@ -32,7 +32,7 @@ def _twins(model, mode, prompts, depth, cache_depth=6, B=None):
     pad = torch.tensor([L - len(p) for p in prompts])
     tokens = torch.zeros(B, L, dtype=torch.long)
     for i, p in enumerate(prompts):
-        tokens[i, L - len(p):] = torch.tensor(p)
+        tokens[i, L - len(p) :] = torch.tensor(p)
     cache = make_cache(mode, model.cfg, B, 32, cache_depth)
     extend(model, tokens, cache, depth, example_ids=torch.arange(B), pad=pad)
     twin = cache.take(torch.arange(B))
@@ -46,8 +46,9 @@ def assert_banks_equal(a, b, tol=TOL):
 
 def _prompts(B, seed=0, lo=2, hi=9):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(B)]
+    return [
+        torch.randint(0, V, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(B)
+    ]
 
 
 @pytest.mark.parametrize("mode", ["terminal", "full"])
@@ -83,8 +84,16 @@ def _per_row(model, mode, *, depth=None, tau=None, floor=None, loop_depth, cache
     for t in range(steps):
         tok = torch.randint(0, V, (B,))
         at = L - offsets + t
-        rows = StepRows(tok, at, zero, ids, depth=depth, exit_tau=tau, min_depth=floor,
-                        lowest=int(floor.min()) if floor is not None else (int(depth.min()) if depth is not None else 1))
+        rows = StepRows(
+            tok,
+            at,
+            zero,
+            ids,
+            depth=depth,
+            exit_tau=tau,
+            min_depth=floor,
+            lowest=int(floor.min()) if floor is not None else (int(depth.min()) if depth is not None else 1),
+        )
         got, used = step(rows, loop_depth)
         twin.length = at.clone()
         kw = {} if tau is None else dict(exit_tau=tau, min_depth=floor)
@@ -133,8 +142,16 @@ def compiled(model):
 
 
 def _compiled_rows(tok, at, first):
-    return StepRows(tok, at, first, torch.tensor([0, 1, 2, 3]), depth=torch.tensor([6, 6, 2, 4]),
-                    exit_tau=torch.tensor([0.0, 0.25, 0.0, 0.3]), min_depth=torch.tensor([1, 2, 1, 1]), lowest=1)
+    return StepRows(
+        tok,
+        at,
+        first,
+        torch.tensor([0, 1, 2, 3]),
+        depth=torch.tensor([6, 6, 2, 4]),
+        exit_tau=torch.tensor([0.0, 0.25, 0.0, 0.3]),
+        min_depth=torch.tensor([1, 2, 1, 1]),
+        lowest=1,
+    )
 
 
 @pytest.mark.slow
@@ -211,8 +228,9 @@ def traced_unrolled(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "cache_depth", "stepper"), [("terminal", 6, "compiled_unrolled"),
-                                                              ("full", 6, "traced_unrolled")])
+@pytest.mark.parametrize(
+    ("mode", "cache_depth", "stepper"), [("terminal", 6, "compiled_unrolled"), ("full", 6, "traced_unrolled")]
+)
 def test_compiled_unrolled_steps_equal_the_eager_step(model, request, mode, cache_depth, stepper):
     """Depths 7 = 2 x 3 + 1 and 5 = 3 + 2 (windows of 3, then a window of 2 or one recurrence; the full
     cache of depth 6 ends a window at its last visit, and depth 7 runs past it) through the compiled step,

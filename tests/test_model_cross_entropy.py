@@ -44,8 +44,12 @@ def test_linear_cross_entropy_equals_full_logits(chunk):
 def test_linear_cross_entropy_without_gradient_and_under_bf16_autocast():
     h, w, t = rows(N=64)
     with torch.no_grad():
-        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=16),
-                                   F.cross_entropy(h @ w.t(), t, reduction="sum"), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(
+            linear_cross_entropy(h, w, t, chunk_rows=16),
+            F.cross_entropy(h @ w.t(), t, reduction="sum"),
+            rtol=1e-6,
+            atol=1e-5,
+        )
     # bf16 autocast: the head matmul in bf16 as nn.Linear under autocast does it, then fp32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = F.cross_entropy(F.linear(h, w).float(), t, reduction="sum")
@@ -88,8 +92,11 @@ def test_loss_kind_and_kernel_options():
     assert loss_kind(TrainConfig(), torch.device("cpu")) == "full"  # CPU runs keep their recorded losses
     assert loss_kind(TrainConfig(), torch.device("cuda")) == "chunked"
     assert loss_kind(TrainConfig(cross_entropy="chunked"), torch.device("cpu")) == "chunked"
-    assert parse_kernel_options(("fwd_BLOCK_M=128", "PRESCALE_QK=false", "bwd_BLOCK_N1 = 64")) == \
-        {"fwd_BLOCK_M": 128, "PRESCALE_QK": False, "bwd_BLOCK_N1": 64}
+    assert parse_kernel_options(("fwd_BLOCK_M=128", "PRESCALE_QK=false", "bwd_BLOCK_N1 = 64")) == {
+        "fwd_BLOCK_M": 128,
+        "PRESCALE_QK": False,
+        "bwd_BLOCK_N1": 64,
+    }
     for bad in ("BLOCK_M", "BLOCK_M=big", "=4"):
         with pytest.raises(ValueError, match="flex kernel option"):
             parse_kernel_options((bad,))
@@ -105,8 +112,17 @@ def test_trainer_chunked_loss_trains_like_the_full_one(tmp_path, cache):
     norms and validation loss of full logits within fp32 rounding."""
     runs = {}
     for kind in ("full", "chunked"):
-        trainer = Trainer(tiny_job(tmp_path, kind, cache=cache, train__steps=3, train__cross_entropy=kind,
-                                   train__eval_every=3, train__eval_batches=2))
+        trainer = Trainer(
+            tiny_job(
+                tmp_path,
+                kind,
+                cache=cache,
+                train__steps=3,
+                train__cross_entropy=kind,
+                train__eval_every=3,
+                train__eval_batches=2,
+            )
+        )
         assert trainer.loss_kind == kind
         trainer.fit()
         runs[kind] = read_metrics(trainer.out_dir)

@@ -17,8 +17,9 @@ PROMPT = 9
 
 def _model() -> LoopedLM:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                      n_prelude=1, n_core=2, n_coda=1)
+    cfg = ModelConfig(
+        vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, n_prelude=1, n_core=2, n_coda=1
+    )
     return LoopedLM(cfg).eval()
 
 
@@ -35,7 +36,7 @@ def _alone(m, tokens, nxt, b, plan):
     cache = _prefilled(m, tokens)
     row = cache.view(slice(b, b + 1), length=PROMPT)
     with torch.no_grad():
-        out = m(nxt[b:b + 1, None], plan, cache=row, init="seeded", example_ids=torch.tensor([b]))
+        out = m(nxt[b : b + 1, None], plan, cache=row, init="seeded", example_ids=torch.tensor([b]))
     return out.logits[0, -1], int(out.depths[0, 0]), [bank.k[b, :, PROMPT].clone() for bank in cache.core]
 
 
@@ -94,8 +95,7 @@ def test_full_cache_per_row_depths_fill_the_unreached_visits():
     nxt = torch.randint(0, 50, (2,))
     cache = _prefilled(m, tokens, "full")
     with torch.no_grad():
-        out = m(nxt[:, None], DepthPlan(torch.tensor([1, 3])), cache=cache, init="seeded",
-                example_ids=torch.arange(2))
+        out = m(nxt[:, None], DepthPlan(torch.tensor([1, 3])), cache=cache, init="seeded", example_ids=torch.arange(2))
     # row 0 stopped after one recurrence: every deeper visit holds its terminal K/V (its recurrence-1 K/V)
     for visit in range(1, 6):
         for j in range(len(m.core)):
@@ -104,13 +104,16 @@ def test_full_cache_per_row_depths_fill_the_unreached_visits():
     assert out.depths[:, 0].tolist() == [1, 3]
 
 
-@pytest.mark.parametrize(("plan", "message"), [
-    (DepthPlan(0), "depth must be in 1..64, got 0"),
-    (DepthPlan(torch.tensor([2, 0])), "depth must be in 1..64, got 0"),
-    (DepthPlan(4, exit_tau=0.0), "exit_tau > 0"),
-    (DepthPlan(4, exit_tau=0.1, min_depth=5), "min_depth <= depth"),
-    (DepthPlan(4, exit_gate=0.5), "needs a model with an exit gate"),
-])
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (DepthPlan(0), "depth must be in 1..64, got 0"),
+        (DepthPlan(torch.tensor([2, 0])), "depth must be in 1..64, got 0"),
+        (DepthPlan(4, exit_tau=0.0), "exit_tau > 0"),
+        (DepthPlan(4, exit_tau=0.1, min_depth=5), "min_depth <= depth"),
+        (DepthPlan(4, exit_gate=0.5), "needs a model with an exit gate"),
+    ],
+)
 def test_plans_are_checked_once(plan, message):
     m = _model()
     with pytest.raises(ValueError, match=message):

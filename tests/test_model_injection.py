@@ -250,8 +250,9 @@ def test_huginn_linear_states_have_unit_rms():
     with torch.no_grad():
         out = model(torch.randint(0, 50, (2, 7)), 4, init="seeded", return_states=True)
     for s in out.states:
-        torch.testing.assert_close(s.double().pow(2).mean(-1).sqrt(), torch.ones(2, 7, dtype=torch.float64),
-                                   rtol=0, atol=5e-3)  # the states are small, so eps = 1e-6 shows
+        torch.testing.assert_close(
+            s.double().pow(2).mean(-1).sqrt(), torch.ones(2, 7, dtype=torch.float64), rtol=0, atol=5e-3
+        )  # the states are small, so eps = 1e-6 shows
 
 
 def test_deq_qkv_leaves_state_unchanged_and_offsets_shapes():

@@ -39,8 +39,14 @@ def make_model(injection: str, seed: int = 0, **overrides) -> LoopedLM:
     return model
 
 
-def reference_forward(model: LoopedLM, tokens: torch.Tensor, depth: int, window: int | None, state0: torch.Tensor,
-                      return_states: bool = False):
+def reference_forward(
+    model: LoopedLM,
+    tokens: torch.Tensor,
+    depth: int,
+    window: int | None,
+    state0: torch.Tensor,
+    return_states: bool = False,
+):
     """An explicit unrolled forward from the model's low-level pieces (no doc mask, positions 0..L-1).
 
     design §3: the state entering recurrence R-k (k = min(R, b)) is cut from the graph; the injected
@@ -99,8 +105,9 @@ def test_causality_every_injection(injection, init, with_docs):
     with torch.no_grad():
         a = model(tokens, 3, **kwargs).logits
         b = model(changed, 3, **kwargs).logits
-    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6,
-                               msg=f"{injection}: a future token changed a past logit")
+    torch.testing.assert_close(
+        a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6, msg=f"{injection}: a future token changed a past logit"
+    )
     # and the perturbation is visible from t+1 on (so the test can fail)
     assert (a[:, t + 1 :] - b[:, t + 1 :]).abs().amax() > 1e-3
 
@@ -123,8 +130,9 @@ def test_document_mask_isolates_documents(injection):
         a = model(row, 4, **kw).logits
         b = model(other, 4, **kw).logits
         alone = model(doc2, 4, init="seeded", example_ids=torch.tensor([4])).logits
-    torch.testing.assert_close(a[:, n1:], b[:, n1:], rtol=0, atol=1e-6,
-                               msg="a token of document 1 leaked into document 2")
+    torch.testing.assert_close(
+        a[:, n1:], b[:, n1:], rtol=0, atol=1e-6, msg="a token of document 1 leaked into document 2"
+    )
     assert (a[:, :n1] - b[:, :n1]).abs().amax() > 1e-3
     torch.testing.assert_close(a[:, n1:], alone, rtol=1e-5, atol=1e-5)
 
@@ -292,7 +300,9 @@ def test_unknown_injection_rejected():
         LoopedLM(bad)
 
 
-@pytest.mark.parametrize("overrides", [dict(d_model=30), dict(n_kv_heads=3), dict(n_heads=8, d_model=24), dict(n_core=0)])
+@pytest.mark.parametrize(
+    "overrides", [dict(d_model=30), dict(n_kv_heads=3), dict(n_heads=8, d_model=24), dict(n_core=0)]
+)
 def test_inconsistent_shapes_rejected(overrides):
     with pytest.raises(ValueError):
         tiny(**overrides).validate()
@@ -339,20 +349,25 @@ def test_initialisation_statistics():
     truncated normal std 0.02 cut at +-3 sigma; b = 0; RMSNorm gains 1 (design §1, 2). A model wide
     enough that most layers have >= 65k weights, so the empirical std is pinned to ~0.3-1.3%."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=32,
-                      injection="huginn-linear")
+    cfg = ModelConfig(
+        vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=32, injection="huginn-linear"
+    )
     model = LoopedLM(cfg)
     d = cfg.d_model
     assert_truncated_normal("embed", model.embed.weight, 1 / math.sqrt(d))
-    linears = {name: m for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and not name.startswith("injection.")}
+    linears = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not name.startswith("injection.")
+    }
     n_blocks = cfg.n_prelude + cfg.n_core + cfg.n_coda
     assert len(linears) == 7 * n_blocks + 1 and "head" in linears  # wq wk wv wo w1 w2 w3 per block, the head
     for name, lin in linears.items():
         assert lin.bias is None, name
         assert_truncated_normal(name, lin.weight, 0.02)
-    assert_truncated_normal("all block linears", torch.cat([m.weight.flatten() for n, m in linears.items()
-                                                             if n != "head"]), 0.02)
+    assert_truncated_normal(
+        "all block linears", torch.cat([m.weight.flatten() for n, m in linears.items() if n != "head"]), 0.02
+    )
     inj = model.injection
     A = torch.cat([inj.A_state.weight, inj.A_input.weight], 1)
     assert A.shape == (d, 2 * d)

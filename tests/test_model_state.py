@@ -20,8 +20,15 @@ PHI_1 = math.erf(1 / math.sqrt(2))  # P(|Z| < 1) = 0.6827 for a standard normal
 
 def seeded(ids, L, d, **kw):
     ids = torch.as_tensor(ids)
-    return initial_state("seeded", (len(ids), L, d), device=torch.device("cpu"), dtype=torch.float32,
-                         example_ids=ids, positions=torch.arange(L).expand(len(ids), L), **kw)
+    return initial_state(
+        "seeded",
+        (len(ids), L, d),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        example_ids=ids,
+        positions=torch.arange(L).expand(len(ids), L),
+        **kw,
+    )
 
 
 def check_normal_moments(x: torch.Tensor, var: float) -> None:
@@ -54,8 +61,14 @@ def test_seeded_is_independent_of_batch_composition():
     assert torch.equal(alone[0], batch[1])
     assert torch.equal(alone[0], other_order[0])
     # a row depends on (id, position), not on where the position sits in the tensor
-    shifted = initial_state("seeded", (1, 5, 32), device=torch.device("cpu"), dtype=torch.float32,
-                            example_ids=torch.tensor([7]), positions=torch.arange(10, 15)[None])
+    shifted = initial_state(
+        "seeded",
+        (1, 5, 32),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        example_ids=torch.tensor([7]),
+        positions=torch.arange(10, 15)[None],
+    )
     assert torch.equal(shifted[0], alone[0, 10:15])
 
 

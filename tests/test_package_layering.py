@@ -59,13 +59,15 @@ def looplm_imports(path: Path, root: Path = SRC) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: level 1 is the file's package, 2 its parent, ...
-                base = package[:len(package) - node.level + 1]
+                base = package[: len(package) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
             names = [module] if module != "looplm" else [f"looplm.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Call) and "import_module" in (getattr(node.func, "attr", None),
-                                                                getattr(node.func, "id", None)):
+        elif isinstance(node, ast.Call) and "import_module" in (
+            getattr(node.func, "attr", None),
+            getattr(node.func, "id", None),
+        ):
             if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
                 names = [node.args[0].value]
         out |= {t for t in (_top(n, root) for n in names) if t is not None}
@@ -121,8 +123,10 @@ def test_the_scanner_sees_every_import_form(tmp_path):
     }
     for name, (code, _) in forms.items():
         (root / "model" / name).write_text(code)
-    fine = ("from . import sub\nfrom .sub import deeper\nimport torch\n"
-            "from looplm import ModelConfig\nfrom looplm.config import X\n")
+    fine = (
+        "from . import sub\nfrom .sub import deeper\nimport torch\n"
+        "from looplm import ModelConfig\nfrom looplm.config import X\n"
+    )
     (root / "model" / "fine.py").write_text(fine)
     for name, (_, target) in forms.items():
         assert looplm_imports(root / "model" / name, root) == {target}, name
@@ -132,6 +136,7 @@ def test_the_scanner_sees_every_import_form(tmp_path):
 
 def test_only_the_vllm_plugin_imports_vllm():
     """vLLM is an optional environment of its own: nothing outside looplm.vllm_plugin imports it."""
+
     def imports_vllm(path: Path) -> bool:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
@@ -150,8 +155,11 @@ def private_imports(root: Path = SRC) -> set[str]:
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("looplm"):
-                found |= {f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
-                          if a.name.startswith("_") and not a.name.startswith("__")}
+                found |= {
+                    f"{path.relative_to(root)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                }
     return found
 
 
@@ -176,9 +184,12 @@ def block_walks(root: Path = SRC) -> set[str]:
             if not isinstance(node, (ast.For, ast.comprehension)):
                 continue
             for sub in ast.walk(node.iter):
-                if (isinstance(sub, ast.Attribute) and sub.attr in ("prelude", "core", "coda")
-                        and not (isinstance(sub.value, ast.Name) and "cache" in sub.value.id)
-                        and not (isinstance(sub.value, ast.Attribute) and "cache" in sub.value.attr)):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and sub.attr in ("prelude", "core", "coda")
+                    and not (isinstance(sub.value, ast.Name) and "cache" in sub.value.id)
+                    and not (isinstance(sub.value, ast.Attribute) and "cache" in sub.value.attr)
+                ):
                     found.add(f"{rel}:{node.lineno if hasattr(node, 'lineno') else node.iter.lineno}")
     return found
 
@@ -188,6 +199,7 @@ def test_only_the_model_walks_its_blocks(tmp_path):
     assert {w for w in block_walks() if not w.startswith("train/parallelize.py")} == set()
     planted = tmp_path / "looplm" / "infer"
     planted.mkdir(parents=True)
-    (planted / "m.py").write_text("def f(model, cache, x):\n    for b in cache.core:\n        pass\n"
-                                  "    for b in model.core:\n        x = b(x)\n")
+    (planted / "m.py").write_text(
+        "def f(model, cache, x):\n    for b in cache.core:\n        pass\n    for b in model.core:\n        x = b(x)\n"
+    )
     assert block_walks(tmp_path / "looplm") == {"infer/m.py:4"}

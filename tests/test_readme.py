@@ -31,14 +31,63 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 RUNNABLE = {"generate", "eval", "analyze", "export", "serve"}
 # Appended options that shrink the work of a command (argparse: the last value wins).
 SMALLER = {
-    "eval": ["--max-sequences", "2", "--task-examples", "8", "--sharing-sequences", "2", "--generation-examples", "4",
-             "--device", "cpu"],
-    "analyze": ["--sequences", "2", "--horizon", "6", "--kv-depths", "2", "--solve-spans", "1", "--solve-length", "8",
-                "--sharing-sequences", "1", "--sharing-depths", "2", "--no-plots", "--device", "cpu"],
+    "eval": [
+        "--max-sequences",
+        "2",
+        "--task-examples",
+        "8",
+        "--sharing-sequences",
+        "2",
+        "--generation-examples",
+        "4",
+        "--device",
+        "cpu",
+    ],
+    "analyze": [
+        "--sequences",
+        "2",
+        "--horizon",
+        "6",
+        "--kv-depths",
+        "2",
+        "--solve-spans",
+        "1",
+        "--solve-length",
+        "8",
+        "--sharing-sequences",
+        "1",
+        "--sharing-depths",
+        "2",
+        "--no-plots",
+        "--device",
+        "cpu",
+    ],
     "generate": ["--device", "cpu", "--no-compile"],  # compiling changes speed, not text (tests/test_infer_step.py)
-    "serve": ["--device", "cpu", "--port", "0", "--no-compile"],  # looplm serve binds its port before serving: any free one
-    "distill": ["--steps", "2", "--micro-batch", "4", "--calibration-rows", "4", "--val-rows", "2", "--val-every", "0",
-                "--report-rows", "2", "--report-examples", "4", "--device", "cpu"],
+    "serve": [
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--no-compile",
+    ],  # looplm serve binds its port before serving: any free one
+    "distill": [
+        "--steps",
+        "2",
+        "--micro-batch",
+        "4",
+        "--calibration-rows",
+        "4",
+        "--val-rows",
+        "2",
+        "--val-every",
+        "0",
+        "--report-rows",
+        "2",
+        "--report-examples",
+        "4",
+        "--device",
+        "cpu",
+    ],
 }
 
 
@@ -56,7 +105,7 @@ def readme_commands() -> list[list[str]]:
                 if words[:1] == ["looplm"]:
                     commands.append(words[1:])
                 elif "looplm.cli" in words and words[:1] == ["torchrun"]:
-                    commands.append(words[words.index("looplm.cli") + 1:])
+                    commands.append(words[words.index("looplm.cli") + 1 :])
     return commands
 
 
@@ -90,7 +139,8 @@ def readme_world(tmp_path, monkeypatch):
     for i in range(24):
         (texts / f"{i:02d}.txt").write_text(f"A short held-out scene, number {i}.\nROMEO. Speak again.\n" * 3)
     (tmp_path / "path" / "to" / "choices.jsonl").write_text(
-        '{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}\n{"context": "+2,2=", "choices": ["4", "5"], "gold": 0}\n')
+        '{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}\n{"context": "+2,2=", "choices": ["4", "5"], "gold": 0}\n'
+    )
     (tmp_path / "path" / "to" / "gsm8k_test.jsonl").write_text('{"question": "1+1?", "answer": "so #### 2"}\n')
     return tmp_path
 
@@ -113,8 +163,10 @@ def test_readme_examples(readme_world, monkeypatch, capsys):
     commands = readme_commands()
     assert len(commands) > 40
     ran, parsed, served = [], [], []
-    stubs = {name: functools.wraps(fn)(lambda *a, _name=name, **k: parsed.append(_name))
-             for name, fn in cli._SUBCOMMANDS.items()}
+    stubs = {
+        name: functools.wraps(fn)(lambda *a, _name=name, **k: parsed.append(_name))
+        for name, fn in cli._SUBCOMMANDS.items()
+    }
     for argv in commands:
         if runnable(argv):
             if argv[0] == "export":
@@ -139,9 +191,18 @@ def test_readme_examples(readme_world, monkeypatch, capsys):
             assert rc == 0 and parsed, (argv, err[-2000:])
             parsed.clear()
     names = {tuple(a[:2]) for a in ran}
-    for need in [("eval", "runs/tasks"), ("eval", "runs/tiny"), ("generate", "runs/tiny"), ("generate", "runs/tasks"),
-                 ("analyze", "runs/tiny"), ("serve", "runs/tiny"), ("distill", "runs/tiny2k"),
-                 ("generate", "runs/tiny2k"), ("eval", "runs/tiny2k"), ("export", "runs/tiny")]:
+    for need in [
+        ("eval", "runs/tasks"),
+        ("eval", "runs/tiny"),
+        ("generate", "runs/tiny"),
+        ("generate", "runs/tasks"),
+        ("analyze", "runs/tiny"),
+        ("serve", "runs/tiny"),
+        ("distill", "runs/tiny2k"),
+        ("generate", "runs/tiny2k"),
+        ("eval", "runs/tiny2k"),
+        ("export", "runs/tiny"),
+    ]:
         assert need in names, need
     assert served and served[0]["choices"][0]["text"] is not None
     assert (readme_world / "out" / "hf" / "config.json").is_file()

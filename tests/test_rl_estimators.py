@@ -11,8 +11,18 @@ import torch
 from looplm.data import ByteTokenizer
 from looplm.model import LoopedLM
 from looplm.rl import (
-    ESTIMATORS, SavedStateError, SavedStates, action_logprobs, check_saved_states, clipped_policy_loss,
-    endpoint_backward, group_advantages, neumann_backward, rollout, score_and_backward, token_hash,
+    ESTIMATORS,
+    SavedStateError,
+    SavedStates,
+    action_logprobs,
+    check_saved_states,
+    clipped_policy_loss,
+    endpoint_backward,
+    group_advantages,
+    neumann_backward,
+    rollout,
+    score_and_backward,
+    token_hash,
 )
 from looplm.rl.estimators import bptt_backward, recompute_endpoints, reference_logits
 
@@ -65,8 +75,9 @@ def test_neumann_approaches_the_implicit_gradient_within_the_contraction_bound()
         r = H @ z_star - y
         g = H.T @ r
         v_inf = torch.linalg.solve(torch.eye(d, dtype=torch_f64) - A.T, g)  # (I - J^T)^{-1} g
-        implicit = torch.cat([torch.outer(v_inf, z_star).flatten(), torch.outer(v_inf, x).flatten(),
-                              torch.outer(r, z_star).flatten()])
+        implicit = torch.cat(
+            [torch.outer(v_inf, z_star).flatten(), torch.outer(v_inf, x).flatten(), torch.outer(r, z_star).flatten()]
+        )
         B_norm = torch.cat([z_star, x]).norm()  # ||B||_2 for B^T v = (v z*^T, v x^T)
     errors = []
     for b in range(1, 25):
@@ -125,8 +136,16 @@ def test_model_neumann_update_matches_a_dense_jacobian_reference(tiny_model_conf
     for n, p in model.named_parameters():
         want = c[n] + (p.grad if p.grad is not None else torch.zeros_like(p))
         torch.testing.assert_close(got[n], want, rtol=1e-8, atol=1e-10, msg=n)
-    assert all(got[n].abs().sum() > 0 for n in ("embed.weight", "prelude.0.attn.wq.weight", "core.1.ffn.w2.weight",
-                                                "coda.0.ffn.w1.weight", "head.weight"))
+    assert all(
+        got[n].abs().sum() > 0
+        for n in (
+            "embed.weight",
+            "prelude.0.attn.wq.weight",
+            "core.1.ffn.w2.weight",
+            "coda.0.ffn.w1.weight",
+            "head.weight",
+        )
+    )
 
 
 def test_neumann_update_approaches_bptt_at_a_fixed_point(tiny_model_config):
@@ -233,8 +252,7 @@ def test_mismatched_and_missing_saved_states_are_rejected(setup):
     with pytest.raises(SavedStateError, match="none were given"):
         check_saved_states(None, model, ro.tokens, ro.example_ids, 3)
     with pytest.raises(SavedStateError, match="none were given"):
-        score_and_backward("reuse", model, ro, objective, depth=3,
-                           states=SavedStates(None, 3, s.version, s.tokens))
+        score_and_backward("reuse", model, ro, objective, depth=3, states=SavedStates(None, 3, s.version, s.tokens))
     wrong_shape = SavedStates(s.endpoints[:, :-1], 3, s.version, s.tokens)
     with pytest.raises(SavedStateError, match="shape"):
         check_saved_states(wrong_shape, model, ro.tokens, ro.example_ids, 3)
@@ -254,6 +272,7 @@ def test_reference_logits_follow_each_estimators_scoring_path(setup):
         def objective(logits):
             seen[est] = logits.detach().clone()
             return logits.float().logsumexp(-1).mean()
+
         return objective
 
     twin = copy.deepcopy(model).requires_grad_(False)

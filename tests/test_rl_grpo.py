@@ -16,9 +16,20 @@ def test_group_advantages_hand_example():
     adv = group_advantages(rewards, 4)
     s1 = math.sqrt((4 * 0.25) / 3)  # group 1: mean 0.5, sample std sqrt(1/3)
     s3 = math.sqrt((1 + 1 + 0 + 0) / 3)  # group 3: mean 2
-    want = [0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), -0.5 / (s1 + 1e-4), 0.5 / (s1 + 1e-4),
-            0, 0, 0, 0,  # a uniform group has no advantage
-            1 / (s3 + 1e-4), -1 / (s3 + 1e-4), 0, 0]
+    want = [
+        0.5 / (s1 + 1e-4),
+        -0.5 / (s1 + 1e-4),
+        -0.5 / (s1 + 1e-4),
+        0.5 / (s1 + 1e-4),
+        0,
+        0,
+        0,
+        0,  # a uniform group has no advantage
+        1 / (s3 + 1e-4),
+        -1 / (s3 + 1e-4),
+        0,
+        0,
+    ]
     torch.testing.assert_close(adv, torch.tensor(want), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="group_size >= 2"):
         group_advantages(rewards, 1)
@@ -49,7 +60,7 @@ def test_one_inner_iteration_gives_the_policy_gradient_and_kl_penalty():
     ref = torch.log(torch.tensor([[0.3, 0.5], [0.6, 0.3]], dtype=torch.float64))
     loss, stats = clipped_policy_loss(logp, adv, mask, kl_coef=0.1, ref_logp=ref)
     diff = ref - logp.detach()
-    kl = (diff.exp() - diff - 1)  # k3: e^0.405 - 0.405 - 1 = 0.0945, 0, e^-0.405 - ... = 0.0721, 0
+    kl = diff.exp() - diff - 1  # k3: e^0.405 - 0.405 - 1 = 0.0945, 0, e^-0.405 - ... = 0.0721, 0
     assert stats["kl"] == pytest.approx(float(kl.mean()))
     assert loss.item() == pytest.approx(-float(adv.mean()) + 0.1 * float(kl.mean()))  # ratio = 1: -A mean + KL
     loss.backward()

@@ -35,10 +35,10 @@ def test_layout_and_depth_one_endpoints_equal_the_native_forward(model):
         prompt = tok.encode(PROMPTS[i // 2])
         P, T = len(prompt), ro.completion_lengths[i]
         row = prompt + ro.completions[i]
-        assert ro.tokens[i, :P + T - 1].tolist() == row[:-1]
-        assert ro.targets[i, :P + T - 1].tolist() == row[1:]
+        assert ro.tokens[i, : P + T - 1].tolist() == row[:-1]
+        assert ro.targets[i, : P + T - 1].tolist() == row[1:]
         assert ro.mask[i].nonzero()[:, 0].tolist() == list(range(P - 1, P + T - 1))
-        assert (ro.tokens[i, P + T - 1:] == tok.pad_id).all()
+        assert (ro.tokens[i, P + T - 1 :] == tok.pad_id).all()
     native = model(ro.tokens, 1, init="seeded", example_ids=ro.example_ids)
     for i in range(N):
         n = int(ro.mask[i].nonzero().max()) + 1
@@ -64,7 +64,7 @@ def test_endpoints_at_depth_match_an_unbatched_terminal_replay(model):
             zs = [extend(model, torch.tensor([prompt]), cache, R, example_ids=ids).endpoint[0]]
             for t in ro.completions[i][:-1]:
                 zs.append(extend(model, torch.tensor([[t]]), cache, R, example_ids=ids).endpoint[0])
-        torch.testing.assert_close(ro.states.endpoints[i, :P + T - 1], torch.cat(zs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ro.states.endpoints[i, : P + T - 1], torch.cat(zs), rtol=1e-5, atol=1e-5)
 
 
 def test_stop_strings_end_a_row_and_are_cut_from_the_text(model):

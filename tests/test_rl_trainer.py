@@ -32,9 +32,32 @@ def length_reward():
 
 
 def rl_args(source: Path, out: Path, *extra) -> list[str]:
-    return ["rl", str(source), "--out-dir", str(out), "--steps", "2", "--prompts-per-step", "2", "--group-size", "3",
-            "--depth", "2", "--max-new-tokens", "4", "--eval-every", "0", "--reward", "length", "--lr", "1e-3",
-            "--device", "cpu", "--no-progress", *map(str, extra)]
+    return [
+        "rl",
+        str(source),
+        "--out-dir",
+        str(out),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "3",
+        "--depth",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-every",
+        "0",
+        "--reward",
+        "length",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        "--no-progress",
+        *map(str, extra),
+    ]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -74,13 +97,16 @@ def test_resume_continues_exactly(source, tmp_path):
     assert rewards(tmp_path / "split") == rewards(tmp_path / "full")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--group-size", "1"), "group_size must be >= 2"),
-    (("--depth", "0"), "depth must be in 1.."),
-    (("--neumann", "-1"), "neumann must be >= 0"),
-    (("--source", "nowhere.jsonl"), "neither 'tasks' nor a GSM8K-format JSONL"),
-    (("--reward", "nope"), "unknown reward"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--group-size", "1"), "group_size must be >= 2"),
+        (("--depth", "0"), "depth must be in 1.."),
+        (("--neumann", "-1"), "neumann must be >= 0"),
+        (("--source", "nowhere.jsonl"), "neither 'tasks' nor a GSM8K-format JSONL"),
+        (("--reward", "nope"), "unknown reward"),
+    ],
+)
 def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):
     assert main(rl_args(source, tmp_path / "bad", *extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -102,9 +128,26 @@ def test_gsm8k_jsonl_source_with_a_kl_penalty(source, tmp_path):
     data = tmp_path / "gsm.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) for i in range(6)))
     out = tmp_path / "gsm"
-    args = rl_args(source, out, "--source", data, "--eval-jsonl", data, "--eval-every", "1", "--eval-examples", "3",
-                   "--eval-samples", "2", "--kl-coef", "0.05", "--prompt-template", "Q:{question}\nA:",
-                   "--estimator", "bptt")
+    args = rl_args(
+        source,
+        out,
+        "--source",
+        data,
+        "--eval-jsonl",
+        data,
+        "--eval-every",
+        "1",
+        "--eval-examples",
+        "3",
+        "--eval-samples",
+        "2",
+        "--kl-coef",
+        "0.05",
+        "--prompt-template",
+        "Q:{question}\nA:",
+        "--estimator",
+        "bptt",
+    )
     assert main(args) == 0
     records = [r for r in read_metrics(out) if "reward" in r]
     assert len(records) == 2 and all(r["kl"] >= 0 for r in records)

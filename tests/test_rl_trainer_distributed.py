@@ -86,9 +86,32 @@ def source(tmp_path_factory) -> Path:
 
 def rl_args(source: Path, out: Path, extra) -> list[str]:
     # a random model never answers correctly: reward the completion length so that groups differ
-    return ["rl", str(source), "--out-dir", str(out), "--steps", str(STEPS), "--prompts-per-step", "4",
-            "--group-size", "3", "--depth", "2", "--max-new-tokens", "4", "--eval-every", "0", "--reward", "length",
-            "--lr", "1e-3", "--device", "cpu", "--no-progress", *extra]
+    return [
+        "rl",
+        str(source),
+        "--out-dir",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "3",
+        "--depth",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-every",
+        "0",
+        "--reward",
+        "length",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +138,9 @@ def runs(source, tmp_path_factory):
         rl_trainer.rollout = rollout
         REWARDS.pop("length")
     (root / "rank.py").write_text(RANK_SCRIPT)
-    (root / "runs.json").write_text(json.dumps({name: rl_args(source, root / f"ranks-{name}", extra)
-                                                for name, extra in RUNS.items()}))
+    (root / "runs.json").write_text(
+        json.dumps({name: rl_args(source, root / f"ranks-{name}", extra) for name, extra in RUNS.items()})
+    )
     reports = root / "reports"
     reports.mkdir()
     cmd = torchrun_cmd(2, root / "rank.py", reports, root / "runs.json")
@@ -141,16 +165,25 @@ def test_two_ranks_match_one_process(runs, source, name):
     ref, got = step_records(root / f"single-{name}"), step_records(root / f"ranks-{name}")
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for s in ref:
-        for key in ("reward", "pass@1", "pass@3", "completion_len", "completion_len_max", "stopped_frac",
-                    "uniform_group_frac"):
+        for key in (
+            "reward",
+            "pass@1",
+            "pass@3",
+            "completion_len",
+            "completion_len_max",
+            "stopped_frac",
+            "uniform_group_frac",
+        ):
             assert got[s][key] == pytest.approx(ref[s][key], rel=1e-12), (s, key)
         # (recompute's endpoint residual also averages over padding, so it depends on the batch layout)
         for key in ("loss", "grad_norm", "clip_frac", "logp_gap", "kl", *(("endpoint_residual",) * (name == "reuse"))):
             if key in ref[s]:
                 assert got[s][key] == pytest.approx(ref[s][key], rel=1e-5, abs=1e-6), (s, key)
     assert ("kl" in ref[1]) == (name == "recompute") and ("endpoint_residual" in ref[1]) == (name != "bptt")
-    evals = lambda out: [{k: v for k, v in r.items() if k.startswith("eval")}  # noqa: E731
-                         for r in read_metrics(out) if "eval_reward" in r]
+
+    def evals(out):
+        return [{k: v for k, v in r.items() if k.startswith("eval")} for r in read_metrics(out) if "eval_reward" in r]
+
     assert evals(root / f"ranks-{name}") == evals(root / f"single-{name}")
     assert len(evals(root / f"single-{name}")) == (2 if name == "reuse" else 0)  # before step 1 and after the last
     # rank 0 alone wrote the checkpoint and printed; the weights are one process's

@@ -114,18 +114,21 @@ def test_openai_client_completions_chat_and_streaming(model):
         assert done.choices[0].text == want and done.choices[0].finish_reason in ("stop", "length")
         assert done.usage.prompt_tokens == 3 and done.usage.completion_tokens >= 1
         assert done.usage.model_extra["mean_decode_depth"] == 3.0
-        deep = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0,
-                                         extra_body={"depth": 5})
+        deep = client.completions.create(
+            model=NAME, prompt="abc", max_tokens=12, temperature=0, extra_body={"depth": 5}
+        )
         assert deep.choices[0].text == _alone(model, "abc", 5, 12)
-        stream = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0, stream=True,
-                                           stream_options={"include_usage": True})
+        stream = client.completions.create(
+            model=NAME, prompt="abc", max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
         echoed = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0, echo=True)
         assert echoed.choices[0].text == "abc" + want
-        streamed = client.completions.create(model=NAME, prompt="abc", max_tokens=12, temperature=0, echo=True,
-                                             stream=True)
+        streamed = client.completions.create(
+            model=NAME, prompt="abc", max_tokens=12, temperature=0, echo=True, stream=True
+        )
         assert "".join(c.choices[0].text for c in streamed if c.choices) == "abc" + want
 
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -133,16 +136,16 @@ def test_openai_client_completions_chat_and_streaming(model):
         want_chat = _alone(model, prompt, 3, 10, stop=CHAT_STOP)
         chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
         assert chat.choices[0].message.content == want_chat and chat.choices[0].message.role == "assistant"
-        pieces = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
-                                                stream=True)
+        pieces = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
         assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == want_chat
         unbounded = client.chat.completions.create(model=NAME, messages=messages, temperature=0)  # no max_tokens
         n_prompt = len(TOK.encode(prompt))
         assert unbounded.usage.prompt_tokens == n_prompt
         assert unbounded.choices[0].message.content == _alone(model, prompt, 3, 64 - n_prompt + 1, stop=CHAT_STOP)
 
-        two = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=5, temperature=0,
-                                        logprobs=2)
+        two = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=5, temperature=0, logprobs=2)
         assert [c.index for c in two.choices] == [0, 1, 2, 3]
         assert [c.text for c in two.choices] == [_alone(model, p, 3, 5) for p in ("ab", "ab", "cd", "cd")]
         lp = two.choices[0].logprobs
@@ -155,16 +158,19 @@ def test_openai_client_completions_chat_and_streaming(model):
 @pytest.mark.parametrize("mode", ["terminal", "full"])
 def test_sixteen_concurrent_requests_match_their_replay_alone(model, mode):
     rng = random.Random(0)
-    jobs = [("".join(rng.choice("abcdefgh +=") for _ in range(rng.randint(1, 20))), 1 + i % 4, rng.randint(2, 20))
-            for i in range(16)]
+    jobs = [
+        ("".join(rng.choice("abcdefgh +=") for _ in range(rng.randint(1, 20))), 1 + i % 4, rng.randint(2, 20))
+        for i in range(16)
+    ]
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=4, cache=mode))
     with serving(engine) as url:
         client = _client(url)
 
         def ask(job):
             prompt, depth, n = job
-            return client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, logprobs=2,
-                                             extra_body={"depth": depth}).choices[0]
+            return client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=n, temperature=0, logprobs=2, extra_body={"depth": depth}
+            ).choices[0]
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             got = list(pool.map(ask, jobs))
@@ -229,31 +235,52 @@ def _malformed(n_ctx: int) -> list[tuple[str, object]]:
     ok = {"model": NAME, "prompt": "ab", "max_tokens": 4}
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
     cases = [
-        ("/v1/completions", "{not json"), ("/v1/completions", ""), ("/v1/completions", "[1, 2]"),
-        ("/v1/chat/completions", "{\"messages\": "),
-        ("/v1/completions", {**ok, "max_tokens": -1}), ("/v1/completions", {**ok, "max_tokens": 0}),
-        ("/v1/completions", {**ok, "max_tokens": "many"}), ("/v1/completions", {**ok, "prompt": 7}),
-        ("/v1/completions", {**ok, "prompt": []}), ("/v1/completions", {**ok, "prompt": ""}),
-        ("/v1/completions", {"model": NAME}), ("/v1/completions", {**ok, "model": "gpt-4"}),
-        ("/v1/completions", {**ok, "prompt": "x" * n_ctx}), ("/v1/completions", {**ok, "max_tokens": n_ctx}),
-        ("/v1/completions", {**ok, "depth": 0}), ("/v1/completions", {**ok, "depth": 99}),
-        ("/v1/completions", {**ok, "depth": "deep"}), ("/v1/completions", {**ok, "prefill_depth": 0}),
-        ("/v1/completions", {**ok, "exit_tau": -1}), ("/v1/completions", {**ok, "exit_tau": 0.1, "min_depth": 9}),
-        ("/v1/completions", {**ok, "temperature": -0.5}), ("/v1/completions", {**ok, "top_p": 0}),
-        ("/v1/completions", {**ok, "top_p": 1.5}), ("/v1/completions", {**ok, "top_k": -3}),
-        ("/v1/completions", {**ok, "n": 0}), ("/v1/completions", {**ok, "n": 1000}),
-        ("/v1/completions", {**ok, "stop": ""}), ("/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}),
-        ("/v1/completions", {**ok, "logprobs": 50}), ("/v1/completions", {**ok, "presence_penalty": 1.0}),
-        ("/v1/completions", {**ok, "logit_bias": {"5": 10}}), ("/v1/completions", {**ok, "best_of": 3}),
-        ("/v1/completions", {**ok, "prompt": [999999]}), ("/v1/completions", {**ok, "prompt": [-1]}),
-        ("/v1/completions", {**ok, "seed": "s"}), ("/v1/completions", {**ok, "suffix": "end"}),
+        ("/v1/completions", "{not json"),
+        ("/v1/completions", ""),
+        ("/v1/completions", "[1, 2]"),
+        ("/v1/chat/completions", '{"messages": '),
+        ("/v1/completions", {**ok, "max_tokens": -1}),
+        ("/v1/completions", {**ok, "max_tokens": 0}),
+        ("/v1/completions", {**ok, "max_tokens": "many"}),
+        ("/v1/completions", {**ok, "prompt": 7}),
+        ("/v1/completions", {**ok, "prompt": []}),
+        ("/v1/completions", {**ok, "prompt": ""}),
+        ("/v1/completions", {"model": NAME}),
+        ("/v1/completions", {**ok, "model": "gpt-4"}),
+        ("/v1/completions", {**ok, "prompt": "x" * n_ctx}),
+        ("/v1/completions", {**ok, "max_tokens": n_ctx}),
+        ("/v1/completions", {**ok, "depth": 0}),
+        ("/v1/completions", {**ok, "depth": 99}),
+        ("/v1/completions", {**ok, "depth": "deep"}),
+        ("/v1/completions", {**ok, "prefill_depth": 0}),
+        ("/v1/completions", {**ok, "exit_tau": -1}),
+        ("/v1/completions", {**ok, "exit_tau": 0.1, "min_depth": 9}),
+        ("/v1/completions", {**ok, "temperature": -0.5}),
+        ("/v1/completions", {**ok, "top_p": 0}),
+        ("/v1/completions", {**ok, "top_p": 1.5}),
+        ("/v1/completions", {**ok, "top_k": -3}),
+        ("/v1/completions", {**ok, "n": 0}),
+        ("/v1/completions", {**ok, "n": 1000}),
+        ("/v1/completions", {**ok, "stop": ""}),
+        ("/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}),
+        ("/v1/completions", {**ok, "logprobs": 50}),
+        ("/v1/completions", {**ok, "presence_penalty": 1.0}),
+        ("/v1/completions", {**ok, "logit_bias": {"5": 10}}),
+        ("/v1/completions", {**ok, "best_of": 3}),
+        ("/v1/completions", {**ok, "prompt": [999999]}),
+        ("/v1/completions", {**ok, "prompt": [-1]}),
+        ("/v1/completions", {**ok, "seed": "s"}),
+        ("/v1/completions", {**ok, "suffix": "end"}),
         ("/v1/chat/completions", {**chat, "messages": []}),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "hi"}]}),
         ("/v1/chat/completions", {**chat, "messages": [{"content": "hi"}]}),
-        ("/v1/chat/completions", {**chat, "messages": "hi"}), ("/v1/chat/completions", {**chat, "top_logprobs": 3}),
-        ("/v1/chat/completions", {**chat, "max_tokens": -5}), ("/v1/chat/completions", {**chat, "model": "nope"}),
+        ("/v1/chat/completions", {**chat, "messages": "hi"}),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 3}),
+        ("/v1/chat/completions", {**chat, "max_tokens": -5}),
+        ("/v1/chat/completions", {**chat, "model": "nope"}),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * n_ctx}]}),
-        ("/v1/chat/completions", {**chat, "depth": 0}), ("/v1/nothing", ok),
+        ("/v1/chat/completions", {**chat, "depth": 0}),
+        ("/v1/nothing", ok),
     ]
     out = []
     while len(out) < 100:  # the kinds again with other values, to 100 requests
@@ -277,8 +304,9 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_answering(model):
             assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
             assert r.json()["error"]["message"], r.text
         assert len(statuses) == 100 and statuses.count(404) >= 2
-        ok = http.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 12,
-                                                     "temperature": 0})
+        ok = http.post(
+            f"{url}/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 12, "temperature": 0}
+        )
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _alone(model, "abc", 3, 12)
     assert engine.pool.running == 0 and not engine._pending
 
@@ -318,10 +346,17 @@ def test_metrics_and_health(model):
         assert http.get(f"{url}/health").json()["status"] == "ok"
         http.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0})
         text = http.get(f"{url}/metrics").text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
-    for name in ("looplm_queue_length", "looplm_running_sequences", "looplm_tokens_per_second",
-                 "looplm_mean_decode_depth", "looplm_cache_bytes_in_use", "looplm_cache_bytes_capacity"):
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
+    for name in (
+        "looplm_queue_length",
+        "looplm_running_sequences",
+        "looplm_tokens_per_second",
+        "looplm_mean_decode_depth",
+        "looplm_cache_bytes_in_use",
+        "looplm_cache_bytes_capacity",
+    ):
         assert name in values, name
     assert values["looplm_generated_tokens_total"] == engine.generated_tokens > 0
     assert values["looplm_prompt_tokens_total"] == 5
@@ -340,9 +375,13 @@ def test_looplm_serve_command(tmp_path):
 
     run = write_random_run(tmp_path / "run")
     step = run / "checkpoints" / "step_0000001"  # a checkpoint folder is served under its run's name
-    proc = subprocess.Popen(looplm_cmd("serve", str(step), "--port", "0", "--max-batch", "2", "--depth", "2",
-                                       "--max-seq-len", "64"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    proc = subprocess.Popen(
+        looplm_cmd("serve", str(step), "--port", "0", "--max-batch", "2", "--depth", "2", "--max-seq-len", "64"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    )
     lines: queue.Queue = queue.Queue()
 
     def read():
@@ -366,8 +405,11 @@ def test_looplm_serve_command(tmp_path):
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["run"] and models[0]["max_model_len"] == 64
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                       json={"prompt": "+12,34=", "max_tokens": 4, "temperature": 0})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=30,
+            json={"prompt": "+12,34=", "max_tokens": 4, "temperature": 0},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         proc.terminate()
@@ -377,8 +419,9 @@ def test_looplm_serve_command(tmp_path):
         seen.append(line)
     out = "".join(seen)
     assert "serving 'run' on http://127.0.0.1:" in out and "(terminal cache, 2 slots x 64 positions" in out
-    bad = subprocess.run(looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True,
-                         env=subprocess_env())
+    bad = subprocess.run(
+        looplm_cmd("serve", str(run), "--cache", "paged"), capture_output=True, text=True, env=subprocess_env()
+    )
     assert bad.returncode == 2 and "--cache" in error_line(bad.stderr)
 
 
@@ -395,27 +438,35 @@ def test_looplm_serve_on_a_busy_port_is_one_error_line(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        got = subprocess.run(looplm_cmd("serve", str(run), "--port", str(port)), capture_output=True, text=True,
-                             env=subprocess_env(), timeout=120)
+        got = subprocess.run(
+            looplm_cmd("serve", str(run), "--port", str(port)),
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=120,
+        )
     assert got.returncode == 2, got.stderr
     assert error_line(got.stderr).startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
     assert "serving" not in got.stdout and "Uvicorn" not in got.stderr
 
 
-@pytest.mark.parametrize(("flags", "needs_model", "message"), [
-    (["--port", "70000"], False, "--port must be in 0..65535"),
-    (["--port", "-1"], False, "--port must be in 0..65535"),
-    (["--depth", "0"], False, "--depth must be >= 1"),
-    (["--max-batch", "0"], False, "--max-batch must be >= 1"),
-    (["--max-queue", "0"], False, "--max-queue must be >= 1"),
-    (["--max-seq-len", "1"], False, "--max-seq-len must be >= 2"),
-    (["--depth", "4", "--max-depth", "3"], False, "--max-depth (3) must be >= --depth (4)"),
-    (["--cache", "full", "--prefill", "student"], False, "--prefill student writes terminal banks"),
-    (["--host", "no-such-host.invalid", "--port", "0"], False, "cannot listen on no-such-host.invalid:0: "),
-    (["--port", "0", "--depth", "100"], True, "--depth must be in 1..64 (the model's max_depth), got 100"),
-    (["--port", "0", "--max-depth", "65"], True, "--max-depth must be in 1..64"),
-    (["--port", "0", "--max-seq-len", "100000"], True, "--max-seq-len must be in 2..64 (the model's context)"),
-])
+@pytest.mark.parametrize(
+    ("flags", "needs_model", "message"),
+    [
+        (["--port", "70000"], False, "--port must be in 0..65535"),
+        (["--port", "-1"], False, "--port must be in 0..65535"),
+        (["--depth", "0"], False, "--depth must be >= 1"),
+        (["--max-batch", "0"], False, "--max-batch must be >= 1"),
+        (["--max-queue", "0"], False, "--max-queue must be >= 1"),
+        (["--max-seq-len", "1"], False, "--max-seq-len must be >= 2"),
+        (["--depth", "4", "--max-depth", "3"], False, "--max-depth (3) must be >= --depth (4)"),
+        (["--cache", "full", "--prefill", "student"], False, "--prefill student writes terminal banks"),
+        (["--host", "no-such-host.invalid", "--port", "0"], False, "cannot listen on no-such-host.invalid:0: "),
+        (["--port", "0", "--depth", "100"], True, "--depth must be in 1..64 (the model's max_depth), got 100"),
+        (["--port", "0", "--max-depth", "65"], True, "--max-depth must be in 1..64"),
+        (["--port", "0", "--max-seq-len", "100000"], True, "--max-seq-len must be in 2..64 (the model's context)"),
+    ],
+)
 def test_looplm_serve_refuses_bad_options_with_one_error_line(tmp_path, capsys, flags, needs_model, message):
     """Each bad option is a user error naming it (exit 2), not an internal error: those about the model
     once it has loaded, the others before anything loads (the checkpoint is not even there)."""
@@ -447,8 +498,9 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_slot():
     import socket
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=2048,
-                      max_depth=4)
+    cfg = ModelConfig(
+        vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=2048, max_depth=4
+    )
     engine = Engine(LoopedLM(cfg).eval(), TOK, EngineConfig(max_batch=1, depth=2))
     decode = engine._decode
 
@@ -460,8 +512,10 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_slot():
     body = json.dumps({"model": NAME, "prompt": "abc", "max_tokens": 2000, "temperature": 0}).encode()
     with serving(engine, api_key="sekret") as url:
         client = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                       b"Authorization: Bearer sekret\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer sekret\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         _until(lambda: engine.generated_tokens >= 5, "the request to decode")
         client.close()
         _until(lambda: engine.pool.running == 0, "the slot to be freed")
@@ -496,8 +550,9 @@ def test_logprobs_spell_each_token_by_its_own_bytes(model):
 
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, cache="full"))
     with TestClient(create_app(engine, NAME)) as http:
-        got = http.post("/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 8,
-                                                 "temperature": 0, "logprobs": 5}).json()["choices"][0]["logprobs"]
+        got = http.post(
+            "/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0, "logprobs": 5}
+        ).json()["choices"][0]["logprobs"]
         steps = _native_steps(model, "hello", len(got["tokens"]), 5)
         assert got["tokens"] == [_spelled(t)[0] for t, _, _ in steps]
         for top, (_, _, want) in zip(got["top_logprobs"], steps):
@@ -506,9 +561,17 @@ def test_logprobs_spell_each_token_by_its_own_bytes(model):
         assert any(sum(t >= 128 for t, _ in want) >= 2 for _, _, want in steps)  # keys that used to collide
 
         prompt = "user: hi\nassistant:"
-        chat = http.post("/v1/chat/completions", json={
-            "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
-            "logprobs": True, "top_logprobs": 3}).json()["choices"][0]["logprobs"]["content"]
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": NAME,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 3,
+            },
+        ).json()["choices"][0]["logprobs"]["content"]
         steps = _native_steps(model, prompt, len(chat), 3)
         for entry, (token, lp, top) in zip(chat, steps):
             assert (entry["token"], entry["bytes"]) == _spelled(token)
@@ -529,10 +592,18 @@ def test_every_chunk_of_a_stream_has_the_same_created(model, monkeypatch):
     monkeypatch.setattr(api, "time", SimpleNamespace(time=lambda: float(next(ticks))))
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
     with TestClient(create_app(engine, NAME)) as http:
-        for path, body in (("/v1/completions", {"prompt": "abc"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-            body = {**body, "model": NAME, "max_tokens": 6, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
+        for path, body in (
+            ("/v1/completions", {"prompt": "abc"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            body = {
+                **body,
+                "model": NAME,
+                "max_tokens": 6,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             with http.stream("POST", path, json=body) as r:
                 chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
             assert len(chunks) >= 3 and len({c["created"] for c in chunks}) == 1, path
@@ -543,9 +614,28 @@ def test_null_optional_fields_mean_their_defaults(model):
     from fastapi.testclient import TestClient
 
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
-    optional = ["temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "frequency_penalty",
-                "presence_penalty", "logit_bias", "user", "depth", "prefill_depth", "exit_tau", "min_depth",
-                "max_tokens", "logprobs", "echo", "best_of", "suffix"]
+    optional = [
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "user",
+        "depth",
+        "prefill_depth",
+        "exit_tau",
+        "min_depth",
+        "max_tokens",
+        "logprobs",
+        "echo",
+        "best_of",
+        "suffix",
+    ]
     with TestClient(create_app(engine, NAME)) as http:
         base = {"model": NAME, "prompt": "abc", "seed": 7}  # temperature defaults to 1: a seeded sample
         nulls = http.post("/v1/completions", json={**base, **{f: None for f in optional}})
@@ -566,8 +656,10 @@ def test_a_seed_out_of_range_is_400_before_any_prefill(model):
         for seed in (2**64, -(2**63) - 1):
             r = http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "temperature": 1.0, "seed": seed})
             assert r.status_code == 400 and "seed must be in" in r.json()["error"]["message"], r.text
-        last = http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 2, "n": 2,
-                                                  "temperature": 1.0, "seed": 2**64 - 1})  # choice 2 gets seed+1
+        last = http.post(
+            "/v1/completions",
+            json={"model": NAME, "prompt": "abc", "max_tokens": 2, "n": 2, "temperature": 1.0, "seed": 2**64 - 1},
+        )  # choice 2 gets seed+1
         assert last.status_code == 400, last.text
     assert engine.prompt_tokens == 0 and engine.finished == {}
 
@@ -582,11 +674,15 @@ def test_more_choices_than_the_queue_holds_is_400_not_429(model):
         for body in ({"prompt": "abc", "n": 4}, {"prompt": ["ab", "cd"], "n": 2}):
             r = http.post("/v1/completions", json={"model": NAME, "max_tokens": 2, **body})
             assert r.status_code == 400 and "max_queue 3" in r.json()["error"]["message"], r.text
-        r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                                    "max_tokens": 2, "n": 4})
+        r = http.post(
+            "/v1/chat/completions",
+            json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 4},
+        )
         assert r.status_code == 400, r.text
-        assert http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 2,
-                                                  "n": 3}).status_code == 200
+        assert (
+            http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 2, "n": 3}).status_code
+            == 200
+        )
     assert engine.prompt_tokens == 3 * 3
 
 
@@ -631,8 +727,15 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
     ids = TOK.encode(prompt)
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=5))
     with TestClient(create_app(engine, NAME)) as http:
-        body = {"model": NAME, "prompt": prompt, "echo": True, "logprobs": 2, "temperature": 0,
-                "depth": 2, "prefill_depth": 5}
+        body = {
+            "model": NAME,
+            "prompt": prompt,
+            "echo": True,
+            "logprobs": 2,
+            "temperature": 0,
+            "depth": 2,
+            "prefill_depth": 5,
+        }
         scored = http.post("/v1/completions", json={**body, "max_tokens": 0})
         assert scored.status_code == 200, scored.text
         choice = scored.json()["choices"][0]
@@ -644,8 +747,9 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
         assert torch.allclose(torch.tensor(lp["token_logprobs"][1:]), want, atol=1e-5, rtol=0)
         for top, row in zip(lp["top_logprobs"][1:], native):
             best = row.topk(2)
-            assert top == pytest.approx({_spelled(t)[0]: v for t, v in zip(best.indices.tolist(),
-                                                                           best.values.tolist())}, abs=1e-5)
+            assert top == pytest.approx(
+                {_spelled(t)[0]: v for t, v in zip(best.indices.tolist(), best.values.tolist())}, abs=1e-5
+            )
         # offsets into the prompt text: both bytes of "\u00e9" start at its character
         assert lp["text_offset"] == _char_of_each_byte(prompt) == [*range(14), 13]
         assert scored.json()["usage"]["completion_tokens"] == 0
@@ -663,13 +767,20 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(model):
 
         plain = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0})
         assert plain.status_code == 200 and plain.json()["choices"][0] == {
-            "index": 0, "text": prompt, "logprobs": None, "finish_reason": "length"}
+            "index": 0,
+            "text": prompt,
+            "logprobs": None,
+            "finish_reason": "length",
+        }
         refused = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 0})
         assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]
 
         stream = http.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
-        chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:])
+            for line in stream.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
         for c in chunks:
             for key in merged:
@@ -712,15 +823,20 @@ class _ScriptedEngine:
 
         if request.prompt_logprobs is not None:
             n = len(request.prompt_ids) - 1
-            sink(PromptLogprobs([-1.0] * n, [[(t, -1.0)] for t in request.prompt_ids[1:]] if request.prompt_logprobs else None))
+            sink(
+                PromptLogprobs(
+                    [-1.0] * n, [[(t, -1.0)] for t in request.prompt_ids[1:]] if request.prompt_logprobs else None
+                )
+            )
         utf8, text = codecs.getincrementaldecoder("utf-8")(), ""
-        ids = self.reply[:request.sampling.max_new_tokens]
+        ids = self.reply[: request.sampling.max_new_tokens]
         for t in ids:
             piece = utf8.decode(bytes([t]))
             text += piece
             sink(Token(t, piece, 1, -0.5, [(t, -0.5)] if request.logprobs else None))
-        handle = SimpleNamespace(finish=Finish("length", text, "", len(request.prompt_ids), len(ids), 1.0),
-                                 cancel=lambda: None)
+        handle = SimpleNamespace(
+            finish=Finish("length", text, "", len(request.prompt_ids), len(ids), 1.0), cancel=lambda: None
+        )
         sink(handle.finish)
         return handle
 
@@ -728,8 +844,11 @@ class _ScriptedEngine:
 def _streamed_logprobs(http, body: dict) -> tuple[str, dict[str, list]]:
     stream = http.post("/v1/completions", json={**body, "stream": True})
     assert stream.status_code == 200, stream.text
-    chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [
+        json.loads(line[6:])
+        for line in stream.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     merged: dict[str, list] = {"tokens": [], "text_offset": []}
     for c in chunks:
         for key in merged:
@@ -780,25 +899,61 @@ def test_an_unknown_field_is_400_naming_it_and_openai_fields_are_accepted(model)
             error = refused.json()["error"]
             assert "'deph'" in error["message"] and "'exit_tua'" in error["message"] and error["param"] == "deph"
             assert http.post(path, json={**body, "deph": None}).status_code == 400  # null too: it is still a typo
-        assert "'messages'" in http.post("/v1/completions", json={"prompt": "hi", "messages": []}).json()["error"]["message"]
+        assert (
+            "'messages'"
+            in http.post("/v1/completions", json={"prompt": "hi", "messages": []}).json()["error"]["message"]
+        )
 
-        ignored = {"user": "u1", "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "n": 1,
-                   "best_of": 1, "suffix": None, "seed": 3, "stream_options": None}
+        ignored = {
+            "user": "u1",
+            "presence_penalty": 0,
+            "frequency_penalty": 0,
+            "logit_bias": {},
+            "n": 1,
+            "best_of": 1,
+            "suffix": None,
+            "seed": 3,
+            "stream_options": None,
+        }
         ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **ignored})
         assert ok.status_code == 200, ok.text
-        chat_ignored = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "metadata": {"k": "v"},
-                        "store": False, "parallel_tool_calls": False, "service_tier": "auto", "user": "u1",
-                        "reasoning_effort": None, "modalities": ["text"], "prompt_cache_key": "x",
-                        "safety_identifier": "s"}
+        chat_ignored = {
+            "response_format": {"type": "text"},
+            "tools": [],
+            "tool_choice": "none",
+            "metadata": {"k": "v"},
+            "store": False,
+            "parallel_tool_calls": False,
+            "service_tier": "auto",
+            "user": "u1",
+            "reasoning_effort": None,
+            "modalities": ["text"],
+            "prompt_cache_key": "x",
+            "safety_identifier": "s",
+        }
         ok = http.post("/v1/chat/completions", json={**chat, **chat_ignored})
         assert ok.status_code == 200, ok.text
 
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
-        out = client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0, user="u", seed=1,
-                                        stream_options=None, extra_body={"depth": 2})
+        out = client.completions.create(
+            model=NAME,
+            prompt="hi",
+            max_tokens=2,
+            temperature=0,
+            user="u",
+            seed=1,
+            stream_options=None,
+            extra_body={"depth": 2},
+        )
         assert out.choices[0].text == _alone(model, "hi", 2, 2)
-        reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                               response_format={"type": "text"}, store=False, metadata={"k": "v"})
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            response_format={"type": "text"},
+            store=False,
+            metadata={"k": "v"},
+        )
         assert reply.choices[0].message.role == "assistant"
         with pytest.raises(openai.BadRequestError, match="deph"):
             client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body={"deph": 3})
@@ -830,14 +985,17 @@ def test_sentencepiece_stop_strings_through_the_api(sp_model):
     with TestClient(create_app(engine, NAME)) as http:
         for stop in (" " + words[1], words[2][:2], "zzz"):
             want = _sp_alone(model, sp, prompt, 12, stop=(stop,))
-            assert want == (free[:free.index(stop)] if stop in free else free)
+            assert want == (free[: free.index(stop)] if stop in free else free)
             body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
             done = http.post("/v1/completions", json=body).json()["choices"][0]
             assert done["text"] == want, stop
             assert done["finish_reason"] == ("stop" if stop in free else "length")
             stream = http.post("/v1/completions", json={**body, "stream": True})
-            chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+            chunks = [
+                json.loads(line[6:])
+                for line in stream.text.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
             assert "".join(c["choices"][0]["text"] for c in chunks) == want, stop
     assert engine.pool.running == 0
 
@@ -851,17 +1009,26 @@ def test_sentencepiece_token_names_spell_the_text(sp_model):
     prompt = "a looped model"
     engine = Engine(model, sp, EngineConfig(max_batch=2, depth=3))
     with TestClient(create_app(engine, NAME)) as http:
-        done = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 10,
-                                                  "temperature": 0, "logprobs": 1}).json()["choices"][0]
+        done = http.post(
+            "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 1}
+        ).json()["choices"][0]
         assert " " in done["text"].strip()
         assert "".join(done["logprobs"]["tokens"]) == done["text"]
-        chat = http.post("/v1/chat/completions", json={
-            "model": NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0,
-            "logprobs": True}).json()["choices"][0]
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": NAME,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": True,
+            },
+        ).json()["choices"][0]
         content = chat["logprobs"]["content"]
         assert bytes(b for e in content for b in e["bytes"]).decode() == chat["message"]["content"]
-        echoed = http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 10,
-                                                    "temperature": 0, "echo": True}).json()["choices"][0]
+        echoed = http.post(
+            "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 0, "echo": True}
+        ).json()["choices"][0]
         assert echoed["text"] == prompt + done["text"] and prompt + " " in echoed["text"]
 
 
@@ -872,8 +1039,10 @@ def test_sentencepiece_text_offsets_point_into_the_text(sp_model):
     model, sp = sp_model
     engine = Engine(model, sp, EngineConfig(max_batch=2, depth=3))
     with TestClient(create_app(engine, NAME)) as http:
-        done = http.post("/v1/completions", json={"model": NAME, "prompt": "a looped model", "max_tokens": 10,
-                                                  "temperature": 0, "logprobs": 1}).json()["choices"][0]
+        done = http.post(
+            "/v1/completions",
+            json={"model": NAME, "prompt": "a looped model", "max_tokens": 10, "temperature": 0, "logprobs": 1},
+        ).json()["choices"][0]
     text, lp = done["text"], done["logprobs"]
     ids = [sp.encode(t) for t in lp["tokens"]]
     assert all(ids) and " " in text.strip()

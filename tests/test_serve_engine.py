@@ -33,8 +33,9 @@ def model():
 
 
 def _alone(model, prompt: str, req: Request, mode: str, stats: dict | None = None) -> str:
-    return generate(model, TOK, [prompt], req.rule, cache=mode, sampling=req.sampling, stats=stats,
-                    example_ids=[req.example_id])[0]
+    return generate(
+        model, TOK, [prompt], req.rule, cache=mode, sampling=req.sampling, stats=stats, example_ids=[req.example_id]
+    )[0]
 
 
 @torch.no_grad()
@@ -107,8 +108,16 @@ def test_sixteen_requests_match_their_replay_alone(model, mode):
     text is `generate`'s on the prompt alone, which the tests below compare directly.)"""
     prompts = _prompts(16)
     rng = random.Random(1)
-    reqs = [Request(TOK.encode(p), SamplingConfig(rng.randint(1, 24)), DepthRule(1 + i % 4, 1 + (3 * i) % 4),
-                    logprobs=3, example_id=i) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(
+            TOK.encode(p),
+            SamplingConfig(rng.randint(1, 24)),
+            DepthRule(1 + i % 4, 1 + (3 * i) % 4),
+            logprobs=3,
+            example_id=i,
+        )
+        for i, p in enumerate(prompts)
+    ]
     engine = Engine(model, TOK, EngineConfig(max_batch=5, depth=4, max_depth=4, cache=mode))
     moves = _count_moves(engine)
     results = _run(engine, reqs)
@@ -118,17 +127,24 @@ def test_sixteen_requests_match_their_replay_alone(model, mode):
         assert_logprobs_equal(tokens, replay(model, req, ids, mode, 4), 3, greedy=True)
         assert finish.text == TOK.decode(ids)
     assert engine.pool.running == 0 and sum(engine.finished.values()) == 16
-    assert all(f.completion_tokens == r.sampling.max_new_tokens for (_, f), r in zip(results, reqs)
-               if f.reason == "length")
+    assert all(
+        f.completion_tokens == r.sampling.max_new_tokens for (_, f), r in zip(results, reqs) if f.reason == "length"
+    )
     assert sum(len(t) for t, _ in results) > 150  # few rows stop early at EOS: the comparison covers many steps
 
 
 def test_adaptive_exit_and_sampling_per_row_match_their_replay_alone(model):
     prompts = _prompts(8, seed=2)
-    reqs = [Request(TOK.encode(p), SamplingConfig(12, temperature=0.9 if i % 3 == 0 else 0.0, top_k=20 if i % 4 == 0 else 0,
-                                                  seed=100 + i),
-                    DepthRule(6, exit_tau=0.05 if i % 2 else None, min_depth=1 + i % 3), logprobs=2, example_id=i)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Request(
+            TOK.encode(p),
+            SamplingConfig(12, temperature=0.9 if i % 3 == 0 else 0.0, top_k=20 if i % 4 == 0 else 0, seed=100 + i),
+            DepthRule(6, exit_tau=0.05 if i % 2 else None, min_depth=1 + i % 3),
+            logprobs=2,
+            example_id=i,
+        )
+        for i, p in enumerate(prompts)
+    ]
     engine = Engine(model, TOK, EngineConfig(max_batch=3, depth=6))
     results = _run(engine, reqs)
     for (tokens, finish), req, prompt in zip(results, reqs, prompts):
@@ -147,7 +163,9 @@ def test_reused_slot_beside_a_longer_sequence_reads_only_its_own_positions(model
     """Two slots: a long sequence runs in slot 0 while slot 1 serves a long prompt, then a short one.
     The short one's decode view is cut at the long row's length, so the stale K/V the previous
     sequence left in slot 1 lie inside the attended view; its mask must stop at its own length."""
-    long_run = Request(TOK.encode("the long one keeps going"), SamplingConfig(38), DepthRule(3), logprobs=2, example_id=0)
+    long_run = Request(
+        TOK.encode("the long one keeps going"), SamplingConfig(38), DepthRule(3), logprobs=2, example_id=0
+    )
     previous = Request(TOK.encode("x" * 30), SamplingConfig(4), DepthRule(3), logprobs=2, example_id=1)
     short = Request(TOK.encode("ab"), SamplingConfig(20), DepthRule(3), logprobs=2, example_id=2)
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
@@ -220,7 +238,7 @@ def test_streamed_pieces_hold_back_stop_strings(model):
     pieces = "".join(e.text for e in events if isinstance(e, Token))
     fin = events[-1]
     assert isinstance(fin, Finish) and fin.reason == "stop"
-    assert fin.text == free[:free.index(stop)] == _alone(model, prompt, req, "terminal")
+    assert fin.text == free[: free.index(stop)] == _alone(model, prompt, req, "terminal")
     assert pieces + fin.tail == fin.text
     assert all(stop not in e.text for e in events if isinstance(e, Token))
 
@@ -228,8 +246,10 @@ def test_streamed_pieces_hold_back_stop_strings(model):
 def test_logprobs_match_the_native_forward_without_a_cache(model):
     """The full cache at the engine's one depth reproduces the native forward (seeded state of the
     request's example id) at every step: no cache involved in the reference."""
-    reqs = [Request(TOK.encode("hello"), SamplingConfig(8), DepthRule(3), logprobs=3, example_id=4),
-            Request(TOK.encode("a longer prompt of text"), SamplingConfig(6), DepthRule(3), logprobs=3, example_id=9)]
+    reqs = [
+        Request(TOK.encode("hello"), SamplingConfig(8), DepthRule(3), logprobs=3, example_id=4),
+        Request(TOK.encode("a longer prompt of text"), SamplingConfig(6), DepthRule(3), logprobs=3, example_id=9),
+    ]
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, cache="full"))
     for (tokens, _), req in zip(_run(engine, reqs), reqs):
         seq, ref = list(req.prompt_ids), []
@@ -247,10 +267,11 @@ def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
     """Each prompt token's score (and the top-k there) is the native no-cache forward's log-softmax at
     the request's prefill depth, seeded by its example id; emitted before the first token. max_tokens 0
     only scores the prompt and frees its slot."""
-    reqs = [Request(TOK.encode("score this prompt"), SamplingConfig(0), DepthRule(2, 4), prompt_logprobs=3,
-                    example_id=5),
-            Request(TOK.encode("and this one too"), SamplingConfig(4), DepthRule(3), prompt_logprobs=0, logprobs=0),
-            Request(TOK.encode("x"), SamplingConfig(0), DepthRule(3), prompt_logprobs=2)]
+    reqs = [
+        Request(TOK.encode("score this prompt"), SamplingConfig(0), DepthRule(2, 4), prompt_logprobs=3, example_id=5),
+        Request(TOK.encode("and this one too"), SamplingConfig(4), DepthRule(3), prompt_logprobs=0, logprobs=0),
+        Request(TOK.encode("x"), SamplingConfig(0), DepthRule(3), prompt_logprobs=2),
+    ]
     engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=4, cache=mode))
     handles = [engine.submit(r) for r in reqs]
     engine.run_until_done(handles)
@@ -259,8 +280,16 @@ def test_prompt_logprobs_match_the_native_forward_without_a_cache(model, mode):
         scores, fin = events[0], events[-1]
         assert isinstance(scores, PromptLogprobs) and isinstance(fin, Finish)
         with torch.no_grad():
-            native = model(torch.tensor([req.prompt_ids]), req.rule.prefill, init="seeded",
-                           example_ids=torch.tensor([req.example_id])).logits[0, :-1].log_softmax(-1)
+            native = (
+                model(
+                    torch.tensor([req.prompt_ids]),
+                    req.rule.prefill,
+                    init="seeded",
+                    example_ids=torch.tensor([req.example_id]),
+                )
+                .logits[0, :-1]
+                .log_softmax(-1)
+            )
         want = native.gather(-1, torch.tensor(req.prompt_ids[1:])[:, None])[:, 0]
         assert len(scores.logprobs) == len(req.prompt_ids) - 1
         assert torch.allclose(torch.tensor(scores.logprobs), want, atol=TOL, rtol=0)
@@ -293,16 +322,22 @@ def test_max_tokens_zero_needs_prompt_logprobs(model):
     assert len(engine._pending) == 1
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(rule=DepthRule(0)), "depth must be in 1..8"),
-    (dict(rule=DepthRule(9)), r"depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\), got 9"),
-    (dict(rule=DepthRule(3, 20)), r"prefill_depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\)"),
-    (dict(sampling=SamplingConfig(0)), "max_new_tokens must be >= 1"),
-    (dict(sampling=SamplingConfig(60)), "more than the context of 64"),
-    (dict(sampling=SamplingConfig(16, temperature=-1.0)), "temperature must be >= 0"),
-    (dict(rule=DepthRule(4, exit_tau=0.1, min_depth=6)), "min_depth 6 exceeds the decode depth 4"),
-    (dict(logprobs=50), "logprobs must be in 0..20"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(rule=DepthRule(0)), "depth must be in 1..8"),
+        (dict(rule=DepthRule(9)), r"depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\), got 9"),
+        (
+            dict(rule=DepthRule(3, 20)),
+            r"prefill_depth must be in 1..8 \(the server's max_depth, looplm serve --max-depth\)",
+        ),
+        (dict(sampling=SamplingConfig(0)), "max_new_tokens must be >= 1"),
+        (dict(sampling=SamplingConfig(60)), "more than the context of 64"),
+        (dict(sampling=SamplingConfig(16, temperature=-1.0)), "temperature must be >= 0"),
+        (dict(rule=DepthRule(4, exit_tau=0.1, min_depth=6)), "min_depth 6 exceeds the decode depth 4"),
+        (dict(logprobs=50), "logprobs must be in 0..20"),
+    ],
+)
 def test_bad_requests_are_refused_before_queueing(model, fields, message):
     engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
     with pytest.raises(ValueError, match=message):
@@ -329,8 +364,10 @@ def test_threaded_engine_and_stats(model):
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=3)).start()
     assert engine.stats()["mean_decode_depth"] == 0.0  # no decode step yet: a number, not NaN
     try:
-        reqs = [Request(TOK.encode(p), SamplingConfig(8), DepthRule(2 + 3 * (i % 2)))
-                for i, p in enumerate(_prompts(6, seed=3))]
+        reqs = [
+            Request(TOK.encode(p), SamplingConfig(8), DepthRule(2 + 3 * (i % 2)))
+            for i, p in enumerate(_prompts(6, seed=3))
+        ]
         handles = [engine.submit(r) for r in reqs]
         finishes = [[e for e in h.events(timeout=60)][-1] for h in handles]
     finally:
@@ -401,8 +438,10 @@ def test_requests_deeper_than_the_engine_default_match_a_decode_by_hand(model, m
     engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=2, max_depth=8, cache=mode))
     cases = [c for c in DEPTH_CASES if c[0] == mode]
     prompts = ["deep request", "xy", "the third prompt", "four"]
-    reqs = [Request(TOK.encode(prompts[i]), SamplingConfig(8), DepthRule(dec, pre, exit_tau=tau), logprobs=0,
-                    example_id=i) for i, (_, pre, dec, tau) in enumerate(cases)]
+    reqs = [
+        Request(TOK.encode(prompts[i]), SamplingConfig(8), DepthRule(dec, pre, exit_tau=tau), logprobs=0, example_id=i)
+        for i, (_, pre, dec, tau) in enumerate(cases)
+    ]
     events = {i: [] for i in range(len(reqs))}
     handles = [engine.submit(r, sink=events[i].append) for i, r in enumerate(reqs)]
     engine.run_until_done(handles)
@@ -442,8 +481,10 @@ def test_a_warmed_up_compiled_engine_compiles_nothing_while_serving(model, compi
     from torch._dynamo.utils import counters
 
     before = counters["stats"]["unique_graphs"]
-    reqs = [Request(TOK.encode(p), SamplingConfig(n), example_id=i) for i, (p, n) in
-            enumerate(zip(["a", "hello world", "x+y="], [3, 5, 8]))]
+    reqs = [
+        Request(TOK.encode(p), SamplingConfig(n), example_id=i)
+        for i, (p, n) in enumerate(zip(["a", "hello world", "x+y="], [3, 5, 8]))
+    ]
     finishes = [f for _, f in _run(compiled_engine, reqs)]
     assert [f.completion_tokens for f in finishes] == [3, 5, 8]
     assert counters["stats"]["unique_graphs"] == before
@@ -456,9 +497,10 @@ def test_compiled_engine_equals_the_eager_engine(model, compiled_engine):
     import time
 
     prompts = ["a", "hello world", "x+y=", "the quick brown"]
-    reqs = [Request(TOK.encode(p), SamplingConfig(7), DepthRule(d, pd, exit_tau=tau, min_depth=2), logprobs=2,
-                    example_id=i)
-            for i, (p, d, pd, tau) in enumerate(zip(prompts, [4, 6, 2, 5], [3, 6, 2, 4], [0.05, None, 0.1, None]))]
+    reqs = [
+        Request(TOK.encode(p), SamplingConfig(7), DepthRule(d, pd, exit_tau=tau, min_depth=2), logprobs=2, example_id=i)
+        for i, (p, d, pd, tau) in enumerate(zip(prompts, [4, 6, 2, 5], [3, 6, 2, 4], [0.05, None, 0.1, None]))
+    ]
     eager = Engine(model, TOK, EngineConfig(max_batch=4, depth=4, max_depth=6))
     start = time.perf_counter()
     got = _run(compiled_engine, reqs)

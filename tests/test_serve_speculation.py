@@ -69,14 +69,15 @@ def _no_cache_greedy(model, prompt_ids, n, depth, example_id):
         if nxt == TOK.eos_id:
             break
         ids.append(nxt)
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @pytest.mark.parametrize(("k", "draft_depth"), [(3, 1), (4, 2)])
 def test_full_cache_rows_speculating_together_equal_greedy_alone(model, k, draft_depth):
     n = 13
-    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=k,
-                                             draft_depth=draft_depth))
+    engine = Engine(
+        model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=k, draft_depth=draft_depth)
+    )
     got = _run(engine, _requests(n))
     for i, (prompt, ids) in enumerate(zip(PROMPTS, got)):
         assert ids == _no_cache_greedy(model, TOK.encode(prompt), n, DEPTH, i + 2), prompt
@@ -96,14 +97,18 @@ def test_terminal_rows_speculating_together_equal_a_replay_of_their_windows(mode
 
 def test_a_sampling_row_leaves_the_greedy_rows_as_they_are(model):
     n = 12
-    plain = _run(Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3,
-                                                 draft_depth=2)), _requests(n))
+    plain = _run(
+        Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3, draft_depth=2)),
+        _requests(n),
+    )
     mixed_reqs = _requests(n)
     mixed_reqs[1] = Request(TOK.encode(PROMPTS[1]), SamplingConfig(n, temperature=0.9, top_k=20, seed=5), example_id=3)
 
     def mixed():
-        return _run(Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3,
-                                                    draft_depth=2)), mixed_reqs)
+        return _run(
+            Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3, draft_depth=2)),
+            mixed_reqs,
+        )
 
     first, again = mixed(), mixed()
     assert [ids for i, ids in enumerate(first) if i != 1] == [ids for i, ids in enumerate(plain) if i != 1]
@@ -122,11 +127,14 @@ def test_a_request_without_speculation_makes_the_steps_plain(model, monkeypatch)
     assert rounds == [] and engine.stats()["speculative_drafted_total"] == 0
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    (dict(speculate=-1), "speculate must be >= 0"),
-    (dict(speculate=2, draft_depth=DEPTH), f"draft_depth must be in 1..{DEPTH - 1}"),
-    (dict(speculate=2, draft_depth=0), f"draft_depth must be in 1..{DEPTH - 1}"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(speculate=-1), "speculate must be >= 0"),
+        (dict(speculate=2, draft_depth=DEPTH), f"draft_depth must be in 1..{DEPTH - 1}"),
+        (dict(speculate=2, draft_depth=0), f"draft_depth must be in 1..{DEPTH - 1}"),
+    ],
+)
 def test_bad_speculation_settings_are_refused_before_queueing(model, fields, message):
     engine = Engine(model, TOK, EngineConfig(depth=DEPTH))
     with pytest.raises(ValueError, match=message):

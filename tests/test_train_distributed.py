@@ -173,8 +173,9 @@ RANK_SCRIPT = textwrap.dedent("""
 TORCHRUN_TIMEOUT = 300
 STEPS = 6
 SAVED = 3  # the FSDP2/HSDP runs (and the single process) also checkpoint here; the resumes start from it
-LEARNED_PRIOR = dict(depth__sampler="learned", depth__learned__warmup_updates=0, depth__learned__lr=0.5,
-                     train__grad_clip=0.0)  # clipping off: see the module docstring
+LEARNED_PRIOR = dict(
+    depth__sampler="learned", depth__learned__warmup_updates=0, depth__learned__lr=0.5, train__grad_clip=0.0
+)  # clipping off: see the module docstring
 
 
 def torchrun(tmp_path, jobs, nproc=2) -> dict[str, list[dict]]:
@@ -188,11 +189,16 @@ def torchrun(tmp_path, jobs, nproc=2) -> dict[str, list[dict]]:
     reports = tmp_path / "reports"
     reports.mkdir(exist_ok=True)
     cmd = torchrun_cmd(nproc, tmp_path / "rank.py", reports, *files)
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        cmd, env=subprocess_env(), capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT, cwd=tmp_path
+    )
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    out = {job.train.out_dir.name: [json.loads((reports / f"{job.train.out_dir.name}-rank{r}.json").read_text())
-                                    for r in range(nproc)] for job in jobs}
+    out = {
+        job.train.out_dir.name: [
+            json.loads((reports / f"{job.train.out_dir.name}-rank{r}.json").read_text()) for r in range(nproc)
+        ]
+        for job in jobs
+    }
     for job in jobs:
         out[job.train.out_dir.name][0]["grads"] = torch.load(reports / f"{job.train.out_dir.name}-grads.pt")
     return out
@@ -203,16 +209,24 @@ def single_process(tmp_path_factory):
     """The reference: one process, micro_batch 4 x grad_accum 2 (an FSDP2 job: nothing to wrap on one
     process, a single-file checkpoint that the 2-rank launch resumes sharded)."""
     root = tmp_path_factory.mktemp("single")
-    job = tiny_job(root, "single", cache=shared_cache(tmp_path_factory), train__steps=STEPS,
-                   train__checkpoint_every=SAVED, train__parallel="fsdp", **LEARNED_PRIOR)
+    job = tiny_job(
+        root,
+        "single",
+        cache=shared_cache(tmp_path_factory),
+        train__steps=STEPS,
+        train__checkpoint_every=SAVED,
+        train__parallel="fsdp",
+        **LEARNED_PRIOR,
+    )
     with one_thread():
         trainer = Trainer(job)
         step, trainer.first_grads = trainer.optimizer.step, {}
 
         def recording(*args, **kwargs):  # the first step's gradients, as the rank script records them
             if not trainer.first_grads:
-                trainer.first_grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
-                                            if p.grad is not None})
+                trainer.first_grads.update(
+                    {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+                )
             return step(*args, **kwargs)
 
         trainer.optimizer.step = recording
@@ -227,16 +241,28 @@ def two_ranks(tmp_path_factory, single_process):
     one-file checkpoint of step SAVED resumes on the 2 ranks with FSDP2 (run "from-single")."""
     root = tmp_path_factory.mktemp("torchrun")
     sharded = {"fsdp": {}, "hsdp": {"train__async_checkpoint": True}}
-    jobs = [tiny_job(root, parallel, cache=shared_cache(tmp_path_factory), train__steps=STEPS,
-                     train__checkpoint_every=SAVED if parallel in sharded else 100, train__micro_batch=2,
-                     train__parallel=parallel, **sharded.get(parallel, {}), **LEARNED_PRIOR)
-            for parallel in ("ddp", "fsdp", "hsdp")]
+    jobs = [
+        tiny_job(
+            root,
+            parallel,
+            cache=shared_cache(tmp_path_factory),
+            train__steps=STEPS,
+            train__checkpoint_every=SAVED if parallel in sharded else 100,
+            train__micro_batch=2,
+            train__parallel=parallel,
+            **sharded.get(parallel, {}),
+            **LEARNED_PRIOR,
+        )
+        for parallel in ("ddp", "fsdp", "hsdp")
+    ]
     jobs.append(resumed_in(single_process.job, copy_at(single_process.out_dir, root / "from-single")))
     return {job.train.out_dir.name: job for job in jobs}, torchrun(root, jobs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp", "FSDP"), ("hsdp", "FSDP")])
+@pytest.mark.parametrize(
+    ("parallel", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp", "FSDP"), ("hsdp", "FSDP")]
+)
 def test_two_ranks_match_one_process(single_process, two_ranks, parallel, wrapper):
     jobs, all_reports = two_ranks
     job, reports = jobs[parallel], all_reports[parallel]
@@ -283,7 +309,9 @@ def test_two_ranks_match_one_process(single_process, two_ranks, parallel, wrappe
     for name, g in want.items():
         assert (grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-9, name
     # the checkpoint (one file from rank 0 for DDP, shards for FSDP2/HSDP) holds weights close to the single process's
-    saved = ["latest", f"step_{STEPS:07d}"] if parallel == "ddp" else ["latest", f"step_{SAVED:07d}", f"step_{STEPS:07d}"]
+    saved = (
+        ["latest", f"step_{STEPS:07d}"] if parallel == "ddp" else ["latest", f"step_{SAVED:07d}", f"step_{STEPS:07d}"]
+    )
     assert sorted(p.name for p in (job.train.out_dir / "checkpoints").iterdir()) == saved
     final = job.train.out_dir / "checkpoints" / f"step_{STEPS:07d}"
     assert is_sharded(final) == (parallel != "ddp") and all(r["sharded"] == (parallel != "ddp") for r in reports)
@@ -344,8 +372,14 @@ def test_sharded_checkpoints_have_no_full_gather(two_ranks, parallel):
         names = set(verify(path)["sha256"])
         shards = sorted((path / "state").glob("*.distcp"))
         assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
-        assert {*(f"state/{p.name}" for p in shards), "state/.metadata", "rng/rank_00000.json", "rng/rank_00001.json",
-                "trainer_state.json", "config.json"} <= names
+        assert {
+            *(f"state/{p.name}" for p in shards),
+            "state/.metadata",
+            "rng/rank_00000.json",
+            "rng/rank_00001.json",
+            "trainer_state.json",
+            "config.json",
+        } <= names
         assert not (path / "model.safetensors").exists() and not (path / "optimizer.safetensors").exists()
         sizes = [p.stat().st_size for p in shards]
         assert max(sizes) < 0.7 * sum(sizes), sizes  # each rank holds about half of the state, not all of it
@@ -374,8 +408,9 @@ def test_sharded_checkpoint_resumes_on_one_process(two_ranks, parallel, tmp_path
     assert (t.layout.global_rows, [len(f) for f in t.layout.forwards()]) == (4, [2, 2])
     t.fit()
     assert_follows(t.out_dir, job.train.out_dir, range(SAVED + 1, STEPS + 1))
-    np.testing.assert_allclose(t.sampler.state_dict()["logits"], all_reports[parallel][0]["prior"]["logits"],
-                               rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(
+        t.sampler.state_dict()["logits"], all_reports[parallel][0]["prior"]["logits"], rtol=1e-5, atol=1e-8
+    )
     final = t.latest_checkpoint()  # one process writes the single-file form
     assert final.name == f"step_{STEPS:07d}" and not is_sharded(final)
     a, b = load_weights(step_dir(job.train.out_dir, STEPS)), load_tensors(final, "model.safetensors")
@@ -500,8 +535,26 @@ def test_readers_load_sharded_checkpoints(two_ranks, tmp_path):
     assert main(["consolidate", run, tmp_path / "single"]) == 2  # refuses to write into a non-empty folder
 
     out = tmp_path / "eval.json"
-    assert main(["eval", run, "--depths", "1", "2", "--max-sequences", "4", "--task-examples", "4",
-                 "--sharing-sequences", "0", "--output", out]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                run,
+                "--depths",
+                "1",
+                "2",
+                "--max-sequences",
+                "4",
+                "--task-examples",
+                "4",
+                "--sharing-sequences",
+                "0",
+                "--output",
+                out,
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())
     pytest.importorskip("transformers")
     from looplm.checkpoint import load_hf_folder
@@ -528,10 +581,15 @@ def test_process_group_options(monkeypatch):
 
     monkeypatch.delenv("LOOPLM_DIST_TIMEOUT_S", raising=False)
     gpu = torch.device("cuda", 3)
-    assert D.process_group_options(gpu) == {"backend": "nccl", "device_id": gpu,
-                                            "timeout": timedelta(seconds=D.DEFAULT_TIMEOUT_S)}
-    assert D.process_group_options(torch.device("cpu")) == {"backend": "gloo",
-                                                             "timeout": timedelta(seconds=D.DEFAULT_TIMEOUT_S)}
+    assert D.process_group_options(gpu) == {
+        "backend": "nccl",
+        "device_id": gpu,
+        "timeout": timedelta(seconds=D.DEFAULT_TIMEOUT_S),
+    }
+    assert D.process_group_options(torch.device("cpu")) == {
+        "backend": "gloo",
+        "timeout": timedelta(seconds=D.DEFAULT_TIMEOUT_S),
+    }
     monkeypatch.setenv("LOOPLM_DIST_TIMEOUT_S", "90")
     assert D.process_group_options(gpu)["timeout"] == timedelta(seconds=90)
     # init_distributed passes them on
@@ -612,8 +670,10 @@ def test_helpers_reduce_on_comm_device_and_return_on_callers(group, monkeypatch)
     assert D.all_reduce_int(3, DistEnv()) == 3 and not seen
 
 
-COLLECTIVE = re.compile(r"(all_reduce|broadcast|all_gather|reduce_scatter|all_to_all|barrier|reduce|send|recv|isend|"
-                        r"irecv|gather|scatter)\w*")
+COLLECTIVE = re.compile(
+    r"(all_reduce|broadcast|all_gather|reduce_scatter|all_to_all|barrier|reduce|send|recv|isend|"
+    r"irecv|gather|scatter)\w*"
+)
 
 
 def collective_uses(path: Path) -> list[str]:
@@ -650,8 +710,12 @@ def collective_uses(path: Path) -> list[str]:
 def test_no_module_calls_collectives_directly():
     """One place owns every collective: no other module of the package uses torch.distributed's."""
     src = Path(__file__).resolve().parents[1] / "src" / "looplm"
-    offenders = [f"{p.relative_to(src)}:{use}" for p in src.rglob("*.py") if p != src / "train" / "distributed.py"
-                 for use in collective_uses(p)]
+    offenders = [
+        f"{p.relative_to(src)}:{use}"
+        for p in src.rglob("*.py")
+        if p != src / "train" / "distributed.py"
+        for use in collective_uses(p)
+    ]
     assert not offenders, offenders
     assert collective_uses(src / "train" / "distributed.py")  # the scan does see the real calls
 
@@ -669,7 +733,9 @@ def test_collectives_scan_sees_every_spelling(tmp_path):
     for name, code in forms.items():
         (tmp_path / "m.py").write_text(code)
         assert collective_uses(tmp_path / "m.py"), name
-    (tmp_path / "m.py").write_text("import torch.distributed as dist\nimport torch\n"
-                                   "dist.get_rank(); dist.is_initialized(); torch.distributed.get_world_size()\n"
-                                   "def all_reduce(x):\n    return x\nall_reduce(1)\n")
+    (tmp_path / "m.py").write_text(
+        "import torch.distributed as dist\nimport torch\n"
+        "dist.get_rank(); dist.is_initialized(); torch.distributed.get_world_size()\n"
+        "def all_reduce(x):\n    return x\nall_reduce(1)\n"
+    )
     assert collective_uses(tmp_path / "m.py") == []  # queries and a local namesake are not collectives

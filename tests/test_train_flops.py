@@ -11,8 +11,9 @@ from looplm.depth import FixedDepth, PLNDepth, UniformDepth
 from looplm.train.flops import expected_flops_per_token, flops_per_token, mean_flops_per_token
 
 # d = 32, V = 50, H = 4, H_kv = 2, head_dim = 8, F = 64, 1 / 2 / 1 blocks.
-CFG = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                  injection="parcae-nonorm")
+CFG = ModelConfig(
+    vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, injection="parcae-nonorm"
+)
 L = 16
 
 # Worked by hand from design §5 for CFG at L = 16:
@@ -94,8 +95,22 @@ def test_flops_deq_qkv_and_additive_follow_spec5(injection, depth, window):
         inj_u, extra = 0, cfg.n_core * d * hd * (H + 2 * H_kv)
     else:
         inj_u, extra = d, 0
-    want = spec5_flops(d, cfg.vocab_size, H, H_kv, hd, cfg.ffn_dim, cfg.n_prelude, cfg.n_core, cfg.n_coda,
-                       48, depth, window, inj_u, extra)
+    want = spec5_flops(
+        d,
+        cfg.vocab_size,
+        H,
+        H_kv,
+        hd,
+        cfg.ffn_dim,
+        cfg.n_prelude,
+        cfg.n_core,
+        cfg.n_coda,
+        48,
+        depth,
+        window,
+        inj_u,
+        extra,
+    )
     assert flops_per_token(cfg, 48, depth, window) == pytest.approx(want, rel=1e-12)
 
 
@@ -173,7 +188,9 @@ def test_flops_window_semantics():
 @pytest.mark.parametrize("depth,window", [(1, None), (5, 2), (12, 10)])
 def test_expected_flops_of_fixed_pmf_equals_pointwise(depth, window):
     pmf = FixedDepth(depth).pmf()
-    assert expected_flops_per_token(CFG, L, pmf, window) == pytest.approx(flops_per_token(CFG, L, depth, window), rel=1e-12)
+    assert expected_flops_per_token(CFG, L, pmf, window) == pytest.approx(
+        flops_per_token(CFG, L, depth, window), rel=1e-12
+    )
 
 
 def test_expected_flops_is_pmf_weighted_sum():
@@ -186,4 +203,3 @@ def test_expected_flops_is_pmf_weighted_sum():
     avg = np.mean([flops_per_token(CFG, L, r, 3) for r in range(2, 7)])
     assert expected_flops_per_token(CFG, L, UniformDepth(2, 6).pmf(), 3) == pytest.approx(avg, rel=1e-12)
     assert mean_flops_per_token(CFG, L, [2, 3, 4, 5, 6], 3) == pytest.approx(avg, rel=1e-12)
-

@@ -7,8 +7,9 @@ import pytest
 from looplm.train.layout import BatchLayout
 
 
-@pytest.mark.parametrize(("global_rows", "world", "max_rows"), [(8, 1, 8), (8, 2, 4), (8, 1, 2), (8, 1, 3), (12, 4, 2),
-                                                               (6, 3, 5), (7, 1, 2)])
+@pytest.mark.parametrize(
+    ("global_rows", "world", "max_rows"), [(8, 1, 8), (8, 2, 4), (8, 1, 2), (8, 1, 3), (12, 4, 2), (6, 3, 5), (7, 1, 2)]
+)
 def test_forwards_cover_every_global_row_once(global_rows, world, max_rows):
     rows = []
     for rank in range(world):

@@ -12,10 +12,17 @@ from looplm.train import mfu
 from looplm.train.mfu import datasheet_peak, measure_matmul_peak
 
 
-@pytest.mark.parametrize(("name", "tflops"), [
-    ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 80GB HBM3", 989.4),
-    ("NVIDIA H100 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA GeForce RTX 4090", None),
-])
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_datasheet_peak_by_device_name(name, tflops):
     got = datasheet_peak(name)
     assert got == (tflops * 1e12 if tflops is not None else None)

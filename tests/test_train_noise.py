@@ -22,8 +22,9 @@ def one_call_draw(seed, step, micro, rows, L, d):
 
 def split_draw(world, global_rows, L, d, seed=0, step=3, micro=1):
     share = global_rows // world
-    return torch.cat([initial_state_noise(seed, step, micro, range(r * share, (r + 1) * share), L, d, CPU)
-                      for r in range(world)])
+    return torch.cat(
+        [initial_state_noise(seed, step, micro, range(r * share, (r + 1) * share), L, d, CPU) for r in range(world)]
+    )
 
 
 @pytest.mark.parametrize(("L", "d"), [(64, 32), (256, 128)])

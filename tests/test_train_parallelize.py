@@ -59,8 +59,10 @@ def test_flex_attention_logits_equal_sdpa(tiny_model_config, injection):
     model = LoopedLM(cfg)
     tokens, doc, positions = packed_rows(cfg.vocab_size)
     with torch.no_grad():
-        outs = {kernel: model(tokens, 4, doc_ids=doc, positions=positions, init="seeded", attention=kernel).logits
-                for kernel in ("sdpa", "flex")}
+        outs = {
+            kernel: model(tokens, 4, doc_ids=doc, positions=positions, init="seeded", attention=kernel).logits
+            for kernel in ("sdpa", "flex")
+        }
         plain = model(tokens, 4, positions=positions, init="seeded").logits
     torch.testing.assert_close(outs["flex"], outs["sdpa"], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(plain, outs["sdpa"], atol=1e-3)  # the masks matter
@@ -74,7 +76,9 @@ def test_flex_attention_gradients_equal_sdpa_on_cuda(tiny_model_config):
     grads = {}
     for kernel in ("sdpa", "flex"):
         model.zero_grad()
-        model(tokens, 4, doc_ids=doc, positions=positions, init="seeded", attention=kernel).logits.logsumexp(-1).mean().backward()
+        model(tokens, 4, doc_ids=doc, positions=positions, init="seeded", attention=kernel).logits.logsumexp(
+            -1
+        ).mean().backward()
         grads[kernel] = {n: p.grad.clone() for n, p in model.named_parameters()}
     for n in grads["sdpa"]:
         torch.testing.assert_close(grads["flex"][n], grads["sdpa"][n], rtol=1e-3, atol=1e-5, msg=n)
@@ -164,8 +168,16 @@ def test_trainer_with_checkpointing_matches_and_saves_plain_keys(tmp_path, cache
 
     runs = {}
     for mode in ("none", "block"):
-        trainer = Trainer(tiny_job(tmp_path, mode, cache=cache, train__steps=3, depth__bptt_window=None,
-                                   train__activation_checkpointing=mode))
+        trainer = Trainer(
+            tiny_job(
+                tmp_path,
+                mode,
+                cache=cache,
+                train__steps=3,
+                depth__bptt_window=None,
+                train__activation_checkpointing=mode,
+            )
+        )
         trainer.fit()
         runs[mode] = trainer
     ref, got = step_records(runs["none"].out_dir), step_records(runs["block"].out_dir)
@@ -175,8 +187,17 @@ def test_trainer_with_checkpointing_matches_and_saves_plain_keys(tmp_path, cache
     wrapped = load_tensors(runs["block"].latest_checkpoint(), "model.safetensors")
     assert wrapped.keys() == plain.keys()
     load_model(runs["block"].latest_checkpoint(), "cpu")  # loads into an unwrapped LoopedLM
-    resumed = Trainer(tiny_job(tmp_path, "block", cache=cache, train__steps=3, depth__bptt_window=None,
-                               train__activation_checkpointing="none", train__resume=True))
+    resumed = Trainer(
+        tiny_job(
+            tmp_path,
+            "block",
+            cache=cache,
+            train__steps=3,
+            depth__bptt_window=None,
+            train__activation_checkpointing="none",
+            train__resume=True,
+        )
+    )
     assert resumed.step == 3
 
 
@@ -258,8 +279,15 @@ def test_flex_masks_carry_kernel_options(tiny_model_config):
     model = LoopedLM(cfg)
     tokens, doc, positions = packed_rows(cfg.vocab_size)
     with torch.no_grad():
-        flex = model(tokens, 3, doc_ids=doc, positions=positions, init="seeded", attention="flex",
-                     flex_options={"fwd_BLOCK_M": 64}).logits
+        flex = model(
+            tokens,
+            3,
+            doc_ids=doc,
+            positions=positions,
+            init="seeded",
+            attention="flex",
+            flex_options={"fwd_BLOCK_M": 64},
+        ).logits
         sdpa = model(tokens, 3, doc_ids=doc, positions=positions, init="seeded").logits
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
@@ -318,7 +346,14 @@ def test_gradient_sync_skips_accumulation_micro_steps(parallel):
         assert model.events == [("ddp", "no_sync"), ("ddp", "sync again")] * 2
     else:
         assert [e for e in seen[0]] == [("fsdp", False)]  # micro-step 1 ran without sync
-        assert model.events == [("fsdp", False), ("fsdp", True), ("fsdp", False), ("fsdp", True), ("fsdp", True), ("fsdp", True)]
+        assert model.events == [
+            ("fsdp", False),
+            ("fsdp", True),
+            ("fsdp", False),
+            ("fsdp", True),
+            ("fsdp", True),
+            ("fsdp", True),
+        ]
     with gradient_sync(model, DistEnv(), parallel, sync=False):  # one process: nothing to switch
         pass
     assert len(model.events) == (4 if parallel == "ddp" else 6)
@@ -358,8 +393,9 @@ def test_prefetched_batches_are_the_batches(tmp_path, cache):
     """The background thread assembles the same batches in the same order: identical runs."""
     runs = {}
     for prefetch in (True, False):
-        trainer = Trainer(tiny_job(tmp_path, f"prefetch-{prefetch}", cache=cache, train__steps=4,
-                                   train__prefetch=prefetch))
+        trainer = Trainer(
+            tiny_job(tmp_path, f"prefetch-{prefetch}", cache=cache, train__steps=4, train__prefetch=prefetch)
+        )
         assert (trainer._prefetcher is not None) == prefetch
         trainer.fit()
         runs[prefetch] = step_records(trainer.out_dir)

@@ -33,8 +33,24 @@ def test_the_eval_bar_advances_by_depth(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_progress", Bar)
     run = write_random_run(tmp_path / "run", data__source="shakespeare")
-    rc, _, err = run_main(["eval", run, "--depths", "1", "4", "--max-sequences", "4", "--batch-size", "2",
-                           "--sharing-sequences", "2", "--device", "cpu"], capsys)
+    rc, _, err = run_main(
+        [
+            "eval",
+            run,
+            "--depths",
+            "1",
+            "4",
+            "--max-sequences",
+            "4",
+            "--batch-size",
+            "2",
+            "--sharing-sequences",
+            "2",
+            "--device",
+            "cpu",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     assert sorted(set(seen["updates"])) == [1, 4]
     assert sum(seen["updates"]) == seen["total"] == (1 + 4) * (2 + 1)  # 2 perplexity batches + 1 sharing, per depth

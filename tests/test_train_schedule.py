@@ -22,15 +22,18 @@ def closed_form(t: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - T + D) / D))
 
 
-@pytest.mark.parametrize("t,expected", [
-    (0, 1e-4),
-    (25, 1e-4 + (1 - 1e-4) * 0.5),
-    (W, 1.0),  # end of warmup
-    (500, 1.0),  # mid
-    (T - D, 1.0),  # start of decay
-    (T - D // 2, 0.55),  # half way through the cosine
-    (T, 0.1),  # end
-])
+@pytest.mark.parametrize(
+    "t,expected",
+    [
+        (0, 1e-4),
+        (25, 1e-4 + (1 - 1e-4) * 0.5),
+        (W, 1.0),  # end of warmup
+        (500, 1.0),  # mid
+        (T - D, 1.0),  # start of decay
+        (T - D // 2, 0.55),  # half way through the cosine
+        (T, 0.1),  # end
+    ],
+)
 def test_wsd_closed_form_values(t, expected):
     assert wsd_multiplier(t, T) == pytest.approx(expected, abs=1e-12)
 

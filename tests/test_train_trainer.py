@@ -74,8 +74,12 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, cache):
 def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
     """A learned prior whose logits move every step resumes onto the same trajectory (logits, Adam
     state, baselines, draw counter), so the depths and losses match an uninterrupted run."""
-    prior = dict(depth__sampler="learned", depth__learned__warmup_updates=1, depth__learned__lr=0.3,
-                 depth__learned__entropy_weight=0.01)
+    prior = dict(
+        depth__sampler="learned",
+        depth__learned__warmup_updates=1,
+        depth__learned__lr=0.3,
+        depth__learned__entropy_weight=0.01,
+    )
     full = Trainer(job(tmp_path, cache, "full", train__checkpoint_every=100, **prior))
     full.fit()
     Trainer(job(tmp_path, cache, "split", train__checkpoint_every=100, train__stop_after=3, **prior)).fit()
@@ -89,7 +93,9 @@ def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
     assert records[0]["depth/pmf"] != records[-1]["depth/pmf"]
     assert (full.out_dir / "depth_prior.png").stat().st_size > 10_000
     # the frozen arm can start from this run's learned shape
-    frozen = build_sampler(DepthConfig(sampler="learned", learned=LearnedPriorConfig(init_from=full.out_dir, frozen=True)))
+    frozen = build_sampler(
+        DepthConfig(sampler="learned", learned=LearnedPriorConfig(init_from=full.out_dir, frozen=True))
+    )
     np.testing.assert_allclose(frozen.pmf(), full.sampler.pmf(), rtol=1e-12)
     pln = Trainer(job(tmp_path, cache, "pln", train__stop_after=1))
     pln.fit()
@@ -142,8 +148,17 @@ def keep_first_targets(t: Trainer, micro: int, keep: int) -> None:
 def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max_rows):
     """Also when each microbatch of 4 sequences runs as several forwards (max_rows 3: 2 + 2, 1: four),
     as a run resumed on fewer ranks does."""
-    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=3, depth__bptt_window=None,
-                    train__grad_clip=0.0, train__grad_accum=2))
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            depth__sampler="fixed",
+            depth__depth=3,
+            depth__bptt_window=None,
+            train__grad_clip=0.0,
+            train__grad_accum=2,
+        )
+    )
     t.layout = BatchLayout(global_rows=4, grad_accum=2, max_rows=max_rows)
     assert len(t.layout.forwards()) == {4: 1, 3: 2, 1: 4}[max_rows]
     keep_first_targets(t, micro=1, keep=5)  # 5 targets against ~100: per-microbatch means would differ
@@ -173,7 +188,7 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max
     # (a step that gave each microbatch the same noise, or each forward the same rows, fails here).
     seed, L, d = t.job.train.seed, t.job.data.seq_len, t.job.model.d_model
     per_micro = len(seen) // 2
-    noise = [torch.cat(seen[i * per_micro:(i + 1) * per_micro]) for i in range(2)]
+    noise = [torch.cat(seen[i * per_micro : (i + 1) * per_micro]) for i in range(2)]
     assert all(z.shape == (4, L, d) for z in noise)
     flat = torch.cat(noise).flatten(1)  # [8 rows, L * d]
     assert abs(float(flat.std()) * math.sqrt(d) - 1) < 0.05 and abs(float(flat.mean())) * math.sqrt(d) < 0.05
@@ -184,8 +199,15 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max
         assert torch.equal(z, initial_state_noise(seed, 0, i, range(4), L, d, torch.device("cpu")))
 
     # Reference: one forward over the concatenated global batch, same inputs and noise.
-    batches = [Batch(*(torch.cat(parts) for parts in zip(*(vars(b).values() for _, b in t._host_batch(t.train_data, 0, i, 2, seed)))))
-               for i in range(2)]
+    batches = [
+        Batch(
+            *(
+                torch.cat(parts)
+                for parts in zip(*(vars(b).values() for _, b in t._host_batch(t.train_data, 0, i, 2, seed)))
+            )
+        )
+        for i in range(2)
+    ]
     n = [b.n_targets for b in batches]
     assert n[1] == 5 and n[0] > 5 * n[1]
     assert res.n_targets == sum(n)
@@ -195,8 +217,9 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max
     def cat(name):
         return torch.cat([getattr(b, name) for b in batches])
 
-    out = ref(cat("inputs"), 3, bptt_window=None, doc_ids=cat("doc_ids"), positions=cat("positions"),
-              state0=torch.cat(noise))
+    out = ref(
+        cat("inputs"), 3, bptt_window=None, doc_ids=cat("doc_ids"), positions=cat("positions"), state0=torch.cat(noise)
+    )
     loss = F.cross_entropy(out.logits.flatten(0, 1), cat("targets").flatten(), ignore_index=IGNORE_INDEX)
     loss.backward()
     assert res.loss == pytest.approx(loss.item(), rel=1e-5)
@@ -235,8 +258,9 @@ def test_fixed_depth_defaults_to_full_bptt(tmp_path, cache):
     fixed-depth baseline), not with the sampled priors' b = 10: its gradient equals autograd through
     all 12 recurrences, and differs from the truncated one (the first 2 recurrences contribute)."""
     depth = 12
-    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=depth, train__grad_clip=0.0,
-                    train__grad_accum=1))
+    t = Trainer(
+        job(tmp_path, cache, depth__sampler="fixed", depth__depth=depth, train__grad_clip=0.0, train__grad_accum=1)
+    )
     assert t.job.depth.bptt_window is None
     init, captured = captured_step_grads(t)
     ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
@@ -245,8 +269,9 @@ def test_fixed_depth_defaults_to_full_bptt(tmp_path, cache):
     def reference(window):
         ref = LoopedLM(t.job.model)
         ref.load_state_dict(init)
-        out = ref(batch.inputs, depth, bptt_window=window, doc_ids=batch.doc_ids, positions=batch.positions,
-                  state0=state0)
+        out = ref(
+            batch.inputs, depth, bptt_window=window, doc_ids=batch.doc_ids, positions=batch.positions, state0=state0
+        )
         F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX).backward()
         return torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
 
@@ -257,15 +282,32 @@ def test_fixed_depth_defaults_to_full_bptt(tmp_path, cache):
     assert (got - full).norm() <= 0.01 * gap
 
 
-@pytest.mark.parametrize(("overrides", "line", "recorded"), [
-    ({"depth__sampler": "fixed", "depth__depth": 16}, "depth: fixed R = 16, backprop window b = R (full BPTT)", None),
-    ({}, "depth: pln mean 5, backprop window b = 10 (truncated)", 10),
-    ({"depth__sampler": "learned"}, "depth: learned prior (init pln, target mean 5), backprop window b = 10 (truncated)", 10),
-    ({"depth__sampler": "fixed", "depth__depth": 16, "depth__bptt_window": 4},
-     "depth: fixed R = 16, backprop window b = 4 (truncated)", 4),
-    ({"depth__sampler": "uniform", "depth__low": 2, "depth__high": 6},
-     "depth: uniform 2..6, backprop window b = 10 (full BPTT: no depth above 6 is drawn)", 10),
-])
+@pytest.mark.parametrize(
+    ("overrides", "line", "recorded"),
+    [
+        (
+            {"depth__sampler": "fixed", "depth__depth": 16},
+            "depth: fixed R = 16, backprop window b = R (full BPTT)",
+            None,
+        ),
+        ({}, "depth: pln mean 5, backprop window b = 10 (truncated)", 10),
+        (
+            {"depth__sampler": "learned"},
+            "depth: learned prior (init pln, target mean 5), backprop window b = 10 (truncated)",
+            10,
+        ),
+        (
+            {"depth__sampler": "fixed", "depth__depth": 16, "depth__bptt_window": 4},
+            "depth: fixed R = 16, backprop window b = 4 (truncated)",
+            4,
+        ),
+        (
+            {"depth__sampler": "uniform", "depth__low": 2, "depth__high": 6},
+            "depth: uniform 2..6, backprop window b = 10 (full BPTT: no depth above 6 is drawn)",
+            10,
+        ),
+    ],
+)
 def test_start_line_and_config_record_the_resolved_window(tmp_path, cache, capsys, overrides, line, recorded):
     """The start-up line names the window the run trains with, and config.json records it resolved
     (None = full BPTT), so a checkpoint says what was trained."""
@@ -281,8 +323,16 @@ def test_expected_flops_follow_the_learned_pmf(tmp_path, cache):
     (design §5), not over the initial one."""
     from looplm.train.flops import flops_per_token
 
-    t = Trainer(job(tmp_path, cache, train__steps=4, depth__sampler="learned",
-                    depth__learned__warmup_updates=0, depth__learned__lr=0.5))
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            train__steps=4,
+            depth__sampler="learned",
+            depth__learned__warmup_updates=0,
+            depth__learned__lr=0.5,
+        )
+    )
     t.fit()
     records = [r for r in read_metrics(t.out_dir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -322,12 +372,15 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(stopped_run, cache):
     assert sorted(p.name for p in (stopped_run / "run" / "checkpoints").iterdir()) == before
 
 
-@pytest.mark.parametrize(("field", "value", "named"), [
-    ("train__lr", 1e-3, "train.lr"),
-    ("model__d_model", 64, "model.d_model"),
-    ("depth__depth", 3.0, "depth.depth"),
-    ("data__seq_len", 32, "data.seq_len"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("train__lr", 1e-3, "train.lr"),
+        ("model__d_model", 64, "model.d_model"),
+        ("depth__depth", 3.0, "depth.depth"),
+        ("data__seq_len", 32, "data.seq_len"),
+    ],
+)
 def test_resume_into_different_config_is_refused(stopped_run, cache, field, value, named):
     with pytest.raises(ckpt.CheckpointError, match="cannot resume into a different config") as err:
         Trainer(job(stopped_run, cache, train__steps=4, train__resume=True, **{field: value}))
@@ -335,9 +388,20 @@ def test_resume_into_different_config_is_refused(stopped_run, cache, field, valu
 
 
 def test_resume_allows_run_settings_to_change(stopped_run, cache):
-    t = Trainer(job(stopped_run, cache, train__steps=4, train__resume=True, train__progress=False,
-                    train__log_every=2, train__checkpoint_every=1, train__eval_every=2, eval__depths=(3,),
-                    eval__task_examples=5))
+    t = Trainer(
+        job(
+            stopped_run,
+            cache,
+            train__steps=4,
+            train__resume=True,
+            train__progress=False,
+            train__log_every=2,
+            train__checkpoint_every=1,
+            train__eval_every=2,
+            eval__depths=(3,),
+            eval__task_examples=5,
+        )
+    )
     assert t.step == 2
     t.fit()
     records = step_records(stopped_run / "run")
@@ -354,13 +418,19 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, cap
     capsys.readouterr()
     t = Trainer(job(tmp_path, cache, train__steps=6, train__resume=True, **sched))
     assert t.step == 2
-    assert "extending the run from 4 to 6 steps: the learning-rate schedule is recomputed for 6 steps" \
+    assert (
+        "extending the run from 4 to 6 steps: the learning-rate schedule is recomputed for 6 steps"
         in capsys.readouterr().out
+    )
     assert t.fit()["step"] == 6
     lrs = {s: r["lr"] for s, r in step_records(t.out_dir).items()}
     # record of step k: the lr of step index k - 1; W = max(1, round(6 * 0)) = 1 warmup step, D = 3
-    want = {3: 1e-3, 4: 1e-3, 5: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 3))),
-            6: 1e-3 * (0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3)))}
+    want = {
+        3: 1e-3,
+        4: 1e-3,
+        5: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 3))),
+        6: 1e-3 * (0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3))),
+    }
     for s, lr in want.items():
         assert lrs[s] == pytest.approx(lr, rel=1e-12), s
     assert t.latest_checkpoint().name == "step_0000006"
@@ -406,17 +476,20 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path, cache):
 
 
 # -- validation and metrics ---------------------------------------------------------------------
-@pytest.mark.parametrize(("overrides", "match"), [
-    ({"data__seq_len": 128}, "seq_len 128 exceeds"),
-    ({"train__micro_batch": 0}, "micro_batch must be >= 1"),
-    ({"model__injection": "foo"}, "unknown injection"),
-    ({"depth__sampler": "fixed", "depth__depth": 0}, "fixed depth must be in 1..64"),
-    ({"depth__sampler": "fixed", "depth__depth": 65}, "fixed depth must be in 1..64"),
-    ({"depth__cap": 65, "depth__sampler": "fixed", "depth__depth": 5}, "exceeds the model's max_depth"),
-    ({"depth__bptt_window": 0}, "bptt_window must be >= 1"),
-    ({"eval__depths": (1, 65)}, r"eval.depths: depth must be in 1..64, got 65"),
-    ({"train__flex_kernel_options": ("BLOCK_M",)}, "flex kernel option 'BLOCK_M' is not KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"data__seq_len": 128}, "seq_len 128 exceeds"),
+        ({"train__micro_batch": 0}, "micro_batch must be >= 1"),
+        ({"model__injection": "foo"}, "unknown injection"),
+        ({"depth__sampler": "fixed", "depth__depth": 0}, "fixed depth must be in 1..64"),
+        ({"depth__sampler": "fixed", "depth__depth": 65}, "fixed depth must be in 1..64"),
+        ({"depth__cap": 65, "depth__sampler": "fixed", "depth__depth": 5}, "exceeds the model's max_depth"),
+        ({"depth__bptt_window": 0}, "bptt_window must be >= 1"),
+        ({"eval__depths": (1, 65)}, r"eval.depths: depth must be in 1..64, got 65"),
+        ({"train__flex_kernel_options": ("BLOCK_M",)}, "flex kernel option 'BLOCK_M' is not KEY=VALUE"),
+    ],
+)
 def test_invalid_jobs_fail_before_building_data(tmp_path, overrides, match):
     fresh = tmp_path / "fresh-cache"
     with pytest.raises(ValueError, match=match):
@@ -432,15 +505,24 @@ def test_metrics_records(tmp_path, cache):
     records = step_records(t.out_dir)
     assert sorted(records) == [2, 4]
     for r in records.values():
-        for key in ("loss", "lr", "grad_norm", "depths", "tokens_per_s", "model_tflops_per_s", "flops",
-                    "expected_flops_per_token", "elapsed_s", "tokens"):
+        for key in (
+            "loss",
+            "lr",
+            "grad_norm",
+            "depths",
+            "tokens_per_s",
+            "model_tflops_per_s",
+            "flops",
+            "expected_flops_per_token",
+            "elapsed_s",
+            "tokens",
+        ):
             assert key in r, key
         assert len(r["depths"]) == 2 and all(1 <= d <= 64 for d in r["depths"])
         assert r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0 and math.isfinite(r["loss"])
     val = [r for r in read_metrics(t.out_dir) if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4]
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in val)
-
 
 
 # -- the vocabulary size of a run ---------------------------------------------------------------
@@ -507,11 +589,17 @@ def test_torchrun_reads_a_built_cache_and_the_cheap_sources(tmp_path, cache, cor
         refuse_rank0_preparation(4, DataConfig(source=source, tokenizer="bpe"), seed=0, tokenizer=None)
     refuse_rank0_preparation(1, DataConfig(source=str(corpus), tokenizer="bpe"), seed=0, tokenizer=None)
     with pytest.raises(UserError, match="looplm tokenize"):
-        refuse_rank0_preparation(2, DataConfig(source=str(corpus), cache_dir=tmp_path / "none"), seed=0,
-                                 tokenizer=ByteTokenizer())
+        refuse_rank0_preparation(
+            2, DataConfig(source=str(corpus), cache_dir=tmp_path / "none"), seed=0, tokenizer=ByteTokenizer()
+        )
     with pytest.raises(UserError, match="resume once on one process to build it, or point --data.cache-dir"):
-        refuse_rank0_preparation(2, DataConfig(source=str(corpus), cache_dir=tmp_path / "none"), seed=0,
-                                 tokenizer=ByteTokenizer(), resumed=True)
+        refuse_rank0_preparation(
+            2,
+            DataConfig(source=str(corpus), cache_dir=tmp_path / "none"),
+            seed=0,
+            tokenizer=ByteTokenizer(),
+            resumed=True,
+        )
 
 
 # -- what a run says at start-up (issue 33 item 3) ---------------------------------------------------
@@ -521,8 +609,10 @@ def test_start_up_model_line(tmp_path, cache, capsys):
     t.fit()
     n = sum(p.numel() for p in t.model.parameters())
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:2] == [f"model: {n / 1e6:.2f} M params, vocab 258 (byte), context 64 (rows of 32), device cpu, fp32",
-                         "depth: pln mean 5, backprop window b = 10 (truncated)"]
+    assert lines[:2] == [
+        f"model: {n / 1e6:.2f} M params, vocab 258 (byte), context 64 (rows of 32), device cpu, fp32",
+        "depth: pln mean 5, backprop window b = 10 (truncated)",
+    ]
 
 
 def test_start_up_line_of_a_padded_vocabulary(tmp_path, cache, capsys):
@@ -544,8 +634,10 @@ def test_paper_preset_on_a_cpu_warns_before_any_work(tmp_path, capsys):
     warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: preset S on a CPU")]
     assert len(warnings) == 1, warnings
     line = warnings[0]
-    assert "20,000 steps of a 303.58 M-parameter model (65,536 tokens a step, 4.4e+18 FLOPs) take about 51 days " \
-           "even at 1 TFLOP/s; use a GPU (--train.device cuda) or the tiny preset" in line, line
+    assert (
+        "20,000 steps of a 303.58 M-parameter model (65,536 tokens a step, 4.4e+18 FLOPs) take about 51 days "
+        "even at 1 TFLOP/s; use a GPU (--train.device cuda) or the tiny preset" in line
+    ), line
 
 
 def test_tiny_and_gpu_runs_get_no_cpu_warning():
@@ -557,10 +649,13 @@ def test_tiny_and_gpu_runs_get_no_cpu_warning():
     assert cpu_warning(model_preset("M"), 8e8, 10, 65536, 3e9, "cpu").startswith("warning: preset M on a CPU: 10 steps")
 
 
-@pytest.mark.parametrize(("tokenizer", "bpe_vocab", "asked"), [
-    ("byte", 4096, "byte, vocabulary 258"),
-    ("bpe", 64256, "bpe, vocabulary 64,256"),  # the paper presets' tokenizer
-])
+@pytest.mark.parametrize(
+    ("tokenizer", "bpe_vocab", "asked"),
+    [
+        ("byte", 4096, "byte, vocabulary 258"),
+        ("bpe", 64256, "bpe, vocabulary 64,256"),  # the paper presets' tokenizer
+    ],
+)
 def test_a_tokenized_folder_that_overrides_the_tokenizer_is_named(tmp_path, cache, capsys, tokenizer, bpe_vocab, asked):
     from looplm.data.pretokenized import pretokenized_info, tokenize_corpus
 
@@ -571,11 +666,21 @@ def test_a_tokenized_folder_that_overrides_the_tokenizer_is_named(tmp_path, cach
     folder = tokenize_corpus(str(src), tmp_path / "tok", tokenizer="bpe", bpe_vocab_size=300)
     vocab = pretokenized_info(folder)["vocab_size"]
     capsys.readouterr()
-    Trainer(job(tmp_path, cache, train__steps=1, data__source=str(folder), data__tokenizer=tokenizer,
-                data__bpe_vocab_size=bpe_vocab))
+    Trainer(
+        job(
+            tmp_path,
+            cache,
+            train__steps=1,
+            data__source=str(folder),
+            data__tokenizer=tokenizer,
+            data__bpe_vocab_size=bpe_vocab,
+        )
+    )
     err = capsys.readouterr().err
-    assert (f"warning: data.source {folder} is a `looplm tokenize` folder: the run uses its tokenizer "
-            f"(bpe, vocabulary {vocab}), not data.tokenizer's ({asked})") in err.splitlines(), err
+    assert (
+        f"warning: data.source {folder} is a `looplm tokenize` folder: the run uses its tokenizer "
+        f"(bpe, vocabulary {vocab}), not data.tokenizer's ({asked})"
+    ) in err.splitlines(), err
 
 
 def test_a_tokenized_folder_of_the_same_tokenizer_gives_no_warning(tmp_path, cache, capsys):
@@ -623,10 +728,24 @@ def test_resume_from_another_folder_reads_the_runs_relative_source(tmp_path, cac
     record = ckpt.read_json(t.latest_checkpoint(), "data.json")
     assert record["source"] == str(first / "corpus") and record["cache_dir"] == str(first / ".cache")
     assert ckpt.read_json(t.latest_checkpoint(), "config.json")["data"]["source"] == "corpus"
-    t = Trainer(job(tmp_path, cache, **{**kw, "train__out_dir": run, "data__source": "../first/corpus"},
-                    train__steps=6, train__resume=True))
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            **{**kw, "train__out_dir": run, "data__source": "../first/corpus"},
+            train__steps=6,
+            train__resume=True,
+        )
+    )
     assert t.fit()["step"] == 6
     (other / "corpus").mkdir()  # another folder is not the run's, however it is named
     with pytest.raises(ckpt.CheckpointError, match="data.source"):
-        Trainer(job(tmp_path, cache, **{**kw, "train__out_dir": run, "data__source": str(other / "corpus")},
-                    train__steps=8, train__resume=True))
+        Trainer(
+            job(
+                tmp_path,
+                cache,
+                **{**kw, "train__out_dir": run, "data__source": str(other / "corpus")},
+                train__steps=8,
+                train__resume=True,
+            )
+        )

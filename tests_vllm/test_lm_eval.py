@@ -43,8 +43,11 @@ MC = [  # one-byte choices after the context (target_delimiter ""): one continua
 ]
 # (no trailing space in a context: lm-eval's vllm model moves it into the continuation, LoopLMHarness does not)
 MULTI = [{"question": "Now is the winter of our", "choices": [" discontent", " content", " tent"], "label": 0}]
-GEN = [{"question": "To be, or not", "answer": " to be"}, {"question": "Friends, Romans", "answer": ","},
-       {"question": "Now is the winter", "answer": " of"}]
+GEN = [
+    {"question": "To be, or not", "answer": " to be"},
+    {"question": "Friends, Romans", "answer": ","},
+    {"question": "Now is the winter", "answer": " of"},
+]
 
 
 def write_tasks(root):
@@ -53,23 +56,31 @@ def write_tasks(root):
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         (root / f"{name}.yaml").write_text(
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-            f"test_split: test\ndoc_to_text: \"{{{{question}}}}\"\n{body}")
+            f'test_split: test\ndoc_to_text: "{{{{question}}}}"\n{body}'
+        )
 
-    mc = ("output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: label\ntarget_delimiter: \"\"\n"
-          "metric_list:\n  - metric: acc\n")
+    mc = (
+        'output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: label\ntarget_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n"
+    )
     task("looplm_mc", MC, mc)
     task("looplm_mc_multi", MULTI, mc)
-    task("looplm_gen", GEN, "output_type: generate_until\ndoc_to_target: answer\ngeneration_kwargs:\n"
-         "  until: [\"\\n\"]\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n"
-         "metric_list:\n  - metric: exact_match\n")
+    task(
+        "looplm_gen",
+        GEN,
+        "output_type: generate_until\ndoc_to_target: answer\ngeneration_kwargs:\n"
+        '  until: ["\\n"]\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n'
+        "metric_list:\n  - metric: exact_match\n",
+    )
 
 
 def samples(model, root, tasks, **kw):
     """{task: [(arguments, response), ...] in doc order} of lm_eval.simple_evaluate with log_samples."""
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(root)),
-                                  log_samples=True, **kw)
+    out = lm_eval.simple_evaluate(
+        model=model, tasks=tasks, task_manager=TaskManager(include_path=str(root)), log_samples=True, **kw
+    )
     got = {}
     for name in tasks:
         rows = sorted(out["samples"][name], key=lambda s: s["doc_id"])
@@ -92,8 +103,10 @@ def test_lm_eval_vllm_equals_lm_eval_looplm(tmp_path, vllm_distribution_named_vl
     folder = exported(tmp_path, model, num_steps=DEPTH)
     write_tasks(tmp_path)
     tasks = ["looplm_mc", "looplm_mc_multi", "looplm_gen"]
-    args = (f"pretrained={folder},dtype=float32,enforce_eager=True,max_model_len={CONTEXT},seed=0,"
-            "max_num_seqs=8,gpu_memory_utilization=0.5")
+    args = (
+        f"pretrained={folder},dtype=float32,enforce_eager=True,max_model_len={CONTEXT},seed=0,"
+        "max_num_seqs=8,gpu_memory_utilization=0.5"
+    )
     served = samples("vllm", tmp_path, tasks, model_args=args, batch_size=4)
     own = samples(LoopLMHarness(model=model, tokenizer=TOK, depth=DEPTH, device="cpu"), tmp_path, tasks)
 

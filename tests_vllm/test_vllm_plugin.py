@@ -71,8 +71,9 @@ def sharpen(model: LoopedLM) -> LoopedLM:
 
 def tiny(**fields) -> LoopedLM:
     torch.manual_seed(0)
-    shape = dict(vocab_size=TOK.vocab_size, d_model=64, n_heads=2, n_kv_heads=1, ffn_dim=128, max_seq_len=CONTEXT,
-                 max_depth=16)
+    shape = dict(
+        vocab_size=TOK.vocab_size, d_model=64, n_heads=2, n_kv_heads=1, ffn_dim=128, max_seq_len=CONTEXT, max_depth=16
+    )
     return sharpen(LoopedLM(ModelConfig(**{**shape, **fields})))
 
 
@@ -87,8 +88,14 @@ def exported(root: Path, model: LoopedLM, num_steps: int = 3) -> Path:
 def engine(folder: Path, **kw):
     """A vllm.LLM over `folder` in fp32 (eager, a BUDGET-token step budget, which the plugin raises to CONTEXT
     with chunked prefill off), shut down afterwards."""
-    args = dict(dtype="float32", enforce_eager=True, max_model_len=CONTEXT, max_num_batched_tokens=BUDGET,
-                max_num_seqs=8, seed=0)
+    args = dict(
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=CONTEXT,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        seed=0,
+    )
     llm = LLM(model=str(folder), **{**args, **kw})
     try:
         yield llm
@@ -99,9 +106,18 @@ def engine(folder: Path, **kw):
 
 
 # -- looplm's references ----------------------------------------------------------------------------
-def looplm_generate(model: LoopedLM, prompt: list[int], depth: int, n: int, chunks: list[int] | None = None, *,
-                    prefill_depth: int | None = None, exit_tau: float | None = None, min_depth: int = 1,
-                    used: list | None = None):
+def looplm_generate(
+    model: LoopedLM,
+    prompt: list[int],
+    depth: int,
+    n: int,
+    chunks: list[int] | None = None,
+    *,
+    prefill_depth: int | None = None,
+    exit_tau: float | None = None,
+    min_depth: int = 1,
+    used: list | None = None,
+):
     """Greedy ids and their log-probs as `looplm generate --cache terminal` computes them for `prompt`
     alone (prefill at `prefill_depth`, default `depth`, then one `extend` per token at `depth`, with
     adaptive exit when `exit_tau` is given); `chunks` splits the prefill into `extend` calls; `used`
@@ -169,8 +185,10 @@ def test_greedy_ids_and_logprobs_equal_looplm_generate(base, depth):
     with engine(folder, hf_overrides={"num_steps": depth}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         scored = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SCORE, use_tqdm=False)[0]
-    texts = [generate(model, TOK, [TOK.decode(p)], DepthRule(depth), sampling=SamplingConfig(max_new_tokens=NEW))[0]
-             for p in PROMPTS]  # the function behind `looplm generate`, each prompt alone
+    texts = [
+        generate(model, TOK, [TOK.decode(p)], DepthRule(depth), sampling=SamplingConfig(max_new_tokens=NEW))[0]
+        for p in PROMPTS
+    ]  # the function behind `looplm generate`, each prompt alone
     for prompt, out, text in zip(PROMPTS, outs, texts):
         want_ids, want_lp = looplm_generate(model, prompt, depth, NEW)
         ids, lp = vllm_ids_logprobs(out)
@@ -178,7 +196,9 @@ def test_greedy_ids_and_logprobs_equal_looplm_generate(base, depth):
         if TOK.eos_id not in ids:
             assert TOK.decode(ids) == text
         assert max(abs(a - b) for a, b in zip(lp, want_lp)) <= TOL
-    assert max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(scored), prompt_logprobs(model, PROMPTS[2], depth))) <= TOL
+    assert (
+        max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(scored), prompt_logprobs(model, PROMPTS[2], depth))) <= TOL
+    )
     # the test can fail: the outputs depend on the depth and on the context
     other = 5 if depth != 5 else 1
     assert any(looplm_generate(model, p, other, NEW)[0] != vllm_ids_logprobs(o)[0] for p, o in zip(PROMPTS, outs))
@@ -201,8 +221,9 @@ def test_prefill_depth_differs_from_decode_depth_per_token(base, prefill, depth)
         stats = llm.apply_model(lambda m: dict(m.loop_stats))[0]
     assert stats["mixed"] >= 1  # a step did run prompt and decoded tokens together
     for prompt, out in zip(prompts, outs):
-        text = generate(model, TOK, [TOK.decode(prompt)], DepthRule(depth, prefill),
-                        sampling=SamplingConfig(max_new_tokens=NEW))[0]
+        text = generate(
+            model, TOK, [TOK.decode(prompt)], DepthRule(depth, prefill), sampling=SamplingConfig(max_new_tokens=NEW)
+        )[0]
         want_ids, want_lp = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill)
         ids, lp = vllm_ids_logprobs(out)
         assert ids == want_ids
@@ -214,8 +235,10 @@ def test_prefill_depth_differs_from_decode_depth_per_token(base, prefill, depth)
     # the test can fail: every token at one depth (P or D) gives other outputs
     assert max(abs(a - b) for a, b in zip(got, prompt_logprobs(model, PROMPTS[2], depth))) > 1e-2
     for one in (prefill, depth):
-        assert any(looplm_generate(model, p, one, NEW)[1] != pytest.approx(vllm_ids_logprobs(o)[1], abs=1e-3)
-                   for p, o in zip(prompts, outs))
+        assert any(
+            looplm_generate(model, p, one, NEW)[1] != pytest.approx(vllm_ids_logprobs(o)[1], abs=1e-3)
+            for p, o in zip(prompts, outs)
+        )
 
 
 EXIT_TAU = 0.112  # the tiny model's decoded tokens exit at recurrence 3 or 4; no state change lies within 1e-3 of it
@@ -226,11 +249,18 @@ def exit_reference(model, prompts, prefill, depth, min_depth):
     refs = []
     for prompt in prompts:
         used: list[int] = []
-        ids, lp = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill, exit_tau=EXIT_TAU,
-                                  min_depth=min_depth, used=used)
+        ids, lp = looplm_generate(
+            model, prompt, depth, NEW, prefill_depth=prefill, exit_tau=EXIT_TAU, min_depth=min_depth, used=used
+        )
         stats: dict = {}
-        text = generate(model, TOK, [TOK.decode(prompt)], DepthRule(depth, prefill, EXIT_TAU, min_depth), stats=stats,
-                        sampling=SamplingConfig(max_new_tokens=NEW))[0]
+        text = generate(
+            model,
+            TOK,
+            [TOK.decode(prompt)],
+            DepthRule(depth, prefill, EXIT_TAU, min_depth),
+            stats=stats,
+            sampling=SamplingConfig(max_new_tokens=NEW),
+        )[0]
         if TOK.eos_id not in ids:
             assert TOK.decode(ids) == text  # `looplm generate --exit-tau` (its decode step) decodes the same
         assert stats["mean_decode_depth"] == pytest.approx(sum(used[:-1]) / (NEW - 1))
@@ -358,11 +388,31 @@ def test_compiled_per_token_depth_equals_eager(base):
 
 
 # -- converted-style models: prompt log-probs equal looplm's forward -----------------------------------
-HUGINN = dict(injection="huginn-linear", block_norm="sandwich", qk_bias=True, embed_scale=8.0, tie_embeddings=True,
-              exit_norm="none", post_loop_norm=True, state_init="trunc-normal", state_std=0.4, n_prelude=2,
-              n_core=2, n_coda=2)
-OURO = dict(injection="none", n_prelude=0, n_core=3, n_coda=0, block_norm="branch", exit_norm="rms-gain",
-            head_norm=False, state_init="input", exit_gate=True)
+HUGINN = dict(
+    injection="huginn-linear",
+    block_norm="sandwich",
+    qk_bias=True,
+    embed_scale=8.0,
+    tie_embeddings=True,
+    exit_norm="none",
+    post_loop_norm=True,
+    state_init="trunc-normal",
+    state_std=0.4,
+    n_prelude=2,
+    n_core=2,
+    n_coda=2,
+)
+OURO = dict(
+    injection="none",
+    n_prelude=0,
+    n_core=3,
+    n_coda=0,
+    block_norm="branch",
+    exit_norm="rms-gain",
+    head_norm=False,
+    state_init="input",
+    exit_gate=True,
+)
 
 
 def fuse(folder: Path) -> None:
@@ -370,10 +420,10 @@ def fuse(folder: Path) -> None:
     path = folder / "model.safetensors"
     weights = load_file(path)
     for name in [n for n in weights if n.endswith("attn.wq.weight")]:
-        stem = name[:-len("wq.weight")]
+        stem = name[: -len("wq.weight")]
         weights[stem + "wqkv.weight"] = torch.cat([weights.pop(stem + p + ".weight") for p in ("wq", "wk", "wv")])
     for name in [n for n in weights if n.endswith("ffn.w1.weight")]:
-        stem = name[:-len("w1.weight")]
+        stem = name[: -len("w1.weight")]
         weights[stem + "w13.weight"] = torch.cat([weights.pop(stem + "w1.weight"), weights.pop(stem + "w3.weight")])
     save_file(weights, path, metadata={"format": "pt"})
 
@@ -412,8 +462,14 @@ def test_vllm_serve_a_huginn_style_model(tmp_path):
     with vllm_server(folder) as url:
         client = OpenAI(base_url=url, api_key="none")
         name = client.models.list().data[0].id
-        done = client.completions.create(model=name, prompt=prompt, max_tokens=NEW, temperature=0, logprobs=0,
-                                         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        done = client.completions.create(
+            model=name,
+            prompt=prompt,
+            max_tokens=NEW,
+            temperature=0,
+            logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )
     ids = [int(t.split(":")[1]) for t in done.choices[0].logprobs.tokens]
     want_ids, want_lp = looplm_generate(model, prompt, 4, NEW)
     assert ids == want_ids
@@ -469,10 +525,13 @@ def test_threshold_exit_at_an_exact_cumulative_probability(tmp_path):
 
 
 # -- refusals -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("override, words", [
-    ({"cache_kind": "full"}, "cache_kind"),
-    ({"exit_gate_threshold": 0.5}, "exit_gate_threshold"),  # the base model has no exit gate
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"cache_kind": "full"}, "cache_kind"),
+        ({"exit_gate_threshold": 0.5}, "exit_gate_threshold"),  # the base model has no exit gate
+    ],
+)
 def test_unserved_settings_are_refused_by_name(base, override, words):
     with pytest.raises(Exception, match=words):
         with engine(base[1], hf_overrides=override):
@@ -504,13 +563,21 @@ def test_refusals_of_parallelism_and_unknown_switches():
 def test_refusals_of_depth_settings():
     """Per-token depth is served (prefill_steps, exit_tau, min_depth) within looplm's own rules, refused by
     name outside them; the exit gate's threshold exit runs one fixed depth, as looplm's DepthPlan requires."""
-    fields = [("num_steps", int, 4), ("prefill_steps", object, None), ("exit_tau", object, None),
-              ("min_depth", int, 1), ("exit_gate_threshold", object, None), ("exit_gate", bool, False)]
+    fields = [
+        ("num_steps", int, 4),
+        ("prefill_steps", object, None),
+        ("exit_tau", object, None),
+        ("min_depth", int, 1),
+        ("exit_gate_threshold", object, None),
+        ("exit_gate", bool, False),
+    ]
     HF = dataclasses.make_dataclass("HF", fields)
     check_servable(HF(prefill_steps=2, exit_tau=0.1, min_depth=4))
-    for bad, words in (({"prefill_steps": 0}, r"prefill_steps must be in 1\.\.64 \(the config's max_depth\), got 0"),
-                       ({"exit_tau": 0.0}, "exit_tau must be > 0"),
-                       ({"exit_tau": 0.1, "min_depth": 5}, "min_depth 5 exceeds the decode depth 4")):
+    for bad, words in (
+        ({"prefill_steps": 0}, r"prefill_steps must be in 1\.\.64 \(the config's max_depth\), got 0"),
+        ({"exit_tau": 0.0}, "exit_tau must be > 0"),
+        ({"exit_tau": 0.1, "min_depth": 5}, "min_depth 5 exceeds the decode depth 4"),
+    ):
         with pytest.raises(Refused, match=words):
             check_servable(HF(**bad))
     for bad in ({"exit_tau": 0.1}, {"prefill_steps": 2}):
@@ -555,11 +622,24 @@ def vllm_server(folder: Path, tries: int = 3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [*VLLM_SERVE, str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(CONTEXT)]
+        cmd = [
+            *VLLM_SERVE,
+            str(folder),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            str(CONTEXT),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)], daemon=True
+        ).start()
         log, started = [], False
         try:
             while True:
@@ -590,14 +670,17 @@ def test_vllm_serve_answers_the_openai_client(base):
         client = OpenAI(base_url=url, api_key="none")
         name = client.models.list().data[0].id
         text = "To be, or not"
-        done = client.completions.create(model=name, prompt=text, max_tokens=NEW, temperature=0, logprobs=0,
-                                         extra_body=ids_only)
-        stream = client.completions.create(model=name, prompt=text, max_tokens=NEW, temperature=0, stream=True,
-                                           logprobs=0, extra_body=ids_only)
+        done = client.completions.create(
+            model=name, prompt=text, max_tokens=NEW, temperature=0, logprobs=0, extra_body=ids_only
+        )
+        stream = client.completions.create(
+            model=name, prompt=text, max_tokens=NEW, temperature=0, stream=True, logprobs=0, extra_body=ids_only
+        )
         streamed = [int(t.split(":")[1]) for chunk in stream for t in chunk.choices[0].logprobs.tokens]
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-        chat = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW, temperature=0,
-                                              logprobs=True, extra_body=ids_only)
+        chat = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=NEW, temperature=0, logprobs=True, extra_body=ids_only
+        )
     ids = [int(t.split(":")[1]) for t in done.choices[0].logprobs.tokens]
     want_ids, want_lp = looplm_generate(model, TOK.encode(text), 3, NEW)
     assert ids == want_ids
@@ -605,7 +688,7 @@ def test_vllm_serve_answers_the_openai_client(base):
     assert streamed == ids  # streaming gives the same tokens
     rendered = "".join(CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
     chat_ids = [int(t.token.split(":")[1]) for t in chat.choices[0].logprobs.content]
-    assert chat_ids == looplm_generate(model, TOK.encode(rendered), 3, NEW)[0][:len(chat_ids)]
+    assert chat_ids == looplm_generate(model, TOK.encode(rendered), 3, NEW)[0][: len(chat_ids)]
     assert len(chat_ids) == NEW or chat.choices[0].finish_reason == "stop"
 
 
@@ -613,8 +696,18 @@ def test_vllm_serve_answers_the_openai_client(base):
 def test_tensor_parallel_2_with_sharded_switches(tmp_path):
     """TP=2 on CPU: heads, kv heads, q/k biases, value-embedding tables and gates, DEQ-QKV offsets are split
     across two ranks; prompt log-probs still equal looplm's forward."""
-    model = tiny(n_heads=4, n_kv_heads=2, d_model=128, injection="deq-qkv", qk_bias=True, value_embeds="odd",
-                 ffn_act="relu2", qk_norm=True, coda_proj=True, n_core=2)
+    model = tiny(
+        n_heads=4,
+        n_kv_heads=2,
+        d_model=128,
+        injection="deq-qkv",
+        qk_bias=True,
+        value_embeds="odd",
+        ffn_act="relu2",
+        qk_norm=True,
+        coda_proj=True,
+        n_core=2,
+    )
     with torch.no_grad():
         for block in (*model.prelude, *model.core, *model.coda):
             block.attn.q_bias.normal_(0, 0.5)

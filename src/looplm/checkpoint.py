@@ -108,7 +108,7 @@ def point_latest(root: Path, name: str, keep: int) -> None:
     tmp_latest = Path(root) / ".latest.tmp"
     tmp_latest.write_text(name)
     tmp_latest.replace(Path(root) / "latest")
-    for old in sorted(p for p in Path(root).glob("step_*") if p.is_dir())[:-max(1, keep)]:
+    for old in sorted(p for p in Path(root).glob("step_*") if p.is_dir())[: -max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -156,9 +156,11 @@ def load_data(path: Path):
                 return DataRecord.from_dict(info["data"])
             if isinstance(info.get("job"), dict):
                 return DataRecord.from_job(info["job"])
-            raise CheckpointError(f"{path}: this Hugging Face folder does not record the training job (no "
-                                  f"{HF_EXPORT_INFO} with it), so there is no held-out data of its own; give --data, "
-                                  "re-export the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself")
+            raise CheckpointError(
+                f"{path}: this Hugging Face folder does not record the training job (no "
+                f"{HF_EXPORT_INFO} with it), so there is no held-out data of its own; give --data, "
+                "re-export the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself"
+            )
         if (path / DATA_RECORD).is_file():
             return DataRecord.from_dict(read_json(path, DATA_RECORD))
         converted = (path / CONVERSION).is_file()
@@ -188,7 +190,7 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
         raise CheckpointError(f"{path}/{MANIFEST} is not valid JSON") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
-    for name, digest in sorted(manifest["sha256"].items())[share[0]::share[1]]:
+    for name, digest in sorted(manifest["sha256"].items())[share[0] :: share[1]]:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
@@ -264,8 +266,9 @@ def read_sharded(path: Path, section: str) -> dict:
         node = template
         for part in where[:-1]:  # list indices as string keys, as DCP's own flattening names them
             node = node.setdefault(str(part), {})
-        node[str(where[-1])] = torch.empty(meta.size, dtype=meta.properties.dtype) \
-            if isinstance(meta, TensorStorageMetadata) else None  # None: a pickled value, set by the load
+        node[str(where[-1])] = (
+            torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        )  # None: a pickled value, set by the load
     if section not in template:
         raise CheckpointError(f"{path}: the sharded checkpoint holds no {section!r} state")
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
@@ -354,7 +357,9 @@ def check_model_shapes(expected: dict[str, torch.Tensor], found: dict[str, torch
     missing = sorted(set(expected) - set(found))
     extra = sorted(set(found) - set(expected))
     if missing or extra:
-        raise CheckpointError(f"{where}: weights do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+        raise CheckpointError(
+            f"{where}: weights do not match the model (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     for k, v in expected.items():
         if tuple(found[k].shape) != tuple(v.shape):
             raise CheckpointError(f"{where}: {k} has shape {tuple(found[k].shape)}, the model expects {tuple(v.shape)}")
@@ -406,9 +411,11 @@ class _JobWithoutData(dict):
         self._path = path
 
     def __missing__(self, key):
-        raise CheckpointError(f"{self._path}: this Hugging Face folder does not record the training job (no "
-                              f"{HF_EXPORT_INFO} with a job), so there is no held-out data for '{key}'; re-export "
-                              "the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself")
+        raise CheckpointError(
+            f"{self._path}: this Hugging Face folder does not record the training job (no "
+            f"{HF_EXPORT_INFO} with a job), so there is no held-out data for '{key}'; re-export "
+            "the looplm checkpoint with `looplm export`, or evaluate the checkpoint itself"
+        )
 
 
 def _hf_tokenizer(path: Path):
@@ -422,14 +429,20 @@ def _hf_tokenizer(path: Path):
         return load_tokenizer(path / HF_LOOPLM_TOKENIZER)
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path}: no tokenizer.json (nor {HF_LOOPLM_TOKENIZER}/) in the Hugging Face folder")
-    hf_cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    hf_cfg = (
+        json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    )
     names = [hf_cfg.get(k) for k in ("eos_token", "pad_token")]
     names = [n.get("content") if isinstance(n, dict) else n for n in names]
     backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
     byte = ByteTokenizer()
-    if (backend.get_vocab_size(with_added_tokens=True) == byte.vocab_size and names in ([None, None], ["<eos>", "<pad>"])
-            and backend.token_to_id("<eos>") == byte.eos_id and backend.token_to_id("<pad>") == byte.pad_id
-            and backend.encode(_BYTE_PROBE, add_special_tokens=False).ids == byte.encode(_BYTE_PROBE)):
+    if (
+        backend.get_vocab_size(with_added_tokens=True) == byte.vocab_size
+        and names in ([None, None], ["<eos>", "<pad>"])
+        and backend.token_to_id("<eos>") == byte.eos_id
+        and backend.token_to_id("<pad>") == byte.pad_id
+        and backend.encode(_BYTE_PROBE, add_special_tokens=False).ids == byte.encode(_BYTE_PROBE)
+    ):
         return byte  # the byte tokenizer as `looplm.hf.byte_tokenizer` writes it
     if None in names:
         raise CheckpointError(f"{path}: tokenizer_config.json does not name eos_token and pad_token")
@@ -448,7 +461,7 @@ def _hf_weights(path: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for name in files:
         weights.update(load_tensors(path, name))
-    return {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    return {k[len("model.") :] if k.startswith("model.") else k: v for k, v in weights.items()}
 
 
 def load_hf_folder(path: Path):
@@ -477,8 +490,9 @@ def load_hf_folder(path: Path):
 def _check_vocab(path: Path, tokenizer, model_cfg) -> None:
     """Every token id has an embedding row; more rows than tokens is a padded vocabulary (released models)."""
     if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise CheckpointError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model only "
-                              f"{model_cfg.vocab_size}")
+        raise CheckpointError(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model only {model_cfg.vocab_size}"
+        )
 
 
 def load_model(path: Path, device: str | torch.device = "cpu"):
@@ -525,6 +539,7 @@ def resolve_device(pref: str) -> torch.device:
         if not torch.cuda.is_available():
             raise UserError(f"device {pref!r} requested but CUDA is not available")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"device {pref!r} requested but this machine has {torch.cuda.device_count()} CUDA "
-                            f"device(s)")
+            raise UserError(
+                f"device {pref!r} requested but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     return device

@@ -41,8 +41,7 @@ from looplm.train.config import JOB_PRESETS, TrainJob
 
 # What a user can fix: looplm's UserError (bad options, data, checkpoints), a path that is not there or
 # not readable, a run whose loss diverged (the message says which option to change).
-USER_ERRORS = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
-               FloatingPointError)
+USER_ERRORS = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FloatingPointError)
 DEBUG_ENV = "LOOPLM_DEBUG"
 
 PresetJob = tyro.extras.subcommand_type_from_defaults(
@@ -59,15 +58,18 @@ def _progress(total: int, desc: str, disable: bool = False, unit: str = "batch")
     return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False, disable=True if disable else None)
 
 
-def _report(model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None, progress: bool = True) -> dict:
+def _report(
+    model, tokenizer, data, cfg: EvalConfig, device, out_json: Path, prefill=None, progress: bool = True
+) -> dict:
     """`looplm eval`'s (and the end of `looplm train`'s) report: measured under a progress bar, printed as
     a table, written to `out_json` with its plots beside it."""
     from looplm.eval.plots import write_run_plots
     from looplm.eval.report import depth_report, format_report, write_report
 
     task_batches = -(-cfg.task_examples // cfg.batch_size) if data.is_tasks else 0
-    per_depth = (-(-cfg.max_sequences // cfg.batch_size) + task_batches + (cfg.sharing_sequences > 0)
-                 + len(prefill or ()))
+    per_depth = (
+        -(-cfg.max_sequences // cfg.batch_size) + task_batches + (cfg.sharing_sequences > 0) + len(prefill or ())
+    )
     # in recurrences, not batches: a batch at depth R costs about R at depth 1, so the ETA holds across depths
     bar = _progress(sum(cfg.depths) * per_depth, "eval", disable=not progress, unit="R")
     try:
@@ -166,8 +168,11 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
     if not env.is_main:
         return
     ckpt_path = Path(summary["checkpoint"])
-    first, last, took = summary["start_step"], summary["step"], f"{summary['session_tokens']:,} tokens in " \
-        f"{time.time() - start:.0f} s"
+    first, last, took = (
+        summary["start_step"],
+        summary["step"],
+        f"{summary['session_tokens']:,} tokens in {time.time() - start:.0f} s",
+    )
     if first == 0:
         print(f"\ntrained {last} steps, {took}")
     elif last > first:  # a resumed run: its steps of this session, numbered as the run counts them
@@ -178,10 +183,19 @@ def train(job: Annotated[PresetJob, tyro.conf.arg(name="")]) -> None:  # type: i
         from looplm.checkpoint import load_data
 
         model, tokenizer, _ = load_model(ckpt_path, env.device)
-        what = "perplexity and exact-match task accuracy" if job.data.source == "tasks" else "perplexity and bits per byte"
+        what = (
+            "perplexity and exact-match task accuracy" if job.data.source == "tasks" else "perplexity and bits per byte"
+        )
         print(f"\nheld-out {what} vs test-time depth R (trained with {job.depth.sampler} depth {job.depth.depth:g}):")
-        _report(model, tokenizer, load_data(ckpt_path), job.eval, env.device,
-                job.eval.output or trainer.out_dir / "eval.json", progress=job.train.progress)
+        _report(
+            model,
+            tokenizer,
+            load_data(ckpt_path),
+            job.eval,
+            env.device,
+            job.eval.output or trainer.out_dir / "eval.json",
+            progress=job.train.progress,
+        )
     out = trainer.out_dir
     lines = [f"checkpoint:  {ckpt_path}", f"metrics:     {out / 'metrics.jsonl'}"]
     if job.eval.depths:
@@ -217,10 +231,14 @@ def _resume_command(out_dir: Path) -> str:
 
 def _interrupted_line(stop, out_dir: Path) -> str:
     if stop.checkpoint_step is None:
-        return (f"interrupted at step {stop.step}, before the first checkpoint (step {stop.first_checkpoint}): "
-                "nothing to resume; run the same command to start again")
-    return (f"interrupted at step {stop.step}; last checkpoint step {stop.checkpoint_step}; resume with: "
-            f"{_resume_command(out_dir)}")
+        return (
+            f"interrupted at step {stop.step}, before the first checkpoint (step {stop.first_checkpoint}): "
+            "nothing to resume; run the same command to start again"
+        )
+    return (
+        f"interrupted at step {stop.step}; last checkpoint step {stop.checkpoint_step}; resume with: "
+        f"{_resume_command(out_dir)}"
+    )
 
 
 def evaluate(
@@ -257,8 +275,10 @@ def evaluate(
         cfg.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tokenizer)
         record = _data_record(path, data, model.cfg.max_seq_len)
         if cfg.generation_examples and not record.is_tasks:
-            print(f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",
-                  file=sys.stderr)
+            print(
+                f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",
+                file=sys.stderr,
+            )
         own = _recorded_data(path)
         other = data is not None and (own is None or own.source != record.source)
         out = cfg.output or _run_folder(path) / report_name(data if other else None)
@@ -344,8 +364,21 @@ def generate(
         print("compiling the decode step (the first tokens wait for it)", file=sys.stderr, flush=True)
     stats: dict = {}
     printed = _Printed(prompts)
-    printed.done(run(model, tokenizer, list(prompts), rule, cache=cache, sampling=sampling.resolved(tasks, room),
-                     on_token=printed.on_token, stats=stats, prefill=arm, compile=compile, speculate=speculation))
+    printed.done(
+        run(
+            model,
+            tokenizer,
+            list(prompts),
+            rule,
+            cache=cache,
+            sampling=sampling.resolved(tasks, room),
+            on_token=printed.on_token,
+            stats=stats,
+            prefill=arm,
+            compile=compile,
+            speculate=speculation,
+        )
+    )
     if rule.exit_tau is not None:
         print(f"mean decode depth: {stats['mean_decode_depth']:.2f} (max {rule.depth})", file=sys.stderr)
     if verbose:
@@ -399,8 +432,10 @@ def _decode_line(stats: dict, compile: bool, speculated: bool) -> str:
         line += f"; the first step took {first:.1f} s with compiling, the rest {(n - 1) / (total - first):.1f} tokens/s"
     line += ")"
     if speculated:
-        line += (f"; speculation: {stats['acceptance_rate']:.0%} of drafts accepted, "
-                 f"{stats['tokens_per_verify']:.2f} tokens per verify")
+        line += (
+            f"; speculation: {stats['acceptance_rate']:.0%} of drafts accepted, "
+            f"{stats['tokens_per_verify']:.2f} tokens per verify"
+        )
     return line
 
 
@@ -436,20 +471,34 @@ def distill(
         return
     first, last = summary["start_step"], summary["step"]
     steps = f"{last} steps" if first == 0 else f"steps {first + 1}..{last} ({last - first} this session)"
-    print(f"\ndistilled {steps} in {summary['session_s']:.0f} s; held-out relative state error "
-          f"{summary['val_rel_err']:.4f} (after one teacher recurrence {summary['val_rel_err_next']:.4f}), "
-          f"KL {summary['val_kl']:.4f}")
+    print(
+        f"\ndistilled {steps} in {summary['session_s']:.0f} s; held-out relative state error "
+        f"{summary['val_rel_err']:.4f} (after one teacher recurrence {summary['val_rel_err_next']:.4f}), "
+        f"KL {summary['val_kl']:.4f}"
+    )
     report = {"distill": summary}
     if cfg.report_rows or cfg.report_examples:
         trainer.student.eval()
-        report["prefill"] = arms_after_distill(trainer.teacher, trainer.tokenizer, trainer.data, trainer.val_data,
-                                               trainer.student, cfg.depth, rows=cfg.report_rows,
-                                               n_examples=cfg.report_examples, device=trainer.device)
-        print(f"\nprefill arms at R = {cfg.depth} (decoding at R with the terminal cache; blocks = block passes "
-              f"per prompt token):\n{format_prefill_table(report['prefill'])}")
+        report["prefill"] = arms_after_distill(
+            trainer.teacher,
+            trainer.tokenizer,
+            trainer.data,
+            trainer.val_data,
+            trainer.student,
+            cfg.depth,
+            rows=cfg.report_rows,
+            n_examples=cfg.report_examples,
+            device=trainer.device,
+        )
+        print(
+            f"\nprefill arms at R = {cfg.depth} (decoding at R with the terminal cache; blocks = block passes "
+            f"per prompt token):\n{format_prefill_table(report['prefill'])}"
+        )
     write_report(report, trainer.out_dir / "report.json")
-    print(f"\nstudent:  {summary['checkpoint']}\nmetrics:  {trainer.out_dir / 'metrics.jsonl'}\n"
-          f"report:   {trainer.out_dir / 'report.json'}")
+    print(
+        f"\nstudent:  {summary['checkpoint']}\nmetrics:  {trainer.out_dir / 'metrics.jsonl'}\n"
+        f"report:   {trainer.out_dir / 'report.json'}"
+    )
 
 
 def analyze(
@@ -491,8 +540,14 @@ def analyze(
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
     try:
-        analysis = run(model, tokenizer, data, cfg, device=device,
-                       progress=lambda desc, n: (bar.set_description(desc, refresh=False), bar.update(n)))
+        analysis = run(
+            model,
+            tokenizer,
+            data,
+            cfg,
+            device=device,
+            progress=lambda desc, n: (bar.set_description(desc, refresh=False), bar.update(n)),
+        )
     finally:
         torch.set_num_threads(default_threads)
         bar.close()
@@ -530,10 +585,15 @@ def rl(
         if ev:
             print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
     first, last = summary["start_step"], summary["step"]
-    steps = f"{last} RL steps ({cfg.estimator})" if first == 0 else \
-        f"RL steps {first + 1}..{last} ({last - first} this session, {cfg.estimator})"
-    print(f"{steps} in {summary['session_s']:.0f} s\n"
-          f"checkpoint: {summary['checkpoint']}\nmetrics:    {trainer.out_dir / 'metrics.jsonl'}")
+    steps = (
+        f"{last} RL steps ({cfg.estimator})"
+        if first == 0
+        else f"RL steps {first + 1}..{last} ({last - first} this session, {cfg.estimator})"
+    )
+    print(
+        f"{steps} in {summary['session_s']:.0f} s\n"
+        f"checkpoint: {summary['checkpoint']}\nmetrics:    {trainer.out_dir / 'metrics.jsonl'}"
+    )
 
 
 def tokenize(
@@ -574,8 +634,17 @@ def tokenize(
         before = pretokenized_info(out)
     except UserError:  # not a `looplm tokenize` folder (yet)
         before = None
-    path = tokenize_corpus(src, out, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size, holdout=holdout,
-                           text_field=text_field, seed=seed, n_task_examples=n_task_examples, overwrite=overwrite)
+    path = tokenize_corpus(
+        src,
+        out,
+        tokenizer=tokenizer,
+        bpe_vocab_size=bpe_vocab_size,
+        holdout=holdout,
+        text_field=text_field,
+        seed=seed,
+        n_task_examples=n_task_examples,
+        overwrite=overwrite,
+    )
     info = pretokenized_info(path)
     if info == before:
         print(f"up to date (same source, tokenizer, holdout and seed): {path}")
@@ -584,8 +653,10 @@ def tokenize(
     print(f"tokenizer: {info['tokenizer']}, vocabulary {info['vocab_size']:,}, eos id {info['eos_id']}")
     for split, counts in info["splits"].items():
         print(f"{split + ':':6} {counts['tokens']:>14,} tokens  {counts['docs']:>11,} documents")
-    print(f"\ntrain on it with (any preset; the folder's tokenizer is used):\n"
-          f"  looplm train tiny --data.source {shlex.quote(str(path))}")
+    print(
+        f"\ntrain on it with (any preset; the folder's tokenizer is used):\n"
+        f"  looplm train tiny --data.source {shlex.quote(str(path))}"
+    )
 
 
 def export(
@@ -674,14 +745,16 @@ def convert(
         return
     print(f"wrote {path}\nevaluate it with: looplm eval {path}")
 
+
 def _listen(host: str, port: int):
     """A socket listening on host:port (port 0: one the system chooses), for uvicorn to serve on; a busy
     port or an unknown host is a UserError."""
     import socket
 
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         listener = socket.socket(family, kind, proto)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts at once
@@ -751,7 +824,8 @@ def serve(
             print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
         app = create_app(running, name, api_key=api_key)
         uvicorn.Server(uvicorn.Config(app, host=host, port=listener.getsockname()[1], log_level="info")).run(
-            sockets=[listener])
+            sockets=[listener]
+        )
     finally:
         listener.close()
 
@@ -777,8 +851,11 @@ def _internal_error(err: BaseException, debug: bool) -> int:
         traceback.print_exception(err)
     summary = (str(err).strip().splitlines() or [""])[0]
     summary = summary[:297] + "..." if len(summary) > 300 else summary
-    print(f"internal error: {type(err).__name__}{': ' + summary if summary else ''}"
-          + ("" if debug else f" (looplm --debug ... or {DEBUG_ENV}=1 shows the traceback)"), file=sys.stderr)
+    print(
+        f"internal error: {type(err).__name__}{': ' + summary if summary else ''}"
+        + ("" if debug else f" (looplm --debug ... or {DEBUG_ENV}=1 shows the traceback)"),
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -872,8 +949,10 @@ def _missing(names: list[str], args: list[str], words: list[str]) -> str:
         if arg.startswith("-"):
             option = arg if arg.startswith("--") and "=" not in arg else None
         elif option is not None and args[i - 1] != option and ("/" in arg or os.sep in arg or Path(arg).exists()):
-            return (f"{line}; {option} took {arg!r} as one of its values: put {names[0]} first "
-                    f"({' '.join(words)} {names[0]} {option} ...)")
+            return (
+                f"{line}; {option} took {arg!r} as one of its values: put {names[0]} first "
+                f"({' '.join(words)} {names[0]} {option} ...)"
+            )
     return line
 
 
@@ -894,11 +973,16 @@ def _rejected(event, args: list[str]) -> None:
         what = f"missing subcommand: expected one of {{{', '.join(event.subcommand_spec.parser_from_name)}}}"
     elif isinstance(event, e.InstantiationFailure):
         arg = event.argument
-        what = event.message if arg is None else \
-            f"invalid value for {name(arg)} (expects {arg.lowered.metavar}): {event.message}"
+        what = (
+            event.message
+            if arg is None
+            else f"invalid value for {name(arg)} (expects {arg.lowered.metavar}): {event.message}"
+        )
     elif isinstance(event, e.InvalidChoice):
-        what = f"invalid choice {event.value!r} for argument '{name(event.argument)}': expected one of " \
-               f"{', '.join(event.choices)}"
+        what = (
+            f"invalid choice {event.value!r} for argument '{name(event.argument)}': expected one of "
+            f"{', '.join(event.choices)}"
+        )
     elif isinstance(event, e.BadValue) and event.reason == "too_few_values":
         what = f"missing value for argument '{name(event.argument)}'"
     else:
@@ -920,10 +1004,12 @@ def _parse(args: list[str]):
     try:
         with hook:
             return tyro.extras.subcommand_cli_from_dict(
-                {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()}, prog="looplm", args=args,
+                {name: _deferred(fn) for name, fn in _SUBCOMMANDS.items()},
+                prog="looplm",
+                args=args,
                 description="looplm: looped language models shaped around fixed points. "
-                            "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
-                            f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
+                "looplm --version prints the version; looplm --debug SUBCOMMAND ... (or "
+                f"{DEBUG_ENV}=1) shows the traceback of an internal error.",
             )
     except CommandLineError:
         raise
@@ -969,9 +1055,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-_SUBCOMMANDS = {"train": train, "eval": evaluate, "generate": generate, "distill": distill, "analyze": analyze,
-                "rl": rl, "tokenize": tokenize, "export": export, "convert": convert, "serve": serve,
-                "consolidate": consolidate}
+_SUBCOMMANDS = {
+    "train": train,
+    "eval": evaluate,
+    "generate": generate,
+    "distill": distill,
+    "analyze": analyze,
+    "rl": rl,
+    "tokenize": tokenize,
+    "export": export,
+    "convert": convert,
+    "serve": serve,
+    "consolidate": consolidate,
+}
 
 
 if __name__ == "__main__":

@@ -159,13 +159,16 @@ class ModelConfig:
         if self.state_std < 0:
             raise UserError(f"state_std must be >= 0 (0 = 1/sqrt(d_model)), got {self.state_std}")
         if self.injection == "none" and self.state_init != "input":
-            raise UserError("injection 'none' needs state_init='input' (otherwise the input never enters the recurrence)")
+            raise UserError(
+                "injection 'none' needs state_init='input' (otherwise the input never enters the recurrence)"
+            )
         for name, allowed in (("ffn_act", FFN_ACTS), ("value_embeds", VALUE_EMBEDS)):
             if getattr(self, name) not in allowed:
                 raise UserError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if self.value_embeds != "none" and self.d_model < VALUE_GATE_CHANNELS:
-            raise UserError(f"value_embeds needs d_model >= {VALUE_GATE_CHANNELS} (its gate reads 32 channels), "
-                            f"got {self.d_model}")
+            raise UserError(
+                f"value_embeds needs d_model >= {VALUE_GATE_CHANNELS} (its gate reads 32 channels), got {self.d_model}"
+            )
         if self.post_loop_norm and not self.head_norm:
             raise UserError("post_loop_norm reuses the head's final norm, so it needs head_norm=True")
 

@@ -23,13 +23,21 @@ def carryover_alignment(injection, endpoint: torch.Tensor, injected: torch.Tenso
     c = injection.carryover(endpoint, injected).double()
     q = injected.double()
     cq, qq = (c * q).sum(-1), q.square().sum(-1)
-    return {"cos": cq / (c.norm(dim=-1) * q.norm(dim=-1)).clamp_min(1e-300),
-            "amplification": 1.0 + cq / qq.clamp_min(1e-300)}
+    return {
+        "cos": cq / (c.norm(dim=-1) * q.norm(dim=-1)).clamp_min(1e-300),
+        "amplification": 1.0 + cq / qq.clamp_min(1e-300),
+    }
 
 
 def summarize(values: torch.Tensor) -> dict[str, float]:
     """{"mean", "median", "q10", "q90", "min", "max"} of a tensor of per-token values."""
     v = values.flatten().double()
     q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
-    return {"mean": float(v.mean()), "median": float(q[1]), "q10": float(q[0]), "q90": float(q[2]),
-            "min": float(v.min()), "max": float(v.max())}
+    return {
+        "mean": float(v.mean()),
+        "median": float(q[1]),
+        "q10": float(q[0]),
+        "q90": float(q[2]),
+        "min": float(v.min()),
+        "max": float(v.max()),
+    }

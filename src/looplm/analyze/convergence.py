@@ -66,9 +66,15 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
         inside = (pos >= lo) & (pos < lo + interval)
         if inside.any():
             d = depth[inside & done]
-            buckets.append({"start": lo, "end": lo + interval, "tokens": int(inside.sum()),
-                            "fraction_converged": float(done[inside].float().mean()),
-                            "median_depth": median_or_none(d)})
+            buckets.append(
+                {
+                    "start": lo,
+                    "end": lo + interval,
+                    "tokens": int(inside.sum()),
+                    "fraction_converged": float(done[inside].float().mean()),
+                    "median_depth": median_or_none(d),
+                }
+            )
     flat = change.flatten(1).double()
     q = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1)
     return {
@@ -81,6 +87,5 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
         "never": int((~done).sum()),
         "intervals": buckets,
         "spearman_position_depth": spearman(pos[done], depth[done]),
-        "change": {"q25": q[0].tolist(), "median": q[1].tolist(), "q75": q[2].tolist(),
-                   "mean": flat.mean(1).tolist()},
+        "change": {"q25": q[0].tolist(), "median": q[1].tolist(), "q75": q[2].tolist(), "mean": flat.mean(1).tolist()},
     }

@@ -26,17 +26,22 @@ def convergence_histogram(report: dict, path: Path) -> Path:
     hist = c["histogram"]
     top = max([d for d, n in enumerate(hist) if n] or [0])
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.bar(range(top + 1), hist[:top + 1], width=0.9, color="tab:blue", label="converged")
+    ax.bar(range(top + 1), hist[: top + 1], width=0.9, color="tab:blue", label="converged")
     ax.bar([top + 2], [c["never"]], width=0.9, color="tab:red", label=f"not within {c['horizon']}")
-    ax.set_xticks(list(range(0, top + 1, max(1, (top + 1) // 10))) + [top + 2],
-                  [str(d) for d in range(0, top + 1, max(1, (top + 1) // 10))] + ["never"])
+    ax.set_xticks(
+        list(range(0, top + 1, max(1, (top + 1) // 10))) + [top + 2],
+        [str(d) for d in range(0, top + 1, max(1, (top + 1) // 10))] + ["never"],
+    )
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.5)  # a bar of one token stays visible
     ax.set_xlabel("convergence depth (recurrences)")
     ax.set_ylabel("tokens")
     median = c["median_depth"]
-    ax.set_title(f"convergence depth at tau={c['tau']:g}: {100 * c['fraction_converged']:.1f}% converged, "
-                 f"median {median if median is not None else '-'}", fontsize=10)
+    ax.set_title(
+        f"convergence depth at tau={c['tau']:g}: {100 * c['fraction_converged']:.1f}% converged, "
+        f"median {median if median is not None else '-'}",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -59,8 +64,10 @@ def position_vs_depth(report: dict, depth: torch.Tensor, position: torch.Tensor,
             ax.hlines(b["median_depth"], b["start"], min(b["end"] - 1, last), color="tab:orange", lw=2.5, label=label)
             label = None
     rho = c["spearman_position_depth"]
-    ax.set_title(f"position vs convergence depth (Spearman {rho:.3f})" if rho is not None
-                 else "position vs convergence depth", fontsize=10)
+    ax.set_title(
+        f"position vs convergence depth (Spearman {rho:.3f})" if rho is not None else "position vs convergence depth",
+        fontsize=10,
+    )
     ax.set_xlabel("position")
     ax.set_ylabel("convergence depth")
     ax.legend(fontsize=8)
@@ -102,9 +109,11 @@ def sharing_vs_depth(report: dict, path: Path) -> Path:
 def write_plots(analysis, folder: Path) -> list[Path]:
     """The report's figures as PNGs in `folder`."""
     rep = analysis.report
-    out = [convergence_histogram(rep, folder / "convergence_hist.png"),
-           position_vs_depth(rep, analysis.depth, analysis.position, folder / "position_depth.png"),
-           relative_change_curve(rep, folder / "relative_change.png")]
+    out = [
+        convergence_histogram(rep, folder / "convergence_hist.png"),
+        position_vs_depth(rep, analysis.depth, analysis.position, folder / "position_depth.png"),
+        relative_change_curve(rep, folder / "relative_change.png"),
+    ]
     if rep.get("sharing"):
         out.append(sharing_vs_depth(rep, folder / "sharing_depth.png"))
     return out

@@ -109,8 +109,10 @@ def require_recurrence(checkpoint: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         return
     if not isinstance(n_core, int) or n_core < 1:
-        raise UserError(f"{checkpoint}: the model has no recurrent core (n_core={n_core}); "
-                        "fixed-point diagnostics need a looped model")
+        raise UserError(
+            f"{checkpoint}: the model has no recurrent core (n_core={n_core}); "
+            "fixed-point diagnostics need a looped model"
+        )
 
 
 def _batches(n: int, size: int):
@@ -123,8 +125,9 @@ def _max(x: torch.Tensor) -> float | None:
 
 
 @torch.no_grad()
-def profile_rows(model, data, cfg: AnalyzeConfig, device,
-                 progress: Progress) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def profile_rows(
+    model, data, cfg: AnalyzeConfig, device, progress: Progress
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Convergence profile, KV settling and carryover alignment over the first `cfg.sequences` rows."""
     n = min(len(data), cfg.sequences)
     kv_at = kv_recurrences(cfg.kv_depths, cfg.kv_span) if cfg.kv_depths else ()
@@ -133,8 +136,13 @@ def profile_rows(model, data, cfg: AnalyzeConfig, device,
     for idx in _batches(n, cfg.batch_size):
         b = data.get_batch(idx).to(device)
         begin = start(model, b.inputs, doc_ids=b.doc_ids, positions=b.positions, example_ids=b.example_ids)
-        traj = run_trajectory(model, begin, cfg.horizon, kv_at=kv_at,
-                              on_step=lambda r: progress(f"trajectory r={r}", 0) if r % 16 == 0 else None)
+        traj = run_trajectory(
+            model,
+            begin,
+            cfg.horizon,
+            kv_at=kv_at,
+            on_step=lambda r: progress(f"trajectory r={r}", 0) if r % 16 == 0 else None,
+        )
         changes.append(traj.change)
         positions.append(begin.positions)
         if sums is not None:
@@ -150,8 +158,11 @@ def profile_rows(model, data, cfg: AnalyzeConfig, device,
         carry.update(cos=summarize(torch.cat(cos)), amplification=summarize(torch.cat(amp)))
     else:
         carry["note"] = "no core-entrance injection (DEQ-QKV): carryover is not defined"
-    out = {"convergence": convergence_profile(change, pos, cfg.tau, cfg.position_interval),
-           "kv_settling": sums.table() if sums is not None else [], "carryover": carry}
+    out = {
+        "convergence": convergence_profile(change, pos, cfg.tau, cfg.position_interval),
+        "kv_settling": sums.table() if sums is not None else [],
+        "carryover": carry,
+    }
     return out, convergence_depths(change, cfg.tau).flatten().cpu(), pos.flatten().cpu()
 
 
@@ -163,26 +174,42 @@ def solve_rows(model, data, cfg: AnalyzeConfig, device, progress: Progress) -> d
     for idx in _batches(n, cfg.batch_size):
         b = data.get_batch(idx).to(device)
         cut = slice(0, length)
-        out = span_solves(model, b.inputs[:, cut], doc_ids=b.doc_ids[:, cut], positions=b.positions[:, cut],
-                          example_ids=b.example_ids, rule=cfg.solve, control_depth=cfg.control_depth,
-                          progress=progress)
+        out = span_solves(
+            model,
+            b.inputs[:, cut],
+            doc_ids=b.doc_ids[:, cut],
+            positions=b.positions[:, cut],
+            example_ids=b.example_ids,
+            rule=cfg.solve,
+            control_depth=cfg.control_depth,
+            progress=progress,
+        )
         for k, v in out.items():
             parts.setdefault(k, []).append(v.cpu())
     r = {k: torch.cat(v) for k, v in parts.items()}
     pair = r["prefix_qualified"] & r["joint_qualified"] & r["frozen_qualified"]
     ctrl = pair & r["control_qualified"]
     return {
-        "spans": n, "span_tokens": length, "rule": dataclasses.asdict(cfg.solve), "control_depth": cfg.control_depth,
+        "spans": n,
+        "span_tokens": length,
+        "rule": dataclasses.asdict(cfg.solve),
+        "control_depth": cfg.control_depth,
         "qualified": {name: int(r[f"{name}_qualified"].sum()) for name in ("prefix", "joint", "frozen", "control")},
         "qualified_pairs": int(pair.sum()),
-        "median_depth": {name: median_or_none(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
-                         for name in ("prefix", "joint", "frozen")},
-        "max_depth": {name: _max(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
-                      for name in ("prefix", "joint", "frozen")},
+        "median_depth": {
+            name: median_or_none(r[f"{name}_depth"][r[f"{name}_qualified"]].float())
+            for name in ("prefix", "joint", "frozen")
+        },
+        "max_depth": {
+            name: _max(r[f"{name}_depth"][r[f"{name}_qualified"]].float()) for name in ("prefix", "joint", "frozen")
+        },
         "gap": {"median": median_or_none(r["gap"][pair]), "max": _max(r["gap"][pair])},
         "kl": {"median": median_or_none(r["kl"][pair]), "max": _max(r["kl"][pair])},
-        "control": {"spans": int(ctrl.sum()), "gap_median": median_or_none(r["control_gap"][ctrl]),
-                    "kl_median": median_or_none(r["control_kl"][ctrl])},
+        "control": {
+            "spans": int(ctrl.sum()),
+            "gap_median": median_or_none(r["control_gap"][ctrl]),
+            "kl_median": median_or_none(r["control_kl"][ctrl]),
+        },
         "per_span": {k: v.tolist() for k, v in r.items()},
     }
 
@@ -211,8 +238,14 @@ def analyze(model, tokenizer, data, cfg: AnalyzeConfig, device="cpu", progress: 
     report["sharing"] = None
     if cfg.sharing_depths and cfg.sharing_sequences:
         t = time.perf_counter()
-        report["sharing"] = sharing_table(model, data, cfg.sharing_depths, max_sequences=cfg.sharing_sequences,
-                                          device=device, progress=lambda _depth: progress("sharing", 1))
+        report["sharing"] = sharing_table(
+            model,
+            data,
+            cfg.sharing_depths,
+            max_sequences=cfg.sharing_sequences,
+            device=device,
+            progress=lambda _depth: progress("sharing", 1),
+        )
         seconds["sharing"] = time.perf_counter() - t
     report["model"] = {k: model.cfg.to_dict()[k] for k in ("injection", "d_model", "n_prelude", "n_core", "n_coda")}
     report["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
@@ -231,60 +264,82 @@ def _change_line(c: dict) -> str:
     H = c["horizon"]
     depths = [r for r in (1, 5, 16) if r < H] + [H]
     labels = [str(r) for r in depths[:-1]] + [f"H = {H}"]
-    return (f"  relative change (median) at r = {', '.join(labels)}: "
-            + ", ".join(_fmt(c["change"]["median"][r - 1]) for r in depths))
+    return f"  relative change (median) at r = {', '.join(labels)}: " + ", ".join(
+        _fmt(c["change"]["median"][r - 1]) for r in depths
+    )
 
 
 def format_summary(report: dict) -> str:
     """A one-screen plain-text summary of the report."""
     c = report["convergence"]
-    lines = [f"fixed-point diagnostics ({report['model']['injection']}, {c['tokens']} held-out tokens, "
-             f"horizon {c['horizon']}, tau {c['tau']:g})",
-             f"  converged: {100 * c['fraction_converged']:.1f}% of tokens; median convergence depth "
-             f"{_fmt(c['median_depth'])}; never: {c['never']}",
-             f"  Spearman(position, depth) = {_fmt(c['spearman_position_depth'])}; median depth per "
-             f"{c['intervals'][0]['end'] - c['intervals'][0]['start']}-position interval: "
-             + ", ".join(f"{b['start']}: {_fmt(b['median_depth'])}" for b in c["intervals"][:6])
-             + (" ..." if len(c["intervals"]) > 6 else ""),
-             _change_line(c)]
+    lines = [
+        f"fixed-point diagnostics ({report['model']['injection']}, {c['tokens']} held-out tokens, "
+        f"horizon {c['horizon']}, tau {c['tau']:g})",
+        f"  converged: {100 * c['fraction_converged']:.1f}% of tokens; median convergence depth "
+        f"{_fmt(c['median_depth'])}; never: {c['never']}",
+        f"  Spearman(position, depth) = {_fmt(c['spearman_position_depth'])}; median depth per "
+        f"{c['intervals'][0]['end'] - c['intervals'][0]['start']}-position interval: "
+        + ", ".join(f"{b['start']}: {_fmt(b['median_depth'])}" for b in c["intervals"][:6])
+        + (" ..." if len(c["intervals"]) > 6 else ""),
+        _change_line(c),
+    ]
     if report["kv_settling"]:
         rows = report["kv_settling"]
         depths = sorted({row["depth"] for row in rows})
         cell = {(row["layer"], row["depth"]): row for row in rows}
-        lines += ["", f"KV settling: |X^(r+{report['config']['kv_span']}) - X^r| / |X^r| in % per core layer, "
-                      f"and |K^r| / |K^{depths[0]}|",
-                  f"{'':>14}" + "".join(f"{'r=' + str(r):>11}" for r in depths)]
+        lines += [
+            "",
+            f"KV settling: |X^(r+{report['config']['kv_span']}) - X^r| / |X^r| in % per core layer, "
+            f"and |K^r| / |K^{depths[0]}|",
+            f"{'':>14}" + "".join(f"{'r=' + str(r):>11}" for r in depths),
+        ]
         for j in sorted({row["layer"] for row in rows}):
             for key, label in (("K_change", "K"), ("V_change", "V"), ("K_norm_ratio", "|K|")):
                 scale, spec = (1, ".4f") if key == "K_norm_ratio" else (100, ".3g")
-                lines.append(f"  layer {j} {label:<4}" + "".join(
-                    f"{_fmt(None if cell[j, r][key] is None else scale * cell[j, r][key], spec):>11}" for r in depths))
+                lines.append(
+                    f"  layer {j} {label:<4}"
+                    + "".join(
+                        f"{_fmt(None if cell[j, r][key] is None else scale * cell[j, r][key], spec):>11}"
+                        for r in depths
+                    )
+                )
     co = report["carryover"]
     lines += [""]
     if "cos" in co:
-        lines += [f"carryover alignment at r={co['depth']} (median, 10-90% of tokens):",
-                  f"  cos(carryover, q) {co['cos']['median']:.3f} [{co['cos']['q10']:.3f}, {co['cos']['q90']:.3f}]; "
-                  f"amplification 1 + <carryover, q>/|q|^2 = {co['amplification']['median']:.4f}x "
-                  f"[{co['amplification']['q10']:.4f}, {co['amplification']['q90']:.4f}]"]
+        lines += [
+            f"carryover alignment at r={co['depth']} (median, 10-90% of tokens):",
+            f"  cos(carryover, q) {co['cos']['median']:.3f} [{co['cos']['q10']:.3f}, {co['cos']['q90']:.3f}]; "
+            f"amplification 1 + <carryover, q>/|q|^2 = {co['amplification']['median']:.4f}x "
+            f"[{co['amplification']['q10']:.4f}, {co['amplification']['q90']:.4f}]",
+        ]
     else:
         lines.append(f"carryover: {co['note']}")
     s = report.get("solves")
     if s:
         q = s["qualified"]
-        lines += ["", f"fixed-point solves ({s['spans']} spans of {s['span_tokens']} tokens, "
-                      f"<= {s['rule']['max_depth']} recurrences, fp32, math attention):",
-                  f"  qualified: prefix {q['prefix']}, joint {q['joint']}, frozen {q['frozen']}; all three: "
-                  f"{s['qualified_pairs']}; median depth prefix {_fmt(s['median_depth']['prefix'])}, joint "
-                  f"{_fmt(s['median_depth']['joint'])}",
-                  f"  joint vs frozen-prefix: state gap median {_fmt(s['gap']['median'])} "
-                  f"(max {_fmt(s['gap']['max'])}), "
-                  f"KL median {_fmt(s['kl']['median'])}",
-                  f"  depth-{s['control_depth']} prefix control ({s['control']['spans']} spans): state gap median "
-                  f"{_fmt(s['control']['gap_median'])}, KL median {_fmt(s['control']['kl_median'])}"]
+        lines += [
+            "",
+            f"fixed-point solves ({s['spans']} spans of {s['span_tokens']} tokens, "
+            f"<= {s['rule']['max_depth']} recurrences, fp32, math attention):",
+            f"  qualified: prefix {q['prefix']}, joint {q['joint']}, frozen {q['frozen']}; all three: "
+            f"{s['qualified_pairs']}; median depth prefix {_fmt(s['median_depth']['prefix'])}, joint "
+            f"{_fmt(s['median_depth']['joint'])}",
+            f"  joint vs frozen-prefix: state gap median {_fmt(s['gap']['median'])} "
+            f"(max {_fmt(s['gap']['max'])}), "
+            f"KL median {_fmt(s['kl']['median'])}",
+            f"  depth-{s['control_depth']} prefix control ({s['control']['spans']} spans): state gap median "
+            f"{_fmt(s['control']['gap_median'])}, KL median {_fmt(s['control']['kl_median'])}",
+        ]
     if report.get("sharing"):
-        lines += ["", "terminal-KV sharing penalty, 100 (PPL_terminal / PPL_full - 1), chunk / one-token decode:",
-                  "  " + "; ".join(f"R={r}: {v['sharing_penalty']:.3f}% / {v['cacheeval_penalty']:.3f}%"
-                                   for r, v in report["sharing"].items())]
+        lines += [
+            "",
+            "terminal-KV sharing penalty, 100 (PPL_terminal / PPL_full - 1), chunk / one-token decode:",
+            "  "
+            + "; ".join(
+                f"R={r}: {v['sharing_penalty']:.3f}% / {v['cacheeval_penalty']:.3f}%"
+                for r, v in report["sharing"].items()
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -300,4 +355,3 @@ def write_outputs(analysis: Analysis, folder: Path, plots: bool = True) -> list[
 
         paths += write_plots(analysis, folder)
     return paths
-

@@ -56,8 +56,10 @@ class SolveRule:
         if self.stable_steps < 1 or self.confirm_steps < 0:
             raise UserError("solve stable_steps must be >= 1 and confirm_steps >= 0")
         if self.max_depth < self.stable_steps + self.confirm_steps + 1:
-            raise UserError(f"solve max_depth {self.max_depth} leaves no room for {self.stable_steps} stable, "
-                            f"{self.confirm_steps} confirmation and 1 final step")
+            raise UserError(
+                f"solve max_depth {self.max_depth} leaves no room for {self.stable_steps} stable, "
+                f"{self.confirm_steps} confirmation and 1 final step"
+            )
 
 
 @dataclass
@@ -128,9 +130,14 @@ def solve(step: Step, state0: torch.Tensor, rule: SolveRule, on_step: Callable[[
         # Rows that are done keep their endpoint (and its K/V); the others follow the iteration.
         keep = before == DONE
         endpoint = torch.where(keep[:, None, None], endpoint, new)
-        endpoint_kv = list(kvs) if endpoint_kv is None else [
-            tuple(torch.where(keep[:, None, None, None], e, x) for e, x in zip(ekv, kv))
-            for ekv, kv in zip(endpoint_kv, kvs)]
+        endpoint_kv = (
+            list(kvs)
+            if endpoint_kv is None
+            else [
+                tuple(torch.where(keep[:, None, None, None], e, x) for e, x in zip(ekv, kv))
+                for ekv, kv in zip(endpoint_kv, kvs)
+            ]
+        )
         last_kv, s = kvs, new
         if on_step is not None:
             on_step(r)
@@ -166,8 +173,9 @@ def frozen_prefix_step(model, begin: Start, prefix_kv: list) -> Step:
     ctx = slice_context(begin.ctx, c, L, mask_keys=L)
     slots = []
     for k, v in prefix_kv:
-        bank = KVBank.of(k.new_zeros(k.shape[0], k.shape[1], L, k.shape[3]),
-                         v.new_zeros(v.shape[0], v.shape[1], L, v.shape[3]))
+        bank = KVBank.of(
+            k.new_zeros(k.shape[0], k.shape[1], L, k.shape[3]), v.new_zeros(v.shape[0], v.shape[1], L, v.shape[3])
+        )
         bank.k[:, :, :c], bank.v[:, :, :c] = k, v
         slots.append(bank.slot(c))  # attention writes the current token's K/V at c in place
     return lambda s: model.recurrence(s, ctx, return_kv=True, slots=slots)
@@ -180,10 +188,17 @@ def prediction_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def span_solves(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, example_ids: torch.Tensor | None = None,
-                rule: SolveRule = SolveRule(), control_depth: int = 5,
-                progress: Callable[[str, int], None] | None = None) -> dict[str, torch.Tensor]:
+def span_solves(
+    model,
+    tokens: torch.Tensor,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    example_ids: torch.Tensor | None = None,
+    rule: SolveRule = SolveRule(),
+    control_depth: int = 5,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Prefix-only, joint and frozen-prefix solves (and the depth-`control_depth` control) for spans
     `tokens` [B, P + 1] whose last token is the current token. Returns per-row tensors:
     qualified flags and depths of each solve, and the relative current-token state gap and
@@ -229,9 +244,12 @@ def span_solves(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = N
         p_frozen, p_control = predict(prefix.state, frozen.state), predict(s, control.state)
     cur = joint.state[:, c]
     return {
-        "prefix_qualified": prefix.qualified, "prefix_depth": prefix.depth,
-        "joint_qualified": joint.qualified, "joint_depth": joint.depth,
-        "frozen_qualified": frozen.qualified, "frozen_depth": frozen.depth,
+        "prefix_qualified": prefix.qualified,
+        "prefix_depth": prefix.depth,
+        "joint_qualified": joint.qualified,
+        "joint_depth": joint.depth,
+        "frozen_qualified": frozen.qualified,
+        "frozen_depth": frozen.depth,
         "control_qualified": control.qualified,
         "gap": relative_change(frozen.state[:, 0], cur),
         "kl": prediction_kl(p_joint, p_frozen),

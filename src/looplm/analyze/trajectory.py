@@ -35,8 +35,16 @@ class Start:
 
 
 @torch.no_grad()
-def start(model, tokens: torch.Tensor, *, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-          example_ids: torch.Tensor | None = None, init: StateInit = "seeded", seed: int = 0) -> Start:
+def start(
+    model,
+    tokens: torch.Tensor,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    example_ids: torch.Tensor | None = None,
+    init: StateInit = "seeded",
+    seed: int = 0,
+) -> Start:
     """The prelude, context and s^0 of `LoopedLM.forward` (evaluation-time seeded state by default)."""
     if positions is None:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
@@ -57,8 +65,9 @@ class Trajectory:
 
 
 @torch.no_grad()
-def run_trajectory(model, begin: Start, horizon: int, *, kv_at: tuple[int, ...] = (),
-                   on_step: Callable[[int], None] | None = None) -> Trajectory:
+def run_trajectory(
+    model, begin: Start, horizon: int, *, kv_at: tuple[int, ...] = (), on_step: Callable[[int], None] | None = None
+) -> Trajectory:
     """Iterate the recurrence max(horizon, max(kv_at)) times from `begin.state0`; record the
     token-wise relative change up to `horizon`, the state at `horizon` and the core K/V at `kv_at`."""
     if horizon < 1:

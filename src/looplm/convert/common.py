@@ -62,7 +62,10 @@ def folder_family(src: Path) -> str | None:
         return "ouro"
     if model_type is not None:
         return None  # another Transformers family: the converter names what it lacks
-    if "Parcae" in (config.get("_class_name"), config.get("model_class_name")) or config.get("_class_name") == "ParcaeConfig":
+    if (
+        "Parcae" in (config.get("_class_name"), config.get("model_class_name"))
+        or config.get("_class_name") == "ParcaeConfig"
+    ):
         return "parcae"
     if isinstance(config.get("model"), dict):  # both keep the model's fields in a `model` section
         if (src / "manifest.json").is_file() and "depth" in config:
@@ -79,8 +82,10 @@ def check_family(src: Path, family: str) -> None:
     if found == "looplm":
         raise refuse(f"{src} is a looplm checkpoint: no conversion needed (looplm eval {src} reads it)")
     if found == "looplm-export":
-        raise refuse(f"{src} is a looplm export (config.json model_type 'looplm'): no conversion needed "
-                     f"(looplm eval {src} reads it)")
+        raise refuse(
+            f"{src} is a looplm export (config.json model_type 'looplm'): no conversion needed "
+            f"(looplm eval {src} reads it)"
+        )
     if found is not None and found != family:
         raise refuse(f"{src} looks like {found}, not {family}: use --from {found}")
 
@@ -107,8 +112,10 @@ def check_folders(src: Path, out: Path, dtype: str | None) -> None:
 def refuse_pickles(src: Path) -> None:
     for path in sorted(src.rglob("*")):
         if path.is_file() and path.suffix.lower() in PICKLE_SUFFIXES:
-            raise refuse(f"{src}: {path.relative_to(src)} is a pickle file; looplm convert reads only "
-                         "safetensors and never unpickles (remove it or convert it to safetensors first)")
+            raise refuse(
+                f"{src}: {path.relative_to(src)} is a pickle file; looplm convert reads only "
+                "safetensors and never unpickles (remove it or convert it to safetensors first)"
+            )
 
 
 def shard_map(src: Path) -> dict[str, str]:
@@ -148,14 +155,22 @@ def load_tensors(src: Path, weight_map: dict[str, str]) -> dict[str, torch.Tenso
         expected = {k for k, v in weight_map.items() if v == shard}
         if set(tensors) != expected:
             extra, absent = sorted(set(tensors) - expected), sorted(expected - set(tensors))
-            raise refuse(f"{src}: {shard} does not hold the tensors {INDEX} assigns it "
-                         f"(missing {absent[:3]}, unexpected {extra[:3]})")
+            raise refuse(
+                f"{src}: {shard} does not hold the tensors {INDEX} assigns it "
+                f"(missing {absent[:3]}, unexpected {extra[:3]})"
+            )
         state.update(tensors)
     return state
 
 
-def read_checked(src: Path, expected: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]] | None = None,
-                 *, family: str, ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def read_checked(
+    src: Path,
+    expected: dict[str, tuple[int, ...]],
+    optional: dict[str, tuple[int, ...]] | None = None,
+    *,
+    family: str,
+    ignore: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:
     """The folder's tensors as float32, after checking that the names are exactly `expected` (plus
     any of `optional`) and that every shape is the one the config implies; tensors named in `ignore`
     (derived buffers such as RoPE tables) are read past and dropped."""
@@ -165,7 +180,9 @@ def read_checked(src: Path, expected: dict[str, tuple[int, ...]], optional: dict
     unknown = sorted(set(weight_map) - set(expected) - set(optional) - dropped)
     missing = sorted(set(expected) - set(weight_map))
     if unknown:
-        raise refuse(f"{src}: unknown tensor {unknown[0]} ({len(unknown)} unknown): not a {family} model of this config")
+        raise refuse(
+            f"{src}: unknown tensor {unknown[0]} ({len(unknown)} unknown): not a {family} model of this config"
+        )
     if missing:
         raise refuse(f"{src}: missing tensor {missing[0]} ({len(missing)} missing)")
     missing_shards = sorted(s for s in set(weight_map.values()) if not (src / s).is_file())
@@ -195,8 +212,9 @@ def check_vocab(tokenizer, cfg: ModelConfig) -> None:
     """The model's vocabulary holds every token id: a release may pad its embedding and head past the
     tokenizer (rows no token reaches), but a tokenizer larger than the model is refused."""
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise refuse(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {cfg.vocab_size} "
-                     "embedding rows")
+        raise refuse(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {cfg.vocab_size} embedding rows"
+        )
 
 
 def check_tied(src: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], head: str, embedding: str) -> None:
@@ -244,12 +262,16 @@ def hf_tokenizer(src: Path, config: dict):
     except Exception as err:  # tokenizers raises its own error types
         raise refuse(f"{src}: cannot read tokenizer.json ({err})") from None
     names: dict[str, str | None] = {"eos_token": None, "pad_token": None}
-    files = {fname: read_json(src / fname) if (src / fname).is_file() else {}
-             for fname in ("special_tokens_map.json", "tokenizer_config.json")}
+    files = {
+        fname: read_json(src / fname) if (src / fname).is_file() else {}
+        for fname in ("special_tokens_map.json", "tokenizer_config.json")
+    }
     for data in files.values():
         for key in names:
             names[key] = names[key] or _special_name(data.get(key))
-    sources = [config] + ([read_json(src / "generation_config.json")] if (src / "generation_config.json").is_file() else [])
+    sources = [config] + (
+        [read_json(src / "generation_config.json")] if (src / "generation_config.json").is_file() else []
+    )
     for key in names:
         if names[key] is None:
             for data in sources:
@@ -260,8 +282,9 @@ def hf_tokenizer(src: Path, config: dict):
                         raise refuse(f"{src}: {key}_id {tid} is not a token of tokenizer.json")
                     break
     if names["eos_token"] is None:
-        raise refuse(f"{src}: no eos_token in special_tokens_map.json or tokenizer_config.json, nor eos_token_id "
-                     "in config.json")
+        raise refuse(
+            f"{src}: no eos_token in special_tokens_map.json or tokenizer_config.json, nor eos_token_id in config.json"
+        )
     note = None
     if names["pad_token"] is None:
         names["pad_token"], note = names["eos_token"], "no pad_token in the release tokenizer: padding uses eos"
@@ -280,8 +303,9 @@ def job_dict(cfg: ModelConfig, tokenizer_path: str, depth: int, data: str | None
     text file or folder, a .jsonl, "hf:<name>[:<split>]"); default: the built-in text corpus."""
     from looplm.depth.config import DepthConfig
 
-    return release_job(cfg, DepthConfig(sampler="fixed", depth=float(depth), cap=max(64, cfg.max_depth)),
-                       tokenizer_path, data)
+    return release_job(
+        cfg, DepthConfig(sampler="fixed", depth=float(depth), cap=max(64, cfg.max_depth)), tokenizer_path, data
+    )
 
 
 def release_job(cfg: ModelConfig, depth, tokenizer_path: str, data: str | None = None) -> dict:
@@ -292,15 +316,23 @@ def release_job(cfg: ModelConfig, depth, tokenizer_path: str, data: str | None =
 
     job = job_preset("S")
     job = dataclasses.replace(
-        job, model=cfg, depth=depth,
-        data=dataclasses.replace(job.data, tokenizer=tokenizer_path, bpe_vocab_size=cfg.vocab_size,
-                                 seq_len=min(job.data.seq_len, cfg.max_seq_len), source=data or BUILTIN_TEXT),
+        job,
+        model=cfg,
+        depth=depth,
+        data=dataclasses.replace(
+            job.data,
+            tokenizer=tokenizer_path,
+            bpe_vocab_size=cfg.vocab_size,
+            seq_len=min(job.data.seq_len, cfg.max_seq_len),
+            source=data or BUILTIN_TEXT,
+        ),
     )
     return job.resolved().to_dict()
 
 
-def write_checkpoint(out: Path, weights: dict[str, torch.Tensor], job: dict, provenance: dict, tokenizer,
-                     dtype: str | None) -> Path:
+def write_checkpoint(
+    out: Path, weights: dict[str, torch.Tensor], job: dict, provenance: dict, tokenizer, dtype: str | None
+) -> Path:
     """Write the looplm checkpoint folder atomically (nothing under `out` until it is complete)."""
     target = DTYPES[dtype]
     weights = {k: v.to(target).contiguous() for k, v in weights.items()}

@@ -49,8 +49,12 @@ FAMILY = "Huginn (RavenForCausalLM)"
 # RavenConfig fields whose other values change the forward in ways looplm's model does not have:
 # (field, accepted values); a field the config omits is not checked.
 _REQUIRED = (
-    ("block_class_name", ("SandwichBlock",)), ("mlp_class_name", ("GatedMLP",)), ("nonlin_name", ("SiLU",)),
-    ("injection_type", ("linear",)), ("test_time_noise", (0, 0.0)), ("use_fused_head", (None, False, "pytorch")),
+    ("block_class_name", ("SandwichBlock",)),
+    ("mlp_class_name", ("GatedMLP",)),
+    ("nonlin_name", ("SiLU",)),
+    ("injection_type", ("linear",)),
+    ("test_time_noise", (0, 0.0)),
+    ("use_fused_head", (None, False, "pytorch")),
     ("qk_norm", (False,)),
 )
 
@@ -83,8 +87,10 @@ def _config(config: dict, tokenizer_vocab: int) -> tuple[ModelConfig, dict]:
         raise refuse(f"prelude {n_prelude} + core {n_core} + coda {n_coda} layers != n_layers {config['n_layers']}")
     qk_bias = bool(config.get("qk_bias", False))
     if qk_bias and kv != heads:
-        raise refuse(f"qk_bias with {kv} key/value heads != {heads} query heads: the source adds one "
-                     "per-query-head bias to the keys, which needs as many key heads")
+        raise refuse(
+            f"qk_bias with {kv} key/value heads != {heads} query heads: the source adds one "
+            "per-query-head bias to the keys, which needs as many key heads"
+        )
     vocab = int(_get(config, "padded_vocab_size", "vocab_size", default=tokenizer_vocab))
     init = config.get("init_values") if isinstance(config.get("init_values"), dict) else {}
     embed_scale = float(init.get("embed_scale", math.sqrt(d)))
@@ -93,36 +99,62 @@ def _config(config: dict, tokenizer_vocab: int) -> tuple[ModelConfig, dict]:
         raise refuse("init_values.std <= 0 (a zero initial state) has no looplm state_init; use init='zero'")
     mean_recurrence = int(config.get("mean_recurrence", 32))
     cfg = ModelConfig(
-        vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, n_prelude=n_prelude,
-        n_core=n_core, n_coda=n_coda, max_seq_len=int(config.get("block_size", 4096)), injection="huginn-linear",
-        rope_base=float(config.get("rope_base", 50_000.0)), norm_eps=float(config.get("norm_eps", 1e-6)),
-        max_depth=max(64, 2 * mean_recurrence), block_norm="sandwich", qk_bias=qk_bias, embed_scale=embed_scale,
+        vocab_size=vocab,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=ffn,
+        n_prelude=n_prelude,
+        n_core=n_core,
+        n_coda=n_coda,
+        max_seq_len=int(config.get("block_size", 4096)),
+        injection="huginn-linear",
+        rope_base=float(config.get("rope_base", 50_000.0)),
+        norm_eps=float(config.get("norm_eps", 1e-6)),
+        max_depth=max(64, 2 * mean_recurrence),
+        block_norm="sandwich",
+        qk_bias=qk_bias,
+        embed_scale=embed_scale,
         tie_embeddings=bool(config.get("tie_embeddings", config.get("tie_word_embeddings", True))),
-        exit_norm="none", post_loop_norm=True, head_norm=True, state_init="trunc-normal",
+        exit_norm="none",
+        post_loop_norm=True,
+        head_norm=True,
+        state_init="trunc-normal",
         state_std=std * embed_scale,
     )
     try:
         cfg.validate()
     except ValueError as err:
         raise refuse(f"config.json gives an invalid looplm shape: {err}") from None
-    return cfg, {"mean_recurrence": mean_recurrence, "bias": bool(config.get("bias", False)),
-                 "block_size": cfg.max_seq_len}
+    return cfg, {
+        "mean_recurrence": mean_recurrence,
+        "bias": bool(config.get("bias", False)),
+        "block_size": cfg.max_seq_len,
+    }
 
 
 def _shapes(cfg: ModelConfig, bias: bool) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """(required, optional) source tensor names and shapes."""
     d, hd, f, V = cfg.d_model, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    req: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (V, d), "transformer.ln_f.weight": (d,),
-                                       "transformer.adapter.weight": (d, 2 * d)}
+    req: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (V, d),
+        "transformer.ln_f.weight": (d,),
+        "transformer.adapter.weight": (d, 2 * d),
+    }
     if bias:
         req["transformer.adapter.bias"] = (d,)
     for stack, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
         for i in range(n):
             p = f"transformer.{stack}.{i}."
             req.update({p + f"norm_{k}.weight": (d,) for k in (1, 2, 3, 4)})
-            req.update({p + "attn.Wqkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, d),
-                        p + "attn.proj.weight": (d, cfg.n_heads * hd),
-                        p + "mlp.fc.weight": (2 * f, d), p + "mlp.proj.weight": (d, f)})
+            req.update(
+                {
+                    p + "attn.Wqkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, d),
+                    p + "attn.proj.weight": (d, cfg.n_heads * hd),
+                    p + "mlp.fc.weight": (2 * f, d),
+                    p + "mlp.proj.weight": (d, f),
+                }
+            )
             if cfg.qk_bias:
                 req[p + "attn.qk_bias"] = (2, 1, cfg.n_heads, hd)
     opt: dict[str, tuple[int, ...]] = {}
@@ -142,20 +174,30 @@ def _map(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
     out["injection.A_state.weight"] = w[:, :d]
     out["injection.A_input.weight"] = w[:, d:]
     out["injection.A_input.bias"] = state.get("transformer.adapter.bias", torch.zeros(d))
-    for stack, name, n in (("prelude", "prelude", cfg.n_prelude), ("core_block", "core", cfg.n_core),
-                           ("coda", "coda", cfg.n_coda)):
+    for stack, name, n in (
+        ("prelude", "prelude", cfg.n_prelude),
+        ("core_block", "core", cfg.n_core),
+        ("coda", "coda", cfg.n_coda),
+    ):
         for i in range(n):
             p, q = f"transformer.{stack}.{i}.", f"{name}.{i}."
             wq, wk, wv = state[p + "attn.Wqkv.weight"].split([H * hd, KV * hd, KV * hd], dim=0)
             fc = state[p + "mlp.fc.weight"]
-            out.update({
-                q + "attn_norm.weight": state[p + "norm_1.weight"], q + "attn_out_norm.weight": state[p + "norm_2.weight"],
-                q + "ffn_norm.weight": state[p + "norm_3.weight"], q + "ffn_out_norm.weight": state[p + "norm_4.weight"],
-                q + "attn.wq.weight": interleaved_to_half_split(wq, H, hd),
-                q + "attn.wk.weight": interleaved_to_half_split(wk, KV, hd),
-                q + "attn.wv.weight": wv, q + "attn.wo.weight": state[p + "attn.proj.weight"],
-                q + "ffn.w1.weight": fc[:f], q + "ffn.w3.weight": fc[f:], q + "ffn.w2.weight": state[p + "mlp.proj.weight"],
-            })
+            out.update(
+                {
+                    q + "attn_norm.weight": state[p + "norm_1.weight"],
+                    q + "attn_out_norm.weight": state[p + "norm_2.weight"],
+                    q + "ffn_norm.weight": state[p + "norm_3.weight"],
+                    q + "ffn_out_norm.weight": state[p + "norm_4.weight"],
+                    q + "attn.wq.weight": interleaved_to_half_split(wq, H, hd),
+                    q + "attn.wk.weight": interleaved_to_half_split(wk, KV, hd),
+                    q + "attn.wv.weight": wv,
+                    q + "attn.wo.weight": state[p + "attn.proj.weight"],
+                    q + "ffn.w1.weight": fc[:f],
+                    q + "ffn.w3.weight": fc[f:],
+                    q + "ffn.w2.weight": state[p + "mlp.proj.weight"],
+                }
+            )
             if cfg.qk_bias:
                 bias = state[p + "attn.qk_bias"]  # [2, 1, H, hd]: q bias, k bias
                 out[q + "attn.q_bias"] = interleaved_to_half_split(bias[0, 0].reshape(H * hd), H, hd)
@@ -182,11 +224,17 @@ def convert_huginn(src: Path, out: Path, dtype: str | None = None, *, data: str 
     check_model(cfg, weights, src)
     job = job_dict(cfg, str(out.resolve()), extra["mean_recurrence"], data)
     provenance = {
-        "from": "huginn", "source": str(src.resolve()), "rope": "interleaved pairs permuted to half-split",
-        "release_mean_recurrence": extra["mean_recurrence"], "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
-        "notes": [n for n in (tok_note,) if n] + [
+        "from": "huginn",
+        "source": str(src.resolve()),
+        "rope": "interleaved pairs permuted to half-split",
+        "release_mean_recurrence": extra["mean_recurrence"],
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "notes": [n for n in (tok_note,) if n]
+        + [
             "initial state: truncated normal (std init_values.std * embed_scale, cut at +-3 std) as in the "
             "source, drawn from looplm's own generator/hash, so sampled states match only in distribution",
-            "RoPE tables are computed in fp32; the release's stored freqs_cis buffer (bf16) is not read"],
+            "RoPE tables are computed in fp32; the release's stored freqs_cis buffer (bf16) is not read",
+        ],
     }
     return write_checkpoint(out, weights, job, provenance, tokenizer, dtype)

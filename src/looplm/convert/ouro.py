@@ -49,8 +49,10 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         raise refuse(f"config.json model_type = {config.get('model_type')!r}: not an Ouro config")
     if config.get("hidden_act", "silu") != "silu":
         raise refuse(f"config.json hidden_act = {config['hidden_act']!r}: looplm converts only silu (SwiGLU)")
-    if config.get("rope_scaling") not in (None, {}) and (config["rope_scaling"] or {}).get(
-            "rope_type", config["rope_scaling"].get("type")) != "default":
+    if (
+        config.get("rope_scaling") not in (None, {})
+        and (config["rope_scaling"] or {}).get("rope_type", config["rope_scaling"].get("type")) != "default"
+    ):
         raise refuse(f"config.json rope_scaling = {config['rope_scaling']!r}: looplm converts only plain RoPE")
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise refuse("config.json asks for attention/MLP biases: looplm's Ouro blocks have none")
@@ -70,15 +72,30 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         raise refuse(f"config.json layer_types has {len(layer_types)} entries for {n_layers} layers")
     head_dim = int(config.get("head_dim") or d // max(heads, 1))
     if heads < 1 or head_dim * heads != d:
-        raise refuse(f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {d}: looplm derives "
-                     "head_dim = d / heads")
+        raise refuse(
+            f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {d}: looplm derives head_dim = d / heads"
+        )
     steps = int(config.get("total_ut_steps", 4))
     cfg = ModelConfig(
-        vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, n_prelude=0, n_core=n_layers,
-        n_coda=0, max_seq_len=int(config.get("max_position_embeddings", 32768)), injection="none",
-        rope_base=float(config.get("rope_theta", 10000.0)), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_depth=max(64, steps), block_norm="branch", tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        exit_norm="rms-gain", head_norm=False, state_init="input", exit_gate=True,
+        vocab_size=vocab,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=ffn,
+        n_prelude=0,
+        n_core=n_layers,
+        n_coda=0,
+        max_seq_len=int(config.get("max_position_embeddings", 32768)),
+        injection="none",
+        rope_base=float(config.get("rope_theta", 10000.0)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_depth=max(64, steps),
+        block_norm="branch",
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        exit_norm="rms-gain",
+        head_norm=False,
+        state_init="input",
+        exit_gate=True,
     )
     try:
         cfg.validate()
@@ -89,40 +106,65 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
 
 def _shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     d, hd, f, V = cfg.d_model, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    req: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, d), "model.norm.weight": (d,),
-                                       "model.early_exit_gate.weight": (1, d), "model.early_exit_gate.bias": (1,)}
+    req: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (V, d),
+        "model.norm.weight": (d,),
+        "model.early_exit_gate.weight": (1, d),
+        "model.early_exit_gate.bias": (1,),
+    }
     for i in range(cfg.n_core):
         p = f"model.layers.{i}."
-        req.update({p + n + ".weight": (d,) for n in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
-                                                     "post_attention_layernorm_2")})
+        req.update(
+            {
+                p + n + ".weight": (d,)
+                for n in (
+                    "input_layernorm",
+                    "input_layernorm_2",
+                    "post_attention_layernorm",
+                    "post_attention_layernorm_2",
+                )
+            }
+        )
         q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-        req.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-                    p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
-                    p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f)})
+        req.update(
+            {
+                p + "self_attn.q_proj.weight": (q, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, q),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+            }
+        )
     opt: dict[str, tuple[int, ...]] = {}
     (opt if cfg.tie_embeddings else req)["lm_head.weight"] = (V, d)
     return req, opt
 
 
 def _map(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"embed.weight": state["model.embed_tokens.weight"],
-           "injection.exit_norm.weight": state["model.norm.weight"],  # applied after every loop
-           "exit_gate.proj.weight": state["model.early_exit_gate.weight"],
-           "exit_gate.proj.bias": state["model.early_exit_gate.bias"]}
+    out = {
+        "embed.weight": state["model.embed_tokens.weight"],
+        "injection.exit_norm.weight": state["model.norm.weight"],  # applied after every loop
+        "exit_gate.proj.weight": state["model.early_exit_gate.weight"],
+        "exit_gate.proj.bias": state["model.early_exit_gate.bias"],
+    }
     if not cfg.tie_embeddings:
         out["head.weight"] = state["lm_head.weight"]
     for i in range(cfg.n_core):
         p, q = f"model.layers.{i}.", f"core.{i}."
-        out.update({
-            q + "attn_norm.weight": state[p + "input_layernorm.weight"],
-            q + "attn_out_norm.weight": state[p + "input_layernorm_2.weight"],
-            q + "ffn_norm.weight": state[p + "post_attention_layernorm.weight"],
-            q + "ffn_out_norm.weight": state[p + "post_attention_layernorm_2.weight"],
-            **{q + f"attn.w{x}.weight": state[p + f"self_attn.{x}_proj.weight"] for x in "qkvo"},
-            q + "ffn.w1.weight": state[p + "mlp.gate_proj.weight"],  # silu(gate x) * up x -> down
-            q + "ffn.w3.weight": state[p + "mlp.up_proj.weight"],
-            q + "ffn.w2.weight": state[p + "mlp.down_proj.weight"],
-        })
+        out.update(
+            {
+                q + "attn_norm.weight": state[p + "input_layernorm.weight"],
+                q + "attn_out_norm.weight": state[p + "input_layernorm_2.weight"],
+                q + "ffn_norm.weight": state[p + "post_attention_layernorm.weight"],
+                q + "ffn_out_norm.weight": state[p + "post_attention_layernorm_2.weight"],
+                **{q + f"attn.w{x}.weight": state[p + f"self_attn.{x}_proj.weight"] for x in "qkvo"},
+                q + "ffn.w1.weight": state[p + "mlp.gate_proj.weight"],  # silu(gate x) * up x -> down
+                q + "ffn.w3.weight": state[p + "mlp.up_proj.weight"],
+                q + "ffn.w2.weight": state[p + "mlp.down_proj.weight"],
+            }
+        )
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -144,11 +186,17 @@ def convert_ouro(src: Path, out: Path, dtype: str | None = None, *, data: str | 
     check_model(cfg, weights, src)
     job = job_dict(cfg, str(out.resolve()), extra["total_ut_steps"], data)
     provenance = {
-        "from": "ouro", "source": str(src.resolve()), "rope": "rotate-half (looplm's layout), unchanged",
-        "release_total_ut_steps": extra["total_ut_steps"], "release_early_exit_threshold": extra["early_exit_threshold"],
-        "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
-        "notes": [n for n in (tok_note,) if n] + [
+        "from": "ouro",
+        "source": str(src.resolve()),
+        "rope": "rotate-half (looplm's layout), unchanged",
+        "release_total_ut_steps": extra["total_ut_steps"],
+        "release_early_exit_threshold": extra["early_exit_threshold"],
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "notes": [n for n in (tok_note,) if n]
+        + [
             "initial state: the embedding itself (state_init='input'); the exit gate's rules live in "
-            "looplm.model.exit_gate (the plain forward exits at the requested depth)"],
+            "looplm.model.exit_gate (the plain forward exits at the requested depth)"
+        ],
     }
     return write_checkpoint(out, weights, job, provenance, tokenizer, dtype)

@@ -63,8 +63,14 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
     name = config.get("_class_name", config.get("model_class_name", "Parcae"))
     if name not in ("Parcae", "ParcaeConfig") or config.get("model_class_name", "Parcae") != "Parcae":
         raise refuse(f"config.json _class_name = {name!r}: not a Parcae config")
-    checks = {"injection_type": "diagonal", "block_class_name": "TransformerPreNormBlock", "norm_class_name": "RMSNorm",
-              "mlp_class_name": "BaseMLP", "nonlin_name": "ReLU2", "state_init": "like-init"}
+    checks = {
+        "injection_type": "diagonal",
+        "block_class_name": "TransformerPreNormBlock",
+        "norm_class_name": "RMSNorm",
+        "mlp_class_name": "BaseMLP",
+        "nonlin_name": "ReLU2",
+        "state_init": "like-init",
+    }
     for key, want in checks.items():
         if config.get(key, want) != want:
             raise refuse(f"config.json {key} = {config[key]!r}: looplm converts only Parcae's {want!r}")
@@ -75,8 +81,10 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         if config.get(key) is not None:
             raise refuse(f"config.json {key} = {config[key]!r}: looplm converts only the released setting None")
     if config.get("init_strategy", "scaled-zero") not in ("scaled-zero", "scaled-stuck"):
-        raise refuse(f"config.json init_strategy = {config['init_strategy']!r}: its embedding/logit scales are not "
-                     "mapped (looplm converts scaled-zero and scaled-stuck)")
+        raise refuse(
+            f"config.json init_strategy = {config['init_strategy']!r}: its embedding/logit scales are not "
+            "mapped (looplm converts scaled-zero and scaled-stuck)"
+        )
     if int(config.get("mup_model_scaling_factor", 1)) != 1:
         raise refuse("config.json mup_model_scaling_factor != 1: its width/logit scaling is not mapped")
     try:
@@ -93,27 +101,48 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
     except (KeyError, TypeError, ValueError) as err:
         raise refuse(f"config.json lacks a Parcae field or has a wrong type ({err}); not a Parcae config") from None
     if kv != heads:
-        raise refuse(f"config.json num_key_value_heads {kv} != num_attention_heads {heads}: Parcae's core always "
-                     "uses full heads, so looplm converts only multi-head attention")
-    rec = {"recurrent_embedding_dimension": d, "recurrent_intermediation_embedding_dimension": ffn,
-           "recurrent_num_attention_heads": heads}
+        raise refuse(
+            f"config.json num_key_value_heads {kv} != num_attention_heads {heads}: Parcae's core always "
+            "uses full heads, so looplm converts only multi-head attention"
+        )
+    rec = {
+        "recurrent_embedding_dimension": d,
+        "recurrent_intermediation_embedding_dimension": ffn,
+        "recurrent_num_attention_heads": heads,
+    }
     for key, want in rec.items():
         if config.get(key) is not None and int(config[key]) != want:
-            raise refuse(f"config.json {key} = {config[key]} differs from the prelude/coda's {want}: looplm's core "
-                         "has the width of the other blocks")
+            raise refuse(
+                f"config.json {key} = {config[key]} differs from the prelude/coda's {want}: looplm's core "
+                "has the width of the other blocks"
+            )
     rope = config.get("rope_settings") or {}
     if not isinstance(rope, dict):
         raise refuse(f"config.json rope_settings = {rope!r} is not an object")
     if not rope.get("use_rope", True) or int(rope.get("rope_condense_ratio", 1)) != 1:
         raise refuse("config.json rope_settings turns RoPE off or condenses positions: looplm converts only plain RoPE")
     cfg = ModelConfig(
-        vocab_size=padded, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn, n_prelude=P, n_core=K, n_coda=C,
+        vocab_size=padded,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=ffn,
+        n_prelude=P,
+        n_core=K,
+        n_coda=C,
         max_seq_len=int(config.get("block_size", 4096)),
         injection="parcae-decay" if config.get("prelude_norm", False) else "parcae-nonorm",
-        rope_base=float(rope.get("rope_base", 50_000)), norm_eps=float(config.get("norm_eps", 1e-5)),
-        max_depth=max(64, steps), tie_embeddings=bool(config.get("tie_embeddings", False)), exit_norm="none",
-        state_init="trunc-normal", state_std=math.sqrt(2 / (5 * d)), ffn_act="relu2",
-        qk_norm=bool(config.get("qk_norm", False)), value_embeds="odd", coda_proj=True,
+        rope_base=float(rope.get("rope_base", 50_000)),
+        norm_eps=float(config.get("norm_eps", 1e-5)),
+        max_depth=max(64, steps),
+        tie_embeddings=bool(config.get("tie_embeddings", False)),
+        exit_norm="none",
+        state_init="trunc-normal",
+        state_std=math.sqrt(2 / (5 * d)),
+        ffn_act="relu2",
+        qk_norm=bool(config.get("qk_norm", False)),
+        value_embeds="odd",
+        coda_proj=True,
     )
     if d < VALUE_GATE_CHANNELS:
         raise refuse(f"config.json n_embd {d} < {VALUE_GATE_CHANNELS}: the value-embedding gate reads 32 channels")
@@ -143,15 +172,29 @@ def _shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tup
     d, f, V = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     req: dict[str, tuple[int, ...]] = {
-        "transformer.wte.weight": (V, d), "transformer.ln_f.weight": (d,), "transformer.C.weight": (d, d),
-        "transformer.adapter.A_log": (d,), "transformer.adapter.dt_bias": (d,), "transformer.adapter.B": (d, d)}
+        "transformer.wte.weight": (V, d),
+        "transformer.ln_f.weight": (d,),
+        "transformer.C.weight": (d, d),
+        "transformer.adapter.A_log": (d,),
+        "transformer.adapter.dt_bias": (d,),
+        "transformer.adapter.B": (d, d),
+    }
     if cfg.injection == "parcae-decay":
         req["transformer.ln_prelude.weight"] = (d,)
     opt: dict[str, tuple[int, ...]] = {}
     for _, _, p, flat in _block_names(cfg):
-        req.update({p + "norm_1.weight": (d,), p + "norm_2.weight": (d,), p + "attn.c_q.weight": (d, d),
-                    p + "attn.c_k.weight": (kv_dim, d), p + "attn.c_v.weight": (kv_dim, d),
-                    p + "attn.c_proj.weight": (d, d), p + "mlp.fc.weight": (f, d), p + "mlp.proj.weight": (d, f)})
+        req.update(
+            {
+                p + "norm_1.weight": (d,),
+                p + "norm_2.weight": (d,),
+                p + "attn.c_q.weight": (d, d),
+                p + "attn.c_k.weight": (kv_dim, d),
+                p + "attn.c_v.weight": (kv_dim, d),
+                p + "attn.c_proj.weight": (d, d),
+                p + "mlp.fc.weight": (f, d),
+                p + "mlp.proj.weight": (d, f),
+            }
+        )
         opt[p + "attn.ve_gate.weight"] = (cfg.n_kv_heads, VALUE_GATE_CHANNELS)
         opt[f"value_embeds.{flat}.weight"] = (V, kv_dim)
     (opt if cfg.tie_embeddings else req)["lm_head.weight"] = (V, d)
@@ -170,37 +213,46 @@ def _check_value_embeds(src: Path, cfg: ModelConfig, state: dict, extra: dict) -
     tables = {flat for _, _, _, flat in blocks if f"value_embeds.{flat}.weight" in state}
     gates = {flat for _, _, p, flat in blocks if p + "attn.ve_gate.weight" in state}
     if tables != extra["tables"] or gates != extra["gates"]:
-        raise refuse(f"{src}: value embeddings on blocks {sorted(tables)}, config.json implies tables "
-                     f"{sorted(extra['tables'])} and gates {sorted(extra['gates'])}")
+        raise refuse(
+            f"{src}: value embeddings on blocks {sorted(tables)}, config.json implies tables "
+            f"{sorted(extra['tables'])} and gates {sorted(extra['gates'])}"
+        )
     odd = {flat for stack, i, _, flat in blocks if cfg.has_value_embed(i)}
     if tables != odd:
-        raise refuse(f"{src}: value embeddings on flat blocks {sorted(tables)}, looplm maps only the odd blocks of "
-                     f"each stack ({sorted(odd)})")
+        raise refuse(
+            f"{src}: value embeddings on flat blocks {sorted(tables)}, looplm maps only the odd blocks of "
+            f"each stack ({sorted(odd)})"
+        )
 
 
 def _map(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     H, hd = cfg.n_heads, cfg.head_dim
-    out = {"embed.weight": state["transformer.wte.weight"], "norm.weight": state["transformer.ln_f.weight"],
-           "coda_proj.weight": state["transformer.C.weight"],
-           "injection.dt_raw": state["transformer.adapter.dt_bias"],
-           "injection.A_log": state["transformer.adapter.A_log"],
-           "injection.W.weight": state["transformer.adapter.B"]}
+    out = {
+        "embed.weight": state["transformer.wte.weight"],
+        "norm.weight": state["transformer.ln_f.weight"],
+        "coda_proj.weight": state["transformer.C.weight"],
+        "injection.dt_raw": state["transformer.adapter.dt_bias"],
+        "injection.A_log": state["transformer.adapter.A_log"],
+        "injection.W.weight": state["transformer.adapter.B"],
+    }
     if cfg.injection == "parcae-decay":
         out["injection.prelude_norm.weight"] = state["transformer.ln_prelude.weight"]
     if not cfg.tie_embeddings:
         out["head.weight"] = state["lm_head.weight"]
     for stack, i, p, flat in _block_names(cfg):
         q = f"{stack}.{i}."
-        out.update({
-            q + "attn_norm.weight": state[p + "norm_1.weight"],
-            q + "ffn_norm.weight": state[p + "norm_2.weight"],
-            q + "attn.wq.weight": interleaved_to_half_split(state[p + "attn.c_q.weight"], H, hd),
-            q + "attn.wk.weight": interleaved_to_half_split(state[p + "attn.c_k.weight"], cfg.n_kv_heads, hd),
-            q + "attn.wv.weight": state[p + "attn.c_v.weight"],
-            q + "attn.wo.weight": state[p + "attn.c_proj.weight"],
-            q + "ffn.w1.weight": state[p + "mlp.fc.weight"],
-            q + "ffn.w2.weight": 0.5 * state[p + "mlp.proj.weight"],  # Relu2's mul(0.5) folded in
-        })
+        out.update(
+            {
+                q + "attn_norm.weight": state[p + "norm_1.weight"],
+                q + "ffn_norm.weight": state[p + "norm_2.weight"],
+                q + "attn.wq.weight": interleaved_to_half_split(state[p + "attn.c_q.weight"], H, hd),
+                q + "attn.wk.weight": interleaved_to_half_split(state[p + "attn.c_k.weight"], cfg.n_kv_heads, hd),
+                q + "attn.wv.weight": state[p + "attn.c_v.weight"],
+                q + "attn.wo.weight": state[p + "attn.c_proj.weight"],
+                q + "ffn.w1.weight": state[p + "mlp.fc.weight"],
+                q + "ffn.w2.weight": 0.5 * state[p + "mlp.proj.weight"],  # Relu2's mul(0.5) folded in
+            }
+        )
         if cfg.has_value_embed(i):
             out[q + "attn.ve_gate.weight"] = state[p + "attn.ve_gate.weight"]
             out[f"value_embeds.{stack}.{i}.weight"] = state[f"value_embeds.{flat}.weight"]
@@ -244,11 +296,16 @@ def convert_parcae(src: Path, out: Path, dtype: str | None = None, *, data: str 
     check_model(cfg, weights, src)
     job = job_dict(cfg, str(out.resolve()), extra["steps"], data)
     provenance = {
-        "from": "parcae", "source": str(src.resolve()),
+        "from": "parcae",
+        "source": str(src.resolve()),
         "rope": "interleaved pairs -> half-split (q/k rows permuted per head)",
-        "release_mean_recurrence": extra["steps"], "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
-        "notes": [n for n in (tok_note,) if n] + [
+        "release_mean_recurrence": extra["steps"],
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "notes": [n for n in (tok_note,) if n]
+        + [
             "ReLU^2 MLP: the factor 1/2 is folded into ffn.w2",
-            "initial state: truncated normal (+-3 std) with std sqrt(2/(5d)), as the source's like-init"],
+            "initial state: truncated normal (+-3 std) with std sqrt(2/(5d)), as the source's like-init",
+        ],
     }
     return write_checkpoint(out, weights, job, provenance, tokenizer, dtype)

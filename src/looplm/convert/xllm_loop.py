@@ -44,15 +44,24 @@ import torch
 
 from looplm.checkpoint import CheckpointError, save_tensors, write_atomic
 from looplm.config import ModelConfig
-from looplm.convert.common import (DTYPES, INDEX, check_family, check_folders, check_vocab, read_checked, read_json, release_job,
-                                   write_release_files)
+from looplm.convert.common import (
+    DTYPES,
+    INDEX,
+    check_family,
+    check_folders,
+    check_vocab,
+    read_checked,
+    read_json,
+    release_job,
+    write_release_files,
+)
 from looplm.convert.common import refuse_pickles as _refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
-from looplm.convert.xllm_release import (REQUIRED, block_shapes, check_covered, field, map_block,
-                                         refuse, verify_manifest)
+from looplm.convert.xllm_release import REQUIRED, block_shapes, check_covered, field, map_block, refuse, verify_manifest
 
 TOKENIZER_DIR = "tokenizer"
 RELEASE_MAX_SEQ_LEN = 8192  # the release trains and evaluates at 8,192 tokens
+
 
 # -- config ------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -76,13 +85,18 @@ def _scheme(model: dict) -> tuple[str, str, bool, bool]:
     controlled = bool(field(model, "huginn_depth_control"))
     if kind == "none":  # Part I dense-middle: no injection, the input enters only as the initial state s0 = e
         if field(model, "huginn_state_init") != "input":
-            raise refuse("huginn_input_injection 'none' with huginn_state_init "
-                          f"{field(model, 'huginn_state_init')!r}: the input would never enter the recurrence")
-        if controlled and (field(model, "huginn_prelude_norm") != "none"
-                           or field(model, "huginn_recurrent_exit_norm") != "none"
-                           or field(model, "huginn_prelude_orthogonal")):
-            raise refuse("huginn_input_injection 'none' with a prelude or exit norm or OrthoInj has no looplm "
-                          "equivalent")
+            raise refuse(
+                "huginn_input_injection 'none' with huginn_state_init "
+                f"{field(model, 'huginn_state_init')!r}: the input would never enter the recurrence"
+            )
+        if controlled and (
+            field(model, "huginn_prelude_norm") != "none"
+            or field(model, "huginn_recurrent_exit_norm") != "none"
+            or field(model, "huginn_prelude_orthogonal")
+        ):
+            raise refuse(
+                "huginn_input_injection 'none' with a prelude or exit norm or OrthoInj has no looplm equivalent"
+            )
         return "none", kind, False, False
     # Plain Huginn (no depth control) always builds the diagonal injection and neither norm.
     prelude_norm = controlled and field(model, "huginn_prelude_norm") == "rms"
@@ -96,8 +110,10 @@ def _scheme(model: dict) -> tuple[str, str, bool, bool]:
         kind = "diagonal"
     if kind == "linear":
         if prelude_norm or not exit_norm:
-            raise refuse("looplm's huginn-linear injection has the parameter-free exit norm and no prelude norm; "
-                          "this linear-injection config differs")
+            raise refuse(
+                "looplm's huginn-linear injection has the parameter-free exit norm and no prelude norm; "
+                "this linear-injection config differs"
+            )
         return "huginn-linear", kind, False, True
     if exit_norm:
         raise refuse("a recurrent exit norm with the diagonal injection has no looplm equivalent")
@@ -116,8 +132,10 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
         if field(model, name) != want:
             raise refuse(f"config.json model.{name} = {field(model, name)!r}: looplm converts only {name} = {want!r}")
     if field(model, "residual_func") not in ("base", "add"):  # both: out = h + residual
-        raise refuse(f"config.json model.residual_func = {field(model, 'residual_func')!r}: looplm converts "
-                      "only the plain residual (base)")
+        raise refuse(
+            f"config.json model.residual_func = {field(model, 'residual_func')!r}: looplm converts "
+            "only the plain residual (base)"
+        )
     d, heads = int(field(model, "model_dim")), int(field(model, "num_heads"))
     kv = int(field(model, "num_kv_heads") or heads)
     head_dim = int(field(model, "head_dim") or d // heads)
@@ -126,8 +144,9 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
     if field(model, "v_head_dim") not in (None, head_dim):
         raise refuse(f"v_head_dim {field(model, 'v_head_dim')} != head_dim {head_dim} has no looplm equivalent")
     if field(model, "rope_head_dim") not in (None, head_dim):
-        raise refuse(f"rope_head_dim {field(model, 'rope_head_dim')} != head_dim {head_dim}: "
-                      "looplm rotates whole heads")
+        raise refuse(
+            f"rope_head_dim {field(model, 'rope_head_dim')} != head_dim {head_dim}: looplm rotates whole heads"
+        )
     vocab = int(field(model, "vocab_size"))
     vocab = tokenizer_vocab if vocab == -1 else vocab
     if field(model, "output_size") not in (-1, vocab):
@@ -141,30 +160,51 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
     injection, kind, prelude_norm, _ = _scheme(model)
     state_init = field(model, "huginn_state_init")
     if state_init == "input" and prelude_norm:
-        raise refuse("huginn_state_init 'input' with a prelude norm: which prelude output starts the state is "
-                      "not mapped")
+        raise refuse(
+            "huginn_state_init 'input' with a prelude norm: which prelude output starts the state is not mapped"
+        )
     max_depth = max(64, int(field(model, "loop_times")), int(field(model, "huginn_poisson_lognormal_max")))
     cfg = ModelConfig(
-        vocab_size=vocab, d_model=d, n_heads=heads, n_kv_heads=kv, ffn_dim=int(field(model, "ffn_hidden_dim")),
-        n_prelude=n_prelude, n_core=n_core, n_coda=n_coda, max_seq_len=RELEASE_MAX_SEQ_LEN, injection=injection,
-        rope_base=float(field(model, "rope_base")), norm_eps=float(field(model, "rmsnorm_eps")),
-        ortho_eps=float(field(model, "huginn_ortho_projection_eps")), max_depth=max_depth,
+        vocab_size=vocab,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv,
+        ffn_dim=int(field(model, "ffn_hidden_dim")),
+        n_prelude=n_prelude,
+        n_core=n_core,
+        n_coda=n_coda,
+        max_seq_len=RELEASE_MAX_SEQ_LEN,
+        injection=injection,
+        rope_base=float(field(model, "rope_base")),
+        norm_eps=float(field(model, "rmsnorm_eps")),
+        ortho_eps=float(field(model, "huginn_ortho_projection_eps")),
+        max_depth=max_depth,
         state_init="input" if state_init == "input" else "normal",  # input: s0 = the prelude output e
     )
     try:
         cfg.validate()
     except ValueError as err:
         raise refuse(f"config.json model section gives an invalid looplm shape: {err}") from None
-    return _Release(cfg, n_layers, kind, prelude_norm, bool(field(model, "apply_bias_term")),
-                    str(field(model, "huginn_state_init")), model)
+    return _Release(
+        cfg,
+        n_layers,
+        kind,
+        prelude_norm,
+        bool(field(model, "apply_bias_term")),
+        str(field(model, "huginn_state_init")),
+        model,
+    )
 
 
 def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
     """The release model's state-dict names and shapes for these fields."""
     c = rel.cfg
     d = c.d_model
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, d),
-                                          "output.final_norm.weight": (d,), "output.output.weight": (c.vocab_size, d)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed.weight": (c.vocab_size, d),
+        "output.final_norm.weight": (d,),
+        "output.output.weight": (c.vocab_size, d),
+    }
     for i in range(rel.n_layers):
         shapes.update(block_shapes(f"layers.{i}.", c))
     if rel.scheme == "none":
@@ -174,8 +214,13 @@ def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
         if rel.linear_bias:
             shapes["input_injection.adapter.bias"] = (d,)
     else:
-        shapes.update({"input_injection.input_adapter.weight": (d, d), "input_injection.A_log": (d,),
-                       "input_injection.dt_bias": (d,)})
+        shapes.update(
+            {
+                "input_injection.input_adapter.weight": (d, d),
+                "input_injection.A_log": (d,),
+                "input_injection.dt_bias": (d,),
+            }
+        )
     if rel.prelude_norm:
         shapes["huginn_prelude_norm_module.weight"] = (d,)
     return shapes
@@ -185,10 +230,16 @@ def _expected_shapes(rel: _Release) -> dict[str, tuple[int, ...]]:
 def _map_state(state: dict[str, torch.Tensor], rel: _Release, norm_offset: float) -> dict[str, torch.Tensor]:
     """Release state dict (float32) -> looplm LoopedLM state dict (float32)."""
     c = rel.cfg
-    out = {"embed.weight": state["embed.weight"], "norm.weight": state["output.final_norm.weight"] + norm_offset,
-           "head.weight": state["output.output.weight"]}
-    blocks = [f"prelude.{i}" for i in range(c.n_prelude)] + [f"core.{i}" for i in range(c.n_core)] + \
-             [f"coda.{i}" for i in range(c.n_coda)]
+    out = {
+        "embed.weight": state["embed.weight"],
+        "norm.weight": state["output.final_norm.weight"] + norm_offset,
+        "head.weight": state["output.output.weight"],
+    }
+    blocks = (
+        [f"prelude.{i}" for i in range(c.n_prelude)]
+        + [f"core.{i}" for i in range(c.n_core)]
+        + [f"coda.{i}" for i in range(c.n_coda)]
+    )
     for i, name in enumerate(blocks):  # physical layer order: prelude, core, coda
         out.update(map_block(state, f"layers.{i}.", name, c, norm_offset))
     d = c.d_model
@@ -266,15 +317,22 @@ def _job_dict(cfg: ModelConfig, model: dict, tokenizer_path: str, data: str | No
     window = field(model, "huginn_backprop_depth")
     window = None if window is None else int(window)
     if field(model, "huginn_depth_prior") == "learned":
-        depth = DepthConfig(sampler="learned", depth=float(field(model, "huginn_poisson_lognormal_target_mean")),
-                            sigma=float(field(model, "huginn_poisson_lognormal_sigma")),
-                            cap=int(field(model, "huginn_poisson_lognormal_max")), bptt_window=window,
-                            learned=LearnedPriorConfig(
-                                entropy_weight=float(field(model, "huginn_depth_prior_entropy"))))
+        depth = DepthConfig(
+            sampler="learned",
+            depth=float(field(model, "huginn_poisson_lognormal_target_mean")),
+            sigma=float(field(model, "huginn_poisson_lognormal_sigma")),
+            cap=int(field(model, "huginn_poisson_lognormal_max")),
+            bptt_window=window,
+            learned=LearnedPriorConfig(entropy_weight=float(field(model, "huginn_depth_prior_entropy"))),
+        )
     elif scheme == "poisson-lognormal-capped":
-        depth = DepthConfig(sampler="pln", depth=float(field(model, "huginn_poisson_lognormal_target_mean")),
-                            sigma=float(field(model, "huginn_poisson_lognormal_sigma")),
-                            cap=int(field(model, "huginn_poisson_lognormal_max")), bptt_window=window)
+        depth = DepthConfig(
+            sampler="pln",
+            depth=float(field(model, "huginn_poisson_lognormal_target_mean")),
+            sigma=float(field(model, "huginn_poisson_lognormal_sigma")),
+            cap=int(field(model, "huginn_poisson_lognormal_max")),
+            bptt_window=window,
+        )
     else:
         depth = DepthConfig(sampler="fixed", depth=float(field(model, "loop_times")), bptt_window=window)
     return release_job(cfg, depth, tokenizer_path, data)
@@ -299,8 +357,15 @@ def _student_artifact(src: Path) -> bool:
     return is_student(config, names)
 
 
-def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_offset: float = 1.0,
-                      data: str | None = None, teacher: Path | None = None) -> Path:
+def convert_xllm_loop(
+    src: Path,
+    out: Path,
+    dtype: str | None = None,
+    *,
+    norm_offset: float = 1.0,
+    data: str | None = None,
+    teacher: Path | None = None,
+) -> Path:
     """Convert the xllm-loop release folder `src` into the looplm checkpoint folder `out` (new or empty).
 
     `dtype` of the written weights: 'fp32' (default, exact: every BF16 value and BF16 + 1 is an FP32
@@ -321,8 +386,10 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
         from looplm.convert.xllm_student import convert_xllm_student
 
         if teacher is None:
-            raise refuse(f"{src} is a distilled prefill student; convert its teacher artifact first and pass "
-                          "that checkpoint with --teacher")
+            raise refuse(
+                f"{src} is a distilled prefill student; convert its teacher artifact first and pass "
+                "that checkpoint with --teacher"
+            )
         if data is not None:
             raise refuse("--data applies to model checkpoints, not to a distilled student")
         return convert_xllm_student(src, out, teacher, dtype, norm_offset=norm_offset)
@@ -334,8 +401,11 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     rel = _release(config, tokenizer.vocab_size)
     check_vocab(tokenizer, rel.cfg)
     weight_map = _shard_map(src)
-    check_covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
-                             *sorted(set(weight_map.values())), *tok_files])
+    check_covered(
+        src,
+        manifest,
+        ["config.json", *([INDEX] if (src / INDEX).is_file() else []), *sorted(set(weight_map.values())), *tok_files],
+    )
 
     expected = _expected_shapes(rel)
     state = read_checked(src, expected, family=f"{rel.cfg.injection} looped")
@@ -344,15 +414,22 @@ def convert_xllm_loop(src: Path, out: Path, dtype: str | None = None, *, norm_of
     mapped = {k: v.to(target).contiguous() for k, v in mapped.items()}
     job = _job_dict(rel.cfg, rel.fields, str(out.resolve()), data)  # the checkpoint folder holds the tokenizer
     provenance = {
-        "from": "xllm-loop", "source": str(src.resolve()),
+        "from": "xllm-loop",
+        "source": str(src.resolve()),
         "manifest_sha256": manifest.get("manifest_sha256") if manifest else None,
-        "manifest_verified": manifest is not None, "dtype": str(target).removeprefix("torch."),
-        "norm_offset": norm_offset, "rope": "interleaved pairs permuted to half-split",
-        "release_state_init": rel.state_init, "release_loop_times": int(field(rel.fields, "loop_times")),
-        "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id,
-        "notes": [n for n in (tok_note,) if n] + [
+        "manifest_verified": manifest is not None,
+        "dtype": str(target).removeprefix("torch."),
+        "norm_offset": norm_offset,
+        "rope": "interleaved pairs permuted to half-split",
+        "release_state_init": rel.state_init,
+        "release_loop_times": int(field(rel.fields, "loop_times")),
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "notes": [n for n in (tok_note,) if n]
+        + [
             "evaluation state: the release seeds s0 with its own hash (identity_recurrent_state); looplm's "
-            "init='seeded' draws a different N(0, 1/d) state, so seeded evaluations match only in distribution"],
+            "init='seeded' draws a different N(0, 1/d) state, so seeded evaluations match only in distribution"
+        ],
     }
 
     def populate(tmp: Path) -> None:

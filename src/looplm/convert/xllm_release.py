@@ -19,23 +19,65 @@ MANIFEST = "artifact_manifest.json"
 # ModelConf defaults (xllm/config.py) of the fields the conversion reads: config.json holds a recipe's
 # fields, and a field it omits has its default.
 DEFAULTS: dict = {
-    "arch": "transformer", "num_layers": 8, "model_dim": 1024, "num_heads": 1, "num_kv_heads": None,
-    "head_dim": None, "v_head_dim": None, "qknorm": False, "attn_act_func": "softmax", "apply_attn_gate": False,
-    "apply_bias_term": False, "ffn_hidden_dim": 2048, "num_values": 0, "num_experts": 0, "vocab_size": -1,
-    "output_size": -1, "layernorm_num_groups": 1, "norm_affine": True, "rmsnorm_eps": 1e-6, "apply_rmsnorm": False,
-    "residual_func": "base", "rope_base": 100000.0, "rope_head_dim": None, "swiglu": False, "scale_emb": False,
-    "loop_times": 1, "huginn_prelude_layers": 1, "huginn_recurrent_layers": None, "huginn_coda_layers": 1,
-    "huginn_state_init": "zero", "huginn_input_injection": "diagonal", "huginn_hierarchical_state": "none",
-    "huginn_depth_control": False, "huginn_sampling_scheme": "fixed", "huginn_poisson_lognormal_target_mean": 5.0,
-    "huginn_poisson_lognormal_sigma": 0.5, "huginn_poisson_lognormal_max": 64, "huginn_backprop_depth": None,
-    "huginn_depth_prior": "none", "huginn_depth_prior_entropy": 0.0, "huginn_prelude_norm": "none",
-    "huginn_recurrent_exit_norm": "none", "huginn_prelude_orthogonal": False, "huginn_ortho_projection_eps": 1e-6,
+    "arch": "transformer",
+    "num_layers": 8,
+    "model_dim": 1024,
+    "num_heads": 1,
+    "num_kv_heads": None,
+    "head_dim": None,
+    "v_head_dim": None,
+    "qknorm": False,
+    "attn_act_func": "softmax",
+    "apply_attn_gate": False,
+    "apply_bias_term": False,
+    "ffn_hidden_dim": 2048,
+    "num_values": 0,
+    "num_experts": 0,
+    "vocab_size": -1,
+    "output_size": -1,
+    "layernorm_num_groups": 1,
+    "norm_affine": True,
+    "rmsnorm_eps": 1e-6,
+    "apply_rmsnorm": False,
+    "residual_func": "base",
+    "rope_base": 100000.0,
+    "rope_head_dim": None,
+    "swiglu": False,
+    "scale_emb": False,
+    "loop_times": 1,
+    "huginn_prelude_layers": 1,
+    "huginn_recurrent_layers": None,
+    "huginn_coda_layers": 1,
+    "huginn_state_init": "zero",
+    "huginn_input_injection": "diagonal",
+    "huginn_hierarchical_state": "none",
+    "huginn_depth_control": False,
+    "huginn_sampling_scheme": "fixed",
+    "huginn_poisson_lognormal_target_mean": 5.0,
+    "huginn_poisson_lognormal_sigma": 0.5,
+    "huginn_poisson_lognormal_max": 64,
+    "huginn_backprop_depth": None,
+    "huginn_depth_prior": "none",
+    "huginn_depth_prior_entropy": 0.0,
+    "huginn_prelude_norm": "none",
+    "huginn_recurrent_exit_norm": "none",
+    "huginn_prelude_orthogonal": False,
+    "huginn_ortho_projection_eps": 1e-6,
 }
 # Fields whose other values change the forward in ways looplm's model does not have: (field, required value).
 REQUIRED = (
-    ("arch", "huginn"), ("apply_rmsnorm", True), ("swiglu", True), ("qknorm", False), ("apply_attn_gate", False),
-    ("attn_act_func", "softmax"), ("scale_emb", False), ("num_experts", 0),
-    ("num_values", 0), ("layernorm_num_groups", 1), ("norm_affine", True), ("huginn_hierarchical_state", "none"),
+    ("arch", "huginn"),
+    ("apply_rmsnorm", True),
+    ("swiglu", True),
+    ("qknorm", False),
+    ("apply_attn_gate", False),
+    ("attn_act_func", "softmax"),
+    ("scale_emb", False),
+    ("num_experts", 0),
+    ("num_values", 0),
+    ("layernorm_num_groups", 1),
+    ("norm_affine", True),
+    ("huginn_hierarchical_state", "none"),
 )
 
 
@@ -81,26 +123,29 @@ def check_covered(src: Path, manifest: dict | None, names: list[str]) -> None:
         raise refuse(f"{src}: {unlisted[0]} is read but not listed in {MANIFEST}")
 
 
-
 def field(model: dict, name: str):
     return model.get(name, DEFAULTS[name])
-
-
 
 
 def block_shapes(prefix: str, c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of one release TransformerBlock (xllm's pre-norm attention + SwiGLU FFN) under `prefix`."""
     d, hd, f = c.d_model, c.head_dim, c.ffn_dim
     return {
-        prefix + "attention.norm.weight": (d,), prefix + "attention.wq.weight": (c.n_heads * hd, d),
-        prefix + "attention.wk.weight": (c.n_kv_heads * hd, d), prefix + "attention.wv.weight": (c.n_kv_heads * hd, d),
-        prefix + "attention.wo.weight": (d, c.n_heads * hd), prefix + "nffn.norm.weight": (d,),
-        prefix + "nffn.fc1.weight": (f, d), prefix + "nffn.fc3.weight": (f, d), prefix + "nffn.fc2.weight": (d, f),
+        prefix + "attention.norm.weight": (d,),
+        prefix + "attention.wq.weight": (c.n_heads * hd, d),
+        prefix + "attention.wk.weight": (c.n_kv_heads * hd, d),
+        prefix + "attention.wv.weight": (c.n_kv_heads * hd, d),
+        prefix + "attention.wo.weight": (d, c.n_heads * hd),
+        prefix + "nffn.norm.weight": (d,),
+        prefix + "nffn.fc1.weight": (f, d),
+        prefix + "nffn.fc3.weight": (f, d),
+        prefix + "nffn.fc2.weight": (d, f),
     }
 
 
-def map_block(state: dict[str, torch.Tensor], src: str, dst: str, c: ModelConfig,
-              norm_offset: float) -> dict[str, torch.Tensor]:
+def map_block(
+    state: dict[str, torch.Tensor], src: str, dst: str, c: ModelConfig, norm_offset: float
+) -> dict[str, torch.Tensor]:
     """One release block's tensors under prefix `src` -> looplm `Block` tensors under module name `dst`:
     norm gains = stored + norm_offset, wq/wk rows permuted from interleaved to half-split RoPE pairs."""
     hd = c.head_dim

@@ -29,8 +29,15 @@ from looplm import checkpoint as ckpt
 from looplm.checkpoint import CheckpointError
 from looplm.convert.common import DTYPES, INDEX, check_folders, read_checked, read_json, refuse_pickles
 from looplm.convert.common import shard_map as _shard_map
-from looplm.convert.xllm_release import (MANIFEST, REQUIRED, block_shapes, check_covered, field, map_block,
-                                         verify_manifest)
+from looplm.convert.xllm_release import (
+    MANIFEST,
+    REQUIRED,
+    block_shapes,
+    check_covered,
+    field,
+    map_block,
+    verify_manifest,
+)
 
 STUDENT_SECTION = "student"
 
@@ -43,7 +50,8 @@ def is_student(config: dict, weight_names) -> bool:
     """A release student artifact: a config with a `student` section, or a dense model holding `in_proj`."""
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     return isinstance(config.get(STUDENT_SECTION), dict) or (
-        model.get("arch") == "transformer" and "in_proj.weight" in weight_names)
+        model.get("arch") == "transformer" and "in_proj.weight" in weight_names
+    )
 
 
 def _teacher(teacher: Path):
@@ -57,8 +65,10 @@ def _teacher(teacher: Path):
     except FileNotFoundError:
         provenance = {}
     if provenance.get("from") != "xllm-loop":
-        raise _refuse(f"{path} is not a checkpoint converted by `looplm convert --from xllm-loop`; convert the "
-                      "student's release teacher first and pass that as --teacher")
+        raise _refuse(
+            f"{path} is not a checkpoint converted by `looplm convert --from xllm-loop`; convert the "
+            "student's release teacher first and pass that as --teacher"
+        )
     return model, provenance
 
 
@@ -68,18 +78,31 @@ def _check_fields(model: dict, cfg, src: Path) -> int:
         raise _refuse(f"{src}: config.json model.arch = {field(model, 'arch')!r}; a release student is 'transformer'")
     for name, want in REQUIRED:
         if name != "arch" and field(model, name) != want:
-            raise _refuse(f"{src}: config.json model.{name} = {field(model, name)!r}: looplm converts only "
-                          f"{name} = {want!r}")
+            raise _refuse(
+                f"{src}: config.json model.{name} = {field(model, name)!r}: looplm converts only {name} = {want!r}"
+            )
     if field(model, "residual_func") not in ("base", "add"):
-        raise _refuse(f"{src}: config.json model.residual_func = {field(model, 'residual_func')!r}: looplm "
-                      "converts only the plain residual (base)")
+        raise _refuse(
+            f"{src}: config.json model.residual_func = {field(model, 'residual_func')!r}: looplm "
+            "converts only the plain residual (base)"
+        )
     d, heads = int(field(model, "model_dim")), int(field(model, "num_heads"))
-    have = {"model_dim": d, "num_heads": heads, "num_kv_heads": int(field(model, "num_kv_heads") or heads),
-            "head_dim": int(field(model, "head_dim") or d // heads),
-            "ffn_hidden_dim": int(field(model, "ffn_hidden_dim")),
-            "rmsnorm_eps": float(field(model, "rmsnorm_eps"))}
-    want = {"model_dim": cfg.d_model, "num_heads": cfg.n_heads, "num_kv_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim, "ffn_hidden_dim": cfg.ffn_dim, "rmsnorm_eps": cfg.norm_eps}
+    have = {
+        "model_dim": d,
+        "num_heads": heads,
+        "num_kv_heads": int(field(model, "num_kv_heads") or heads),
+        "head_dim": int(field(model, "head_dim") or d // heads),
+        "ffn_hidden_dim": int(field(model, "ffn_hidden_dim")),
+        "rmsnorm_eps": float(field(model, "rmsnorm_eps")),
+    }
+    want = {
+        "model_dim": cfg.d_model,
+        "num_heads": cfg.n_heads,
+        "num_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "ffn_hidden_dim": cfg.ffn_dim,
+        "rmsnorm_eps": cfg.norm_eps,
+    }
     for name in have:
         if have[name] != want[name]:
             raise _refuse(f"{src}: the student's {name} {have[name]} contradicts the teacher's {want[name]}")
@@ -92,8 +115,9 @@ def _check_fields(model: dict, cfg, src: Path) -> int:
     return n_blocks
 
 
-def convert_xllm_student(src: Path, out: Path, teacher: Path, dtype: str | None = None, *,
-                         norm_offset: float = 1.0) -> Path:
+def convert_xllm_student(
+    src: Path, out: Path, teacher: Path, dtype: str | None = None, *, norm_offset: float = 1.0
+) -> Path:
     """Convert the release student artifact `src` into the looplm student checkpoint `out` (new or empty) for
     `teacher`, the looplm checkpoint converted from the student's release teacher. Raises CheckpointError with
     a one-line reason, before anything is written, for anything it cannot convert exactly."""
@@ -112,19 +136,26 @@ def convert_xllm_student(src: Path, out: Path, teacher: Path, dtype: str | None 
         raise _refuse(f"{src}: config.json has no 'model' section")
     pinned = (config.get(STUDENT_SECTION) or {}).get("teacher_manifest_sha256")
     if not isinstance(pinned, str) or not pinned:
-        raise _refuse(f"{src}: config.json names no student.teacher_manifest_sha256; the release ties a student "
-                      "to its teacher artifact by it")
+        raise _refuse(
+            f"{src}: config.json names no student.teacher_manifest_sha256; the release ties a student "
+            "to its teacher artifact by it"
+        )
     weight_map = _shard_map(src)
-    check_covered(src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []),
-                             *sorted(set(weight_map.values()))])
+    check_covered(
+        src, manifest, ["config.json", *([INDEX] if (src / INDEX).is_file() else []), *sorted(set(weight_map.values()))]
+    )
 
     teacher_model, provenance = _teacher(teacher)
     if provenance.get("manifest_sha256") is None:
-        raise _refuse(f"{teacher} was converted from a folder without {MANIFEST}; the student's teacher "
-                      f"(manifest {pinned[:12]}) cannot be confirmed")
+        raise _refuse(
+            f"{teacher} was converted from a folder without {MANIFEST}; the student's teacher "
+            f"(manifest {pinned[:12]}) cannot be confirmed"
+        )
     if provenance["manifest_sha256"] != pinned:
-        raise _refuse(f"{src} was distilled from the teacher artifact with manifest {pinned[:12]}, "
-                      f"{teacher} was converted from {str(provenance['manifest_sha256'])[:12]}")
+        raise _refuse(
+            f"{src} was distilled from the teacher artifact with manifest {pinned[:12]}, "
+            f"{teacher} was converted from {str(provenance['manifest_sha256'])[:12]}"
+        )
     cfg = teacher_model.cfg
     n_blocks = _check_fields(model_fields, cfg, src)
 
@@ -141,13 +172,18 @@ def convert_xllm_student(src: Path, out: Path, teacher: Path, dtype: str | None 
     student.load_state_dict(mapped)
     target = DTYPES[dtype]
     conversion = {
-        "from": "xllm-loop", "source": str(src.resolve()), "manifest_sha256": manifest.get("manifest_sha256")
-        if manifest else None, "manifest_verified": manifest is not None,
-        "teacher_manifest_sha256": pinned, "release_student": config.get(STUDENT_SECTION),
-        "dtype": str(target).removeprefix("torch."), "norm_offset": norm_offset,
+        "from": "xllm-loop",
+        "source": str(src.resolve()),
+        "manifest_sha256": manifest.get("manifest_sha256") if manifest else None,
+        "manifest_verified": manifest is not None,
+        "teacher_manifest_sha256": pinned,
+        "release_student": config.get(STUDENT_SECTION),
+        "dtype": str(target).removeprefix("torch."),
+        "norm_offset": norm_offset,
         "rope": "interleaved pairs permuted to half-split",
     }
     if out.is_dir():
         out.rmdir()  # empty (checked above): write_atomic renames the finished folder into place
-    return save_student(out, student.to(target), teacher_model, teacher_path=str(ckpt.resolve(teacher).resolve()),
-                        conversion=conversion)
+    return save_student(
+        out, student.to(target), teacher_model, teacher_path=str(ckpt.resolve(teacher).resolve()), conversion=conversion
+    )

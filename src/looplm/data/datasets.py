@@ -30,9 +30,11 @@ def build_datasets(
     if is_pretokenized(source):
         saved, train, val = open_pretokenized(source, seq_len)
         if saved.fingerprint() != tokenizer.fingerprint():
-            raise DataError(f"{source} was tokenized with another tokenizer ({saved.summary()}) than this run's "
-                            f"({tokenizer.summary()}); was the folder replaced? `looplm tokenize` with --tokenizer "
-                            "set to the checkpoint folder writes one this run can read")
+            raise DataError(
+                f"{source} was tokenized with another tokenizer ({saved.summary()}) than this run's "
+                f"({tokenizer.summary()}); was the folder replaced? `looplm tokenize` with --tokenizer "
+                "set to the checkpoint folder writes one this run can read"
+            )
         return train, val
     train_dir, val_dir = prepare_caches(
         source,

@@ -123,9 +123,7 @@ def _write_docs(
     flush()
 
 
-def _task_splits(
-    config: TaskConfig, n_train: int, holdout: float, seed: int
-) -> tuple[list[Example], list[Example]]:
+def _task_splits(config: TaskConfig, n_train: int, holdout: float, seed: int) -> tuple[list[Example], list[Example]]:
     """Train and validation task sets from different seeds; validation prompts seen in
     training are dropped so validation measures generalisation, not recall."""
     train = generate_examples(config, n_train, seed)
@@ -231,8 +229,13 @@ def _cache_folder(source: str, tokenizer: Tokenizer, holdout: float, cache_dir: 
         raise UserError(f"holdout must be in (0, 1), got {holdout}")
     desc = describe_source(source, **opts)
     key_material = json.dumps(
-        {"v": CACHE_VERSION, "source": desc, "tokenizer": tokenizer.fingerprint(), "holdout": holdout,
-         "seed": opts["seed"]},
+        {
+            "v": CACHE_VERSION,
+            "source": desc,
+            "tokenizer": tokenizer.fingerprint(),
+            "holdout": holdout,
+            "seed": opts["seed"],
+        },
         sort_keys=True,
     )
     return cache_dir / hashlib.sha256(key_material.encode()).hexdigest()[:32], desc

@@ -167,9 +167,7 @@ def _existing_state(out: Path) -> str:
     if is_pretokenized(out):
         return "finished"
     if any(out.iterdir()):
-        raise UserError(
-            f"output folder {out} is not empty and is not a pretokenized folder; choose a new or empty one"
-        )
+        raise UserError(f"output folder {out} is not empty and is not a pretokenized folder; choose a new or empty one")
     return "empty"
 
 
@@ -197,8 +195,9 @@ class _DocProgress:
     def __init__(self) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(desc="reading documents", unit="doc", dynamic_ncols=True, leave=False, file=sys.stderr,
-                        disable=None)  # None: off when stderr is not a terminal
+        self.bar = tqdm(
+            desc="reading documents", unit="doc", dynamic_ncols=True, leave=False, file=sys.stderr, disable=None
+        )  # None: off when stderr is not a terminal
         self.counting = True
 
     def __call__(self, done: int, total: int | None) -> None:
@@ -217,21 +216,33 @@ def _same_tokenizer(old_tok: Tokenizer, tok: Tokenizer | None) -> bool:
     return tok is not None and tok.fingerprint() == old_tok.fingerprint()
 
 
-def _differences(info: dict[str, Any], old_tok: Tokenizer, source: str, request: dict[str, Any],
-                 tok: Tokenizer | None, bpe_vocab_size: int) -> list[str]:
+def _differences(
+    info: dict[str, Any],
+    old_tok: Tokenizer,
+    source: str,
+    request: dict[str, Any],
+    tok: Tokenizer | None,
+    bpe_vocab_size: int,
+) -> list[str]:
     """What differs between the inputs of the folder with marker `info` (and tokenizer `old_tok`) and a
     new request, in words: "holdout 0.5 (the folder's: 0.25)"."""
     old = info.get("request") or {}
     out = []
     if old.get("source") != request["source"]:
         same = os.path.abspath(str(info.get("source"))) == os.path.abspath(source)
-        out.append("the source's files changed since (sizes or times)" if same
-                   else f"source {source} (the folder's: {info.get('source')})")
+        out.append(
+            "the source's files changed since (sizes or times)"
+            if same
+            else f"source {source} (the folder's: {info.get('source')})"
+        )
     if old.get("tokenizer") != request["tokenizer"] and not _same_tokenizer(old_tok, tok):
         new = tok.summary() if tok is not None else f"bpe, vocabulary {bpe_vocab_size}, to be trained"
         out.append(f"tokenizer {new} (the folder's: {old_tok.summary()})")
-    out += [f"{key} {request[key]} (the folder's: {old.get(key)})" for key in ("holdout", "seed")
-            if old.get(key) != request[key]]
+    out += [
+        f"{key} {request[key]} (the folder's: {old.get(key)})"
+        for key in ("holdout", "seed")
+        if old.get(key) != request[key]
+    ]
     return out
 
 
@@ -297,14 +308,14 @@ def tokenize_corpus(
         if differs == []:
             return out
         if differs and not overwrite:
-            raise UserError(f"{out} was tokenized from other inputs: {'; '.join(differs)}. Runs trained on it "
-                            "would no longer read it; choose another folder, or --overwrite to replace it")
+            raise UserError(
+                f"{out} was tokenized from other inputs: {'; '.join(differs)}. Runs trained on it "
+                "would no longer read it; choose another folder, or --overwrite to replace it"
+            )
     if tok is None:
         if progress:
             print(f"training a {bpe_vocab_size}-id BPE tokenizer on {source} ...", file=sys.stderr, flush=True)
-        tok = build_tokenizer(
-            "bpe", lambda: (doc.text for doc in iter_documents(source, **opts)), bpe_vocab_size
-        )
+        tok = build_tokenizer("bpe", lambda: (doc.text for doc in iter_documents(source, **opts)), bpe_vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkdtemp: its 0700 mode would carry over to the published folder.

@@ -85,11 +85,17 @@ class DataRecord:
         that read the record back may run from another one."""
         try:
             data, seed = job["data"], job["train"]["seed"]
-            return cls(source=absolute_source(str(data["source"])), seq_len=int(data["seq_len"]),
-                       holdout=float(data["holdout"]), text_field=str(data["text_field"]),
-                       cache_dir=os.path.abspath(str(data["cache_dir"])),
-                       n_task_examples=int(data["n_task_examples"]), tasks=_task_config(data["tasks"]),
-                       seed=int(seed), origin=origin)
+            return cls(
+                source=absolute_source(str(data["source"])),
+                seq_len=int(data["seq_len"]),
+                holdout=float(data["holdout"]),
+                text_field=str(data["text_field"]),
+                cache_dir=os.path.abspath(str(data["cache_dir"])),
+                n_task_examples=int(data["n_task_examples"]),
+                tasks=_task_config(data["tasks"]),
+                seed=int(seed),
+                origin=origin,
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(f"the job does not record its data ({type(err).__name__}: {err})") from None
 
@@ -98,9 +104,17 @@ class DataRecord:
         """(train, held-out) PackedDatasets of this data, in rows of `seq_len` tokens (default: the record's)."""
         from .datasets import build_datasets
 
-        return build_datasets(self.source, tokenizer, seq_len=seq_len or self.seq_len, holdout=self.holdout,
-                              cache_dir=Path(self.cache_dir), text_field=self.text_field, task_config=self.tasks,
-                              n_task_examples=self.n_task_examples, seed=self.seed)
+        return build_datasets(
+            self.source,
+            tokenizer,
+            seq_len=seq_len or self.seq_len,
+            holdout=self.holdout,
+            cache_dir=Path(self.cache_dir),
+            text_field=self.text_field,
+            task_config=self.tasks,
+            n_task_examples=self.n_task_examples,
+            seed=self.seed,
+        )
 
     def validation(self, tokenizer, seq_len: int | None = None):
         """The held-out split (a PackedDataset)."""

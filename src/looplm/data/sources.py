@@ -101,9 +101,7 @@ def _iter_hf(source: str, text_field: str) -> Iterator[Document]:
     try:
         import datasets
     except ImportError:
-        raise DataError(
-            f"source {source!r} needs the 'datasets' package: {install_hint('datasets')}"
-        ) from None
+        raise DataError(f"source {source!r} needs the 'datasets' package: {install_hint('datasets')}") from None
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as exc:  # datasets raises many unrelated types

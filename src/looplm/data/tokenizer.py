@@ -150,8 +150,9 @@ class BPETokenizer(Tokenizer):
 
     name = "bpe"
 
-    def __init__(self, backend: HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN,
-                 bos_token: str | None = None) -> None:
+    def __init__(
+        self, backend: HFTokenizer, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN, bos_token: str | None = None
+    ) -> None:
         """Wrap a ``tokenizers.Tokenizer``; prefer :meth:`train` or :meth:`from_file`."""
         named = (eos_token, pad_token) + ((bos_token,) if bos_token is not None else ())
         missing = [t for t in dict.fromkeys(named) if backend.token_to_id(t) is None]
@@ -176,8 +177,10 @@ class BPETokenizer(Tokenizer):
         # rather than read from the decoder, which a foreign tokenizer may wrap in a sequence.
         probe = " héllo wörld 日本 🙂"
         pieces = [backend.id_to_token(i) for i in backend.encode(probe, add_special_tokens=False).ids]
-        self._byte_level = (all(c in BYTE_LEVEL for p in pieces for c in p)
-                            and b"".join(bytes(BYTE_LEVEL[c] for c in p) for p in pieces) == probe.encode())
+        self._byte_level = (
+            all(c in BYTE_LEVEL for p in pieces for c in p)
+            and b"".join(bytes(BYTE_LEVEL[c] for c in p) for p in pieces) == probe.encode()
+        )
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -198,8 +201,9 @@ class BPETokenizer(Tokenizer):
         return cls(backend)
 
     @classmethod
-    def from_file(cls, path: str | Path, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN,
-                  bos_token: str | None = None) -> BPETokenizer:
+    def from_file(
+        cls, path: str | Path, eos_token: str = EOS_TOKEN, pad_token: str = PAD_TOKEN, bos_token: str | None = None
+    ) -> BPETokenizer:
         """Load a ``tokenizer.json``; it must define ``eos_token`` and ``pad_token`` (default ``<eos>``, ``<pad>``)
         and ``bos_token`` when given."""
         path = Path(path)
@@ -262,14 +266,22 @@ class BPETokenizer(Tokenizer):
         # decoded after an ordinary token, as in running text: a SentencePiece `▁word` adds " word"
         # (decoded alone, the decoder strips a text's first space); what the context's text leaves
         before, after = self.decode(context), self.decode([*context, token_id])
-        return (after[len(before):] if after.startswith(before) else alone).encode()
+        return (after[len(before) :] if after.startswith(before) else alone).encode()
 
     def _piece_context(self) -> list[int] | None:
         """The ids of a short ordinary text that `token_piece` decodes a token after (None: none found)."""
         if not hasattr(self, "_context"):  # found once, on first use
-            self._context = next((ids for ids in map(self.encode, ("a", "e", "x", "0", "."))
-                                  if ids and not any(i in self._added for i in ids)
-                                  and (text := self.decode(ids)) and "\ufffd" not in text), None)
+            self._context = next(
+                (
+                    ids
+                    for ids in map(self.encode, ("a", "e", "x", "0", "."))
+                    if ids
+                    and not any(i in self._added for i in ids)
+                    and (text := self.decode(ids))
+                    and "\ufffd" not in text
+                ),
+                None,
+            )
         return self._context
 
     @property

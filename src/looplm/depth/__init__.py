@@ -7,8 +7,18 @@ from looplm.depth.pln import calibrate_mu, pln_pmf
 from looplm.depth.samplers import DepthSampler, FixedDepth, PLNDepth, UniformDepth
 from looplm.errors import UserError
 
-__all__ = ["DepthConfig", "DepthSampler", "FixedDepth", "LearnedDepthPrior", "LearnedPriorConfig", "PLNDepth",
-           "UniformDepth", "build_sampler", "calibrate_mu", "pln_pmf"]
+__all__ = [
+    "DepthConfig",
+    "DepthSampler",
+    "FixedDepth",
+    "LearnedDepthPrior",
+    "LearnedPriorConfig",
+    "PLNDepth",
+    "UniformDepth",
+    "build_sampler",
+    "calibrate_mu",
+    "pln_pmf",
+]
 
 
 def build_sampler(cfg: DepthConfig) -> DepthSampler:
@@ -25,7 +35,10 @@ def build_sampler(cfg: DepthConfig) -> DepthSampler:
         return UniformDepth(cfg.low, cfg.high, cfg.cap, cfg.seed)
     if cfg.sampler == "learned":
         lc = cfg.learned
-        logits = (logits_from_run(lc.init_from) if lc.init_from is not None
-                  else initial_logits(lc.init, cfg.cap, cfg.depth, cfg.sigma, cfg.low, cfg.high))
+        logits = (
+            logits_from_run(lc.init_from)
+            if lc.init_from is not None
+            else initial_logits(lc.init, cfg.cap, cfg.depth, cfg.sigma, cfg.low, cfg.high)
+        )
         return LearnedDepthPrior(logits, cfg.depth, lc, cfg.seed)
     raise UserError(f"unknown depth sampler {cfg.sampler!r}; choose fixed, pln, uniform or learned")

@@ -57,8 +57,17 @@ def entropy(p: np.ndarray) -> float:
     return float(-(p[nz] * np.log(p[nz])).sum())
 
 
-def objective_gradient(logits: np.ndarray, active: np.ndarray, depths, advantages, weights, *,
-                       target: float, mean_weight: float, entropy_weight: float) -> np.ndarray:
+def objective_gradient(
+    logits: np.ndarray,
+    active: np.ndarray,
+    depths,
+    advantages,
+    weights,
+    *,
+    target: float,
+    mean_weight: float,
+    entropy_weight: float,
+) -> np.ndarray:
     """dJ/dphi in closed form. `advantages` are the stop-gradient factors s * (c_i - b_c).
 
     Policy term: sum_i w_i a_i (onehot(R_i) - p); mean term: 2 lambda_m (m - target) p (k - m);
@@ -100,8 +109,9 @@ class LearnedDepthPrior(DepthSampler):
         reward_fn(cfg.reward)
         self.cfg, self.target, self.active = cfg, float(target), active
         self.logits = torch.tensor(np.where(active, logits, 0.0), dtype=torch.float64, requires_grad=True)
-        self.optimizer = torch.optim.Adam([self.logits], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
-                                          weight_decay=0.0, foreach=False)
+        self.optimizer = torch.optim.Adam(
+            [self.logits], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=0.0, foreach=False
+        )
         self.n = 0
         self.base_ce = self.var_ce = self.base_cost = self.var_cost = 0.0
         self.allocation = np.zeros(len(logits), dtype=np.int64)  # microbatches drawn at each depth
@@ -147,13 +157,26 @@ class LearnedDepthPrior(DepthSampler):
                 setattr(self, f"base_{name}", mean)
                 setattr(self, f"var_{name}", var)
         # s starts at one (design §4 step 2; paper App. B.3) and is a ratio of EMA stds afterwards.
-        scale = 1.0 if self.n == 0 else (max(math.sqrt(self.var_ce), STD_FLOOR) / max(math.sqrt(self.var_cost), STD_FLOOR))
+        scale = (
+            1.0 if self.n == 0 else (max(math.sqrt(self.var_ce), STD_FLOOR) / max(math.sqrt(self.var_cost), STD_FLOOR))
+        )
         advantages = scale * (cost - self.base_cost)
-        self.last = {"scale": scale, "advantage_abs": float(np.dot(w, np.abs(advantages))),
-                     "cost": float(np.dot(w, cost))}
+        self.last = {
+            "scale": scale,
+            "advantage_abs": float(np.dot(w, np.abs(advantages))),
+            "cost": float(np.dot(w, cost)),
+        }
         if self.n >= cfg.warmup_updates and not cfg.frozen:
-            grad = objective_gradient(self._phi(), self.active, depths, advantages, w, target=self.target,
-                                      mean_weight=cfg.mean_weight, entropy_weight=cfg.entropy_weight)
+            grad = objective_gradient(
+                self._phi(),
+                self.active,
+                depths,
+                advantages,
+                w,
+                target=self.target,
+                mean_weight=cfg.mean_weight,
+                entropy_weight=cfg.entropy_weight,
+            )
             self.logits.grad = torch.from_numpy(grad)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -168,16 +191,25 @@ class LearnedDepthPrior(DepthSampler):
         self.n += 1
         p = masked_softmax(self._phi(), self.active)
         if not np.isfinite(p).all() or (p[self.active] <= 0).any():
-            raise FloatingPointError(f"depth prior collapsed at update {self.n}: zero or non-finite probabilities "
-                                     "(lower --depth.learned.lr or raise --depth.learned.entropy-weight)")
+            raise FloatingPointError(
+                f"depth prior collapsed at update {self.n}: zero or non-finite probabilities "
+                "(lower --depth.learned.lr or raise --depth.learned.entropy-weight)"
+            )
         self._pmf = p
 
     def metrics(self) -> dict:
         p = self._pmf
         t = int(round(self.target))
-        out = {"mean": self.mean(), "entropy": entropy(p), f"p{t}": float(p[t - 1]), "updates": self.n,
-               "baseline_ce": self.base_ce, "baseline_cost": self.base_cost, "pmf": p.tolist(),
-               "allocation": self.allocation.tolist()}
+        out = {
+            "mean": self.mean(),
+            "entropy": entropy(p),
+            f"p{t}": float(p[t - 1]),
+            "updates": self.n,
+            "baseline_ce": self.base_ce,
+            "baseline_cost": self.base_cost,
+            "pmf": p.tolist(),
+            "allocation": self.allocation.tolist(),
+        }
         out.update(getattr(self, "last", {}))
         return out
 
@@ -185,9 +217,16 @@ class LearnedDepthPrior(DepthSampler):
         opt = self.optimizer.state_dict()
         adam = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in opt["state"].get(0, {}).items()}
         return {
-            **super().state_dict(), "kind": "learned", "logits": self._phi().tolist(),
-            "active": self.active.tolist(), "n": self.n, "base_ce": self.base_ce, "var_ce": self.var_ce,
-            "base_cost": self.base_cost, "var_cost": self.var_cost, "allocation": self.allocation.tolist(),
+            **super().state_dict(),
+            "kind": "learned",
+            "logits": self._phi().tolist(),
+            "active": self.active.tolist(),
+            "n": self.n,
+            "base_ce": self.base_ce,
+            "var_ce": self.var_ce,
+            "base_cost": self.base_cost,
+            "var_cost": self.var_cost,
+            "allocation": self.allocation.tolist(),
             "adam": adam,
         }
 
@@ -206,8 +245,12 @@ class LearnedDepthPrior(DepthSampler):
         self.allocation = np.array(state["allocation"], dtype=np.int64)
         if state["adam"]:
             opt = self.optimizer.state_dict()
-            opt["state"] = {0: {k: torch.tensor(v, dtype=torch.float64 if k != "step" else torch.float32)
-                                for k, v in state["adam"].items()}}
+            opt["state"] = {
+                0: {
+                    k: torch.tensor(v, dtype=torch.float64 if k != "step" else torch.float32)
+                    for k, v in state["adam"].items()
+                }
+            }
             self.optimizer.load_state_dict(opt)
         self._pmf = masked_softmax(self._phi(), self.active)
 
@@ -223,7 +266,7 @@ def initial_logits(init: str, cap: int, target: float, sigma: float, low: int, h
         if not 1 <= low <= high <= cap:
             raise UserError(f"restricted prior needs 1 <= low <= high <= {cap}, got {low}..{high}")
         logits = np.full(cap, -np.inf)
-        logits[low - 1:high] = 0.0
+        logits[low - 1 : high] = 0.0
         return logits
     raise UserError(f"unknown depth-prior init {init!r}; choose pln, uniform or restricted")
 

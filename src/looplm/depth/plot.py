@@ -36,8 +36,9 @@ def plot_prior(metrics: Path, out: Path, *, max_depth_shown: int = 20, title: st
     shown = min(max_depth_shown, pmfs.shape[1])
     depths = np.arange(1, shown + 1)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    im = axes[0].imshow(pmfs[:, :shown].T, aspect="auto", origin="lower", cmap="viridis",
-                        extent=(steps[0], steps[-1], 0.5, shown + 0.5))
+    im = axes[0].imshow(
+        pmfs[:, :shown].T, aspect="auto", origin="lower", cmap="viridis", extent=(steps[0], steps[-1], 0.5, shown + 0.5)
+    )
     fig.colorbar(im, ax=axes[0], label="p(R)")
     axes[0].set(xlabel="optimizer step", ylabel="depth R", title="prior pmf over training")
     axes[1].plot(depths, pmfs[0, :shown], "o-", label=f"step {steps[0]}")

@@ -58,8 +58,10 @@ def load_student(path: Path, teacher: torch.nn.Module) -> tuple[EndpointStudent,
         raise ckpt.CheckpointError(f"{path} is not a student checkpoint (no {STUDENT_FILE})") from None
     want, have = meta.get("teacher_sha256"), teacher_hash(teacher)
     if want != have:
-        raise ckpt.CheckpointError(f"{path}: this student was distilled from another teacher (weights hash "
-                                   f"{str(want)[:12]}, the given teacher's is {have[:12]})")
+        raise ckpt.CheckpointError(
+            f"{path}: this student was distilled from another teacher (weights hash "
+            f"{str(want)[:12]}, the given teacher's is {have[:12]})"
+        )
     try:
         student = EndpointStudent.from_arch(meta["arch"])
     except (KeyError, TypeError, ValueError) as err:

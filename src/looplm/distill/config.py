@@ -73,8 +73,16 @@ class DistillConfig:
         for name in ("steps", "micro_batch", "calibration_rows", "log_every", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "val_rows", "val_every", "report_rows", "report_examples", "weight_decay",
-                     "kl_weight", "grad_clip"):
+        for name in (
+            "warmup",
+            "val_rows",
+            "val_every",
+            "report_rows",
+            "report_examples",
+            "weight_decay",
+            "kl_weight",
+            "grad_clip",
+        ):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.student_blocks is not None and self.student_blocks < 1:
@@ -87,5 +95,14 @@ class DistillConfig:
 
 
 # Settings that may change between a run and its resume.
-RESUMABLE = {"resume", "progress", "log_every", "checkpoint_every", "keep_checkpoints", "val_every", "device",
-             "report_rows", "report_examples"}
+RESUMABLE = {
+    "resume",
+    "progress",
+    "log_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "val_every",
+    "device",
+    "report_rows",
+    "report_examples",
+}

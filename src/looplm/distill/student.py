@@ -54,8 +54,9 @@ class EndpointStudent(nn.Module):
         `values`: the teacher's per-core-layer value embeddings (`Context.core_values`); block i reads
         entry i mod n_core. Required for a teacher with value embeddings (cfg.value_embeds)."""
         if self.cfg.value_embeds != "none" and values is None:
-            raise UserError("this student's teacher has value embeddings: pass values=the teacher's "
-                            "Context.core_values")
+            raise UserError(
+                "this student's teacher has value embeddings: pass values=the teacher's Context.core_values"
+            )
         x = self.in_proj(self.input_norm(e) if self.input_norm is not None else e)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, mask, **(value_kw(values, i % len(values)) if values else {}))
@@ -92,8 +93,10 @@ class EndpointStudent(nn.Module):
             elif isinstance(inj, Additive):  # Inj(0, e) = e
                 student.in_proj.weight.copy_(torch.eye(teacher.cfg.d_model))
             else:
-                raise UserError(f"teacher init needs a parcae-decay, parcae-nonorm, ortho or additive teacher, "
-                                f"not {teacher.cfg.injection!r}; use random init")
+                raise UserError(
+                    f"teacher init needs a parcae-decay, parcae-nonorm, ortho or additive teacher, "
+                    f"not {teacher.cfg.injection!r}; use random init"
+                )
             for i, block in enumerate(student.blocks):
                 block.load_state_dict(teacher.core[i % len(teacher.core)].state_dict())
         return student

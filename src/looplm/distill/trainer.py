@@ -126,8 +126,9 @@ class DistillTrainer:
         resume_from = None
         if (self.ckpt_root / "latest").exists():
             if not cfg.resume:
-                raise UserError(f"{self.out_dir} already holds checkpoints; pass --resume to continue "
-                                f"or choose another --out-dir")
+                raise UserError(
+                    f"{self.out_dir} already holds checkpoints; pass --resume to continue or choose another --out-dir"
+                )
             resume_from = ckpt.resolve(self.out_dir)
             saved = ckpt.read_json(resume_from, "student.json")["config"]
             diffs = [d for d in flat_diff(saved, cfg.to_dict()) if d.split(":")[0] not in RESUMABLE]
@@ -139,11 +140,13 @@ class DistillTrainer:
         self.val_rows = list(range(min(len(self.val_data), cfg.val_rows)))
         torch.manual_seed(cfg.seed)
         self.student = EndpointStudent.from_teacher(self.teacher, cfg.student_blocks, cfg.init).train()
-        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                           eps=1e-8, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.student.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay
+        )
         self.step, self.elapsed = 0, 0.0
-        self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=False, wandb=False,
-                                    config=cfg.to_dict())
+        self.logger = MetricsLogger(
+            self.out_dir, enabled=self.env.is_main, tensorboard=False, wandb=False, config=cfg.to_dict()
+        )
         if resume_from is not None:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
@@ -159,7 +162,7 @@ class DistillTrainer:
 
     def _my_rows(self, rows: list[int]) -> list[int]:
         """This rank's share of `rows` (every world_size-th, from its rank)."""
-        return rows[self.env.rank::self.env.world_size]
+        return rows[self.env.rank :: self.env.world_size]
 
     @torch.no_grad()
     def calibrate(self) -> float:
@@ -169,8 +172,9 @@ class DistillTrainer:
         total, count = torch.zeros((), dtype=torch.float64), 0
         rows = self._my_rows(self.calib_rows)
         for start in range(0, len(rows), self.local_batch):
-            t = teacher_targets(self.teacher, self._batch(self.train_data, rows[start:start + self.local_batch]),
-                                self.cfg.depth)
+            t = teacher_targets(
+                self.teacher, self._batch(self.train_data, rows[start : start + self.local_batch]), self.cfg.depth
+            )
             total += t.endpoint.double().pow(2).sum().cpu()
             count += t.endpoint.numel()
         total, count = D.all_reduce_sums([float(total), float(count)], self.env)
@@ -190,7 +194,7 @@ class DistillTrainer:
             g["lr"] = lr
         env, b = self.env, self.local_batch
         rows = batch_indices(len(self.train_data), self.step, 0, cfg.micro_batch, 1, cfg.seed)
-        mine = rows[env.rank * b:(env.rank + 1) * b]  # this rank's slice of the global batch
+        mine = rows[env.rank * b : (env.rank + 1) * b]  # this rank's slice of the global batch
         t = teacher_targets(self.teacher, self._batch(self.train_data, mine), cfg.depth)
         z_hat = self.student(t.prelude, t.rope, t.mask, values=t.ctx.core_values)
         loss, mse, kl = distill_loss(self.teacher, z_hat, t, self.energy, cfg.kl_weight)
@@ -221,11 +225,14 @@ class DistillTrainer:
         n_tok = 0
         rows = self._my_rows(self.val_rows)
         for start in range(0, len(rows), self.local_batch):
-            t = teacher_targets(self.teacher, self._batch(self.val_data, rows[start:start + self.local_batch]),
-                                self.cfg.depth)
+            t = teacher_targets(
+                self.teacher, self._batch(self.val_data, rows[start : start + self.local_batch]), self.cfg.depth
+            )
             z_hat = self.student(t.prelude, t.rope, t.mask, values=t.ctx.core_values)
             k = t.endpoint.shape[0] * t.endpoint.shape[1]
-            for name, v in zip(("loss", "mse_norm", "kl"), distill_loss(self.teacher, z_hat, t, self.energy, self.cfg.kl_weight)):
+            for name, v in zip(
+                ("loss", "mse_norm", "kl"), distill_loss(self.teacher, z_hat, t, self.energy, self.cfg.kl_weight)
+            ):
                 sums[name] += v.item() * k
             sums["rel_err"] += relative_error(z_hat, t.endpoint).sum().item()
             nxt = relative_error(self.teacher.recurrence(z_hat, t.ctx), self.teacher.recurrence(t.endpoint, t.ctx))
@@ -243,8 +250,18 @@ class DistillTrainer:
         n_teacher = sum(p.numel() for p in self.teacher.parameters())
         n_student = sum(p.numel() for p in self.student.parameters())
         student = f"student {format_params(n_student)} params (in_proj + {self.student.n_blocks} blocks) at R {self.cfg.depth}"
-        return model_line(n_teacher, tcfg.vocab_size, self.tokenizer, tcfg.max_seq_len, self.device, "fp32",
-                          rows=self.seq_len, world_size=self.env.world_size, extra=student, label="teacher")
+        return model_line(
+            n_teacher,
+            tcfg.vocab_size,
+            self.tokenizer,
+            tcfg.max_seq_len,
+            self.device,
+            "fp32",
+            rows=self.seq_len,
+            world_size=self.env.world_size,
+            extra=student,
+            label="teacher",
+        )
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -254,8 +271,9 @@ class DistillTrainer:
         if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
-                       disable=None)  # None: off when stderr is not a terminal (metrics.jsonl has every step)
+            bar = tqdm(
+                total=cfg.steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True, disable=None
+            )  # None: off when stderr is not a terminal (metrics.jsonl has every step)
         last, val = None, {}
         while self.step < cfg.steps:
             t0 = time.perf_counter()
@@ -272,8 +290,10 @@ class DistillTrainer:
                 val = self.validate()
                 self.logger.log(val, self.step)
                 if bar is not None:
-                    bar.write(f"step {self.step}: val rel. state error {val['val_rel_err']:.4f}, "
-                              f"after one recurrence {val['val_rel_err_next']:.4f}, KL {val['val_kl']:.4f}")
+                    bar.write(
+                        f"step {self.step}: val rel. state error {val['val_rel_err']:.4f}, "
+                        f"after one recurrence {val['val_rel_err_next']:.4f}, KL {val['val_kl']:.4f}"
+                    )
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                 last = self.save()
         if bar is not None:
@@ -281,8 +301,15 @@ class DistillTrainer:
         self.logger.close()
         if not val:
             val = self.validate()
-        return {"step": self.step, "start_step": self.start_step, "checkpoint": str(last or ckpt.resolve(self.out_dir)),
-                "energy": self.energy, "elapsed_s": self.elapsed, "session_s": self.elapsed - self.start_elapsed, **val}
+        return {
+            "step": self.step,
+            "start_step": self.start_step,
+            "checkpoint": str(last or ckpt.resolve(self.out_dir)),
+            "energy": self.energy,
+            "elapsed_s": self.elapsed,
+            "session_s": self.elapsed - self.start_elapsed,
+            **val,
+        }
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
@@ -291,8 +318,13 @@ class DistillTrainer:
         target = self.ckpt_root / f"step_{self.step:07d}"
         if self.env.is_main:
             tensors, optim_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
-            meta = {"teacher_sha256": self.teacher_sha, "teacher_path": str(self.teacher_path),
-                    "depth": self.cfg.depth, "init": self.cfg.init, "config": self.cfg.to_dict()}
+            meta = {
+                "teacher_sha256": self.teacher_sha,
+                "teacher_path": str(self.teacher_path),
+                "depth": self.cfg.depth,
+                "init": self.cfg.init,
+                "config": self.cfg.to_dict(),
+            }
             state = {"step": self.step, "energy": self.energy, "elapsed_s": self.elapsed, "optimizer": optim_meta}
 
             def populate(tmp: Path) -> None:

@@ -8,7 +8,17 @@ from looplm.eval.report import EvalConfig, depth_report, format_report
 from looplm.eval.tasks import task_accuracy
 
 __all__ = [
-    "EvalConfig", "cached_perplexity", "depth_report", "exact_match_generator_tasks", "exact_match_gsm8k",
-    "format_report", "load_choice_jsonl", "load_gsm8k_jsonl", "native_perplexity", "pass_at_k", "score_choices",
-    "sharing_table", "task_accuracy",
+    "EvalConfig",
+    "cached_perplexity",
+    "depth_report",
+    "exact_match_generator_tasks",
+    "exact_match_gsm8k",
+    "format_report",
+    "load_choice_jsonl",
+    "load_gsm8k_jsonl",
+    "native_perplexity",
+    "pass_at_k",
+    "score_choices",
+    "sharing_table",
+    "task_accuracy",
 ]

@@ -66,10 +66,20 @@ def _document_with_room(doc_ids: torch.Tensor, need: int) -> int | None:
 
 
 @torch.no_grad()
-def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_sequences: int = 16,
-                      device="cpu", stepwise: bool = False, exit_tau: float | None = None,
-                      min_depth: int = 1, span: tuple[int, int] | None = None,
-                      prefill: Prefill | None = None) -> dict[str, float]:
+def cached_perplexity(
+    model,
+    data: PackedDataset,
+    depth: int,
+    mode: str,
+    *,
+    max_sequences: int = 16,
+    device="cpu",
+    stepwise: bool = False,
+    exit_tau: float | None = None,
+    min_depth: int = 1,
+    span: tuple[int, int] | None = None,
+    prefill: Prefill | None = None,
+) -> dict[str, float]:
     """{"loss", "ppl", "tokens", "mean_decode_depth"} with a `mode` ("terminal" or "full") cache at
     `depth`, under the row-halves protocol (default) or CacheEval spans (`span=(P, C)`; the paper uses
     1,024 + 512; rows without a document of P + C tokens are skipped). See the module docstring for
@@ -101,29 +111,49 @@ def cached_perplexity(model, data: PackedDataset, depth: int, mode: str, *, max_
             if fed > start:
                 out = (prefill or Prefill())(model, b.inputs[:, start:fed], cache, depth, example_ids=b.example_ids)
                 if scored < fed:  # CacheEval: the prefill's last logits score the first target
-                    logits.append(out[:, scored - fed:])
+                    logits.append(out[:, scored - fed :])
             if end > fed and stepwise:
                 for t in range(fed, end):
-                    step = extend(model, b.inputs[:, t:t + 1], cache, depth, example_ids=b.example_ids,
-                                  exit_tau=exit_tau, min_depth=min_depth)
+                    step = extend(
+                        model,
+                        b.inputs[:, t : t + 1],
+                        cache,
+                        depth,
+                        example_ids=b.example_ids,
+                        exit_tau=exit_tau,
+                        min_depth=min_depth,
+                    )
                     logits.append(step.logits)
                     depth_sum += int(step.depths.sum())
                     n_dec += 1
             elif end > fed:
                 logits.append(extend(model, b.inputs[:, fed:end], cache, depth, example_ids=b.example_ids).logits)
             logits = torch.cat(logits, dim=1)
-            total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            ).item()
             count += n
     if count == 0:
         raise UserError("no scored tokens for cached perplexity (no supervised targets in the scored part of any row)")
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
-            "mean_decode_depth": depth_sum / n_dec if n_dec else float(depth)}
+    return {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)),
+        "tokens": count,
+        "mean_decode_depth": depth_sum / n_dec if n_dec else float(depth),
+    }
 
 
-def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequences: int = 16,
-                  device="cpu", progress=None, span: tuple[int, int] | None = None) -> dict[int, dict[str, float]]:
+def sharing_table(
+    model,
+    data: PackedDataset,
+    depths: Sequence[int],
+    *,
+    max_sequences: int = 16,
+    device="cpu",
+    progress=None,
+    span: tuple[int, int] | None = None,
+) -> dict[int, dict[str, float]]:
     """{R: {"terminal_ppl", "full_ppl", "sharing_penalty", "cacheeval_terminal_ppl", "cacheeval_penalty",
     "tokens", "span"}}; penalty = 100 (PPL_terminal / PPL_full - 1). The chunk ("terminal_ppl") and
     decode ("cacheeval_terminal_ppl") columns score the same "tokens" targets (`cached_perplexity`);
@@ -135,13 +165,18 @@ def sharing_table(model, data: PackedDataset, depths: Sequence[int], *, max_sequ
         full = cached_perplexity(model, data, depth, "full", **kw)
         step = cached_perplexity(model, data, depth, "terminal", stepwise=True, **kw)
         if not term["tokens"] == full["tokens"] == step["tokens"]:
-            raise RuntimeError(f"sharing protocols scored different targets: {term['tokens']}, {full['tokens']}, "
-                               f"{step['tokens']}")
-        out[depth] = {"terminal_ppl": term["ppl"], "full_ppl": full["ppl"], "tokens": term["tokens"],
-                      "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0),
-                      "cacheeval_terminal_ppl": step["ppl"],
-                      "cacheeval_penalty": 100.0 * (step["ppl"] / full["ppl"] - 1.0),
-                      "span": None if span is None else tuple(span)}
+            raise RuntimeError(
+                f"sharing protocols scored different targets: {term['tokens']}, {full['tokens']}, {step['tokens']}"
+            )
+        out[depth] = {
+            "terminal_ppl": term["ppl"],
+            "full_ppl": full["ppl"],
+            "tokens": term["tokens"],
+            "sharing_penalty": 100.0 * (term["ppl"] / full["ppl"] - 1.0),
+            "cacheeval_terminal_ppl": step["ppl"],
+            "cacheeval_penalty": 100.0 * (step["ppl"] / full["ppl"] - 1.0),
+            "span": None if span is None else tuple(span),
+        }
         if progress is not None:
             progress(depth)
     return out

@@ -50,7 +50,7 @@ def load_choice_jsonl(path: str | Path) -> list[ChoiceItem]:
 def split_context(context: str, choice: str) -> tuple[str, str]:
     """(context without trailing whitespace, that whitespace + choice)."""
     stripped = context.rstrip()
-    return stripped, context[len(stripped):] + choice
+    return stripped, context[len(stripped) :] + choice
 
 
 def pick(logliks: Sequence[float], lengths: Sequence[int]) -> tuple[int, int]:
@@ -64,15 +64,24 @@ def pick(logliks: Sequence[float], lengths: Sequence[int]) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: str, *, depth: int,
-                       prefill_depth: int | None = None, cache: str = "terminal", example_id: int = 0,
-                       device="cpu") -> tuple[float, bool]:
+def score_continuation(
+    model,
+    tokenizer: Tokenizer,
+    context: str,
+    continuation: str,
+    *,
+    depth: int,
+    prefill_depth: int | None = None,
+    cache: str = "terminal",
+    example_id: int = 0,
+    device="cpu",
+) -> tuple[float, bool]:
     """(sum of ln p over the target tokens, whether every target token was the argmax)."""
     prefill_depth = prefill_depth or depth
     ctx_ids = tokenizer.encode_prompt(context)
     if not ctx_ids:
         raise UserError("choice context is empty (nothing to prefill)")
-    target = tokenizer.encode_prompt(context + continuation)[len(ctx_ids):]
+    target = tokenizer.encode_prompt(context + continuation)[len(ctx_ids) :]
     if not target:
         raise UserError(f"continuation {continuation!r} adds no tokens to the context")
     need = len(ctx_ids) + len(target) - 1  # the last target token is never fed
@@ -92,8 +101,16 @@ def score_continuation(model, tokenizer: Tokenizer, context: str, continuation: 
     return total, greedy
 
 
-def score_choices(model, tokenizer: Tokenizer, items: Sequence[ChoiceItem], *, depth: int,
-                  prefill_depth: int | None = None, cache: str = "terminal", device="cpu") -> dict:
+def score_choices(
+    model,
+    tokenizer: Tokenizer,
+    items: Sequence[ChoiceItem],
+    *,
+    depth: int,
+    prefill_depth: int | None = None,
+    cache: str = "terminal",
+    device="cpu",
+) -> dict:
     """{"acc", "acc_norm", "n", "items": [{"loglik", "greedy", "pred", "pred_norm", "gold"}, ...]}.
 
     A fresh batch-1 cache per (item, choice); the seeded initial state uses the item index as the
@@ -108,8 +125,17 @@ def score_choices(model, tokenizer: Tokenizer, items: Sequence[ChoiceItem], *, d
         logliks, greedy, lengths = [], [], []
         for choice in item.choices:
             ctx, cont = split_context(item.context, choice)
-            ll, g = score_continuation(model, tokenizer, ctx, cont, depth=depth, prefill_depth=prefill_depth,
-                                       cache=cache, example_id=idx, device=device)
+            ll, g = score_continuation(
+                model,
+                tokenizer,
+                ctx,
+                cont,
+                depth=depth,
+                prefill_depth=prefill_depth,
+                cache=cache,
+                example_id=idx,
+                device=device,
+            )
             logliks.append(ll)
             greedy.append(g)
             lengths.append(len(cont))

@@ -84,14 +84,31 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def greedy_generate(model, tokenizer: Tokenizer, prompts: Sequence[str], example_ids: Sequence[int], *, depth: int,
-                    prefill_depth: int | None = None, cache: str = "terminal", max_new_tokens: int = 16,
-                    stop: Sequence[str] = ("\n",), prefill: Prefill | None = None) -> list[str]:
+def greedy_generate(
+    model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    example_ids: Sequence[int],
+    *,
+    depth: int,
+    prefill_depth: int | None = None,
+    cache: str = "terminal",
+    max_new_tokens: int = 16,
+    stop: Sequence[str] = ("\n",),
+    prefill: Prefill | None = None,
+) -> list[str]:
     """Greedy continuations (cut before the first stop string; EOS ends a row), each row seeded by
     its own example id so results do not depend on batching; `prefill` picks the prefill arm."""
-    return generate(model, tokenizer, prompts, DepthRule(depth, prefill_depth), cache=cache,
-                    sampling=SamplingConfig(max_new_tokens=max_new_tokens, stop=tuple(stop)), example_ids=example_ids,
-                    prefill=prefill)
+    return generate(
+        model,
+        tokenizer,
+        prompts,
+        DepthRule(depth, prefill_depth),
+        cache=cache,
+        sampling=SamplingConfig(max_new_tokens=max_new_tokens, stop=tuple(stop)),
+        example_ids=example_ids,
+        prefill=prefill,
+    )
 
 
 def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
@@ -99,14 +116,23 @@ def _batched(model, tokenizer, prompts, batch_size, **kw) -> list[str]:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
     outputs = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
+        chunk = prompts[start : start + batch_size]
         outputs += greedy_generate(model, tokenizer, chunk, range(start, start + len(chunk)), **kw)
     return outputs
 
 
-def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[Example], *, depth: int,
-                                prefill_depth: int | None = None, cache: str = "terminal",
-                                max_new_tokens: int = 16, batch_size: int = 16, prefill: Prefill | None = None) -> dict:
+def exact_match_generator_tasks(
+    model,
+    tokenizer: Tokenizer,
+    examples: Sequence[Example],
+    *,
+    depth: int,
+    prefill_depth: int | None = None,
+    cache: str = "terminal",
+    max_new_tokens: int = 16,
+    batch_size: int = 16,
+    prefill: Prefill | None = None,
+) -> dict:
     """Greedy-generate after each prompt (stop at a newline); correct = `check_answer`.
 
     Returns {"acc", "n", "by_kind": {kind: acc}, "correct": [bool], "outputs": [str]}. `prefill`
@@ -114,9 +140,18 @@ def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[
     """
     if not examples:
         raise UserError("no task examples to evaluate")
-    outputs = _batched(model, tokenizer, [ex.prompt for ex in examples], batch_size, depth=depth,
-                       prefill_depth=prefill_depth, cache=cache, max_new_tokens=max_new_tokens, stop=("\n",),
-                       prefill=prefill)
+    outputs = _batched(
+        model,
+        tokenizer,
+        [ex.prompt for ex in examples],
+        batch_size,
+        depth=depth,
+        prefill_depth=prefill_depth,
+        cache=cache,
+        max_new_tokens=max_new_tokens,
+        stop=("\n",),
+        prefill=prefill,
+    )
     correct = [check_answer(ex, out) for ex, out in zip(examples, outputs)]
     by_kind = defaultdict(list)
     for ex, ok in zip(examples, correct):
@@ -130,10 +165,19 @@ def exact_match_generator_tasks(model, tokenizer: Tokenizer, examples: Sequence[
     }
 
 
-def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, depth: int,
-                      prefill_depth: int | None = None, cache: str = "terminal", max_new_tokens: int = 256,
-                      prompt_template: str = GSM8K_PROMPT,
-                      stop: Sequence[str] = ("\n\n", "Question:"), batch_size: int = 8) -> dict:
+def exact_match_gsm8k(
+    model,
+    tokenizer: Tokenizer,
+    items: Sequence[GenItem],
+    *,
+    depth: int,
+    prefill_depth: int | None = None,
+    cache: str = "terminal",
+    max_new_tokens: int = 256,
+    prompt_template: str = GSM8K_PROMPT,
+    stop: Sequence[str] = ("\n\n", "Question:"),
+    batch_size: int = 8,
+) -> dict:
     """Greedy-generate an answer per question; correct when its final number equals the gold.
 
     Returns {"acc", "n", "correct": [bool], "predictions": [str | None], "outputs": [str]}.
@@ -141,9 +185,23 @@ def exact_match_gsm8k(model, tokenizer: Tokenizer, items: Sequence[GenItem], *, 
     if not items:
         raise UserError("no GSM8K items to evaluate")
     prompts = [prompt_template.format(question=it.question) for it in items]
-    outputs = _batched(model, tokenizer, prompts, batch_size, depth=depth, prefill_depth=prefill_depth,
-                       cache=cache, max_new_tokens=max_new_tokens, stop=tuple(stop))
+    outputs = _batched(
+        model,
+        tokenizer,
+        prompts,
+        batch_size,
+        depth=depth,
+        prefill_depth=prefill_depth,
+        cache=cache,
+        max_new_tokens=max_new_tokens,
+        stop=tuple(stop),
+    )
     preds = [extract_final_number(o) for o in outputs]
     correct = [p is not None and p == it.gold for p, it in zip(preds, items)]
-    return {"acc": sum(correct) / len(correct), "n": len(items), "correct": correct, "predictions": preds,
-            "outputs": outputs}
+    return {
+        "acc": sum(correct) / len(correct),
+        "n": len(items),
+        "correct": correct,
+        "predictions": preds,
+        "outputs": outputs,
+    }

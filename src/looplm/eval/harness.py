@@ -29,9 +29,18 @@ class LoopLMHarness(LM):
     # what lm-eval itself adds to every model's arguments (from its --batch_size, --max_batch_size)
     HARNESS_ARGS = ("batch_size", "max_batch_size")
 
-    def __init__(self, checkpoint: str | None = None, model=None, tokenizer=None, depth: int = 5,
-                 prefill_depth: int | None = None, cache: str = "terminal", device: str = "auto",
-                 max_gen_toks: int = 64, **others):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        model=None,
+        tokenizer=None,
+        depth: int = 5,
+        prefill_depth: int | None = None,
+        cache: str = "terminal",
+        device: str = "auto",
+        max_gen_toks: int = 64,
+        **others,
+    ):
         super().__init__()
         unknown = [k for k in others if k not in self.HARNESS_ARGS]
         if unknown:  # a misspelt depth= would otherwise evaluate at the default depth, silently
@@ -39,7 +48,9 @@ class LoopLMHarness(LM):
             raise UserError(f"unknown model_args: {', '.join(unknown)} (known: {known})")
         if cache not in ("terminal", "full"):
             raise UserError(f"model_args cache must be terminal or full, got {cache!r}")
-        device = resolve_device(str(device))  # auto: CUDA when available; lm-eval's --device cuda on a CPU machine: one line
+        device = resolve_device(
+            str(device)
+        )  # auto: CUDA when available; lm-eval's --device cuda on a CPU machine: one line
         if model is None:
             if checkpoint is None:
                 raise UserError("looplm harness model needs checkpoint=PATH")
@@ -51,9 +62,17 @@ class LoopLMHarness(LM):
     def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
         if not self.tokenizer.encode_prompt(context):  # an empty context starts from the end-of-text token
             return self._score_after_eos(continuation, example_id)
-        return score_continuation(self.model, self.tokenizer, context, continuation, depth=self.depth,
-                                  prefill_depth=self.prefill_depth, cache=self.cache,
-                                  example_id=example_id, device=self._device)
+        return score_continuation(
+            self.model,
+            self.tokenizer,
+            context,
+            continuation,
+            depth=self.depth,
+            prefill_depth=self.prefill_depth,
+            cache=self.cache,
+            example_id=example_id,
+            device=self._device,
+        )
 
     @torch.no_grad()
     def _score_after_eos(self, text: str, example_id: int) -> tuple[float, bool]:
@@ -63,9 +82,10 @@ class LoopLMHarness(LM):
         total, greedy = 0.0, True
         window = self.model.cfg.max_seq_len
         for start in range(0, len(ids), window - 1):  # non-overlapping windows, each after an EOS
-            chunk = torch.cat([x[:, :1], x[:, 1 + start:1 + start + window - 1]], dim=1)
-            logits = self.model(chunk, self.depth, init="seeded",
-                                example_ids=torch.tensor([example_id], device=self._device)).logits
+            chunk = torch.cat([x[:, :1], x[:, 1 + start : 1 + start + window - 1]], dim=1)
+            logits = self.model(
+                chunk, self.depth, init="seeded", example_ids=torch.tensor([example_id], device=self._device)
+            ).logits
             logp = torch.log_softmax(logits[0, :-1].double(), -1)
             target = chunk[0, 1:]
             total += float(logp.gather(-1, target[:, None]).sum())
@@ -86,9 +106,17 @@ class LoopLMHarness(LM):
             until = [until] if isinstance(until, str) else list(until)
             room = self.model.cfg.max_seq_len - len(self.tokenizer.encode_prompt(context)) + 1
             n = max(1, min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), room))
-            out += greedy_generate(self.model, self.tokenizer, [context], [stable_id(context)], depth=self.depth,
-                                   prefill_depth=self.prefill_depth, cache=self.cache, max_new_tokens=n,
-                                   stop=tuple(until))
+            out += greedy_generate(
+                self.model,
+                self.tokenizer,
+                [context],
+                [stable_id(context)],
+                depth=self.depth,
+                prefill_depth=self.prefill_depth,
+                cache=self.cache,
+                max_new_tokens=n,
+                stop=tuple(until),
+            )
         return out
 
 

@@ -16,8 +16,16 @@ EVAL_CE_CHUNK_ROWS = 1024
 
 @torch.no_grad()
 def native_perplexity(
-    model, data: PackedDataset, depths: Sequence[int], *, batch_size: int = 8, max_sequences: int | None = 64,
-    device: torch.device | str = "cpu", progress=None, tokenizer=None, ce_chunk_rows: int = EVAL_CE_CHUNK_ROWS,
+    model,
+    data: PackedDataset,
+    depths: Sequence[int],
+    *,
+    batch_size: int = 8,
+    max_sequences: int | None = 64,
+    device: torch.device | str = "cpu",
+    progress=None,
+    tokenizer=None,
+    ce_chunk_rows: int = EVAL_CE_CHUNK_ROWS,
 ) -> dict[int, dict[str, float]]:
     """{depth: {"loss", "ppl", "tokens", "state_change", "bits_per_byte"}} over the first
     `max_sequences` sequences of `data`, with the deterministic seeded initial state so results do
@@ -40,9 +48,18 @@ def native_perplexity(
         total, count, change, n_tok = 0.0, 0, 0.0, 0
         for start in range(0, n, batch_size):
             batch = data.get_batch(list(range(start, min(n, start + batch_size)))).to(device)
-            out = model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                        init="seeded", example_ids=batch.example_ids, return_states=depth > 1, keep_states=2,
-                        targets=batch.targets, ce_chunk_rows=ce_chunk_rows)
+            out = model(
+                batch.inputs,
+                depth,
+                doc_ids=batch.doc_ids,
+                positions=batch.positions,
+                init="seeded",
+                example_ids=batch.example_ids,
+                return_states=depth > 1,
+                keep_states=2,
+                targets=batch.targets,
+                ce_chunk_rows=ce_chunk_rows,
+            )
             total += out.ce_sum.item()
             count += batch.n_targets
             if depth > 1:
@@ -52,9 +69,13 @@ def native_perplexity(
             if progress is not None:
                 progress(depth)  # the depth: a batch at R costs about R batches at 1
         loss = total / max(count, 1)
-        results[depth] = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count,
-                          "state_change": change / n_tok if n_tok else None,
-                          "bits_per_byte": total / math.log(2) / n_bytes if n_bytes else None}
+        results[depth] = {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50.0)),
+            "tokens": count,
+            "state_change": change / n_tok if n_tok else None,
+            "bits_per_byte": total / math.log(2) / n_bytes if n_bytes else None,
+        }
     return results
 
 

@@ -18,8 +18,11 @@ def depth_series(report: dict) -> dict[str, list]:
     strings once written as JSON); a depth without a state change (R = 1 of some models) has None."""
     ppl = {int(r): v for r, v in report["perplexity"].items()}
     depths = sorted(ppl)
-    return {"depth": depths, "ppl": [ppl[r]["ppl"] for r in depths],
-            "state_change": [ppl[r].get("state_change") for r in depths]}
+    return {
+        "depth": depths,
+        "ppl": [ppl[r]["ppl"] for r in depths],
+        "state_change": [ppl[r].get("state_change") for r in depths],
+    }
 
 
 def loss_series(metrics: Path) -> dict[str, list]:
@@ -35,8 +38,12 @@ def loss_series(metrics: Path) -> dict[str, list]:
             train[int(record["step"])] = float(record["loss"])
         if "val_loss" in record:
             val[int(record["step"])] = float(record["val_loss"])
-    return {"step": sorted(train), "loss": [train[s] for s in sorted(train)],
-            "val_step": sorted(val), "val_loss": [val[s] for s in sorted(val)]}
+    return {
+        "step": sorted(train),
+        "loss": [train[s] for s in sorted(train)],
+        "val_step": sorted(val),
+        "val_loss": [val[s] for s in sorted(val)],
+    }
 
 
 def _pyplot():
@@ -94,7 +101,7 @@ def write_run_plots(report: dict, report_path: Path) -> list[Path]:
     ppl_vs_depth.png, eval-<data>.json -> ppl_vs_depth-<data>.png), and the loss curve when the folder holds
     a run's metrics.jsonl. Returns the paths written."""
     folder, stem = report_path.parent, report_path.stem
-    suffix = stem[len("eval"):] if stem.startswith("eval") else f"-{stem}"
+    suffix = stem[len("eval") :] if stem.startswith("eval") else f"-{stem}"
     written = [write_depth_plot(depth_series(report), folder / f"{Path(DEPTH_PLOT).stem}{suffix}.png")]
     metrics = folder / "metrics.jsonl"
     if metrics.is_file():

@@ -22,22 +22,44 @@ from looplm.infer.cache import TerminalCache
 from looplm.infer.prefill import Prefill
 
 
-def prefill_table(model, tokenizer, val, examples: Sequence, arms: Sequence[Prefill], depths: Sequence[int], *,
-                  rows: int = 32, device="cpu", batch_size: int = 16, progress=None) -> dict:
+def prefill_table(
+    model,
+    tokenizer,
+    val,
+    examples: Sequence,
+    arms: Sequence[Prefill],
+    depths: Sequence[int],
+    *,
+    rows: int = 32,
+    device="cpu",
+    batch_size: int = 16,
+    progress=None,
+) -> dict:
     """{arm: {R: {"continuation_ppl", "tokens", "acc", "n", "bank_rel_err", "block_passes"}}}; "acc" is None
     without examples, "continuation_ppl" and "bank_rel_err" (`bank_error`) None when rows = 0."""
     table: dict = {}
     for arm in arms:
         table[arm.arm] = {}
         for r in depths:
-            ppl = cached_perplexity(model, val, r, "terminal", max_sequences=rows, device=device,
-                                    prefill=arm) if rows > 0 else None
-            acc = exact_match_generator_tasks(model, tokenizer, examples, depth=r, prefill=arm,
-                                              batch_size=batch_size) if examples else None
+            ppl = (
+                cached_perplexity(model, val, r, "terminal", max_sequences=rows, device=device, prefill=arm)
+                if rows > 0
+                else None
+            )
+            acc = (
+                exact_match_generator_tasks(model, tokenizer, examples, depth=r, prefill=arm, batch_size=batch_size)
+                if examples
+                else None
+            )
             err = bank_error(model, val, arm, r, rows=rows, device=device) if rows > 0 else None
-            table[arm.arm][r] = {"continuation_ppl": ppl["ppl"] if ppl else None, "tokens": ppl["tokens"] if ppl else 0,
-                                 "acc": acc["acc"] if acc else None, "n": acc["n"] if acc else 0,
-                                 "bank_rel_err": err, "block_passes": arm.block_passes(model.cfg, r)}
+            table[arm.arm][r] = {
+                "continuation_ppl": ppl["ppl"] if ppl else None,
+                "tokens": ppl["tokens"] if ppl else 0,
+                "acc": acc["acc"] if acc else None,
+                "n": acc["n"] if acc else 0,
+                "bank_rel_err": err,
+                "block_passes": arm.block_passes(model.cfg, r),
+            }
             if progress is not None:
                 progress(r)
     return table

@@ -60,11 +60,13 @@ class EvalConfig:
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run; with --data other
     than the run's own, <run>/eval-<data>.json)."""
 
-    def validate(self, max_depth: int, max_seq_len: int, *, prefix: str = "", allow_no_depths: bool = False,
-                 tokenizer=None) -> None:
+    def validate(
+        self, max_depth: int, max_seq_len: int, *, prefix: str = "", allow_no_depths: bool = False, tokenizer=None
+    ) -> None:
         """Raise a UserError naming the option (`prefix` + field: "eval." in `looplm train`, "--" in
         `looplm eval`) for what would fail only after the work has started: depths, sizes, input files, and
         with `tokenizer`, a sample prompt that does not fit the context."""
+
         def name(field: str) -> str:
             return f"{prefix}{field.replace('_', '-') if prefix == '--' else field}"
 
@@ -76,8 +78,15 @@ class EvalConfig:
         depths = [(field, r) for field in ("depths", "sample_depths") for r in getattr(self, field)]
         for field, r in depths + ([("prefill_depth", self.prefill_depth)] if self.prefill_depth is not None else []):
             check_depth(f"{name(field)}: depth", r, max_depth)
-        for field, least in (("batch_size", 1), ("max_sequences", 1), ("task_examples", 0), ("sharing_sequences", 0),
-                             ("generation_examples", 0), ("gsm8k_max_new_tokens", 1), ("sample_tokens", 1)):
+        for field, least in (
+            ("batch_size", 1),
+            ("max_sequences", 1),
+            ("task_examples", 0),
+            ("sharing_sequences", 0),
+            ("generation_examples", 0),
+            ("gsm8k_max_new_tokens", 1),
+            ("sample_tokens", 1),
+        ):
             if getattr(self, field) < least:
                 raise bad(field, f"must be >= {least}", getattr(self, field))
         if not self.sample_temperature >= 0:
@@ -85,8 +94,11 @@ class EvalConfig:
         if self.cacheeval_span is not None:
             P, C = self.cacheeval_span
             if P < 1 or C < 2 or P + C > max_seq_len:
-                raise bad("cacheeval_span", f"P >= 1 prompt and C >= 2 continuation tokens with P + C <= the "
-                          f"context max_seq_len={max_seq_len}", f"{P} {C}")
+                raise bad(
+                    "cacheeval_span",
+                    f"P >= 1 prompt and C >= 2 continuation tokens with P + C <= the context max_seq_len={max_seq_len}",
+                    f"{P} {C}",
+                )
         from looplm.eval.choice import load_choice_jsonl
         from looplm.eval.generation import GSM8K_PROMPT, load_gsm8k_jsonl
 
@@ -105,8 +117,11 @@ class EvalConfig:
             if field == "gsm8k" and tokenizer is not None:
                 longest = max(len(tokenizer.encode_prompt(GSM8K_PROMPT.format(question=it.question))) for it in items)
                 if longest >= max_seq_len:
-                    raise bad(field, f"a prompt of {longest} tokens leaves no room in the context "
-                              f"max_seq_len={max_seq_len}", path)
+                    raise bad(
+                        field,
+                        f"a prompt of {longest} tokens leaves no room in the context max_seq_len={max_seq_len}",
+                        path,
+                    )
         if self.sample_depths:
             if self.sample_prompt == "":
                 raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
@@ -115,8 +130,9 @@ class EvalConfig:
                 raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}", f"{n} tokens")
 
 
-def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None,
-                 prefill=None) -> dict:
+def depth_report(
+    model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cpu", progress=None, prefill=None
+) -> dict:
     """`progress(R)` is called after each batch (or table row) measured at depth R.
 
     {"perplexity": {R: ...}, "tasks": {R: ...} or None, ...} for a trained model on the held-out split
@@ -127,28 +143,56 @@ def depth_report(model, tokenizer, data: DataRecord, cfg: EvalConfig, device="cp
     perplexity (on `sharing_sequences` rows) and generator-task exact match (on `generation_examples`,
     or `task_examples` when that is 0) at each depth, the paper's Table 5 (`looplm.eval.prefill_arms`)."""
     val = data.validation(tokenizer)
-    ppl = native_perplexity(model, val, cfg.depths, batch_size=cfg.batch_size, max_sequences=cfg.max_sequences,
-                            device=device, progress=progress, tokenizer=tokenizer)
+    ppl = native_perplexity(
+        model,
+        val,
+        cfg.depths,
+        batch_size=cfg.batch_size,
+        max_sequences=cfg.max_sequences,
+        device=device,
+        progress=progress,
+        tokenizer=tokenizer,
+    )
     acc = None
     if data.is_tasks and cfg.task_examples > 0:
         examples = data.held_out_examples(cfg.task_examples, cfg.task_seed)
-        acc = task_accuracy(model, tokenizer, examples, cfg.depths, batch_size=cfg.batch_size, device=device,
-                            progress=progress)
+        acc = task_accuracy(
+            model, tokenizer, examples, cfg.depths, batch_size=cfg.batch_size, device=device, progress=progress
+        )
     sharing = None
     if cfg.sharing_sequences > 0:
-        sharing = sharing_table(model, val, cfg.depths, max_sequences=cfg.sharing_sequences, device=device,
-                                progress=progress, span=cfg.cacheeval_span)
+        sharing = sharing_table(
+            model,
+            val,
+            cfg.depths,
+            max_sequences=cfg.sharing_sequences,
+            device=device,
+            progress=progress,
+            span=cfg.cacheeval_span,
+        )
     report = {"perplexity": ppl, "tasks": acc, "sharing": sharing}
     report.update(decoding_report(model, tokenizer, cfg, data, device))
     if cfg.sample_depths:
-        report["samples"] = depth_samples(model, tokenizer, cfg, device, prompt=sample_prompt_for(cfg, data, val, tokenizer))
+        report["samples"] = depth_samples(
+            model, tokenizer, cfg, device, prompt=sample_prompt_for(cfg, data, val, tokenizer)
+        )
     if prefill:
         from looplm.eval.prefill_arms import prefill_table
 
         n_gen = cfg.generation_examples or cfg.task_examples
         examples = data.held_out_examples(n_gen, cfg.task_seed) if data.is_tasks and n_gen > 0 else []
-        report["prefill"] = prefill_table(model, tokenizer, val, examples, prefill, cfg.depths, device=device,
-                                          rows=cfg.sharing_sequences, batch_size=cfg.batch_size, progress=progress)
+        report["prefill"] = prefill_table(
+            model,
+            tokenizer,
+            val,
+            examples,
+            prefill,
+            cfg.depths,
+            device=device,
+            rows=cfg.sharing_sequences,
+            batch_size=cfg.batch_size,
+            progress=progress,
+        )
     return report
 
 
@@ -161,21 +205,41 @@ def decoding_report(model, tokenizer, cfg: EvalConfig, data: DataRecord, device)
     out: dict = {}
     if cfg.generation_examples > 0 and data.is_tasks:
         examples = data.held_out_examples(cfg.generation_examples, cfg.task_seed)
-        out["generation"] = {r: {k: v for k, v in exact_match_generator_tasks(model, tokenizer, examples, depth=r, **kw).items()
-                                 if k in ("acc", "n", "by_kind")} for r in cfg.depths}
+        out["generation"] = {
+            r: {
+                k: v
+                for k, v in exact_match_generator_tasks(model, tokenizer, examples, depth=r, **kw).items()
+                if k in ("acc", "n", "by_kind")
+            }
+            for r in cfg.depths
+        }
     if cfg.choice_tasks is not None:
         items = load_choice_jsonl(cfg.choice_tasks)
-        out["choice"] = {r: {k: v for k, v in score_choices(model, tokenizer, items, depth=r, device=device, **kw).items()
-                             if k != "items"} for r in cfg.depths}
+        out["choice"] = {
+            r: {
+                k: v
+                for k, v in score_choices(model, tokenizer, items, depth=r, device=device, **kw).items()
+                if k != "items"
+            }
+            for r in cfg.depths
+        }
     if cfg.gsm8k is not None:
         items = load_gsm8k_jsonl(cfg.gsm8k)
         longest = max(len(tokenizer.encode_prompt(GSM8K_PROMPT.format(question=it.question))) for it in items)
         room = min(cfg.gsm8k_max_new_tokens, model.cfg.max_seq_len - longest)
         if room < 1:
-            raise UserError(f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "
-                            f"max_seq_len={model.cfg.max_seq_len}")
-        out["gsm8k"] = {r: {k: v for k, v in exact_match_gsm8k(model, tokenizer, items, depth=r, max_new_tokens=room,
-                                                               **kw).items() if k in ("acc", "n")} for r in cfg.depths}
+            raise UserError(
+                f"{cfg.gsm8k}: a prompt of {longest} tokens leaves no room in the context "
+                f"max_seq_len={model.cfg.max_seq_len}"
+            )
+        out["gsm8k"] = {
+            r: {
+                k: v
+                for k, v in exact_match_gsm8k(model, tokenizer, items, depth=r, max_new_tokens=room, **kw).items()
+                if k in ("acc", "n")
+            }
+            for r in cfg.depths
+        }
     return out
 
 
@@ -198,7 +262,7 @@ def sample_prompt_for(cfg: EvalConfig, data: DataRecord, val=None, tokenizer=Non
     if data.source == BUILTIN_TEXT or val is None or tokenizer is None or not len(val.doc_starts):
         return TEXT_SAMPLE_PROMPT
     start = int(val.doc_starts[0])
-    text = tokenizer.decode([int(t) for t in val.tokens[start:start + 32]])
+    text = tokenizer.decode([int(t) for t in val.tokens[start : start + 32]])
     line = text.split("\n", 1)[0]
     return line + "\n" if line.strip() and "\n" in text else (text if text.strip() else TEXT_SAMPLE_PROMPT)
 
@@ -216,8 +280,13 @@ def depth_samples(model, tokenizer, cfg: EvalConfig, device, prompt: str | None 
     n = min(cfg.sample_tokens, room)
     sampling = SamplingConfig(max_new_tokens=n, temperature=cfg.sample_temperature, seed=cfg.task_seed)
     texts = {r: generate(model, tokenizer, [prompt], DepthRule(r), sampling=sampling)[0] for r in cfg.sample_depths}
-    return {"prompt": prompt, "temperature": cfg.sample_temperature, "tokens": n,
-            "seed": cfg.task_seed, "by_depth": texts}
+    return {
+        "prompt": prompt,
+        "temperature": cfg.sample_temperature,
+        "tokens": n,
+        "seed": cfg.task_seed,
+        "by_depth": texts,
+    }
 
 
 def format_report(report: dict) -> str:
@@ -225,8 +294,12 @@ def format_report(report: dict) -> str:
     ppl, acc = report["perplexity"], report["tasks"]
     kinds = list(next(iter(acc.values()))["by_kind"]) if acc else []
     bpb = any(p.get("bits_per_byte") is not None for p in ppl.values())
-    head = f"{'R':>4} {'val ppl':>9}" + (f" {'bits/byte':>9}" if bpb else "") + f" {'dstate':>8}" + \
-        (f" {'acc':>7}" + "".join(f" {k:>7}" for k in kinds) if acc else "")
+    head = (
+        f"{'R':>4} {'val ppl':>9}"
+        + (f" {'bits/byte':>9}" if bpb else "")
+        + f" {'dstate':>8}"
+        + (f" {'acc':>7}" + "".join(f" {k:>7}" for k in kinds) if acc else "")
+    )
     lines = [head, "-" * len(head)]
     for depth, p in ppl.items():
         dstate = f"{p['state_change']:>8.4f}" if p.get("state_change") is not None else f"{'-':>8}"
@@ -240,24 +313,33 @@ def format_report(report: dict) -> str:
         first = next(iter(sh.values()))
         n, span = first["tokens"], first.get("span")
         if span is None:
-            caption = [f"terminal-KV sharing, {n} targets: every supervised target in the second half of each row, "
-                       "each document",
-                       "read from its own start (the part before the midpoint prefilled at R); chunk = each document's "
-                       "second-half",
-                       "tokens in one parallel pass, decode = the same targets by teacher-forced one-token decoding:"]
+            caption = [
+                f"terminal-KV sharing, {n} targets: every supervised target in the second half of each row, "
+                "each document",
+                "read from its own start (the part before the midpoint prefilled at R); chunk = each document's "
+                "second-half",
+                "tokens in one parallel pass, decode = the same targets by teacher-forced one-token decoding:",
+            ]
         else:
             P, C = span
-            caption = [f"terminal-KV sharing, {n} targets (CacheEval, App. D.4): per row, {P} prompt tokens from a "
-                       "document's start",
-                       f"prefilled at R, their last logits scoring the first of {C} continuation targets; chunk = the "
-                       f"other {C - 1}",
-                       f"in one parallel pass, decode = {C - 1} teacher-forced one-token decodes:"]
-        lines += ["", *caption,
-                  f"{'R':>4} {'full':>9} {'terminal':>9} {'penalty':>9} {'decode':>9} {'penalty':>9}"]
-        lines += [f"{r:>4} {v['full_ppl']:>9.4f} {v['terminal_ppl']:>9.4f} {v['sharing_penalty']:>8.3f}% "
-                  f"{v['cacheeval_terminal_ppl']:>9.4f} {v['cacheeval_penalty']:>8.3f}%" for r, v in sh.items()]
-    for key, title in (("generation", "generator tasks, greedy generation with the cache"),
-                       ("choice", "choice tasks (acc / acc_norm)"), ("gsm8k", "GSM8K-format exact match")):
+            caption = [
+                f"terminal-KV sharing, {n} targets (CacheEval, App. D.4): per row, {P} prompt tokens from a "
+                "document's start",
+                f"prefilled at R, their last logits scoring the first of {C} continuation targets; chunk = the "
+                f"other {C - 1}",
+                f"in one parallel pass, decode = {C - 1} teacher-forced one-token decodes:",
+            ]
+        lines += ["", *caption, f"{'R':>4} {'full':>9} {'terminal':>9} {'penalty':>9} {'decode':>9} {'penalty':>9}"]
+        lines += [
+            f"{r:>4} {v['full_ppl']:>9.4f} {v['terminal_ppl']:>9.4f} {v['sharing_penalty']:>8.3f}% "
+            f"{v['cacheeval_terminal_ppl']:>9.4f} {v['cacheeval_penalty']:>8.3f}%"
+            for r, v in sh.items()
+        ]
+    for key, title in (
+        ("generation", "generator tasks, greedy generation with the cache"),
+        ("choice", "choice tasks (acc / acc_norm)"),
+        ("gsm8k", "GSM8K-format exact match"),
+    ):
         if report.get(key):
             lines += ["", f"{title}:"]
             for r, v in report[key].items():
@@ -265,15 +347,21 @@ def format_report(report: dict) -> str:
                 lines.append(f"{r:>4} {100 * v['acc']:>6.1f}%{extra}  (n={v['n']})")
     if report.get("samples"):
         sm = report["samples"]
-        lines += ["", f"samples of {sm['tokens']} tokens from the same prompt and seed (temperature "
-                      f"{sm['temperature']:g}), by depth:"]
+        lines += [
+            "",
+            f"samples of {sm['tokens']} tokens from the same prompt and seed (temperature "
+            f"{sm['temperature']:g}), by depth:",
+        ]
         for r, text in sm["by_depth"].items():
             lines += [f"--- R = {r} ---", sm["prompt"] + text]
     if report.get("prefill"):
         from looplm.eval.prefill_arms import format_prefill_table
 
-        lines += ["", "prefill arms (decoding at R with the terminal cache; blocks = block passes per prompt token):",
-                  format_prefill_table(report["prefill"])]
+        lines += [
+            "",
+            "prefill arms (decoding at R with the terminal cache; blocks = block passes per prompt token):",
+            format_prefill_table(report["prefill"]),
+        ]
     return "\n".join(lines)
 
 
@@ -294,4 +382,3 @@ def report_name(source: str | None) -> str:
 def write_report(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
-

@@ -34,8 +34,14 @@ def encode_examples(tokenizer: Tokenizer, examples: Sequence[Example]) -> tuple[
 
 @torch.no_grad()
 def task_accuracy(
-    model, tokenizer: Tokenizer, examples: Sequence[Example], depths: Sequence[int], *, batch_size: int = 64,
-    device: torch.device | str = "cpu", progress=None,
+    model,
+    tokenizer: Tokenizer,
+    examples: Sequence[Example],
+    depths: Sequence[int],
+    *,
+    batch_size: int = 64,
+    device: torch.device | str = "cpu",
+    progress=None,
 ) -> dict[int, dict]:
     """{depth: {"acc", "n", "by_kind": {kind: acc}, "by_difficulty": {k: acc}}}."""
     if not examples:

@@ -28,5 +28,13 @@ def register() -> None:
 
 register()
 
-__all__ = ["LoopedCache", "LoopedLMConfig", "LoopedLMForCausalLM", "LoopedLMPreTrainedModel", "byte_tokenizer",
-           "export", "hf_tokenizer", "register"]
+__all__ = [
+    "LoopedCache",
+    "LoopedLMConfig",
+    "LoopedLMForCausalLM",
+    "LoopedLMPreTrainedModel",
+    "byte_tokenizer",
+    "export",
+    "hf_tokenizer",
+    "register",
+]

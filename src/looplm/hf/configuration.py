@@ -62,18 +62,27 @@ class LoopedLMConfig(PretrainedConfig):
     def from_dict(cls, config_dict: dict, **kwargs):
         found = config_dict.get("model_type", cls.model_type)
         if found != cls.model_type:
-            raise ValueError(f"this is a config of model_type {found!r}, not {cls.model_type!r}: "
-                             "not a looplm model (export looplm checkpoints with `looplm export`)")
+            raise ValueError(
+                f"this is a config of model_type {found!r}, not {cls.model_type!r}: "
+                "not a looplm model (export looplm checkpoints with `looplm export`)"
+            )
         return super().from_dict(config_dict, **kwargs)
 
-    def depth_rule(self, num_steps: int | None = None, prefill_steps: int | None = None, exit_tau: float | None = None,
-                   min_depth: int | None = None) -> DepthRule:
+    def depth_rule(
+        self,
+        num_steps: int | None = None,
+        prefill_steps: int | None = None,
+        exit_tau: float | None = None,
+        min_depth: int | None = None,
+    ) -> DepthRule:
         """The config's test-time fields as a looplm `DepthRule`, each argument given (a forward's or
         `generate`'s keyword) in place of the config's own."""
-        return DepthRule(self.num_steps if num_steps is None else num_steps,
-                         self.prefill_steps if prefill_steps is None else prefill_steps,
-                         self.exit_tau if exit_tau is None else exit_tau,
-                         self.min_depth if min_depth is None else min_depth)
+        return DepthRule(
+            self.num_steps if num_steps is None else num_steps,
+            self.prefill_steps if prefill_steps is None else prefill_steps,
+            self.exit_tau if exit_tau is None else exit_tau,
+            self.min_depth if min_depth is None else min_depth,
+        )
 
     def check_rule(self, rule: DepthRule, cache: str) -> DepthRule:
         """`rule` checked for a cache of kind `cache` against this config's max_depth, its settings named by

@@ -56,12 +56,19 @@ def _wrap(backend: HFTokenizer, eos_id: int, pad_id: int, bos_id: int | None = N
         backend.post_processor = None
     else:
         bos = backend.id_to_token(bos_id)
-        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                               special_tokens=[(bos, bos_id)])
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+        )
     extra = {} if bos_id is None else {"bos_token": backend.id_to_token(bos_id)}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=backend.id_to_token(eos_id),
-                                   pad_token=backend.id_to_token(pad_id), padding_side="left",
-                                   split_special_tokens=True, clean_up_tokenization_spaces=False, **extra)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=backend.id_to_token(eos_id),
+        pad_token=backend.id_to_token(pad_id),
+        padding_side="left",
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+        **extra,
+    )
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
@@ -73,8 +80,14 @@ def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     raise UserError(f"cannot export tokenizer {tokenizer!r}: expected a looplm ByteTokenizer or BPETokenizer")
 
 
-def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = None,
-           prefill_steps: int | None = None, cache_kind: str = "terminal") -> Path:
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    num_steps: int | None = None,
+    prefill_steps: int | None = None,
+    cache_kind: str = "terminal",
+) -> Path:
     """Write the looplm checkpoint (a checkpoint or run folder) as a transformers folder `out`;
     `num_steps` (default 5), `prefill_steps` and `cache_kind` become the config's generation defaults (named
     as its keys; `LoopedLMConfig.depth_rule` maps them to looplm's `DepthRule`, which checks them)."""
@@ -85,8 +98,9 @@ def export(checkpoint: str | Path, out: str | Path, *, num_steps: int | None = N
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / HF_EXPORT_INFO).is_file())):
-        raise UserError(f"{out} exists and is not empty (nor an earlier `looplm export`): export into a new or "
-                        "empty folder")
+        raise UserError(
+            f"{out} exists and is not empty (nor an earlier `looplm export`): export into a new or empty folder"
+        )
     model, tokenizer, job = load_model(checkpoint)
     fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind, "bos_token_id": tokenizer.bos_id}
     if num_steps is not None:

@@ -84,8 +84,10 @@ class LoopedCache(Cache):
         return sum(float(d) for d in self.depths_used) / len(self.depths_used)
 
     def _unsupported(self, what: str):
-        raise NotImplementedError(f"LoopedCache does not support {what} (looplm supports greedy and sampled "
-                                  "generation only: no beam search, assisted or contrastive decoding)")
+        raise NotImplementedError(
+            f"LoopedCache does not support {what} (looplm supports greedy and sampled "
+            "generation only: no beam search, assisted or contrastive decoding)"
+        )
 
     def update(self, *args, **kwargs):
         self._unsupported("per-layer update(); it is written by the model's cached forward")
@@ -112,14 +114,17 @@ def left_padding(attention_mask: torch.Tensor | None, shape: tuple[int, int]) ->
     if attention_mask is None:
         return None
     if attention_mask.ndim != 2 or tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask must be 2D with the shape of input_ids {tuple(shape)}, "
-                         f"got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be 2D with the shape of input_ids {tuple(shape)}, got {tuple(attention_mask.shape)}"
+        )
     real = attention_mask.bool()
     B, L = real.shape
     pad = L - real.sum(1)
     if not torch.equal(real, torch.arange(L, device=real.device)[None, :] >= pad[:, None]):
-        raise ValueError("looplm supports left padding only: each attention_mask row must be zeros, then ones "
-                         "(use padding_side='left')")
+        raise ValueError(
+            "looplm supports left padding only: each attention_mask row must be zeros, then ones "
+            "(use padding_side='left')"
+        )
     if bool((pad == L).any()):
         raise ValueError("an attention_mask row has no real token")
     return pad if bool(pad.any()) else None
@@ -172,9 +177,11 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         missing = sorted(info.get("missing_keys") or [])
         mismatched = list(info.get("mismatched_keys") or [])
         if missing or mismatched:
-            raise ValueError(f"{args[0] if args else ''}: the checkpoint does not hold every weight of the looplm "
-                             f"model (missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-                             f"wrong shape {mismatched[:3]})")
+            raise ValueError(
+                f"{args[0] if args else ''}: the checkpoint does not hold every weight of the looplm "
+                f"model (missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                f"wrong shape {mismatched[:3]})"
+            )
         return (model, info) if want_info else model
 
     def get_input_embeddings(self):
@@ -242,8 +249,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         rule = cfg.check_rule(cfg.depth_rule(num_steps, prefill_steps, exit_tau, min_depth), kind)
         if cache is None and use_cache:
             if self.training:
-                raise ValueError("use_cache=True needs eval mode (model.eval()): the cached forward runs "
-                                 "without autograd")
+                raise ValueError(
+                    "use_cache=True needs eval mode (model.eval()): the cached forward runs without autograd"
+                )
             cache = LoopedCache(kind)
         B, n = input_ids.shape
         if example_ids is None:
@@ -256,18 +264,21 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 idx = torch.arange(n, device=input_ids.device)[None, :]
                 positions = (idx - pad[:, None]).clamp(min=0)
                 doc_ids = (idx >= pad[:, None]).long()  # padding and real tokens never see each other
-            logits = self.model(input_ids, rule.depth, doc_ids=doc_ids, positions=positions, init="seeded",
-                                example_ids=example_ids).logits
+            logits = self.model(
+                input_ids, rule.depth, doc_ids=doc_ids, positions=positions, init="seeded", example_ids=example_ids
+            ).logits
         else:
             logits = self._extend(input_ids, attention_mask, cache, rule, kind, example_ids)
 
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
-                                 f"got {tuple(labels.shape)}")
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+                raise ValueError(
+                    f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+                )
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
@@ -284,8 +295,10 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 raise ValueError(f"the cache holds {cache.inner.batch} rows, input_ids has {B}")
             if attention_mask is not None:
                 if tuple(attention_mask.shape) != (B, c + n):
-                    raise ValueError(f"attention_mask must cover the {c} cached and {n} new tokens, "
-                                     f"got shape {tuple(attention_mask.shape)}")
+                    raise ValueError(
+                        f"attention_mask must cover the {c} cached and {n} new tokens, "
+                        f"got shape {tuple(attention_mask.shape)}"
+                    )
                 if not bool(attention_mask[:, c:].bool().all()):
                     raise ValueError("tokens appended to a cache cannot be padding")
                 old = left_padding(attention_mask[:, :c], (B, c)) if c else None
@@ -293,8 +306,10 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                     raise ValueError("the attention_mask does not match the padding the cache was filled with")
             plan = rule.decode_plan()
         if cache.inner.length + n > cache.inner.max_len:
-            raise ValueError(f"{cache.inner.length} cached + {n} new tokens exceed the cache length "
-                             f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})")
+            raise ValueError(
+                f"{cache.inner.length} cached + {n} new tokens exceed the cache length "
+                f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})"
+            )
         first = cache.inner.length == 0
         with torch.no_grad():
             out = self.model(input_ids, plan, cache=cache.inner, pad=cache.pad, init="seeded", example_ids=example_ids)
@@ -320,21 +335,28 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         finally:
             cache, self._generation_cache = self._generation_cache, None
         if cache is not None and cache.inner is not None:
-            self.last_generate_stats = {"mean_decode_depth": cache.mean_decode_depth,
-                                        "decode_steps": len(cache.depths_used)}
+            self.last_generate_stats = {
+                "mean_decode_depth": cache.mean_decode_depth,
+                "decode_steps": len(cache.depths_used),
+            }
         return out
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
-                                      max_cache_length):
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
         if generation_mode not in SUPPORTED_MODES or generation_config.num_beams > 1:
-            raise ValueError(f"looplm generate supports greedy search and sampling only, not {generation_mode} "
-                             f"(num_beams={generation_config.num_beams}); use num_beams=1 and no assistant, "
-                             "contrastive or DoLa decoding")
+            raise ValueError(
+                f"looplm generate supports greedy search and sampling only, not {generation_mode} "
+                f"(num_beams={generation_config.num_beams}); use num_beams=1 and no assistant, "
+                "contrastive or DoLa decoding"
+            )
         if generation_config.prefill_chunk_size is not None:
             raise ValueError("looplm generate does not support prefill_chunk_size (the prompt is prefilled at once)")
         if generation_config.cache_implementation is not None:
-            raise ValueError("looplm uses its own cache; choose it with cache_kind='terminal' or 'full', "
-                             f"not cache_implementation={generation_config.cache_implementation!r}")
+            raise ValueError(
+                "looplm uses its own cache; choose it with cache_kind='terminal' or 'full', "
+                f"not cache_implementation={generation_config.cache_implementation!r}"
+            )
         user = model_kwargs.get("cache")
         if user is not None:
             if not isinstance(user, LoopedCache):
@@ -347,17 +369,28 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         if generation_config.use_cache is False:
             return  # every step re-runs the whole sequence natively (same tokens as the full cache)
         if max_cache_length > self.config.max_seq_len:
-            raise ValueError(f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
-                             f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens")
-        model_kwargs["cache"] = self._generation_cache = LoopedCache(model_kwargs.get("cache_kind"),
-                                                                     max_len=max_cache_length)
+            raise ValueError(
+                f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
+                f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens"
+            )
+        model_kwargs["cache"] = self._generation_cache = LoopedCache(
+            model_kwargs.get("cache_kind"), max_len=max_cache_length
+        )
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
-                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        next_sequence_length=None,
+        cache=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        is_first_iteration=False,
+        **kwargs,
+    ):
         if inputs_embeds is not None:
             raise ValueError("looplm generate takes input_ids, not inputs_embeds")
         if isinstance(cache, LoopedCache) and cache.inner is not None:
-            input_ids = input_ids[:, cache.inner.length:]  # only what the cache lacks
+            input_ids = input_ids[:, cache.inner.length :]  # only what the cache lacks
         elif next_sequence_length is not None:
             input_ids = input_ids[:, -next_sequence_length:]
         if self.device.type != "meta" and input_ids.device != self.device:  # inputs follow the model

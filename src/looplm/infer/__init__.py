@@ -5,5 +5,16 @@ from looplm.infer.cache import FullCache, KVBank, KVCache, TerminalCache, chunk_
 from looplm.infer.depth_rule import CACHE_KINDS, CacheKind, DepthRule, check_depth
 from looplm.infer.extend import extend
 
-__all__ = ["CACHE_KINDS", "CacheKind", "DepthRule", "FullCache", "KVBank", "KVCache", "TerminalCache", "check_depth",
-           "chunk_mask", "extend", "make_cache"]
+__all__ = [
+    "CACHE_KINDS",
+    "CacheKind",
+    "DepthRule",
+    "FullCache",
+    "KVBank",
+    "KVCache",
+    "TerminalCache",
+    "check_depth",
+    "chunk_mask",
+    "extend",
+    "make_cache",
+]

@@ -104,8 +104,9 @@ class KVCache:
     def core_slot(self, r: int, j: int, keep: torch.Tensor | None) -> KVSlot:
         return self.core_read(r, j).slot(self.length, keep)
 
-    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None,
-                      lowest: int | None = None) -> None:
+    def keep_terminal(
+        self, n: int, recurrences: int, used: torch.Tensor | None = None, lowest: int | None = None
+    ) -> None:
         """After a chunk of n tokens ran a loop of `recurrences` steps, `used` [B, n] recurrences per
         token (None: all of them; `lowest` a known lower bound of them): every bank a token reads later holds its terminal K/V. The terminal
         cache has them already (a stopped token's writes are masked, `slot(keep=...)`); the full cache
@@ -124,12 +125,11 @@ class KVCache:
         view.length = 0 if length is None else length
 
         def cut(bank: KVBank) -> KVBank:
-            return KVBank.of(bank.k[rows, :, :view.max_len], bank.v[rows, :, :view.max_len])
+            return KVBank.of(bank.k[rows, :, : view.max_len], bank.v[rows, :, : view.max_len])
 
         view.prelude, view.coda = [cut(b) for b in self.prelude], [cut(b) for b in self.coda]
         view.core = [cut(b) for b in self.core] if self.mode == "terminal" else [[cut(b) for b in v] for v in self.core]
         return view
-
 
     def take(self, rows: torch.Tensor) -> "KVCache":
         """A new cache holding copies of batch rows `rows` [b] (in that order), same length."""
@@ -141,7 +141,9 @@ class KVCache:
             return KVBank.of(bank.k[rows], bank.v[rows])
 
         out.prelude, out.coda = [pick(b) for b in self.prelude], [pick(b) for b in self.coda]
-        out.core = [pick(b) for b in self.core] if self.mode == "terminal" else [[pick(b) for b in v] for v in self.core]
+        out.core = (
+            [pick(b) for b in self.core] if self.mode == "terminal" else [[pick(b) for b in v] for v in self.core]
+        )
         out._new = None  # a taken cache grows no new banks
         return out
 

@@ -149,10 +149,10 @@ class TextStream:
         self.ids.append(token)
         self._all.append(token)
         before = len(self.text)
-        done = self.tokenizer.decode(self._all[self._prefix:self._read])
-        window = self.tokenizer.decode(self._all[self._prefix:])
+        done = self.tokenizer.decode(self._all[self._prefix : self._read])
+        window = self.tokenizer.decode(self._all[self._prefix :])
         if len(window) > len(done) and not window.endswith("\ufffd") and window.startswith(done):
-            self.text += window[len(done):]
+            self.text += window[len(done) :]
             self._prefix, self._read = self._read, len(self._all)
         if self.stop and len(self.text) > before:
             # a stop string can only end in the new text: search from where it could start
@@ -164,27 +164,27 @@ class TextStream:
 
     def _release(self) -> str:
         end = len(self.text) if self.stopped else len(self.text) - _stop_prefix(self.text, self.stop)
-        piece = self.text[self.released:end] if end > self.released else ""
+        piece = self.text[self.released : end] if end > self.released else ""
         self.released = max(self.released, end)
         return piece
 
     def finish(self) -> str:
         """At the end of the sequence: decode what the window still holds back; the rest of the text."""
         if not self.stopped and self._read < len(self._all):  # held back: an incomplete character at the end
-            done = self.tokenizer.decode(self._all[self._prefix:self._read])
-            window = self.tokenizer.decode(self._all[self._prefix:])
+            done = self.tokenizer.decode(self._all[self._prefix : self._read])
+            window = self.tokenizer.decode(self._all[self._prefix :])
             if window.startswith(done):
-                self.text += window[len(done):]
+                self.text += window[len(done) :]
             else:  # a tokenizer whose window decodes differently: once, the whole sequence
                 self.text = self._whole()
             self._prefix = self._read = len(self._all)
             self.text, self.stopped = cut_at_stop(self.text, self.stop)
-        tail = self.text[self.released:]
+        tail = self.text[self.released :]
         self.released = len(self.text)
         return tail
 
     def _whole(self) -> str:
         """The whole reply's text: decoded after the context when the context's text is kept as it is."""
         whole = self.tokenizer.decode(self._all)
-        context = self.tokenizer.decode(self._all[:self._n_context])
-        return whole[len(context):] if whole.startswith(context) else self.tokenizer.decode(self.ids)
+        context = self.tokenizer.decode(self._all[: self._n_context])
+        return whole[len(context) :] if whole.startswith(context) else self.tokenizer.decode(self.ids)

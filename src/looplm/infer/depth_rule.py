@@ -69,8 +69,15 @@ class DepthRule:
         """The most recurrences any token runs (what a full cache keeps banks for)."""
         return max(self.depth, self.prefill)
 
-    def check(self, max_depth: int, *, cache: str = "terminal", has_gate: bool = False, what: str | None = None,
-              spelling: Mapping[str, str] | None = None) -> DepthRule:
+    def check(
+        self,
+        max_depth: int,
+        *,
+        cache: str = "terminal",
+        has_gate: bool = False,
+        what: str | None = None,
+        spelling: Mapping[str, str] | None = None,
+    ) -> DepthRule:
         """Raise UserError with a one-line reason if this rule cannot run on a model whose deepest
         allowed depth is `max_depth` with a KV cache of kind `cache` (terminal or full); `has_gate`:
         the model has an exit gate. `what` says what sets `max_depth` (the server's --max-depth, ...);

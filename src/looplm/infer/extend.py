@@ -17,9 +17,20 @@ from looplm.model.looped import LoopOutput
 
 
 @torch.no_grad()
-def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: torch.Tensor | None = None,
-           seed: int = 0, pad: torch.Tensor | None = None, exit_tau=None, min_depth=1,
-           initial: Callable | None = None, exit_gate: float | None = None) -> LoopOutput:
+def extend(
+    model,
+    tokens: torch.Tensor,
+    cache: KVCache,
+    depth,
+    *,
+    example_ids: torch.Tensor | None = None,
+    seed: int = 0,
+    pad: torch.Tensor | None = None,
+    exit_tau=None,
+    min_depth=1,
+    initial: Callable | None = None,
+    exit_gate: float | None = None,
+) -> LoopOutput:
     """Run `tokens` [B, n] after the `cache.length` cached tokens at `depth` recurrences, without
     autograd: `LoopedLM.forward` with the cache, a `DepthPlan` and the seeded initial state.
 
@@ -53,7 +64,8 @@ def extend(model, tokens: torch.Tensor, cache: KVCache, depth, *, example_ids: t
     if tokens.shape[0] != cache.batch:
         raise ValueError(f"batch {tokens.shape[0]} does not match the cache's batch {cache.batch}")
     if initial is not None and (isinstance(cache.length, torch.Tensor) or cache.length > 0):
-        raise ValueError(f"a student-predicted initial state needs an empty cache, this one holds {cache.length} tokens")
+        raise ValueError(
+            f"a student-predicted initial state needs an empty cache, this one holds {cache.length} tokens"
+        )
     plan = DepthPlan(depth, exit_tau, min_depth, exit_gate)
-    return model(tokens, plan, cache=cache, pad=pad, init="seeded", initial=initial, example_ids=example_ids,
-                 seed=seed)
+    return model(tokens, plan, cache=cache, pad=pad, init="seeded", initial=initial, example_ids=example_ids, seed=seed)

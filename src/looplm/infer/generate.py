@@ -25,7 +25,9 @@ from looplm.infer.step import DecodeStep, StepRows
 __all__ = ["DepthRule", "SamplingConfig", "Speculation", "choose", "generate"]
 
 
-def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, max_seq_len: int) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, max_seq_len: int
+) -> list[list[int]]:
     """The prompts' token ids; a UserError for an empty prompt, or one that leaves no room for
     `max_new_tokens` in the context `max_seq_len`."""
     encoded = [tokenizer.encode_prompt(p) for p in prompts]
@@ -35,8 +37,10 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens:
         if len(ids) > max_seq_len:
             raise UserError(f"prompt {i} has {len(ids)} tokens, more than the context max_seq_len={max_seq_len}")
         if len(ids) + max_new_tokens - 1 > max_seq_len:  # the last new token is never fed
-            raise UserError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds "
-                            f"the context max_seq_len={max_seq_len} (at most {max_seq_len - len(ids) + 1} new tokens)")
+            raise UserError(
+                f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds "
+                f"the context max_seq_len={max_seq_len} (at most {max_seq_len - len(ids) + 1} new tokens)"
+            )
     return encoded
 
 
@@ -66,11 +70,20 @@ def _bucket(n: int, compiled: bool) -> int:
 
 @torch.no_grad()
 def generate(
-    model, tokenizer: Tokenizer, prompts: Sequence[str], rule: DepthRule, *, cache: CacheKind = "terminal",
+    model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    rule: DepthRule,
+    *,
+    cache: CacheKind = "terminal",
     sampling: SamplingConfig | None = None,
-    on_token: Callable[[int, str], None] | None = None, stats: dict | None = None,
-    example_ids: Sequence[int] | None = None, prefill: Prefill | None = None,
-    compile: bool = False, speculate: Speculation | None = None, step: DecodeStep | None = None,
+    on_token: Callable[[int, str], None] | None = None,
+    stats: dict | None = None,
+    example_ids: Sequence[int] | None = None,
+    prefill: Prefill | None = None,
+    compile: bool = False,
+    speculate: Speculation | None = None,
+    step: DecodeStep | None = None,
 ) -> list[str]:
     """Continue each prompt at the recurrences of `rule` with a KV cache of kind `cache` (terminal or
     full); returns the generated texts (stop strings and EOS excluded).
@@ -107,23 +120,41 @@ def generate(
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
             emit = None if on_token is None else (lambda _row, piece, i=i: on_token(i, piece))
-            out += generate(model, tokenizer, [prompt], rule, cache=cache, sampling=cfg, on_token=emit, stats=row_stats,
-                            example_ids=[ids_all[i]], prefill=prefill, compile=compile, speculate=speculate, step=step)
+            out += generate(
+                model,
+                tokenizer,
+                [prompt],
+                rule,
+                cache=cache,
+                sampling=cfg,
+                on_token=emit,
+                stats=row_stats,
+                example_ids=[ids_all[i]],
+                prefill=prefill,
+                compile=compile,
+                speculate=speculate,
+                step=step,
+            )
             for f in ("rounds", "drafted", "accepted"):
                 setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
             decoded += row_stats["decoded_tokens"]
             seconds += row_stats["decode_seconds"]
             first = row_stats["first_step_seconds"] if i == 0 else first
         if stats is not None:
-            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth), decoded_tokens=decoded,
-                         decode_seconds=seconds, first_step_seconds=first)
+            stats.update(
+                _speculation_stats(totals),
+                mean_decode_depth=float(depth),
+                decoded_tokens=decoded,
+                decode_seconds=seconds,
+                first_step_seconds=first,
+            )
         return out
     device = next(model.parameters()).device
     B, L = len(encoded), max(len(ids) for ids in encoded)
     pad = torch.tensor([L - len(ids) for ids in encoded], device=device)
     tokens = torch.full((B, L), tokenizer.pad_id, dtype=torch.long, device=device)
     for i, ids in enumerate(encoded):
-        tokens[i, L - len(ids):] = torch.tensor(ids, device=device)
+        tokens[i, L - len(ids) :] = torch.tensor(ids, device=device)
     ids_arg = torch.tensor(ids_all, device=device)
     # a compiled step keeps one graph per batch size: its cache always spans the whole context
     max_len = model.cfg.max_seq_len if compile else L + cfg.max_new_tokens - 1
@@ -136,6 +167,7 @@ def generate(
     step = step or DecodeStep(model, compile=compile)
     step.reset(kv)
     if speculate is not None:
+
         def emit(tok: int) -> bool:
             if tok == tokenizer.eos_id:
                 return True
@@ -145,14 +177,30 @@ def generate(
             return stopped
 
         totals = SpeculationStats()
-        speculative_decode(step, logits, length=L, depth=depth, draft_depth=speculate.draft_depth,
-                           k=speculate.k, sampling=cfg, generator=gen, pad=pad, example_ids=ids_arg, emit=emit,
-                           stats=totals, reuse=speculate.reuse)
+        speculative_decode(
+            step,
+            logits,
+            length=L,
+            depth=depth,
+            draft_depth=speculate.draft_depth,
+            k=speculate.k,
+            sampling=cfg,
+            generator=gen,
+            pad=pad,
+            example_ids=ids_arg,
+            emit=emit,
+            stats=totals,
+            reuse=speculate.reuse,
+        )
         _finish(streams, on_token)
         if stats is not None:
-            stats.update(_speculation_stats(totals), mean_decode_depth=float(depth),
-                         decoded_tokens=len(streams[0].ids), decode_seconds=time.perf_counter() - started,
-                         first_step_seconds=totals.first_round_s)
+            stats.update(
+                _speculation_stats(totals),
+                mean_decode_depth=float(depth),
+                decoded_tokens=len(streams[0].ids),
+                decode_seconds=time.perf_counter() - started,
+                first_step_seconds=totals.first_round_s,
+            )
         return [streams[0].text]
     plan = rule.decode_plan()
     live = list(range(B))  # the prompt of each row of the decode batch
@@ -160,7 +208,7 @@ def generate(
     depths_used: list[int] = []
     first = 0.0
     for t in range(cfg.max_new_tokens):
-        nxt = choose(logits[:len(live)], cfg, gen)
+        nxt = choose(logits[: len(live)], cfg, gen)
         for i, tok in zip(live, nxt.tolist()):
             if tok == tokenizer.eos_id:
                 done[i] = True
@@ -175,7 +223,7 @@ def generate(
             live = [live[k] for k in keep]
             index = torch.tensor(keep + keep[-1:] * (_bucket(len(keep), compile) - len(keep)), device=device)
             kv, pad, ids_arg = kv.take(index), pad[index], ids_arg[index]
-            nxt = nxt[index[:len(keep)]]
+            nxt = nxt[index[: len(keep)]]
             step.reset(kv)
         if kv.batch > len(live):  # padding rows of the bucket repeat the last live row
             nxt = torch.cat([nxt, nxt[-1:].expand(kv.batch - len(live))])
@@ -187,7 +235,7 @@ def generate(
         else:
             rows_in = _step_rows(nxt, write_at, pad, ids_arg, rule)
             logits, used = step(rows_in, depth)
-        depths_used += used[:len(live)].tolist()
+        depths_used += used[: len(live)].tolist()
         if t == 0:  # what a first step costs (compiling included) against the steps after it
             first = time.perf_counter() - started
     _finish(streams, on_token)
@@ -205,9 +253,16 @@ def _step_rows(tokens, write_at, pad, example_ids, rule: DepthRule) -> StepRows:
         return StepRows(tokens, write_at, pad, example_ids)
     B = tokens.shape[0]
     full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device=tokens.device)  # noqa: E731
-    return StepRows(tokens, write_at, pad, example_ids, depth=full(rule.depth, torch.long),
-                    exit_tau=full(rule.exit_tau, torch.float32), min_depth=full(rule.min_depth, torch.long),
-                    lowest=rule.min_depth)
+    return StepRows(
+        tokens,
+        write_at,
+        pad,
+        example_ids,
+        depth=full(rule.depth, torch.long),
+        exit_tau=full(rule.exit_tau, torch.float32),
+        min_depth=full(rule.min_depth, torch.long),
+        lowest=rule.min_depth,
+    )
 
 
 def _finish(streams: list[TextStream], on_token) -> None:
@@ -218,5 +273,8 @@ def _finish(streams: list[TextStream], on_token) -> None:
 
 
 def _speculation_stats(s: SpeculationStats) -> dict:
-    return {"acceptance_rate": s.acceptance_rate, "tokens_per_verify": s.tokens_per_verify,
-            "speculation": {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted}}
+    return {
+        "acceptance_rate": s.acceptance_rate,
+        "tokens_per_verify": s.tokens_per_verify,
+        "speculation": {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted},
+    }

@@ -34,9 +34,17 @@ def check_arm_cache(arm: str, cache: str, *, prefix: str = "") -> None:
 
 
 @torch.no_grad()
-def student_prefill(model, student: nn.Module, tokens: torch.Tensor, cache: KVCache, *,
-                    example_ids: torch.Tensor | None = None, seed: int = 0, pad: torch.Tensor | None = None,
-                    **kw) -> torch.Tensor:
+def student_prefill(
+    model,
+    student: nn.Module,
+    tokens: torch.Tensor,
+    cache: KVCache,
+    *,
+    example_ids: torch.Tensor | None = None,
+    seed: int = 0,
+    pad: torch.Tensor | None = None,
+    **kw,
+) -> torch.Tensor:
     """Distilled prefill of `tokens` [B, n] into an empty terminal `cache` (design §9); fp32 logits [B, n, V].
 
     The student sees the same rope and mask as the teacher's layers (left padding included); one

@@ -64,8 +64,9 @@ class SpeculationStats:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
-def accept(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-           generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+def accept(
+    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
     """How many of `drafts` [k] to keep, and the next token after them.
 
     Greedy (`q` None): `p` [k + 1, V] are the verifier's logits; keep the longest prefix where
@@ -84,7 +85,7 @@ def accept(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
     keep = (u < ratio.clamp(max=1.0)).int()
     n = int(keep.cumprod(0).sum())
     if n == k:
-        return n, sample(p[k:k + 1], generator)[0]
+        return n, sample(p[k : k + 1], generator)[0]
     residual = (p[n] - q[n]).clamp_min(0)
     total = residual.sum()
     residual = residual / total if float(total) > 0 else p[n]  # p == q: any draw from p is exact
@@ -92,10 +93,22 @@ def accept(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
 
 
 @torch.no_grad()
-def speculative_decode(step: DecodeStep, first_logits: torch.Tensor, *, length: int,
-                       depth: int, draft_depth: int, k: int, sampling: SamplingConfig,
-                       generator: torch.Generator | None, pad: torch.Tensor, example_ids: torch.Tensor,
-                       emit: Callable[[int], bool], stats: SpeculationStats, reuse: bool = True) -> None:
+def speculative_decode(
+    step: DecodeStep,
+    first_logits: torch.Tensor,
+    *,
+    length: int,
+    depth: int,
+    draft_depth: int,
+    k: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    pad: torch.Tensor,
+    example_ids: torch.Tensor,
+    emit: Callable[[int], bool],
+    stats: SpeculationStats,
+    reuse: bool = True,
+) -> None:
     """Decode one row (batch 1) speculatively from `first_logits` [1, V] (the prompt's last position)
     with `length` tokens cached; `emit(token)` takes each new token and returns True to stop.
     At most `sampling.max_new_tokens` tokens are emitted. `reuse` (full cache): the verify chunk
@@ -128,8 +141,12 @@ def speculative_decode(step: DecodeStep, first_logits: torch.Tensor, *, length: 
         tok, drafts, qs, states = last, [], [], []
         for i in range(n_draft):
             # a draft's deeper visits are never read: the verifier rewrites them
-            logits, _, *z = step(StepRows(tok, torch.tensor([length + i], device=dev), pad, example_ids), draft_depth,
-                                 fill=False, endpoint=reuse)
+            logits, _, *z = step(
+                StepRows(tok, torch.tensor([length + i], device=dev), pad, example_ids),
+                draft_depth,
+                fill=False,
+                endpoint=reuse,
+            )
             tok, q = choose_from(logits)
             drafts.append(tok)
             qs.append(q)

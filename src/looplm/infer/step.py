@@ -97,9 +97,17 @@ class DecodeStep:
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
     faster again, about twice the compile)."""
 
-    def __init__(self, model, cache: KVCache | None = None, *, compile: bool = False,
-                 stop_early: bool | None = None, seed: int = 0, compile_options: dict | None = None,
-                 unroll: int = 4):
+    def __init__(
+        self,
+        model,
+        cache: KVCache | None = None,
+        *,
+        compile: bool = False,
+        stop_early: bool | None = None,
+        seed: int = 0,
+        compile_options: dict | None = None,
+        unroll: int = 4,
+    ):
         self.model, self.seed, self.compiled = model, seed, compile
         self.device = device = next(model.parameters()).device
         self.stop_early = device.type == "cpu" if stop_early is None else stop_early
@@ -110,18 +118,27 @@ class DecodeStep:
             raise ValueError(f"unroll must be >= 1, got {unroll}")
         self.unroll = unroll
         self.begin, self.recur, self.recur_many, self.recur_exits, self.end = (
-            self._begin, self._recur, self._recur_many, self._recur_exits, self._end)
+            self._begin,
+            self._recur,
+            self._recur_many,
+            self._recur_exits,
+            self._end,
+        )
         if compile:
             # CUDA: CUDA graphs; a CPU: inductor's C++ wrapper, which calls the kernels without Python per
             # op (a layer visit at batch 1 is tens of small ops: the Python wrapper was a third of a step)
-            options = ({"mode": "reduce-overhead"} if device.type == "cuda"
-                       else {"options": {"cpp_wrapper": True, "size_asserts": False}})
+            options = (
+                {"mode": "reduce-overhead"}
+                if device.type == "cuda"
+                else {"options": {"cpp_wrapper": True, "size_asserts": False}}
+            )
             options.update(compile_options or {})
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.begin, self.recur, self.recur_many, self.recur_exits, self.end = (
                 torch.compile(f, dynamic=False, **options)
-                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end))
+                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end)
+            )
 
     def reset(self, cache: KVCache) -> None:
         """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
@@ -146,13 +163,24 @@ class DecodeStep:
                     back = cache.core[r - 1][j] if cache.mode == "full" and 0 < r < cache.depth else bank
                     layers.append((*cut(bank), *cut(back)))
                 core.append(layers)
-            self._banks[B] = {"prelude": [cut(b) for b in cache.prelude], "coda": [cut(b) for b in cache.coda],
-                              "core": core, "core_kv": [[layer[:2] for layer in visit] for visit in core]}
+            self._banks[B] = {
+                "prelude": [cut(b) for b in cache.prelude],
+                "coda": [cut(b) for b in cache.coda],
+                "core": core,
+                "core_kv": [[layer[:2] for layer in visit] for visit in core],
+            }
         return self._banks[B]
 
     @torch.no_grad()
-    def __call__(self, rows: StepRows, loop_depth: int, *, fill: bool = True, endpoint: bool = False,
-                 resume: tuple[torch.Tensor, int] | None = None):
+    def __call__(
+        self,
+        rows: StepRows,
+        loop_depth: int,
+        *,
+        fill: bool = True,
+        endpoint: bool = False,
+        resume: tuple[torch.Tensor, int] | None = None,
+    ):
         """Feed `rows.tokens` [B] (or a chunk [B, n] per row, at one depth); returns (fp32 logits
         [B, V] (or [B, n, V]), recurrences used [B]). The cache's entries from `write_at` on are
         written; the caller moves its lengths on. `fill=False` leaves a
@@ -171,8 +199,9 @@ class DecodeStep:
         chunk = rows.tokens.ndim == 2  # [B, n]: n tokens per row (a verify chunk), no exits
         if chunk and exits:
             raise ValueError("a chunk of several tokens per row runs one fixed depth (no per-row depth or exit)")
-        s, *shared = self.begin(rows.tokens if chunk else rows.tokens[:, None], rows.write_at, rows.first,
-                                rows.example_ids, banks)
+        s, *shared = self.begin(
+            rows.tokens if chunk else rows.tokens[:, None], rows.write_at, rows.first, rows.example_ids, banks
+        )
         start = 0
         if resume is not None:
             s, start = self._resume(s, shared, rows, banks, *resume, loop_depth)
@@ -181,8 +210,18 @@ class DecodeStep:
         used = depth.clone()
         if exits:
             for r in range(start, loop_depth):
-                s, active, used = self.recur_exits(self._steps[r], s, active, used, depth, rows.exit_tau,
-                                                   rows.min_depth, rows.write_at, shared, banks["core"][r])
+                s, active, used = self.recur_exits(
+                    self._steps[r],
+                    s,
+                    active,
+                    used,
+                    depth,
+                    rows.exit_tau,
+                    rows.min_depth,
+                    rows.write_at,
+                    shared,
+                    banks["core"][r],
+                )
                 if self.stop_early and not bool(active.any()):
                     break
         else:  # every row recurs: no masks, the fewest inputs (each is a guard to check per call)
@@ -207,8 +246,10 @@ class DecodeStep:
             raise ValueError("resume continues a chunk on the full cache (whose visits 1..r0 the drafts wrote)")
         m, n = states.shape[1], rows.tokens.shape[1]
         if not (1 <= r0 < loop_depth and r0 <= self.cache.depth and m <= n):
-            raise ValueError(f"resume from recurrence {r0} with {m} states: needs 1 <= r0 < {loop_depth}, "
-                             f"r0 <= the cache depth {self.cache.depth} and at most {n} states")
+            raise ValueError(
+                f"resume from recurrence {r0} with {m} states: needs 1 <= r0 < {loop_depth}, "
+                f"r0 <= the cache depth {self.cache.depth} and at most {n} states"
+            )
         if m < n:
             tail = [_cut(t, m) for t in shared]
             at = rows.write_at + m
@@ -228,8 +269,9 @@ class DecodeStep:
             w = min(U, stop - r) if terminal else min(U, stop - r, self.cache.depth - r)
             if w > 1:
                 # the terminal cache: the same banks every recurrence, passed once
-                s = self.recur_many(s, write_at, shared, visits[r:r + 1] if terminal else visits[r:r + w],
-                                    w if terminal else 1)
+                s = self.recur_many(
+                    s, write_at, shared, visits[r : r + 1] if terminal else visits[r : r + w], w if terminal else 1
+                )
                 r += w
             else:
                 s = self.recur(s, write_at, shared, visits[r])

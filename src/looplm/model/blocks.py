@@ -43,8 +43,9 @@ def _flex(q, k, v, mask: FlexMask, enable_gqa: bool) -> torch.Tensor:
     global _compiled_flex_attention
     block_mask, options = mask
     if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa,
-                              kernel_options=options if q.is_cuda else None)
+        return flex_attention(
+            q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options if q.is_cuda else None
+        )
     if q.device.type == "cpu":  # eager flex (exact, unfused) keeps CPU tests free of inductor builds
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -94,9 +95,20 @@ def _trunc_normal_(w: torch.Tensor, std: float) -> None:
 
 
 def attention_inputs(
-    x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-    heads, *, head_dim: int, qk_norm: bool, q_bias: torch.Tensor | None = None, k_bias: torch.Tensor | None = None,
-    gate: torch.Tensor | None = None, value_rows: torch.Tensor | None = None, offsets: tuple | None = None,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    heads,
+    *,
+    head_dim: int,
+    qk_norm: bool,
+    q_bias: torch.Tensor | None = None,
+    k_bias: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    value_rows: torch.Tensor | None = None,
+    offsets: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The queries, keys and values an attention layer attends with, from its input x [..., d] and the
     projections q, k, v [..., H*hd] of x: the order of operations of looplm's attention, shared by
@@ -111,7 +123,7 @@ def attention_inputs(
     6. the gain-free per-head RMSNorm of q and k (`qk_norm`, Parcae), after RoPE.
     Returns (q, k, v) split into heads."""
     if gate is not None:
-        g = 2 * torch.sigmoid(F.linear(x[..., :gate.shape[1]], gate))  # [..., H_kv]
+        g = 2 * torch.sigmoid(F.linear(x[..., : gate.shape[1]], gate))  # [..., H_kv]
         v = v + (g[..., None] * value_rows.view(*g.shape, head_dim)).flatten(-2).to(v.dtype)
     if offsets is not None:
         dq, dk, dv = offsets
@@ -202,13 +214,27 @@ class Attention(nn.Module):
         this chunk's value-embedding rows E_v[tokens] (required iff the layer has a gate)."""
         B, L, _ = x.shape
         if (self.ve_gate is None) != (value_embed is None):
-            raise ValueError("this attention layer has a value embedding: pass value_embed=E_v[tokens] (the model's "
-                             "Context carries them; see LoopedLM.value_rows)" if value_embed is None else
-                             "value_embed given to an attention layer without a value-embedding gate")
+            raise ValueError(
+                "this attention layer has a value embedding: pass value_embed=E_v[tokens] (the model's "
+                "Context carries them; see LoopedLM.value_rows)"
+                if value_embed is None
+                else "value_embed given to an attention layer without a value-embedding gate"
+            )
         q, k, v = attention_inputs(
-            x, self.wq(x), self.wk(x), self.wv(x), rope, lambda t, n: t.view(B, L, n, self.head_dim).transpose(1, 2),
-            head_dim=self.head_dim, qk_norm=self.qk_norm, q_bias=self.q_bias, k_bias=self.k_bias,
-            gate=None if self.ve_gate is None else self.ve_gate.weight, value_rows=value_embed, offsets=offsets)
+            x,
+            self.wq(x),
+            self.wk(x),
+            self.wv(x),
+            rope,
+            lambda t, n: t.view(B, L, n, self.head_dim).transpose(1, 2),
+            head_dim=self.head_dim,
+            qk_norm=self.qk_norm,
+            q_bias=self.q_bias,
+            k_bias=self.k_bias,
+            gate=None if self.ve_gate is None else self.ve_gate.weight,
+            value_rows=value_embed,
+            offsets=offsets,
+        )
         k_all, v_all = (k, v) if kv is None else kv.update(k, v)
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):
@@ -266,7 +292,9 @@ class Block(nn.Module):
 
     def forward(self, x, rope, mask, *, offsets=None, kv: KVSlot | None = None, value_embed=None) -> torch.Tensor:
         """`offsets`, `kv` and `value_embed` go to the attention (see `Attention.forward`)."""
-        return block_forward(self, x, lambda a: self.attn(a, rope, mask, offsets=offsets, kv=kv, value_embed=value_embed))
+        return block_forward(
+            self, x, lambda a: self.attn(a, rope, mask, offsets=offsets, kv=kv, value_embed=value_embed)
+        )
 
     def reset_parameters(self, std: float = 0.02) -> None:
         ffn = [getattr(self.ffn, name) for name in ("w1", "w2", "w3") if hasattr(self.ffn, name)]  # w3: swiglu only

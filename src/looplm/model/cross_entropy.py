@@ -61,16 +61,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             total = torch.zeros((), dtype=torch.float32, device=h.device)
             grad_h = torch.empty_like(h) if want_grad and ctx.needs_input_grad[0] else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) \
-                if want_grad and ctx.needs_input_grad[1] else None
+            grad_w = (
+                torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+                if want_grad and ctx.needs_input_grad[1]
+                else None
+            )
             for start in range(0, h.shape[0], chunk_rows):
-                hc = h[start:start + chunk_rows].to(dtype)
+                hc = h[start : start + chunk_rows].to(dtype)
                 # [chunk, V] logits of the head's matmul in its dtype, as head(h) gives them
-                loss, g = ce(hc @ w.t(), targets[start:start + chunk_rows], ignore_index,
-                             dtype if grad_h is not None or grad_w is not None else None)
+                loss, g = ce(
+                    hc @ w.t(),
+                    targets[start : start + chunk_rows],
+                    ignore_index,
+                    dtype if grad_h is not None or grad_w is not None else None,
+                )
                 total += loss
                 if grad_h is not None:
-                    grad_h[start:start + chunk_rows] = (g @ w).to(h.dtype)
+                    grad_h[start : start + chunk_rows] = (g @ w).to(h.dtype)
                 if grad_w is not None:
                     grad_w += (g.t() @ hc).float()
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
@@ -89,8 +96,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         ignore_index: int = -100, chunk_rows: int = 4096) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100, chunk_rows: int = 4096
+) -> torch.Tensor:
     """sum over targets != ignore_index of CE(h @ weight^T, target), fp32 scalar, in chunks of
     `chunk_rows` rows of h [..., d] (targets [...]). Equals
     `F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")` with its gradients."""

@@ -62,12 +62,15 @@ class DepthPlan:
         check_depth("depth", low if low < 1 else self.largest, max_depth)
         if self.adaptive:
             if cache != "terminal":
-                raise ValueError("adaptive depth (exit_tau) needs the terminal cache (a full cache would "
-                                 "miss the skipped visits)")
+                raise ValueError(
+                    "adaptive depth (exit_tau) needs the terminal cache (a full cache would miss the skipped visits)"
+                )
             tensors = isinstance(self.exit_tau, torch.Tensor) or isinstance(self.min_depth, torch.Tensor)
             if not tensors and (not self.exit_tau > 0 or not 1 <= self.min_depth <= self.largest):
-                raise ValueError(f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, "
-                                 f"got exit_tau={self.exit_tau}, min_depth={self.min_depth}")
+                raise ValueError(
+                    f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, "
+                    f"got exit_tau={self.exit_tau}, min_depth={self.min_depth}"
+                )
         if self.exit_gate is not None:
             if not has_gate:
                 raise ValueError("exit_gate needs a model with an exit gate (cfg.exit_gate)")

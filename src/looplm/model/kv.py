@@ -40,8 +40,9 @@ class LayerCache(Protocol):
         """The slot of one layer visit ("prelude", "core" at a 0-based recurrence, "coda"); `keep`
         [B, n]: the tokens still recurring (a stopped token's entry keeps its terminal K/V)."""
 
-    def keep_terminal(self, n: int, recurrences: int, used: torch.Tensor | None = None,
-                      lowest: int | None = None) -> None:
+    def keep_terminal(
+        self, n: int, recurrences: int, used: torch.Tensor | None = None, lowest: int | None = None
+    ) -> None:
         """After a chunk of n tokens ran `recurrences` loop steps (`used` [B, n] per token, None: all):
         every bank a token reads later holds its terminal K/V (a full cache fills unreached visits)."""
 
@@ -63,8 +64,9 @@ class KVBank:
         bank.k, bank.v = k, v
         return bank
 
-    def slot(self, start: int | torch.Tensor, keep: torch.Tensor | None = None,
-             fallback: KVBank | None = None) -> BankSlot:
+    def slot(
+        self, start: int | torch.Tensor, keep: torch.Tensor | None = None, fallback: KVBank | None = None
+    ) -> BankSlot:
         """The slot of a chunk that starts at `start` (an int, or per-row starts [B] for one token per
         row); with `keep` [B, n] only those tokens write, the others keep `fallback`'s entry (default:
         this bank's own)."""
@@ -76,17 +78,25 @@ class KVBank:
             rows = torch.arange(self.k.shape[0], device=self.k.device)[:, None]
             pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
             return self.k[rows, :, pos].transpose(1, 2), self.v[rows, :, pos].transpose(1, 2)
-        return self.k[:, :, start:start + n], self.v[:, :, start:start + n]
+        return self.k[:, :, start : start + n], self.v[:, :, start : start + n]
 
-    def write(self, start: int | torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-              keep: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-              fallback: KVBank | None = None) -> None:
+    def write(
+        self,
+        start: int | torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        keep: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        fallback: KVBank | None = None,
+    ) -> None:
         """Write a chunk's K/V [B, H, n, hd] at `start` (an int, or per-row starts [B]);
         with `keep` [B, n] only where it is True (elsewhere `fallback`'s entry, default the old one);
         with `rows` [b] the chunk holds those batch rows only."""
         per_row = isinstance(start, torch.Tensor)
-        sel = rows if rows is not None else (torch.arange(self.k.shape[0], device=self.k.device) if per_row
-                                             else slice(None))
+        sel = (
+            rows
+            if rows is not None
+            else (torch.arange(self.k.shape[0], device=self.k.device) if per_row else slice(None))
+        )
         at = start[sel] if per_row else start
         source = fallback if fallback is not None else self
         for buf, src, new in zip((self.k, self.v), (source.k, source.v), kv):
@@ -98,12 +108,12 @@ class KVBank:
                 buf[sel[:, None].expand(-1, n), :, pos] = new.transpose(1, 2)  # indexed as [b, n, H, hd]
                 continue
             if keep is not None:
-                old = src[sel, :, at][:, :, None] if per_row else src[sel, :, start:start + n]
+                old = src[sel, :, at][:, :, None] if per_row else src[sel, :, start : start + n]
                 new = torch.where(keep[:, None, :, None], new, old)
             if per_row:
                 buf[sel, :, at] = new[:, :, 0]
             else:
-                buf[sel, :, start:start + n] = new
+                buf[sel, :, start : start + n] = new
 
     @property
     def nbytes(self) -> int:
@@ -113,8 +123,9 @@ class KVBank:
 class BankSlot:
     """A chunk's place in a bank: `update` writes it in place, then returns what attention reads."""
 
-    def __init__(self, bank: KVBank, start: int | torch.Tensor, keep: torch.Tensor | None = None,
-                 fallback: KVBank | None = None):
+    def __init__(
+        self, bank: KVBank, start: int | torch.Tensor, keep: torch.Tensor | None = None, fallback: KVBank | None = None
+    ):
         self.bank, self.start, self.keep, self.fallback = bank, start, keep, fallback
 
     def update(self, k, v):

@@ -65,8 +65,14 @@ class Context:
             return None if layers is None else [None if v is None else pick(v) for v in layers]
 
         offsets = None if self.qkv_offsets is None else [tuple(pick(o) for o in layer) for layer in self.qkv_offsets]
-        return Context((pick(self.rope[0]), pick(self.rope[1])), pick(self.mask), pick(self.injected), offsets,
-                       each(self.core_values), each(self.coda_values))
+        return Context(
+            (pick(self.rope[0]), pick(self.rope[1])),
+            pick(self.mask),
+            pick(self.injected),
+            offsets,
+            each(self.core_values),
+            each(self.coda_values),
+        )
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -111,10 +117,14 @@ class LoopedLM(nn.Module):
         self.value_embeds = None
         if cfg.value_embeds != "none":
             kv_dim = cfg.n_kv_heads * cfg.head_dim
-            self.value_embeds = nn.ModuleDict({
-                stack: nn.ModuleDict({str(i): nn.Embedding(cfg.vocab_size, kv_dim) for i in range(n)
-                                      if cfg.has_value_embed(i)})
-                for stack, n in (("prelude", cfg.n_prelude), ("core", cfg.n_core), ("coda", cfg.n_coda))})
+            self.value_embeds = nn.ModuleDict(
+                {
+                    stack: nn.ModuleDict(
+                        {str(i): nn.Embedding(cfg.vocab_size, kv_dim) for i in range(n) if cfg.has_value_embed(i)}
+                    )
+                    for stack, n in (("prelude", cfg.n_prelude), ("core", cfg.n_core), ("coda", cfg.n_coda))
+                }
+            )
         self.coda_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False) if cfg.coda_proj else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.head_norm else nn.Identity()
         self.head = TiedHead(self.embed) if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -143,7 +153,9 @@ class LoopedLM(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
         if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the context max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds the context max_seq_len={self.cfg.max_seq_len}"
+            )
         check_depth("depth", depth, self.cfg.max_depth)
 
     def value_rows(self, stack: str, tokens: torch.Tensor | None) -> list | None:
@@ -198,16 +210,24 @@ class LoopedLM(nn.Module):
         """fp32 logits of the coda output h: the head after its final norm (if `cfg.head_norm`)."""
         return self.head(self.norm(h)).float()
 
-    def run_coda(self, z: torch.Tensor, rope, mask, ctx: Context | None = None, cache: LayerCache | None = None,
-                 compute_logits: bool = True) -> torch.Tensor | None:
+    def run_coda(
+        self,
+        z: torch.Tensor,
+        rope,
+        mask,
+        ctx: Context | None = None,
+        cache: LayerCache | None = None,
+        compute_logits: bool = True,
+    ) -> torch.Tensor | None:
         """Logits of the endpoint z; `ctx` (the forward's Context) carries the coda's value embeddings
         and is required for a model that has them. With a `cache` the coda writes its K/V there (and
         `compute_logits=False` skips only the head)."""
         h = self.coda_output(z, rope, mask, ctx, cache)
         return self.logits(h) if compute_logits else None
 
-    def coda_output(self, z: torch.Tensor, rope, mask, ctx: Context | None = None,
-                    cache: LayerCache | None = None) -> torch.Tensor:
+    def coda_output(
+        self, z: torch.Tensor, rope, mask, ctx: Context | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
         """h: the coda's output for the endpoint z, what `logits` maps to the vocabulary."""
         values = self.coda_values(ctx)
         z = self.coda_input(z)
@@ -222,13 +242,16 @@ class LoopedLM(nn.Module):
         """fp32 sum of CE(logits(h), targets) over targets != -100 (F.cross_entropy's ignore index),
         computed `chunk_rows` rows at a time: the [N, V] fp32 logits of `logits(h)` are never held."""
         return linear_cross_entropy(self.norm(h), self.head.weight, targets, chunk_rows=chunk_rows)
+
     def coda_values(self, ctx: Context | None) -> list | None:
         """The coda's value embeddings from `ctx`; ValueError when the model has them and ctx lacks them."""
         if self.value_embeds is None:
             return None
         if ctx is None or ctx.coda_values is None:
-            raise ValueError("this model has value embeddings: run_coda needs the forward's Context "
-                             "(ctx=..., built by LoopedLM.context with the tokens)")
+            raise ValueError(
+                "this model has value embeddings: run_coda needs the forward's Context "
+                "(ctx=..., built by LoopedLM.context with the tokens)"
+            )
         return ctx.coda_values
 
     def initial_state(
@@ -247,16 +270,29 @@ class LoopedLM(nn.Module):
         if self.cfg.state_init == "input":
             return e
         return initial_state(
-            init, tuple(e.shape), device=e.device, dtype=e.dtype, example_ids=example_ids, positions=positions,
-            seed=seed, generator=generator, std=self.cfg.state_std or None,
+            init,
+            tuple(e.shape),
+            device=e.device,
+            dtype=e.dtype,
+            example_ids=example_ids,
+            positions=positions,
+            seed=seed,
+            generator=generator,
+            std=self.cfg.state_std or None,
             truncate=self.cfg.state_init == "trunc-normal",
         )
 
     def context(self, e: torch.Tensor, rope, mask, tokens: torch.Tensor | None = None) -> Context:
         """The recurrences' shared quantities for prelude output e; `tokens` [B, L] (required for a model
         with value embeddings) give the core's and coda's value-embedding rows."""
-        return Context(rope, mask, self.injection.prepare(e), self.injection.qkv_offsets(e),
-                       self.value_rows("core", tokens), self.value_rows("coda", tokens))
+        return Context(
+            rope,
+            mask,
+            self.injection.prepare(e),
+            self.injection.qkv_offsets(e),
+            self.value_rows("core", tokens),
+            self.value_rows("coda", tokens),
+        )
 
     # -- the forward: parallel (no cache) or cached --------------------------------------------
     def forward(
@@ -307,8 +343,7 @@ class LoopedLM(nn.Module):
         R = plan.largest if plan is not None else depth
         self.check_inputs(tokens, R)
         if plan is not None:
-            plan.check(self.cfg.max_depth, has_gate=self.exit_gate is not None,
-                       cache=getattr(cache, "mode", None))
+            plan.check(self.cfg.max_depth, has_gate=self.exit_gate is not None, cache=getattr(cache, "mode", None))
         if cache is not None:
             if doc_ids is not None or positions is not None:
                 raise ValueError("a cached forward takes its positions and mask from the cache (no doc_ids/positions)")
@@ -316,14 +351,40 @@ class LoopedLM(nn.Module):
             rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
             e = self.run_prelude(tokens, rope, mask, cache)
             ctx = self.context(e, rope, mask, tokens)
-            s = self.start_state(e, ctx, init=init, state0=state0, initial=initial, positions=positions,
-                                 example_ids=example_ids, seed=seed, generator=generator)
+            s = self.start_state(
+                e,
+                ctx,
+                init=init,
+                state0=state0,
+                initial=initial,
+                positions=positions,
+                example_ids=example_ids,
+                seed=seed,
+                generator=generator,
+            )
         else:
-            ctx, s = self.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, state0=state0,
-                                initial=initial, example_ids=example_ids, seed=seed, generator=generator,
-                                attention=attention, flex_options=flex_options)
-        s, states, used = self.iterate(s, ctx, plan or DepthPlan(R), cache=cache, bptt_window=bptt_window,
-                                       return_states=return_states, keep_states=keep_states)
+            ctx, s = self.begin(
+                tokens,
+                doc_ids=doc_ids,
+                positions=positions,
+                init=init,
+                state0=state0,
+                initial=initial,
+                example_ids=example_ids,
+                seed=seed,
+                generator=generator,
+                attention=attention,
+                flex_options=flex_options,
+            )
+        s, states, used = self.iterate(
+            s,
+            ctx,
+            plan or DepthPlan(R),
+            cache=cache,
+            bptt_window=bptt_window,
+            return_states=return_states,
+            keep_states=keep_states,
+        )
         if targets is not None:
             if cache is not None:
                 raise ValueError("targets (the summed cross-entropy) are for training, without a cache")
@@ -336,16 +397,26 @@ class LoopedLM(nn.Module):
             cache.advance(tokens.shape[1])
         return LoopOutput(logits=logits, endpoint=s, states=states, depths=used)
 
-    def iterate(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
-                bptt_window: int | None = None, return_states: bool = False, keep_states: int | None = None):
+    def iterate(
+        self,
+        s: torch.Tensor,
+        ctx: Context,
+        plan: DepthPlan,
+        *,
+        cache: LayerCache | None = None,
+        bptt_window: int | None = None,
+        return_states: bool = False,
+        keep_states: int | None = None,
+    ):
         """The recurrences of `forward` from s^0: (endpoint, per-recurrence states or None, depths [B, L]
         or None when every token ran `plan.depth`). A fixed depth runs `fixed_depth`; tokens that may
         stop early (`plan.freezes`) run `with_exits`; the exit gate picks each token's state after.
         `keep_states` k: of the returned states only the last k are kept."""
         n = s.shape[1]
         if plan.freezes:
-            s, states, used = self.with_exits(s, ctx, plan, cache=cache, return_states=return_states,
-                                              keep_states=keep_states)
+            s, states, used = self.with_exits(
+                s, ctx, plan, cache=cache, return_states=return_states, keep_states=keep_states
+            )
             if cache is not None:
                 cache.keep_terminal(n, plan.largest, used)
             return s, states, used
@@ -361,9 +432,17 @@ class LoopedLM(nn.Module):
             s, used = select_depth(torch.stack(visited, 2), index), index + 1
         return s, (visited if return_states else None), used
 
-    def fixed_depth(self, s: torch.Tensor, ctx: Context, R: int, *, cache: LayerCache | None = None,
-                    bptt_window: int | None = None, visited: list | None = None,
-                    keep_states: int | None = None) -> torch.Tensor:
+    def fixed_depth(
+        self,
+        s: torch.Tensor,
+        ctx: Context,
+        R: int,
+        *,
+        cache: LayerCache | None = None,
+        bptt_window: int | None = None,
+        visited: list | None = None,
+        keep_states: int | None = None,
+    ) -> torch.Tensor:
         """R recurrences of every token; only the last min(R, b) record autograd (design §3: the first
         R - b run without it, their output a constant). `visited` collects each recurrence's state
         (the last `keep_states` of them, when given)."""
@@ -379,8 +458,16 @@ class LoopedLM(nn.Module):
                     del visited[0]
         return s
 
-    def with_exits(self, s: torch.Tensor, ctx: Context, plan: DepthPlan, *, cache: LayerCache | None = None,
-                   return_states: bool = False, keep_states: int | None = None):
+    def with_exits(
+        self,
+        s: torch.Tensor,
+        ctx: Context,
+        plan: DepthPlan,
+        *,
+        cache: LayerCache | None = None,
+        return_states: bool = False,
+        keep_states: int | None = None,
+    ):
         """Recurrences where tokens stop at their row's depth or by adaptive exit (design §13): a stopped
         token's state is frozen and, with a cache, its writes are masked (`slot(keep=...)`), so the
         K/V of its last recurrence stay its terminal K/V for everyone who reads them. In a one-token
@@ -437,21 +524,43 @@ class LoopedLM(nn.Module):
         mask = document_mask(doc_ids, attention, flex_options)
         e = self.run_prelude(tokens, rope, mask)
         ctx = self.context(e, rope, mask, tokens)
-        return ctx, self.start_state(e, ctx, init=init, state0=state0, initial=initial, positions=positions,
-                                     example_ids=example_ids, seed=seed, generator=generator)
+        return ctx, self.start_state(
+            e,
+            ctx,
+            init=init,
+            state0=state0,
+            initial=initial,
+            positions=positions,
+            example_ids=example_ids,
+            seed=seed,
+            generator=generator,
+        )
 
-    def start_state(self, e: torch.Tensor, ctx: Context, *, init: StateInit = "gaussian",
-                    state0: torch.Tensor | None = None, initial=None, positions: torch.Tensor | None = None,
-                    example_ids: torch.Tensor | None = None, seed: int = 0,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+    def start_state(
+        self,
+        e: torch.Tensor,
+        ctx: Context,
+        *,
+        init: StateInit = "gaussian",
+        state0: torch.Tensor | None = None,
+        initial=None,
+        positions: torch.Tensor | None = None,
+        example_ids: torch.Tensor | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """s^0 for prelude output e: `initial`'s prediction, the given `state0`, or `initial_state`."""
         if initial is not None:
             # a student of a value-embedding teacher reads the core's value embeddings too
-            return (initial(e, ctx.rope, ctx.mask) if ctx.core_values is None
-                    else initial(e, ctx.rope, ctx.mask, values=ctx.core_values))
+            return (
+                initial(e, ctx.rope, ctx.mask)
+                if ctx.core_values is None
+                else initial(e, ctx.rope, ctx.mask, values=ctx.core_values)
+            )
         if state0 is None:
-            s = self.initial_state(e, init, positions=positions, example_ids=example_ids, seed=seed,
-                                   generator=generator)
+            s = self.initial_state(
+                e, init, positions=positions, example_ids=example_ids, seed=seed, generator=generator
+            )
             if self.cfg.state_init == "input":
                 return s  # s0 = e keeps its gradient (the embedding learns)
             state0 = s

@@ -7,8 +7,23 @@ from .rewards import REWARDS, Problem, ProblemSource, get_reward, register_rewar
 from .rollout import Rollout, SavedStateError, SavedStates, check_saved_states, parameter_version, rollout, token_hash
 
 __all__ = [
-    "ESTIMATORS", "REWARDS", "Problem", "ProblemSource", "Rollout", "SavedStateError", "SavedStates",
-    "action_logprobs", "check_saved_states", "clipped_policy_loss", "endpoint_backward", "get_reward",
-    "group_advantages", "neumann_backward", "parameter_version", "register_reward", "rollout",
-    "score_and_backward", "token_hash",
+    "ESTIMATORS",
+    "REWARDS",
+    "Problem",
+    "ProblemSource",
+    "Rollout",
+    "SavedStateError",
+    "SavedStates",
+    "action_logprobs",
+    "check_saved_states",
+    "clipped_policy_loss",
+    "endpoint_backward",
+    "get_reward",
+    "group_advantages",
+    "neumann_backward",
+    "parameter_version",
+    "register_reward",
+    "rollout",
+    "score_and_backward",
+    "token_hash",
 ]

@@ -91,7 +91,9 @@ class RLConfig:
     def validate(self, max_depth: int) -> None:
         check_depth("depth", self.depth, max_depth)
         if self.group_size < 2:
-            raise UserError(f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}")
+            raise UserError(
+                f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}"
+            )
         for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")

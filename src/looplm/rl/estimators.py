@@ -34,8 +34,12 @@ Objective = Callable[[torch.Tensor], torch.Tensor]
 """Maps fp32 logits [N, L, V] to the scalar loss."""
 
 
-def neumann_backward(recurrence: Callable[[torch.Tensor], torch.Tensor], head: Callable[[torch.Tensor], torch.Tensor],
-                     endpoint: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def neumann_backward(
+    recurrence: Callable[[torch.Tensor], torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor],
+    endpoint: torch.Tensor,
+    steps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate c + B^T v_{steps+1} into the parameters' .grad, v_{k+1} = g + J^T v_k, v_1 = g.
 
     `recurrence(z)` is one application of F (its parameters may require grad), `head(z_bar)` the
@@ -66,14 +70,14 @@ def _recurrence_inputs(model, tokens: torch.Tensor):
     return rope, model.context(model.run_prelude(tokens, rope, None), rope, None, tokens)
 
 
-def endpoint_backward(model, tokens: torch.Tensor, endpoint: torch.Tensor, objective: Objective,
-                      steps: int) -> dict:
+def endpoint_backward(model, tokens: torch.Tensor, endpoint: torch.Tensor, objective: Objective, steps: int) -> dict:
     """The one-recurrence Neumann update of `model` at the endpoints [N, L, d] of `tokens` [N, L]
     (causal rows starting at position 0). Returns {"loss", "residual"}: residual is the mean
     relative change |F(z) - z| / |z| over the tokens, a distance from the fixed point."""
     rope, ctx = _recurrence_inputs(model, tokens)
-    loss, z_bar = neumann_backward(lambda z: model.recurrence(z, ctx), lambda z: objective(model.run_coda(z, rope, None, ctx)),
-                                   endpoint, steps)
+    loss, z_bar = neumann_backward(
+        lambda z: model.recurrence(z, ctx), lambda z: objective(model.run_coda(z, rope, None, ctx)), endpoint, steps
+    )
     norm = endpoint.float().norm(dim=-1)
     real = norm > 0
     change = (z_bar.float() - endpoint.float()).norm(dim=-1)[real] / norm[real]
@@ -103,8 +107,9 @@ def endpoint_logits(model, tokens: torch.Tensor, endpoint: torch.Tensor) -> torc
 
 
 @torch.no_grad()
-def reference_logits(estimator: str, reference, policy, rollout: Rollout, *, depth: int,
-                     states: SavedStates | None = None) -> torch.Tensor:
+def reference_logits(
+    estimator: str, reference, policy, rollout: Rollout, *, depth: int, states: SavedStates | None = None
+) -> torch.Tensor:
     """The frozen `reference` model's fp32 logits [N, L, V] of `rollout`, scored along the path that
     `score_and_backward(estimator, policy, ...)` scores the policy with (design §10, optional KL).
 
@@ -137,8 +142,16 @@ def reference_logits(estimator: str, reference, policy, rollout: Rollout, *, dep
     raise UserError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
 
 
-def score_and_backward(estimator: str, model, rollout: Rollout, objective: Objective, *, depth: int,
-                       neumann_steps: int = 4, states: SavedStates | None = None) -> dict:
+def score_and_backward(
+    estimator: str,
+    model,
+    rollout: Rollout,
+    objective: Objective,
+    *,
+    depth: int,
+    neumann_steps: int = 4,
+    states: SavedStates | None = None,
+) -> dict:
     """Score `rollout` with `objective` and accumulate the gradient into .grad with `estimator`.
 
     `states` (reuse) defaults to the rollout's own saved states.
@@ -147,8 +160,9 @@ def score_and_backward(estimator: str, model, rollout: Rollout, objective: Objec
     if estimator == "bptt":
         return bptt_backward(model, tokens, ids, depth, objective)
     if estimator == "recompute":
-        return endpoint_backward(model, tokens, recompute_endpoints(model, tokens, ids, depth), objective,
-                                 neumann_steps)
+        return endpoint_backward(
+            model, tokens, recompute_endpoints(model, tokens, ids, depth), objective, neumann_steps
+        )
     if estimator == "reuse":
         endpoint = check_saved_states(rollout.states if states is None else states, model, tokens, ids, depth)
         return endpoint_backward(model, tokens, endpoint, objective, neumann_steps)

@@ -33,9 +33,16 @@ def action_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logp.gather(-1, targets[..., None])[..., 0]
 
 
-def clipped_policy_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                        old_logp: torch.Tensor | None = None, clip_eps: float = 0.2, kl_coef: float = 0.0,
-                        ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logp: torch.Tensor | None = None,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Token-mean clipped policy-gradient loss over the action tokens `mask` [N, L].
 
     logp [N, L] carries the gradient; advantages [N] are per row; `old_logp` defaults to logp

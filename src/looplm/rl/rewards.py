@@ -67,8 +67,14 @@ class ProblemSource:
     """Prompts per RL step: fresh generator examples, or a seeded walk over GSM8K-format items.
     Draws are pure functions of (seed, step), so a resumed run sees the same prompts."""
 
-    def __init__(self, source: str, *, tasks: TaskConfig | None = None, prompt_template: str = "Question: {question}\nAnswer:",
-                 seed: int = 0):
+    def __init__(
+        self,
+        source: str,
+        *,
+        tasks: TaskConfig | None = None,
+        prompt_template: str = "Question: {question}\nAnswer:",
+        seed: int = 0,
+    ):
         self.source, self.tasks, self.template, self.seed = source, tasks, prompt_template, seed
         if source == "tasks":
             if tasks is None:
@@ -90,7 +96,9 @@ class ProblemSource:
 
     def draw(self, step: int, n: int) -> list[Problem]:
         if self.items is None:  # seeds far from the pretraining corpus's (train.seed) draw
-            return [self.problem(ex) for ex in generate_examples(self.tasks, n, seed=1_000_003 * (self.seed + 1) + step)]
+            return [
+                self.problem(ex) for ex in generate_examples(self.tasks, n, seed=1_000_003 * (self.seed + 1) + step)
+            ]
         per_epoch = len(self.items)
         out = []
         for k in range(step * n, (step + 1) * n):

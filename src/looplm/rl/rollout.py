@@ -61,17 +61,22 @@ class SavedStates:
     """`token_hash` of the rows the endpoints belong to."""
 
 
-def check_saved_states(states: SavedStates | None, model, tokens: torch.Tensor, example_ids: torch.Tensor,
-                       depth: int) -> torch.Tensor:
+def check_saved_states(
+    states: SavedStates | None, model, tokens: torch.Tensor, example_ids: torch.Tensor, depth: int
+) -> torch.Tensor:
     """The saved endpoints if they describe `model` (unchanged since the rollout), these tokens and
     this depth; SavedStateError otherwise (design §10: saved states live until the next optimizer step)."""
     if states is None or states.endpoints is None:
-        raise SavedStateError("rollout-state reuse needs the endpoints saved during the rollout, and none were "
-                              "given; roll out with the current model or use the 'recompute' estimator")
+        raise SavedStateError(
+            "rollout-state reuse needs the endpoints saved during the rollout, and none were "
+            "given; roll out with the current model or use the 'recompute' estimator"
+        )
     now = parameter_version(model)
     if states.version != now:
-        raise SavedStateError(f"stale saved states: they were computed at parameter version {states.version}, the "
-                              f"model is now at {now} (its parameters changed since the rollout); roll out again")
+        raise SavedStateError(
+            f"stale saved states: they were computed at parameter version {states.version}, the "
+            f"model is now at {now} (its parameters changed since the rollout); roll out again"
+        )
     if states.tokens != token_hash(tokens, example_ids):
         raise SavedStateError("saved states do not belong to these tokens (token hash mismatch)")
     if states.depth != depth:
@@ -112,9 +117,19 @@ class Rollout:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: int, depth: int,
-            max_new_tokens: int, temperature: float = 1.0, stop: Sequence[str] = (), seed: int | Sequence[int] = 0,
-            first_example_id: int = 0) -> Rollout:
+def rollout(
+    model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    *,
+    group_size: int,
+    depth: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    stop: Sequence[str] = (),
+    seed: int | Sequence[int] = 0,
+    first_example_id: int = 0,
+) -> Rollout:
     """Sample `group_size` completions of every prompt at `depth` with a terminal KV cache, saving
     each fed token's endpoint. Rows are grouped: row i*G + j is completion j of prompt i.
 
@@ -136,17 +151,20 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
         raise UserError("a prompt is empty")
     longest = max(len(ids) for ids in encoded)
     if longest + max_new_tokens - 1 > model.cfg.max_seq_len:
-        raise UserError(f"a prompt has {longest} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
-                        f"context max_seq_len={model.cfg.max_seq_len}")
+        raise UserError(
+            f"a prompt has {longest} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+            f"context max_seq_len={model.cfg.max_seq_len}"
+        )
     device = next(model.parameters()).device
     N, P = len(encoded), longest
     pad = torch.tensor([P - len(ids) for ids in encoded], device=device)
     left = torch.full((N, P), tokenizer.pad_id, dtype=torch.long, device=device)
     for i, ids in enumerate(encoded):
-        left[i, P - len(ids):] = torch.tensor(ids, device=device)
+        left[i, P - len(ids) :] = torch.tensor(ids, device=device)
     ids_arg = first_example_id + torch.arange(N, device=device)
-    cache = make_cache("terminal", model.cfg, N, P + max_new_tokens - 1, depth, device=device,
-                       dtype=next(model.parameters()).dtype)
+    cache = make_cache(
+        "terminal", model.cfg, N, P + max_new_tokens - 1, depth, device=device, dtype=next(model.parameters()).dtype
+    )
     out = extend(model, left, cache, depth, example_ids=ids_arg, pad=pad)
     logits, z_prompt = out.logits[:, -1], out.endpoint
     if isinstance(seed, int):
@@ -164,8 +182,12 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         probs = logp.exp()
-        nxt = torch.cat([torch.multinomial(probs[k * rows_per_gen:(k + 1) * rows_per_gen], 1, generator=g)[:, 0]
-                         for k, g in enumerate(gens)])
+        nxt = torch.cat(
+            [
+                torch.multinomial(probs[k * rows_per_gen : (k + 1) * rows_per_gen], 1, generator=g)[:, 0]
+                for k, g in enumerate(gens)
+            ]
+        )
         chosen.append(nxt.tolist())
         chosen_lp.append(logp.gather(-1, nxt[:, None])[:, 0])
         for i in range(N):
@@ -193,14 +215,25 @@ def rollout(model, tokenizer: Tokenizer, prompts: Sequence[str], *, group_size: 
         n_in, n_p = len(row) - 1, len(p_ids)
         tokens[i, :n_in] = torch.tensor(row[:-1], device=device)
         targets[i, :n_in] = torch.tensor(row[1:], device=device)
-        mask[i, n_p - 1:n_in] = True
-        logprobs[i, n_p - 1:n_in] = torch.stack([chosen_lp[j][i] for j in range(len(c_ids))])
-        endpoints[i, :n_p] = z_prompt[i, P - n_p:]
+        mask[i, n_p - 1 : n_in] = True
+        logprobs[i, n_p - 1 : n_in] = torch.stack([chosen_lp[j][i] for j in range(len(c_ids))])
+        endpoints[i, :n_p] = z_prompt[i, P - n_p :]
         for j in range(len(c_ids) - 1):
             endpoints[i, n_p + j] = fed_z[j][i]
     for stream in streams:
         stream.finish()
     texts = [stream.text for stream in streams]
     states = SavedStates(endpoints, depth, parameter_version(model), token_hash(tokens, ids_arg))
-    return Rollout(tokens, targets, mask, ids_arg, logprobs, [len(e) for e in encoded], completions, texts,
-                   group_size, states, ended)
+    return Rollout(
+        tokens,
+        targets,
+        mask,
+        ids_arg,
+        logprobs,
+        [len(e) for e in encoded],
+        completions,
+        texts,
+        group_size,
+        states,
+        ended,
+    )

@@ -78,8 +78,9 @@ class RLTrainer:
         self.problems = ProblemSource(cfg.source, tasks=self.tasks, prompt_template=cfg.prompt_template, seed=cfg.seed)
         self.reward_fn = get_reward(cfg.reward, cfg.source)
         self.stop = cfg.stop if cfg.stop is not None else ("\n",) if cfg.source == "tasks" else ("\n\n", "Question:")
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8
+        )
         self.step, self.elapsed = 0, 0.0
         resume_from = self._find_resume()
         self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=False, wandb=False)
@@ -96,14 +97,18 @@ class RLTrainer:
         if self.cfg.source != "tasks":
             return None
         trained = self.data.tasks
-        tasks = TaskConfig(kinds=tuple(self.cfg.task_kinds or trained.kinds),
-                           min_difficulty=self.cfg.min_difficulty or trained.min_difficulty,
-                           max_difficulty=self.cfg.max_difficulty or trained.max_difficulty)
+        tasks = TaskConfig(
+            kinds=tuple(self.cfg.task_kinds or trained.kinds),
+            min_difficulty=self.cfg.min_difficulty or trained.min_difficulty,
+            max_difficulty=self.cfg.max_difficulty or trained.max_difficulty,
+        )
         tasks.validate()
         if not self.data.is_tasks and self.env.is_main:  # legitimate, but easy to do by accident
-            print(f"note: the checkpoint was trained on {self.data.source!r}, not the task generator; RL trains it "
-                  f"on generator tasks {', '.join(tasks.kinds)} (--task-kinds; or --source a GSM8K-format JSONL)",
-                  file=sys.stderr)
+            print(
+                f"note: the checkpoint was trained on {self.data.source!r}, not the task generator; RL trains it "
+                f"on generator tasks {', '.join(tasks.kinds)} (--task-kinds; or --source a GSM8K-format JSONL)",
+                file=sys.stderr,
+            )
         return tasks
 
     def config_dict(self) -> dict:
@@ -114,8 +119,9 @@ class RLTrainer:
         if not latest.exists():
             return None
         if not self.cfg.resume:
-            raise UserError(f"{self.out_dir} already holds RL checkpoints; pass --resume to continue or choose "
-                            "another --out-dir")
+            raise UserError(
+                f"{self.out_dir} already holds RL checkpoints; pass --resume to continue or choose another --out-dir"
+            )
         path = self.ckpt_root / latest.read_text().strip()
         ckpt.verify(path)
         saved = ckpt.read_json(path, "config.json")["rl"]
@@ -133,13 +139,24 @@ class RLTrainer:
         G, n_rows = cfg.group_size, cfg.prompts_per_step * cfg.group_size
         t0 = time.perf_counter()
         first = env.rank * self.local_prompts  # this rank's prompts: first .. first + local_prompts - 1
-        problems = self.problems.draw(self.step, cfg.prompts_per_step)[first:first + self.local_prompts]
-        ro = rollout(model, self.tokenizer, [p.prompt for p in problems], group_size=G, depth=cfg.depth,
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop=self.stop,
-                     seed=[sampling_seed(cfg.seed, self.step, first + i) for i in range(len(problems))],
-                     first_example_id=self.step * n_rows + first * G)
-        rewards = torch.tensor([self.reward_fn(problems[i // G].reference, text) for i, text in enumerate(ro.texts)],
-                               dtype=torch.float32, device=self.device)
+        problems = self.problems.draw(self.step, cfg.prompts_per_step)[first : first + self.local_prompts]
+        ro = rollout(
+            model,
+            self.tokenizer,
+            [p.prompt for p in problems],
+            group_size=G,
+            depth=cfg.depth,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            stop=self.stop,
+            seed=[sampling_seed(cfg.seed, self.step, first + i) for i in range(len(problems))],
+            first_example_id=self.step * n_rows + first * G,
+        )
+        rewards = torch.tensor(
+            [self.reward_fn(problems[i // G].reference, text) for i, text in enumerate(ro.texts)],
+            dtype=torch.float32,
+            device=self.device,
+        )
         advantages = group_advantages(rewards, G)
         ref_logp = None
         if self.reference is not None:  # scored along the estimator's path: KL = 0 while policy == reference
@@ -157,8 +174,9 @@ class RLTrainer:
 
         def objective(logits: torch.Tensor) -> torch.Tensor:
             logp = action_logprobs(logits, ro.targets, cfg.temperature)
-            loss, s = clipped_policy_loss(logp, advantages, ro.mask, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                                          ref_logp=ref_logp)
+            loss, s = clipped_policy_loss(
+                logp, advantages, ro.mask, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, ref_logp=ref_logp
+            )
             stats.update(s)  # how far the scored policy is from the sampling one (terminal KV, one recurrence)
             stats["logp_gap"] = float(((logp.detach() - ro.logprobs).abs() * ro.mask).sum() / ro.mask.sum())
             stats["loss"] = float(loss.detach())
@@ -180,9 +198,11 @@ class RLTrainer:
         # Sums over this rank's rows, groups and action tokens, and each rank's longest completion (an
         # all-gather by a sum), reduced over ranks in one collective: the means are one process's.
         local = {
-            "reward": (float(rewards.sum()), n_rows), "pass@1": (float(correct.sum()), n_rows),
+            "reward": (float(rewards.sum()), n_rows),
+            "pass@1": (float(correct.sum()), n_rows),
             f"pass@{G}": (float(correct.amax(1).sum()), cfg.prompts_per_step),
-            "completion_len": (float(sum(lengths)), n_rows), "stopped_frac": (float(sum(ro.stopped)), n_rows),
+            "completion_len": (float(sum(lengths)), n_rows),
+            "stopped_frac": (float(sum(ro.stopped)), n_rows),
             "uniform_group_frac": (float((r.amax(1) == r.amin(1)).float().sum()), cfg.prompts_per_step),
             **{k: (v * n_local, n_global) for k, v in stats.items()},  # token means: loss, clip_frac, kl, logp_gap
         }
@@ -193,12 +213,21 @@ class RLTrainer:
         *reduced, n_real_global = D.all_reduce_sums([total for total, _ in local.values()] + longest + [n_real], env)
         mean = {k: total / (count or n_real_global) for (k, (_, count)), total in zip(local.items(), reduced)}
         record = {
-            "reward": mean["reward"], "pass@1": mean["pass@1"], f"pass@{G}": mean[f"pass@{G}"],
-            "completion_len": mean["completion_len"], "completion_len_max": int(max(reduced[len(local):])),
-            "stopped_frac": mean["stopped_frac"], "uniform_group_frac": mean["uniform_group_frac"],
-            "loss": mean["loss"], "grad_norm": grad_norm, **{k: mean[k] for k in stats if k != "loss"},
+            "reward": mean["reward"],
+            "pass@1": mean["pass@1"],
+            f"pass@{G}": mean[f"pass@{G}"],
+            "completion_len": mean["completion_len"],
+            "completion_len_max": int(max(reduced[len(local) :])),
+            "stopped_frac": mean["stopped_frac"],
+            "uniform_group_frac": mean["uniform_group_frac"],
+            "loss": mean["loss"],
+            "grad_norm": grad_norm,
+            **{k: mean[k] for k in stats if k != "loss"},
             # this rank's timings
-            "rollout_s": t1 - t0, "update_s": t2 - t1, "optim_s": t3 - t2, "rollout_frac": (t1 - t0) / (t3 - t0),
+            "rollout_s": t1 - t0,
+            "update_s": t2 - t1,
+            "optim_s": t3 - t2,
+            "rollout_frac": (t1 - t0) / (t3 - t0),
         }
         if "residual" in out:
             record["endpoint_residual"] = mean["endpoint_residual"]
@@ -212,7 +241,9 @@ class RLTrainer:
                 examples = generate_examples(self.tasks, cfg.eval_examples, seed=2_000_003 * (cfg.seed + 1) - 1)
                 self._eval_set = [self.problems.problem(ex) for ex in examples]
             elif cfg.eval_jsonl is not None:
-                self._eval_set = [self.problems.problem(it) for it in load_gsm8k_jsonl(cfg.eval_jsonl)[:cfg.eval_examples]]
+                self._eval_set = [
+                    self.problems.problem(it) for it in load_gsm8k_jsonl(cfg.eval_jsonl)[: cfg.eval_examples]
+                ]
             else:
                 self._eval_set = []
         return self._eval_set
@@ -232,26 +263,49 @@ class RLTrainer:
         for k, start in enumerate(range(0, len(problems), 32)):
             if k % self.env.world_size != self.env.rank:
                 continue
-            chunk = problems[start:start + 32]
-            ro = rollout(self.model, self.tokenizer, [p.prompt for p in chunk], group_size=cfg.eval_samples,
-                         depth=cfg.depth, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                         stop=self.stop, seed=start + 17, first_example_id=10**9 + start * cfg.eval_samples)
+            chunk = problems[start : start + 32]
+            ro = rollout(
+                self.model,
+                self.tokenizer,
+                [p.prompt for p in chunk],
+                group_size=cfg.eval_samples,
+                depth=cfg.depth,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                stop=self.stop,
+                seed=start + 17,
+                first_example_id=10**9 + start * cfg.eval_samples,
+            )
             sampled += [self.reward_fn(chunk[i // cfg.eval_samples].reference, t) for i, t in enumerate(ro.texts)]
-            texts = greedy_generate(self.model, self.tokenizer, [p.prompt for p in chunk],
-                                    range(10**9 + start, 10**9 + start + len(chunk)), depth=cfg.depth,
-                                    max_new_tokens=cfg.max_new_tokens, stop=self.stop)
+            texts = greedy_generate(
+                self.model,
+                self.tokenizer,
+                [p.prompt for p in chunk],
+                range(10**9 + start, 10**9 + start + len(chunk)),
+                depth=cfg.depth,
+                max_new_tokens=cfg.max_new_tokens,
+                stop=self.stop,
+            )
             greedy += [self.reward_fn(p.reference, t) >= 1 for p, t in zip(chunk, texts)]
         total_reward, n_sampled, n_solved, n_greedy = D.all_reduce_sums(
-            [float(sum(sampled)), float(len(sampled)), float(sum(greedy)), float(len(greedy))], self.env)
+            [float(sum(sampled)), float(len(sampled)), float(sum(greedy)), float(len(greedy))], self.env
+        )
         return {"eval_reward": total_reward / n_sampled, "eval_greedy_pass@1": n_solved / n_greedy}
 
     # -- the loop -------------------------------------------------------------------------------
     def summary_line(self) -> str:
         """'model: 0.87 M params, vocab 258 (byte), context 256, estimator reuse at depth 6, device cpu, fp32'."""
         m = self.model.cfg
-        return model_line(sum(p.numel() for p in self.model.parameters()), m.vocab_size, self.tokenizer, m.max_seq_len,
-                          self.device, "fp32", world_size=self.env.world_size,
-                          extra=f"estimator {self.cfg.estimator} at depth {self.cfg.depth}")
+        return model_line(
+            sum(p.numel() for p in self.model.parameters()),
+            m.vocab_size,
+            self.tokenizer,
+            m.max_seq_len,
+            self.device,
+            "fp32",
+            world_size=self.env.world_size,
+            extra=f"estimator {self.cfg.estimator} at depth {self.cfg.depth}",
+        )
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -261,8 +315,14 @@ class RLTrainer:
         if cfg.progress and self.env.is_main:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.step, desc=f"rl {cfg.estimator}", unit="step", dynamic_ncols=True,
-                       disable=None)  # None: off when stderr is not a terminal (metrics.jsonl has every step)
+            bar = tqdm(
+                total=cfg.steps,
+                initial=self.step,
+                desc=f"rl {cfg.estimator}",
+                unit="step",
+                dynamic_ncols=True,
+                disable=None,
+            )  # None: off when stderr is not a terminal (metrics.jsonl has every step)
         evals = {}
         last = None
         if cfg.eval_every and self.step == 0:
@@ -282,16 +342,25 @@ class RLTrainer:
             self.logger.log(record, self.step)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{record['reward']:.3f}", roll=f"{record['rollout_s']:.2f}s",
-                                upd=f"{record['update_s']:.2f}s")
+                bar.set_postfix(
+                    reward=f"{record['reward']:.3f}",
+                    roll=f"{record['rollout_s']:.2f}s",
+                    upd=f"{record['update_s']:.2f}s",
+                )
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                 last = self.save()
         if bar is not None:
             bar.close()
         self.logger.close()
-        return {"step": self.step, "start_step": self.start_step, "checkpoint": str(last or self.latest_checkpoint()),
-                "out_dir": str(self.out_dir), "evals": evals, "elapsed_s": self.elapsed,
-                "session_s": self.elapsed - self.start_elapsed}
+        return {
+            "step": self.step,
+            "start_step": self.start_step,
+            "checkpoint": str(last or self.latest_checkpoint()),
+            "out_dir": str(self.out_dir),
+            "evals": evals,
+            "elapsed_s": self.elapsed,
+            "session_s": self.elapsed - self.start_elapsed,
+        }
 
     # -- checkpoints ----------------------------------------------------------------------------
     def latest_checkpoint(self) -> Path | None:

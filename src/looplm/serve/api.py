@@ -80,8 +80,12 @@ class _RequireKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not secrets.compare_digest(given, self.expected):
-                refusal = APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                   "authentication_error", code="invalid_api_key").response()
+                refusal = APIError(
+                    401,
+                    "invalid or missing API key (Authorization: Bearer ...)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                ).response()
                 return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -106,9 +110,12 @@ class _EngineCollector:
         }
         for name, doc in gauges.items():
             yield GaugeMetricFamily(f"looplm_{name}", doc, value=s[name])
-        for name, doc in (("generated_tokens", "Tokens generated"), ("prompt_tokens", "Prompt tokens prefilled"),
-                          ("speculative_drafted", "Draft tokens proposed by speculative rounds"),
-                          ("speculative_accepted", "Draft tokens the verifier accepted")):
+        for name, doc in (
+            ("generated_tokens", "Tokens generated"),
+            ("prompt_tokens", "Prompt tokens prefilled"),
+            ("speculative_drafted", "Draft tokens proposed by speculative rounds"),
+            ("speculative_accepted", "Draft tokens the verifier accepted"),
+        ):
             yield CounterMetricFamily(f"looplm_{name}", doc, value=s[f"{name}_total"])
         done = CounterMetricFamily("looplm_requests_finished", "Finished sequences by reason", labels=["reason"])
         for reason, count in sorted(s["finished_total"].items()):
@@ -135,8 +142,9 @@ v1 = APIRouter(prefix="/v1")
 
 def create_app(engine: Engine, model_name: str, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as model `model_name`; the engine thread runs with the app."""
-    app = FastAPI(title="looplm", summary="OpenAI-compatible looped-LM server", lifespan=_lifespan,
-                  exception_handlers=HANDLERS)
+    app = FastAPI(
+        title="looplm", summary="OpenAI-compatible looped-LM server", lifespan=_lifespan, exception_handlers=HANDLERS
+    )
     metrics = CollectorRegistry()
     metrics.register(_EngineCollector(engine))
     app.state.server = ServerState(engine, model_name, int(time.time()), metrics)
@@ -159,8 +167,18 @@ async def metrics(state: ServerDep):
 
 @v1.get("/models")
 async def models(state: ServerDep):
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "looplm", "max_model_len": state.engine.max_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "looplm",
+                "max_model_len": state.engine.max_len,
+            }
+        ],
+    }
 
 
 @v1.post("/completions")
@@ -173,8 +191,15 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state: ServerD
     # echo with logprobs scores the prompt too (OpenAI's legacy API); max_tokens 0 (echo only) needs
     # the engine's scoring pass even without logprobs: it is what such a request runs
     score = body.echo and (body.logprobs is not None or body.max_tokens == 0)
-    requests = choice_requests(body, ids, body.max_tokens, stop, body.logprobs, depth=state.engine.config.depth,
-                               prompt_logprobs=(body.logprobs or 0) if score else None)
+    requests = choice_requests(
+        body,
+        ids,
+        body.max_tokens,
+        stop,
+        body.logprobs,
+        depth=state.engine.config.depth,
+        prompt_logprobs=(body.logprobs or 0) if score else None,
+    )
     choices = _submit(state, requests)
     reply = CompletionReply(state.tokenizer, body, prompts, ids, _envelope("cmpl", body, state))
     return await _respond(choices, http, reply, body.stream)
@@ -186,31 +211,56 @@ async def chat(body: ChatRequest, http: HTTPRequest, state: ServerDep):
     with bad_request():
         stop, logprobs = body.stop_strings(), body.logprob_count()
     ids = state.tokenizer.encode_prompt(body.render())
-    choices = _submit(state, choice_requests(body, [ids], body.budget(len(ids), state.engine.max_len), stop, logprobs,
-                                                  depth=state.engine.config.depth))
+    choices = _submit(
+        state,
+        choice_requests(
+            body, [ids], body.budget(len(ids), state.engine.max_len), stop, logprobs, depth=state.engine.config.depth
+        ),
+    )
     reply = ChatReply(state.tokenizer, body, len(ids), logprobs, _envelope("chatcmpl", body, state))
     return await _respond(choices, http, reply, body.stream)
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
     if name not in (None, state.model_name):
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
-                       "not_found_error", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _encode(tok: Tokenizer, prompt: str | list[int]) -> list[int]:
     return tok.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
 
 
-def choice_requests(body: CompletionRequest | ChatRequest, prompts_ids: list[list[int]], max_tokens: int,
-                    stop: tuple[str, ...], logprobs: int | None, *, depth: int,
-                    prompt_logprobs: int | None = None) -> list[Request]:
+def choice_requests(
+    body: CompletionRequest | ChatRequest,
+    prompts_ids: list[list[int]],
+    max_tokens: int,
+    stop: tuple[str, ...],
+    logprobs: int | None,
+    *,
+    depth: int,
+    prompt_logprobs: int | None = None,
+) -> list[Request]:
     """The engine requests of an HTTP request: `body.n` choices per prompt, choice k seeded `seed + k`
     (a random seed when the body sets none), at the body's depth or else `depth` (the server's)."""
     seed = body.seed if body.seed is not None else secrets.randbits(31)
-    return [Request(ids, body.sampling(max_tokens, stop, seed + k), body.depth_rule(depth),
-                    logprobs=logprobs, prompt_logprobs=prompt_logprobs, **body.speculation())
-            for ids in prompts_ids for k in range(body.n)]
+    return [
+        Request(
+            ids,
+            body.sampling(max_tokens, stop, seed + k),
+            body.depth_rule(depth),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **body.speculation(),
+        )
+        for ids in prompts_ids
+        for k in range(body.n)
+    ]
 
 
 def _submit(state: ServerState, requests: list[Request]) -> Choices:
@@ -225,8 +275,9 @@ def _envelope(kind: str, body: CompletionRequest | ChatRequest, state: ServerSta
     return Envelope(f"{kind}-{uuid.uuid4().hex}", body.model or state.model_name, int(time.time()))
 
 
-async def _respond(choices: Choices, http: HTTPRequest, reply: CompletionReply | ChatReply,
-                   stream: bool) -> Response | dict:
+async def _respond(
+    choices: Choices, http: HTTPRequest, reply: CompletionReply | ChatReply, stream: bool
+) -> Response | dict:
     """The answer to a submitted request: server-sent events as its events arrive, or one body once
     every choice has finished (a 499, with no body, if the client left before)."""
     if stream:

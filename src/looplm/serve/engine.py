@@ -71,6 +71,7 @@ class EngineConfig:
         """Raise UserError with a one-line reason for a setting out of range; against the model's
         `max_depth` and context `max_seq_len` when they are given (`Engine` gives them). `prefix` "--"
         names the settings as `looplm serve`'s options, which checks them before the model loads."""
+
         def name(key: str) -> str:
             return prefix + (key.replace("_", "-") if prefix else key)
 
@@ -90,8 +91,9 @@ class EngineConfig:
                 if getattr(self, key) is not None:
                     check_depth(name(key), getattr(self, key), max_depth, "the model's max_depth")
         if max_seq_len is not None and self.max_seq_len is not None and self.max_seq_len > max_seq_len:
-            raise UserError(f"{name('max_seq_len')} must be in 2..{max_seq_len} (the model's context), "
-                            f"got {self.max_seq_len}")
+            raise UserError(
+                f"{name('max_seq_len')} must be in 2..{max_seq_len} (the model's context), got {self.max_seq_len}"
+            )
 
 
 @dataclass
@@ -227,8 +229,9 @@ class _Row:
 class Engine:
     """Continuous batching over a `SlotPool` (see the module docstring)."""
 
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig | None = None, *,
-                 prefill: Prefill | None = None):
+    def __init__(
+        self, model, tokenizer: Tokenizer, config: EngineConfig | None = None, *, prefill: Prefill | None = None
+    ):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = config = config or EngineConfig()
         self.prefill = prefill or Prefill()
@@ -238,8 +241,15 @@ class Engine:
         check_arm_cache(self.prefill.arm, config.cache)
         self.max_depth = config.max_depth or (model.cfg.max_depth if config.cache == "terminal" else config.depth)
         max_len = config.max_seq_len or model.cfg.max_seq_len
-        self.pool = SlotPool(model.cfg, config.max_batch, max_len, mode=config.cache, depth=self.max_depth,
-                             device=self.device, dtype=param.dtype)
+        self.pool = SlotPool(
+            model.cfg,
+            config.max_batch,
+            max_len,
+            mode=config.cache,
+            depth=self.max_depth,
+            device=self.device,
+            dtype=param.dtype,
+        )
         # the static step: the compiled engine's every step, and the speculative rounds (a request may
         # speculate on an engine that does not by default)
         self._step = DecodeStep(model, self.pool.cache, compile=config.compile)
@@ -289,8 +299,9 @@ class Engine:
         if sampling.max_new_tokens == 0 and request.prompt_logprobs is not None:
             sampling = replace(sampling, max_new_tokens=1)  # only scored: the other settings are still checked
         sampling.validate()
-        rule = self.rule(request).check(self.max_depth, cache=self.config.cache,
-                                        what="the server's max_depth, looplm serve --max-depth")
+        rule = self.rule(request).check(
+            self.max_depth, cache=self.config.cache, what="the server's max_depth, looplm serve --max-depth"
+        )
         max_tokens = request.sampling.max_new_tokens
         k, draft_depth = self.speculation(request)
         if k < 0:
@@ -304,8 +315,10 @@ class Engine:
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
         need = len(request.prompt_ids) + max(max_tokens, 1) - 1  # the last new token is never fed
         if need > self.max_len:
-            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {max_tokens} "
-                             f"it needs {need} positions, more than the context of {self.max_len}")
+            raise ValueError(
+                f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {max_tokens} "
+                f"it needs {need} positions, more than the context of {self.max_len}"
+            )
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {request.logprobs}")
         if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= 20:
@@ -320,8 +333,10 @@ class Engine:
             if self._stopping:
                 raise EngineStopped("the engine has been shut down; start() it again to submit requests")
             if len(self._pending) >= self.config.max_queue:
-                raise EngineFull(f"{len(self._pending)} requests are already waiting (max_queue "
-                                 f"{self.config.max_queue}); retry later")
+                raise EngineFull(
+                    f"{len(self._pending)} requests are already waiting (max_queue "
+                    f"{self.config.max_queue}); retry later"
+                )
             self._pending.append(handle)
             self._wake.notify()
         return handle
@@ -397,8 +412,17 @@ class Engine:
             for h in cancelled:
                 self._pending.remove(h)
         for h in cancelled:
-            h.emit(Finish("error" if h.sink_error else "cancelled", "", "", len(h.request.prompt_ids), 0, 0.0,
-                          error=h.sink_error))
+            h.emit(
+                Finish(
+                    "error" if h.sink_error else "cancelled",
+                    "",
+                    "",
+                    len(h.request.prompt_ids),
+                    0,
+                    0.0,
+                    error=h.sink_error,
+                )
+            )
 
     def _admit(self) -> bool:
         admitted = False
@@ -449,8 +473,7 @@ class Engine:
         depths = [r.rule.depth for r in rows]
         taus = [r.rule.exit_tau for r in rows]
         step = self._compiled_step if self.config.compile else self._eager_step
-        logits, used_t = step([r.next_token for r in rows], depths, taus,
-                              [r.handle.request.example_id for r in rows])
+        logits, used_t = step([r.next_token for r in rows], depths, taus, [r.handle.request.example_id for r in rows])
         self.pool.advance()
         used = used_t.tolist()
         now = time.monotonic()
@@ -474,8 +497,13 @@ class Engine:
         plan = (first.rule.depth, *self.speculation(first.handle.request))
         if not plan[1]:
             return False
-        return all((r.rule.depth, *self.speculation(r.handle.request)) == plan and r.rule.exit_tau is None
-                   for r in self._rows) and max(self.pool.lengths) + plan[1] + 1 <= self.max_len
+        return (
+            all(
+                (r.rule.depth, *self.speculation(r.handle.request)) == plan and r.rule.exit_tau is None
+                for r in self._rows
+            )
+            and max(self.pool.lengths) + plan[1] + 1 <= self.max_len
+        )
 
     def _speculate(self) -> None:
         """One speculative round over the running rows (`looplm.serve.speculation`)."""
@@ -488,11 +516,22 @@ class Engine:
         def padded(values: list) -> torch.Tensor:
             return torch.tensor(values + [0] * extra, dtype=torch.long, device=dev)
 
-        step_rows = StepRows(padded([r.next_token for r in rows]), padded(self.pool.lengths),
-                             torch.zeros(B, dtype=torch.long, device=dev),
-                             padded([r.handle.request.example_id for r in rows]))
-        result = speculative_round(self._step, step_rows, n, depth=depth, draft_depth=draft_depth, k=k,
-                                   sampling=[r.handle.request.sampling for r in rows], generators=[r.generator for r in rows])
+        step_rows = StepRows(
+            padded([r.next_token for r in rows]),
+            padded(self.pool.lengths),
+            torch.zeros(B, dtype=torch.long, device=dev),
+            padded([r.handle.request.example_id for r in rows]),
+        )
+        result = speculative_round(
+            self._step,
+            step_rows,
+            n,
+            depth=depth,
+            draft_depth=draft_depth,
+            k=k,
+            sampling=[r.handle.request.sampling for r in rows],
+            generators=[r.generator for r in rows],
+        )
         emitted = [len(t) for t in result.tokens]
         for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
             self.pool.set_length(slot, self.pool.lengths[slot] + m)
@@ -522,8 +561,13 @@ class Engine:
             kw["exit_tau"] = torch.tensor([t or 0.0 for t in taus], device=dev)
             kw["min_depth"] = torch.tensor([r.rule.min_depth for r in self._rows], device=dev)
         depth = depths[0] if len(set(depths)) == 1 and not kw else torch.tensor(depths, device=dev)
-        out = self.model(torch.tensor(tokens, device=dev)[:, None], DepthPlan(depth, **kw),
-                         cache=self.pool.decode_view(), init="seeded", example_ids=torch.tensor(example_ids, device=dev))
+        out = self.model(
+            torch.tensor(tokens, device=dev)[:, None],
+            DepthPlan(depth, **kw),
+            cache=self.pool.decode_view(),
+            init="seeded",
+            example_ids=torch.tensor(example_ids, device=dev),
+        )
         return out.logits[:, -1], out.depths[:, 0]
 
     def buckets(self) -> list[int]:
@@ -546,6 +590,7 @@ class Engine:
             raise RuntimeError("warm up the engine before it takes requests")
         t0, k = time.perf_counter(), self.config.speculate
         for B in self.buckets():
+
             def rows(n: int = 0) -> StepRows:
                 # four distinct tensors, as a real step passes: one tensor in two places is a different
                 # graph to Dynamo (its guards check aliasing), which the first real step would compile
@@ -558,8 +603,9 @@ class Engine:
                 self._step(rows(k + 1), self.config.depth)
         return time.perf_counter() - t0
 
-    def _compiled_step(self, tokens: list[int], depths: list[int], taus: list,
-                       example_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compiled_step(
+        self, tokens: list[int], depths: list[int], taus: list, example_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One static decode step over the running rows padded to a bucket of 1, 2, 4, ... max_batch
         rows (a padding row sits in a free slot at position 0, which a later prefill overwrites, and
         runs the deepest row's depth, so a uniform batch needs no exit masks)."""
@@ -573,14 +619,21 @@ class Engine:
         kw: dict = {}
         if any(t is not None for t in taus):  # adaptive exit: a row's tau 0 never exits
             floors = [r.rule.min_depth for r in self._rows]
-            kw = {"exit_tau": padded([t or 0.0 for t in taus], 0.0, torch.float32),
-                  "min_depth": padded(floors, 1, torch.long),
-                  "lowest": min(f if t is not None else d for f, t, d in zip(floors, taus, depths))}
+            kw = {
+                "exit_tau": padded([t or 0.0 for t in taus], 0.0, torch.float32),
+                "min_depth": padded(floors, 1, torch.long),
+                "lowest": min(f if t is not None else d for f, t, d in zip(floors, taus, depths)),
+            }
         elif len(set(depths)) > 1:
             kw = {"lowest": min(depths)}
-        rows = StepRows(padded(tokens, 0, torch.long), padded(self.pool.lengths, 0, torch.long),
-                        torch.zeros(B, dtype=torch.long, device=dev), padded(example_ids, 0, torch.long),
-                        depth=padded(depths, deepest, torch.long) if kw else None, **kw)
+        rows = StepRows(
+            padded(tokens, 0, torch.long),
+            padded(self.pool.lengths, 0, torch.long),
+            torch.zeros(B, dtype=torch.long, device=dev),
+            padded(example_ids, 0, torch.long),
+            depth=padded(depths, deepest, torch.long) if kw else None,
+            **kw,
+        )
         logits, used = self._step(rows, deepest)
         return logits[:n], used[:n]
 
@@ -651,10 +704,12 @@ class Engine:
 
     def describe(self) -> str:
         c = self.config
-        return (f"{c.cache} cache, {c.max_batch} slots x {self.max_len} positions "
-                f"({self.pool.nbytes / 2**20:.1f} MiB), depth {c.depth} (requests up to {self.max_depth}), "
-                f"queue {c.max_queue}" + (f", speculating {c.speculate} drafts at depth {c.draft_depth}"
-                                           if c.speculate else ""))
+        return (
+            f"{c.cache} cache, {c.max_batch} slots x {self.max_len} positions "
+            f"({self.pool.nbytes / 2**20:.1f} MiB), depth {c.depth} (requests up to {self.max_depth}), "
+            f"queue {c.max_queue}"
+            + (f", speculating {c.speculate} drafts at depth {c.draft_depth}" if c.speculate else "")
+        )
 
 
 def _score_prompt(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> PromptLogprobs:
@@ -665,4 +720,3 @@ def _score_prompt(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> Promp
         top = lp.topk(min(k, lp.shape[-1]), dim=-1)
         scores.top_logprobs = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
     return scores
-

@@ -21,8 +21,15 @@ from looplm.serve.engine import EngineFull, EngineStopped
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *,
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -76,6 +83,11 @@ async def _stopped(_: HTTPRequest, err: EngineStopped) -> JSONResponse:
     return APIError(503, str(err), "server_error", code="shutting_down").response()
 
 
-HANDLERS = {APIError: _api_error, RequestValidationError: _invalid, StarletteHTTPException: _http_error,
-            EngineFull: _queue_full, EngineStopped: _stopped}
+HANDLERS = {
+    APIError: _api_error,
+    RequestValidationError: _invalid,
+    StarletteHTTPException: _http_error,
+    EngineFull: _queue_full,
+    EngineStopped: _stopped,
+}
 """The app's exception handlers (`FastAPI(exception_handlers=...)`), by the exception they answer."""

@@ -15,8 +15,17 @@ from typing import Protocol
 
 from fastapi import Request as HTTPRequest
 
-from looplm.serve.engine import (Engine, EngineFull, EngineStopped, Event, Finish, PromptLogprobs, Request,
-                                 RequestHandle, Token)
+from looplm.serve.engine import (
+    Engine,
+    EngineFull,
+    EngineStopped,
+    Event,
+    Finish,
+    PromptLogprobs,
+    Request,
+    RequestHandle,
+    Token,
+)
 from looplm.serve.errors import APIError
 
 POLL_S = 0.25
@@ -32,8 +41,10 @@ class Choices:
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         if len(requests) > engine.config.max_queue:  # it would get a 429 however often it is retried
-            raise ValueError(f"this request has {len(requests)} choices (prompts x n); the server queues at most "
-                             f"max_queue {engine.config.max_queue}")
+            raise ValueError(
+                f"this request has {len(requests)} choices (prompts x n); the server queues at most "
+                f"max_queue {engine.config.max_queue}"
+            )
         for r in requests:
             engine.check(r)  # every choice is checked before any is queued
         self.handles: list[RequestHandle] = []
@@ -139,8 +150,11 @@ async def sse(choices: Choices, http: HTTPRequest, chunks: Chunks) -> AsyncItera
             if isinstance(ev, Finish):
                 finishes[i] = ev
                 failed = ev.reason == "error"
-                out.append(APIError(500, ev.error or "generation failed", "server_error").body() if failed
-                           else chunks.finish(i, ev))
+                out.append(
+                    APIError(500, ev.error or "generation failed", "server_error").body()
+                    if failed
+                    else chunks.finish(i, ev)
+                )
             else:
                 out.append(chunks.event(i, ev))
             for data in out:

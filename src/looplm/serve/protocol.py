@@ -21,11 +21,27 @@ from looplm.data.chat import CHAT_STOP, CHAT_TEMPLATE
 from looplm.infer.decode import SamplingConfig
 from looplm.infer.depth_rule import DepthRule
 
-IGNORED_CHAT_FIELDS = frozenset({
-    "audio", "function_call", "functions", "metadata", "modalities", "parallel_tool_calls", "prediction",
-    "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "service_tier", "store",
-    "tool_choice", "tools", "verbosity", "web_search_options",
-})
+IGNORED_CHAT_FIELDS = frozenset(
+    {
+        "audio",
+        "function_call",
+        "functions",
+        "metadata",
+        "modalities",
+        "parallel_tool_calls",
+        "prediction",
+        "prompt_cache_key",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "service_tier",
+        "store",
+        "tool_choice",
+        "tools",
+        "verbosity",
+        "web_search_options",
+    }
+)
 """Fields of OpenAI's chat completions request that looplm accepts and ignores (whatever their value):
 no tool calls, audio or structured output are produced, and nothing is stored. Every field of OpenAI's
 completions request is one of `CompletionRequest`'s."""
@@ -69,10 +85,13 @@ class _Common(BaseModel):
         unknown = [k for k in data if k not in known]
         if unknown:
             own = sorted(cls.model_fields)
-            named = ", ".join(repr(k) + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(k, own, 1))
-                              for k in unknown)
-            raise PydanticCustomError("unknown_field", "unknown field(s) {named} for this endpoint",
-                                      {"named": named, "first": unknown[0]})
+            named = ", ".join(
+                repr(k) + "".join(f" (did you mean {m!r}?)" for m in difflib.get_close_matches(k, own, 1))
+                for k in unknown
+            )
+            raise PydanticCustomError(
+                "unknown_field", "unknown field(s) {named} for this endpoint", {"named": named, "first": unknown[0]}
+            )
         return {k: v for k, v in data.items() if v is not None}
 
     @model_validator(mode="after")
@@ -96,8 +115,14 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int, stop: tuple[str, ...], seed: int) -> SamplingConfig:
         """A choice's sampling settings (`looplm.serve.Request.sampling`)."""
-        return SamplingConfig(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=seed, stop=stop)
+        return SamplingConfig(
+            max_new_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=seed,
+            stop=stop,
+        )
 
     def depth_rule(self, default_depth: int) -> DepthRule:
         """The request's recurrences (`looplm.serve.Request.rule`): its `depth`, else `default_depth` (the server's)."""
@@ -174,8 +199,10 @@ class ChatRequest(_Common):
 
     def render(self) -> str:
         """The prompt text: the documented template `CHAT_TEMPLATE`, then `assistant:`."""
-        turns = "".join(CHAT_TEMPLATE.format(role="system" if m.role == "developer" else m.role, content=m.text())
-                        for m in self.messages)
+        turns = "".join(
+            CHAT_TEMPLATE.format(role="system" if m.role == "developer" else m.role, content=m.text())
+            for m in self.messages
+        )
         return turns + "assistant:"
 
     def stop_strings(self) -> tuple[str, ...]:

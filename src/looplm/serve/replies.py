@@ -33,8 +33,12 @@ def usage(prompt_tokens: int, finishes: Sequence[Finish]) -> dict:
     completion = sum(f.completion_tokens for f in finishes)
     weight = sum(max(f.completion_tokens, 1) for f in finishes)
     depth = sum(f.mean_decode_depth * max(f.completion_tokens, 1) for f in finishes) / weight
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "mean_decode_depth": round(depth, 4)}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "mean_decode_depth": round(depth, 4),
+    }
 
 
 def spelling(tok: Tokenizer, token_id: int) -> tuple[str, list[int] | None]:
@@ -70,9 +74,9 @@ class Offsets:
         """The offset of `token_id`, the sequence's next token."""
         offset = self._next
         self.ids.append(token_id)
-        done = self.tok.decode(self.ids[self._prefix:self._read])
-        window = self.tok.decode(self.ids[self._prefix:])
-        new = window[len(done):] if window.startswith(done) else ""
+        done = self.tok.decode(self.ids[self._prefix : self._read])
+        window = self.tok.decode(self.ids[self._prefix :])
+        new = window[len(done) :] if window.startswith(done) else ""
         if new and not new.endswith("\ufffd"):  # whole characters: the next window starts after them
             self._done += len(new)
             self._prefix, self._read = self._read, len(self.ids)
@@ -109,8 +113,14 @@ class CompletionReply(_Reply):
 
     chunk_kind = "text_completion"
 
-    def __init__(self, tok: Tokenizer, body: CompletionRequest, prompts: list[str | list[int]], ids: list[list[int]],
-                 envelope: Envelope):
+    def __init__(
+        self,
+        tok: Tokenizer,
+        body: CompletionRequest,
+        prompts: list[str | list[int]],
+        ids: list[list[int]],
+        envelope: Envelope,
+    ):
         super().__init__(tok, envelope, sum(len(i) for i in ids), body.include_usage())
         self.n, self.ids, self.logprobs = body.n, ids, body.logprobs
         self.prefix = [(tok.decode(i) if isinstance(p, list) else p) if body.echo else "" for p, i in zip(prompts, ids)]
@@ -141,16 +151,19 @@ class CompletionReply(_Reply):
         into the prompt's text, which the returned text starts with."""
         prompt_ids = self.ids[i // self.n]
         tops = scores.top_logprobs or [None] * len(scores.logprobs)
-        return self._block([(prompt_ids[0], None, None), *zip(prompt_ids[1:], scores.logprobs, tops)],
-                           Offsets(self.tok))
+        return self._block(
+            [(prompt_ids[0], None, None), *zip(prompt_ids[1:], scores.logprobs, tops)], Offsets(self.tok)
+        )
 
     def _completion_offsets(self, i: int) -> Offsets:
         """Choice i's completion follows the echoed prompt and is decoded after the prompt's ids."""
         return Offsets(self.tok, len(self.prefix[i // self.n]), self.ids[i // self.n])
 
     def _chunk(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
-        return {**self.envelope.head(self.chunk_kind),
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        return {
+            **self.envelope.head(self.chunk_kind),
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
 
     def _no_tokens(self) -> dict | None:
         return self._generated([], Offsets(self.tok)) if self.logprobs is not None else None
@@ -182,10 +195,19 @@ class CompletionReply(_Reply):
                 if self.echo_logprobs:  # the prompt's tokens first, then the completion's
                     prompt = self._scored_prompt(i, got.prompts[i])
                     logprobs = {key: prompt[key] + logprobs[key] for key in prompt}
-            out.append({"index": i, "text": self.prefix[i // self.n] + finish.text, "logprobs": logprobs,
-                        "finish_reason": finish.reason})
-        return {**self.envelope.head("text_completion"),
-                "choices": out, "usage": usage(self.prompt_tokens, list(got.finishes.values()))}
+            out.append(
+                {
+                    "index": i,
+                    "text": self.prefix[i // self.n] + finish.text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish.reason,
+                }
+            )
+        return {
+            **self.envelope.head("text_completion"),
+            "choices": out,
+            "usage": usage(self.prompt_tokens, list(got.finishes.values())),
+        }
 
 
 class ChatReply(_Reply):
@@ -193,8 +215,7 @@ class ChatReply(_Reply):
 
     chunk_kind = "chat.completion.chunk"
 
-    def __init__(self, tok: Tokenizer, body: ChatRequest, prompt_tokens: int, logprobs: int | None,
-                 envelope: Envelope):
+    def __init__(self, tok: Tokenizer, body: ChatRequest, prompt_tokens: int, logprobs: int | None, envelope: Envelope):
         super().__init__(tok, envelope, prompt_tokens, body.include_usage())
         self.logprobs = logprobs
 
@@ -205,13 +226,21 @@ class ChatReply(_Reply):
     def _content(self, tokens: list[Token]) -> dict | None:
         if self.logprobs is None:
             return None
-        return {"content": [{**self._entry(t.token_id, t.logprob),
-                             "top_logprobs": [self._entry(i, lp) for i, lp in (t.top_logprobs or [])]} for t in tokens]}
+        return {
+            "content": [
+                {
+                    **self._entry(t.token_id, t.logprob),
+                    "top_logprobs": [self._entry(i, lp) for i, lp in (t.top_logprobs or [])],
+                }
+                for t in tokens
+            ]
+        }
 
     def _chunk(self, index: int, delta: dict, finish: str | None, tokens: list[Token]) -> dict:
-        return {**self.envelope.head(self.chunk_kind),
-                "choices": [{"index": index, "delta": delta, "logprobs": self._content(tokens),
-                             "finish_reason": finish}]}
+        return {
+            **self.envelope.head(self.chunk_kind),
+            "choices": [{"index": index, "delta": delta, "logprobs": self._content(tokens), "finish_reason": finish}],
+        }
 
     def start(self, i: int) -> dict:
         return self._chunk(i, {"role": "assistant", "content": ""}, None, [])
@@ -223,8 +252,17 @@ class ChatReply(_Reply):
         return self._chunk(i, {"content": ev.tail} if ev.tail else {}, ev.reason, [])
 
     def whole(self, got: Collected) -> dict:
-        out = [{"index": i, "message": {"role": "assistant", "content": f.text},
-                "logprobs": self._content(got.tokens.get(i, [])), "finish_reason": f.reason}
-               for i, f in sorted(got.finishes.items())]
-        return {**self.envelope.head("chat.completion"),
-                "choices": out, "usage": usage(self.prompt_tokens, list(got.finishes.values()))}
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": f.text},
+                "logprobs": self._content(got.tokens.get(i, [])),
+                "finish_reason": f.reason,
+            }
+            for i, f in sorted(got.finishes.items())
+        ]
+        return {
+            **self.envelope.head("chat.completion"),
+            "choices": out,
+            "usage": usage(self.prompt_tokens, list(got.finishes.values())),
+        }

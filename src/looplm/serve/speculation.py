@@ -43,14 +43,23 @@ def _draw(logits: torch.Tensor, sampling: list[SamplingConfig], generators: list
     dists: list = [None] * len(sampling)
     for b, (cfg, gen) in enumerate(zip(sampling, generators)):
         if gen is not None:  # a sampling row
-            dists[b] = probabilities(logits[b:b + 1], cfg)[0]
+            dists[b] = probabilities(logits[b : b + 1], cfg)[0]
             tokens[b] = sample(dists[b][None], gen)[0]
     return tokens, dists
 
 
 @torch.no_grad()
-def speculative_round(step: DecodeStep, rows: StepRows, n: int, *, depth: int, draft_depth: int, k: int,
-                      sampling: list[SamplingConfig], generators: list) -> RoundResult:
+def speculative_round(
+    step: DecodeStep,
+    rows: StepRows,
+    n: int,
+    *,
+    depth: int,
+    draft_depth: int,
+    k: int,
+    sampling: list[SamplingConfig],
+    generators: list,
+) -> RoundResult:
     """One round for the first `n` of `rows` (the rest are padding rows of the step's batch bucket).
 
     `rows.tokens` [B] are the rows' chosen-but-unfed tokens and `rows.write_at` their cached
@@ -59,8 +68,9 @@ def speculative_round(step: DecodeStep, rows: StepRows, n: int, *, depth: int, d
     pad = [SamplingConfig()] * (B - n)
     tok, drafts, dists = rows.tokens, [], []
     for i in range(k):
-        logits, _ = step(StepRows(tok, rows.write_at + i, rows.first, rows.example_ids), draft_depth,
-                         fill=False)  # a draft's deeper visits are never read: the verifier rewrites them
+        logits, _ = step(
+            StepRows(tok, rows.write_at + i, rows.first, rows.example_ids), draft_depth, fill=False
+        )  # a draft's deeper visits are never read: the verifier rewrites them
         tok, q = _draw(logits, list(sampling) + pad, list(generators) + [None] * (B - n))
         drafts.append(tok)
         dists.append(q)

@@ -49,8 +49,10 @@ def verify(path: Path, env: D.DistEnv) -> None:
 
 
 def rng_state(device: torch.device) -> dict:
-    return {"torch": torch.get_rng_state().tolist(),
-            "cuda": torch.cuda.get_rng_state(device).tolist() if device.type == "cuda" else None}
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": torch.cuda.get_rng_state(device).tolist() if device.type == "cuda" else None,
+    }
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
@@ -63,6 +65,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 class _Pending:
     """A sharded save whose shards are being written: `tmp` is renamed to `target` once `digests`
     (this rank's {file: SHA-256}) is done on every rank."""
+
     tmp: Path
     target: Path
     digests: Future
@@ -71,8 +74,17 @@ class _Pending:
 class Checkpointer:
     """Saves and loads the model, optimizer and RNG state of a training run; every rank calls every method."""
 
-    def __init__(self, root: Path, env: D.DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 sharded: bool, async_save: bool = False, keep: int = 2):
+    def __init__(
+        self,
+        root: Path,
+        env: D.DistEnv,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        sharded: bool,
+        async_save: bool = False,
+        keep: int = 2,
+    ):
         self.root, self.env, self.model, self.optimizer = Path(root), env, model, optimizer
         self.sharded, self.async_save, self.keep = sharded, async_save and sharded, keep
         self._pending: _Pending | None = None
@@ -87,8 +99,11 @@ class Checkpointer:
         self.wait()
         if self.sharded:
             return self._save_sharded(step, state, write_files)
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(self.model, options=opts)
@@ -202,12 +217,17 @@ class Checkpointer:
             if rng is not None:
                 set_rng_state(rng, self.env.device)
             return state
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if not (path / "optimizer.safetensors").is_file() or "optimizer" not in state:
-            raise ckpt.CheckpointError(f"{path} holds no optimizer state (written for inference, e.g. by `looplm "
-                                       "consolidate --weights-only`); a run cannot resume from it")
+            raise ckpt.CheckpointError(
+                f"{path} holds no optimizer state (written for inference, e.g. by `looplm "
+                "consolidate --weights-only`); a run cannot resume from it"
+            )
         model_sd = ckpt.load_tensors(path, "model.safetensors")
         ckpt.check_model_shapes(self.model.state_dict(), model_sd, path)
         optim_sd = ckpt.unflatten_optimizer_state(ckpt.load_tensors(path, "optimizer.safetensors"), state["optimizer"])
@@ -228,8 +248,13 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():  # "torch.distributed is ... uninitialized" on one process: the intent
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(shards, storage_reader=dcp.FileSystemReader(str(path / ckpt.SHARDS)),
-                         no_dist=not self.env.distributed)
+                dcp.load(
+                    shards,
+                    storage_reader=dcp.FileSystemReader(str(path / ckpt.SHARDS)),
+                    no_dist=not self.env.distributed,
+                )
         except Exception as err:  # DCP's CheckpointException wraps each rank's error
             raise ckpt.CheckpointError(f"{path}: the sharded state does not load into this model ({err})") from None
-        set_state_dict(self.model, self.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"]
+        )

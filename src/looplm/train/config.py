@@ -146,8 +146,9 @@ class TrainJob:
         the window it means for the sampler (design §3). The trainer runs and records (config.json)
         the resolved job, so a checkpoint states the window it was trained with. The other sections
         are shared with this job, not copied."""
-        return dataclasses.replace(self, depth=dataclasses.replace(
-            self.depth, bptt_window=self.depth.effective_bptt_window()))
+        return dataclasses.replace(
+            self, depth=dataclasses.replace(self.depth, bptt_window=self.depth.effective_bptt_window())
+        )
 
 
 def jsonable(obj):
@@ -172,9 +173,14 @@ def job_from_dict(data: dict) -> TrainJob:
         depth=DepthConfig.from_dict(data["depth"]),
         data=DataConfig(**data_cfg),
         train=TrainConfig(**train_cfg),
-        eval=EvalConfig(**{**data["eval"], "depths": tuple(data["eval"]["depths"]),
-                           "sample_depths": tuple(data["eval"].get("sample_depths", ())),
-                           "output": Path(data["eval"]["output"]) if data["eval"]["output"] else None}),
+        eval=EvalConfig(
+            **{
+                **data["eval"],
+                "depths": tuple(data["eval"]["depths"]),
+                "sample_depths": tuple(data["eval"].get("sample_depths", ())),
+                "output": Path(data["eval"]["output"]) if data["eval"]["output"] else None,
+            }
+        ),
     )
 
 
@@ -185,8 +191,10 @@ def vocab_size_for(job_vocab: int, tokenizer_vocab: int) -> int:
     if job_vocab == 0:
         return tokenizer_vocab
     if job_vocab < tokenizer_vocab:
-        raise UserError(f"model.vocab_size {job_vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens; "
-                        "leave it at 0 (the tokenizer's size) or give at least that many")
+        raise UserError(
+            f"model.vocab_size {job_vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens; "
+            "leave it at 0 (the tokenizer's size) or give at least that many"
+        )
     return job_vocab
 
 
@@ -203,8 +211,12 @@ def _tiny() -> TrainJob:
     return TrainJob(
         model=_training_model("tiny"),
         depth=DepthConfig(sampler="pln", depth=5.0),  # b: auto = 10 for PLN, full BPTT if switched to fixed
-        data=DataConfig(source="shakespeare", tokenizer="byte", seq_len=256,
-                        tasks=TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3)),
+        data=DataConfig(
+            source="shakespeare",
+            tokenizer="byte",
+            seq_len=256,
+            tasks=TaskConfig(kinds=("add_msd",), min_difficulty=1, max_difficulty=3),
+        ),
         train=TrainConfig(steps=400, micro_batch=16, lr=3e-3, out_dir=Path("runs/tiny")),
         eval=EvalConfig(sample_depths=(1, 5), sharing_sequences=8),
     )

@@ -56,8 +56,9 @@ class DistEnv:
 def rank_share(total: int, env: DistEnv, what: str) -> int:
     """This rank's equal share of a global per-step count (rows, prompts), which must divide evenly."""
     if total % env.world_size:
-        raise UserError(f"{what} {total} (per step over all ranks) must be divisible by the number of ranks, "
-                        f"{env.world_size}")
+        raise UserError(
+            f"{what} {total} (per step over all ranks) must be divisible by the number of ranks, {env.world_size}"
+        )
     return total // env.world_size
 
 
@@ -80,7 +81,8 @@ def comm_device_for(device: torch.device, served: set[str]) -> torch.device:
         return torch.device("cpu")
     raise CollectiveDeviceError(
         f"the process group's backend ({dist.get_backend()}) serves {', '.join(sorted(served))}, "
-        f"but the model computes on {device}; launch with a backend that serves it (nccl for cuda, gloo for cpu)")
+        f"but the model computes on {device}; launch with a backend that serves it (nccl for cuda, gloo for cpu)"
+    )
 
 
 # How long a collective may wait for the other ranks before the process group aborts it (and the run
@@ -110,12 +112,21 @@ def init_distributed(device_pref: str = "auto") -> DistEnv:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(**process_group_options(device))
-    env = DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device,
-                  comm_device=comm_device_for(device, served_device_types()), joined=True,
-                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    env = DistEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        device=device,
+        comm_device=comm_device_for(device, served_device_types()),
+        joined=True,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+    )
     if env.is_main:
-        print(f"process group: {dist.get_backend()}, {world} rank(s), model on {device}, "
-              f"collectives on {env.comm_device}", file=sys.stderr)
+        print(
+            f"process group: {dist.get_backend()}, {world} rank(s), model on {device}, "
+            f"collectives on {env.comm_device}",
+            file=sys.stderr,
+        )
     return env
 
 
@@ -125,7 +136,8 @@ def check_served(t: torch.Tensor, group=None) -> None:
     if t.device.type not in served:
         raise CollectiveDeviceError(
             f"collective on a {t.device.type} tensor, but the process group's backend ({dist.get_backend(group)}) "
-            f"serves only {', '.join(sorted(served))}")
+            f"serves only {', '.join(sorted(served))}"
+        )
 
 
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
@@ -163,15 +175,16 @@ def all_reduce_gradients(params, env: DistEnv, *, average: bool = True) -> None:
     params = [p for p in params if p.requires_grad]
     if not params:
         return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
-                      for p in params])
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
+    )
     flat = all_reduce_sum(flat, env)
     if average:
         flat /= env.world_size
     offset = 0
     for p in params:
         n = p.numel()
-        g = flat[offset:offset + n].view_as(p).to(p.dtype)
+        g = flat[offset : offset + n].view_as(p).to(p.dtype)
         if p.grad is None:
             p.grad = g.clone()
         else:

@@ -40,8 +40,9 @@ def _units(cfg: ModelConfig, seq_len: int, keys_per_query: float | None = None) 
     return static_u, layer_u, inj_u
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, depth: int, bptt_window: int | None,
-                    keys_per_query: float | None = None) -> float:
+def flops_per_token(
+    cfg: ModelConfig, seq_len: int, depth: int, bptt_window: int | None, keys_per_query: float | None = None
+) -> float:
     """FLOPs/token = 6 train_u + 2 fwd_u for one forward+backward at `depth` (design §5).
 
     `bptt_window` is the resolved window (`DepthConfig.effective_bptt_window()`; None = full BPTT).

@@ -33,9 +33,11 @@ class BatchLayout:
         if min(sizes) < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"invalid batch layout {self}")
         if self.global_rows % self.world_size:
-            raise ValueError(f"the run's microbatch of {self.global_rows} sequences over all ranks (train.micro_batch x "
-                             f"ranks when it started) does not split evenly over {self.world_size} ranks; resume on a "
-                             f"number of ranks that divides {self.global_rows}")
+            raise ValueError(
+                f"the run's microbatch of {self.global_rows} sequences over all ranks (train.micro_batch x "
+                f"ranks when it started) does not split evenly over {self.world_size} ranks; resume on a "
+                f"number of ranks that divides {self.global_rows}"
+            )
 
     @property
     def rank_rows(self) -> int:

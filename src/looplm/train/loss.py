@@ -48,16 +48,35 @@ def cross_entropy_sum(model, batch: Batch, depth: int, autocast, *, loss: str = 
     model's forward (bptt_window, state0, init, example_ids, attention, flex_options)."""
     with autocast:
         if loss == "chunked":
-            return model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions,
-                         targets=batch.targets, **forward_kw).ce_sum
+            return model(
+                batch.inputs,
+                depth,
+                doc_ids=batch.doc_ids,
+                positions=batch.positions,
+                targets=batch.targets,
+                **forward_kw,
+            ).ce_sum
         out = model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions, **forward_kw)
-    return F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
-def microbatch_loss(model, batch: Batch, depth: int, bptt_window, state0, autocast, attention: str = "sdpa", *,
-                    loss: str = "full", flex_options: dict | None = None) -> torch.Tensor:
+def microbatch_loss(
+    model,
+    batch: Batch,
+    depth: int,
+    bptt_window,
+    state0,
+    autocast,
+    attention: str = "sdpa",
+    *,
+    loss: str = "full",
+    flex_options: dict | None = None,
+) -> torch.Tensor:
     """The training loss of one microbatch: CE sum at `depth` with backprop window `bptt_window` from the
     initial state `state0`."""
     kw = {"flex_options": flex_options} if attention == "flex" else {}
-    return cross_entropy_sum(model, batch, depth, autocast, loss=loss, bptt_window=bptt_window, state0=state0,
-                             attention=attention, **kw)
+    return cross_entropy_sum(
+        model, batch, depth, autocast, loss=loss, bptt_window=bptt_window, state0=state0, attention=attention, **kw
+    )

@@ -34,8 +34,9 @@ def datasheet_peak(device_name: str, dtype: torch.dtype = torch.bfloat16) -> flo
     return None
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192,
-                        window_s: float = 0.25, windows: int = 8) -> dict:
+def measure_matmul_peak(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192, window_s: float = 0.25, windows: int = 8
+) -> dict:
     """Dense matmul FLOP/s of [n, n] @ [n, n] on `device`: `windows` timed windows of back-to-back
     matmuls, each at least `window_s` long (timed by CUDA events on a GPU, so host overhead and
     launch gaps do not count; by wall clock on a CPU). Returns best and median FLOP/s over the windows
@@ -64,5 +65,12 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat1
     reps = max(1, int(window_s / one + 0.999))
     seconds = [run(reps) for _ in range(windows)]
     rates = [2 * n**3 * reps / s for s in seconds]
-    return {"best": max(rates), "median": statistics.median(rates), "n": n, "reps_per_window": reps,
-            "windows": windows, "window_s": statistics.median(seconds), "timer": "cuda events" if cuda else "wall clock"}
+    return {
+        "best": max(rates),
+        "median": statistics.median(rates),
+        "n": n,
+        "reps_per_window": reps,
+        "windows": windows,
+        "window_s": statistics.median(seconds),
+        "timer": "cuda events" if cuda else "wall clock",
+    }

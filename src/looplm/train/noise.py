@@ -27,8 +27,9 @@ def noise_seed(seed: int, step: int, micro: int) -> int:
     return int(np.random.SeedSequence([seed, step, micro, 0x5EED]).generate_state(1)[0])
 
 
-def initial_state_noise(seed: int, step: int, micro: int, rows: range, seq_len: int, d_model: int,
-                        device: torch.device) -> torch.Tensor:
+def initial_state_noise(
+    seed: int, step: int, micro: int, rows: range, seq_len: int, d_model: int, device: torch.device
+) -> torch.Tensor:
     """Initial states s0 ~ N(0, 1/d) of global rows `rows` (a contiguous range) of a microbatch:
     [len(rows), seq_len, d_model] float32 on `device`."""
     if rows.step != 1 or rows.start < 0 or len(rows) < 1:

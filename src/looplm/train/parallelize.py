@@ -96,12 +96,14 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
             shard = env.local_world_size
             if env.world_size % shard:
                 raise UserError(f"hsdp: world size {env.world_size} is not a multiple of the ranks per node {shard}")
-            mesh = init_device_mesh(env.device.type, (env.world_size // shard, shard),
-                                    mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+            )
         # cast_forward_inputs=False: the residual stream and the recurrent state enter every block as they
         # are (fp32, as under DDP with autocast), not cast to bf16; autocast casts the matmul inputs
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
-                                  cast_forward_inputs=False)
+        mp = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False
+        )
         for block in blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)

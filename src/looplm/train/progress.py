@@ -35,8 +35,11 @@ class LineProgress:
 
     def _print(self) -> None:
         extra = "".join(f", {k}={v}" for k, v in self.postfix.items())
-        print(f"{self.desc}: step {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%){extra}",
-              file=self.file, flush=True)
+        print(
+            f"{self.desc}: step {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%){extra}",
+            file=self.file,
+            flush=True,
+        )
 
 
 def progress_bar(total: int, initial: int, desc: str, unit: str = "step"):

@@ -27,16 +27,27 @@ def count_params(cfg: ModelConfig) -> int:
         return sum(p.numel() for p in LoopedLM(cfg).parameters())
 
 
-def model_line(n_params: int, vocab: int, tokenizer, context: int, device, precision: str,
-               rows: int | None = None, world_size: int = 1, extra: str = "", label: str = "model") -> str:
+def model_line(
+    n_params: int,
+    vocab: int,
+    tokenizer,
+    context: int,
+    device,
+    precision: str,
+    rows: int | None = None,
+    world_size: int = 1,
+    extra: str = "",
+    label: str = "model",
+) -> str:
     """'model: 0.87 M params, vocab 258 (byte), context 256, device cpu, fp32'; `rows` (the training row
     length) is shown where it is shorter than the context, a padded vocabulary says how much is used."""
     used = tokenizer.vocab_size
     vocab_text = f"vocab {vocab:,} ({tokenizer.name}{f', {used:,} used' if used != vocab else ''})"
     ctx = f"context {context:,}" + (f" (rows of {rows:,})" if rows is not None and rows != context else "")
     where = f"device {device}" + (f" x {world_size} ranks" if world_size > 1 else "")
-    return ", ".join(filter(None, [f"{label}: {format_params(n_params)} params", vocab_text, ctx, extra, where,
-                                   precision]))
+    return ", ".join(
+        filter(None, [f"{label}: {format_params(n_params)} params", vocab_text, ctx, extra, where, precision])
+    )
 
 
 def precision_name(dtype: torch.dtype) -> str:
@@ -58,18 +69,21 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.0f} hours"
 
 
-def cpu_warning(cfg: ModelConfig, n_params: int, steps: int, tokens_per_step: int, flops_per_token: float,
-                device) -> str | None:
+def cpu_warning(
+    cfg: ModelConfig, n_params: int, steps: int, tokens_per_step: int, flops_per_token: float, device
+) -> str | None:
     """A warning line for a paper-size preset (S, M, L) about to train on a CPU, with the work its
     remaining `steps` are and how long that takes at CPU_FLOPS_PER_S; None otherwise."""
     name = preset_of(cfg)
     if torch.device(device).type != "cpu" or name not in PAPER_PRESETS or steps <= 0:
         return None
     flops = flops_per_token * tokens_per_step * steps
-    return (f"warning: preset {name} on a CPU: {steps:,} steps of a {format_params(n_params)}-parameter model "
-            f"({tokens_per_step:,} tokens a step, {flops:.1e} FLOPs) take about "
-            f"{_duration(flops / CPU_FLOPS_PER_S)} even at {CPU_FLOPS_PER_S / 1e12:g} TFLOP/s; use a GPU "
-            "(--train.device cuda) or the tiny preset")
+    return (
+        f"warning: preset {name} on a CPU: {steps:,} steps of a {format_params(n_params)}-parameter model "
+        f"({tokens_per_step:,} tokens a step, {flops:.1e} FLOPs) take about "
+        f"{_duration(flops / CPU_FLOPS_PER_S)} even at {CPU_FLOPS_PER_S / 1e12:g} TFLOP/s; use a GPU "
+        "(--train.device cuda) or the tiny preset"
+    )
 
 
 def tokenizer_warning(source: str, folder_tok, requested: str, bpe_vocab_size: int, requested_tok=None) -> str | None:
@@ -83,6 +97,8 @@ def tokenizer_warning(source: str, folder_tok, requested: str, bpe_vocab_size: i
     else:
         if requested_tok is not None and requested_tok.fingerprint() == folder_tok.fingerprint():
             return None
-        asked = (f"{requested}, vocabulary {requested_tok.vocab_size:,}" if requested_tok is not None else requested)
-    return (f"warning: data.source {source} is a `looplm tokenize` folder: the run uses its tokenizer "
-            f"({folder_tok.name}, vocabulary {folder_tok.vocab_size:,}), not data.tokenizer's ({asked})")
+        asked = f"{requested}, vocabulary {requested_tok.vocab_size:,}" if requested_tok is not None else requested
+    return (
+        f"warning: data.source {source} is a `looplm tokenize` folder: the run uses its tokenizer "
+        f"({folder_tok.name}, vocabulary {folder_tok.vocab_size:,}), not data.tokenizer's ({asked})"
+    )

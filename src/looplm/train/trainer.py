@@ -52,18 +52,36 @@ from looplm.train.startup import tokenizer_warning
 # batch is the checkpoint's, so train.micro_batch only bounds the rows of one forward on resume; a
 # run folder may be moved or copied (train.out_dir) and resumed where it lies.
 RESUMABLE_CHANGES = {
-    "train.resume", "train.progress", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
-    "train.eval_every", "train.eval_batches", "train.tensorboard", "train.wandb", "train.stop_after",
-    "train.device", "data.cache_dir", "train.compile", "train.attention", "train.activation_checkpointing",
-    "train.prefetch", "train.micro_batch", "train.async_checkpoint", "train.out_dir", "train.flex_kernel_options",
-    "train.cross_entropy", "train.steps",  # steps: a longer (or shorter) schedule, see Trainer._check_steps
+    "train.resume",
+    "train.progress",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.tensorboard",
+    "train.wandb",
+    "train.stop_after",
+    "train.device",
+    "data.cache_dir",
+    "train.compile",
+    "train.attention",
+    "train.activation_checkpointing",
+    "train.prefetch",
+    "train.micro_batch",
+    "train.async_checkpoint",
+    "train.out_dir",
+    "train.flex_kernel_options",
+    "train.cross_entropy",
+    "train.steps",  # steps: a longer (or shorter) schedule, see Trainer._check_steps
     "train.parallel",  # where the checkpoint's form loads, see Trainer._check_form
 }
 RESUMABLE_PREFIXES = ("eval.",)
 
 
-def refuse_rank0_preparation(world_size: int, d: DataConfig, *, seed: int, tokenizer: Tokenizer | None,
-                             resumed: bool = False) -> None:
+def refuse_rank0_preparation(
+    world_size: int, d: DataConfig, *, seed: int, tokenizer: Tokenizer | None, resumed: bool = False
+) -> None:
     """Refuse (a UserError naming the `looplm tokenize` command) a run on several ranks whose rank 0
     would first train a BPE tokenizer on the corpus (`tokenizer` None) or tokenize it into the token
     cache: the other ranks would wait in a collective that times out (LOOPLM_DIST_TIMEOUT_S, 600 s)
@@ -71,18 +89,29 @@ def refuse_rank0_preparation(world_size: int, d: DataConfig, *, seed: int, token
     (generated or read in seconds) pass, as does a corpus whose cache an earlier run built."""
     if world_size == 1 or d.source in ("tasks", *CORPORA) or is_pretokenized(d.source):
         return
-    kw = dict(holdout=d.holdout, cache_dir=d.cache_dir, text_field=d.text_field, task_config=d.tasks,
-              n_task_examples=d.n_task_examples, seed=seed)
+    kw = dict(
+        holdout=d.holdout,
+        cache_dir=d.cache_dir,
+        text_field=d.text_field,
+        task_config=d.tasks,
+        n_task_examples=d.n_task_examples,
+        seed=seed,
+    )
     if tokenizer is not None and caches_ready(d.source, tokenizer, **kw):
         return
     src = str(d.source)
     if resumed:  # the run's data.source stays; only the cache can be built (or found) elsewhere
-        raise UserError(f"data.source {src} on {world_size} ranks: its token cache is not in data.cache_dir "
-                        f"{d.cache_dir}, and rank 0 would tokenize the corpus while the other ranks wait in a collective "
-                        "that times out; resume once on one process to build it, or point --data.cache-dir at the "
-                        "cache the run was started with")
-    out = (src.removeprefix("hf:").replace("/", "-").replace(":", "-") if src.startswith("hf:")
-           else str(Path(src).with_suffix(""))) + "-tokenized"
+        raise UserError(
+            f"data.source {src} on {world_size} ranks: its token cache is not in data.cache_dir "
+            f"{d.cache_dir}, and rank 0 would tokenize the corpus while the other ranks wait in a collective "
+            "that times out; resume once on one process to build it, or point --data.cache-dir at the "
+            "cache the run was started with"
+        )
+    out = (
+        src.removeprefix("hf:").replace("/", "-").replace(":", "-")
+        if src.startswith("hf:")
+        else str(Path(src).with_suffix(""))
+    ) + "-tokenized"
     cmd = ["looplm", "tokenize", src, out, "--tokenizer", str(d.tokenizer)]
     if d.tokenizer == "bpe":
         cmd += ["--bpe-vocab-size", str(d.bpe_vocab_size)]
@@ -91,9 +120,11 @@ def refuse_rank0_preparation(world_size: int, d: DataConfig, *, seed: int, token
         cmd += ["--text-field", d.text_field]
     cmd += ["--seed", str(seed)]
     work = "train the BPE tokenizer on and tokenize" if tokenizer is None else "tokenize"
-    raise UserError(f"data.source {src} on {world_size} ranks: rank 0 would {work} the corpus while the other ranks "
-                    f"wait in a collective that times out; tokenize it once with `{shlex.join(cmd)}` and train with "
-                    f"--data.source {shlex.quote(out)}")
+    raise UserError(
+        f"data.source {src} on {world_size} ranks: rank 0 would {work} the corpus while the other ranks "
+        f"wait in a collective that times out; tokenize it once with `{shlex.join(cmd)}` and train with "
+        f"--data.source {shlex.quote(out)}"
+    )
 
 
 def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -171,9 +202,14 @@ class Trainer:
         self.layout = self._plan_layout(resume_from)
         saved_tok = load_tokenizer(resume_from) if resume_from else None
         self._warn_cpu(saved_tok)  # before the tokenizer, data and model are built, which may take long
-        refuse_rank0_preparation(self.env.world_size, d, seed=t.seed, tokenizer=saved_tok or (
-            None if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, d.bpe_vocab_size)),
-        resumed=resume_from is not None)
+        refuse_rank0_preparation(
+            self.env.world_size,
+            d,
+            seed=t.seed,
+            tokenizer=saved_tok
+            or (None if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, d.bpe_vocab_size)),
+            resumed=resume_from is not None,
+        )
         self.tokenizer = saved_tok or self._build_tokenizer()
         m.vocab_size = vocab_size_for(m.vocab_size, self.tokenizer.vocab_size)
         self.train_data, self.val_data = self._build_data()
@@ -190,15 +226,25 @@ class Trainer:
         P.apply_activation_checkpointing(self.model, t.activation_checkpointing)
         if self.compiled:
             P.apply_compile(self.model)
-        self.wrapped = P.wrap_model(self.model, self.env, t.parallel,
-                                    param_dtype=self.dtype if self.dtype != torch.float32 else None)
+        self.wrapped = P.wrap_model(
+            self.model, self.env, t.parallel, param_dtype=self.dtype if self.dtype != torch.float32 else None
+        )
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+            param_groups(self.model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=1e-8,
             fused=self.env.device.type == "cuda",
         )
-        self.checkpointer = Checkpointer(self.ckpt_root, self.env, self.model, self.optimizer,
-                                         sharded=is_sharded_run(self.env, t.parallel), async_save=t.async_checkpoint,
-                                         keep=t.keep_checkpoints)
+        self.checkpointer = Checkpointer(
+            self.ckpt_root,
+            self.env,
+            self.model,
+            self.optimizer,
+            sharded=is_sharded_run(self.env, t.parallel),
+            async_save=t.async_checkpoint,
+            keep=t.keep_checkpoints,
+        )
         self.recompiles_baseline: int | None = None  # graphs compiled by the end of warm-up
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="looplm-batches") if t.prefetch else None
         self._prefetched: tuple[int, Future] | None = None
@@ -207,8 +253,9 @@ class Trainer:
         self.tokens_seen = 0
         self.flops_seen = 0.0
         self.elapsed = 0.0
-        self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=t.tensorboard,
-                                    wandb=t.wandb, config=job.to_dict())
+        self.logger = MetricsLogger(
+            self.out_dir, enabled=self.env.is_main, tensorboard=t.tensorboard, wandb=t.wandb, config=job.to_dict()
+        )
         if resume_from:
             self._load(resume_from)
             self.logger.truncate_after(self.step)
@@ -218,22 +265,30 @@ class Trainer:
     def _validate(self) -> None:
         j = self.job
         if not isinstance(j.data.source, str):  # the paper-size presets have no default corpus
-            raise UserError("data.source is required for this preset: give your corpus with --data.source (a "
-                            "`looplm tokenize` folder, text files, a .jsonl or hf:<name>)")
+            raise UserError(
+                "data.source is required for this preset: give your corpus with --data.source (a "
+                "`looplm tokenize` folder, text files, a .jsonl or hf:<name>)"
+            )
         if j.model.vocab_size < 0:
             raise UserError(f"model.vocab_size must be >= 0 (0: the tokenizer's size), got {j.model.vocab_size}")
         dataclasses.replace(j.model, vocab_size=j.model.vocab_size or 1).validate()  # 0 is resolved later
         if j.data.seq_len > j.model.max_seq_len:
-            raise UserError(f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}")
+            raise UserError(
+                f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}"
+            )
         for name in ("steps", "micro_batch", "grad_accum"):
             if getattr(j.train, name) < 1:
                 raise UserError(f"train.{name} must be >= 1")
         t = j.train
-        for name, ok, rule in (("lr", lambda v: v > 0, "> 0"), ("warmup_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
-                               ("decay_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
-                               ("weight_decay", lambda v: v >= 0, ">= 0"), ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-                               ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-                               ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables)")):
+        for name, ok, rule in (
+            ("lr", lambda v: v > 0, "> 0"),
+            ("warmup_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("decay_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("weight_decay", lambda v: v >= 0, ">= 0"),
+            ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables)"),
+        ):
             if not ok(getattr(t, name)):
                 raise UserError(f"train.{name} must be {rule}, got {getattr(t, name):g}")
         if t.warmup_frac + t.decay_frac > 1:
@@ -244,8 +299,10 @@ class Trainer:
         if j.model.max_depth < j.depth.cap:
             raise UserError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
         if j.train.attention == "flex" and D.resolve_device(j.train.device).type != "cuda":
-            raise UserError("train.attention flex: FlexAttention has no backward on CPU in torch; "
-                            "train with --train.attention sdpa (or auto) on CPU")
+            raise UserError(
+                "train.attention flex: FlexAttention has no backward on CPU in torch; "
+                "train with --train.attention sdpa (or auto) on CPU"
+            )
         parse_kernel_options(j.train.flex_kernel_options)
         out = Path(j.train.out_dir)
         for p in (out, *out.parents):  # the first that exists must be a folder (mkdir fails on a file)
@@ -261,8 +318,10 @@ class Trainer:
                 print(f"--train.resume: {self.out_dir} holds no checkpoint; starting a new run there", file=sys.stderr)
             return None
         if not self.job.train.resume:
-            raise UserError(f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
-                            f"or choose another --train.out-dir")
+            raise UserError(
+                f"{self.out_dir} already holds checkpoints; pass --train.resume to continue "
+                f"or choose another --train.out-dir"
+            )
         path = self.ckpt_root / latest.read_text().strip()
         self._check_form(path)
         verify_checkpoint(path, self.env)
@@ -278,9 +337,14 @@ class Trainer:
         source = now["data"]["source"]
         if source != saved["data"]["source"] and absolute_source(str(source)) == record.source:
             now["data"]["source"] = saved["data"]["source"]
-            self.job = dataclasses.replace(self.job, data=dataclasses.replace(self.job.data,
-                                                                             source=saved["data"]["source"]))
-        diffs = [d for d in flat_diff(saved, now) if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)]
+            self.job = dataclasses.replace(
+                self.job, data=dataclasses.replace(self.job.data, source=saved["data"]["source"])
+            )
+        diffs = [
+            d
+            for d in flat_diff(saved, now)
+            if d.split(":")[0] not in RESUMABLE_CHANGES and not d.startswith(RESUMABLE_PREFIXES)
+        ]
         if diffs:
             raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
         done = ckpt.read_json(path, "trainer_state.json")["step"]
@@ -314,9 +378,12 @@ class Trainer:
         cfg = dataclasses.replace(m, vocab_size=m.vocab_size or vocab)
         end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
         done = self._saved["step"] if self._saved else 0
-        flops = expected_flops_per_token(cfg, d.seq_len, build_sampler(self.job.depth).pmf(), self.job.depth.bptt_window)
-        line = cpu_warning(cfg, count_params(cfg), end - done, self.layout.global_batch * d.seq_len, flops,
-                           self.env.device)
+        flops = expected_flops_per_token(
+            cfg, d.seq_len, build_sampler(self.job.depth).pmf(), self.job.depth.bptt_window
+        )
+        line = cpu_warning(
+            cfg, count_params(cfg), end - done, self.layout.global_batch * d.seq_len, flops, self.env.device
+        )
         if line:
             print(line, file=sys.stderr, flush=True)
 
@@ -329,7 +396,8 @@ class Trainer:
             raise ckpt.CheckpointError(
                 f"{path} is sharded (FSDP2/HSDP), which DDP ranks do not read: write it in the single-file form "
                 f"with `looplm consolidate {run} {run}-consolidated` and resume with --train.out-dir "
-                f"{run}-consolidated, or resume with --train.parallel fsdp")
+                f"{run}-consolidated, or resume with --train.parallel fsdp"
+            )
 
     def _check_steps(self, saved_steps: int, done: int) -> None:
         """A resume may train longer or shorter than its checkpoint's run planned, not shorter than it has
@@ -337,14 +405,18 @@ class Trainer:
         where the run resumes."""
         steps = self.job.train.steps
         if steps < done:
-            raise UserError(f"train.steps {steps} is below the checkpoint's step {done}: resume with "
-                            f"--train.steps {done} or more")
+            raise UserError(
+                f"train.steps {steps} is below the checkpoint's step {done}: resume with --train.steps {done} or more"
+            )
         if self.env.is_main:
             print(f"resuming {self.out_dir} from step {done} (of {steps})", flush=True)
         if steps != saved_steps and self.env.is_main:
             what = "extending" if steps > saved_steps else "shortening"
-            print(f"{what} the run from {saved_steps} to {steps} steps: the learning-rate schedule is recomputed "
-                  f"for {steps} steps", flush=True)
+            print(
+                f"{what} the run from {saved_steps} to {steps} steps: the learning-rate schedule is recomputed "
+                f"for {steps} steps",
+                flush=True,
+            )
 
     def _plan_layout(self, resume_from: Path | None) -> BatchLayout:
         """The global batch over this run's ranks: a fresh run's micro_batch x ranks sequences per
@@ -357,8 +429,11 @@ class Trainer:
             global_rows = state.get("global_micro_batch", saved.micro_batch * state.get("world_size", 1))
         layout = BatchLayout(global_rows, t.grad_accum, env.world_size, env.rank, t.micro_batch)
         if resume_from is not None and env.is_main and (layout.rank_rows, len(layout.forwards())) != (t.micro_batch, 1):
-            print(f"global batch {layout.global_rows} x {layout.grad_accum} sequences: {layout.rank_rows} per rank "
-                  f"per microbatch, in forwards of {'/'.join(str(len(f)) for f in layout.forwards())}", flush=True)
+            print(
+                f"global batch {layout.global_rows} x {layout.grad_accum} sequences: {layout.rank_rows} per rank "
+                f"per microbatch, in forwards of {'/'.join(str(len(f)) for f in layout.forwards())}",
+                flush=True,
+            )
         return layout
 
     def _build_tokenizer(self) -> Tokenizer:
@@ -372,17 +447,35 @@ class Trainer:
             return tok
 
         def corpus():
-            return (doc.text for doc in iter_documents(d.source, text_field=d.text_field, task_config=d.tasks,
-                                                         n_task_examples=d.n_task_examples, seed=self.job.train.seed))
+            return (
+                doc.text
+                for doc in iter_documents(
+                    d.source,
+                    text_field=d.text_field,
+                    task_config=d.tasks,
+                    n_task_examples=d.n_task_examples,
+                    seed=self.job.train.seed,
+                )
+            )
 
-        tok = build_tokenizer(d.tokenizer, corpus if self.env.is_main else None, d.bpe_vocab_size) \
-            if (self.env.is_main or d.tokenizer != "bpe") else None
+        tok = (
+            build_tokenizer(d.tokenizer, corpus if self.env.is_main else None, d.bpe_vocab_size)
+            if (self.env.is_main or d.tokenizer != "bpe")
+            else None
+        )
         return D.broadcast_object(tok, self.env) if d.tokenizer == "bpe" else tok
 
     def _build_data(self) -> tuple[PackedDataset, PackedDataset]:
         d = self.data
-        kw = dict(seq_len=d.seq_len, holdout=d.holdout, cache_dir=d.cache_dir, text_field=d.text_field,
-                  task_config=d.tasks, n_task_examples=d.n_task_examples, seed=self.job.train.seed)
+        kw = dict(
+            seq_len=d.seq_len,
+            holdout=d.holdout,
+            cache_dir=d.cache_dir,
+            text_field=d.text_field,
+            task_config=d.tasks,
+            n_task_examples=d.n_task_examples,
+            seed=self.job.train.seed,
+        )
         if self.env.is_main:  # one process tokenizes; the others open the finished cache
             data = build_datasets(d.source, self.tokenizer, **kw)
         D.barrier(self.env)
@@ -395,15 +488,21 @@ class Trainer:
         """Initial states N(0, 1/d) of global rows `rows` of the microbatch (design §2)."""
         return initial_state_noise(self.job.train.seed, step, micro, rows, L, self.job.model.d_model, self.env.device)
 
-    def _host_batch(self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int) -> list[tuple[range, Batch]]:
+    def _host_batch(
+        self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int
+    ) -> list[tuple[range, Batch]]:
         """This rank's rows of a global microbatch as (global rows, batch) per forward, on the host
         (pinned when feeding a GPU)."""
         idx = batch_indices(len(data), step, micro, self.layout.global_rows, n_micro, seed)
         out = []
         for rows in self.layout.forwards():
-            batch = data.get_batch(idx[rows.start:rows.stop])
-            out.append((rows, Batch(*(x.pin_memory() for x in vars(batch).values()))
-                        if self.env.device.type == "cuda" else batch))
+            batch = data.get_batch(idx[rows.start : rows.stop])
+            out.append(
+                (
+                    rows,
+                    Batch(*(x.pin_memory() for x in vars(batch).values())) if self.env.device.type == "cuda" else batch,
+                )
+            )
         return out
 
     def _host_step_batches(self, step: int) -> list[list[tuple[range, Batch]]]:
@@ -421,8 +520,17 @@ class Trainer:
         return host
 
     def _loss(self, batch: Batch, depth: int, bptt_window, state0) -> torch.Tensor:
-        return microbatch_loss(self.wrapped, batch, depth, bptt_window, state0, self._autocast(), self.attention,
-                               loss=self.loss_kind, flex_options=self.flex_options)
+        return microbatch_loss(
+            self.wrapped,
+            batch,
+            depth,
+            bptt_window,
+            state0,
+            self._autocast(),
+            self.attention,
+            loss=self.loss_kind,
+            flex_options=self.flex_options,
+        )
 
     def _autocast(self):
         return torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
@@ -452,13 +560,21 @@ class Trainer:
         stats = D.all_reduce_sum(stats, env).cpu()
         for depth, (loss_sum, n) in zip(depths, stats.tolist()):
             self.sampler.observe(depth, loss_sum, int(n))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf")
+        )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.depth_metrics = self.sampler.update()
         self.step += 1
         loss = float(stats[:, 0].sum() / max(stats[:, 1].sum(), 1))
-        return StepResult(loss, depths, int(stats[:, 1].sum()), float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), lr)
+        return StepResult(
+            loss,
+            depths,
+            int(stats[:, 1].sum()),
+            float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            lr,
+        )
 
     @torch.no_grad()
     def evaluate(self, depth: int | None = None) -> float:
@@ -472,11 +588,20 @@ class Trainer:
                 n_targets += host.n_targets
                 batch = host.to(self.env.device, non_blocking=True)
                 kw = {"flex_options": self.flex_options} if self.attention == "flex" else {}
-                ce_sum += cross_entropy_sum(self.wrapped, batch, depth, self._autocast(), loss=self.loss_kind,
-                                            init="seeded", example_ids=batch.example_ids, attention=self.attention,
-                                            **kw).double()
-        total = D.all_reduce_sum(torch.stack([ce_sum, torch.tensor(float(n_targets), dtype=torch.float64,
-                                                                   device=self.env.device)]), self.env).tolist()
+                ce_sum += cross_entropy_sum(
+                    self.wrapped,
+                    batch,
+                    depth,
+                    self._autocast(),
+                    loss=self.loss_kind,
+                    init="seeded",
+                    example_ids=batch.example_ids,
+                    attention=self.attention,
+                    **kw,
+                ).double()
+        total = D.all_reduce_sum(
+            torch.stack([ce_sum, torch.tensor(float(n_targets), dtype=torch.float64, device=self.env.device)]), self.env
+        ).tolist()
         return float(total[0] / max(total[1], 1))
 
     def warm_up_compile(self) -> None:
@@ -504,8 +629,16 @@ class Trainer:
         """One line on the model and where it trains, e.g. 'model: 0.87 M params, vocab 258 (byte),
         context 256, device cpu, fp32'."""
         m = self.job.model
-        return model_line(self.n_params, m.vocab_size, self.tokenizer, m.max_seq_len, self.env.device,
-                          precision_name(self.dtype), rows=self.job.data.seq_len, world_size=self.env.world_size)
+        return model_line(
+            self.n_params,
+            m.vocab_size,
+            self.tokenizer,
+            m.max_seq_len,
+            self.env.device,
+            precision_name(self.dtype),
+            rows=self.job.data.seq_len,
+            world_size=self.env.world_size,
+        )
 
     def depth_summary(self) -> str:
         """One line naming the depth sampler and the backprop window it trains with (design §3),
@@ -546,8 +679,9 @@ class Trainer:
             t0 = time.perf_counter()
             self.warm_up_compile()
             if bar is not None:
-                bar.write(f"compiled blocks and injection in {time.perf_counter() - t0:.1f} s "
-                          f"({P.compiled_graphs()} graphs)")
+                bar.write(
+                    f"compiled blocks and injection in {time.perf_counter() - t0:.1f} s ({P.compiled_graphs()} graphs)"
+                )
         tokens_before = self.tokens_seen
         try:
             last = self._loop(end, bar, tokens_per_step)
@@ -557,9 +691,15 @@ class Trainer:
         self._close(bar)
         if env.is_main and isinstance(self.sampler, LearnedDepthPrior):
             plot_prior(self.logger.path, self.out_dir / "depth_prior.png", title=str(self.out_dir))
-        return {"step": self.step, "start_step": self.start_step, "checkpoint": str(last or self.latest_checkpoint()),
-                "out_dir": str(self.out_dir), "tokens": self.tokens_seen, "session_tokens": self.tokens_seen - tokens_before,
-                "elapsed_s": self.elapsed}
+        return {
+            "step": self.step,
+            "start_step": self.start_step,
+            "checkpoint": str(last or self.latest_checkpoint()),
+            "out_dir": str(self.out_dir),
+            "tokens": self.tokens_seen,
+            "session_tokens": self.tokens_seen - tokens_before,
+            "elapsed_s": self.elapsed,
+        }
 
     def _close(self, bar, wait: bool = True) -> None:
         """End the session: the asynchronous checkpoint in flight committed, the bar, prefetch thread and
@@ -587,8 +727,10 @@ class Trainer:
             dt = time.perf_counter() - t0
             self.elapsed += dt
             self.tokens_seen += tokens_per_step
-            step_flops = mean_flops_per_token(self.job.model, self.job.data.seq_len, res.depths,
-                                              self.job.depth.bptt_window) * tokens_per_step
+            step_flops = (
+                mean_flops_per_token(self.job.model, self.job.data.seq_len, res.depths, self.job.depth.bptt_window)
+                * tokens_per_step
+            )
             self.flops_seen += step_flops
             window_tokens += tokens_per_step
             window_depths += res.depths
@@ -596,18 +738,30 @@ class Trainer:
                 raise FloatingPointError(f"non-finite loss at step {self.step}; lower --train.lr")
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", R=",".join(map(str, res.depths)))
+                bar.set_postfix(
+                    loss=f"{res.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", R=",".join(map(str, res.depths))
+                )
             if self.step % t.log_every == 0 or self.step == end:
                 now = time.perf_counter()
                 rate = window_tokens / max(now - window_t, 1e-9)
                 record = {
-                    "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "depths": res.depths,
-                    "mean_depth_window": float(np.mean(window_depths)), "tokens": self.tokens_seen,
-                    "tokens_per_s": rate, "flops": self.flops_seen,
-                    "model_tflops_per_s": rate * mean_flops_per_token(self.job.model, self.job.data.seq_len, window_depths, self.job.depth.bptt_window) / 1e12,
+                    "loss": res.loss,
+                    "lr": res.lr,
+                    "grad_norm": res.grad_norm,
+                    "depths": res.depths,
+                    "mean_depth_window": float(np.mean(window_depths)),
+                    "tokens": self.tokens_seen,
+                    "tokens_per_s": rate,
+                    "flops": self.flops_seen,
+                    "model_tflops_per_s": rate
+                    * mean_flops_per_token(
+                        self.job.model, self.job.data.seq_len, window_depths, self.job.depth.bptt_window
+                    )
+                    / 1e12,
                     # over the current pmf: a learned prior moves it every update (design §5)
                     "expected_flops_per_token": expected_flops_per_token(
-                        self.job.model, self.job.data.seq_len, self.sampler.pmf(), self.job.depth.bptt_window),
+                        self.job.model, self.job.data.seq_len, self.sampler.pmf(), self.job.depth.bptt_window
+                    ),
                     "elapsed_s": self.elapsed,
                 }
                 if self.compiled:
@@ -633,16 +787,21 @@ class Trainer:
         """Write a checkpoint of the current step (atomically; see `looplm.train.checkpointing` for the
         single-file and sharded forms); every rank must call it."""
         state = {
-            "step": self.step, "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen,
-            "elapsed_s": self.elapsed, "sampler": self.sampler.state_dict(), "world_size": self.env.world_size,
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "flops_seen": self.flops_seen,
+            "elapsed_s": self.elapsed,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.env.world_size,
             "global_micro_batch": self.layout.global_rows,  # the data position is (step, this, grad_accum)
         }
 
         def write_files(tmp: Path) -> None:
             ckpt.write_json(tmp, "config.json", self.job.to_dict())
             # the data as this run resolved it (config.json keeps the job as given)
-            ckpt.write_data_record(tmp, DataRecord.from_job({**self.job.to_dict(),
-                                                             "data": jsonable(dataclasses.asdict(self.data))}))
+            ckpt.write_data_record(
+                tmp, DataRecord.from_job({**self.job.to_dict(), "data": jsonable(dataclasses.asdict(self.data))})
+            )
             self.tokenizer.save(tmp)
 
         return self.checkpointer.save(self.step, state, write_files)

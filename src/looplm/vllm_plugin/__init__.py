@@ -43,22 +43,29 @@ class LoopedConfigHook:
         par = vllm_config.parallel_config
         check_servable(hf, tensor_parallel=par.tensor_parallel_size, pipeline_parallel=par.pipeline_parallel_size)
         if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
-            raise Refused("prompt embeddings (enable_prompt_embeds) are not served by the looplm vLLM plugin: its "
-                          "initial state and value embeddings are functions of the token ids; pass token ids or text")
+            raise Refused(
+                "prompt embeddings (enable_prompt_embeds) are not served by the looplm vLLM plugin: its "
+                "initial state and value embeddings are functions of the token ids; pass token ids or text"
+            )
         if vllm_config.speculative_config is not None:
-            raise Refused("speculative decoding (speculative_config) is not served by the looplm vLLM plugin: its "
-                          "verify chunk runs the draft tokens together, which under the terminal cache is not what "
-                          "decoding them one at a time computes; serve without a speculative config")
+            raise Refused(
+                "speculative decoding (speculative_config) is not served by the looplm vLLM plugin: its "
+                "verify chunk runs the draft tokens together, which under the terminal cache is not what "
+                "decoding them one at a time computes; serve without a speculative config"
+            )
         from vllm.logger import init_logger
 
         log = init_logger("vllm.looplm_plugin")
         sched, max_len = vllm_config.scheduler_config, vllm_config.model_config.max_model_len
         if sched.enable_chunked_prefill or sched.max_num_batched_tokens < max_len or sched.long_prefill_token_threshold:
             budget = max(sched.max_num_batched_tokens, max_len)
-            log.info("looplm: chunked prefill is off, max_num_batched_tokens=%d (was %d): each prompt prefills as "
-                     "one chunk, since under the terminal cache where a prompt is cut changes its K/V and outputs, "
-                     "and vLLM cuts it where a step's token budget runs out, which depends on the other requests",
-                     budget, sched.max_num_batched_tokens)
+            log.info(
+                "looplm: chunked prefill is off, max_num_batched_tokens=%d (was %d): each prompt prefills as "
+                "one chunk, since under the terminal cache where a prompt is cut changes its K/V and outputs, "
+                "and vLLM cuts it where a step's token budget runs out, which depends on the other requests",
+                budget,
+                sched.max_num_batched_tokens,
+            )
             sched.enable_chunked_prefill = False
             sched.long_prefill_token_threshold = 0  # it would cut a long prompt even without chunked prefill
             sched.max_num_batched_tokens = budget
@@ -70,7 +77,8 @@ class LoopedConfigHook:
             vllm_config.cache_config.enable_prefix_caching = False
             log.info(
                 "looplm: prefix caching is off (a cached block holds the terminal K/V its tokens got when written, "
-                "not what a fresh prefill computes); --hf-overrides '{\"allow_prefix_caching\": true}' turns it on")
+                "not what a fresh prefill computes); --hf-overrides '{\"allow_prefix_caching\": true}' turns it on"
+            )
 
 
 def register() -> None:

@@ -57,12 +57,38 @@ from looplm.vllm_plugin import token_roles
 STACKS = ("prelude", "core", "coda")
 # Every ModelConfig switch this module implements. A field added to ModelConfig later is refused at load
 # (unless it has its default value) until it is implemented here, so a model never serves differently.
-IMPLEMENTED = frozenset({
-    "vocab_size", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "n_prelude", "n_core", "n_coda", "max_seq_len",
-    "injection", "rope_base", "norm_eps", "ortho_eps", "max_depth", "block_norm", "qk_bias", "embed_scale",
-    "tie_embeddings", "exit_norm", "post_loop_norm", "head_norm", "state_init", "state_std", "exit_gate",
-    "ffn_act", "qk_norm", "value_embeds", "coda_proj",
-})
+IMPLEMENTED = frozenset(
+    {
+        "vocab_size",
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_dim",
+        "n_prelude",
+        "n_core",
+        "n_coda",
+        "max_seq_len",
+        "injection",
+        "rope_base",
+        "norm_eps",
+        "ortho_eps",
+        "max_depth",
+        "block_norm",
+        "qk_bias",
+        "embed_scale",
+        "tie_embeddings",
+        "exit_norm",
+        "post_loop_norm",
+        "head_norm",
+        "state_init",
+        "state_std",
+        "exit_gate",
+        "ffn_act",
+        "qk_norm",
+        "value_embeds",
+        "coda_proj",
+    }
+)
 
 
 class Refused(ValueError):
@@ -83,30 +109,41 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
     default = ModelConfig()
     for f in dataclasses.fields(ModelConfig):
         if f.name not in IMPLEMENTED and getattr(cfg, f.name) != getattr(default, f.name):
-            raise Refused(f"model switch {f.name}={getattr(cfg, f.name)!r} is not implemented by the looplm vLLM "
-                          "plugin; serve this model with `looplm serve`")
+            raise Refused(
+                f"model switch {f.name}={getattr(cfg, f.name)!r} is not implemented by the looplm vLLM "
+                "plugin; serve this model with `looplm serve`"
+            )
     if getattr(hf_config, "cache_kind", "terminal") != "terminal":
-        raise Refused(f"cache_kind={hf_config.cache_kind!r}: the vLLM plugin serves the terminal cache only "
-                      "(one KV bank per physical layer); export with --cache terminal or override "
-                      "--hf-overrides '{\"cache_kind\": \"terminal\"}'")
+        raise Refused(
+            f"cache_kind={hf_config.cache_kind!r}: the vLLM plugin serves the terminal cache only "
+            "(one KV bank per physical layer); export with --cache terminal or override "
+            '--hf-overrides \'{"cache_kind": "terminal"}\''
+        )
     pre, tau = getattr(hf_config, "prefill_steps", None), getattr(hf_config, "exit_tau", None)
     try:  # looplm's one depth rule, its settings named by their config keys
-        rule = DepthRule(getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1) if tau is not None else 1)
+        rule = DepthRule(
+            getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1) if tau is not None else 1
+        )
         rule.check(cfg.max_depth, what="the config's max_depth", spelling=CONFIG_KEYS)
     except UserError as err:
         raise Refused(str(err)) from None
     depth = rule.depth
     q = getattr(hf_config, "exit_gate_threshold", None)
     if q is not None and (not cfg.exit_gate or not 0 <= q <= 1):
-        raise Refused(f"exit_gate_threshold={q} needs a model with an exit gate (exit_gate=True) and a "
-                      "probability in [0, 1]")
+        raise Refused(
+            f"exit_gate_threshold={q} needs a model with an exit gate (exit_gate=True) and a probability in [0, 1]"
+        )
     if q is not None and (tau is not None or (pre is not None and pre != depth)):
-        raise Refused("exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth for every "
-                      "token, as looplm's DepthPlan does: it takes no exit_tau and no prefill_steps different "
-                      "from num_steps")
+        raise Refused(
+            "exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth for every "
+            "token, as looplm's DepthPlan does: it takes no exit_tau and no prefill_steps different "
+            "from num_steps"
+        )
     if pipeline_parallel != 1:
-        raise Refused("pipeline parallelism is not supported by the looplm vLLM plugin (the shared core runs "
-                      "every recurrence on one stage); use tensor parallelism")
+        raise Refused(
+            "pipeline parallelism is not supported by the looplm vLLM plugin (the shared core runs "
+            "every recurrence on one stage); use tensor parallelism"
+        )
     if cfg.n_kv_heads % tensor_parallel:
         raise Refused(f"tensor parallel size {tensor_parallel} must divide n_kv_heads={cfg.n_kv_heads}")
     return cfg
@@ -162,24 +199,39 @@ class LoopedAttention(nn.Module):
         self.q_size, self.kv_size = self.n_heads * hd, self.n_kv_heads * hd
         self.rank, self.tp = rank, tp
         self.qk_norm = cfg.qk_norm
-        self.qkv = QKVParallelLinear(cfg.d_model, hd, cfg.n_heads, cfg.n_kv_heads, bias=False,
-                                     quant_config=quant_config, prefix=f"{prefix}.qkv")
-        self.wo = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, bias=False, quant_config=quant_config,
-                                    prefix=f"{prefix}.wo")
+        self.qkv = QKVParallelLinear(
+            cfg.d_model, hd, cfg.n_heads, cfg.n_kv_heads, bias=False, quant_config=quant_config, prefix=f"{prefix}.qkv"
+        )
+        self.wo = RowParallelLinear(
+            cfg.n_heads * hd, cfg.d_model, bias=False, quant_config=quant_config, prefix=f"{prefix}.wo"
+        )
         self.q_bias = _sharded((cfg.n_heads * hd,), 0, tp, rank) if cfg.qk_bias else None
         self.k_bias = _sharded((cfg.n_kv_heads * hd,), 0, tp, rank) if cfg.qk_bias else None
         # value embeddings (design §14): gate rows and table columns split by kv head like K/V
         self.ve_gate = _sharded((cfg.n_kv_heads, VALUE_GATE_CHANNELS), 0, tp, rank) if value_embed else None
         self.ve_table = _sharded((cfg.vocab_size, cfg.n_kv_heads * hd), 1, tp, rank) if value_embed else None
-        self.attn = Attention(self.n_heads, hd, hd ** -0.5, num_kv_heads=self.n_kv_heads, cache_config=cache_config,
-                              quant_config=quant_config, prefix=f"{prefix}.attn")
+        self.attn = Attention(
+            self.n_heads,
+            hd,
+            hd**-0.5,
+            num_kv_heads=self.n_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+        )
 
     def local(self, full: torch.Tensor, per_rank: int) -> torch.Tensor:
         """This rank's columns of a tensor computed at full width (the DEQ-QKV offsets)."""
         return full if self.tp == 1 else full.narrow(-1, self.rank * per_rank, per_rank)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
-                offsets: tuple | None, terminal: TerminalKV | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        tokens: torch.Tensor,
+        offsets: tuple | None,
+        terminal: TerminalKV | None = None,
+    ) -> torch.Tensor:
         """The attention sublayer's output for x [T, d]: looplm's order of operations (`attention_inputs`),
         then vLLM's attention over its paged cache. `terminal` (per-token depth) substitutes a stopped
         token's last K/V for its new ones (see `TerminalKV`)."""
@@ -189,9 +241,21 @@ class LoopedAttention(nn.Module):
         if offsets is not None:  # DEQ-QKV: this rank's columns of the full-width offsets
             offsets = tuple(self.local(o, n) for o, n in zip(offsets, (self.q_size, self.kv_size, self.kv_size)))
         rows = F.embedding(tokens, self.ve_table) if self.ve_gate is not None else None
-        q, k, v = attention_inputs(x, q, k, v, rope, lambda t, n: t.view(T, n, self.head_dim), head_dim=self.head_dim,
-                                   qk_norm=self.qk_norm, q_bias=self.q_bias, k_bias=self.k_bias, gate=self.ve_gate,
-                                   value_rows=rows, offsets=offsets)
+        q, k, v = attention_inputs(
+            x,
+            q,
+            k,
+            v,
+            rope,
+            lambda t, n: t.view(T, n, self.head_dim),
+            head_dim=self.head_dim,
+            qk_norm=self.qk_norm,
+            q_bias=self.q_bias,
+            k_bias=self.k_bias,
+            gate=self.ve_gate,
+            value_rows=rows,
+            offsets=offsets,
+        )
         k, v = k.reshape(T, self.kv_size), v.reshape(T, self.kv_size)
         if terminal is not None:
             k, v = terminal(k, v)
@@ -207,13 +271,16 @@ class LoopedFFN(nn.Module):
         super().__init__()
         self.swiglu = cfg.ffn_act == "swiglu"
         if self.swiglu:
-            self.w13 = MergedColumnParallelLinear(cfg.d_model, [cfg.ffn_dim] * 2, bias=False,
-                                                  quant_config=quant_config, prefix=f"{prefix}.w13")
+            self.w13 = MergedColumnParallelLinear(
+                cfg.d_model, [cfg.ffn_dim] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.w13"
+            )
         else:
-            self.w1 = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, bias=False, quant_config=quant_config,
-                                           prefix=f"{prefix}.w1")
-        self.w2 = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias=False, quant_config=quant_config,
-                                    prefix=f"{prefix}.w2")
+            self.w1 = ColumnParallelLinear(
+                cfg.d_model, cfg.ffn_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.w1"
+            )
+        self.w2 = RowParallelLinear(
+            cfg.ffn_dim, cfg.d_model, bias=False, quant_config=quant_config, prefix=f"{prefix}.w2"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -232,15 +299,18 @@ class LoopedBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, value_embed: bool, prefix: str, cache_config, quant_config):
         super().__init__()
-        build_block(self, cfg, LoopedAttention(cfg, value_embed, f"{prefix}.attn", cache_config, quant_config),
-                    LoopedFFN(cfg, f"{prefix}.ffn", quant_config))
+        build_block(
+            self,
+            cfg,
+            LoopedAttention(cfg, value_embed, f"{prefix}.attn", cache_config, quant_config),
+            LoopedFFN(cfg, f"{prefix}.ffn", quant_config),
+        )
 
     def forward(self, x, rope, tokens, offsets=None, terminal=None):
         return block_forward(self, x, lambda a: self.attn(a, rope, tokens, offsets, terminal))
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0,
-                                         "inputs_embeds": 0})
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0})
 class LoopedLMForVLLM(nn.Module):
     """prelude -> (injection -> core) x num_steps -> coda -> logits over vLLM's flattened batch.
 
@@ -258,8 +328,7 @@ class LoopedLMForVLLM(nn.Module):
         super().__init__()
         hf = vllm_config.model_config.hf_config
         par = vllm_config.parallel_config
-        cfg = check_servable(hf, tensor_parallel=par.tensor_parallel_size,
-                             pipeline_parallel=par.pipeline_parallel_size)
+        cfg = check_servable(hf, tensor_parallel=par.tensor_parallel_size, pipeline_parallel=par.pipeline_parallel_size)
         self.cfg, self.depth = cfg, int(getattr(hf, "num_steps", 5))
         self.exit_threshold = getattr(hf, "exit_gate_threshold", None)
         pre = getattr(hf, "prefill_steps", None)
@@ -271,30 +340,43 @@ class LoopedLMForVLLM(nn.Module):
         self.loop_stats = {"forwards": 0, "recurrences": 0, "mixed": 0}
         if self.per_token:  # which tokens are the prompt's: the model-runner hook fills this buffer
             token_roles.install(vllm_config)
-            self.register_buffer(token_roles.ROLES_ATTRIBUTE, torch.zeros(
-                vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int8), persistent=False)
+            self.register_buffer(
+                token_roles.ROLES_ATTRIBUTE,
+                torch.zeros(vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int8),
+                persistent=False,
+            )
         cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, quant_config=quant_config,
-                                            prefix=maybe_prefix(prefix, "embed"))
+        self.embed = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.d_model, quant_config=quant_config, prefix=maybe_prefix(prefix, "embed")
+        )
         # one list of physical blocks: vLLM names each attention by a single layer index
         counts = {"prelude": cfg.n_prelude, "core": cfg.n_core, "coda": cfg.n_coda}
         self.first = {"prelude": 0, "core": cfg.n_prelude, "coda": cfg.n_prelude + cfg.n_core}
         self.layers = nn.ModuleList(
-            LoopedBlock(cfg, cfg.has_value_embed(i), maybe_prefix(prefix, f"layers.{self.first[stack] + i}"),
-                        cache_config, quant_config)
-            for stack in STACKS for i in range(counts[stack]))
+            LoopedBlock(
+                cfg,
+                cfg.has_value_embed(i),
+                maybe_prefix(prefix, f"layers.{self.first[stack] + i}"),
+                cache_config,
+                quant_config,
+            )
+            for stack in STACKS
+            for i in range(counts[stack])
+        )
         self.injection = build_injection(cfg)  # looplm's module, replicated on every rank
         self.coda_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False) if cfg.coda_proj else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.head_norm else nn.Identity()
         self.exit_gate = ExitGate(cfg.d_model) if cfg.exit_gate else None
-        self.head = ParallelLMHead(cfg.vocab_size, cfg.d_model, quant_config=quant_config, prefix=maybe_prefix(prefix, "head"))
+        self.head = ParallelLMHead(
+            cfg.vocab_size, cfg.d_model, quant_config=quant_config, prefix=maybe_prefix(prefix, "head")
+        )
         if cfg.tie_embeddings:
             self.head = self.head.tie_weights(self.embed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
 
     def stack(self, name: str) -> list[LoopedBlock]:
         n = {"prelude": self.cfg.n_prelude, "core": self.cfg.n_core, "coda": self.cfg.n_coda}[name]
-        return list(self.layers[self.first[name]:self.first[name] + n])
+        return list(self.layers[self.first[name] : self.first[name] + n])
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -304,17 +386,30 @@ class LoopedLMForVLLM(nn.Module):
         """s^0 [T, d] of `looplm generate` for a prompt alone: example id 0, seed 0 (design §2, §14)."""
         if self.cfg.state_init == "input":
             return e
-        s = initial_state("seeded", (1, e.shape[0], e.shape[1]), device=e.device, dtype=e.dtype,
-                          example_ids=torch.zeros(1, dtype=torch.long, device=e.device), positions=positions[None],
-                          std=self.cfg.state_std or None, truncate=self.cfg.state_init == "trunc-normal")
+        s = initial_state(
+            "seeded",
+            (1, e.shape[0], e.shape[1]),
+            device=e.device,
+            dtype=e.dtype,
+            example_ids=torch.zeros(1, dtype=torch.long, device=e.device),
+            positions=positions[None],
+            std=self.cfg.state_std or None,
+            truncate=self.cfg.state_init == "trunc-normal",
+        )
         return s[0]
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if input_ids is None:
-            raise Refused("the looplm vLLM plugin takes token ids, not prompt embeddings (its initial state and "
-                          "value embeddings read the tokens)")
+            raise Refused(
+                "the looplm vLLM plugin takes token ids, not prompt embeddings (its initial state and "
+                "value embeddings read the tokens)"
+            )
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_tables(positions[None], self.cfg.head_dim, self.cfg.rope_base)
         rope = (cos[0, 0][:, None], sin[0, 0][:, None])  # [T, 1, hd/2]: broadcast over heads
@@ -405,12 +500,16 @@ class LoopedLMForVLLM(nn.Module):
         if m:
             g = self.first[m[1]] + int(m[2])
             rest = m[3]
-            for old, new, shard in (("attn.wq.", "attn.qkv.", "q"), ("attn.wk.", "attn.qkv.", "k"),
-                                    ("attn.wv.", "attn.qkv.", "v"), ("ffn.w3.", "ffn.w13.", 1)):
+            for old, new, shard in (
+                ("attn.wq.", "attn.qkv.", "q"),
+                ("attn.wk.", "attn.qkv.", "k"),
+                ("attn.wv.", "attn.qkv.", "v"),
+                ("ffn.w3.", "ffn.w13.", 1),
+            ):
                 if rest.startswith(old):
-                    return f"layers.{g}.{new}{rest[len(old):]}", shard
+                    return f"layers.{g}.{new}{rest[len(old) :]}", shard
             if rest.startswith("ffn.w1.") and self.cfg.ffn_act == "swiglu":
-                return f"layers.{g}.ffn.w13.{rest[len('ffn.w1.'):]}", 0
+                return f"layers.{g}.ffn.w13.{rest[len('ffn.w1.') :]}", 0
             if rest == "attn.ve_gate.weight":
                 return f"layers.{g}.attn.ve_gate", None
             return f"layers.{g}.{rest}", None
@@ -438,8 +537,10 @@ class LoopedLMForVLLM(nn.Module):
                 full = name if piece is None else name.replace(".wqkv." if "wqkv" in name else ".w13.", piece)
                 pname, shard = self.target(full)
                 if pname not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in the checkpoint (the looplm vLLM plugin has no "
-                                     f"place for it; is the folder from `looplm export` of this looplm version?)")
+                    raise ValueError(
+                        f"unexpected tensor {name!r} in the checkpoint (the looplm vLLM plugin has no "
+                        f"place for it; is the folder from `looplm export` of this looplm version?)"
+                    )
                 param = params[pname]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 loader(param, tensor) if shard is None else loader(param, tensor, shard)

@@ -47,8 +47,13 @@ class _Staging:
 
     def __init__(self, device_buffer: torch.Tensor):
         cpu = device_buffer.device.type == "cpu"
-        self.host = device_buffer if cpu else torch.zeros(device_buffer.shape, dtype=device_buffer.dtype,
-                                                          pin_memory=device_buffer.device.type == "cuda")
+        self.host = (
+            device_buffer
+            if cpu
+            else torch.zeros(
+                device_buffer.shape, dtype=device_buffer.dtype, pin_memory=device_buffer.device.type == "cuda"
+            )
+        )
         self.filled = 0  # tokens written by the last step (later entries are already 0)
 
 
@@ -93,12 +98,16 @@ def install(vllm_config) -> None:
     is missing when this vLLM cannot be hooked."""
     from looplm.vllm_plugin.model import Refused
 
-    reason = ("the looplm vLLM plugin serves prefill_steps != num_steps and exit_tau through a hook on vLLM's "
-              "V1 model runner (vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs and its "
-              "input_batch.num_prompt_tokens / num_computed_tokens_cpu, vLLM 0.32)")
+    reason = (
+        "the looplm vLLM plugin serves prefill_steps != num_steps and exit_tau through a hook on vLLM's "
+        "V1 model runner (vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs and its "
+        "input_batch.num_prompt_tokens / num_computed_tokens_cpu, vLLM 0.32)"
+    )
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise Refused(f"{reason}; this engine runs vLLM's V2 model runner: set VLLM_USE_V2_MODEL_RUNNER=0, or "
-                      "serve with prefill_steps equal to num_steps and no exit_tau")
+        raise Refused(
+            f"{reason}; this engine runs vLLM's V2 model runner: set VLLM_USE_V2_MODEL_RUNNER=0, or "
+            "serve with prefill_steps equal to num_steps and no exit_tau"
+        )
     try:
         from vllm.v1.worker import gpu_input_batch, gpu_model_runner
     except ImportError as err:
