@@ -176,6 +176,16 @@ def test_compiled_step_equals_the_eager_step(model, compiled):
             assert (got - ref).abs().max() <= TOL, (seed, t)
             assert used.tolist() == ref_used.tolist(), (seed, t)
             assert_banks_equal(cache, twin)
+        # the fixed-depth path, unrolled (the default 4 recurrences per graph): depth 7 = a window of 4,
+        # then one of 3, compiled by inductor on the same prelude and coda graphs; against the eager step
+        # one recurrence at a time
+        plain = DecodeStep(model, twin, unroll=1)
+        for t in range(4, 6):
+            rows = StepRows(torch.randint(0, V, (4,)), L - offsets + t, first, torch.tensor([0, 1, 2, 3]))
+            got, _ = step(rows, 7)
+            ref, _ = plain(rows, 7)
+            assert (got - ref).abs().max() <= TOL, (seed, t)
+            assert_banks_equal(cache, twin)
 
 
 def test_a_step_reset_onto_a_cache_of_another_length_equals_a_fresh_step(model):
@@ -213,23 +223,17 @@ UNROLL = 3
 
 
 @pytest.fixture(scope="module")
-def compiled_unrolled(model):
-    """A step compiled with inductor, unroll = 3 (graphs depend on shapes only)."""
-    return DecodeStep(model, compile=True, unroll=UNROLL)
-
-
-@pytest.fixture(scope="module")
 def traced_unrolled(model):
-    """The same step traced by Dynamo into the same graphs (recompiles counted alike) but run by
-    aot_eager, not compiled by inductor: the full cache's windows and the resumed chunk are about
-    which graphs run on which banks, which inductor's kernels (checked above and on the terminal
-    cache) do not change; it spares the suite two cold compiles of tens of seconds each."""
+    """A step with unroll = 3 traced by Dynamo (graphs and recompiles as `compile=True` makes them) but
+    run by aot_eager, not compiled by inductor: these tests are about which windows run on which banks,
+    which inductor's kernels do not change (inductor runs the unrolled path in the compiled-step test
+    above); it spares the suite cold compiles of tens of seconds each."""
     return DecodeStep(model, compile=True, unroll=UNROLL, compile_options={"backend": "aot_eager"})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "cache_depth", "stepper"), [("terminal", 6, "compiled_unrolled"), ("full", 6, "traced_unrolled")]
+    ("mode", "cache_depth", "stepper"), [("terminal", 6, "traced_unrolled"), ("full", 6, "traced_unrolled")]
 )
 def test_compiled_unrolled_steps_equal_the_eager_step(model, request, mode, cache_depth, stepper):
     """Depths 7 = 2 x 3 + 1 and 5 = 3 + 2 (windows of 3, then a window of 2 or one recurrence; the full
