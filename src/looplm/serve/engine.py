@@ -476,13 +476,7 @@ class Engine:
         logits, used_t = step([r.next_token for r in rows], depths, taus, [r.handle.request.example_id for r in rows])
         self.pool.advance()
         used = used_t.tolist()
-        now = time.monotonic()
-        with self._stats_lock:
-            self.decoded_tokens += len(rows)
-            self.decode_depth_sum += sum(used)
-            self._recent.append((now, len(rows)))
-            while now - self._recent[0][0] > 60.0:
-                self._recent.popleft()
+        self._count(len(rows), sum(used))
         for row, u in zip(rows, used):
             row.depths.append(u)
         greedy = logits.argmax(-1).tolist()  # one host sync for every greedy row
@@ -510,7 +504,7 @@ class Engine:
         rows, dev = self._rows, self.device
         n = len(rows)
         depth, (k, draft_depth) = rows[0].rule.depth, self.speculation(rows[0].handle.request)
-        B = min(1 << (n - 1).bit_length(), self.pool.max_batch) if self.config.compile else n
+        B = self._bucket(n) if self.config.compile else n
         extra = B - n
 
         def padded(values: list) -> torch.Tensor:
@@ -535,15 +529,7 @@ class Engine:
         emitted = [len(t) for t in result.tokens]
         for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
             self.pool.set_length(slot, self.pool.lengths[slot] + m)
-        now = time.monotonic()
-        with self._stats_lock:
-            self.decoded_tokens += sum(emitted)
-            self.decode_depth_sum += depth * sum(emitted)
-            self.drafted_tokens += result.drafted
-            self.accepted_tokens += sum(emitted) - n
-            self._recent.append((now, sum(emitted)))
-            while now - self._recent[0][0] > 60.0:
-                self._recent.popleft()
+        self._count(sum(emitted), depth * sum(emitted), drafted=result.drafted, accepted=sum(emitted) - n)
         for i in range(n - 1, -1, -1):  # rows finish (and move) while we go: from the end
             row = rows[i]
             for j, tok in enumerate(result.tokens[i]):
@@ -569,6 +555,22 @@ class Engine:
             example_ids=torch.tensor(example_ids, device=dev),
         )
         return out.logits[:, -1], out.depths[:, 0]
+
+    def _count(self, tokens: int, depth_sum: int, *, drafted: int = 0, accepted: int = 0) -> None:
+        """A decode step's counters for /metrics: tokens it produced, their recurrences, its drafts."""
+        now = time.monotonic()
+        with self._stats_lock:
+            self.decoded_tokens += tokens
+            self.decode_depth_sum += depth_sum
+            self.drafted_tokens += drafted
+            self.accepted_tokens += accepted
+            self._recent.append((now, tokens))
+            while now - self._recent[0][0] > 60.0:
+                self._recent.popleft()
+
+    def _bucket(self, n: int) -> int:
+        """The batch bucket (`buckets`) a compiled step over n running rows runs at."""
+        return min(1 << (n - 1).bit_length(), self.pool.max_batch)
 
     def buckets(self) -> list[int]:
         """The batch sizes a compiled engine's steps run at: 1, 2, 4, ... and max_batch."""
@@ -610,7 +612,7 @@ class Engine:
         rows (a padding row sits in a free slot at position 0, which a later prefill overwrites, and
         runs the deepest row's depth, so a uniform batch needs no exit masks)."""
         n, dev, deepest = len(depths), self.device, max(depths)
-        B = min(1 << (n - 1).bit_length(), self.pool.max_batch)
+        B = self._bucket(n)
         extra = B - n
 
         def padded(values: list, fill, dtype) -> torch.Tensor:
