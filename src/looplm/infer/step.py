@@ -21,11 +21,13 @@ float rounding (tested).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from looplm.infer.cache import KVCache
+from looplm.infer.row_kernels import RowKernels
 from looplm.model.blocks import rope_tables
 from looplm.model.kv import KVBank
 from looplm.model.looped import Context
@@ -95,7 +97,9 @@ class DecodeStep:
     graph (compiled when first needed; per-row depth and exit run one recurrence per call). 4 by
     default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
-    faster again, about twice the compile)."""
+    faster again, about twice the compile). `row_kernels` (default: compiled on a CPU) traces the pieces
+    under `looplm.infer.row_kernels.RowKernels`: one-row linears and one-query attention written out
+    as loops inductor generates, instead of calls to the BLAS and the SDPA kernel."""
 
     def __init__(
         self,
@@ -107,8 +111,10 @@ class DecodeStep:
         seed: int = 0,
         compile_options: dict | None = None,
         unroll: int = 4,
+        row_kernels: bool | None = None,
     ):
         self.model, self.seed, self.compiled = model, seed, compile
+        self.row_kernels = False
         self.device = device = next(model.parameters()).device
         self.stop_early = device.type == "cpu" if stop_early is None else stop_early
         self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
@@ -135,10 +141,13 @@ class DecodeStep:
             options.update(compile_options or {})
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.row_kernels = device.type == "cpu" if row_kernels is None else row_kernels
             self.begin, self.recur, self.recur_many, self.recur_exits, self.end = (
                 torch.compile(f, dynamic=False, **options)
                 for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end)
             )
+        elif row_kernels:
+            raise ValueError("row_kernels are for compiled steps (eagerly the written-out products are slower)")
 
     def reset(self, cache: KVCache) -> None:
         """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
@@ -287,7 +296,15 @@ class DecodeStep:
         cos, sin = rope_tables(positions, self.model.cfg.head_dim, self.model.cfg.rope_base)
         return positions, mask, cos, sin
 
+    def _kernels(self):
+        """The mode a piece's body runs in (traced into its graph): `RowKernels`, or none."""
+        return RowKernels() if self.row_kernels else contextlib.nullcontext()
+
     def _begin(self, tokens, write_at, first, example_ids, banks):
+        with self._kernels():
+            return self._prelude(tokens, write_at, first, example_ids, banks)
+
+    def _prelude(self, tokens, write_at, first, example_ids, banks):
         m = self.model
         positions, mask, cos, sin = self._mask_and_rope(write_at, first, tokens.shape[1])
         e = m.run_prelude(tokens, (cos, sin), mask, _Slots(banks, write_at))
@@ -296,18 +313,27 @@ class DecodeStep:
         return s, mask, cos, sin, ctx.injected, ctx.qkv_offsets, ctx.core_values, ctx.coda_values
 
     def _recur(self, s, write_at, shared, core):
+        with self._kernels():
+            return self._recurrence(s, write_at, shared, core)
+
+    def _recurrence(self, s, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values)
         return self.model.recurrence(s, ctx, slots=[KVBank.of(k, v).slot(write_at) for k, v in core])
 
     def _recur_many(self, s, write_at, shared, cores, repeat: int):
         """`repeat` recurrences on each visit's banks of `cores` in turn (len(cores) * repeat in all)."""
-        for core in cores:
-            for _ in range(repeat):
-                s = self._recur(s, write_at, shared, core)
+        with self._kernels():
+            for core in cores:
+                for _ in range(repeat):
+                    s = self._recurrence(s, write_at, shared, core)
         return s
 
-    def _recur_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
+    def _recur_exits(self, *args):
+        with self._kernels():
+            return self._recurrence_with_exits(*args)
+
+    def _recurrence_with_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values)
         keep = active[:, None]  # a stopped row's writes are masked: its entry keeps its terminal K/V
@@ -322,6 +348,10 @@ class DecodeStep:
         return new, active & ~stop, used
 
     def _end(self, s, write_at, shared, banks):
+        with self._kernels():
+            return self._coda(s, write_at, shared, banks)
+
+    def _coda(self, s, write_at, shared, banks):
         mask, cos, sin, injected, offsets, core_values, coda_values = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values, coda_values)
         return self.model.run_coda(s, (cos, sin), mask, ctx, _Slots(banks, write_at))

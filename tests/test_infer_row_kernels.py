@@ -1,0 +1,117 @@
+"""`looplm.infer.row_kernels`: the written-out one-row linear and one-query attention against torch's
+own kernels (F.linear, SDPA with `enable_gqa`), and the mode that swaps them in: which calls it
+rewrites, which it leaves to torch, and a batch-1 decode step traced under it (Dynamo, aot_eager)
+equal to the eager step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import decisive_model
+
+import looplm.infer.row_kernels as row_kernels
+from looplm.infer import extend, make_cache
+from looplm.infer.row_kernels import RowKernels, one_query_attention, row_linear
+from looplm.infer.step import DecodeStep, StepRows
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.mark.parametrize("shape", [(5,), (1, 5), (1, 1, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_linear_equals_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w, b = torch.randn(7, 5, generator=g), torch.randn(7, generator=g) if bias else None
+    got = row_linear(x, w, b)
+    ref = F.linear(x, w, b)
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize(("H", "Hk"), [(4, 4), (4, 2), (6, 1)])
+def test_one_query_attention_equals_sdpa_under_a_partial_mask(H, Hk):
+    """Rows with masked keys at the front (left padding) and the back (positions not yet written),
+    grouped-query heads, a mask per row and one shared by the rows, the default and a given scale."""
+    g = torch.Generator().manual_seed(1)
+    B, S, hd = 3, 9, 8
+    q, k, v = torch.randn(B, H, 1, hd, generator=g), torch.randn(B, Hk, S, hd, generator=g), torch.randn(B, Hk, S, hd, generator=g)
+    keys = torch.arange(S)
+    first, last = torch.tensor([0, 2, 4]), torch.tensor([8, 5, 4])
+    per_row = ((keys >= first[:, None]) & (keys <= last[:, None]))[:, None, None]  # [B, 1, 1, S]
+    for mask in (per_row, per_row[1:2]):
+        for scale in (None, 0.3):
+            got = one_query_attention(q, k, v, mask, scale)
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hk)
+            assert torch.allclose(got, ref, atol=1e-6), (mask.shape, scale)
+
+
+def _counting(monkeypatch):
+    """Count the written-out calls (eagerly: a traced count would be a guard that recompiles)."""
+    calls = {"linear": 0, "attention": 0}
+    real_linear, real_attention = row_kernels.row_linear, row_kernels.one_query_attention
+
+    def linear(*a, **k):
+        calls["linear"] += 1
+        return real_linear(*a, **k)
+
+    def attention(*a, **k):
+        calls["attention"] += 1
+        return real_attention(*a, **k)
+
+    monkeypatch.setattr(row_kernels, "row_linear", linear)
+    monkeypatch.setattr(row_kernels, "one_query_attention", attention)
+    return calls
+
+
+def test_the_mode_rewrites_one_row_and_one_query_calls_only(monkeypatch):
+    calls = _counting(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(6, 4, generator=g)
+    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    with RowKernels():
+        one = F.linear(torch.randn(1, 4, generator=g), w)
+        F.linear(torch.randn(2, 4, generator=g), w)  # two rows: the BLAS
+        F.linear(torch.randn(1, 4, generator=g).double(), w.double())  # not fp32
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)  # no boolean mask
+        F.scaled_dot_product_attention(torch.randn(2, 4, 3, 8), k, v, attn_mask=torch.ones(2, 1, 3, 5, dtype=torch.bool), enable_gqa=True)  # 3 queries
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float(), enable_gqa=True)  # an additive mask
+    assert calls == {"linear": 1, "attention": 1}
+    assert one.shape == (1, 6)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), atol=1e-6)
+
+
+def test_a_batch_1_step_traced_under_the_mode_equals_the_eager_step():
+    """`DecodeStep(compile=True)` on a CPU traces its pieces under the mode: at batch 1 no graph of a step
+    holds a linear or an SDPA call (a backend that records each graph Dynamo hands it, then runs it
+    as traced), and the logits and the banks equal the eager step's on a twin cache. One recurrence
+    per graph and depth 2, the fewest graphs; inductor compiles the mode's graphs in
+    `test_infer_step.py`'s compiled-step test (batch 4) and the engine's warm-up test."""
+    graphs = []
+
+    def recording(gm, example_inputs, **options):
+        graphs.append(gm)
+        return gm.forward
+
+    model = decisive_model(50, max_seq_len=32, max_depth=8)
+    prompt = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3))
+    cache = make_cache("terminal", model.cfg, 1, 32, 4)
+    extend(model, prompt, cache, 3, example_ids=torch.zeros(1, dtype=torch.long))
+    twin = cache.take(torch.arange(1))
+    step = DecodeStep(model, cache, compile=True, unroll=1, compile_options={"backend": recording})
+    assert step.row_kernels
+    eager = DecodeStep(model, twin)
+    zero = torch.zeros(1, dtype=torch.long)
+    for t in range(3):
+        rows = StepRows(torch.tensor([7 + t]), torch.tensor([6 + t]), zero, zero)
+        got, _ = step(rows, 2)
+        ref, _ = eager(rows, 2)
+        assert (got - ref).abs().max() <= 1e-5, t
+        for a, b in zip(cache.banks(), twin.banks(), strict=True):
+            assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
+    assert len(graphs) == 3  # prelude, one recurrence, coda: traced once
+    called = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    assert {"sum", "softmax"} <= called and not any("linear" in c or "scaled_dot_product" in c for c in called), called
+    with pytest.raises(ValueError, match="compiled steps"):
+        DecodeStep(model, cache, row_kernels=True)
