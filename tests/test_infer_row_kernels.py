@@ -1,16 +1,15 @@
 """`looplm.infer.row_kernels`: the written-out one-row linear and one-query attention against torch's
-own kernels (F.linear, SDPA with `enable_gqa`), and the mode that swaps them in: which calls it
-rewrites, which it leaves to torch, and a batch-1 decode step traced under it (Dynamo, aot_eager)
-equal to the eager step."""
+own kernels (F.linear, SDPA with `enable_gqa`), and the compile backend that swaps them in: which
+calls it rewrites, which it leaves to torch, and a batch-1 decode step compiled through it equal to
+the eager step."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _models import decisive_model
 
-import looplm.infer.row_kernels as row_kernels
 from looplm.infer import extend, make_cache
-from looplm.infer.row_kernels import RowKernels, one_query_attention, row_linear
+from looplm.infer.row_kernels import one_query_attention, row_kernels_backend, row_linear
 from looplm.infer.step import DecodeStep, StepRows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -34,7 +33,11 @@ def test_one_query_attention_equals_sdpa_under_a_partial_mask(H, Hk):
     grouped-query heads, a mask per row and one shared by the rows, the default and a given scale."""
     g = torch.Generator().manual_seed(1)
     B, S, hd = 3, 9, 8
-    q, k, v = torch.randn(B, H, 1, hd, generator=g), torch.randn(B, Hk, S, hd, generator=g), torch.randn(B, Hk, S, hd, generator=g)
+    q, k, v = (
+        torch.randn(B, H, 1, hd, generator=g),
+        torch.randn(B, Hk, S, hd, generator=g),
+        torch.randn(B, Hk, S, hd, generator=g),
+    )
     keys = torch.arange(S)
     first, last = torch.tensor([0, 2, 4]), torch.tensor([8, 5, 4])
     per_row = ((keys >= first[:, None]) & (keys <= last[:, None]))[:, None, None]  # [B, 1, 1, S]
@@ -45,52 +48,59 @@ def test_one_query_attention_equals_sdpa_under_a_partial_mask(H, Hk):
             assert torch.allclose(got, ref, atol=1e-6), (mask.shape, scale)
 
 
-def _counting(monkeypatch):
-    """Count the written-out calls (eagerly: a traced count would be a guard that recompiles)."""
-    calls = {"linear": 0, "attention": 0}
-    real_linear, real_attention = row_kernels.row_linear, row_kernels.one_query_attention
-
-    def linear(*a, **k):
-        calls["linear"] += 1
-        return real_linear(*a, **k)
-
-    def attention(*a, **k):
-        calls["attention"] += 1
-        return real_attention(*a, **k)
-
-    monkeypatch.setattr(row_kernels, "row_linear", linear)
-    monkeypatch.setattr(row_kernels, "one_query_attention", attention)
-    return calls
+def _calls(gm) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
 
 
-def test_the_mode_rewrites_one_row_and_one_query_calls_only(monkeypatch):
-    calls = _counting(monkeypatch)
+def test_the_backend_rewrites_one_row_and_one_query_calls_only():
+    """Through `torch.compile` with the backend (graphs recorded as rewritten, run as traced): one-row
+    fp32 linears and one-query SDPA calls under a boolean [B, 1, 1, S] mask are replaced, the others
+    kept; the results equal the eager calls."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     g = torch.Generator().manual_seed(2)
     w = torch.randn(6, 4, generator=g)
-    q, k, v = torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    q, k, v = (torch.randn(2, h, n, 8, generator=g) for h, n in ((4, 1), (2, 5), (2, 5)))
+    q3 = torch.randn(2, 4, 3, 8, generator=g)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
-    with RowKernels():
-        one = F.linear(torch.randn(1, 4, generator=g), w)
-        F.linear(torch.randn(2, 4, generator=g), w)  # two rows: the BLAS
-        F.linear(torch.randn(1, 4, generator=g).double(), w.double())  # not fp32
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)  # no boolean mask
-        F.scaled_dot_product_attention(torch.randn(2, 4, 3, 8), k, v, attn_mask=torch.ones(2, 1, 3, 5, dtype=torch.bool), enable_gqa=True)  # 3 queries
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float(), enable_gqa=True)  # an additive mask
-    assert calls == {"linear": 1, "attention": 1}
-    assert one.shape == (1, 6)
-    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), atol=1e-6)
+    mask[0, 0, 0, :2] = False
+    xs = (torch.randn(1, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(1, 4, generator=g).double())
+
+    def calls(x1, x2, x3):
+        return (
+            F.linear(x1, w),  # rewritten
+            F.linear(x2, w),  # two rows: the BLAS
+            F.linear(x3, w.double()),  # not fp32
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),  # rewritten
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True),  # no boolean mask
+            F.scaled_dot_product_attention(
+                q3, k, v, attn_mask=torch.ones(2, 1, 3, 5, dtype=torch.bool), enable_gqa=True
+            ),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float(), enable_gqa=True),  # additive mask
+        )
+
+    got = torch.compile(calls, backend=row_kernels_backend(recording), dynamic=False)(*xs)
+    (gm,) = graphs
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("row_linear" in t for t in targets) == 1 and sum("_sdpa_one_query" in t for t in targets) == 1
+    assert targets.count(str(F.linear)) == 2 and targets.count(str(F.scaled_dot_product_attention)) == 3
+    for a, b in zip(got, calls(*xs), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_a_batch_1_step_traced_under_the_mode_equals_the_eager_step():
-    """`DecodeStep(compile=True)` on a CPU traces its pieces under the mode: at batch 1 no graph of a step
-    holds a linear or an SDPA call (a backend that records each graph Dynamo hands it, then runs it
-    as traced), and the logits and the banks equal the eager step's on a twin cache. One recurrence
+def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
+    """`DecodeStep(compile=True)` on a CPU compiles its pieces through the backend: at batch 1 no graph of
+    a step holds a linear or an SDPA call (an inner backend that records each rewritten graph, then
+    runs it as traced), and the logits and the banks equal the eager step's on a twin cache. One recurrence
     per graph and depth 2, the fewest graphs; inductor compiles the mode's graphs in
     `test_infer_step.py`'s compiled-step test (batch 4) and the engine's warm-up test."""
     graphs = []
 
-    def recording(gm, example_inputs, **options):
+    def recording(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
@@ -111,7 +121,8 @@ def test_a_batch_1_step_traced_under_the_mode_equals_the_eager_step():
         for a, b in zip(cache.banks(), twin.banks(), strict=True):
             assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
     assert len(graphs) == 3  # prelude, one recurrence, coda: traced once
-    called = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
-    assert {"sum", "softmax"} <= called and not any("linear" in c or "scaled_dot_product" in c for c in called), called
+    called = " ".join(set().union(*map(_calls, graphs)))
+    assert "row_linear" in called and "_sdpa_one_query" in called, called
+    assert str(F.linear) not in called and str(F.scaled_dot_product_attention) not in called, called
     with pytest.raises(ValueError, match="compiled steps"):
         DecodeStep(model, cache, row_kernels=True)

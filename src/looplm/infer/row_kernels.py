@@ -2,9 +2,9 @@
 
 At batch 1 a recurrence of the tiny preset is 14 matrix-vector products and 2 attention calls of a
 few microseconds of arithmetic each, and inside an inductor graph each of them is a call out of the
-generated code (the BLAS's `mm`, the CPU SDPA kernel) that costs more than its arithmetic. Under
-`RowKernels` (a torch function mode the step's compiled pieces run in, traced by Dynamo like any
-other code) two calls are written out where that pays:
+generated code (the BLAS's `mm`, the CPU SDPA kernel) that costs more than its arithmetic.
+`row_kernels_backend` is a `torch.compile` backend that rewrites two kinds of call in the graph
+Dynamo captured (shapes are static there) before it hands the graph on (to inductor by default):
 
 - `F.linear` of one row (x with a single row of features, fp32): y = sum(x[..., None, :] * W, -1),
   a broadcast product and a sum, which inductor generates as one loop of its own, fused with what
@@ -13,20 +13,19 @@ other code) two calls are written out where that pays:
   softmax(q K^T / sqrt(hd) + mask) V written out, grouped-query heads as a reshape (query head h
   reads key/value head h // (H / H_kv), as SDPA's `enable_gqa`).
 
-Everything else, and every call of another shape, goes to torch unchanged; results equal the
-eager step's to float rounding (tested). Measured on the 2-core CPU (BENCHMARKS.md): a batch-1 R = 32
-step 1.4x faster from the products and 1.1x from the attention; at 16 rows the products lose to the
-BLAS, so a linear of more than one row keeps `mm`. Eagerly the products would allocate [rows, out, in]:
-the mode is for compiled pieces only.
+Every other call, and these of other shapes, stay as they were; results equal the eager step's to
+float rounding (tested). Measured on the 2-core CPU (BENCHMARKS.md): a batch-1 R = 32 step 1.5x
+faster (1.6-2.1x at d 512); at 16 rows the products lose to the BLAS, so a linear of more than one
+row keeps `mm`. Eagerly the products would allocate [rows, out, in]: they are for compiled graphs.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.fx
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["RowKernels", "one_query_attention", "row_linear"]
+__all__ = ["one_query_attention", "rewrite", "row_kernels_backend", "row_linear"]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,9 +50,9 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.numel() == x.shape[-1]
 
 
-def _written_out_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """`one_query_attention` for a call it covers, else None (SDPA runs)."""
-    one_query = (
+def _one_query(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
+    """Whether an SDPA call (its arguments) is one `one_query_attention` covers."""
+    return (
         q.ndim == 4
         and q.shape[2] == 1
         and isinstance(attn_mask, torch.Tensor)
@@ -64,18 +63,54 @@ def _written_out_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
         and not is_causal
         and (enable_gqa or q.shape[1] == k.shape[1])
     )
-    return one_query_attention(q, k, v, attn_mask, scale) if one_query else None
 
 
-class RowKernels(TorchFunctionMode):
-    """Inside it, one-row linears and one-query attention are written out (see the module docstring)."""
+def _sdpa_one_query(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`one_query_attention` called as SDPA is (what a rewritten graph node calls)."""
+    return one_query_attention(q, k, v, attn_mask, scale)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and _one_row(args[0]):
-            return row_linear(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            out = _written_out_attention(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+
+def rewrite(gm: torch.fx.GraphModule) -> int:
+    """Replace the one-row linears and one-query attention calls of a graph Dynamo captured (decided
+    on each call's example values) by their written-out forms; returns how many were replaced."""
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (F.linear, F.scaled_dot_product_attention):
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
+        if node.target is F.linear:
+            if not (isinstance(args[0], torch.Tensor) and _one_row(args[0])):
+                continue
+            target = row_linear
+        elif _one_query(*args, **kwargs):
+            target = _sdpa_one_query
+        else:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(target, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
+
+
+def row_kernels_backend(inner="inductor", options: dict | None = None):
+    """A `torch.compile` backend: `rewrite` each captured graph, then compile it with `inner` (inductor
+    with its config `options`, or another backend's name or callable)."""
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        def compile_inner(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+    else:
+        compile_inner = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        rewrite(gm)
+        return compile_inner(gm, example_inputs)
+
+    return compile_graph

@@ -21,13 +21,12 @@ float rounding (tested).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from looplm.infer.cache import KVCache
-from looplm.infer.row_kernels import RowKernels
+from looplm.infer.row_kernels import row_kernels_backend
 from looplm.model.blocks import rope_tables
 from looplm.model.kv import KVBank
 from looplm.model.looped import Context
@@ -139,9 +138,15 @@ class DecodeStep:
                 else {"options": {"cpp_wrapper": True, "size_asserts": False}}
             )
             options.update(compile_options or {})
+            self.row_kernels = device.type == "cpu" if row_kernels is None else row_kernels
+            if self.row_kernels:  # the captured graphs are rewritten, then go to the backend asked for
+                if "mode" in options:
+                    raise ValueError("row_kernels rewrite graphs for a backend: give compile options, not a mode")
+                options["backend"] = row_kernels_backend(
+                    options.pop("backend", "inductor"), options.pop("options", None)
+                )
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.row_kernels = device.type == "cpu" if row_kernels is None else row_kernels
             self.begin, self.recur, self.recur_many, self.recur_exits, self.end = (
                 torch.compile(f, dynamic=False, **options)
                 for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end)
@@ -296,15 +301,7 @@ class DecodeStep:
         cos, sin = rope_tables(positions, self.model.cfg.head_dim, self.model.cfg.rope_base)
         return positions, mask, cos, sin
 
-    def _kernels(self):
-        """The mode a piece's body runs in (traced into its graph): `RowKernels`, or none."""
-        return RowKernels() if self.row_kernels else contextlib.nullcontext()
-
     def _begin(self, tokens, write_at, first, example_ids, banks):
-        with self._kernels():
-            return self._prelude(tokens, write_at, first, example_ids, banks)
-
-    def _prelude(self, tokens, write_at, first, example_ids, banks):
         m = self.model
         positions, mask, cos, sin = self._mask_and_rope(write_at, first, tokens.shape[1])
         e = m.run_prelude(tokens, (cos, sin), mask, _Slots(banks, write_at))
@@ -313,27 +310,18 @@ class DecodeStep:
         return s, mask, cos, sin, ctx.injected, ctx.qkv_offsets, ctx.core_values, ctx.coda_values
 
     def _recur(self, s, write_at, shared, core):
-        with self._kernels():
-            return self._recurrence(s, write_at, shared, core)
-
-    def _recurrence(self, s, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values)
         return self.model.recurrence(s, ctx, slots=[KVBank.of(k, v).slot(write_at) for k, v in core])
 
     def _recur_many(self, s, write_at, shared, cores, repeat: int):
         """`repeat` recurrences on each visit's banks of `cores` in turn (len(cores) * repeat in all)."""
-        with self._kernels():
-            for core in cores:
-                for _ in range(repeat):
-                    s = self._recurrence(s, write_at, shared, core)
+        for core in cores:
+            for _ in range(repeat):
+                s = self._recur(s, write_at, shared, core)
         return s
 
-    def _recur_exits(self, *args):
-        with self._kernels():
-            return self._recurrence_with_exits(*args)
-
-    def _recurrence_with_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
+    def _recur_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values)
         keep = active[:, None]  # a stopped row's writes are masked: its entry keeps its terminal K/V
@@ -348,10 +336,6 @@ class DecodeStep:
         return new, active & ~stop, used
 
     def _end(self, s, write_at, shared, banks):
-        with self._kernels():
-            return self._coda(s, write_at, shared, banks)
-
-    def _coda(self, s, write_at, shared, banks):
         mask, cos, sin, injected, offsets, core_values, coda_values = shared
         ctx = Context((cos, sin), mask, injected, offsets, core_values, coda_values)
         return self.model.run_coda(s, (cos, sin), mask, ctx, _Slots(banks, write_at))

@@ -58,8 +58,9 @@ class EngineConfig:
     """Requests waiting for a slot; more are refused (`EngineFull`, HTTP 429)."""
     compile: bool = False
     """Decode through the compiled static step (`looplm.infer.step.DecodeStep`, one graph per batch
-    bucket 1, 2, 4, ... max_batch); otherwise eager steps in which rows that stopped leave the
-    recurrence (a step costs the sum of its rows' depths)."""
+    bucket 1, 2, 4, ... max_batch) and prefill each prompt as one compiled chunk padded to a length
+    bucket 32, 64, ... max_seq_len (the student prefill arm stays eager); otherwise eager steps in
+    which rows that stopped leave the recurrence (a step costs the sum of its rows' depths)."""
     speculate: int = 0
     """Self-speculative decoding: draft this many tokens per row at `draft_depth`, then verify them in
     one chunk at the rows' depth (`looplm.serve.speculation`); 0 = off. A request may turn it off
@@ -230,8 +231,15 @@ class Engine:
     """Continuous batching over a `SlotPool` (see the module docstring)."""
 
     def __init__(
-        self, model, tokenizer: Tokenizer, config: EngineConfig | None = None, *, prefill: Prefill | None = None
+        self,
+        model,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        *,
+        prefill: Prefill | None = None,
+        compile_options: dict | None = None,
     ):
+        """`compile_options` go to `torch.compile` for a compiled engine's steps (`DecodeStep`), e.g. another backend."""
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = config = config or EngineConfig()
         self.prefill = prefill or Prefill()
@@ -252,7 +260,13 @@ class Engine:
         )
         # the static step: the compiled engine's every step, and the speculative rounds (a request may
         # speculate on an engine that does not by default)
-        self._step = DecodeStep(model, self.pool.cache, compile=config.compile)
+        self._step = DecodeStep(model, self.pool.cache, compile=config.compile, compile_options=compile_options)
+        # compiled: prompts prefill as one chunk of a bucketed length through a step of their own (its
+        # cache: the claimed slot's row); the student arm runs eagerly
+        compiled_prefill = config.compile and self.prefill.arm != "student"
+        self._prefill_step = (
+            DecodeStep(model, compile=True, compile_options=compile_options) if compiled_prefill else None
+        )
         self._rows: list[_Row] = []
         self._pending: deque[RequestHandle] = deque()
         self._wake = threading.Condition()
@@ -451,7 +465,10 @@ class Engine:
         slot, view = self.pool.claim()
         tokens = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
         ids = torch.tensor([req.example_id], device=self.device)
-        logits = self.prefill(self.model, tokens, view, rule.prefill, example_ids=ids)[0]
+        if self._prefill_step is not None:
+            logits = self._compiled_prefill(view, req.prompt_ids, ids, self.prefill.teacher_depth(rule.prefill))
+        else:
+            logits = self.prefill(self.model, tokens, view, rule.prefill, example_ids=ids)[0]
         self.pool.set_length(slot, len(req.prompt_ids))
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
         row = _Row(handle, gen, TextStream(self.tokenizer, sampling.stop, context=req.prompt_ids))
@@ -583,9 +600,10 @@ class Engine:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Compile the decode step for every batch bucket now (at the engine's depth, every row
-        recurring; with `speculate` also the draft depth and the verify chunk), so no request waits
-        for it; returns the seconds it took (0 when not compiled). The steps write into the first
-        positions of free slots, which a prefill overwrites."""
+        recurring; with `speculate` also the draft depth and the verify chunk) and the prefill for
+        every prompt bucket (at the engine's depth), so no request at the engine's defaults waits for
+        it; returns the seconds it took (0 when not compiled). The steps write into free slots,
+        which a prefill overwrites."""
         if not self.config.compile:
             return 0.0
         if self._rows:
@@ -603,7 +621,36 @@ class Engine:
             if k and self.config.draft_depth < self.config.depth:
                 self._step(rows(), self.config.draft_depth, fill=False)
                 self._step(rows(k + 1), self.config.depth)
+        if self._prefill_step is not None:  # every prompt bucket at the engine's prefill depth, in slot 0
+            view = self.pool.cache.view(slice(0, 1))
+            ids = torch.zeros(1, dtype=torch.long, device=self.device)
+            depth = self.prefill.teacher_depth(self.config.depth)
+            for n in self.prefill_buckets():
+                self._compiled_prefill(view, [0] * n, ids, depth)
         return time.perf_counter() - t0
+
+    def prefill_buckets(self) -> list[int]:
+        """The prompt lengths a compiled engine's prefill chunks run at: 32, 64, 128, ... and max_len."""
+        sizes, n = [], 32
+        while n < self.max_len:
+            sizes.append(n)
+            n *= 2
+        return [*sizes, self.max_len]
+
+    def _compiled_prefill(self, view, prompt_ids: list[int], example_ids: torch.Tensor, depth: int) -> torch.Tensor:
+        """The prompt's fp32 logits [n, V] from one compiled chunk on the claimed slot's row `view`: the
+        prompt padded on the right to its bucket (`prefill_buckets`), the padding written after the
+        prompt's positions, where the row's next tokens overwrite it before any token reads it (a
+        token writes its own position's K/V before it attends; the causal mask keeps the prompt from
+        the padding)."""
+        n = len(prompt_ids)
+        size = next(b for b in self.prefill_buckets() if b >= n)
+        tokens = torch.full((1, size), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
+        tokens[0, :n] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._prefill_step.reset(view)
+        logits, _ = self._prefill_step(StepRows(tokens, zero, zero.clone(), example_ids), depth)
+        return logits[0, :n]
 
     def _compiled_step(
         self, tokens: list[int], depths: list[int], taus: list, example_ids: list[int]

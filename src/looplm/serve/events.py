@@ -62,8 +62,17 @@ class Choices:
                 h.cancel()
 
     async def stream(self, http: HTTPRequest) -> AsyncIterator[tuple[int, Event]]:
-        """Events until every choice finished; stops, cancelling them all, once the client goes away
-        (watched alongside the events, so a steady stream of tokens cannot hide it)."""
+        """Events until every choice finished, one at a time (see `batches`)."""
+        async for batch in self.batches(http):
+            for item in batch:
+                yield item
+
+    async def batches(self, http: HTTPRequest) -> AsyncIterator[list[tuple[int, Event]]]:
+        """Events until every choice finished, in arrival order, as lists: each holds every event that
+        had arrived when the previous list was taken (one while the reader keeps up; more when the
+        engine runs ahead, e.g. under load, so a reader pays its per-wake-up costs once for them).
+        Stops, cancelling every choice, once the client goes away (watched alongside the events, so a
+        steady stream of tokens cannot hide it)."""
         left = len(self.handles)
         gone = asyncio.ensure_future(_client_gone(http))
         event = None
@@ -73,10 +82,11 @@ class Choices:
                 await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not event.done():
                     return
-                i, ev = event.result()
-                if isinstance(ev, Finish):
-                    left -= 1
-                yield i, ev
+                batch = [event.result()]
+                while not self.events.empty():
+                    batch.append(self.events.get_nowait())
+                left -= sum(isinstance(ev, Finish) for _, ev in batch)
+                yield batch
         finally:
             for task in (gone, event):
                 if task is not None:
@@ -123,12 +133,13 @@ async def collect(choices: Choices, http: HTTPRequest) -> Collected | None:
 
 
 class Chunks(Protocol):
-    """The chunks of a streamed reply: `start(i)` before choice i's first event, one per token and per
-    prompt score (None: none for it) and per finish, then `usage` (None: not asked for)."""
+    """The chunks of a streamed reply: `start(i)` before choice i's first event, one per run of tokens
+    that arrived together and per prompt score (None: none for it) and per finish, then `usage`
+    (None: not asked for)."""
 
     def start(self, i: int) -> dict | None: ...
 
-    def event(self, i: int, ev: PromptLogprobs | Token) -> dict | None: ...
+    def event(self, i: int, ev: PromptLogprobs | Sequence[Token]) -> dict | None: ...
 
     def finish(self, i: int, ev: Finish) -> dict: ...
 
@@ -142,24 +153,25 @@ async def sse(choices: Choices, http: HTTPRequest, chunks: Chunks) -> AsyncItera
     finishes: dict[int, Finish] = {}
     opened: set[int] = set()
     try:
-        async for i, ev in choices.stream(http):
+        async for batch in choices.batches(http):
             out = []
-            if i not in opened:
-                opened.add(i)
-                out.append(chunks.start(i))
-            if isinstance(ev, Finish):
-                finishes[i] = ev
-                failed = ev.reason == "error"
-                out.append(
-                    APIError(500, ev.error or "generation failed", "server_error").body()
-                    if failed
-                    else chunks.finish(i, ev)
-                )
-            else:
-                out.append(chunks.event(i, ev))
-            for data in out:
-                if data is not None:
-                    yield _sse(data)
+            for i, ev in _runs(batch):
+                if i not in opened:
+                    opened.add(i)
+                    out.append(chunks.start(i))
+                if isinstance(ev, Finish):
+                    finishes[i] = ev
+                    failed = ev.reason == "error"
+                    out.append(
+                        APIError(500, ev.error or "generation failed", "server_error").body()
+                        if failed
+                        else chunks.finish(i, ev)
+                    )
+                else:
+                    out.append(chunks.event(i, ev))
+            text = "".join(_sse(data) for data in out if data is not None)
+            if text:
+                yield text
         if len(finishes) == len(choices.handles):
             usage = chunks.usage(list(finishes.values()))
             if usage is not None:
@@ -167,6 +179,20 @@ async def sse(choices: Choices, http: HTTPRequest, chunks: Chunks) -> AsyncItera
             yield _sse("[DONE]")
     finally:
         choices.cancel()  # no-op for finished choices
+
+
+def _runs(batch: list[tuple[int, Event]]) -> list[tuple[int, Event | list[Token]]]:
+    """The batch's events in order, each run of consecutive tokens of one choice as one list."""
+    out: list = []
+    for i, ev in batch:
+        if isinstance(ev, Token):
+            if out and out[-1][0] == i and isinstance(out[-1][1], list):
+                out[-1][1].append(ev)
+            else:
+                out.append((i, [ev]))
+        else:
+            out.append((i, ev))
+    return out
 
 
 def _sse(data: dict | str) -> str:

@@ -174,14 +174,15 @@ class CompletionReply(_Reply):
         # an echo with logprobs is sent with the prompt's scores (the choice's first event)
         return self._chunk(i, head, None, self._no_tokens()) if head and not self.echo_logprobs else None
 
-    def event(self, i: int, ev: PromptLogprobs | Token) -> dict | None:
+    def event(self, i: int, ev: PromptLogprobs | Sequence[Token]) -> dict | None:
         if isinstance(ev, PromptLogprobs):
             if not self.echo_logprobs:
                 return None
             return self._chunk(i, self.prefix[i // self.n], None, self._scored_prompt(i, ev))
+        text = "".join(t.text for t in ev)
         if self.logprobs is None:
-            return self._chunk(i, ev.text, None, None) if ev.text else None
-        return self._chunk(i, ev.text, None, self._generated([ev], self.offsets[i]))
+            return self._chunk(i, text, None, None) if text else None
+        return self._chunk(i, text, None, self._generated(list(ev), self.offsets[i]))
 
     def finish(self, i: int, ev: Finish) -> dict:
         return self._chunk(i, ev.tail, ev.reason, self._no_tokens())
@@ -245,8 +246,9 @@ class ChatReply(_Reply):
     def start(self, i: int) -> dict:
         return self._chunk(i, {"role": "assistant", "content": ""}, None, [])
 
-    def event(self, i: int, ev: PromptLogprobs | Token) -> dict | None:  # a Token: chat scores no prompt
-        return self._chunk(i, {"content": ev.text}, None, [ev]) if ev.text or self.logprobs is not None else None
+    def event(self, i: int, ev: PromptLogprobs | Sequence[Token]) -> dict | None:  # tokens: chat scores no prompt
+        text = "".join(t.text for t in ev)
+        return self._chunk(i, {"content": text}, None, list(ev)) if text or self.logprobs is not None else None
 
     def finish(self, i: int, ev: Finish) -> dict:
         return self._chunk(i, {"content": ev.tail} if ev.tail else {}, ev.reason, [])
