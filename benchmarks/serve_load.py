@@ -7,6 +7,7 @@ cache at the same cache memory, and adaptive exit vs fixed depth, side by side i
     python benchmarks/serve_load.py --workload mixed-depth [--slots 64] [--deep 12] [--max-tokens 48]
     python benchmarks/serve_load.py --compiled ...   # also `continuous terminal, --compile`
     python benchmarks/serve_load.py --speculate 4 --draft-depth 2 [--compiled] ...   # also a speculating arm
+    python benchmarks/serve_load.py --minimal --compiled --baseline-src /tmp/looplm-baseline/src   # vs another checkout
 
 Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
 from the arm's), waits for /health, and then `--clients` client threads (this process) send the
@@ -81,14 +82,19 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 class Server:
     """`looplm serve CHECKPOINT ARGS` on a free port, until `close()`."""
 
-    def __init__(self, checkpoint: Path, args: list[str], threads: int, command: list[str] | None = None):
-        """`command` replaces `python -m looplm.cli serve` (e.g. `vllm serve`); it gets CHECKPOINT, --port, ARGS."""
+    def __init__(
+        self, checkpoint: Path, args: list[str], threads: int, command: list[str] | None = None, src: Path | None = None
+    ):
+        """`command` replaces `python -m looplm.cli serve` (e.g. `vllm serve`); it gets CHECKPOINT, --port, ARGS.
+        `src`: import looplm from this source folder (another checkout's `src`)."""
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        if src is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
         cmd = [
             *(command or [sys.executable, "-m", "looplm.cli", "serve"]),
             str(checkpoint),
@@ -199,7 +205,7 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
 
 def server_flags(opts: dict) -> list[str]:
     """`looplm serve` flags of an arm's engine options (compile, speculate, draft_depth)."""
-    flags = ["--compile"] if opts.get("compile") else []
+    flags = ["--compile"] if opts.get("compile") else []  # (opts["src"]: another checkout, no flags)
     if opts.get("speculate"):
         flags += ["--speculate", str(opts["speculate"]), "--draft-depth", str(opts["draft_depth"])]
     return flags
@@ -403,6 +409,18 @@ def main() -> None:
         help="add an arm with self-speculative decoding: k drafts per round (with --compiled, compiled)",
     )
     ap.add_argument("--draft-depth", type=int, default=2, help="draft depth of the --speculate arm")
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="add the arm `baseline`: `looplm serve` of another checkout (its src folder; e.g. the code the "
+        "fast-decoding issue measured, `git worktree add /tmp/looplm-baseline f6932e3`), eager, over HTTP only",
+    )
+    ap.add_argument(
+        "--minimal",
+        action="store_true",
+        help="only `continuous terminal` and the arms asked for (--compiled, --speculate, --baseline-src)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
     args = ap.parse_args()
     if args.workload == "mixed-depth":
@@ -431,6 +449,11 @@ def main() -> None:
             (f"continuous terminal, {args.full_slots} slots", "terminal", args.full_slots, {}, {}),
         ]
         compared = [(0, 1), (0, 3)]  # greedy: batching must not change a request's text
+        if args.minimal:
+            arms, compared = arms[:1], []
+        if args.baseline_src is not None:
+            arms.append(("baseline", "terminal", terminal_slots, {}, {"src": args.baseline_src}))
+            compared.append((0, len(arms) - 1))
         if args.compiled:
             arms.append(("continuous terminal, --compile", "terminal", terminal_slots, {}, {"compile": True}))
             compared.append((0, len(arms) - 1))
@@ -454,7 +477,7 @@ def main() -> None:
         for rnd in range(args.rounds):  # arms alternate, so drifting machine load hits all of them alike
             for k, (label, cache, slots, extra, opts) in enumerate(arms):
                 flags = ["--cache", cache, "--max-batch", str(slots), *server_flags(opts)]
-                server = Server(checkpoint, common + flags, args.server_threads)
+                server = Server(checkpoint, common + flags, args.server_threads, src=opts.get("src"))
                 try:
                     run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up (a compiled
                     # server compiled its batch buckets before it listened)
@@ -462,7 +485,11 @@ def main() -> None:
                     result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
                 finally:
                     server.close()
-                result["engine_only"] = engine_only(checkpoint, texts, args, cache, slots, extra, opts)
+                result["engine_only"] = (  # the baseline's engine is another checkout's: HTTP only
+                    {"tokens_per_s": math.nan}
+                    if "src" in opts
+                    else engine_only(checkpoint, texts, args, cache, slots, extra, opts)
+                )
                 rounds[k].append(result)
                 print(
                     f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
@@ -519,6 +546,11 @@ def main() -> None:
             if rows[i]["completed"] == rows[j]["completed"] == len(jobs)
         }
         print(f"identical texts (of {len(jobs)}): {same_outputs}")
+        over_baseline = None
+        if args.baseline_src is not None:  # tokens/s over HTTP of each arm against the baseline's, same rounds
+            base = next(r for r in rows if r["arm"] == "baseline")["median_tokens_per_s"]
+            over_baseline = {r["arm"]: r["median_tokens_per_s"] / base for r in rows}
+            print("over the baseline: " + ", ".join(f"{a} {x:.2f}x" for a, x in over_baseline.items()))
         quality = None
         if args.checkpoint is not None:
             fixed, adaptive = rows[-2], rows[-1]
@@ -553,6 +585,7 @@ def main() -> None:
         "settings": vars(args) | {"out": str(args.out), "checkpoint": str(args.checkpoint)},
         "arms": rows,
         "identical_texts": same_outputs,
+        "over_baseline": over_baseline,
         "adaptive_quality": quality,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

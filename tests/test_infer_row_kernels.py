@@ -121,6 +121,12 @@ def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
         for a, b in zip(cache.banks(), twin.banks(), strict=True):
             assert (a.k - b.k).abs().max() <= 1e-5 and (a.v - b.v).abs().max() <= 1e-5
     assert len(graphs) == 3  # prelude, one recurrence, coda: traced once
+    # a second step (as each `generate` call makes one) runs the graphs the first compiled: one backend
+    # object per (inner backend, options), so Dynamo's cache entries match (a new one per step filled
+    # the cache up to its limit, after which the pieces ran eagerly)
+    again = DecodeStep(model, cache, compile=True, unroll=1, compile_options={"backend": recording})
+    got, _ = again(StepRows(torch.tensor([3]), torch.tensor([9]), zero, zero), 2)
+    assert len(graphs) == 3
     called = " ".join(set().union(*map(_calls, graphs)))
     assert "row_linear" in called and "_sdpa_one_query" in called, called
     assert str(F.linear) not in called and str(F.scaled_dot_product_attention) not in called, called

@@ -97,9 +97,21 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
     return replaced
 
 
+_BACKENDS: dict = {}
+
+
 def row_kernels_backend(inner="inductor", options: dict | None = None):
     """A `torch.compile` backend: `rewrite` each captured graph, then compile it with `inner` (inductor
-    with its config `options`, or another backend's name or callable)."""
+    with its config `options`, or another backend's name or callable). One object per (inner,
+    options): Dynamo keeps a compiled graph for the backend that compiled it, so every step (each
+    `generate` call makes one) shares the graphs of the ones before."""
+    key = (inner, repr(sorted((options or {}).items())))
+    if key not in _BACKENDS:
+        _BACKENDS[key] = _backend(inner, options)
+    return _BACKENDS[key]
+
+
+def _backend(inner, options: dict | None):
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
