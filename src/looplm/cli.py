@@ -815,7 +815,11 @@ def serve(
         (arm,) = _prefill_arms(model, (prefill,), student)
         running = Engine(model, tokenizer, engine, prefill=arm)
         if engine.compile:
-            print(f"compiling the decode step for batch sizes {', '.join(map(str, running.buckets()))}", flush=True)
+            print(
+                f"compiling the decode step for batch sizes {', '.join(map(str, running.buckets()))} and the "
+                f"prefill for prompts of up to {', '.join(map(str, running.prefill_buckets()))} tokens",
+                flush=True,
+            )
             print(f"compiled in {running.warm_up():.0f} s", flush=True)
         name = served_model_name or _run_folder(checkpoint.resolve()).name
         shown = f"[{host}]" if ":" in host else host
