@@ -96,9 +96,9 @@ class DecodeStep:
     graph (compiled when first needed; per-row depth and exit run one recurrence per call). 4 by
     default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
-    faster again, about twice the compile). `row_kernels` (default: compiled on a CPU) traces the pieces
-    under `looplm.infer.row_kernels.RowKernels`: one-row linears and one-query attention written out
-    as loops inductor generates, instead of calls to the BLAS and the SDPA kernel."""
+    faster again, about twice the compile). `row_kernels` (default: compiled on a CPU) compiles the pieces
+    through `looplm.infer.row_kernels.row_kernels_backend`: one-row linears and one-query attention
+    written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel."""
 
     def __init__(
         self,
@@ -113,8 +113,10 @@ class DecodeStep:
         row_kernels: bool | None = None,
     ):
         self.model, self.seed, self.compiled = model, seed, compile
-        self.row_kernels = False
         self.device = device = next(model.parameters()).device
+        if row_kernels and not compile:
+            raise ValueError("row_kernels are for compiled steps (eagerly the written-out products are slower)")
+        self.row_kernels = compile and (device.type == "cpu" if row_kernels is None else row_kernels)
         self.stop_early = device.type == "cpu" if stop_early is None else stop_early
         self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
         if cache is not None:
@@ -138,7 +140,6 @@ class DecodeStep:
                 else {"options": {"cpp_wrapper": True, "size_asserts": False}}
             )
             options.update(compile_options or {})
-            self.row_kernels = device.type == "cpu" if row_kernels is None else row_kernels
             if self.row_kernels:  # the captured graphs are rewritten, then go to the backend asked for
                 if "mode" in options:
                     raise ValueError("row_kernels rewrite graphs for a backend: give compile options, not a mode")
@@ -151,8 +152,6 @@ class DecodeStep:
                 torch.compile(f, dynamic=False, **options)
                 for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end)
             )
-        elif row_kernels:
-            raise ValueError("row_kernels are for compiled steps (eagerly the written-out products are slower)")
 
     def reset(self, cache: KVCache) -> None:
         """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
