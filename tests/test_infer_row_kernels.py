@@ -1,4 +1,4 @@
-"""`looplm.infer.row_kernels`: the written-out one-row linear and one-query attention against torch's
+"""`looplm.infer.row_kernels`: the written-out one-row linear and few-query attention against torch's
 own kernels (F.linear, SDPA with `enable_gqa`), and the compile backend that swaps them in: which
 calls it rewrites, which it leaves to torch, and a batch-1 decode step compiled through it equal to
 the eager step."""
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _models import decisive_model
 
 from looplm.infer import extend, make_cache
-from looplm.infer.row_kernels import one_query_attention, row_kernels_backend, row_linear
+from looplm.infer.row_kernels import FEW_QUERIES, few_query_attention, row_kernels_backend, row_linear
 from looplm.infer.step import DecodeStep, StepRows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -27,23 +27,26 @@ def test_row_linear_equals_f_linear(shape, bias):
     assert torch.allclose(got, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize(("H", "Hk"), [(4, 4), (4, 2), (6, 1)])
-def test_one_query_attention_equals_sdpa_under_a_partial_mask(H, Hk):
-    """Rows with masked keys at the front (left padding) and the back (positions not yet written),
-    grouped-query heads, a mask per row and one shared by the rows, the default and a given scale."""
+def test_few_query_attention_equals_sdpa_under_a_partial_mask(H, Hk, n):
+    """One query per row (a decode step) and a causal chunk of three (a verify chunk): rows with masked
+    keys at the front (left padding) and the back (positions not yet written), grouped-query heads, a
+    mask per row and one shared by the rows, the default and a given scale."""
     g = torch.Generator().manual_seed(1)
     B, S, hd = 3, 9, 8
     q, k, v = (
-        torch.randn(B, H, 1, hd, generator=g),
+        torch.randn(B, H, n, hd, generator=g),
         torch.randn(B, Hk, S, hd, generator=g),
         torch.randn(B, Hk, S, hd, generator=g),
     )
     keys = torch.arange(S)
-    first, last = torch.tensor([0, 2, 4]), torch.tensor([8, 5, 4])
-    per_row = ((keys >= first[:, None]) & (keys <= last[:, None]))[:, None, None]  # [B, 1, 1, S]
+    first = torch.tensor([0, 2, 4])
+    last = torch.tensor([6, 5, 4])[:, None] + torch.arange(n)  # [B, n]: query i sees keys up to last + i
+    per_row = ((keys >= first[:, None, None]) & (keys <= last[:, :, None]))[:, None]  # [B, 1, n, S]
     for mask in (per_row, per_row[1:2]):
         for scale in (None, 0.3):
-            got = one_query_attention(q, k, v, mask, scale)
+            got = few_query_attention(q, k, v, mask, scale)
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hk)
             assert torch.allclose(got, ref, atol=1e-6), (mask.shape, scale)
 
@@ -52,10 +55,10 @@ def _calls(gm) -> set[str]:
     return {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
 
 
-def test_the_backend_rewrites_one_row_and_one_query_calls_only():
+def test_the_backend_rewrites_one_row_and_few_query_calls_only():
     """Through `torch.compile` with the backend (graphs recorded as rewritten, run as traced): one-row
-    fp32 linears and one-query SDPA calls under a boolean [B, 1, 1, S] mask are replaced, the others
-    kept; the results equal the eager calls."""
+    fp32 linears and SDPA calls of up to FEW_QUERIES queries under a boolean [B, 1, n, S] mask are
+    replaced, the others kept; the results equal the eager calls."""
     graphs = []
 
     def recording(gm, example_inputs):
@@ -66,6 +69,7 @@ def test_the_backend_rewrites_one_row_and_one_query_calls_only():
     w = torch.randn(6, 4, generator=g)
     q, k, v = (torch.randn(2, h, n, 8, generator=g) for h, n in ((4, 1), (2, 5), (2, 5)))
     q3 = torch.randn(2, 4, 3, 8, generator=g)
+    many = torch.randn(2, 4, FEW_QUERIES + 1, 8, generator=g)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     mask[0, 0, 0, :2] = False
     xs = (torch.randn(1, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(1, 4, generator=g).double())
@@ -77,8 +81,11 @@ def test_the_backend_rewrites_one_row_and_one_query_calls_only():
             F.linear(x3, w.double()),  # not fp32
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),  # rewritten
             F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True),  # no boolean mask
-            F.scaled_dot_product_attention(
+            F.scaled_dot_product_attention(  # rewritten: three queries
                 q3, k, v, attn_mask=torch.ones(2, 1, 3, 5, dtype=torch.bool), enable_gqa=True
+            ),
+            F.scaled_dot_product_attention(  # more queries than FEW_QUERIES
+                many, k, v, attn_mask=torch.ones(2, 1, FEW_QUERIES + 1, 5, dtype=torch.bool), enable_gqa=True
             ),
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float(), enable_gqa=True),  # additive mask
         )
@@ -86,7 +93,7 @@ def test_the_backend_rewrites_one_row_and_one_query_calls_only():
     got = torch.compile(calls, backend=row_kernels_backend(recording), dynamic=False)(*xs)
     (gm,) = graphs
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    assert sum("row_linear" in t for t in targets) == 1 and sum("_sdpa_one_query" in t for t in targets) == 1
+    assert sum("row_linear" in t for t in targets) == 1 and sum("_sdpa_few_queries" in t for t in targets) == 2
     assert targets.count(str(F.linear)) == 2 and targets.count(str(F.scaled_dot_product_attention)) == 3
     for a, b in zip(got, calls(*xs), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
@@ -128,7 +135,7 @@ def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
     got, _ = again(StepRows(torch.tensor([3]), torch.tensor([9]), zero, zero), 2)
     assert len(graphs) == 3
     called = " ".join(set().union(*map(_calls, graphs)))
-    assert "row_linear" in called and "_sdpa_one_query" in called, called
+    assert "row_linear" in called and "_sdpa_few_queries" in called, called
     assert str(F.linear) not in called and str(F.scaled_dot_product_attention) not in called, called
     with pytest.raises(ValueError, match="compiled steps"):
         DecodeStep(model, cache, row_kernels=True)

@@ -9,9 +9,11 @@ Dynamo captured (shapes are static there) before it hands the graph on (to induc
 - `F.linear` of one row (x with a single row of features, fp32): y = sum(x[..., None, :] * W, -1),
   a broadcast product and a sum, which inductor generates as one loop of its own, fused with what
   follows;
-- `F.scaled_dot_product_attention` of one query per row under a boolean mask [B or 1, 1, 1, S]:
-  softmax(q K^T / sqrt(hd) + mask) V written out, grouped-query heads as a reshape (query head h
-  reads key/value head h // (H / H_kv), as SDPA's `enable_gqa`).
+- `F.scaled_dot_product_attention` of at most `FEW_QUERIES` queries per row (a one-token step, a
+  verify chunk) under a boolean mask [B or 1, 1, n, S]: softmax(q K^T / sqrt(hd) + mask) V written
+  out as two batched products and a softmax, grouped-query heads as a reshape (query head h reads
+  key/value head h // (H / H_kv), as SDPA's `enable_gqa`). The CPU SDPA kernel's blocking costs
+  more than the arithmetic at so few queries (a 5-token verify chunk ran ~10% faster without it).
 
 Every other call, and these of other shapes, stay as they were; results equal the eager step's to
 float rounding (tested). Measured on the 2-core CPU (BENCHMARKS.md): a batch-1 R = 32 step 1.5x
@@ -25,7 +27,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["one_query_attention", "rewrite", "row_kernels_backend", "row_linear"]
+__all__ = ["FEW_QUERIES", "few_query_attention", "rewrite", "row_kernels_backend", "row_linear"]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,44 +36,51 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y if bias is None else y + bias
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None):
-    """SDPA of one query per row: q [B, H, 1, hd], k/v [B, H_kv, S, hd] (H a multiple of H_kv), boolean
-    mask [B or 1, 1, 1, S] (True = attend) -> [B, H, 1, hd]."""
-    B, H, _, hd = q.shape
+def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None):
+    """SDPA of a few queries per row: q [B, H, n, hd], k/v [B, H_kv, S, hd] (H a multiple of H_kv),
+    boolean mask [B or 1, 1, n, S] (True = attend) -> [B, H, n, hd]."""
+    B, H, n, hd = q.shape
     Hk, S = k.shape[1], k.shape[2]
+    G, Bm = H // Hk, mask.shape[0]
     scale = hd**-0.5 if scale is None else scale
-    qg = q.reshape(B, Hk, H // Hk, hd)  # query head h = kv head * group + g
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hk, G, S]
-    scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, S), float("-inf"))
-    return torch.matmul(scores.softmax(-1), v).reshape(B, H, 1, hd)
+    qg = q.reshape(B, Hk, G * n, hd)  # query head h = kv head * G + g; its n queries in a row
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hk, G * n, S]
+    keep = mask.reshape(Bm, 1, 1, n, S).expand(Bm, 1, G, n, S).reshape(Bm, 1, G * n, S)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v).reshape(B, H, n, hd)
 
 
 def _one_row(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.numel() == x.shape[-1]
 
 
-def _one_query(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
-    """Whether an SDPA call (its arguments) is one `one_query_attention` covers."""
+FEW_QUERIES = 8
+"""The most queries per row whose attention the backend writes out."""
+
+
+def _few_queries(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
+    """Whether an SDPA call (its arguments) is one `few_query_attention` covers."""
     return (
         q.ndim == 4
-        and q.shape[2] == 1
+        and q.shape[2] <= FEW_QUERIES
         and isinstance(attn_mask, torch.Tensor)
         and attn_mask.dtype == torch.bool
         and attn_mask.ndim == 4
-        and attn_mask.shape[1] == attn_mask.shape[2] == 1
+        and attn_mask.shape[1] == 1
+        and attn_mask.shape[2] == q.shape[2]
         and dropout_p == 0.0
         and not is_causal
         and (enable_gqa or q.shape[1] == k.shape[1])
     )
 
 
-def _sdpa_one_query(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """`one_query_attention` called as SDPA is (what a rewritten graph node calls)."""
-    return one_query_attention(q, k, v, attn_mask, scale)
+def _sdpa_few_queries(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`few_query_attention` called as SDPA is (what a rewritten graph node calls)."""
+    return few_query_attention(q, k, v, attn_mask, scale)
 
 
 def rewrite(gm: torch.fx.GraphModule) -> int:
-    """Replace the one-row linears and one-query attention calls of a graph Dynamo captured (decided
+    """Replace the one-row linears and few-query attention calls of a graph Dynamo captured (decided
     on each call's example values) by their written-out forms; returns how many were replaced."""
     replaced = 0
     for node in list(gm.graph.nodes):
@@ -82,8 +91,8 @@ def rewrite(gm: torch.fx.GraphModule) -> int:
             if not (isinstance(args[0], torch.Tensor) and _one_row(args[0])):
                 continue
             target = row_linear
-        elif _one_query(*args, **kwargs):
-            target = _sdpa_one_query
+        elif _few_queries(*args, **kwargs):
+            target = _sdpa_few_queries
         else:
             continue
         with gm.graph.inserting_before(node):

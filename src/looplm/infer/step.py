@@ -97,7 +97,7 @@ class DecodeStep:
     default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
     faster again, about twice the compile). `row_kernels` (default: compiled on a CPU) compiles the pieces
-    through `looplm.infer.row_kernels.row_kernels_backend`: one-row linears and one-query attention
+    through `looplm.infer.row_kernels.row_kernels_backend`: one-row linears and few-query attention
     written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel."""
 
     def __init__(
