@@ -65,7 +65,11 @@ def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    res = simple_evaluate(model=adapter, tasks=["looplm_choice"], task_manager=TaskManager(include_path=str(tmp_path)))
+    res = simple_evaluate(
+        model=adapter,
+        tasks=["looplm_choice"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+    )
     acc = res["results"]["looplm_choice"]["acc,none"]
     # independent: the same scores through looplm's own choice scorer
     hits = 0

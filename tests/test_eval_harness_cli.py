@@ -14,8 +14,17 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def run_script(monkeypatch, capsys, *args):
+    import lm_eval.tasks
+
     from looplm.eval.harness_cli import main
 
+    class LocalTasks(lm_eval.tasks.TaskManager):
+        """lm-eval's task index without its built-in tasks (indexing their YAML files costs ~10 s)."""
+
+        def __init__(self, *args, include_defaults=False, **kwargs):
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasks)
     monkeypatch.setattr(sys, "argv", ["looplm-lm-eval", *map(str, args)])
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     rc = main()

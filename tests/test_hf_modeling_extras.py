@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from _jobs import write_choice_task as write_jobs_choice_task  # noqa: E402
-from _jobs import error_line, looplm_cmd, shared_cache, subprocess_env, tiny_job  # noqa: E402
+from _jobs import error_line, shared_cache, tiny_job  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from looplm import checkpoint as ckpt  # noqa: E402
@@ -135,7 +135,7 @@ def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monke
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     write_choice_task(tmp_path)
     _, checkpoint, folder = exported
-    tasks = TaskManager(include_path=str(tmp_path))
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)  # indexing the built-in tasks: ~10 s
     # looplm's adapter seeds each item's initial state by a hash of its context; HF's forward seeds
     # by batch row (0 at batch_size=1). With the same seed (and the full cache at prefill depth =
     # depth: the same computation as the parallel forward) they agree.
@@ -161,10 +161,17 @@ def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monke
 
 
 # -- 3. exported folders in looplm's commands --------------------------------------------------------------
-def looplm(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        looplm_cmd(*map(str, args)), env=subprocess_env(), capture_output=True, text=True, timeout=timeout
-    )
+def looplm(capsys, *args) -> SimpleNamespace:
+    """`looplm ARGS` in this process (the console script itself is tests/test_cli.py's): returncode,
+    stdout, stderr."""
+    import looplm.cli as cli
+
+    try:
+        rc = cli.main([str(a) for a in args])
+    except SystemExit as exit_:
+        rc = exit_.code
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +237,7 @@ def test_checkpoint_module_does_not_import_transformers():
 
 
 @pytest.mark.slow
-def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp_path):
+def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp_path, capsys):
     checkpoint, folder = trained_like
     data = write_choice_task(tmp_path)
     common = (
@@ -254,8 +261,7 @@ def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp
         ("eval", src, *common, "--output", tmp_path / f"{name}.json")
         for src, name in ((folder, "hf"), (checkpoint, "ckpt"))
     ]
-    with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
-        res, from_ckpt, evaluated, ref = pool.map(lambda args: looplm(*args), calls)
+    res, from_ckpt, evaluated, ref = (looplm(capsys, *args) for args in calls)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout == from_ckpt.stdout and res.stdout.startswith("--- prompt 1 of 2 ---\n+1,2=")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
@@ -265,20 +271,22 @@ def test_cli_generate_and_eval_on_an_exported_folder(trained_like, exported, tmp
     assert sorted(got["choice"]) == ["1", "2"] and got["choice"] == want["choice"]
     assert got["perplexity"] == want["perplexity"]
     # without --output the report lands in the exported folder itself, not two levels above it
-    res = looplm("eval", folder, "--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0)
+    res = looplm(
+        capsys, "eval", folder, "--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert (Path(folder) / "eval.json").is_file() and not (Path(folder).parent.parent / "eval.json").exists()
 
     # a folder that does not record the training job: generate works, eval is a one-line error
     bare = exported[2]
-    res = looplm("generate", bare, "--prompt", "hi", "--depth", 2, "--max-new-tokens", 3)
+    res = looplm(capsys, "generate", bare, "--prompt", "hi", "--depth", 2, "--max-new-tokens", 3)
     assert res.returncode == 0, res.stderr[-3000:]
     stripped = tmp_path / "stripped"
     stripped.mkdir()
     for f in bare.iterdir():
         if f.is_file() and f.name != ckpt.HF_EXPORT_INFO:
             (stripped / f.name).write_bytes(f.read_bytes())
-    res = looplm("eval", stripped, *common, "--output", tmp_path / "none.json")
+    res = looplm(capsys, "eval", stripped, *common, "--output", tmp_path / "none.json")
     assert res.returncode == 2  # one error line after eval's progress bar:
     assert "does not record the training job" in error_line(res.stderr)
 

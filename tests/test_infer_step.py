@@ -224,11 +224,11 @@ UNROLL = 3
 
 @pytest.fixture(scope="module")
 def traced_unrolled(model):
-    """A step with unroll = 3 traced by Dynamo (graphs and recompiles as `compile=True` makes them) but
-    run by aot_eager, not compiled by inductor: these tests are about which windows run on which banks,
+    """A step with unroll = 3 traced by Dynamo (graphs and recompiles as `compile=True` makes them) whose
+    captured (rewritten) graphs run eagerly, not compiled by inductor: these tests are about which windows run on which banks,
     which inductor's kernels do not change (inductor runs the unrolled path in the compiled-step test
     above); it spares the suite cold compiles of tens of seconds each."""
-    return DecodeStep(model, compile=True, unroll=UNROLL, compile_options={"backend": "aot_eager"})
+    return DecodeStep(model, compile=True, unroll=UNROLL, compile_options={"backend": "eager"})
 
 
 @pytest.mark.slow

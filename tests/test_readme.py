@@ -40,6 +40,9 @@ SMALLER = {
         "2",
         "--generation-examples",
         "4",
+        "--depths",  # the README's sweeps reach R = 64 (three sharing protocols at each depth)
+        "1",
+        "3",
         "--device",
         "cpu",
     ],
@@ -62,7 +65,13 @@ SMALLER = {
         "--device",
         "cpu",
     ],
-    "generate": ["--device", "cpu", "--no-compile"],  # compiling changes speed, not text (tests/test_infer_step.py)
+    "generate": [
+        "--device",
+        "cpu",
+        "--no-compile",
+        "--max-new-tokens",
+        "24",
+    ],  # compiling changes speed, not text (tests/test_infer_step.py)
     "serve": [
         "--device",
         "cpu",

@@ -462,14 +462,15 @@ def test_requests_deeper_than_the_engine_default_match_a_decode_by_hand(model, m
 def compiled_engine(model):
     """One engine whose decode steps and prefills run compiled (`EngineConfig(compile=True)`): 4 slots; the tests
     keep 3-4 rows on the exit path (per-row depths, exit_tau) so one graph set (bucket 4) serves them.
-    Its step traces with Dynamo as `compile=True` does but runs through aot_eager, not inductor: this
+    Its step traces with Dynamo as `compile=True` does but runs the captured (rewritten) graphs eagerly,
+    not through inductor: this
     tests the engine's plumbing (buckets, padding rows, per-row inputs) without minutes of code
     generation; inductor's numerics are tests/test_infer_step.py's compiled-step test."""
     engine = Engine(
         model,
         TOK,
         EngineConfig(max_batch=4, depth=4, max_depth=6, max_seq_len=32, compile=True),
-        compile_options={"backend": "aot_eager"},
+        compile_options={"backend": "eager"},
     )
     assert engine.buckets() == [1, 2, 4]
     assert engine.prefill_buckets() == [32]  # prompts prefill as one chunk of 32 (the slots' length)
