@@ -131,11 +131,11 @@ def test_step_with_adaptive_exit_equals_extend(model):
 # -- compiled vs eager ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled(model):
-    """One compiled step on a terminal cache of 4 rows, traced once for the exit path (per-row depth,
+    """One compiled step (inductor, windows of 2) on a terminal cache of 4 rows, traced once for the exit path (per-row depth,
     exit_tau, min_depth tensors: tau 0 and depth = max reproduce a plain row). (step, compile seconds)"""
     torch.manual_seed(5)
     cache, _, _, _ = _twins(model, "terminal", _prompts(4, seed=3), depth=3)
-    step = DecodeStep(model, cache, compile=True)
+    step = DecodeStep(model, cache, compile=True, unroll=2)  # windows of 2: smaller graphs to compile
     start = time.perf_counter()
     step(_compiled_rows(torch.zeros(4, dtype=torch.long), torch.full((4,), 8), torch.zeros(4, dtype=torch.long)), 6)
     return step, time.perf_counter() - start
@@ -176,9 +176,8 @@ def test_compiled_step_equals_the_eager_step(model, compiled):
             assert (got - ref).abs().max() <= TOL, (seed, t)
             assert used.tolist() == ref_used.tolist(), (seed, t)
             assert_banks_equal(cache, twin)
-        # the fixed-depth path, unrolled (the default 4 recurrences per graph): depth 7 = a window of 4,
-        # then one of 3, compiled by inductor on the same prelude and coda graphs; against the eager step
-        # one recurrence at a time
+        # the fixed-depth path, unrolled: depth 7 = three windows of 2, then one recurrence, compiled by
+        # inductor on the same prelude and coda graphs; against the eager step one recurrence at a time
         plain = DecodeStep(model, twin, unroll=1)
         for t in range(4, 6):
             rows = StepRows(torch.randint(0, V, (4,)), L - offsets + t, first, torch.tensor([0, 1, 2, 3]))

@@ -128,9 +128,16 @@ def test_block_checkpointing_keeps_gradients_and_sheds_activations(tiny_model_co
 
 # -- torch.compile ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_compiled_training_matches_eager_without_recompiles(tmp_path, cache):
+def test_compiled_training_matches_eager_without_recompiles(tmp_path, cache, monkeypatch):
     """20 steps with PLN-drawn depths and a backprop window of 2 (so the no-grad prefix runs on
-    most microbatches): same losses and depths as eager, and no graph compiled after warm-up."""
+    most microbatches): same losses and depths as eager, and no graph compiled after warm-up. The
+    trainer's blocks go through aot_eager, not inductor: Dynamo's graphs, guards and recompiles and
+    AOT autograd's forward/backward split are the trainer's; inductor's CPU code is not what a GPU
+    trains with (Triton), and its cold compile of these graphs took ~45 s of the suite."""
+    import looplm.train.parallelize as P
+
+    compile_blocks = P.apply_compile
+    monkeypatch.setattr(P, "apply_compile", lambda model: compile_blocks(model, backend="aot_eager"))
     common = dict(cache=cache, train__steps=20, depth__bptt_window=2, depth__depth=3.0)
     eager = Trainer(tiny_job(tmp_path, "eager", train__compile="off", **common))
     eager.fit()
