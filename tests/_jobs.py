@@ -270,3 +270,21 @@ def assert_full_cache_decodes_like_the_forward(model, prompt: torch.Tensor, dept
         uncached.append(int(nxt))
         seq = torch.cat([seq, nxt[:, None]], 1)
     assert cached == uncached
+
+
+def run_main(argv, capsys):
+    """looplm.cli.main in-process: (exit status, stdout, stderr). Any exception escaping main
+    would be a traceback for the user, so it fails the test."""
+    from looplm.cli import main
+
+    grad_mode = torch.is_grad_enabled()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exit_:  # tyro's parse errors
+        rc = exit_.code
+    finally:
+        leaked = torch.is_grad_enabled() != grad_mode
+        torch.set_grad_enabled(grad_mode)
+    assert not leaked, "looplm.cli.main changed the global autograd mode"
+    out, err = capsys.readouterr()
+    return rc, out, err

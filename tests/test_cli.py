@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jobs import error_line, looplm_cmd, one_thread, shared_cache, step_records, subprocess_env, tiny_flags, tiny_job
+from _jobs import (
+    error_line,
+    looplm_cmd,
+    one_thread,
+    run_main,
+    shared_cache,
+    step_records,
+    subprocess_env,
+    tiny_flags,
+    tiny_job,
+)
 
 from looplm import checkpoint as ckpt
 from looplm.cli import main
@@ -169,22 +179,6 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, cache):
 
 
 # -- bad input ----------------------------------------------------------------------------------
-def run_main(argv, capsys):
-    """looplm.cli.main in-process: (exit status, stdout, stderr). Any exception escaping main
-    would be a traceback for the user, so it fails the test."""
-    grad_mode = torch.is_grad_enabled()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exit_:  # tyro's parse errors
-        rc = exit_.code
-    finally:
-        leaked = torch.is_grad_enabled() != grad_mode
-        torch.set_grad_enabled(grad_mode)
-    assert not leaked, "looplm.cli.main changed the global autograd mode"
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A finished 2-step run made with the same settings as `tiny_flags(root, "run", steps=2)`."""
@@ -337,8 +331,9 @@ def test_eval_of_a_broken_checkpoint(trained_run, tmp_path, capsys, damage):
             f.write_bytes(bytes(data))
         else:
             (target / "manifest.json").unlink()
-    rc, _, err = run_main(["eval", target, "--depths", "1"], capsys)
+    rc, out, err = run_main(["eval", target, "--depths", "1"], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
+    assert damage != "missing" or out == ""  # nothing on stdout for a run that is not there
     assert {"flip": "model.safetensors is corrupt", "manifest": "no manifest.json", "missing": "no checkpoint folder"}[
         damage
     ] in err

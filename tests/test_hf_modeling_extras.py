@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from _jobs import write_choice_task as write_jobs_choice_task  # noqa: E402
-from _jobs import error_line, shared_cache, tiny_job  # noqa: E402
+from _jobs import error_line, run_main, shared_cache, tiny_job  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from looplm import checkpoint as ckpt  # noqa: E402
@@ -164,13 +164,7 @@ def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monke
 def looplm(capsys, *args) -> SimpleNamespace:
     """`looplm ARGS` in this process (the console script itself is tests/test_cli.py's): returncode,
     stdout, stderr."""
-    import looplm.cli as cli
-
-    try:
-        rc = cli.main([str(a) for a in args])
-    except SystemExit as exit_:
-        rc = exit_.code
-    out, err = capsys.readouterr()
+    rc, out, err = run_main(args, capsys)
     return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
