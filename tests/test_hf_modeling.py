@@ -253,6 +253,49 @@ def test_generate_logits_equal_a_decode_by_hand(hf_model, mode, prefill, depth, 
         assert tau is None or min(used[1:]) < depth
 
 
+@pytest.mark.parametrize(
+    ("mode", "prefill", "depth", "tau"),
+    [("terminal", 2, 5, None), ("full", 6, 3, None), ("full", 2, 5, None), ("terminal", 3, 8, 0.05)],
+    ids=["terminal-pre2-dec5", "full-pre6-dec3", "full-pre2-dec5", "terminal-pre3-dec8-tau"],
+)
+def test_compiled_decode_logits_equal_a_decode_by_hand(hf_model, monkeypatch, mode, prefill, depth, tau):
+    """`generate(compile_decode=True)`: the decode steps run looplm's `DecodeStep` compiled (Dynamo's
+    graphs with the row kernels, run eagerly here to spare inductor's build), over a cache as long as the
+    model context; every step's logits of a left-padded batch equal each row decoded alone by hand, to 1e-4."""
+    import looplm.hf.modeling as modeling
+
+    made, real = [], modeling.DecodeStep
+
+    def traced_step(*args, **kwargs):
+        made.append(real(*args, **kwargs, compile_options={"backend": "eager"}))
+        return made[-1]
+
+    monkeypatch.setattr(modeling, "DecodeStep", traced_step)
+    ids, mask = padded_batch(PROMPTS[1:])
+    kwargs = dict(num_steps=depth, prefill_steps=prefill, cache_kind=mode, exit_tau=tau, compile_decode=True)
+    out = hf_model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
+    assert len(made) == 1 and made[0].compiled and made[0].cache.max_len == hf_model.config.max_seq_len
+    new = out.sequences[:, ids.shape[1] :]
+    for row, prompt in enumerate(PROMPTS[1:]):
+        chosen = new[row].tolist()
+        n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)
+        want, used = decode_replay(
+            hf_model.model, mode, TOK.encode(prompt), chosen[: n - 1], prefill, depth, example_id=row, exit_tau=tau
+        )
+        got = torch.stack([step[row] for step in out.logits[:n]])
+        assert (got - want).abs().max() <= 1e-4, (row, (got - want).abs().amax(-1))
+    if tau is not None:  # the mean depth the wrapper reports is the rows' own, below the decode depth
+        assert hf_model.last_generate_stats["mean_decode_depth"] < depth
+
+
 def test_a_chunk_appended_with_adaptive_exit_equals_a_decode_by_hand(hf_model):
     """The manual loop: a prompt through `use_cache=True`, then a 4-token chunk with exit_tau (its tokens
     stop at their own recurrences, frozen while the others go on), then one token: every logit equals

@@ -22,7 +22,9 @@ class LoopedLMConfig(PretrainedConfig):
     - `num_steps`: recurrences per decoded token (and per token of a plain forward), R_dec;
     - `prefill_steps`: recurrences over the prompt during `generate` (R_pre; None = num_steps);
     - `cache_kind`: "terminal" (one KV bank per physical layer) or "full" (one per layer visit);
-    - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth).
+    - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth);
+    - `compile_decode`: `generate` runs its one-token decode steps through looplm's compiled
+      `DecodeStep` (`torch.compile`; the first call of a batch size pays the compilation).
 
     `depth_rule()` maps them to looplm's `DepthRule` (`CONFIG_KEYS`), the only place the two spellings meet.
     """
@@ -46,6 +48,7 @@ class LoopedLMConfig(PretrainedConfig):
     cache_kind: str = "terminal"
     exit_tau: float | None = None
     min_depth: int = 1
+    compile_decode: bool = False
     # -- tokens (looplm's ByteTokenizer by default) --
     eos_token_id: int | None = 256
     pad_token_id: int | None = 257

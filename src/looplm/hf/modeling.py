@@ -3,7 +3,10 @@
 Thin on purpose: a forward without a cache is `LoopedLM.forward` (autograd, labels), a forward
 with a `LoopedCache` is `LoopedLM`'s cached forward on a looplm terminal (or full) KV cache, so
 `model.generate(...)` prefills at `prefill_steps` and decodes every token at `num_steps`
-recurrences exactly like `looplm.infer.generate.generate`.
+recurrences exactly like `looplm.infer.generate.generate`. With `compile_decode=True` (a `generate`
+or forward keyword, or the config's field) the one-token decode steps run looplm's compiled
+`DecodeStep` (static shapes over a cache as long as the model context; design §16), as
+`looplm generate --compile` does.
 
 The initial recurrent state is always the "seeded" one: a hash of (example id, position) with
 example ids 0..B-1 (the batch row), as in looplm's own generation, so results are deterministic.
@@ -21,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from looplm.hf.configuration import LoopedLMConfig
 from looplm.infer.cache import KVCache, make_cache
 from looplm.infer.depth_rule import CACHE_KINDS, DepthRule
+from looplm.infer.step import DecodeStep, StepRows
 from looplm.model import LoopedLM
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -32,14 +36,18 @@ class LoopedCache(Cache):
     The looplm cache is preallocated at the first forward, when the batch size is known:
     `max_len` tokens (default: the model context), for `kind` "terminal" or "full" (default: the
     call's `cache_kind`, else the config's). It also remembers each row's left padding, taken from
-    the prompt's attention mask. Beam reordering, cropping and batch expansion are not supported."""
+    the prompt's attention mask. `compile=True`: one-token decode steps run a compiled looplm
+    `DecodeStep` (created with the looplm cache; give no `max_len`, so every call's cache spans the
+    model context and reuses the compiled graphs). Beam reordering, cropping and batch expansion are
+    not supported."""
 
-    def __init__(self, kind: str | None = None, max_len: int | None = None):
+    def __init__(self, kind: str | None = None, max_len: int | None = None, compile: bool = False):
         super().__init__(layers=[])
         if kind is not None and kind not in CACHE_KINDS:
             raise ValueError(f"unknown cache kind {kind!r}; choose terminal or full")
-        self.kind, self.max_len = kind, max_len
+        self.kind, self.max_len, self.compile = kind, max_len, compile
         self.inner: KVCache | None = None
+        self.step: DecodeStep | None = None  # the compiled one-token step (compile=True), made with `inner`
         self.pad: torch.Tensor | None = None  # [B] left-padding tokens per row
         self.decode_depth: int | None = None  # recurrences per decoded token (num_steps of the call)
         self.depths_used: list = []  # mean depth per decode step (adaptive exit: < decode_depth)
@@ -49,6 +57,19 @@ class LoopedCache(Cache):
         max_len = self.max_len or config.max_seq_len
         self.inner = make_cache(kind, config.to_model_config(), batch, max_len, depth, device=device, dtype=dtype)
         self.kind = kind
+
+    def decode_step(self, model: LoopedLM, tokens: torch.Tensor, rule: DepthRule, example_ids: torch.Tensor):
+        """Append one token per row (`tokens` [B]) through the compiled `DecodeStep`; returns (fp32
+        logits [B, 1, V], recurrences used [B])."""
+        inner = self.inner
+        if self.step is None:
+            self.step = DecodeStep(model, inner, compile=True)
+        B, device = tokens.shape[0], tokens.device
+        first = self.pad if self.pad is not None else torch.zeros(B, dtype=torch.long, device=device)
+        write_at = torch.full((B,), inner.length, dtype=torch.long, device=device)
+        logits, used = self.step(StepRows.under(rule, tokens, write_at, first, example_ids), rule.depth)
+        inner.length += 1
+        return logits[:, None], used
 
     @property
     def is_croppable(self) -> bool:
@@ -73,7 +94,7 @@ class LoopedCache(Cache):
         return 0 if self.inner is None else self.inner.nbytes
 
     def reset(self) -> None:
-        self.inner, self.pad, self.decode_depth, self.depths_used = None, None, None, []
+        self.inner, self.step, self.pad, self.decode_depth, self.depths_used = None, None, None, None, []
 
     @property
     def mean_decode_depth(self) -> float | None:
@@ -105,7 +126,10 @@ class LoopedCache(Cache):
         self._unsupported("batch selection")
 
     def __repr__(self) -> str:
-        return f"LoopedCache(kind={self.kind!r}, length={self.get_seq_length()}, max_len={self.get_max_length()})"
+        return (
+            f"LoopedCache(kind={self.kind!r}, length={self.get_seq_length()}, max_len={self.get_max_length()}"
+            f"{', compile=True' if self.compile else ''})"
+        )
 
 
 def left_padding(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -148,7 +172,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
 
     forward(input_ids, attention_mask, cache, labels, num_steps, ...) -> CausalLMOutputWithPast.
     Generation kwargs (or config fields): `num_steps` (R_dec), `prefill_steps` (R_pre),
-    `cache_kind` ("terminal" | "full"), `exit_tau` / `min_depth` (adaptive decode depth).
+    `cache_kind` ("terminal" | "full"), `exit_tau` / `min_depth` (adaptive decode depth),
+    `compile_decode` (one-token decode steps through looplm's compiled `DecodeStep`).
     """
 
     def __init__(self, config: LoopedLMConfig, model: LoopedLM | None = None):
@@ -209,6 +234,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         exit_tau: float | None = None,
         min_depth: int | None = None,
         example_ids: torch.Tensor | None = None,
+        compile_decode: bool | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
         inputs_embeds: torch.Tensor | None = None,
@@ -224,7 +250,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         ignored). With a `LoopedCache` (`cache`, or its old name `past_key_values`) the tokens are
         appended to it by the model's cached forward (no autograd): the first chunk of an empty
         cache runs at `prefill_steps` (default num_steps), later ones at `num_steps`.
-        `example_ids` [B] seed each row's initial state (default 0..B-1). `use_cache=True` without a
+        `example_ids` [B] seed each row's initial state (default 0..B-1). `compile_decode` (default
+        config.compile_decode): a cache this call starts runs its one-token appends through the
+        compiled `DecodeStep` (`LoopedCache(compile=True)`). `use_cache=True` without a
         cache starts one (a `LoopedCache` of `cache_kind`, returned as `.cache`/`.past_key_values`, so
         the usual loop `out = m(ids, use_cache=True)`, `m(next, past_key_values=out.past_key_values)`
         continues it); only in eval mode, as the cached forward has no autograd. Unset, `use_cache`
@@ -252,7 +280,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 raise ValueError(
                     "use_cache=True needs eval mode (model.eval()): the cached forward runs without autograd"
                 )
-            cache = LoopedCache(kind)
+            cache = LoopedCache(kind, compile=cfg.compile_decode if compile_decode is None else compile_decode)
         B, n = input_ids.shape
         if example_ids is None:
             example_ids = torch.arange(B, device=input_ids.device)
@@ -311,14 +339,20 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})"
             )
         first = cache.inner.length == 0
-        with torch.no_grad():
-            out = self.model(input_ids, plan, cache=cache.inner, pad=cache.pad, init="seeded", example_ids=example_ids)
+        if not first and n == 1 and cache.compile:
+            logits, used = cache.decode_step(self.model, input_ids[:, 0], rule, example_ids)
+        else:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids, plan, cache=cache.inner, pad=cache.pad, init="seeded", example_ids=example_ids
+                )
+            logits, used = out.logits, out.depths
         if not first:  # a decode step: its mean depth over the rows (a tensor: no device sync here)
             cache.decode_depth = rule.depth
-            cache.depths_used.append(float(rule.depth) if rule.exit_tau is None else out.depths.float().mean())
+            cache.depths_used.append(float(rule.depth) if rule.exit_tau is None else used.float().mean())
         elif cache.decode_depth is None:
             cache.decode_depth = rule.depth
-        return out.logits
+        return logits
 
     # -- generate ---------------------------------------------------------------------------------
     last_generate_stats: dict | None = None
@@ -373,8 +407,11 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
                 f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens"
             )
+        compile = model_kwargs.get("compile_decode")
+        compile = self.config.compile_decode if compile is None else compile
+        # compiled: the cache spans the model context, so each call's step has the shapes of the last
         model_kwargs["cache"] = self._generation_cache = LoopedCache(
-            model_kwargs.get("cache_kind"), max_len=max_cache_length
+            model_kwargs.get("cache_kind"), max_len=None if compile else max_cache_length, compile=compile
         )
 
     def prepare_inputs_for_generation(

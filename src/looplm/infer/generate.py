@@ -233,7 +233,7 @@ def generate(
             out = model(nxt[:, None], plan, cache=kv, pad=pad, init="seeded", example_ids=ids_arg)
             logits, used = out.logits[:, -1], out.depths[:, 0]
         else:
-            rows_in = _step_rows(nxt, write_at, pad, ids_arg, rule)
+            rows_in = StepRows.under(rule, nxt, write_at, pad, ids_arg)
             logits, used = step(rows_in, depth)
         depths_used += used[: len(live)].tolist()
         if t == 0:  # what a first step costs (compiling included) against the steps after it
@@ -245,24 +245,6 @@ def generate(
         stats["decode_seconds"] = time.perf_counter() - started
         stats["first_step_seconds"] = first
     return [stream.text for stream in streams]
-
-
-def _step_rows(tokens, write_at, pad, example_ids, rule: DepthRule) -> StepRows:
-    """A decode step's rows: every row at the decode depth, with adaptive exit when asked."""
-    if rule.exit_tau is None:
-        return StepRows(tokens, write_at, pad, example_ids)
-    B = tokens.shape[0]
-    full = lambda v, dtype: torch.full((B,), v, dtype=dtype, device=tokens.device)  # noqa: E731
-    return StepRows(
-        tokens,
-        write_at,
-        pad,
-        example_ids,
-        depth=full(rule.depth, torch.long),
-        exit_tau=full(rule.exit_tau, torch.float32),
-        min_depth=full(rule.min_depth, torch.long),
-        lowest=rule.min_depth,
-    )
 
 
 def _finish(streams: list[TextStream], on_token) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from looplm.infer.cache import KVCache
+from looplm.infer.depth_rule import DepthRule
 from looplm.infer.row_kernels import row_kernels_backend
 from looplm.model.blocks import rope_tables
 from looplm.model.kv import KVBank
@@ -56,6 +57,24 @@ class StepRows:
     lowest: int = 1
     """A lower bound of the recurrences any row uses, known to the caller (spares the full cache
     filling visits no row can leave unreached)."""
+
+    @classmethod
+    def under(cls, rule: DepthRule, tokens, write_at, first, example_ids) -> StepRows:
+        """A decode step's rows under `rule`: every row at its decode depth, with its adaptive exit
+        (`exit_tau`, `min_depth`) when it has one (an exit gate is not a step's: the model's forward runs it)."""
+        if rule.exit_tau is None:
+            return cls(tokens, write_at, first, example_ids)
+        B, device = tokens.shape[0], tokens.device
+        return cls(
+            tokens,
+            write_at,
+            first,
+            example_ids,
+            depth=torch.full((B,), rule.depth, dtype=torch.long, device=device),
+            exit_tau=torch.full((B,), rule.exit_tau, dtype=torch.float32, device=device),
+            min_depth=torch.full((B,), rule.min_depth, dtype=torch.long, device=device),
+            lowest=rule.min_depth,
+        )
 
     @property
     def exits(self) -> bool:
