@@ -1,14 +1,17 @@
 """Decode speed of the transformers wrapper: `LoopedLMForCausalLM.generate()` vs looplm's own
 `looplm.infer.generate.generate()`, at the same settings, side by side in one run.
 
-    python benchmarks/hf_generate.py [--rounds 9] [--threads 1] [--device cpu] [--out benchmarks/results/hf_generate.json]
+    python benchmarks/hf_generate.py [--rounds 9] [--threads 1] [--device cpu] [--compile] [--out benchmarks/results/hf_generate.json]
 
 Model: the `tiny` preset's shape (d 128, 4/2 heads, FFN 384, 1/2/1 blocks, context 256, byte
 vocabulary 258), random weights (speed does not depend on training), fp32. Both arms: greedy,
 terminal KV cache, depth 5 for the prompt and for every decoded token, the same 4 prompts, the
 same max_new_tokens; the tokens they produce are checked to be identical. The two arms alternate
 over several rounds after a warm-up; each arm's median tokens/s (batch rows x new tokens over the
-wall time of the whole call, prefill included) and the ratio hf / looplm are reported.
+wall time of the whole call, prefill included) and the ratio hf / looplm are reported. `--compile`
+adds the two arms compiled: looplm's `generate(compile=True)` and the wrapper's
+`generate(compile_decode=True)`, both through looplm's compiled `DecodeStep` (compiled in the
+warm-up, which is timed and reported), and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true", help="also both arms with the compiled decode step")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hf_generate.json"))
     args = ap.parse_args()
 
@@ -82,11 +86,13 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def run_looplm():
-        return generate(model, tok, PROMPTS, DepthRule(args.depth), cache="terminal", sampling=sampling)
+    def run_looplm(compile=False):
+        return generate(
+            model, tok, PROMPTS, DepthRule(args.depth), cache="terminal", sampling=sampling, compile=compile
+        )
 
     @torch.no_grad()
-    def run_hf():
+    def run_hf(compile=False):
         return hf.generate(
             ids,
             attention_mask=mask,
@@ -94,6 +100,7 @@ def main() -> None:
             do_sample=False,
             num_steps=args.depth,
             cache_kind="terminal",
+            compile_decode=compile,
         )
 
     def texts_of(out) -> list[str]:
@@ -102,16 +109,26 @@ def main() -> None:
             rows.append(tok.decode(row[: row.index(tok.eos_id)] if tok.eos_id in row else row))
         return rows
 
-    want, out = run_looplm(), run_hf()  # warm-up, and the same tokens from both
-    if texts_of(out) != want:
-        raise SystemExit("the two arms produced different tokens")
-    steps = out.shape[1] - L  # decode steps of both (they stop together, at max_new_tokens or all-EOS)
+    arms = {"looplm": run_looplm, "hf": run_hf}
+    if args.compile:
+        arms.update({"looplm compiled": lambda: run_looplm(True), "hf compiled": lambda: run_hf(True)})
+    warm_up, want = {}, None
+    for name, arm in arms.items():  # warm-up (compiles), and the same tokens from every arm
+        t = time.perf_counter()
+        out = arm()
+        warm_up[name] = time.perf_counter() - t
+        texts = out if name.startswith("looplm") else texts_of(out)
+        if name == "hf":
+            steps = out.shape[1] - L  # decode steps of every arm (they stop together, at max_new_tokens or all-EOS)
+        want = texts if want is None else want
+        if texts != want:
+            raise SystemExit(f"arm {name!r} produced other tokens than arm 'looplm'")
     tokens = len(PROMPTS) * steps
 
-    times: dict[str, list[float]] = {"looplm": [], "hf": []}
-    arms = {"looplm": run_looplm, "hf": run_hf}
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds):
-        for name in ("looplm", "hf") if r % 2 == 0 else ("hf", "looplm"):  # alternate who goes first
+        order = list(arms)[r % len(arms) :] + list(arms)[: r % len(arms)]  # who goes first rotates
+        for name in order:
             sync()
             t = time.perf_counter()
             arms[name]()
@@ -146,14 +163,24 @@ def main() -> None:
         "ms_per_step": {k: 1e3 * med[k] / steps for k in med},
         "ratio_hf_over_looplm": tps["hf"] / tps["looplm"],
         "same_tokens": True,
+        "warm_up_s": warm_up,
     }
+    if args.compile:
+        result["ratio_hf_compiled_over_looplm_compiled"] = tps["hf compiled"] / tps["looplm compiled"]
+        result["ratio_hf_compiled_over_hf"] = tps["hf compiled"] / tps["hf"]
     print(
         f"{len(PROMPTS)} prompts x {steps} new tokens, depth {args.depth}, terminal cache, greedy; "
         f"median of {args.rounds} alternating rounds:"
     )
-    for k in ("looplm", "hf"):
-        print(f"  {k:7} {tps[k]:9.1f} tokens/s  {1e3 * med[k]:8.1f} ms/call  {1e3 * med[k] / steps:6.2f} ms/step")
+    for k in arms:
+        print(
+            f"  {k:15} {tps[k]:9.1f} tokens/s  {1e3 * med[k]:8.1f} ms/call  {1e3 * med[k] / steps:6.2f} ms/step"
+            f"  (warm-up {warm_up[k]:.1f} s)"
+        )
     print(f"  hf / looplm tokens/s: {result['ratio_hf_over_looplm']:.3f}")
+    if args.compile:
+        print(f"  hf compiled / looplm compiled: {result['ratio_hf_compiled_over_looplm_compiled']:.3f}")
+        print(f"  hf compiled / hf: {result['ratio_hf_compiled_over_hf']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
