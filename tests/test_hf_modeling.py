@@ -294,6 +294,11 @@ def test_compiled_decode_logits_equal_a_decode_by_hand(hf_model, monkeypatch, mo
         assert (got - want).abs().max() <= 1e-4, (row, (got - want).abs().amax(-1))
     if tau is not None:  # the mean depth the wrapper reports is the rows' own, below the decode depth
         assert hf_model.last_generate_stats["mean_decode_depth"] < depth
+    if mode == "terminal" and tau is None:  # a cache of the user's own takes the call's compile_decode
+        own = LoopedCache()
+        again = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache=own, **kwargs)
+        assert own.compile and own.step is made[-1] and len(made) == 2
+        assert torch.equal(again, out.sequences)
 
 
 def test_a_chunk_appended_with_adaptive_exit_equals_a_decode_by_hand(hf_model):

@@ -398,6 +398,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             if user.inner is not None:
                 raise ValueError("looplm generate needs an empty LoopedCache (it cannot continue a filled one)")
             user._is_user_defined = True
+            if model_kwargs.get("compile_decode"):  # asked for by this call: the user's cache takes it
+                user.compile = True
             self._generation_cache = user
             return
         if generation_config.use_cache is False:
