@@ -240,7 +240,13 @@ def test_generate_logits_equal_a_decode_by_hand(hf_model, mode, prefill, depth, 
         return_dict_in_generate=True,
         output_logits=True,
     )
-    new = out.sequences[:, ids.shape[1] :]
+    assert_rows_equal_a_decode_by_hand(hf_model, out, ids.shape[1], mode, prefill, depth, tau)
+
+
+def assert_rows_equal_a_decode_by_hand(hf_model, out, prompt_len: int, mode, prefill, depth, tau) -> None:
+    """Each row of a `generate` of PROMPTS[1:] (greedy, with `output_logits`): every step's logits
+    equal the row decoded alone by hand (`_reference.NaiveDecoder`) to 1e-4, and so its tokens."""
+    new = out.sequences[:, prompt_len:]
     for row, prompt in enumerate(PROMPTS[1:]):
         chosen = new[row].tolist()
         n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)
@@ -283,15 +289,7 @@ def test_compiled_decode_logits_equal_a_decode_by_hand(hf_model, monkeypatch, mo
         **kwargs,
     )
     assert len(made) == 1 and made[0].compiled and made[0].cache.max_len == hf_model.config.max_seq_len
-    new = out.sequences[:, ids.shape[1] :]
-    for row, prompt in enumerate(PROMPTS[1:]):
-        chosen = new[row].tolist()
-        n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)
-        want, used = decode_replay(
-            hf_model.model, mode, TOK.encode(prompt), chosen[: n - 1], prefill, depth, example_id=row, exit_tau=tau
-        )
-        got = torch.stack([step[row] for step in out.logits[:n]])
-        assert (got - want).abs().max() <= 1e-4, (row, (got - want).abs().amax(-1))
+    assert_rows_equal_a_decode_by_hand(hf_model, out, ids.shape[1], mode, prefill, depth, tau)
     if tau is not None:  # the mean depth the wrapper reports is the rows' own, below the decode depth
         assert hf_model.last_generate_stats["mean_decode_depth"] < depth
     if mode == "terminal" and tau is None:  # a cache of the user's own takes the call's compile_decode
