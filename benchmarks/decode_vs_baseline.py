@@ -166,9 +166,7 @@ def main() -> None:
         if a.arm == "huginn":
             result = _huginn_arm(a.depth, a.tokens, a.repeats)
         else:
-            result = _arm(
-                a.depth, a.tokens, a.arm != "eager" and a.arm != "baseline", a.repeats, 4 if "mha" in a.arm else 2
-            )
+            result = _arm(a.depth, a.tokens, a.arm.startswith("compiled"), a.repeats, 4 if "mha" in a.arm else 2)
         print(json.dumps(result))
         return
     if a.baseline_src is None and a.huginn_src is None:

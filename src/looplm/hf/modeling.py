@@ -280,7 +280,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 raise ValueError(
                     "use_cache=True needs eval mode (model.eval()): the cached forward runs without autograd"
                 )
-            cache = LoopedCache(kind, compile=cfg.compile_decode if compile_decode is None else compile_decode)
+            cache = LoopedCache(kind, compile=self._compile_decode(compile_decode))
         B, n = input_ids.shape
         if example_ids is None:
             example_ids = torch.arange(B, device=input_ids.device)
@@ -409,12 +409,15 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
                 f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens"
             )
-        compile = model_kwargs.get("compile_decode")
-        compile = self.config.compile_decode if compile is None else compile
+        compile = self._compile_decode(model_kwargs.get("compile_decode"))
         # compiled: the cache spans the model context, so each call's step has the shapes of the last
         model_kwargs["cache"] = self._generation_cache = LoopedCache(
             model_kwargs.get("cache_kind"), max_len=None if compile else max_cache_length, compile=compile
         )
+
+    def _compile_decode(self, asked: bool | None) -> bool:
+        """Whether a cache started now runs its decode steps compiled: as asked, else the config's field."""
+        return self.config.compile_decode if asked is None else asked
 
     def prepare_inputs_for_generation(
         self,
