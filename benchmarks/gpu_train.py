@@ -25,6 +25,8 @@ short keeps what it measured; each torchrun job's output goes to `<out>/gpu_trai
    (the loss lever), eager causal / packed; then, after `torch._dynamo.reset()`, seq 8192 x batch 2;
    masks: `causal` (no document ids), `doc1` (document ids, one document per row), `packed`
    (documents of 64..1024 tokens);
+   then decoding at R = 32 (batch 1 and 16: eager, compiled with and without CUDA graphs, and
+   self-speculation), which training rows leave `--decode-reserve-s` for;
 4. `torchrun --nproc_per_node 1` runs (nccl on CUDA, gloo with --tiny) of the train (compiled, flex),
    distill and RL jobs, each with the time left as its timeout; timing rows stop `--torchrun-reserve-s`
    before the deadline to leave them that time.
@@ -435,6 +437,12 @@ def main() -> None:
         default=None,
         help="stop timing rows this long before the deadline, for the torchrun jobs (default 180; tiny 0)",
     )
+    ap.add_argument(
+        "--decode-reserve-s",
+        type=float,
+        default=None,
+        help="stop training rows this long before the torchrun reserve, for the decode rows (default 180; tiny 0)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 8; tiny 2)")
     ap.add_argument(
         "--warmup", type=int, default=None, help="untimed steps per row, compile included (default 2; tiny 1)"
@@ -469,6 +477,7 @@ def main() -> None:
         if args.skip_torchrun
         else (args.torchrun_reserve_s if args.torchrun_reserve_s is not None else (0.0 if args.tiny else 180.0))
     )
+    decode_reserve = args.decode_reserve_s if args.decode_reserve_s is not None else (0.0 if args.tiny else 180.0)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     from looplm.train.loss import parse_kernel_options
 
@@ -537,9 +546,10 @@ def main() -> None:
         if seq_done is not None and L != seq_done:
             torch._dynamo.reset()  # the new length compiles static graphs afresh, not dynamic-shape ones
         seq_done = L
-        left = deadline.left() - reserve
+        left = deadline.left() - reserve - decode_reserve
         if left < floor or left <= 0:
-            rec.row("rows", {**row, "skipped": f"deadline ({deadline.left():.0f} s left, {reserve:.0f} s reserved)"})
+            held = reserve + decode_reserve
+            rec.row("rows", {**row, "skipped": f"deadline ({deadline.left():.0f} s left, {held:.0f} s reserved)"})
             continue
         cfg.max_seq_len = L
         graphs, step, keep = compiled_graphs(), None, None
@@ -617,7 +627,8 @@ def main() -> None:
 def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[dict]:
     """Decode tokens/s at R = 32 after a 512-token prompt (64 with --tiny), batch B, terminal cache,
     random weights: `eager` (the cached forward one token at a time), `compiled` (`DecodeStep`,
-    `mode="reduce-overhead"` on CUDA: CUDA graphs) and `compiled+speculate` (k = 4 drafts at depth 4,
+    `mode="reduce-overhead"` on CUDA: CUDA graphs), `compiled-nographs` (CUDA only: inductor's kernels
+    without graphs) and `compiled+speculate` (k = 4 drafts at depth 4,
     verified at 32; with random weights the acceptance rate is a lower bound, not a trained model's).
     Each a median over timed steps after a warm-up that compiles."""
     from looplm.infer import extend, make_cache
@@ -639,8 +650,11 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
         torch.arange(B, device=device),
     )
     out = []
-    for arm in ("eager", "compiled", "compiled+speculate"):
+    for arm in ("eager", "compiled", "compiled-nographs", "compiled+speculate"):
         row = {"arm": arm, "batch": B, "depth": R, "prompt": prompt_len, "cache": "terminal"}
+        from torch._dynamo.utils import counters
+
+        skips = counters["inductor"]["cudagraph_skips"]
         try:
             cache = make_cache("terminal", dcfg, B, dcfg.max_seq_len, R, device=device, dtype=dtype)
             with torch.no_grad():
@@ -654,10 +668,13 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
 
                 per_step = 1
             else:
-                step = DecodeStep(
-                    model, cache, compile=True, compile_options={} if backend == "inductor" else {"backend": backend}
-                )
-                if arm == "compiled":
+                options = {} if backend == "inductor" else {"backend": backend}
+                if arm == "compiled-nographs" and device.type == "cuda":
+                    options["mode"] = "default"  # inductor's kernels, launched from Python one by one
+                elif arm == "compiled-nographs":
+                    continue  # a CPU has no graphs to leave out
+                step = DecodeStep(model, cache, compile=True, compile_options=options)
+                if arm.startswith("compiled") and not arm.endswith("speculate"):
 
                     def run():
                         step(rows_in, R)
@@ -703,6 +720,7 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
                 times.append((time.perf_counter() - t) / per_step)
             dt = statistics.median(times)
             row.update(step_s=dt, tokens_per_s=B / dt)
+            row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips  # graphs run without
             if arm == "compiled+speculate":
                 row.update(acceptance_rate=stats.acceptance_rate, tokens_per_verify=stats.tokens_per_verify)
         except Exception as err:  # recorded; the other arms still run

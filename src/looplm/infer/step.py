@@ -104,6 +104,18 @@ def _cut(t, m: int):
     return (t[:, :, m:] if t.ndim == 4 else t[:, m:]).clone(memory_format=torch.contiguous_format)
 
 
+def _tensors(tree):
+    """Every tensor in nested lists, tuples and dicts."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
 class DecodeStep:
     """One-token decode steps on the first rows of `cache` (see the module docstring).
 
@@ -131,7 +143,7 @@ class DecodeStep:
         unroll: int = 4,
         row_kernels: bool | None = None,
     ):
-        self.model, self.seed, self.compiled = model, seed, compile
+        self.model, self.seed, self.compiled, self.graphs = model, seed, compile, False
         self.device = device = next(model.parameters()).device
         if row_kernels and not compile:
             raise ValueError("row_kernels are for compiled steps (eagerly the written-out products are slower)")
@@ -159,6 +171,10 @@ class DecodeStep:
                 else {"options": {"cpp_wrapper": True, "size_asserts": False}}
             )
             options.update(compile_options or {})
+            # CUDA graphs (design §16): the cache banks are static inputs (written in place: cudagraph
+            # trees replay a graph that mutates an input only when its address is fixed), a step is one
+            # generation of the graph tree, and what a step returns is copied out of the graphs' pool
+            self.graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
             if self.row_kernels:  # the captured graphs are rewritten, then go to the backend asked for
                 if "mode" in options:
                     raise ValueError("row_kernels rewrite graphs for a backend: give compile options, not a mode")
@@ -201,6 +217,9 @@ class DecodeStep:
                 "core": core,
                 "core_kv": [[layer[:2] for layer in visit] for visit in core],
             }
+            if self.graphs:
+                for t in _tensors(self._banks[B]):
+                    torch._dynamo.mark_static_address(t)
         return self._banks[B]
 
     @torch.no_grad()
@@ -227,6 +246,8 @@ class DecodeStep:
         visits), then the whole chunk recurs from r0 + 1 to `loop_depth` (design §16)."""
         B = rows.tokens.shape[0]
         banks = self.banks(B)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         exits = rows.exits
         chunk = rows.tokens.ndim == 2  # [B, n]: n tokens per row (a verify chunk), no exits
         if chunk and exits:
@@ -268,7 +289,8 @@ class DecodeStep:
                 view.keep_terminal(rows.tokens.shape[1], loop_depth)
             else:
                 view.keep_terminal(1, loop_depth, used[:, None], lowest=max(rows.lowest, 1) if exits else loop_depth)
-        return (logits, used, z) if endpoint else (logits, used)
+        out = (logits, used, z) if endpoint else (logits, used)
+        return tuple(t.clone() for t in out) if self.graphs else out
 
     def _resume(self, s, shared, rows: StepRows, banks: dict, states: torch.Tensor, r0: int, loop_depth: int):
         """(the chunk's states after recurrence r0, r0): `states` for its first m tokens; the others
