@@ -165,13 +165,14 @@ def speculative(
     n_prompts: int,
     draft_depths: tuple[int, ...] = (2, 3, 4),
     unroll: dict | None = None,
+    device: str = "cpu",
 ) -> list[dict]:
     from looplm.checkpoint import load_model, resolve
     from looplm.infer.decode import SamplingConfig
     from looplm.infer.generate import DepthRule, Speculation, generate
 
     checkpoint = resolve(checkpoint)  # a run folder: its latest checkpoint
-    model, tokenizer, _ = load_model(checkpoint, torch.device("cpu"))
+    model, tokenizer, _ = load_model(checkpoint, torch.device(device))
     prompts = held_out_prompts(checkpoint, n_prompts)
     sampling = SamplingConfig(max_new_tokens=max_new)
     R = 32
@@ -265,7 +266,7 @@ def mean_loglik(model, tokenizer, prompts, texts, depth: int) -> float:
         p, c = tokenizer.encode_prompt(prompt), tokenizer.encode(text)
         if not c:
             continue
-        ids = torch.tensor([p + c])
+        ids = torch.tensor([p + c], device=next(model.parameters()).device)
         lp = model(ids, depth, init="seeded").logits[0].log_softmax(-1)
         target = ids[0, len(p) :]
         total += float(lp[len(p) - 1 : -1].gather(-1, target[:, None]).sum())
@@ -287,8 +288,15 @@ def main() -> None:
         help="recurrences per compiled graph of every compiled step (default: DecodeStep's)",
     )
     ap.add_argument("--draft-depths", type=int, nargs="+", default=[2, 3, 4], help="r_d of the speculative arms")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="device of the speculative arms (cuda: CUDA graphs; needs --skip-speed, the speed arms are CPU's)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed.json"))
     args = ap.parse_args()
+    if args.device != "cpu" and not (args.skip_speed and args.checkpoint):
+        ap.error("--device other than cpu runs the speculative arms only: give --skip-speed and --checkpoint")
     torch.set_num_threads(args.threads)
     started = time.time()
     shapes, depths = (["tiny"], [32]) if args.quick else (list(SHAPES), [5, 32])
@@ -298,12 +306,18 @@ def main() -> None:
     for shape in [] if args.skip_speed else shapes:
         for B in (1, 16):
             speed += speed_cell(shape, B, depths, ["terminal", "full"], args.rounds, steps, unroll)
-    spec = speculative(args.checkpoint, args.rounds, 64, 4, tuple(args.draft_depths), unroll) if args.checkpoint else []
+    spec = (
+        speculative(args.checkpoint, args.rounds, 64, 4, tuple(args.draft_depths), unroll, args.device)
+        if args.checkpoint
+        else []
+    )
     if args.skip_speed and args.out.exists():  # keep the speed arms of an earlier run of the same file
         speed = json.loads(args.out.read_text()).get("speed", [])
     result = {
         "command": command_line(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)"
+        + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+        "device": args.device,
         "elapsed_s": time.time() - started,
         "unroll": unroll.get("unroll", inspect.signature(DecodeStep).parameters["unroll"].default),
         "speed": speed,

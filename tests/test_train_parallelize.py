@@ -273,15 +273,25 @@ def test_recompile_limit_covers_grad_modes_masks_and_shapes(tiny_model_config):
 
 
 def test_flex_masks_carry_kernel_options(tiny_model_config):
-    """document_mask(flex) carries ROWS_GUARANTEED_SAFE (every query attends to itself) and the configured
-    options; on the CPU the options are not passed and the logits stay those of SDPA."""
+    """document_mask(flex) carries the configured options and never ROWS_GUARANTEED_SAFE, whose real
+    condition (a key the row attends to in the first key block its query block runs) packed rows break:
+    checked here on the mask itself. On the CPU the options are not passed and the logits stay SDPA's."""
     from looplm.model.blocks import FlexMask, document_mask
 
     _, doc, _ = packed_rows(10, L=40)
     mask = document_mask(doc, "flex", {"fwd_BLOCK_M": 64})
     assert isinstance(mask, FlexMask)
-    assert mask.kernel_options == {"ROWS_GUARANTEED_SAFE": True, "fwd_BLOCK_M": 64}
-    assert bool(causal_document_mask(doc).any(-1).all())  # the property ROWS_GUARANTEED_SAFE promises
+    assert mask.kernel_options == {"fwd_BLOCK_M": 64}
+    dense = causal_document_mask(doc)[:, 0]  # [B, L, L]
+    assert bool(dense.any(-1).all())  # every row attends somewhere: the documented, too weak, condition
+    blk = 8  # key and query blocks of 8: a row whose block's first live key block holds none of its keys
+    B, L = doc.shape
+    live = dense.reshape(B, L // blk, blk, L // blk, blk).any(-1).any(2)  # [B, query block, key block]
+    first = live.float().argmax(-1)  # the first key block each query block runs
+    rows = torch.arange(L) // blk
+    starts = first.gather(1, rows.expand(B, L))  # per row: its query block's first key block
+    in_first = (dense.reshape(B, L, L // blk, blk).any(-1)).gather(2, starts[..., None])[..., 0]
+    assert not bool(in_first.all())  # packed rows break the real one: the option would give NaN
     cfg = tiny_model_config(max_seq_len=64)
     model = LoopedLM(cfg)
     tokens, doc, positions = packed_rows(cfg.vocab_size)

@@ -31,12 +31,17 @@ class FlexMask(NamedTuple):
 
 
 def flex_kernel_options(extra: dict | None = None) -> dict:
-    """torch's FlexAttention `kernel_options` for looplm's causal document masks: every query attends
-    at least to itself, so no row is fully masked (ROWS_GUARANTEED_SAFE lets the kernel skip that
-    check), plus `extra` (tile sizes such as fwd_BLOCK_M / bwd_BLOCK_N1 for long sequences). Used on
-    CUDA only. (BLOCKS_ARE_CONTIGUOUS does not hold: a query block that starts inside a document has
-    partial blocks at the document's start and at the diagonal with full blocks between them.)"""
-    return {"ROWS_GUARANTEED_SAFE": True, **(extra or {})}
+    """torch's FlexAttention `kernel_options` for looplm's causal document masks: `extra` (tile sizes
+    such as fwd_BLOCK_M / bwd_BLOCK_N1 for long sequences). Used on CUDA only.
+
+    ROWS_GUARANTEED_SAFE is not set: the kernel's running row maximum starts at -inf in the first key
+    block scheduled for a query block, so the option needs every row to attend to a key in *that*
+    block, not merely to some key. In packed rows a document that starts inside a query block sees
+    nothing of the block its neighbours start from: on an H200 (torch 2.11) the option gave NaN
+    gradients and a NaN loss at the first training step. (BLOCKS_ARE_CONTIGUOUS does not hold either:
+    a query block that starts inside a document has partial blocks at the document's start and at the
+    diagonal with full blocks between them.)"""
+    return dict(extra or {})
 
 
 def _flex(q, k, v, mask: FlexMask, enable_gqa: bool) -> torch.Tensor:
