@@ -289,3 +289,38 @@ def test_compiled_resumed_chunk_equals_the_eager_one(model, traced_unrolled):
         ref, _ = eager(rows, 6, resume=(torch.stack(ref_states, 1), r_d))
         assert (got - ref).abs().max() <= TOL
         assert_banks_equal(cache, twin)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_cuda_graph_step_equals_the_eager_step(model, mode):
+    """On CUDA the compiled step replays CUDA graphs (`reduce-overhead`): no piece may be skipped (the
+    cache banks it writes are static inputs), its logits and banks equal the eager step's, and the
+    logits a step returned survive the next step's replay (they are copies out of the graphs' pool)."""
+    from torch._dynamo.utils import counters
+
+    cuda = torch.device("cuda")
+    net = decisive_model(V, max_seq_len=32, max_depth=8).to(cuda)
+    tokens = torch.randint(0, V, (2, 7), device=cuda)
+    pad, L = torch.tensor([0, 3], device=cuda), 7
+    cache = make_cache(mode, net.cfg, 2, 32, 6, device=cuda)
+    extend(net, tokens, cache, 3, example_ids=torch.arange(2, device=cuda), pad=pad)
+    twin = cache.take(torch.arange(2, device=cuda))
+    skips = counters["inductor"]["cudagraph_skips"]
+    graphs, eager = DecodeStep(net, cache, compile=True), DecodeStep(net, twin)
+    assert graphs.graphs
+    kept = []
+    for t in range(4):
+        rows = StepRows(
+            torch.randint(0, V, (2,), device=cuda),
+            torch.full((2,), L + t, device=cuda),
+            pad,
+            torch.arange(2, device=cuda),
+        )
+        got, _ = graphs(rows, 6)
+        ref, _ = eager(rows, 6)
+        assert (got - ref).abs().max() <= 1e-4, t
+        assert_banks_equal(cache, twin, tol=1e-4)
+        kept.append((got, got.clone()))
+    assert all(torch.equal(a, b) for a, b in kept)  # no returned tensor was overwritten by a later replay
+    assert counters["inductor"]["cudagraph_skips"] == skips

@@ -120,7 +120,7 @@ class DecodeStep:
     """One-token decode steps on the first rows of `cache` (see the module docstring).
 
     `compile=True` compiles the pieces with `torch.compile` (inductor; on CUDA with
-    `mode="reduce-overhead"`, i.e. CUDA graphs, untested on a GPU so far); the first step of each
+    `mode="reduce-overhead"`, i.e. CUDA graphs: design §16; measured on an H200); the first step of each
     batch size pays the compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped.
     `compile_options` go to `torch.compile` (e.g. another backend). `unroll` U: a fixed-depth loop
     runs U recurrences per call of one graph, and its R mod U last ones in one call of a shorter
