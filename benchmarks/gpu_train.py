@@ -117,18 +117,20 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(step, device) -> float:
+def timed(step, device, out: list | None = None) -> float:
     sync(device)
     t = time.perf_counter()
-    step()
+    value = step()
     sync(device)
+    if out is not None:
+        out.append(value)
     return time.perf_counter() - t
 
 
-def time_steps(step, device, warmup: int, steps: int) -> tuple[float, float | None, float, int]:
+def time_steps(step, device, warmup: int, steps: int) -> tuple[float, float | None, float, int, list[float]]:
     """(median step seconds, peak GiB or None, first-step seconds incl. compile, graphs compiled
-    during the timed steps: should be 0). Warm-up goes on (up to 10 steps) while steps still compile
-    graphs, so no compile lands in a timed step."""
+    during the timed steps: should be 0, the timed steps' losses). Warm-up goes on (up to 10 steps)
+    while steps still compile graphs, so no compile lands in a timed step."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -138,10 +140,10 @@ def time_steps(step, device, warmup: int, steps: int) -> tuple[float, float | No
         dt = timed(step, device)
         first = dt if first is None else first
         n += 1
-    before = compiled_graphs()
-    times = [timed(step, device) for _ in range(steps)]
+    before, losses = compiled_graphs(), []
+    times = [timed(step, device, losses) for _ in range(steps)]  # each loss read after its step's timing
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return statistics.median(times), peak, first, compiled_graphs() - before
+    return statistics.median(times), peak, first, compiled_graphs() - before, [float(v) for v in losses]
 
 
 def doc_layout(mask: str, B: int, L: int, device, seed: int = 0) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -201,6 +203,7 @@ def looplm_arm(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return ce.detach() / n
 
     return step, (model, opt), doc
 
@@ -239,6 +242,7 @@ def plain_arm(cfg, B, L, device, dtype, backend: str):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step, (model, opt), None
 
@@ -573,7 +577,7 @@ def main() -> None:
                     flex_options=flex_options if attention == "flex" else None,
                     backend=args.compile_backend,
                 )
-            dt, mem, first, late = time_steps(step, device, warmup, steps)
+            dt, mem, first, late, losses = time_steps(step, device, warmup, steps)
             tps = B * L / dt
             fpt = flops_per_token(cfg, L, DEPTH, None)
             kpq = keys_per_query(doc) if doc is not None else (L + 1) / 2
@@ -592,6 +596,8 @@ def main() -> None:
                 graphs_compiled=compiled_graphs() - graphs,
                 graphs_compiled_in_timed_steps=late,
                 kernel=attention if mask != "causal" else "sdpa-causal",
+                losses=losses,  # random data: about ln(vocab); a non-finite one makes the row's speed meaningless
+                losses_finite=all(math.isfinite(v) for v in losses),
             )
         except torch.OutOfMemoryError as err:
             row["error"] = f"OOM: {str(err)[:200]}"

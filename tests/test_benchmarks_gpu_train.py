@@ -6,6 +6,7 @@ every row reaches the output folder's JSONL as well as its JSON."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,6 +69,8 @@ def test_gpu_train_dry_run_without_tyro(tmp_path):
     for r in rows:
         assert "error" not in r and "skipped" not in r, r
         assert r["tokens_per_s"] > 0 and r["graphs_compiled_in_timed_steps"] == 0, r
+        assert r["losses_finite"] and len(r["losses"]) == 2, r  # the timed steps' losses, read after timing
+        assert all(abs(v - math.log(512)) < 1.0 for v in r["losses"]), r  # random data, vocab 512: about ln V
     first = {}
     for r in rows:
         first.setdefault((r["seq"], r["arm"]), r)
