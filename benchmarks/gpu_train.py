@@ -25,8 +25,8 @@ short keeps what it measured; each torchrun job's output goes to `<out>/gpu_trai
    (the loss lever), eager causal / packed; then, after `torch._dynamo.reset()`, seq 8192 x batch 2;
    masks: `causal` (no document ids), `doc1` (document ids, one document per row), `packed`
    (documents of 64..1024 tokens);
-   then decoding at R = 32 (batch 1 and 16: eager, compiled with and without CUDA graphs, and
-   self-speculation), which training rows leave `--decode-reserve-s` for;
+   then decoding at R = 32 (batch 1 and 16: eager, compiled with and without CUDA graphs, all of R in
+   one graph, and self-speculation), which training rows leave `--decode-reserve-s` for;
 4. `torchrun --nproc_per_node 1` runs (nccl on CUDA, gloo with --tiny) of the train (compiled, flex),
    distill and RL jobs, each with the time left as its timeout; timing rows stop `--torchrun-reserve-s`
    before the deadline to leave them that time.
@@ -636,7 +636,8 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
     """Decode tokens/s at R = 32 after a 512-token prompt (64 with --tiny), batch B, terminal cache,
     random weights: `eager` (the cached forward one token at a time), `compiled` (`DecodeStep`,
     `mode="reduce-overhead"` on CUDA: CUDA graphs), `compiled-nographs` (CUDA only: inductor's kernels
-    without graphs) and `compiled+speculate` (k = 4 drafts at depth 4,
+    without graphs), `compiled-unroll-R` (batch 1: the R recurrences in one graph, where the default
+    step replays 10 graphs; the host's share of a CUDA step) and `compiled+speculate` (k = 4 drafts at depth 4,
     verified at 32; with random weights the acceptance rate is a lower bound, not a trained model's).
     Each a median over timed steps after a warm-up that compiles."""
     from looplm.infer import extend, make_cache
@@ -658,7 +659,7 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
         torch.arange(B, device=device),
     )
     out = []
-    for arm in ("eager", "compiled", "compiled-nographs", "compiled+speculate"):
+    for arm in ("eager", "compiled", "compiled-nographs", "compiled-unroll-R", "compiled+speculate"):
         row = {"arm": arm, "batch": B, "depth": R, "prompt": prompt_len, "cache": "terminal"}
         from torch._dynamo.utils import counters
 
@@ -681,7 +682,11 @@ def decode_rows(cfg, B: int, device, dtype, tiny: bool, backend: str) -> list[di
                     options["mode"] = "default"  # inductor's kernels, launched from Python one by one
                 elif arm == "compiled-nographs":
                     continue  # a CPU has no graphs to leave out
-                step = DecodeStep(model, cache, compile=True, compile_options=options)
+                if arm == "compiled-unroll-R" and B != 1:
+                    continue
+                # compiled-unroll-R: all R recurrences in one graph, 3 replays a step instead of R / 4 + 2
+                unroll = {"unroll": R} if arm == "compiled-unroll-R" else {}
+                step = DecodeStep(model, cache, compile=True, compile_options=options, **unroll)
                 if arm.startswith("compiled") and not arm.endswith("speculate"):
 
                     def run():

@@ -86,20 +86,23 @@ def test_gpu_train_dry_run_without_tyro(tmp_path):
     report = json.loads((tmp_path / "runs" / "train" / "eval.json").read_text())
     assert report["samples"]["tokens"] < 200 and set(report["samples"]["by_depth"]) == {"1", "5"}
     # every row also went to the JSONL and the log as it was measured
-    decode = res["decode"]  # eager, compiled, compiled+speculate at batch 1; the first two at batch 16
+    decode = res[
+        "decode"
+    ]  # eager, compiled, compiled-unroll-R, compiled+speculate at batch 1; the first two at batch 16
     assert [(r["arm"], r["batch"]) for r in decode] == [
         ("eager", 1),
         ("compiled", 1),
+        ("compiled-unroll-R", 1),
         ("compiled+speculate", 1),
         ("eager", 16),
         ("compiled", 16),
     ]
     for r in decode:
         assert "error" not in r and r["tokens_per_s"] > 0, r
-    assert 0 <= decode[2]["acceptance_rate"] <= 1 and decode[2]["tokens_per_verify"] >= 1
+    assert 0 <= decode[3]["acceptance_rate"] <= 1 and decode[3]["tokens_per_verify"] >= 1
     lines = [json.loads(line) for line in (out / "gpu_train_tiny.jsonl").read_text().splitlines()]
     assert [x for x in lines if x.pop("section") == "rows"] == rows
-    assert len(lines) == 2 + 13 + 5 + 3
+    assert len(lines) == 2 + 13 + 6 + 3
     log = (out / "gpu_train_tiny.log").read_text()
     assert log.count("rows: ") == 13 and "torchrun_one_rank: " in log
     assert (out / "gpu_train_tiny_torchrun_train.log").read_text().count("process group: gloo") == 1
