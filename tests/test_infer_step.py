@@ -70,6 +70,30 @@ def test_step_with_left_padding_equals_extend_token_by_token(model, mode):
         assert_banks_equal(cache, twin)
 
 
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_a_step_over_a_shorter_key_range_equals_extend(model, mode):
+    """`keys=K` (attend over positions [0, K) only, the serving engine's compiled steps): the same
+    logits and banks as `extend` over the whole cache while every row ends inside K, K the exact end
+    included; eagerly a K that cuts off a row's own position is an error."""
+    prompts = _prompts(3, seed=4)
+    R = 4
+    cache, twin, pad, L = _twins(model, mode, prompts, depth=3, cache_depth=R)
+    step = DecodeStep(model, cache)
+    ids = torch.arange(3)
+    for t in range(5):
+        tok = torch.randint(0, V, (3,))
+        keys = L + t + 1 if t % 2 else 16  # the exact end, then a rounded one
+        got, _ = step(StepRows(tok, torch.full((3,), L + t), pad, ids), R, keys=keys)
+        twin.length = L + t
+        ref = extend(model, tok[:, None], twin, R, example_ids=ids, pad=pad)
+        assert (got - ref.logits[:, -1]).abs().max() <= TOL, t
+        assert_banks_equal(cache, twin)
+    with pytest.raises(IndexError):  # eagerly a write outside the key range cannot land
+        step(StepRows(tok, torch.full((3,), L + 5), pad, ids), R, keys=L + 5)
+    with pytest.raises(ValueError, match="keys must be in"):
+        step(StepRows(tok, torch.full((3,), L + 4), pad, ids), R, keys=33)
+
+
 def _per_row(model, mode, *, depth=None, tau=None, floor=None, loop_depth, cache_depth=6, steps=5, check_depths=True):
     """Per-row lengths: a uniform prefill of 8, then row b writes at 8 - offset_b + t (rows overwrite
     their own tails, so the rows' lengths differ); the twin runs `extend` with per-row `cache.length`."""

@@ -193,14 +193,23 @@ class DecodeStep:
         self.cache, self._banks = cache, {}
         self.keys = torch.arange(cache.max_len, device=self.device)
 
-    def banks(self, B: int) -> dict:
-        """The bank tensors of rows [0, B): prelude, coda, and per recurrence each core layer's
-        (K, V, fallback K, fallback V); views, so the step writes into the cache."""
-        if B not in self._banks:
+    def banks(self, B: int, keys: int | None = None) -> dict:
+        """The bank tensors of rows [0, B) and positions [0, keys) (default: the whole cache): prelude,
+        coda, and per recurrence each core layer's (K, V, fallback K, fallback V), and the key
+        positions; views, so the step writes into the cache. A compiled step (without CUDA graphs) marks
+        the key length of these views dynamic: one graph per batch size serves every `keys`, and
+        `keys=None` (the whole cache, no views) a static graph of its own."""
+        S = self.cache.max_len
+        K = S if keys is None else keys
+        if not 0 < K <= S:
+            raise ValueError(f"keys must be in [1, {S}] (the cache's length), got {K}")
+        if (B, keys) not in self._banks:
             cache = self.cache
 
             def cut(bank: KVBank) -> tuple[torch.Tensor, torch.Tensor]:
-                return (bank.k, bank.v) if B == bank.k.shape[0] else (bank.k[:B], bank.v[:B])
+                if B == bank.k.shape[0] and keys is None:
+                    return bank.k, bank.v
+                return bank.k[:B, :, :K], bank.v[:B, :, :K]
 
             core = []
             for r in range(self.model.cfg.max_depth):
@@ -211,16 +220,29 @@ class DecodeStep:
                     back = cache.core[r - 1][j] if cache.mode == "full" and 0 < r < cache.depth else bank
                     layers.append((*cut(bank), *cut(back)))
                 core.append(layers)
-            self._banks[B] = {
+            banks = {
                 "prelude": [cut(b) for b in cache.prelude],
                 "coda": [cut(b) for b in cache.coda],
                 "core": core,
                 "core_kv": [[layer[:2] for layer in visit] for visit in core],
+                "keys": self.keys[:K],
             }
             if self.graphs:
-                for t in _tensors(self._banks[B]):
+                for t in _tensors(banks):
                     torch._dynamo.mark_static_address(t)
-        return self._banks[B]
+            elif self.compiled and keys is not None:
+                for t in _tensors(banks):
+                    torch._dynamo.maybe_mark_dynamic(t, t.ndim - 2 if t.ndim == 4 else 0)
+            self._banks[(B, keys)] = banks
+        return self._banks[(B, keys)]
+
+    def key_range(self, needed: int) -> int | None:
+        """The `keys` of a step whose rows all end at or before position `needed`: `needed` rounded up
+        to 16 and capped at the cache; None (the whole cache) under CUDA graphs, which would record a
+        graph per length."""
+        if self.graphs:
+            return None
+        return min(self.cache.max_len, -(-needed // 16) * 16)
 
     @torch.no_grad()
     def __call__(
@@ -231,6 +253,7 @@ class DecodeStep:
         fill: bool = True,
         endpoint: bool = False,
         resume: tuple[torch.Tensor, int] | None = None,
+        keys: int | None = None,
     ):
         """Feed `rows.tokens` [B] (or a chunk [B, n] per row, at one depth); returns (fp32 logits
         [B, V] (or [B, n, V]), recurrences used [B]). The cache's entries from `write_at` on are
@@ -243,9 +266,14 @@ class DecodeStep:
         recurrences 1..r0 as one-token steps at these positions (self-speculation's drafts), so
         `states` [B, m, d] are their states after recurrence r0 and their visits 0..r0-1 are in the
         cache; the chunk's other tokens first run recurrences 1..r0 on their own (reading those
-        visits), then the whole chunk recurs from r0 + 1 to `loop_depth` (design §16)."""
+        visits), then the whole chunk recurs from r0 + 1 to `loop_depth` (design §16).
+
+        `keys=K` attends over cache positions [0, K) only, which costs less than the whole cache; every
+        row must end inside it (write_at + n <= K: the caller knows its rows' lengths, the step does
+        not check them, which would sync). Compiled, every K runs one graph per batch size (its key
+        length is dynamic); with CUDA graphs each K would be a graph (`key_range` gives None there)."""
         B = rows.tokens.shape[0]
-        banks = self.banks(B)
+        banks = self.banks(B, keys)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         exits = rows.exits
@@ -333,17 +361,17 @@ class DecodeStep:
         return s
 
     # -- the pieces (traced by torch.compile; tensors in, tensors out) -------------------------
-    def _mask_and_rope(self, write_at, first, n: int):
+    def _mask_and_rope(self, write_at, first, n: int, keys: torch.Tensor):
         at = write_at[:, None] + torch.arange(n, device=write_at.device)  # [B, n] where each token goes
         positions = at - first[:, None]
-        keys = self.keys[None, None, :]
+        keys = keys[None, None, :]
         mask = ((keys >= first[:, None, None]) & (keys <= at[:, :, None]))[:, None]  # [B, 1, n, S], causal
         cos, sin = rope_tables(positions, self.model.cfg.head_dim, self.model.cfg.rope_base)
         return positions, mask, cos, sin
 
     def _begin(self, tokens, write_at, first, example_ids, banks):
         m = self.model
-        positions, mask, cos, sin = self._mask_and_rope(write_at, first, tokens.shape[1])
+        positions, mask, cos, sin = self._mask_and_rope(write_at, first, tokens.shape[1], banks["keys"])
         e = m.run_prelude(tokens, (cos, sin), mask, _Slots(banks, write_at))
         ctx = m.context(e, (cos, sin), mask, tokens)
         s = m.start_state(e, ctx, init="seeded", positions=positions, example_ids=example_ids, seed=self.seed)

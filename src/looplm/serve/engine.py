@@ -542,6 +542,7 @@ class Engine:
             k=k,
             sampling=[r.handle.request.sampling for r in rows],
             generators=[r.generator for r in rows],
+            keys=self._keys(k + 1) if self.config.compile else None,
         )
         emitted = [len(t) for t in result.tokens]
         for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
@@ -617,10 +618,11 @@ class Engine:
                 tokens = torch.zeros((B, n) if n else B, dtype=torch.long, device=self.device)
                 return StepRows(tokens, *(torch.zeros(B, dtype=torch.long, device=self.device) for _ in range(3)))
 
-            self._step(rows(), self.config.depth)
+            keys = self._step.key_range(1)  # any length: the graph's key length is dynamic
+            self._step(rows(), self.config.depth, keys=keys)
             if k and self.config.draft_depth < self.config.depth:
-                self._step(rows(), self.config.draft_depth, fill=False)
-                self._step(rows(k + 1), self.config.depth)
+                self._step(rows(), self.config.draft_depth, fill=False, keys=keys)
+                self._step(rows(k + 1), self.config.depth, keys=self._step.key_range(k + 1))
         if self._prefill_step is not None:  # every prompt bucket at the engine's prefill depth, in slot 0
             view = self.pool.cache.view(slice(0, 1))
             ids = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -683,8 +685,14 @@ class Engine:
             depth=padded(depths, deepest, torch.long) if kw else None,
             **kw,
         )
-        logits, used = self._step(rows, deepest)
+        logits, used = self._step(rows, deepest, keys=self._keys(1))
         return logits[:n], used[:n]
+
+    def _keys(self, n: int) -> int | None:
+        """The key range of a compiled step that writes n tokens per running row: attention reads the
+        positions the longest row will have filled (rounded up, `DecodeStep.key_range`), not the whole
+        slot length, which at short rows costs up to 1.3x a step (BENCHMARKS.md)."""
+        return self._step.key_range(max(self.pool.lengths) + n)
 
     def _accept(self, slot: int, logits: torch.Tensor, depth: int, token: int | None = None) -> None:
         """Choose slot's next token from its last logits [V] (or take the greedy `token`); emit it;

@@ -59,24 +59,27 @@ def speculative_round(
     k: int,
     sampling: list[SamplingConfig],
     generators: list,
+    keys: int | None = None,
 ) -> RoundResult:
     """One round for the first `n` of `rows` (the rest are padding rows of the step's batch bucket).
 
     `rows.tokens` [B] are the rows' chosen-but-unfed tokens and `rows.write_at` their cached
-    lengths; `sampling`/`generators` are the n live rows' settings (generator None = greedy)."""
+    lengths; `sampling`/`generators` are the n live rows' settings (generator None = greedy).
+    `keys`: every step of the round attends over cache positions [0, keys) (`DecodeStep.__call__`;
+    the rows' lengths + k + 1 must fit)."""
     B = rows.tokens.shape[0]
     pad = [SamplingConfig()] * (B - n)
     tok, drafts, dists = rows.tokens, [], []
     for i in range(k):
         logits, _ = step(
-            StepRows(tok, rows.write_at + i, rows.first, rows.example_ids), draft_depth, fill=False
+            StepRows(tok, rows.write_at + i, rows.first, rows.example_ids), draft_depth, fill=False, keys=keys
         )  # a draft's deeper visits are never read: the verifier rewrites them
         tok, q = _draw(logits, list(sampling) + pad, list(generators) + [None] * (B - n))
         drafts.append(tok)
         dists.append(q)
     drafted = torch.stack(drafts, 1)  # [B, k]
     chunk = torch.cat([rows.tokens[:, None], drafted], 1)
-    verify, _ = step(StepRows(chunk, rows.write_at, rows.first, rows.example_ids), depth)
+    verify, _ = step(StepRows(chunk, rows.write_at, rows.first, rows.example_ids), depth, keys=keys)
     verify = verify[:n]
     out = []
     for b in range(n):
