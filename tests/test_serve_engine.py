@@ -19,6 +19,7 @@ from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
 from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.serve import Engine, EngineConfig, EngineFull, EngineStopped, Finish, Request, Token
+from looplm.errors import UserError
 from looplm.serve.engine import PromptLogprobs
 from looplm.serve.slots import SlotPool
 
@@ -458,9 +459,10 @@ def test_requests_deeper_than_the_engine_default_match_a_decode_by_hand(model, m
 
 
 # -- the compiled static step ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def compiled_engine(model):
-    """One engine whose decode steps and prefills run compiled (`EngineConfig(compile=True)`): 4 slots; the tests
+@pytest.fixture(scope="module", params=[False, True], ids=["whole-slot", "key-range"])
+def compiled_engine(model, request):
+    """One engine whose decode steps and prefills run compiled (`EngineConfig(compile=True)`), attending
+    over the whole slot or (`key_range`) over what its longest row filled: 4 slots; the tests
     keep 3-4 rows on the exit path (per-row depths, exit_tau) so one graph set (bucket 4) serves them.
     Its step traces with Dynamo as `compile=True` does but runs the captured (rewritten) graphs eagerly,
     not through inductor: this
@@ -469,7 +471,7 @@ def compiled_engine(model):
     engine = Engine(
         model,
         TOK,
-        EngineConfig(max_batch=4, depth=4, max_depth=6, max_seq_len=32, compile=True),
+        EngineConfig(max_batch=4, depth=4, max_depth=6, max_seq_len=32, compile=True, key_range=request.param),
         compile_options={"backend": "eager"},
     )
     assert engine.buckets() == [1, 2, 4]
@@ -519,3 +521,11 @@ def test_compiled_engine_equals_the_eager_engine(model, compiled_engine):
         assert finish.text == ref_finish.text
         assert_logprobs_equal(tokens, replay(model, req, [t.token_id for t in tokens], "terminal", 6), 2, greedy=True)
     assert sum(len(t) for t, _ in got) >= 16
+
+
+def test_key_range_needs_a_compiled_engine(model):
+    """`key_range` shortens compiled steps only: without `compile` it is refused, named as serve's options."""
+    with pytest.raises(UserError, match="--key-range is for compiled steps: add --compile"):
+        EngineConfig(key_range=True).check(prefix="--")
+    with pytest.raises(UserError, match="key_range is for compiled steps"):
+        Engine(model, TOK, EngineConfig(key_range=True))

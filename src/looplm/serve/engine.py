@@ -67,6 +67,11 @@ class EngineConfig:
     or change k and the draft depth; a step speculates when all running rows agree."""
     draft_depth: int = 2
     """Recurrences per draft token (below the depth) with `speculate`."""
+    key_range: bool = False
+    """With `compile`: a step attends over the positions its longest row has filled (rounded up to 16),
+    not the whole slot (`DecodeStep(keys=...)`: one graph per batch bucket with a dynamic key length).
+    Faster steps while rows are short of the context (1.33x at 96 of 256 keys, batch 12, on a CPU), for
+    a longer warm-up (dynamic graphs compile slower: on a 2-core CPU minutes per batch bucket)."""
 
     def check(self, max_depth: int | None = None, max_seq_len: int | None = None, *, prefix: str = "") -> None:
         """Raise UserError with a one-line reason for a setting out of range; against the model's
@@ -85,6 +90,8 @@ class EngineConfig:
             raise UserError(f"{name('max_seq_len')} must be >= 2, got {self.max_seq_len}")
         if self.speculate < 0:
             raise UserError(f"{name('speculate')} must be >= 0 (0 = off), got {self.speculate}")
+        if self.key_range and not self.compile:
+            raise UserError(f"{name('key_range')} is for compiled steps: add {name('compile')}")
         if self.speculate:
             check_depth(name("draft_depth"), self.draft_depth, self.depth - 1, f"below {name('depth')} {self.depth}")
         if max_depth is not None:
@@ -618,11 +625,12 @@ class Engine:
                 tokens = torch.zeros((B, n) if n else B, dtype=torch.long, device=self.device)
                 return StepRows(tokens, *(torch.zeros(B, dtype=torch.long, device=self.device) for _ in range(3)))
 
-            keys = self._step.key_range(1)  # any length: the graph's key length is dynamic
+            # with key_range any length will do: the graphs' key length is dynamic
+            keys = self._step.key_range(self.config.speculate + 1) if self.config.key_range else None
             self._step(rows(), self.config.depth, keys=keys)
             if k and self.config.draft_depth < self.config.depth:
                 self._step(rows(), self.config.draft_depth, fill=False, keys=keys)
-                self._step(rows(k + 1), self.config.depth, keys=self._step.key_range(k + 1))
+                self._step(rows(k + 1), self.config.depth, keys=keys)
         if self._prefill_step is not None:  # every prompt bucket at the engine's prefill depth, in slot 0
             view = self.pool.cache.view(slice(0, 1))
             ids = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -689,9 +697,11 @@ class Engine:
         return logits[:n], used[:n]
 
     def _keys(self, n: int) -> int | None:
-        """The key range of a compiled step that writes n tokens per running row: attention reads the
-        positions the longest row will have filled (rounded up, `DecodeStep.key_range`), not the whole
-        slot length, which at short rows costs up to 1.3x a step (BENCHMARKS.md)."""
+        """With `key_range`, the key range of a compiled step that writes n tokens per running row: the
+        positions the longest row will have filled (rounded up, `DecodeStep.key_range`); else None
+        (the whole slot)."""
+        if not self.config.key_range:
+            return None
         return self._step.key_range(max(self.pool.lengths) + n)
 
     def _accept(self, slot: int, logits: torch.Tensor, depth: int, token: int | None = None) -> None:
