@@ -6,6 +6,7 @@ cache at the same cache memory, and adaptive exit vs fixed depth, side by side i
         [--out benchmarks/results/serve_load.json]
     python benchmarks/serve_load.py --workload mixed-depth [--slots 64] [--deep 12] [--max-tokens 48]
     python benchmarks/serve_load.py --compiled ...   # also `continuous terminal, --compile`
+    python benchmarks/serve_load.py --key-range ...  # also `continuous terminal, --compile --key-range`
     python benchmarks/serve_load.py --speculate 4 --draft-depth 2 [--compiled] ...   # also a speculating arm
     python benchmarks/serve_load.py --minimal --compiled --baseline-src /tmp/looplm-baseline/src   # vs another checkout
 
@@ -83,7 +84,13 @@ class Server:
     """`looplm serve CHECKPOINT ARGS` on a free port, until `close()`."""
 
     def __init__(
-        self, checkpoint: Path, args: list[str], threads: int, command: list[str] | None = None, src: Path | None = None
+        self,
+        checkpoint: Path,
+        args: list[str],
+        threads: int,
+        command: list[str] | None = None,
+        src: Path | None = None,
+        start_timeout: float = 600.0,
     ):
         """`command` replaces `python -m looplm.cli serve` (e.g. `vllm serve`); it gets CHECKPOINT, --port, ARGS.
         `src`: import looplm from this source folder (another checkout's `src`)."""
@@ -106,7 +113,7 @@ class Server:
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + start_timeout
         while True:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -204,8 +211,10 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
 
 
 def server_flags(opts: dict) -> list[str]:
-    """`looplm serve` flags of an arm's engine options (compile, speculate, draft_depth)."""
+    """`looplm serve` flags of an arm's engine options (compile, key_range, speculate, draft_depth)."""
     flags = ["--compile"] if opts.get("compile") else []  # (opts["src"]: another checkout, no flags)
+    if opts.get("key_range"):
+        flags.append("--key-range")
     if opts.get("speculate"):
         flags += ["--speculate", str(opts["speculate"]), "--draft-depth", str(opts["draft_depth"])]
     return flags
@@ -410,6 +419,17 @@ def main() -> None:
     )
     ap.add_argument("--draft-depth", type=int, default=2, help="draft depth of the --speculate arm")
     ap.add_argument(
+        "--key-range",
+        action="store_true",
+        help="add the arm `continuous terminal, --compile --key-range` (steps attend over what the rows filled)",
+    )
+    ap.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a server may take to listen (a compiled one compiles first; --key-range's graphs longer)",
+    )
+    ap.add_argument(
         "--baseline-src",
         type=Path,
         default=None,
@@ -419,7 +439,7 @@ def main() -> None:
     ap.add_argument(
         "--minimal",
         action="store_true",
-        help="only `continuous terminal` and the arms asked for (--compiled, --speculate, --baseline-src)",
+        help="only `continuous terminal` and the arms asked for (--compiled, --key-range, --speculate, --baseline-src)",
     )
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_load.json")
     args = ap.parse_args()
@@ -457,11 +477,15 @@ def main() -> None:
         if args.compiled:
             arms.append(("continuous terminal, --compile", "terminal", terminal_slots, {}, {"compile": True}))
             compared.append((0, len(arms) - 1))
+        if args.key_range:
+            keyed = {"compile": True, "key_range": True}
+            arms.append(("continuous terminal, --compile --key-range", "terminal", terminal_slots, {}, keyed))
+            compared.append((0, len(arms) - 1))
         if args.speculate:
             spec = {"compile": args.compiled, "speculate": args.speculate, "draft_depth": args.draft_depth}
             arms.append((f"continuous terminal, {' '.join(server_flags(spec))}", "terminal", terminal_slots, {}, spec))
             compared.append((0, len(arms) - 1))  # terminal cache: texts may differ (design §16's window rule)
-        if args.checkpoint is not None:
+        if args.checkpoint is not None and not args.minimal:
             R = args.adaptive_depth
             arms += [
                 (f"fixed depth {R}", "terminal", terminal_slots, {"depth": R}, {}),
@@ -477,7 +501,13 @@ def main() -> None:
         for rnd in range(args.rounds):  # arms alternate, so drifting machine load hits all of them alike
             for k, (label, cache, slots, extra, opts) in enumerate(arms):
                 flags = ["--cache", cache, "--max-batch", str(slots), *server_flags(opts)]
-                server = Server(checkpoint, common + flags, args.server_threads, src=opts.get("src"))
+                server = Server(
+                    checkpoint,
+                    common + flags,
+                    args.server_threads,
+                    src=opts.get("src"),
+                    start_timeout=args.start_timeout,
+                )
                 try:
                     run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up (a compiled
                     # server compiled its batch buckets before it listened)
