@@ -549,7 +549,7 @@ class Engine:
             k=k,
             sampling=[r.handle.request.sampling for r in rows],
             generators=[r.generator for r in rows],
-            keys=self._keys(k + 1) if self.config.compile else None,
+            keys=self._keys(k + 1),
         )
         emitted = [len(t) for t in result.tokens]
         for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
@@ -617,6 +617,8 @@ class Engine:
         if self._rows:
             raise RuntimeError("warm up the engine before it takes requests")
         t0, k = time.perf_counter(), self.config.speculate
+        # with key_range any length will do: the graphs' key length is dynamic
+        keys = self._step.key_range(k + 1) if self.config.key_range else None
         for B in self.buckets():
 
             def rows(n: int = 0) -> StepRows:
@@ -625,8 +627,6 @@ class Engine:
                 tokens = torch.zeros((B, n) if n else B, dtype=torch.long, device=self.device)
                 return StepRows(tokens, *(torch.zeros(B, dtype=torch.long, device=self.device) for _ in range(3)))
 
-            # with key_range any length will do: the graphs' key length is dynamic
-            keys = self._step.key_range(self.config.speculate + 1) if self.config.key_range else None
             self._step(rows(), self.config.depth, keys=keys)
             if k and self.config.draft_depth < self.config.depth:
                 self._step(rows(), self.config.draft_depth, fill=False, keys=keys)

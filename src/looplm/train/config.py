@@ -84,7 +84,8 @@ class TrainConfig:
     """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA)."""
     flex_kernel_options: Annotated[tuple[str, ...], shown_default("none")] = ()
     """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
-    bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is unsafe for packed rows (see blocks.flex_kernel_options)."""
+    bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is unsafe for packed
+    rows (see blocks.flex_kernel_options)."""
     cross_entropy: Literal["auto", "full", "chunked"] = "auto"
     """Next-token cross-entropy: full (fp32 logits of the whole microbatch), chunked (head matmul + CE in row
     chunks, never holding [B, L, V] fp32 logits; same values within fp32 rounding); auto: chunked on CUDA."""
