@@ -11,10 +11,12 @@ import pytest
 import torch
 from _jobs import shared_cache, step_records, tiny_job
 
+from looplm.train.config import TrainConfig
+from looplm.errors import UserError
 from looplm.model import LoopedLM
 from looplm.model.blocks import causal_document_mask, document_block_mask
 from looplm.train.parallelize import apply_activation_checkpointing, apply_compile, compiled_graphs
-from looplm.train.trainer import Trainer
+from looplm.train.trainer import Trainer, attention_kernel
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -70,7 +72,7 @@ def test_flex_attention_logits_equal_sdpa(tiny_model_config, injection):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA")
 def test_flex_attention_gradients_equal_sdpa_on_cuda(tiny_model_config):
-    cfg = tiny_model_config(max_seq_len=64)
+    cfg = tiny_model_config(max_seq_len=64, d_model=64, ffn_dim=128)  # head_dim 16: the fused kernel's least
     model = LoopedLM(cfg).cuda()
     tokens, doc, positions = (t.cuda() for t in packed_rows(cfg.vocab_size))
     grads = {}
@@ -82,6 +84,17 @@ def test_flex_attention_gradients_equal_sdpa_on_cuda(tiny_model_config):
         grads[kernel] = {n: p.grad.clone() for n, p in model.named_parameters()}
     for n in grads["sdpa"]:
         torch.testing.assert_close(grads["flex"][n], grads["sdpa"][n], rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_auto_attention_picks_flex_on_cuda_only_where_its_kernel_takes_the_heads():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
+    auto, flex = TrainConfig(attention="auto"), TrainConfig(attention="flex")
+    assert attention_kernel(auto, cuda, 16) == "flex"
+    assert attention_kernel(auto, cuda, 8) == "sdpa"  # inductor's flex kernel refuses head_dim < 16
+    assert attention_kernel(auto, cpu, 64) == "sdpa"
+    assert attention_kernel(flex, cuda, 64) == "flex"
+    with pytest.raises(UserError, match="head_dim >= 16, the model has 8"):
+        attention_kernel(flex, cuda, 8)
 
 
 def test_trainer_attention_kernel(tmp_path, cache):

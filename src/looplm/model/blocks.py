@@ -19,6 +19,10 @@ AttentionKernel = Literal["sdpa", "flex"]
 flash kernel for the math/efficient one), or a FlexAttention block mask (skips whole blocks that
 cross documents; compiled on CUDA)."""
 
+FLEX_MIN_HEAD_DIM = 16
+"""The smallest head size torch's fused FlexAttention kernel (CUDA, inductor) lowers: below it the
+compile fails with "embedding dimension ... must be at least 16" (seen on an H200, torch 2.11)."""
+
 # FlexAttention is only fast compiled; inside an already compiled block dynamo inlines this.
 _compiled_flex_attention = None
 

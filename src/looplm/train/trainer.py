@@ -34,6 +34,7 @@ from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
 from looplm.depth.plot import plot_prior
 from looplm.errors import UserError
 from looplm.model import LoopedLM
+from looplm.model.blocks import FLEX_MIN_HEAD_DIM
 from looplm.train import distributed as D
 from looplm.train import parallelize as P
 from looplm.train.checkpointing import Checkpointer, is_sharded_run
@@ -161,9 +162,19 @@ def use_compile(t: TrainConfig, device: torch.device) -> bool:
     return t.compile == "on" or (t.compile == "auto" and device.type == "cuda")
 
 
-def attention_kernel(t: TrainConfig, device: torch.device) -> str:
-    """FlexAttention block masks on CUDA (SDPA leaves the flash kernel for boolean masks)."""
-    return t.attention if t.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+def attention_kernel(t: TrainConfig, device: torch.device, head_dim: int) -> str:
+    """FlexAttention block masks on CUDA (SDPA leaves the flash kernel for boolean masks), where the
+    fused flex kernel takes the model's head size (`FLEX_MIN_HEAD_DIM`); else SDPA. An explicit
+    `flex` on CUDA with smaller heads is refused here rather than failing inside the compiler."""
+    fits = head_dim >= FLEX_MIN_HEAD_DIM
+    if t.attention == "flex" and device.type == "cuda" and not fits:
+        raise UserError(
+            f"train.attention flex: torch's fused FlexAttention kernel needs head_dim >= {FLEX_MIN_HEAD_DIM}, "
+            f"the model has {head_dim}; train with --train.attention sdpa (or auto)"
+        )
+    if t.attention != "auto":
+        return t.attention
+    return "flex" if device.type == "cuda" and fits else "sdpa"
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -219,7 +230,7 @@ class Trainer:
         self.dtype = resolve_dtype(t.precision, self.env.device)
         self.sampler: DepthSampler = build_sampler(job.depth)
         # Wrapped from outside, in torchtitan's order: checkpointing, compile, data parallelism.
-        self.attention = attention_kernel(t, self.env.device)
+        self.attention = attention_kernel(t, self.env.device, m.head_dim)
         self.loss_kind = loss_kind(t, self.env.device)
         self.flex_options = parse_kernel_options(t.flex_kernel_options) if self.attention == "flex" else None
         self.compiled = use_compile(t, self.env.device)
