@@ -81,7 +81,8 @@ class TrainConfig:
     """torch.compile every block and the injection (auto: on for CUDA, off on CPU); the recompile count after
     warm-up is logged as compile_recompiles."""
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA)."""
+    """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA for
+    head_dim >= 16, the least torch's fused flex kernel takes; else SDPA)."""
     flex_kernel_options: Annotated[tuple[str, ...], shown_default("none")] = ()
     """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
     bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is unsafe for packed
