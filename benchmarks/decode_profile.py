@@ -11,8 +11,11 @@ between kernels (launches, the host).
     PYTHONPATH=src python benchmarks/decode_profile.py --out "$OUT"           # one GPU, ~1 minute
     PYTHONPATH=src python benchmarks/decode_profile.py --tiny                  # CPU dry run of the code path
 
-Arms: `graphs` (`mode="reduce-overhead"`, what looplm uses on CUDA) and `nographs` (`mode="default"`),
-batch 1 (and `--batch` more), terminal cache, random weights, bf16, after a 512-token prompt. Writes
+Arms (`--arms`): `graphs` (`mode="reduce-overhead"`, what looplm uses on CUDA), `nographs`
+(`mode="default"`) and `graphs+freezing` (inductor's freezing: weights as constants, so its patterns
+concatenate the products sharing an input once; weights must not change afterwards), each with the
+first step's logits against the eager step's, batch 1 (and `--batch` more), terminal cache, random
+weights, bf16, after a 512-token prompt. Writes
 `<out>/decode_profile.json` (`benchmarks/results/decode_profile_tiny.json` with --tiny).
 """
 
@@ -59,9 +62,21 @@ def kernel_stats(prof, steps: int, top: int) -> dict:
     }
 
 
-def arm(model, cfg, mode: str | None, batch: int, prompt_len: int, device, dtype, steps: int, top: int) -> dict:
+ARMS = {
+    "graphs": {"mode": "reduce-overhead"},  # what looplm uses on CUDA
+    "nographs": {"mode": "default"},
+    # inductor's freezing: weights become constants, and its patterns concatenate the products that
+    # share an input (q/k/v, w1/w3) once; CUDA graphs spelled as an option (a mode excludes options)
+    "graphs+freezing": {"mode": None, "options": {"triton.cudagraphs": True, "freezing": True}},
+}
+
+
+def setup(model, cfg, batch: int, prompt_len: int, device, dtype):
+    """A terminal cache after the same random prompt (seeded: every arm starts from equal banks)."""
     cache = make_cache("terminal", cfg, batch, cfg.max_seq_len, R, device=device, dtype=dtype)
-    prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device=device)
+    prompt = torch.randint(
+        0, cfg.vocab_size, (batch, prompt_len), device=device, generator=torch.Generator(device).manual_seed(0)
+    )
     with torch.no_grad():
         extend(model, prompt, cache, R)
     rows = StepRows(
@@ -70,12 +85,19 @@ def arm(model, cfg, mode: str | None, batch: int, prompt_len: int, device, dtype
         torch.zeros(batch, dtype=torch.long, device=device),
         torch.arange(batch, device=device),
     )
-    step = DecodeStep(model, cache, compile=True, compile_options={"mode": mode} if mode else {})
+    return cache, rows
+
+
+def arm(model, cfg, name, options, batch, prompt_len, device, dtype, steps: int, top: int, reference) -> dict:
+    cache, rows = setup(model, cfg, batch, prompt_len, device, dtype)
+    step = DecodeStep(model, cache, compile=True, compile_options=options)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    for _ in range(3):  # compiles, records the graphs, replays them
+    logits, _ = step(rows, R)  # compiles; the first step's logits against the eager step's
+    for _ in range(2):  # records the graphs, replays them
         step(rows, R)
     sync()
+    err = ((logits.float() - reference).abs().max() / reference.abs().max()).item()
     warm = time.perf_counter() - t0
     times = []
     for _ in range(steps):
@@ -92,7 +114,15 @@ def arm(model, cfg, mode: str | None, batch: int, prompt_len: int, device, dtype
     stats = kernel_stats(prof, 5, top)
     if stats.get("kernel_us_per_step"):
         stats["gpu_busy_of_wall"] = stats["kernel_us_per_step"] / wall_us
-    return {"mode": mode or "default", "batch": batch, "wall_us_per_step": wall_us, "warmup_s": warm, **stats}
+    return {
+        "arm": name,
+        "options": options,
+        "batch": batch,
+        "wall_us_per_step": wall_us,
+        "warmup_s": warm,
+        "logits_rel_err_vs_eager": err,
+        **stats,
+    }
 
 
 def main() -> None:
@@ -104,6 +134,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (default 1)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per arm (default 20)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per arm (default 12)")
+    ap.add_argument(
+        "--arms", nargs="+", choices=tuple(ARMS), default=["graphs", "nographs"], help="(default graphs nographs)"
+    )
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
@@ -122,7 +155,6 @@ def main() -> None:
     cfg = ModelConfig(**{**base.to_dict(), "max_seq_len": prompt_len + 64})
     torch.manual_seed(0)
     model = LoopedLM(cfg).to(device=device, dtype=dtype).eval()
-    modes = [None] if args.tiny else ["reduce-overhead", "default"]
     result = {
         "command": command_line(),
         "torch": torch.__version__,
@@ -134,11 +166,25 @@ def main() -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     for B in args.batch:
-        for mode in modes:
+        cache, rows = setup(model, cfg, B, prompt_len, device, dtype)
+        with torch.no_grad():
+            reference = DecodeStep(model, cache)(rows, R)[0].float()  # the eager step
+        for arm_name in args.arms:
+            # on a CPU (the dry run) the graph options mean nothing: each arm runs the default compile
+            options = (
+                dict(ARMS[arm_name])
+                if device.type == "cuda"
+                else {"options": {"freezing": True}}
+                if "freezing" in arm_name
+                else {}
+            )
             try:
-                row = arm(model, cfg, mode, B, prompt_len, device, dtype, args.steps, args.top)
+                with torch.no_grad():  # freezing applies to graphs compiled without autograd
+                    row = arm(
+                        model, cfg, arm_name, options, B, prompt_len, device, dtype, args.steps, args.top, reference
+                    )
             except Exception as e:  # one arm's failure keeps the others' rows
-                row = {"mode": mode or "default", "batch": B, "error": f"{type(e).__name__}: {e}"[:500]}
+                row = {"arm": arm_name, "batch": B, "error": f"{type(e).__name__}: {e}"[:500]}
             result["rows"].append(row)
             brief = {k: v for k, v in row.items() if k != "top"}
             print(json.dumps(brief), flush=True)

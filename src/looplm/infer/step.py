@@ -174,7 +174,9 @@ class DecodeStep:
             # CUDA graphs (design §16): the cache banks are static inputs (written in place: cudagraph
             # trees replay a graph that mutates an input only when its address is fixed), a step is one
             # generation of the graph tree, and what a step returns is copied out of the graphs' pool
-            self.graphs = options.get("mode") in ("reduce-overhead", "max-autotune")
+            self.graphs = options.get("mode") in ("reduce-overhead", "max-autotune") or bool(
+                (options.get("options") or {}).get("triton.cudagraphs")  # the same, spelled as inductor options
+            )
             if self.row_kernels:  # the captured graphs are rewritten, then go to the backend asked for
                 if "mode" in options:
                     raise ValueError("row_kernels rewrite graphs for a backend: give compile options, not a mode")
