@@ -66,8 +66,9 @@ ARMS = {
     "graphs": {"mode": "reduce-overhead"},  # what looplm uses on CUDA
     "nographs": {"mode": "default"},
     # inductor's freezing: weights become constants, and its patterns concatenate the products that
-    # share an input (q/k/v, w1/w3) once; CUDA graphs spelled as an option (a mode excludes options)
-    "graphs+freezing": {"mode": None, "options": {"triton.cudagraphs": True, "freezing": True}},
+    # share an input (q/k/v, w1/w3) once; the step adds CUDA graphs as the option `triton.cudagraphs`
+    # (`step_compile_options`: a mode excludes options)
+    "graphs+freezing": {"options": {"freezing": True}},
 }
 
 
@@ -170,14 +171,9 @@ def main() -> None:
         with torch.no_grad():
             reference = DecodeStep(model, cache)(rows, R)[0].float()  # the eager step
         for arm_name in args.arms:
-            # on a CPU (the dry run) the graph options mean nothing: each arm runs the default compile
-            options = (
-                dict(ARMS[arm_name])
-                if device.type == "cuda"
-                else {"options": {"freezing": True}}
-                if "freezing" in arm_name
-                else {}
-            )
+            # a CPU (the dry run) has no graph modes: those arms run the step's default compile there
+            spec = ARMS[arm_name]
+            options = dict(spec) if device.type == "cuda" or "mode" not in spec else {}
             try:
                 with torch.no_grad():  # freezing applies to graphs compiled without autograd
                     row = arm(

@@ -13,7 +13,7 @@ import torch
 from _models import decisive_model
 
 from looplm.infer import extend, make_cache
-from looplm.infer.step import DecodeStep, StepRows
+from looplm.infer.step import DecodeStep, StepRows, step_compile_options
 
 TOL = 1e-5
 V = 50
@@ -348,3 +348,25 @@ def test_cuda_graph_step_equals_the_eager_step(model, mode):
         kept.append((got, got.clone()))
     assert all(torch.equal(a, b) for a, b in kept)  # no returned tensor was overwritten by a later replay
     assert counters["inductor"]["cudagraph_skips"] == skips
+
+
+def test_compile_options_merge_with_the_defaults_and_never_give_a_mode_and_options():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    wrapper = {"cpp_wrapper": True, "size_asserts": False}
+    assert step_compile_options(cpu) == {"options": wrapper}
+    assert step_compile_options(cuda) == {"mode": "reduce-overhead"}
+    # inductor options merge key by key (the C++ wrapper stays); on CUDA the graphs come along as an option
+    assert step_compile_options(cpu, {"options": {"freezing": True}}) == {"options": {**wrapper, "freezing": True}}
+    assert step_compile_options(cuda, {"options": {"freezing": True}}) == {
+        "options": {"triton.cudagraphs": True, "freezing": True}
+    }
+    assert step_compile_options(cuda, {"mode": None, "options": {"triton.cudagraphs": False}}) == {
+        "options": {"triton.cudagraphs": False}
+    }
+    # a mode replaces the defaults; other arguments are kept
+    assert step_compile_options(cuda, {"mode": "default"}) == {"mode": "default"}
+    assert step_compile_options(cpu, {"mode": "max-autotune"}) == {"mode": "max-autotune"}
+    assert step_compile_options(cpu, {"backend": "eager"}) == {"options": wrapper, "backend": "eager"}
+    for device, given in ((cpu, {"options": {}}), (cuda, {"options": {}}), (cuda, {}), (cpu, {"mode": "default"})):
+        got = step_compile_options(device, given)
+        assert not ("mode" in got and "options" in got), got  # torch.compile refuses both

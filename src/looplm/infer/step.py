@@ -116,13 +116,32 @@ def _tensors(tree):
             yield from _tensors(v)
 
 
+def step_compile_options(device: torch.device, given: dict | None = None) -> dict:
+    """`torch.compile`'s keyword arguments for a compiled step on `device`, with `given` merged in.
+    Defaults: on CUDA, CUDA graphs (`mode="reduce-overhead"`); on a CPU, inductor's C++ wrapper (the
+    options `cpp_wrapper`, `size_asserts`). torch.compile takes a mode or inductor options, not both, so:
+    a given mode replaces the defaults; given inductor options are merged key by key into the
+    default's, and on CUDA carry the default mode as its option (`triton.cudagraphs`, what
+    `reduce-overhead` sets)."""
+    given = dict(given or {})
+    cuda = device.type == "cuda"
+    if given.get("mode") is not None:
+        return given
+    given.pop("mode", None)
+    inductor = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True, "size_asserts": False}
+    if "options" in given:
+        return {**given, "options": {**inductor, **(given["options"] or {})}}
+    return {**({"mode": "reduce-overhead"} if cuda else {"options": inductor}), **given}
+
+
 class DecodeStep:
     """One-token decode steps on the first rows of `cache` (see the module docstring).
 
     `compile=True` compiles the pieces with `torch.compile` (inductor; on CUDA with
     `mode="reduce-overhead"`, i.e. CUDA graphs: design §16; measured on an H200); the first step of each
     batch size pays the compilation. `stop_early` (default: on a CPU) ends the recurrence loop when every row stopped.
-    `compile_options` go to `torch.compile` (e.g. another backend). `unroll` U: a fixed-depth loop
+    `compile_options` go to `torch.compile` (e.g. another backend), merged with the defaults as
+    `step_compile_options` says. `unroll` U: a fixed-depth loop
     runs U recurrences per call of one graph, and its R mod U last ones in one call of a shorter
     graph (compiled when first needed; per-row depth and exit run one recurrence per call). 4 by
     default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
@@ -165,12 +184,7 @@ class DecodeStep:
         if compile:
             # CUDA: CUDA graphs; a CPU: inductor's C++ wrapper, which calls the kernels without Python per
             # op (a layer visit at batch 1 is tens of small ops: the Python wrapper was a third of a step)
-            options = (
-                {"mode": "reduce-overhead"}
-                if device.type == "cuda"
-                else {"options": {"cpp_wrapper": True, "size_asserts": False}}
-            )
-            options.update(compile_options or {})
+            options = step_compile_options(device, compile_options)
             # CUDA graphs (design §16): the cache banks are static inputs (written in place: cudagraph
             # trees replay a graph that mutates an input only when its address is fixed), a step is one
             # generation of the graph tree, and what a step returns is copied out of the graphs' pool
