@@ -97,6 +97,16 @@ def test_auto_attention_picks_flex_on_cuda_only_where_its_kernel_takes_the_heads
         attention_kernel(flex, cuda, 8)
 
 
+def test_explicit_flex_with_too_small_heads_is_refused_before_the_data_build(tmp_path, cache, monkeypatch):
+    import looplm.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module.D, "resolve_device", lambda _: torch.device("cuda"))  # as on a GPU
+    monkeypatch.setattr(Trainer, "_build_data", lambda self: pytest.fail("validation came after the data build"))
+    job = tiny_job(tmp_path, "flex8", cache=cache, train__attention="flex", model__d_model=32, model__n_heads=4)
+    with pytest.raises(UserError, match="head_dim >= 16, the model has 8"):
+        Trainer(job)
+
+
 def test_trainer_attention_kernel(tmp_path, cache):
     assert Trainer(tiny_job(tmp_path, "auto", cache=cache)).attention == "sdpa"  # auto on CPU
     with pytest.raises(ValueError, match="FlexAttention has no backward on CPU"):

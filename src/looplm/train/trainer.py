@@ -309,11 +309,14 @@ class Trainer:
         build_sampler(j.depth)
         if j.model.max_depth < j.depth.cap:
             raise UserError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
-        if j.train.attention == "flex" and D.resolve_device(j.train.device).type != "cuda":
-            raise UserError(
-                "train.attention flex: FlexAttention has no backward on CPU in torch; "
-                "train with --train.attention sdpa (or auto) on CPU"
-            )
+        if j.train.attention == "flex":
+            device = D.resolve_device(j.train.device)
+            if device.type != "cuda":
+                raise UserError(
+                    "train.attention flex: FlexAttention has no backward on CPU in torch; "
+                    "train with --train.attention sdpa (or auto) on CPU"
+                )
+            attention_kernel(j.train, device, j.model.head_dim)  # refuses heads the fused kernel cannot take
         parse_kernel_options(j.train.flex_kernel_options)
         out = Path(j.train.out_dir)
         for p in (out, *out.parents):  # the first that exists must be a folder (mkdir fails on a file)
