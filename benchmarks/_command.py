@@ -9,6 +9,7 @@ when a script there runs). Paths outside the repository (e.g. `--out /tmp/x.json
 from __future__ import annotations
 
 import os
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -42,3 +43,10 @@ def command_line(argv: list[str] | None = None, python: str = "python") -> str:
     if argv:
         argv[0] = os.path.abspath(argv[0])
     return join([python, *argv])
+
+
+def machine_line(threads: int) -> str:
+    """Where a CPU result was measured: architecture, cores, torch version, torch threads."""
+    import torch
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} thread(s)"

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _command import command_line  # benchmarks/ is on sys.path when a script runs
+from _command import command_line, machine_line  # benchmarks/ is on sys.path when a script runs
 
 from looplm.config import model_preset
 from looplm.infer import extend, make_cache
@@ -101,7 +99,7 @@ def main() -> None:
         print(f"cache {cache_len:4d}, keys {n:4d}: {1000 * s:7.2f} ms a step, {B / s:8.1f} tokens/s, {full / s:.2f}x")
     result = {
         "command": command_line(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "machine": machine_line(args.threads),
         "batch": B,
         "depth": R,
         "prompt": P,

@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _command import command_line  # noqa: E402
+from _command import command_line, machine_line  # noqa: E402
 from _plain_looped import PlainLooped  # noqa: E402
 
 from looplm.config import ModelConfig  # noqa: E402
@@ -315,7 +313,7 @@ def main() -> None:
         speed = json.loads(args.out.read_text()).get("speed", [])
     result = {
         "command": command_line(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)"
+        "machine": machine_line(args.threads)
         + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "device": args.device,
         "elapsed_s": time.time() - started,
