@@ -821,6 +821,25 @@ def test_ctrl_c_before_the_first_checkpoint(tmp_path, cache, capsys, monkeypatch
     )
 
 
+def test_the_verbose_decode_line_rates_the_tokens_after_the_first_step():
+    """`generate --verbose`'s line: compiled, the rate after the first step (or speculation round) is the
+    tokens decided after it over the time after it; no such clause eagerly or when nothing came after."""
+    from looplm.cli import _decode_line
+
+    stats = {"decoded_tokens": 120, "decode_seconds": 9.0, "first_step_seconds": 7.0, "first_step_tokens": 6}
+    spec = {"acceptance_rate": 0.98, "tokens_per_verify": 4.92}
+    line = _decode_line({**stats, **spec}, compile=True, speculated=True)
+    assert line == (
+        "decoded 120 tokens in 9.00 s (13.3 tokens/s; the first round took 7.0 s with compiling, the rest 57.0 "
+        "tokens/s); speculation: 98% of drafts accepted, 4.92 tokens per verify"
+    )
+    plain = _decode_line({**stats, "first_step_tokens": 2}, compile=True, speculated=False)
+    assert plain.endswith("the first step took 7.0 s with compiling, the rest 59.0 tokens/s)")
+    assert _decode_line(stats, compile=False, speculated=False) == "decoded 120 tokens in 9.00 s (13.3 tokens/s)"
+    done = {**stats, "first_step_tokens": 120}
+    assert _decode_line(done, compile=True, speculated=False) == "decoded 120 tokens in 9.00 s (13.3 tokens/s)"
+
+
 def test_generate_speculate_prints_the_same_text_and_the_acceptance_line(tmp_path, capsys):
     """`--speculate 2 --draft-depth 1 --verbose` (full cache): the same stdout as plain decoding, and a
     stderr line with the acceptance rate; bad --speculate / --draft-depth values are one-line errors."""

@@ -244,6 +244,60 @@ def test_batched_speculation_equals_each_prompt_alone(model):
     assert stats["tokens_per_verify"] == (s["accepted"] + s["rounds"]) / s["rounds"]
 
 
+class _Clock:
+    """A `time` stand-in whose perf_counter moves only when told (`tick`)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_first_round_is_timed_from_the_decode_start_and_counts_its_tokens(monkeypatch, model):
+    """`generate`'s first_step_seconds with speculation counts from the decode's start, as a plain first
+    step does (what precedes the first round, building and resetting the step, compiling it when
+    compiled, is in it), and first_step_tokens are the tokens decided by the first round's end: the
+    prompt's next token, its accepted drafts and the verifier's token. A clock moves 100 s in the
+    step's reset and 1 s at each acceptance, so every figure is known exactly."""
+    clock, accepted = _Clock(), []
+    real_accept = spec_mod.accept
+
+    def accept(drafts, p, q, g):
+        n, nxt = real_accept(drafts, p, q, g)
+        accepted.append(n)
+        clock.tick(1.0)
+        return n, nxt
+
+    class SlowReset(DecodeStep):
+        def reset(self, cache):
+            clock.tick(100.0)
+            super().reset(cache)
+
+    monkeypatch.setattr(spec_mod, "accept", accept)
+    monkeypatch.setattr(spec_mod, "time", clock)
+    monkeypatch.setattr(gen_mod, "time", clock)
+    stats = {}
+    cfg = SamplingConfig(max_new_tokens=14)
+    generate(
+        model,
+        TOK,
+        ["hello"],
+        DepthRule(DEPTH),
+        speculate=Speculation(3, 1),
+        sampling=cfg,
+        stats=stats,
+        step=SlowReset(model),
+    )
+    assert len(accepted) >= 2  # several rounds
+    assert stats["decode_seconds"] == 100.0 + len(accepted)
+    assert stats["first_step_seconds"] == 101.0
+    assert stats["first_step_tokens"] == 2 + accepted[0]
+
+
 def test_speculation_settings_are_checked(model):
     for spec, msg in (
         (Speculation(0, 1), "k >= 1"),

@@ -428,8 +428,10 @@ def _decode_line(stats: dict, compile: bool, speculated: bool) -> str:
     """`looplm generate --verbose`'s line: decode speed (the first step's compile apart), speculation."""
     n, total, first = stats["decoded_tokens"], stats["decode_seconds"], stats["first_step_seconds"]
     line = f"decoded {n} tokens in {total:.2f} s ({n / max(total, 1e-9):.1f} tokens/s"
-    if compile and total > first > 0:  # the first step compiled: say what the rest ran at
-        line += f"; the first step took {first:.1f} s with compiling, the rest {(n - 1) / (total - first):.1f} tokens/s"
+    rest = n - stats["first_step_tokens"]  # tokens decided after the first step (or speculation round)
+    if compile and total > first > 0 and rest > 0:  # the first step compiled: say what the rest ran at
+        step = "round" if speculated else "step"
+        line += f"; the first {step} took {first:.1f} s with compiling, the rest {rest / (total - first):.1f} tokens/s"
     line += ")"
     if speculated:
         line += (

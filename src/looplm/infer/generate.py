@@ -90,7 +90,10 @@ def generate(
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
     receives "mean_decode_depth" (the mean recurrences per decoded token of the rows still running,
-    < depth with adaptive exit) and, with `speculate`, "acceptance_rate" and "tokens_per_verify".
+    < depth with adaptive exit), "decoded_tokens", "decode_seconds" (from the end of the prefill),
+    "first_step_seconds" and "first_step_tokens" (the time until the first step's end, compiling
+    included, and the tokens decided by then; with `speculate` the first round's), and with
+    `speculate` also "acceptance_rate" and "tokens_per_verify".
     `example_ids` seed each row's initial state (default 0..B-1); give each example a fixed id so
     its result does not depend on the batch it was run in. `prefill` chooses how the prompts enter
     the cache (`looplm.infer.prefill`: teacher at the rule's prefill depth, distilled student, R = 1
@@ -115,7 +118,7 @@ def generate(
     encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
     ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
-        out, totals, decoded, seconds, first = [], SpeculationStats(), 0, 0.0, 0.0
+        out, totals, decoded, seconds, first, first_tokens = [], SpeculationStats(), 0, 0.0, 0.0, 0
         step = step or DecodeStep(model, compile=compile)  # one step (and its compiled graphs) for every prompt
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
@@ -139,7 +142,8 @@ def generate(
                 setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
             decoded += row_stats["decoded_tokens"]
             seconds += row_stats["decode_seconds"]
-            first = row_stats["first_step_seconds"] if i == 0 else first
+            if i == 0:
+                first, first_tokens = row_stats["first_step_seconds"], row_stats["first_step_tokens"]
         if stats is not None:
             stats.update(
                 _speculation_stats(totals),
@@ -147,6 +151,7 @@ def generate(
                 decoded_tokens=decoded,
                 decode_seconds=seconds,
                 first_step_seconds=first,
+                first_step_tokens=first_tokens,
             )
         return out
     device = next(model.parameters()).device
@@ -191,6 +196,7 @@ def generate(
             emit=emit,
             stats=totals,
             reuse=speculate.reuse,
+            started=started,
         )
         _finish(streams, on_token)
         if stats is not None:
@@ -200,6 +206,7 @@ def generate(
                 decoded_tokens=len(streams[0].ids),
                 decode_seconds=time.perf_counter() - started,
                 first_step_seconds=totals.first_round_s,
+                first_step_tokens=totals.first_round_tokens,
             )
         return [streams[0].text]
     plan = rule.decode_plan()
@@ -244,6 +251,8 @@ def generate(
         stats["decoded_tokens"] = sum(len(stream.ids) for stream in streams)
         stats["decode_seconds"] = time.perf_counter() - started
         stats["first_step_seconds"] = first
+        # the first step decided each row's first token (from the prompt's logits) and its second
+        stats["first_step_tokens"] = min(2 * B, stats["decoded_tokens"]) if first else 0
     return [stream.text for stream in streams]
 
 

@@ -52,7 +52,11 @@ class SpeculationStats:
     accepted: int = 0
     """Draft tokens the verifier accepted."""
     first_round_s: float = 0.0
-    """Seconds of the first round (drafts and verify; compiling included when compiled)."""
+    """Seconds until the first round's end (drafts and verify; compiling included when compiled),
+    counted from `speculative_decode`'s `started`."""
+    first_round_tokens: int = 0
+    """Tokens decided by the first round's end: the first token, the accepted drafts and the
+    verifier's own token."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -108,15 +112,18 @@ def speculative_decode(
     emit: Callable[[int], bool],
     stats: SpeculationStats,
     reuse: bool = True,
+    started: float | None = None,
 ) -> None:
     """Decode one row (batch 1) speculatively from `first_logits` [1, V] (the prompt's last position)
     with `length` tokens cached; `emit(token)` takes each new token and returns True to stop.
     At most `sampling.max_new_tokens` tokens are emitted. `reuse` (full cache): the verify chunk
     starts at recurrence draft_depth + 1 from the drafts' states (design §16); False (or the
-    terminal cache) runs its every recurrence."""
+    terminal cache) runs its every recurrence. `started`: the `time.perf_counter()` that
+    `stats.first_round_s` counts from (default: this call's start; `generate` passes its decode's
+    start, so that building the step counts in the first round as it counts in a plain first step)."""
     greedy = sampling.temperature <= 0
     reuse = reuse and step.cache.mode == "full" and draft_depth <= step.cache.depth
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     dev = first_logits.device
 
     def choose_from(logits):  # (token [1], distribution or None)
@@ -160,6 +167,7 @@ def speculative_decode(
         stats.rounds += 1
         if stats.rounds == 1:
             stats.first_round_s = time.perf_counter() - started
+            stats.first_round_tokens = emitted + 1 + n
         stats.drafted += n_draft
         stats.accepted += n
         length += 1 + n
