@@ -250,13 +250,17 @@ def engine_only(
         reqs = [Request(tok.encode(t), SamplingConfig(args.max_tokens), rule) for t in texts]
         engine.warm_up()  # compiled: every batch bucket, as `looplm serve --compile` does before it listens
         engine.generate(reqs[:4])  # warm-up
+        before = engine.stats()
         t0 = time.perf_counter()
         finishes = engine.generate(reqs)
         wall = time.perf_counter() - t0
+        after = engine.stats()
     finally:
         torch.set_num_threads(threads)
     tokens = sum(f.completion_tokens for f in finishes)
-    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall}
+    # where the engine's time went: its prompts' prefills (with their first token) and its decode steps
+    split = {f"{k}_s": after[f"{k}_seconds_total"] - before[f"{k}_seconds_total"] for k in ("prefill", "decode")}
+    return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall, **split}
 
 
 def score(checkpoint: Path, texts: list[tuple[str, str]], depth: int) -> float:
@@ -526,7 +530,13 @@ def main() -> None:
                     f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
                     f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
                     f"depth {result['mean_decode_depth']:.2f}; engine alone "
-                    f"{result['engine_only']['tokens_per_s']:.1f} tok/s",
+                    f"{result['engine_only']['tokens_per_s']:.1f} tok/s"
+                    + (
+                        f" (prefill {result['engine_only']['prefill_s']:.2f} s, decode "
+                        f"{result['engine_only']['decode_s']:.2f} s)"
+                        if "prefill_s" in result["engine_only"]
+                        else ""
+                    ),
                     flush=True,
                 )
         rows = []
@@ -552,9 +562,12 @@ def main() -> None:
                             "ttft_p95_s",
                         )
                     },
-                    "median_engine_only_tokens_per_s": statistics.median(
-                        r["engine_only"]["tokens_per_s"] for r in runs
-                    ),
+                    **{
+                        f"median_engine_only_{key}": statistics.median(
+                            r["engine_only"].get(key, math.nan) for r in runs
+                        )
+                        for key in ("tokens_per_s", "prefill_s", "decode_s")
+                    },
                     "completed": runs[-1]["completed"],
                     "mean_decode_depth": runs[-1]["mean_decode_depth"],
                     "results": runs[-1]["results"],

@@ -94,6 +94,22 @@ def test_a_step_over_a_shorter_key_range_equals_extend(model, mode):
         step(StepRows(tok, torch.full((3,), L + 4), pad, ids), R, keys=33)
 
 
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_key_range_views_are_dynamic_unless_the_step_keeps_static_keys(model, mode):
+    """A compiled step's `keys` views carry a dynamic key length (one graph for every K), except with
+    `static_keys` (a graph per K: the engine's prefill, whose K is its bucket); each bank is cut once
+    (the terminal cache's recurrences share their banks' views)."""
+    cache, *_ = _twins(model, mode, _prompts(2, seed=1), depth=2, cache_depth=3)
+    for static, want in ((False, {2}), (True, set())):
+        step = DecodeStep(model, cache, compile=True, static_keys=static)
+        banks = step.banks(2, keys=16)
+        for k, v, *_ in [*banks["prelude"], *(layer for visit in banks["core"] for layer in visit)]:
+            assert k.shape[2] == v.shape[2] == 16
+            assert set(getattr(k, "_dynamo_weak_dynamic_indices", set())) == want
+        ids = {id(k) for visit in banks["core_kv"] for k, _ in visit}
+        assert len(ids) == (model.cfg.n_core if mode == "terminal" else model.cfg.n_core * 3)
+
+
 def _per_row(model, mode, *, depth=None, tau=None, floor=None, loop_depth, cache_depth=6, steps=5, check_depths=True):
     """Per-row lengths: a uniform prefill of 8, then row b writes at 8 - offset_b + t (rows overwrite
     their own tails, so the rows' lengths differ); the twin runs `extend` with per-row `cache.length`."""

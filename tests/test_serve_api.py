@@ -364,6 +364,7 @@ def test_metrics_and_health(model):
     assert values["looplm_prompt_tokens_total"] == 5
     assert values["looplm_mean_decode_depth"] == 2.0 and values["looplm_cache_bytes_in_use"] == 0
     assert values["looplm_cache_bytes_capacity"] == engine.pool.nbytes
+    assert values["looplm_prefill_seconds_total"] > 0 and values["looplm_decode_seconds_total"] > 0
     assert json.dumps(values)  # all plain numbers
 
 

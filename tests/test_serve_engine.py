@@ -385,6 +385,43 @@ def test_threaded_engine_and_stats(model):
     assert s["cache_bytes_capacity"] == 4 * 4 * 64 * per_token  # 4 banks (1/2/1 blocks) x 4 slots x 64 positions
 
 
+def test_the_engine_splits_its_busy_time_between_prefills_and_decode_steps(model, monkeypatch):
+    """stats' prefill_seconds_total and decode_seconds_total: a clock that moves 10 s in each prompt's
+    prefill and 1 s in each decode step makes both exact (the number of each from the calls)."""
+    import looplm.serve.engine as engine_mod
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+        monotonic = perf_counter
+
+    clock, calls = Clock(), {"prefill": 0, "decode": 0}
+    real_prefill, real_decode = Engine._prefill, Engine._decode
+
+    def prefill(self, handle):
+        calls["prefill"] += 1
+        clock.now += 10.0
+        return real_prefill(self, handle)
+
+    def decode(self):
+        calls["decode"] += 1
+        clock.now += 1.0
+        return real_decode(self)
+
+    monkeypatch.setattr(engine_mod, "time", clock)
+    monkeypatch.setattr(Engine, "_prefill", prefill)
+    monkeypatch.setattr(Engine, "_decode", decode)
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    engine.generate([Request(TOK.encode(p), SamplingConfig(5), DepthRule(2)) for p in _prompts(3, seed=1)])
+    s = engine.stats()
+    assert calls["prefill"] == 3 and calls["decode"] >= 4  # 2 slots for 3 prompts: the third waits
+    assert s["prefill_seconds_total"] == 10.0 * calls["prefill"]
+    assert s["decode_seconds_total"] == 1.0 * calls["decode"]
+
+
 def test_a_raising_event_sink_fails_its_request_only(model):
     """A consumer whose sink raises (e.g. its event loop has closed) ends its own request with an
     error; the engine thread lives on and the other rows stay exact."""

@@ -148,7 +148,10 @@ class DecodeStep:
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
     faster again, about twice the compile). `row_kernels` (default: compiled on a CPU) compiles the pieces
     through `looplm.infer.row_kernels.row_kernels_backend`: one-row linears and few-query attention
-    written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel."""
+    written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel.
+    `static_keys`: compiled, each `keys` is a static graph of its own instead of one graph with a
+    dynamic key length, for callers whose key length is a static shape already (a prefill chunk of
+    a bucketed length that reads exactly its bucket)."""
 
     def __init__(
         self,
@@ -161,8 +164,10 @@ class DecodeStep:
         compile_options: dict | None = None,
         unroll: int = 4,
         row_kernels: bool | None = None,
+        static_keys: bool = False,
     ):
         self.model, self.seed, self.compiled, self.graphs = model, seed, compile, False
+        self.static_keys = static_keys
         self.device = device = next(model.parameters()).device
         if row_kernels and not compile:
             raise ValueError("row_kernels are for compiled steps (eagerly the written-out products are slower)")
@@ -220,12 +225,16 @@ class DecodeStep:
         if not 0 < K <= S:
             raise ValueError(f"keys must be in [1, {S}] (the cache's length), got {K}")
         if (B, keys) not in self._banks:
-            cache = self.cache
+            cache, views = self.cache, {}
 
             def cut(bank: KVBank) -> tuple[torch.Tensor, torch.Tensor]:
                 if B == bank.k.shape[0] and keys is None:
                     return bank.k, bank.v
-                return bank.k[:B, :, :K], bank.v[:B, :, :K]
+                # one view per bank (the terminal cache's every recurrence reads the same banks; the
+                # cache holds bank.k, so its id is not reused while these views live)
+                if id(bank.k) not in views:
+                    views[id(bank.k)] = (bank.k[:B, :, :K], bank.v[:B, :, :K])
+                return views[id(bank.k)]
 
             core = []
             for r in range(self.model.cfg.max_depth):
@@ -246,7 +255,7 @@ class DecodeStep:
             if self.graphs:
                 for t in _tensors(banks):
                     torch._dynamo.mark_static_address(t)
-            elif self.compiled and keys is not None:
+            elif self.compiled and keys is not None and not self.static_keys:
                 for t in _tensors(banks):
                     torch._dynamo.maybe_mark_dynamic(t, t.ndim - 2 if t.ndim == 4 else 0)
             self._banks[(B, keys)] = banks

@@ -115,6 +115,8 @@ class _EngineCollector:
             ("prompt_tokens", "Prompt tokens prefilled"),
             ("speculative_drafted", "Draft tokens proposed by speculative rounds"),
             ("speculative_accepted", "Draft tokens the verifier accepted"),
+            ("prefill_seconds", "Seconds the engine spent prefilling prompts (with their first token)"),
+            ("decode_seconds", "Seconds the engine spent in decode steps"),
         ):
             yield CounterMetricFamily(f"looplm_{name}", doc, value=s[f"{name}_total"])
         done = CounterMetricFamily("looplm_requests_finished", "Finished sequences by reason", labels=["reason"])

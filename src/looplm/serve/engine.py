@@ -272,7 +272,9 @@ class Engine:
         # cache: the claimed slot's row); the student arm runs eagerly
         compiled_prefill = config.compile and self.prefill.arm != "student"
         self._prefill_step = (
-            DecodeStep(model, compile=True, compile_options=compile_options) if compiled_prefill else None
+            DecodeStep(model, compile=True, compile_options=compile_options, static_keys=True)
+            if compiled_prefill
+            else None
         )
         self._rows: list[_Row] = []
         self._pending: deque[RequestHandle] = deque()
@@ -287,6 +289,8 @@ class Engine:
         self.decode_depth_sum = 0
         self.drafted_tokens = 0  # speculative rounds: drafts proposed and accepted
         self.accepted_tokens = 0
+        self.prefill_seconds = 0.0  # the engine's busy time: prompts (with their first token), decode steps
+        self.decode_seconds = 0.0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for the rate
         self._stats_lock = threading.Lock()  # `stats()` runs on the server's thread
 
@@ -366,11 +370,17 @@ class Engine:
     def step(self) -> bool:
         """Admit waiting requests into free slots, then one decode step. False when idle."""
         self._drop_cancelled()
+        t0 = time.perf_counter()
         admitted = self._admit()
-        if self._rows:
+        t1 = time.perf_counter()
+        decoding = bool(self._rows)
+        if decoding:
             self._decode()
-            return True
-        return admitted
+        t2 = time.perf_counter()
+        with self._stats_lock:
+            self.prefill_seconds += t1 - t0 if admitted else 0.0
+            self.decode_seconds += t2 - t1 if decoding else 0.0
+        return decoding or admitted
 
     def run_until_done(self, handles: Sequence[RequestHandle]) -> list[Finish]:
         """Drive the engine on this thread until `handles` finish (library use without a thread)."""
@@ -652,14 +662,15 @@ class Engine:
         prompt padded on the right to its bucket (`prefill_buckets`), the padding written after the
         prompt's positions, where the row's next tokens overwrite it before any token reads it (a
         token writes its own position's K/V before it attends; the causal mask keeps the prompt from
-        the padding)."""
+        the padding). The chunk attends over its bucket's positions only (a static graph per bucket)."""
         n = len(prompt_ids)
         size = next(b for b in self.prefill_buckets() if b >= n)
         tokens = torch.full((1, size), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
         tokens[0, :n] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self._prefill_step.reset(view)
-        logits, _ = self._prefill_step(StepRows(tokens, zero, zero.clone(), example_ids), depth)
+        # the chunk reads positions [0, size) only: a fresh slot holds nothing past them
+        logits, _ = self._prefill_step(StepRows(tokens, zero, zero.clone(), example_ids), depth, keys=size)
         return logits[0, :n]
 
     def _compiled_step(
@@ -744,13 +755,15 @@ class Engine:
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self, window_s: float = 10.0) -> dict:
-        """Numbers for /metrics: queue, running rows, throughput over the last `window_s`, and the
-        mean recurrences per decoded token since the start (0 before the first decode step)."""
+        """Numbers for /metrics: queue, running rows, throughput over the last `window_s`, the mean
+        recurrences per decoded token since the start (0 before the first decode step), and the
+        seconds spent prefilling prompts (with their first token) and in decode steps."""
         now = time.monotonic()
         with self._stats_lock:
             recent = [r for r in self._recent if now - r[0] <= window_s]
             decoded, depth_sum = self.decoded_tokens, self.decode_depth_sum
             drafted, accepted = self.drafted_tokens, self.accepted_tokens
+            prefill_s, decode_s = self.prefill_seconds, self.decode_seconds
         tokens = sum(n for _, n in recent)
         span = max(now - recent[0][0], 1e-9) if len(recent) > 1 else window_s
         return {
@@ -764,6 +777,8 @@ class Engine:
             "speculative_drafted_total": drafted,
             "speculative_accepted_total": accepted,
             "speculative_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "prefill_seconds_total": prefill_s,
+            "decode_seconds_total": decode_s,
             "cache_bytes_in_use": self.pool.bytes_in_use,
             "cache_bytes_capacity": self.pool.nbytes,
             "finished_total": dict(self.finished),
