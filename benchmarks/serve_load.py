@@ -18,7 +18,9 @@ corpus, greedy, `--max-tokens` each, depth `--depth`); a client stops taking new
 Throughput = completion tokens / wall time of the arm. Each arm is then repeated without HTTP:
 the same requests submitted at once to `looplm.serve.Engine` in this process (`engine alone`),
 which separates what the engine sustains from the cost of HTTP, SSE and 16 client threads sharing
-the machine's cores.
+the machine's cores. Both report where the engine's time went: its prompts' prefills (with their
+first token) and its decode steps (the server's `looplm_prefill_seconds_total` and
+`looplm_decode_seconds_total` over the load; the engine's stats alone).
 
 Arms (the first three are the acceptance's comparison):
 - `continuous terminal`: terminal cache with the slots that fit the memory of `--full-slots`
@@ -515,8 +517,16 @@ def main() -> None:
                 try:
                     run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up (a compiled
                     # server compiled its batch buckets before it listened)
+                    before = server.metrics()
                     result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
-                    result["cache_bytes"] = server.metrics()["looplm_cache_bytes_capacity"]
+                    after = server.metrics()
+                    result["cache_bytes"] = after["looplm_cache_bytes_capacity"]
+                    for key in (
+                        "prefill",
+                        "decode",
+                    ):  # the server's engine busy time under the load (not the baseline's)
+                        name = f"looplm_{key}_seconds_total"
+                        result[f"server_{key}_s"] = after[name] - before[name] if name in after else math.nan
                 finally:
                     server.close()
                 result["engine_only"] = (  # the baseline's engine is another checkout's: HTTP only
@@ -529,7 +539,8 @@ def main() -> None:
                     f"round {rnd + 1} {label:>40}: {result['completed']:3d} req in {result['wall_s']:6.2f} s, "
                     f"{result['tokens_per_s']:8.1f} tok/s, latency p50 {result['latency_p50_s']:.3f} s "
                     f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
-                    f"depth {result['mean_decode_depth']:.2f}; engine alone "
+                    f"depth {result['mean_decode_depth']:.2f}, its engine busy "
+                    f"{result['server_prefill_s']:.2f} s prefill + {result['server_decode_s']:.2f} s decode; engine alone "
                     f"{result['engine_only']['tokens_per_s']:.1f} tok/s"
                     + (
                         f" (prefill {result['engine_only']['prefill_s']:.2f} s, decode "
@@ -560,6 +571,8 @@ def main() -> None:
                             "latency_p95_s",
                             "ttft_p50_s",
                             "ttft_p95_s",
+                            "server_prefill_s",
+                            "server_decode_s",
                         )
                     },
                     **{
