@@ -222,6 +222,14 @@ def server_flags(opts: dict) -> list[str]:
     return flags
 
 
+def busy_seconds(before: dict, after: dict, prefix: str = "") -> dict[str, float]:
+    """The engine's busy time between two readings of its counters (`Engine.stats()`, or /metrics
+    with prefix `looplm_`): its prompts' prefills (with their first token) and its decode steps; NaN
+    where a reading lacks them (another checkout's server)."""
+    names = {k: f"{prefix}{k}_seconds_total" for k in ("prefill", "decode")}
+    return {k: after.get(n, math.nan) - before.get(n, math.nan) for k, n in names.items()}
+
+
 def engine_only(
     checkpoint: Path, texts: list[str], args, cache: str, slots: int, extra: dict, opts: dict | None = None
 ) -> dict:
@@ -260,8 +268,7 @@ def engine_only(
     finally:
         torch.set_num_threads(threads)
     tokens = sum(f.completion_tokens for f in finishes)
-    # where the engine's time went: its prompts' prefills (with their first token) and its decode steps
-    split = {f"{k}_s": after[f"{k}_seconds_total"] - before[f"{k}_seconds_total"] for k in ("prefill", "decode")}
+    split = {f"{k}_s": v for k, v in busy_seconds(before, after).items()}
     return {"wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall, **split}
 
 
@@ -521,16 +528,12 @@ def main() -> None:
                     result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
                     after = server.metrics()
                     result["cache_bytes"] = after["looplm_cache_bytes_capacity"]
-                    for key in (
-                        "prefill",
-                        "decode",
-                    ):  # the server's engine busy time under the load (not the baseline's)
-                        name = f"looplm_{key}_seconds_total"
-                        result[f"server_{key}_s"] = after[name] - before[name] if name in after else math.nan
+                    # the server's engine busy time under the load (NaN for the baseline's server)
+                    result.update({f"server_{k}_s": v for k, v in busy_seconds(before, after, "looplm_").items()})
                 finally:
                     server.close()
                 result["engine_only"] = (  # the baseline's engine is another checkout's: HTTP only
-                    {"tokens_per_s": math.nan}
+                    {"tokens_per_s": math.nan, "prefill_s": math.nan, "decode_s": math.nan}
                     if "src" in opts
                     else engine_only(checkpoint, texts, args, cache, slots, extra, opts)
                 )
@@ -541,13 +544,8 @@ def main() -> None:
                     f"p95 {result['latency_p95_s']:.3f} s, cache {result['cache_bytes'] / 2**20:.1f} MiB, "
                     f"depth {result['mean_decode_depth']:.2f}, its engine busy "
                     f"{result['server_prefill_s']:.2f} s prefill + {result['server_decode_s']:.2f} s decode; engine alone "
-                    f"{result['engine_only']['tokens_per_s']:.1f} tok/s"
-                    + (
-                        f" (prefill {result['engine_only']['prefill_s']:.2f} s, decode "
-                        f"{result['engine_only']['decode_s']:.2f} s)"
-                        if "prefill_s" in result["engine_only"]
-                        else ""
-                    ),
+                    f"{result['engine_only']['tokens_per_s']:.1f} tok/s (prefill "
+                    f"{result['engine_only']['prefill_s']:.2f} s, decode {result['engine_only']['decode_s']:.2f} s)",
                     flush=True,
                 )
         rows = []
@@ -576,9 +574,7 @@ def main() -> None:
                         )
                     },
                     **{
-                        f"median_engine_only_{key}": statistics.median(
-                            r["engine_only"].get(key, math.nan) for r in runs
-                        )
+                        f"median_engine_only_{key}": statistics.median(r["engine_only"][key] for r in runs)
                         for key in ("tokens_per_s", "prefill_s", "decode_s")
                     },
                     "completed": runs[-1]["completed"],
