@@ -298,6 +298,54 @@ def test_the_first_round_is_timed_from_the_decode_start_and_counts_its_tokens(mo
     assert stats["first_step_tokens"] == 2 + accepted[0]
 
 
+def test_the_first_rounds_tokens_are_those_emitted_when_the_row_stops_inside_it(model):
+    """A row that stops inside the first round's accepted window (here `emit` says stop at the second
+    token) has emitted 2 tokens by the round's end, whatever the round decided."""
+    ids = TOK.encode("hello")
+    cache = make_cache("full", model.cfg, 1, 48, DEPTH)
+    first = extend(model, torch.tensor([ids]), cache, DEPTH, example_ids=torch.tensor([0])).logits[:, -1]
+    out, stats = [], spec_mod.SpeculationStats()
+    spec_mod.speculative_decode(
+        DecodeStep(model, cache),
+        first,
+        length=len(ids),
+        depth=DEPTH,
+        draft_depth=2,
+        k=4,
+        sampling=SamplingConfig(max_new_tokens=20),
+        generator=None,
+        pad=torch.tensor([0]),
+        example_ids=torch.tensor([0]),
+        emit=lambda t: out.append(t) or len(out) == 2,
+        stats=stats,
+    )
+    assert stats.rounds == 1 and stats.accepted >= 1  # the round decided 2 + accepted > 2 tokens
+    assert len(out) == 2 and stats.first_round_tokens == 2
+
+
+@pytest.mark.parametrize(("k", "draft_depth", "message"), [(0, 2, "k >= 1"), (-3, 2, "k >= 1"), (2, DEPTH, "1..3")])
+def test_speculative_decode_checks_its_settings_before_it_emits(model, k, draft_depth, message):
+    cache = make_cache("full", model.cfg, 1, 48, DEPTH)
+    first = extend(model, torch.tensor([TOK.encode("hi")]), cache, DEPTH, example_ids=torch.tensor([0])).logits[:, -1]
+    out = []
+    with pytest.raises(UserError, match=message):
+        spec_mod.speculative_decode(
+            DecodeStep(model, cache),
+            first,
+            length=2,
+            depth=DEPTH,
+            draft_depth=draft_depth,
+            k=k,
+            sampling=SamplingConfig(max_new_tokens=8),
+            generator=None,
+            pad=torch.tensor([0]),
+            example_ids=torch.tensor([0]),
+            emit=lambda t: out.append(t) or False,
+            stats=spec_mod.SpeculationStats(),
+        )
+    assert out == []
+
+
 def test_speculation_settings_are_checked(model):
     for spec, msg in (
         (Speculation(0, 1), "k >= 1"),

@@ -19,6 +19,7 @@ from _reference import window_replay_check
 import looplm.serve.engine as engine_mod
 from looplm.data import ByteTokenizer
 from looplm.infer.decode import SamplingConfig
+from looplm.infer.depth_rule import DepthRule
 from looplm.serve import Engine, EngineConfig, Request, Token
 
 TOK = ByteTokenizer()
@@ -125,6 +126,53 @@ def test_a_request_without_speculation_makes_the_steps_plain(model, monkeypatch)
     handles = [engine.submit(r) for r in reqs]
     engine.run_until_done(handles)
     assert rounds == [] and engine.stats()["speculative_drafted_total"] == 0
+
+
+def test_a_request_that_asks_nothing_of_speculation_runs_plainly_below_the_draft_depth(model, monkeypatch):
+    """A speculating engine (draft depth 2) takes a request at depth 2 that sets neither `speculate`
+    nor `draft_depth`: the engine's default does not fit it, so it decodes plainly (the no-cache
+    greedy tokens at depth 2) while rows at the engine's depth still speculate. A request that asks
+    for the same draft depth itself is refused."""
+    rounds = []
+    real = engine_mod.speculative_round
+    monkeypatch.setattr(engine_mod, "speculative_round", lambda *a, **kw: rounds.append(1) or real(*a, **kw))
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=DEPTH, cache="full", speculate=3, draft_depth=2))
+    shallow = Request(TOK.encode("hello"), SamplingConfig(8), rule=DepthRule(2), example_id=3)
+    (got,) = _run(engine, [shallow])
+    assert got == _no_cache_greedy(model, shallow.prompt_ids, 8, 2, 3)
+    assert rounds == [] and engine.stats()["speculative_drafted_total"] == 0
+    deep = Request(TOK.encode("hello"), SamplingConfig(8), example_id=3)
+    (got,) = _run(engine, [deep])
+    assert got == _no_cache_greedy(model, deep.prompt_ids, 8, DEPTH, 3) and rounds
+    with pytest.raises(ValueError, match="draft_depth must be in 1..1"):
+        engine.submit(Request(TOK.encode("hi"), rule=DepthRule(2), draft_depth=2))
+
+
+def test_a_speculation_that_never_fits_a_slot_is_refused(model):
+    """k draft tokens need a verify chunk of k + 1 positions after the prompt's first token: in slots
+    of 32 positions k = 30 is the most, for the engine's default (checked when the engine is built,
+    before a compiled warm-up would write past the slot) and per request."""
+    with pytest.raises(ValueError, match="speculate must be <= 30"):
+        Engine(model, TOK, EngineConfig(depth=DEPTH, max_seq_len=32, speculate=31, draft_depth=1))
+    engine = Engine(model, TOK, EngineConfig(depth=DEPTH, cache="full", max_seq_len=32, speculate=30, draft_depth=1))
+    with pytest.raises(ValueError, match="speculate must be <= 30"):
+        engine.submit(Request(TOK.encode("hi"), speculate=31))
+    (got,) = _run(engine, [Request(TOK.encode("a"), SamplingConfig(12), example_id=2)])
+    assert got == _no_cache_greedy(model, TOK.encode("a"), 12, DEPTH, 2)
+
+
+def test_decode_counters_count_the_tokens_rows_emitted_not_all_their_window_decided(model):
+    """Rows that stop inside an accepted window (max_tokens of 2, 3, 5 with k = 6) emit only what
+    they may: the decoded-token counter (tokens/s, mean decode depth) counts those, so it equals
+    the tokens generated less each request's first token (which its prefill chose)."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=6, draft_depth=3))
+    reqs = [Request(TOK.encode(p), SamplingConfig(n), example_id=i) for i, (p, n) in enumerate(zip(PROMPTS, (2, 3, 5)))]
+    finishes = engine.generate(reqs)
+    stats = engine.stats()
+    assert stats["speculative_accepted_total"] > sum(f.completion_tokens - 1 for f in finishes)  # windows overshot
+    assert stats["generated_tokens_total"] == sum(f.completion_tokens for f in finishes) == 10
+    assert engine.decoded_tokens == 10 - len(reqs)
+    assert engine.decode_depth_sum == DEPTH * engine.decoded_tokens
 
 
 @pytest.mark.parametrize(

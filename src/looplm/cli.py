@@ -350,7 +350,8 @@ def generate(
         verbose: Print decode speed (and with --speculate the acceptance rate) to stderr.
     """
     from looplm.checkpoint import load_model, resolve
-    from looplm.infer.generate import Speculation, generate as run
+    from looplm.infer.generate import generate as run
+    from looplm.infer.speculative import Speculation
 
     if speculate < 0:
         raise UserError(f"--speculate must be >= 0 (0 = off), got {speculate}")

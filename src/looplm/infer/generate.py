@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -17,9 +16,9 @@ from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.decode import SamplingConfig, TextStream, choose
-from looplm.infer.depth_rule import CacheKind, DepthRule, check_depth
+from looplm.infer.depth_rule import CacheKind, DepthRule
 from looplm.infer.prefill import Prefill
-from looplm.infer.speculative import SpeculationStats, speculative_decode
+from looplm.infer.speculative import Speculation, SpeculationStats, speculative_decode
 from looplm.infer.step import DecodeStep, StepRows
 
 __all__ = ["DepthRule", "SamplingConfig", "Speculation", "choose", "generate"]
@@ -42,24 +41,6 @@ def encode_prompts(
                 f"the context max_seq_len={max_seq_len} (at most {max_seq_len - len(ids) + 1} new tokens)"
             )
     return encoded
-
-
-@dataclass
-class Speculation:
-    """Self-speculative decoding (`looplm.infer.speculative`): draft `k` tokens at `draft_depth`,
-    verify them in one chunk at the decode depth."""
-
-    k: int = 4
-    """Draft tokens per verify chunk."""
-    draft_depth: int = 2
-    """Recurrences per draft token (r_d < depth)."""
-    reuse: bool = True
-    """Full cache: the verify starts at recurrence r_d + 1 from the drafts' states (False: all R)."""
-
-    def check(self, depth: int) -> None:
-        if self.k < 1:
-            raise UserError(f"speculate needs k >= 1 draft tokens, got {self.k}")
-        check_depth("draft_depth", self.draft_depth, depth - 1, f"below the decode depth {depth}")
 
 
 def _bucket(n: int, compiled: bool) -> int:

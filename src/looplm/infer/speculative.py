@@ -37,10 +37,30 @@ from dataclasses import dataclass
 
 import torch
 
+from looplm.errors import UserError
 from looplm.infer.decode import SamplingConfig, probabilities, sample
+from looplm.infer.depth_rule import check_depth
 from looplm.infer.step import DecodeStep, StepRows
 
-__all__ = ["SpeculationStats", "accept", "speculative_decode"]
+__all__ = ["Speculation", "SpeculationStats", "accept", "speculative_decode"]
+
+
+@dataclass
+class Speculation:
+    """Self-speculative decoding's settings: draft `k` tokens at `draft_depth`, verify them in one
+    chunk at the decode depth."""
+
+    k: int = 4
+    """Draft tokens per verify chunk."""
+    draft_depth: int = 2
+    """Recurrences per draft token (r_d < depth)."""
+    reuse: bool = True
+    """Full cache: the verify starts at recurrence r_d + 1 from the drafts' states (False: all R)."""
+
+    def check(self, depth: int) -> None:
+        if self.k < 1:
+            raise UserError(f"speculate needs k >= 1 draft tokens, got {self.k}")
+        check_depth("draft_depth", self.draft_depth, depth - 1, f"below the decode depth {depth}")
 
 
 @dataclass
@@ -55,8 +75,8 @@ class SpeculationStats:
     """Seconds until the first round's end (drafts and verify; compiling included when compiled),
     counted from `speculative_decode`'s `started`."""
     first_round_tokens: int = 0
-    """Tokens decided by the first round's end: the first token, the accepted drafts and the
-    verifier's own token."""
+    """Tokens emitted by the first round's end: the first token, the accepted drafts and the
+    verifier's own token, less any after the row stopped (max_new_tokens, a stop)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -120,7 +140,9 @@ def speculative_decode(
     starts at recurrence draft_depth + 1 from the drafts' states (design §16); False (or the
     terminal cache) runs its every recurrence. `started`: the `time.perf_counter()` that
     `stats.first_round_s` counts from (default: this call's start; `generate` passes its decode's
-    start, so that building the step counts in the first round as it counts in a plain first step)."""
+    start, so that building the step counts in the first round as it counts in a plain first step).
+    UserError (a ValueError) for k < 1 or a draft depth not below `depth`."""
+    Speculation(k, draft_depth).check(depth)
     greedy = sampling.temperature <= 0
     reuse = reuse and step.cache.mode == "full" and draft_depth <= step.cache.depth
     started = time.perf_counter() if started is None else started
@@ -167,13 +189,18 @@ def speculative_decode(
         stats.rounds += 1
         if stats.rounds == 1:
             stats.first_round_s = time.perf_counter() - started
-            stats.first_round_tokens = emitted + 1 + n
         stats.drafted += n_draft
         stats.accepted += n
         length += 1 + n
         # roll back: the next round writes from `length` on, so a rejected draft's K/V are never read
+        stop = False
         for t in [*(int(d) for d in drafts[:n]), int(nxt)]:
             emitted += 1
-            if emit(t) or emitted >= sampling.max_new_tokens:
-                return
+            stop = emit(t) or emitted >= sampling.max_new_tokens
+            if stop:
+                break
+        if stats.rounds == 1:
+            stats.first_round_tokens = emitted
+        if stop:
+            return
         last = nxt.reshape(1)

@@ -29,12 +29,12 @@ from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.decode import SamplingConfig, TextStream, choose
 from looplm.infer.depth_rule import DepthRule, check_depth
-from looplm.infer.generate import Speculation
 from looplm.infer.prefill import Prefill, check_arm_cache
+from looplm.infer.speculative import Speculation
 from looplm.infer.step import DecodeStep, StepRows
 from looplm.model.exits import DepthPlan
 from looplm.serve.slots import SlotPool
-from looplm.serve.speculation import speculative_round
+from looplm.serve.speculation import check_room, speculative_round
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class EngineConfig:
             raise UserError(f"{name('key_range')} is for compiled steps: add {name('compile')}")
         if self.speculate:
             check_depth(name("draft_depth"), self.draft_depth, self.depth - 1, f"below {name('depth')} {self.depth}")
+            slot = self.max_seq_len or max_seq_len
+            if slot is not None:
+                check_room(name("speculate"), self.speculate, slot)
         if max_depth is not None:
             for key in ("depth", "max_depth"):
                 if getattr(self, key) is not None:
@@ -285,7 +288,7 @@ class Engine:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.finished: dict[str, int] = {}
-        self.decoded_tokens = 0  # tokens fed by decode steps, and their recurrences summed
+        self.decoded_tokens = 0  # tokens decode steps emitted, and their recurrences summed
         self.decode_depth_sum = 0
         self.drafted_tokens = 0  # speculative rounds: drafts proposed and accepted
         self.accepted_tokens = 0
@@ -314,9 +317,14 @@ class Engine:
         return request.rule if request.rule is not None else DepthRule(self.config.depth)
 
     def speculation(self, request: Request) -> tuple[int, int]:
-        """(draft tokens k, draft depth) of a request, defaults filled in; k = 0: no speculation."""
+        """(draft tokens k, draft depth) of a request, defaults filled in; k = 0: no speculation. A
+        request that sets neither decodes plainly where its depth is not above the engine's draft
+        depth (it asked for no speculation; the engine's default does not fit it)."""
         k = self.config.speculate if request.speculate is None else request.speculate
-        return k, self.config.draft_depth if request.draft_depth is None else request.draft_depth
+        draft_depth = self.config.draft_depth if request.draft_depth is None else request.draft_depth
+        if request.speculate is None and request.draft_depth is None and draft_depth >= self.rule(request).depth:
+            return 0, draft_depth
+        return k, draft_depth
 
     def check(self, request: Request) -> DepthRule:
         """The request's depth rule; ValueError (a UserError) with a one-line reason if it cannot run."""
@@ -333,6 +341,7 @@ class Engine:
             raise UserError(f"speculate must be >= 0 (0 = off), got {k}")
         if k:
             Speculation(k, draft_depth).check(rule.depth)
+            check_room("speculate", k, self.max_len)
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
@@ -561,17 +570,20 @@ class Engine:
             generators=[r.generator for r in rows],
             keys=self._keys(k + 1),
         )
-        emitted = [len(t) for t in result.tokens]
-        for slot, m in enumerate(emitted):  # the last token stays unfed: it opens the next round
-            self.pool.set_length(slot, self.pool.lengths[slot] + m)
-        self._count(sum(emitted), depth * sum(emitted), drafted=result.drafted, accepted=sum(emitted) - n)
+        decided = sum(len(t) for t in result.tokens)
+        for slot, t in enumerate(result.tokens):  # the last token stays unfed: it opens the next round
+            self.pool.set_length(slot, self.pool.lengths[slot] + len(t))
+        emitted = 0  # a row that finishes inside its window (max_tokens, EOS, a stop) emits no more of it
         for i in range(n - 1, -1, -1):  # rows finish (and move) while we go: from the end
             row = rows[i]
             for j, tok in enumerate(result.tokens[i]):
                 row.depths.append(depth)
+                emitted += 1
                 self._accept(i, result.logits[i, j], depth, tok)
                 if i >= len(rows) or rows[i] is not row:  # finished: its slot is free (or another row's)
                     break
+        # acceptance counts the verifier's decisions, emitted or not; tokens, what the rows emitted
+        self._count(emitted, depth * emitted, drafted=result.drafted, accepted=decided - n)
 
     def _eager_step(self, tokens: list[int], depths: list[int], taus: list, example_ids: list[int]):
         """One step through the model's cached forward on the running rows' view, cut at the longest

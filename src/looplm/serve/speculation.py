@@ -10,7 +10,8 @@ of the engine does the same in lockstep, through one `DecodeStep` on the pool's 
    engine sets each row's length to L_b + 1 + accepted_b, and a rejected draft's K/V (past that
    length) are never read.
 A round needs every row at one depth above `draft_depth`, no adaptive exit and room for k + 1
-positions (`can_speculate`); otherwise the engine runs a plain step.
+positions (`Engine._speculative`; `check_room` refuses a k that never fits a slot); otherwise the
+engine runs a plain step.
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ from dataclasses import dataclass
 
 import torch
 
+from looplm.errors import UserError
 from looplm.infer.decode import SamplingConfig, probabilities, sample
 from looplm.infer.speculative import accept
 from looplm.infer.step import DecodeStep, StepRows
 
-__all__ = ["RoundResult", "speculative_round"]
+__all__ = ["RoundResult", "check_room", "speculative_round"]
+
+
+def check_room(name: str, k: int, slot: int) -> None:
+    """UserError unless k draft tokens can ever speculate in a slot of `slot` positions: the verify
+    chunk of k + 1 tokens starts after at least the prompt's first token."""
+    if k > slot - 2:
+        raise UserError(
+            f"{name} must be <= {slot - 2}: a verify chunk of k + 1 tokens after the prompt's first "
+            f"token must fit a slot of {slot} positions, got {k}"
+        )
 
 
 @dataclass
