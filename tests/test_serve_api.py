@@ -28,6 +28,7 @@ from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import ByteTokenizer  # noqa: E402
 from looplm.infer import extend, make_cache  # noqa: E402
 from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
+from looplm.infer.speculative import Speculation  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
 from looplm.serve.api import create_app  # noqa: E402
@@ -1051,3 +1052,104 @@ def test_sentencepiece_text_offsets_point_into_the_text(sp_model):
     assert all(ids) and " " in text.strip()
     ends = lp["text_offset"][1:] + [len(text)]
     assert [text[a:b] for a, b in zip(lp["text_offset"], ends)] == lp["tokens"]
+
+
+class _PaddedHead(torch.nn.Module):
+    """A head with rows past the tokenizer's ids (as a release pads its embedding) that win every
+    argmax: the model's own head for ids [0, 258), then PAD rows scoring 10 above its best."""
+
+    PAD = 42
+
+    def __init__(self, head):
+        super().__init__()
+        self.inner = head
+
+    def forward(self, x):
+        out = self.inner(x)[..., : TOK.vocab_size]
+        return torch.cat([out, (out.amax(-1, keepdim=True) + 10).expand(*out.shape[:-1], self.PAD)], -1)
+
+
+@pytest.fixture(scope="module")
+def padded_model():
+    model = decisive_model(TOK.vocab_size + _PaddedHead.PAD, max_depth=8)
+    model.head = _PaddedHead(model.head)
+    return model
+
+
+@torch.no_grad()
+def _tokenizer_greedy(model, ids: list[int], n: int, depth: int) -> list[torch.Tensor]:
+    """Log-probabilities over the tokenizer's ids of each greedy step (no cache: the whole sequence
+    re-run natively per token, seeded as example 0), until an end of text or n tokens."""
+    ids, steps = list(ids), []
+    for _ in range(n):
+        out = model(torch.tensor([ids]), depth, init="seeded", example_ids=torch.tensor([0]))
+        lp = out.logits[0, -1, : TOK.vocab_size].log_softmax(-1)
+        if int(lp.argmax()) == TOK.eos_id:
+            break
+        steps.append(lp)
+        ids.append(int(lp.argmax()))
+    return steps
+
+
+def test_a_model_padded_past_the_tokenizer_answers_with_the_tokenizers_ids(padded_model):
+    """A model whose head has rows no token id reaches (here they would win every argmax) decodes,
+    scores and spells over the tokenizer's ids only: the reply and its top-5 alternatives are the
+    native forward's over those ids, a stream ends with [DONE], and a prompt id past the tokenizer
+    is a 400. `generate` gives the same text."""
+    from fastapi.testclient import TestClient
+
+    want = _tokenizer_greedy(padded_model, TOK.encode("Hello"), 6, 3)
+    text = TOK.decode([int(lp.argmax()) for lp in want])
+    engine = Engine(padded_model, TOK, EngineConfig(max_batch=2, depth=3, cache="full"))
+    with TestClient(create_app(engine, NAME)) as http:
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 6, "temperature": 0, "logprobs": 5}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200
+        choice = reply.json()["choices"][0]
+        assert choice["text"] == text
+        assert_logprobs_equal(openai.types.completion_choice.Logprobs(**choice["logprobs"]), want, 5)
+        streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+        assert streamed.endswith("data: [DONE]\n\n") and '"error"' not in streamed
+        bad = http.post("/v1/completions", json={**body, "prompt": [72, TOK.vocab_size + 3]})
+        assert bad.status_code == 400 and f"0..{TOK.vocab_size - 1}" in bad.json()["error"]["message"]
+    assert _alone(padded_model, "Hello", 3, 6, mode="full") == text
+    # the static step's logits too (speculation drafts and verifies through it)
+    speculating = Engine(padded_model, TOK, EngineConfig(depth=3, cache="full", speculate=2, draft_depth=1))
+    with TestClient(create_app(speculating, NAME)) as http:
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == text
+    spec = generate(
+        padded_model,
+        TOK,
+        ["Hello"],
+        DepthRule(3),
+        cache="full",
+        speculate=Speculation(2, 1),
+        sampling=SamplingConfig(6),
+    )
+    assert spec == [text]
+
+
+def test_an_unexpected_error_is_a_500_in_openais_body_and_ends_a_stream_with_it(model, monkeypatch):
+    """A bug while a request is answered is a 500 with OpenAI's error body, not a bare text page; past
+    a stream's 200 it is one last `data:` line with that body, not a stream cut short without a word."""
+    from fastapi.testclient import TestClient
+
+    import looplm.serve.replies as replies
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    with TestClient(create_app(engine, NAME), raise_server_exceptions=False) as http:
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 3, "logprobs": 2}
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("spelling broke")
+
+        monkeypatch.setattr(replies, "spelling", broken)
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 500
+        error = reply.json()["error"]
+        assert error["type"] == "server_error" and "spelling broke" in error["message"]
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+        last = [line for line in streamed.text.splitlines() if line.startswith("data: ")][-1]
+        assert "spelling broke" in json.loads(last[len("data: ") :])["error"]["message"]
+        monkeypatch.undo()
+        assert http.post("/v1/completions", json=body).status_code == 200  # the server keeps answering

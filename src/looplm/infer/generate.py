@@ -146,12 +146,17 @@ def generate(
     max_len = model.cfg.max_seq_len if compile else L + cfg.max_new_tokens - 1
     kv = make_cache(cache, model.cfg, B, max_len, rule.deepest, device=device, dtype=next(model.parameters()).dtype)
     gate = {} if rule.exit_gate is None else {"exit_gate": rule.exit_gate}
-    logits = (prefill or Prefill())(model, tokens, kv, rule.prefill, example_ids=ids_arg, pad=pad, **gate)[:, -1]
+    # the logits cover the tokenizer's ids: a release may pad the model's embedding past them
+    vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)
+    logits = (prefill or Prefill())(model, tokens, kv, rule.prefill, example_ids=ids_arg, pad=pad, **gate)[
+        :, -1, :vocab
+    ]
     gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     started = time.perf_counter()
     streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
     step = step or DecodeStep(model, compile=compile)
     step.reset(kv)
+    step.vocab = vocab
     if speculate is not None:
 
         def emit(tok: int) -> bool:
@@ -219,7 +224,7 @@ def generate(
         if rule.exit_gate is not None:
             kv.length = L + t
             out = model(nxt[:, None], plan, cache=kv, pad=pad, init="seeded", example_ids=ids_arg)
-            logits, used = out.logits[:, -1], out.depths[:, 0]
+            logits, used = out.logits[:, -1, :vocab], out.depths[:, 0]
         else:
             rows_in = StepRows.under(rule, nxt, write_at, pad, ids_arg)
             logits, used = step(rows_in, depth)

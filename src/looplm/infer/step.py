@@ -151,7 +151,9 @@ class DecodeStep:
     written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel.
     `static_keys`: compiled, each `keys` is a static graph of its own instead of one graph with a
     dynamic key length, for callers whose key length is a static shape already (a prefill chunk of
-    a bucketed length that reads exactly its bucket)."""
+    a bucketed length that reads exactly its bucket). `vocab`: the logits cover token ids [0, vocab)
+    only (a tokenizer smaller than the model's padded embedding, whose other rows no token reaches);
+    None: every row."""
 
     def __init__(
         self,
@@ -165,9 +167,10 @@ class DecodeStep:
         unroll: int = 4,
         row_kernels: bool | None = None,
         static_keys: bool = False,
+        vocab: int | None = None,
     ):
         self.model, self.seed, self.compiled, self.graphs = model, seed, compile, False
-        self.static_keys = static_keys
+        self.static_keys, self.vocab = static_keys, vocab
         self.device = device = next(model.parameters()).device
         if row_kernels and not compile:
             raise ValueError("row_kernels are for compiled steps (eagerly the written-out products are slower)")
@@ -333,7 +336,7 @@ class DecodeStep:
         else:  # every row recurs: no masks, the fewest inputs (each is a guard to check per call)
             s = self._fixed(s, rows.write_at, shared, banks, start, loop_depth)
         logits = self.end(s, rows.write_at, shared, banks)
-        logits = logits if chunk else logits[:, -1]
+        logits = (logits if chunk else logits[:, -1])[..., : self.vocab]
         z = s if chunk else s[:, -1]
         if fill and self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
             # visits a row did not reach take its terminal K/V (`FullCache.keep_terminal`)

@@ -270,12 +270,16 @@ class Engine:
         )
         # the static step: the compiled engine's every step, and the speculative rounds (a request may
         # speculate on an engine that does not by default)
-        self._step = DecodeStep(model, self.pool.cache, compile=config.compile, compile_options=compile_options)
+        # logits cover the tokenizer's ids (a release may pad the model's embedding past them)
+        self.vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)
+        self._step = DecodeStep(
+            model, self.pool.cache, compile=config.compile, compile_options=compile_options, vocab=self.vocab
+        )
         # compiled: prompts prefill as one chunk of a bucketed length through a step of their own (its
         # cache: the claimed slot's row); the student arm runs eagerly
         compiled_prefill = config.compile and self.prefill.arm != "student"
         self._prefill_step = (
-            DecodeStep(model, compile=True, compile_options=compile_options, static_keys=True)
+            DecodeStep(model, compile=True, compile_options=compile_options, static_keys=True, vocab=self.vocab)
             if compiled_prefill
             else None
         )
@@ -344,9 +348,8 @@ class Engine:
             check_room("speculate", k, self.max_len)
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if any(not 0 <= t < self.vocab for t in request.prompt_ids):  # ids the model and the tokenizer know
+            raise ValueError(f"prompt token ids must be in 0..{self.vocab - 1}")
         need = len(request.prompt_ids) + max(max_tokens, 1) - 1  # the last new token is never fed
         if need > self.max_len:
             raise ValueError(
@@ -494,7 +497,7 @@ class Engine:
         if self._prefill_step is not None:
             logits = self._compiled_prefill(view, req.prompt_ids, ids, self.prefill.teacher_depth(rule.prefill))
         else:
-            logits = self.prefill(self.model, tokens, view, rule.prefill, example_ids=ids)[0]
+            logits = self.prefill(self.model, tokens, view, rule.prefill, example_ids=ids)[0, :, : self.vocab]
         self.pool.set_length(slot, len(req.prompt_ids))
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
         row = _Row(handle, gen, TextStream(self.tokenizer, sampling.stop, context=req.prompt_ids))
@@ -601,7 +604,7 @@ class Engine:
             init="seeded",
             example_ids=torch.tensor(example_ids, device=dev),
         )
-        return out.logits[:, -1], out.depths[:, 0]
+        return out.logits[:, -1, : self.vocab], out.depths[:, 0]
 
     def _count(self, tokens: int, depth_sum: int, *, drafted: int = 0, accepted: int = 0) -> None:
         """A decode step's counters for /metrics: tokens it produced, their recurrences, its drafts."""

@@ -3,12 +3,14 @@
 `APIError` is raised where the server refuses a request; `HANDLERS` (the app's exception handlers)
 turn it, and the errors raised elsewhere, into that body: a body that fails validation is a 400 (the
 first problem, naming its field), a full engine queue a 429, a stopped engine a 503, and Starlette's
-own HTTP errors (an unknown path: 404; a wrong method: 405) keep their status. `bad_request` makes a
-`ValueError` raised while a request is read or checked the client's 400.
+own HTTP errors (an unknown path: 404; a wrong method: 405) keep their status, and anything else (a
+bug) is a 500 in the same body, logged with its traceback. `bad_request` makes a `ValueError`
+raised while a request is read or checked the client's 400.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looplm.serve.engine import EngineFull, EngineStopped
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -83,11 +87,22 @@ async def _stopped(_: HTTPRequest, err: EngineStopped) -> JSONResponse:
     return APIError(503, str(err), "server_error", code="shutting_down").response()
 
 
+def internal(err: Exception) -> APIError:
+    """A 500 for an unexpected error (logged with its traceback where it is caught)."""
+    return APIError(500, f"internal server error: {type(err).__name__}: {err}", "server_error")
+
+
+async def _internal(_: HTTPRequest, err: Exception) -> JSONResponse:
+    log.error("request failed", exc_info=err)
+    return internal(err).response()
+
+
 HANDLERS = {
     APIError: _api_error,
     RequestValidationError: _invalid,
     StarletteHTTPException: _http_error,
     EngineFull: _queue_full,
     EngineStopped: _stopped,
+    Exception: _internal,
 }
 """The app's exception handlers (`FastAPI(exception_handlers=...)`), by the exception they answer."""

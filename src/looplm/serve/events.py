@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,7 +27,9 @@ from looplm.serve.engine import (
     RequestHandle,
     Token,
 )
-from looplm.serve.errors import APIError
+from looplm.serve.errors import APIError, internal
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.25
 """How often a request checks whether its client is still connected (whether or not tokens arrive)."""
@@ -177,6 +180,9 @@ async def sse(choices: Choices, http: HTTPRequest, chunks: Chunks) -> AsyncItera
             if usage is not None:
                 yield _sse(usage)
             yield _sse("[DONE]")
+    except Exception as err:  # a bug past the 200: the stream ends with an error body, not silently
+        log.error("streaming failed", exc_info=err)
+        yield _sse(internal(err).body())
     finally:
         choices.cancel()  # no-op for finished choices
 
