@@ -30,7 +30,7 @@ from looplm.infer import extend, make_cache  # noqa: E402
 from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
 from looplm.infer.speculative import Speculation  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
-from looplm.serve import Engine, EngineConfig  # noqa: E402
+from looplm.serve import Engine, EngineConfig, Request  # noqa: E402
 from looplm.serve.api import create_app  # noqa: E402
 from looplm.serve.protocol import CHAT_STOP  # noqa: E402
 
@@ -1153,3 +1153,43 @@ def test_an_unexpected_error_is_a_500_in_openais_body_and_ends_a_stream_with_it(
         assert "spelling broke" in json.loads(last[len("data: ") :])["error"]["message"]
         monkeypatch.undo()
         assert http.post("/v1/completions", json=body).status_code == 200  # the server keeps answering
+
+
+def test_models_by_id_and_a_prompt_past_the_context_answer_as_openai_does(model):
+    """`GET /v1/models/{id}` (what the openai client's `models.retrieve` calls) is the served model's
+    card, a 404 `model_not_found` for another name; a prompt longer than the context is a 400 with
+    OpenAI's code `context_length_exceeded` and says so (a chat that sets no max_tokens too)."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    with serving(engine) as url:
+        client = _client(url)
+        card = client.models.retrieve(NAME)
+        assert card.id == NAME and card.object == "model"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("other/model")
+        assert missing.value.body["code"] == "model_not_found"
+        n_ctx = engine.max_len
+        for call, needs in (
+            (lambda: client.completions.create(model=NAME, prompt="x" * (n_ctx - 4), max_tokens=10), n_ctx + 5),
+            (lambda: client.completions.create(model=NAME, prompt=[65] * (n_ctx + 1), max_tokens=1), None),
+            (
+                lambda: client.chat.completions.create(
+                    model=NAME, messages=[{"role": "user", "content": "x" * (n_ctx + 20)}]
+                ),
+                None,
+            ),
+        ):
+            with pytest.raises(openai.BadRequestError) as err:
+                call()
+            assert err.value.body["code"] == "context_length_exceeded"
+            message = err.value.body["message"]
+            assert f"context of {n_ctx}" in message
+            assert (f"needs {needs} positions" in message) if needs else ("max_tokens" not in message)
+
+
+def test_a_request_cancelled_while_queued_counts_as_finished(model):
+    """A request that leaves before a slot takes it is counted in /metrics' finished requests."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+    handle = engine.submit(Request(TOK.encode("abc"), SamplingConfig(max_new_tokens=4)))
+    handle.cancel()
+    engine.step()
+    assert engine.stats()["finished_total"] == {"cancelled": 1}

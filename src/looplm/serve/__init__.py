@@ -2,6 +2,7 @@
 HTTP API (`looplm serve`, `looplm.serve.api`; needs the `serve` extra). design §15."""
 
 from looplm.serve.engine import (
+    ContextOverflow,
     Engine,
     EngineConfig,
     EngineFull,
@@ -15,6 +16,7 @@ from looplm.serve.engine import (
 from looplm.serve.slots import SlotPool
 
 __all__ = [
+    "ContextOverflow",
     "Engine",
     "EngineConfig",
     "EngineFull",

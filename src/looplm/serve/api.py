@@ -167,20 +167,25 @@ async def metrics(state: ServerDep):
     return Response(generate_latest(state.metrics), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "looplm",
+        "max_model_len": state.engine.max_len,
+    }
+
+
 @v1.get("/models")
 async def models(state: ServerDep):
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "looplm",
-                "max_model_len": state.engine.max_len,
-            }
-        ],
-    }
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@v1.get("/models/{model_id:path}")
+async def model(model_id: str, state: ServerDep):
+    _check_model(state, model_id)
+    return _model_card(state)
 
 
 @v1.post("/completions")

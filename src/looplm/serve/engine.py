@@ -173,6 +173,10 @@ class Finish:
 Event = PromptLogprobs | Token | Finish
 
 
+class ContextOverflow(ValueError):
+    """A request needs more positions than a slot holds (its prompt, or its prompt and max_tokens)."""
+
+
 class EngineFull(RuntimeError):
     """The waiting queue is full (back-pressure: retry later)."""
 
@@ -350,9 +354,13 @@ class Engine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.vocab for t in request.prompt_ids):  # ids the model and the tokenizer know
             raise ValueError(f"prompt token ids must be in 0..{self.vocab - 1}")
+        if len(request.prompt_ids) > self.max_len:
+            raise ContextOverflow(
+                f"the prompt has {len(request.prompt_ids)} tokens, more than the context of {self.max_len}"
+            )
         need = len(request.prompt_ids) + max(max_tokens, 1) - 1  # the last new token is never fed
         if need > self.max_len:
-            raise ValueError(
+            raise ContextOverflow(
                 f"the prompt has {len(request.prompt_ids)} tokens; with max_tokens {max_tokens} "
                 f"it needs {need} positions, more than the context of {self.max_len}"
             )
@@ -455,9 +463,11 @@ class Engine:
             for h in cancelled:
                 self._pending.remove(h)
         for h in cancelled:
+            reason = "error" if h.sink_error else "cancelled"
+            self.finished[reason] = self.finished.get(reason, 0) + 1
             h.emit(
                 Finish(
-                    "error" if h.sink_error else "cancelled",
+                    reason,
                     "",
                     "",
                     len(h.request.prompt_ids),

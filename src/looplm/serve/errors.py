@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from looplm.serve.engine import EngineFull, EngineStopped
+from looplm.serve.engine import ContextOverflow, EngineFull, EngineStopped
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ def bad_request(param: str | None = None) -> Iterator[None]:
     try:
         yield
     except ValueError as err:
-        raise APIError(400, str(err), param=param) from None
+        code = "context_length_exceeded" if isinstance(err, ContextOverflow) else None  # OpenAI's code
+        raise APIError(400, str(err), param=param, code=code) from None
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
