@@ -11,6 +11,8 @@ independent references:
   from its seed; a request that turns speculation off makes the steps plain while it runs; the
   acceptance counters reach `stats()`; bad settings are refused before queueing."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _models import decisive_model
@@ -116,16 +118,56 @@ def test_a_sampling_row_leaves_the_greedy_rows_as_they_are(model):
     assert first[1] == again[1] and len(first[1]) == n  # the sampled row: reproducible from its seed
 
 
-def test_a_request_without_speculation_makes_the_steps_plain(model, monkeypatch):
-    rounds = []
-    real = engine_mod.speculative_round
-    monkeypatch.setattr(engine_mod, "speculative_round", lambda *a, **kw: rounds.append(1) or real(*a, **kw))
-    engine = Engine(model, TOK, EngineConfig(max_batch=8, depth=DEPTH, speculate=3, draft_depth=1))
-    reqs = _requests(6)
-    reqs[0] = Request(TOK.encode(PROMPTS[0]), SamplingConfig(40), example_id=2, speculate=0)
-    handles = [engine.submit(r) for r in reqs]
-    engine.run_until_done(handles)
-    assert rounds == [] and engine.stats()["speculative_drafted_total"] == 0
+def _mixed_requests(mode: str) -> list[Request]:
+    """Requests of every kind a speculating engine (k 3, draft depth 1, 40-position slots) meets at once
+    (adaptive exit with the terminal cache, which it needs)."""
+    sampled = SamplingConfig(30, temperature=0.9, top_k=20, seed=5)
+    return [
+        Request(TOK.encode("hello"), sampled, example_id=2),  # speculates, sampled
+        Request(TOK.encode("a"), SamplingConfig(36), example_id=3),  # speculates, greedy
+        # plain (k = 0), greedy, up to its slot's last position: it rides along in the rounds short of room
+        Request(TOK.encode("the quick brown fox j"), SamplingConfig(20), example_id=4, speculate=0),
+        Request(TOK.encode("xyz"), replace(sampled, seed=9), rule=DepthRule(DEPTH + 2), example_id=5),  # own plan
+        Request(TOK.encode("0123"), SamplingConfig(25), rule=DepthRule(DEPTH, exit_tau=0.1), example_id=6),  # plain
+    ][: 5 if mode == "terminal" else 4]
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_a_requests_tokens_do_not_depend_on_what_else_runs(model, monkeypatch, mode):
+    """Each request's tokens, sampled ones from their seed and the terminal cache's windows included,
+    are the same alone as beside requests of every other kind (another plan, no speculation, adaptive
+    exit), joining at different times: a row's kind of step is its own. The mixed run has rounds in
+    which other rows ride along, one of them short of room (its entries saved and put back)."""
+    config = EngineConfig(
+        max_batch=8, depth=DEPTH, max_depth=DEPTH + 2, cache=mode, max_seq_len=40, speculate=3, draft_depth=1
+    )
+    alone = [_run(Engine(model, TOK, config), [r])[0] for r in _mixed_requests(mode)]
+    passengers, saves = [], []
+    real_round = engine_mod.speculative_round
+
+    def recording(*args, members=None, **kw):
+        passengers.append(members is not None and not all(members))
+        return real_round(*args, members=members, **kw)
+
+    monkeypatch.setattr(engine_mod, "speculative_round", recording)
+    engine = Engine(model, TOK, config)
+    real_save = engine.pool.save
+    monkeypatch.setattr(engine.pool, "save", lambda *a: saves.append(a) or real_save(*a))
+    assert _run(engine, _mixed_requests(mode)) == alone
+    assert any(passengers) and saves
+    assert alone[2] == _no_cache_greedy(model, TOK.encode("the quick brown fox j"), 20, DEPTH, 4) or mode == "terminal"
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_rides_rows_along_as_the_eager_engine_does(model):
+    """The compiled engine (padding rows of a batch bucket beside the passengers; Dynamo-traced graphs
+    run by the eager backend, as tests/test_serve_engine.py's compiled engine) gives each request of
+    the mix the tokens it gets alone on the eager engine."""
+    config = EngineConfig(max_batch=4, depth=DEPTH, max_depth=DEPTH + 2, max_seq_len=40, speculate=3, draft_depth=1)
+    reqs = _mixed_requests("terminal")[:4]
+    alone = [_run(Engine(model, TOK, config), [r])[0] for r in reqs]
+    compiled = Engine(model, TOK, replace(config, compile=True), compile_options={"backend": "eager"})
+    assert _run(compiled, reqs) == alone
 
 
 def test_a_request_that_asks_nothing_of_speculation_runs_plainly_below_the_draft_depth(model, monkeypatch):

@@ -522,53 +522,77 @@ class Engine:
 
     @torch.no_grad()
     def _decode(self) -> None:
-        if self._speculative():
-            self._speculate()
-            return
+        """One decode step of every running row. A row's kind of step depends on its own request and
+        length only (`_plan`), so its tokens do not depend on what else runs: the rows that speculate
+        with one plan run a speculative round together, the others a plain step together. When kinds
+        differ, each is a sub-step over every running row in which the other rows ride along: they
+        write only at or past their length (which their own next step overwrites before anything
+        reads it), and nothing of theirs is chosen or counted."""
+        groups: dict[tuple[int, int, int] | None, set[int]] = {}
+        for i, row in enumerate(self._rows):
+            groups.setdefault(self._plan(row, self.pool.lengths[i]), set()).add(id(row))
+        for plan in sorted(groups, key=lambda p: p is None):  # rounds first, then the plain step
+            # rows finish (and move) in each sub-step: find the members again
+            members = [id(row) in groups[plan] for row in self._rows]
+            if plan is None:
+                self._plain(members)
+            else:
+                self._speculate(plan, members)
+
+    def _plan(self, row: _Row, length: int) -> tuple[int, int, int] | None:
+        """(depth, k, draft depth) of a row that speculates in this step, None for a plain step: its
+        request speculates (`speculation`) at a fixed depth above the draft depth, and its slot has
+        room for the verify chunk of k + 1 tokens."""
+        k, draft_depth = self.speculation(row.handle.request)
+        depth = row.rule.depth
+        if not k or row.rule.exit_tau is not None or draft_depth >= depth or length + k + 1 > self.max_len:
+            return None
+        return depth, k, draft_depth
+
+    def _plain(self, members: list[bool]) -> None:
+        """One plain step (one token per row at its depth rule) of the `members` rows; the others ride
+        along at their length and the lowest member depth."""
         rows = self._rows
-        depths = [r.rule.depth for r in rows]
-        taus = [r.rule.exit_tau for r in rows]
+        slots = [i for i, m in enumerate(members) if m]
+        low = min(rows[i].rule.depth for i in slots)
+        depths = [r.rule.depth if m else low for r, m in zip(rows, members)]
+        taus = [r.rule.exit_tau if m else None for r, m in zip(rows, members)]
         step = self._compiled_step if self.config.compile else self._eager_step
         logits, used_t = step([r.next_token for r in rows], depths, taus, [r.handle.request.example_id for r in rows])
-        self.pool.advance()
+        for i in slots:
+            self.pool.set_length(i, self.pool.lengths[i] + 1)
         used = used_t.tolist()
-        self._count(len(rows), sum(used))
-        for row, u in zip(rows, used):
-            row.depths.append(u)
+        self._count(len(slots), sum(used[i] for i in slots))
+        for i in slots:
+            rows[i].depths.append(used[i])
         greedy = logits.argmax(-1).tolist()  # one host sync for every greedy row
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
-        for i in range(len(rows) - 1, -1, -1):
+        for i in reversed(slots):
             self._accept(i, logits[i], used[i], None if rows[i].generator is not None else greedy[i])
 
-    def _speculative(self) -> bool:
-        """Whether this step is a speculative round: every running row speculates with the same k
-        and draft depth at the same depth, without adaptive exit, and has room for k + 1 positions."""
-        first = self._rows[0]
-        plan = (first.rule.depth, *self.speculation(first.handle.request))
-        if not plan[1]:
-            return False
-        return (
-            all(
-                (r.rule.depth, *self.speculation(r.handle.request)) == plan and r.rule.exit_tau is None
-                for r in self._rows
-            )
-            and max(self.pool.lengths) + plan[1] + 1 <= self.max_len
-        )
-
-    def _speculate(self) -> None:
-        """One speculative round over the running rows (`looplm.serve.speculation`)."""
+    def _speculate(self, plan: tuple[int, int, int], members: list[bool]) -> None:
+        """One speculative round (`looplm.serve.speculation`) of the `members` rows, which share `plan`;
+        the others ride along: drafted greedily (their generators untouched) and written at their
+        length, or, short of room for the chunk, in their slot's last k + 1 positions, whose entries
+        are put back after the round."""
         rows, dev = self._rows, self.device
         n = len(rows)
-        depth, (k, draft_depth) = rows[0].rule.depth, self.speculation(rows[0].handle.request)
+        depth, k, draft_depth = plan
         B = self._bucket(n) if self.config.compile else n
         extra = B - n
+        write_at, saved = list(self.pool.lengths), []
+        for i, m in enumerate(members):
+            if not m and write_at[i] + k + 1 > self.max_len:
+                start = self.max_len - k - 1
+                saved.append((i, start, self.pool.save(i, start, write_at[i])))
+                write_at[i] = start
 
         def padded(values: list) -> torch.Tensor:
             return torch.tensor(values + [0] * extra, dtype=torch.long, device=dev)
 
         step_rows = StepRows(
             padded([r.next_token for r in rows]),
-            padded(self.pool.lengths),
+            padded(write_at),
             torch.zeros(B, dtype=torch.long, device=dev),
             padded([r.handle.request.example_id for r in rows]),
         )
@@ -579,10 +603,13 @@ class Engine:
             depth=depth,
             draft_depth=draft_depth,
             k=k,
-            sampling=[r.handle.request.sampling for r in rows],
-            generators=[r.generator for r in rows],
+            sampling=[r.handle.request.sampling if m else SamplingConfig() for r, m in zip(rows, members)],
+            generators=[r.generator if m else None for r, m in zip(rows, members)],
             keys=self._keys(k + 1),
+            members=members,
         )
+        for i, start, entries in saved:
+            self.pool.restore(i, start, entries)
         decided = sum(len(t) for t in result.tokens)
         for slot, t in enumerate(result.tokens):  # the last token stays unfed: it opens the next round
             self.pool.set_length(slot, self.pool.lengths[slot] + len(t))
@@ -596,7 +623,8 @@ class Engine:
                 if i >= len(rows) or rows[i] is not row:  # finished: its slot is free (or another row's)
                     break
         # acceptance counts the verifier's decisions, emitted or not; tokens, what the rows emitted
-        self._count(emitted, depth * emitted, drafted=result.drafted, accepted=decided - n)
+        members_n = sum(members)
+        self._count(emitted, depth * emitted, drafted=result.drafted, accepted=decided - members_n)
 
     def _eager_step(self, tokens: list[int], depths: list[int], taus: list, example_ids: list[int]):
         """One step through the model's cached forward on the running rows' view, cut at the longest

@@ -58,9 +58,15 @@ class SlotPool:
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
         return self.cache.view(slice(0, self.running), max_len=max(self.lengths) + 1, length=lengths)
 
-    def advance(self) -> None:
-        """Every running row gained one token (after a decode step)."""
-        self.lengths = [n + 1 for n in self.lengths]
+    def save(self, slot: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of `slot`'s entries at positions [start, stop) in every bank (`restore` puts it back)."""
+        return [(b.k[slot, :, start:stop].clone(), b.v[slot, :, start:stop].clone()) for b in self.cache.banks()]
+
+    def restore(self, slot: int, start: int, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write what `save` copied back at positions from `start` of `slot`."""
+        for bank, (k, v) in zip(self.cache.banks(), saved, strict=True):
+            bank.k[slot, :, start : start + k.shape[1]] = k
+            bank.v[slot, :, start : start + v.shape[1]] = v
 
     def release(self, slot: int) -> int | None:
         """Free `slot`; the last running row moves into it. Returns the moved row's old slot (or None)."""

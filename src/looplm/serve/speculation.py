@@ -9,9 +9,10 @@ of the engine does the same in lockstep, through one `DecodeStep` on the pool's 
    speculative-sampling rule otherwise), so rows move on by different numbers of tokens; the
    engine sets each row's length to L_b + 1 + accepted_b, and a rejected draft's K/V (past that
    length) are never read.
-A round needs every row at one depth above `draft_depth`, no adaptive exit and room for k + 1
-positions (`Engine._speculative`; `check_room` refuses a k that never fits a slot); otherwise the
-engine runs a plain step.
+A row speculates when its own request does, at a fixed depth above `draft_depth`, with room for
+k + 1 positions (`Engine._plan`; `check_room` refuses a k that never fits a slot); the rows of one
+plan speculate together, and rows that do not (a plain step, another plan) ride along in the round
+(`members`): they write only at or past their length and nothing of theirs is kept.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ def check_room(name: str, k: int, slot: int) -> None:
 @dataclass
 class RoundResult:
     tokens: list[list[int]]
-    """Per row: its accepted drafts, then the verifier's own next token (1 .. k + 1 tokens)."""
+    """Per row: its accepted drafts, then the verifier's own next token (1 .. k + 1 tokens; none for a
+    row that rides along)."""
     logits: torch.Tensor
     """The verifier's logits [n, k + 1, V]: row b's token j was chosen from logits[b, j]."""
     drafted: int
-    """Draft tokens proposed over all rows."""
+    """Draft tokens proposed over the member rows."""
 
 
 def _draw(logits: torch.Tensor, sampling: list[SamplingConfig], generators: list) -> tuple[torch.Tensor, list]:
@@ -72,13 +74,15 @@ def speculative_round(
     sampling: list[SamplingConfig],
     generators: list,
     keys: int | None = None,
+    members: list[bool] | None = None,
 ) -> RoundResult:
     """One round for the first `n` of `rows` (the rest are padding rows of the step's batch bucket).
 
     `rows.tokens` [B] are the rows' chosen-but-unfed tokens and `rows.write_at` their cached
     lengths; `sampling`/`generators` are the n live rows' settings (generator None = greedy).
     `keys`: every step of the round attends over cache positions [0, keys) (`DecodeStep.__call__`;
-    the rows' lengths + k + 1 must fit)."""
+    the rows' lengths + k + 1 must fit). `members` (default: all): the live rows that speculate; the
+    others ride along (the engine gives them greedy settings), get no tokens and count no drafts."""
     B = rows.tokens.shape[0]
     pad = [SamplingConfig()] * (B - n)
     tok, drafts, dists = rows.tokens, [], []
@@ -93,8 +97,12 @@ def speculative_round(
     chunk = torch.cat([rows.tokens[:, None], drafted], 1)
     verify, _ = step(StepRows(chunk, rows.write_at, rows.first, rows.example_ids), depth, keys=keys)
     verify = verify[:n]
+    members = [True] * n if members is None else members
     out = []
     for b in range(n):
+        if not members[b]:
+            out.append([])
+            continue
         gen = generators[b]
         if gen is None:
             kept, nxt = accept(drafted[b], verify[b], None, None)
@@ -102,4 +110,4 @@ def speculative_round(
             p = probabilities(verify[b], sampling[b])
             kept, nxt = accept(drafted[b], p, torch.stack([d[b] for d in dists]), gen)
         out.append([*drafted[b, :kept].tolist(), int(nxt)])
-    return RoundResult(out, verify, n * k)
+    return RoundResult(out, verify, sum(members) * k)
