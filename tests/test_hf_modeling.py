@@ -88,18 +88,20 @@ def test_round_trip_logits_equal_the_native_forward(exported, hf_model, depth):
     assert isinstance(hf_model, LoopedLMForCausalLM) and hf_model.dtype == torch.float32
     ids = torch.tensor([TOK.encode("hello looped world"), TOK.encode("another row of text")[:18]])
     with torch.no_grad():
-        native = model(ids, depth, init="seeded").logits
-        got = hf_model(ids, num_steps=depth).logits
+        native = model(ids, depth, init="seeded", example_ids=torch.zeros(2, dtype=torch.long)).logits
+        got = hf_model(ids, num_steps=depth).logits  # every row seeded as example 0: as if alone
     assert got.shape == native.shape
     assert (got - native).abs().max() <= 1e-5
 
 
 def test_left_padding_in_the_parallel_forward(hf_model):
-    ids, mask = padded_batch(["abc", "a longer row"])
+    """Every row of a left-padded batch equals its prompt alone, whatever row it is in."""
+    ids, mask = padded_batch(["a longer row", "abc", "ab"])
     with torch.no_grad():
         padded = hf_model(ids, attention_mask=mask, num_steps=3).logits
-        alone = hf_model(torch.tensor([TOK.encode("abc")]), num_steps=3).logits
-    assert (padded[0, -3:] - alone[0]).abs().max() <= 1e-5
+        for row, prompt in enumerate(["a longer row", "abc", "ab"]):
+            alone = hf_model(torch.tensor([TOK.encode(prompt)]), num_steps=3).logits
+            assert (padded[row, -len(prompt) :] - alone[0]).abs().max() <= 1e-5, prompt
     with pytest.raises(ValueError, match="left padding only"):
         hf_model(ids, attention_mask=mask.flip(1), num_steps=3)
 
@@ -138,7 +140,8 @@ def looplm_greedy_ids(monkeypatch, model, prompts, rule, **kw) -> list[list[int]
         return nxt
 
     monkeypatch.setattr(looplm_generate, "choose", record)
-    texts = looplm_generate.generate(model, TOK, prompts, rule, **kw)
+    # every row seeded as example 0, as the wrapper does: each prompt as if alone
+    texts = looplm_generate.generate(model, TOK, prompts, rule, example_ids=[0] * len(prompts), **kw)
     monkeypatch.undo()
     rows = []
     for i in range(len(prompts)):
@@ -196,7 +199,7 @@ def looplm_step_logits(
 @pytest.mark.parametrize("mode", ["terminal", "full"])
 def test_generate_logits_equal_looplms_per_step_logits(exported, hf_model, mode):
     """Every step's logits (and greedy scores) of a left-padded batch, prefilled at 2 recurrences
-    and decoded at 4, equal looplm's extend on each prompt alone (example id = the row) to 1e-5."""
+    and decoded at 4, equal looplm's extend on each prompt alone (example id 0, whatever its row) to 1e-5."""
     model, _ = exported
     ids, mask = padded_batch(PROMPTS)
     out = hf_model.generate(
@@ -215,7 +218,7 @@ def test_generate_logits_equal_looplms_per_step_logits(exported, hf_model, mode)
     for row, prompt in enumerate(PROMPTS):
         chosen = new[row].tolist()
         n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)  # after EOS the row only pads
-        want = looplm_step_logits(model, TOK.encode(prompt), chosen[: n - 1], mode, 2, 4, row)
+        want = looplm_step_logits(model, TOK.encode(prompt), chosen[: n - 1], mode, 2, 4, 0)
         got = torch.stack([step[row] for step in out.logits[:n]])
         scores = torch.stack([step[row] for step in out.scores[:n]])
         assert (got - want).abs().max() <= 1e-5 and (scores - want).abs().max() <= 1e-5
@@ -251,7 +254,7 @@ def assert_rows_equal_a_decode_by_hand(hf_model, out, prompt_len: int, mode, pre
         chosen = new[row].tolist()
         n = chosen.index(TOK.eos_id) + 1 if TOK.eos_id in chosen else len(chosen)
         want, used = decode_replay(
-            hf_model.model, mode, TOK.encode(prompt), chosen[: n - 1], prefill, depth, example_id=row, exit_tau=tau
+            hf_model.model, mode, TOK.encode(prompt), chosen[: n - 1], prefill, depth, example_id=0, exit_tau=tau
         )
         got = torch.stack([step[row] for step in out.logits[:n]])
         assert (got - want).abs().max() <= 1e-4, (row, (got - want).abs().amax(-1))
@@ -587,3 +590,56 @@ def test_use_cache_in_training_mode_is_an_error():
     with pytest.raises(ValueError, match="eval mode"):
         hf(torch.tensor([[1, 2, 3]]), use_cache=True)
     assert hf(torch.tensor([[1, 2, 3]])).cache is None  # the config's use_cache default keeps the native forward
+
+
+def test_prefill_steps_and_exit_tau_without_a_cache_are_refused(hf_model):
+    """Without a cache a forward (and `generate(use_cache=False)`, which runs it per step) is the native
+    forward at num_steps: a prefill depth or an exit threshold it cannot honour is an error, not ignored."""
+    ids = torch.tensor([TOK.encode("abc")])
+    for kw in (dict(exit_tau=0.3), dict(prefill_steps=1)):
+        with pytest.raises(ValueError, match="cached decoding"):
+            hf_model(ids, num_steps=3, **kw)
+        with pytest.raises(ValueError, match="cached decoding"):
+            hf_model.generate(ids, max_new_tokens=2, use_cache=False, num_steps=3, **kw)
+    hf_model(ids, num_steps=3, prefill_steps=3)  # the same depth: nothing ignored
+
+
+def test_the_config_answers_what_transformers_and_peft_read(hf_model):
+    cfg = hf_model.config
+    assert cfg.num_hidden_layers == cfg.n_prelude + cfg.n_core + cfg.n_coda == 4
+    assert cfg.head_dim == cfg.d_model // cfg.n_heads
+
+
+def test_logits_to_keep_takes_a_count_or_positions(hf_model):
+    ids = torch.tensor([TOK.encode("hello looped")])
+    with torch.no_grad():
+        every = hf_model(ids, num_steps=2).logits
+        assert torch.equal(hf_model(ids, num_steps=2, logits_to_keep=3).logits, every[:, -3:])
+        keep = torch.tensor([0, 5])
+        assert torch.equal(hf_model(ids, num_steps=2, logits_to_keep=keep).logits, every[:, keep])
+
+
+def test_a_bad_override_at_load_is_refused_at_load(exported):
+    """`from_pretrained(folder, num_steps=99)` (max_depth 16) fails then, not at the next load of what it saved."""
+    _, out = exported
+    with pytest.raises(ValueError, match="num_steps must be in 1..16"):
+        AutoModelForCausalLM.from_pretrained(out, num_steps=99)
+    with pytest.raises(ValueError, match="num_steps must be in 1..16"):
+        AutoConfig.from_pretrained(out, num_steps=99)
+
+
+def test_resize_token_embeddings_keeps_looplms_config_and_refuses_value_embeddings(tmp_path):
+    hf = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK, num_steps=2).eval()
+    hf.resize_token_embeddings(264)
+    assert hf.model.cfg.vocab_size == hf.config.vocab_size == 264
+    ids = torch.tensor([[97, 262, 98]])  # a new id
+    with torch.no_grad():
+        logits = hf(ids).logits
+    assert logits.shape[-1] == 264
+    hf.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized").eval()
+    with torch.no_grad():
+        assert (again(ids).logits - logits).abs().max() <= 1e-5
+    with_values = LoopedLMForCausalLM.from_looplm(tiny_model(value_embeds="odd"), TOK, num_steps=2)
+    with pytest.raises(ValueError, match="value embeddings"):
+        with_values.resize_token_embeddings(264)

@@ -301,6 +301,7 @@ def test_adaptive_exit_reports_looplms_mean_depth(exported):
             cache="terminal",
             sampling=sampling,
             stats=stats,
+            example_ids=[0] * len(PROMPTS),  # every row as if alone, as the wrapper seeds them
         )
         out = hf.generate(
             ids,

@@ -69,7 +69,22 @@ class LoopedLMConfig(PretrainedConfig):
                 f"this is a config of model_type {found!r}, not {cls.model_type!r}: "
                 "not a looplm model (export looplm checkpoints with `looplm export`)"
             )
-        return super().from_dict(config_dict, **kwargs)
+        loaded = super().from_dict(config_dict, **kwargs)
+        # transformers sets the caller's keyword overrides (from_pretrained(..., num_steps=...)) after
+        # __post_init__ ran: check the result again, or a bad override would only fail on the next load
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        config.to_model_config()
+        config.check_generation_fields()
+        return loaded
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """Physical blocks (prelude, core and coda), what transformers and peft read as the depth."""
+        return self.n_prelude + self.n_core + self.n_coda
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
 
     def depth_rule(
         self,

@@ -8,11 +8,17 @@ or forward keyword, or the config's field) the one-token decode steps run looplm
 `DecodeStep` (static shapes over a cache as long as the model context; design §16), as
 `looplm generate --compile` does.
 
-The initial recurrent state is always the "seeded" one: a hash of (example id, position) with
-example ids 0..B-1 (the batch row), as in looplm's own generation, so results are deterministic.
+The initial recurrent state is always the "seeded" one: a hash of (example id, position), every row
+example 0 unless `example_ids` say otherwise, so results are deterministic and a row's output does
+not depend on the batch it is in (each row is what `looplm generate` gives its prompt alone).
+Without a cache a forward is the native parallel forward at `num_steps` (what the full cache
+computes when prefill_steps = num_steps, without exit): `prefill_steps` and `exit_tau` belong to
+cached decoding, and passing them to a forward without a cache is an error.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +218,18 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed
 
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """transformers' resize of the embedding (and an untied head), with looplm's own config
+        following; refused for value embeddings (their per-layer tables are indexed by token too)."""
+        if self.config.value_embeds != "none":
+            raise ValueError(
+                f"resize_token_embeddings does not resize value embeddings (value_embeds="
+                f"{self.config.value_embeds!r}): their tables are indexed by token id as the embedding is"
+            )
+        embed = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self.model.cfg = dataclasses.replace(self.model.cfg, vocab_size=embed.num_embeddings)
+        return embed
+
     def set_input_embeddings(self, value):
         self.model.embed = value
 
@@ -236,7 +254,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         example_ids: torch.Tensor | None = None,
         compile_decode: bool | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -250,7 +268,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         ignored). With a `LoopedCache` (`cache`, or its old name `past_key_values`) the tokens are
         appended to it by the model's cached forward (no autograd): the first chunk of an empty
         cache runs at `prefill_steps` (default num_steps), later ones at `num_steps`.
-        `example_ids` [B] seed each row's initial state (default 0..B-1). `compile_decode` (default
+        `example_ids` [B] seed each row's initial state (default: every row 0). `compile_decode` (default
         config.compile_decode): a cache this call starts runs its one-token appends through the
         compiled `DecodeStep` (`LoopedCache(compile=True)`). `use_cache=True` without a
         cache starts one (a `LoopedCache` of `cache_kind`, returned as `.cache`/`.past_key_values`, so
@@ -282,10 +300,15 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 )
             cache = LoopedCache(kind, compile=self._compile_decode(compile_decode))
         B, n = input_ids.shape
-        if example_ids is None:
-            example_ids = torch.arange(B, device=input_ids.device)
+        if example_ids is None:  # every row as if alone: its output does not depend on the batch
+            example_ids = torch.zeros(B, dtype=torch.long, device=input_ids.device)
 
         if cache is None:
+            if exit_tau is not None or (prefill_steps is not None and prefill_steps != rule.depth):
+                raise ValueError(
+                    "prefill_steps and exit_tau are for cached decoding (use_cache=True): a forward "
+                    f"without a cache runs every token at num_steps={rule.depth}"
+                )
             pad = left_padding(attention_mask, (B, n))
             positions = doc_ids = None
             if pad is not None:
@@ -307,7 +330,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
             )
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # positions to keep (transformers allows either)
+            logits = logits[:, logits_to_keep]
+        elif logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
@@ -403,7 +428,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             self._generation_cache = user
             return
         if generation_config.use_cache is False:
-            return  # every step re-runs the whole sequence natively (same tokens as the full cache)
+            # every step re-runs the whole sequence natively: the full cache's tokens at num_steps
+            # (prefill_steps and exit_tau, which need a cache, are refused by the forward)
+            return
         if max_cache_length > self.config.max_seq_len:
             raise ValueError(
                 f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
