@@ -242,7 +242,7 @@ def test_generate_equals_each_row_decoded_by_hand(model, mode, prefill, depth, t
     )
     for row, prompt in enumerate(prompts):
         ids, _ = greedy_replay(
-            model, mode, TOK.encode(prompt), 10, prefill, depth, eos=TOK.eos_id, example_id=row, exit_tau=tau
+            model, mode, TOK.encode(prompt), 10, prefill, depth, eos=TOK.eos_id, example_id=0, exit_tau=tau
         )
         assert got[row] == TOK.decode(ids), (row, got[row], TOK.decode(ids))
     if tau is not None:
@@ -257,7 +257,7 @@ def test_generate_with_a_sentencepiece_tokenizer():
     prompts = ["the quick brown", "a looped model"]
     got = generate(m, sp, prompts, DepthRule(3), sampling=SamplingConfig(max_new_tokens=12))
     for row, prompt in enumerate(prompts):
-        ids, _ = greedy_replay(m, "terminal", sp.encode(prompt), 12, 3, 3, eos=sp.eos_id, example_id=row)
+        ids, _ = greedy_replay(m, "terminal", sp.encode(prompt), 12, 3, 3, eos=sp.eos_id, example_id=0)
         assert prompt + got[row] == sp.decode(sp.encode(prompt) + ids)
     row = max(range(2), key=lambda r: got[r].count(" "))
     text = got[row]
@@ -295,23 +295,18 @@ ENDING_PROMPTS = ["ab", "hello world", "x", "mid size"]
 
 
 def _ended(tokenizer, prompts, mode, depth, cfg, **kw):
-    """Each prompt generated alone (example id = its row): (texts, tokens decoded per row)."""
+    """Each prompt generated alone (example id 0, as every row of a batch): (texts, tokens decoded per row)."""
     texts, counts = [], []
     for i, p in enumerate(prompts):
         st = {}
-        texts += generate(
-            kw["model"], tokenizer, [p], DepthRule(depth), cache=mode, example_ids=[i], sampling=cfg, stats=st
-        )
+        texts += generate(kw["model"], tokenizer, [p], DepthRule(depth), cache=mode, sampling=cfg, stats=st)
         counts.append(st["decoded_tokens"])
     return texts, counts
 
 
 def _free_ids(model, mode, depth, n, **kw):
     """Each ENDING_PROMPTS row's greedy ids without EOS, by hand (`_reference.greedy_replay`)."""
-    return [
-        greedy_replay(model, mode, TOK.encode(p), n, depth, depth, example_id=i, **kw)[0]
-        for i, p in enumerate(ENDING_PROMPTS)
-    ]
+    return [greedy_replay(model, mode, TOK.encode(p), n, depth, depth, example_id=0, **kw)[0] for p in ENDING_PROMPTS]
 
 
 def _eos_ending_rows_early(free):
@@ -358,7 +353,7 @@ def test_mean_decode_depth_counts_only_live_rows(model):
     lengths = []
     for i, p in enumerate(ENDING_PROMPTS):
         st = {}
-        generate(model, tok, [p], rule, example_ids=[i], sampling=cfg, stats=st)
+        generate(model, tok, [p], rule, sampling=cfg, stats=st)
         n = st["decoded_tokens"]
         chosen = n + (n < cfg.max_new_tokens)  # ended by EOS (no stop strings here)
         lengths.append(n)

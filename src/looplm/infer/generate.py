@@ -75,8 +75,9 @@ def generate(
     "first_step_seconds" and "first_step_tokens" (the time until the first step's end, compiling
     included, and the tokens decided by then; with `speculate` the first round's), and with
     `speculate` also "acceptance_rate" and "tokens_per_verify".
-    `example_ids` seed each row's initial state (default 0..B-1); give each example a fixed id so
-    its result does not depend on the batch it was run in. `prefill` chooses how the prompts enter
+    `example_ids` seed each row's initial state (default: every row 0, so a prompt's result does not
+    depend on the batch it is run in: the server, the Transformers wrapper and the vLLM plugin seed
+    alike). `prefill` chooses how the prompts enter
     the cache (`looplm.infer.prefill`: teacher at the rule's prefill depth, distilled student, R = 1
     or 2); default: the model at the prefill depth.
 
@@ -97,7 +98,7 @@ def generate(
         if rule.exit_tau is not None or rule.exit_gate is not None:
             raise UserError("speculative decoding verifies at one fixed depth: it takes no exit_tau or exit_gate")
     encoded = encode_prompts(tokenizer, prompts, cfg.max_new_tokens, model.cfg.max_seq_len)
-    ids_all = list(range(len(prompts))) if example_ids is None else list(example_ids)
+    ids_all = [0] * len(prompts) if example_ids is None else list(example_ids)
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
         out, totals, decoded, seconds, first, first_tokens = [], SpeculationStats(), 0, 0.0, 0.0, 0
         step = step or DecodeStep(model, compile=compile)  # one step (and its compiled graphs) for every prompt
