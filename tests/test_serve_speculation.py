@@ -136,7 +136,8 @@ def _mixed_requests(mode: str) -> list[Request]:
 def test_a_requests_tokens_do_not_depend_on_what_else_runs(model, monkeypatch, mode):
     """Each request's tokens, sampled ones from their seed and the terminal cache's windows included,
     are the same alone as beside requests of every other kind (another plan, no speculation, adaptive
-    exit), joining at different times: a row's kind of step is its own. The mixed run has rounds in
+    exit), joining at different times: a row's kind of step is its own. The mixed run has rounds that
+    carry the plain row's step (the verify chunk's first position), and rounds and plain steps in
     which other rows ride along, one of them short of room (its entries saved and put back)."""
     config = EngineConfig(
         max_batch=8, depth=DEPTH, max_depth=DEPTH + 2, cache=mode, max_seq_len=40, speculate=3, draft_depth=1
@@ -151,10 +152,11 @@ def test_a_requests_tokens_do_not_depend_on_what_else_runs(model, monkeypatch, m
 
     monkeypatch.setattr(engine_mod, "speculative_round", recording)
     engine = Engine(model, TOK, config)
-    real_save = engine.pool.save
+    real_save, real_speculate, carried = engine.pool.save, engine._speculate, []
     monkeypatch.setattr(engine.pool, "save", lambda *a: saves.append(a) or real_save(*a))
+    monkeypatch.setattr(engine, "_speculate", lambda plan, m, c: carried.append(any(c)) or real_speculate(plan, m, c))
     assert _run(engine, _mixed_requests(mode)) == alone
-    assert any(passengers) and saves
+    assert any(passengers) and saves and any(carried)
     assert alone[2] == _no_cache_greedy(model, TOK.encode("the quick brown fox j"), 20, DEPTH, 4) or mode == "terminal"
 
 

@@ -524,20 +524,37 @@ class Engine:
     def _decode(self) -> None:
         """One decode step of every running row. A row's kind of step depends on its own request and
         length only (`_plan`), so its tokens do not depend on what else runs: the rows that speculate
-        with one plan run a speculative round together, the others a plain step together. When kinds
-        differ, each is a sub-step over every running row in which the other rows ride along: they
-        write only at or past their length (which their own next step overwrites before anything
-        reads it), and nothing of theirs is chosen or counted."""
-        groups: dict[tuple[int, int, int] | None, set[int]] = {}
-        for i, row in enumerate(self._rows):
-            groups.setdefault(self._plan(row, self.pool.lengths[i]), set()).add(id(row))
-        for plan in sorted(groups, key=lambda p: p is None):  # rounds first, then the plain step
-            # rows finish (and move) in each sub-step: find the members again
-            members = [id(row) in groups[plan] for row in self._rows]
-            if plan is None:
-                self._plain(members)
-            else:
-                self._speculate(plan, members)
+        with one plan run a speculative round together, the others a plain step together. A plain
+        row at a round's depth, without adaptive exit and with room for its chunk, takes its plain
+        step inside that round: the verify chunk's first position is exactly a one-token step.
+        Otherwise each kind is a sub-step over every running row in which the other rows ride along:
+        they write only at or past their length (which their own next step overwrites before
+        anything reads it), and nothing of theirs is chosen or counted."""
+        lengths = self.pool.lengths
+        plans = [self._plan(row, lengths[i]) for i, row in enumerate(self._rows)]
+        rounds = list(dict.fromkeys(p for p in plans if p is not None))
+        speculating: dict = {p: set() for p in rounds}  # plan -> its rows, and the plain rows it carries
+        carried: dict = {p: set() for p in rounds}
+        plain: set[int] = set()
+        for i, (row, plan) in enumerate(zip(self._rows, plans)):
+            if plan is not None:
+                speculating[plan].add(id(row))
+                continue
+            home = next(
+                (
+                    p
+                    for p in rounds
+                    if p[0] == row.rule.depth and row.rule.exit_tau is None and lengths[i] + p[1] + 1 <= self.max_len
+                ),
+                None,
+            )
+            (carried[home] if home is not None else plain).add(id(row))
+        for plan in rounds:  # rows finish (and move) in each sub-step: find the members again
+            self._speculate(
+                plan, [id(r) in speculating[plan] for r in self._rows], [id(r) in carried[plan] for r in self._rows]
+            )
+        if plain:
+            self._plain([id(r) in plain for r in self._rows])
 
     def _plan(self, row: _Row, length: int) -> tuple[int, int, int] | None:
         """(depth, k, draft depth) of a row that speculates in this step, None for a plain step: its
@@ -570,11 +587,13 @@ class Engine:
         for i in reversed(slots):
             self._accept(i, logits[i], used[i], None if rows[i].generator is not None else greedy[i])
 
-    def _speculate(self, plan: tuple[int, int, int], members: list[bool]) -> None:
-        """One speculative round (`looplm.serve.speculation`) of the `members` rows, which share `plan`;
-        the others ride along: drafted greedily (their generators untouched) and written at their
-        length, or, short of room for the chunk, in their slot's last k + 1 positions, whose entries
-        are put back after the round."""
+    def _speculate(self, plan: tuple[int, int, int], members: list[bool], carried: list[bool]) -> None:
+        """One speculative round (`looplm.serve.speculation`) of the `members` rows, which share `plan`.
+        The `carried` rows (plain, at the plan's depth) take one token from the verify chunk's first
+        position, their plain step. The others ride along. Rows that do not speculate are drafted
+        greedily (their generators untouched) and written at their length, or, riding along short
+        of room for the chunk, in their slot's last k + 1 positions, whose entries are put back after
+        the round."""
         rows, dev = self._rows, self.device
         n = len(rows)
         depth, k, draft_depth = plan
@@ -582,7 +601,7 @@ class Engine:
         extra = B - n
         write_at, saved = list(self.pool.lengths), []
         for i, m in enumerate(members):
-            if not m and write_at[i] + k + 1 > self.max_len:
+            if not m and not carried[i] and write_at[i] + k + 1 > self.max_len:
                 start = self.max_len - k - 1
                 saved.append((i, start, self.pool.save(i, start, write_at[i])))
                 write_at[i] = start
@@ -612,10 +631,15 @@ class Engine:
             self.pool.restore(i, start, entries)
         decided = sum(len(t) for t in result.tokens)
         for slot, t in enumerate(result.tokens):  # the last token stays unfed: it opens the next round
-            self.pool.set_length(slot, self.pool.lengths[slot] + len(t))
+            self.pool.set_length(slot, self.pool.lengths[slot] + len(t) + carried[slot])
         emitted = 0  # a row that finishes inside its window (max_tokens, EOS, a stop) emits no more of it
         for i in range(n - 1, -1, -1):  # rows finish (and move) while we go: from the end
             row = rows[i]
+            if carried[i]:  # its plain step: chosen as a plain step chooses
+                row.depths.append(depth)
+                emitted += 1
+                self._accept(i, result.logits[i, 0], depth)
+                continue
             for j, tok in enumerate(result.tokens[i]):
                 row.depths.append(depth)
                 emitted += 1
