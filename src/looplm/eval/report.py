@@ -40,7 +40,8 @@ class EvalConfig:
     prefill_depth: int | None = None
     """Prefill depth R_pre for the decoding-based protocols (default: the evaluated depth)."""
     generation_examples: int = 0
-    """Generator-task examples scored by greedy generation with the cache (exact match; 0 skips)."""
+    """Generator-task examples drawn and scored by greedy generation with the cache (exact match; 0 skips);
+    those whose prompt the training set holds are dropped, so the report's n may be smaller."""
     choice_tasks: Path | None = None
     """JSONL of {"context", "choices", "gold"}: acc and acc_norm by cached decoding at each depth."""
     gsm8k: Path | None = None
