@@ -643,3 +643,27 @@ def test_resize_token_embeddings_keeps_looplms_config_and_refuses_value_embeddin
     with_values = LoopedLMForCausalLM.from_looplm(tiny_model(value_embeds="odd"), TOK, num_steps=2)
     with pytest.raises(ValueError, match="value embeddings"):
         with_values.resize_token_embeddings(264)
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_is_never_chosen(tmp_path):
+    """A checkpoint whose embedding has 300 rows over the byte tokenizer's 258 ids (rows here made to
+    win the argmax): the export records `tokenizer_vocab_size`, the wrapper's logits are -inf past it,
+    and greedy `generate` gives `looplm generate`'s tokens, which are chosen over the tokenizer's ids."""
+    model = tiny_model(vocab_size=300)
+    with torch.no_grad():
+        model.head.weight[258:] = 8 * model.head.weight[:42]
+    write_checkpoint(tmp_path / "ckpt", model, TOK)
+    export(tmp_path / "ckpt", tmp_path / "hf", num_steps=3)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.tokenizer_vocab_size == 258
+    ids = torch.tensor([TOK.encode("hello looped")])
+    with torch.no_grad():
+        logits = hf(ids).logits
+        native = model(ids, 3, init="seeded", example_ids=torch.zeros(1, dtype=torch.long)).logits
+    assert int(native[0].argmax(-1).max()) >= 258  # the padded rows would win somewhere
+    assert torch.isinf(logits[..., 258:]).all() and (logits[..., :258] - native[..., :258]).abs().max() <= 1e-5
+    out = hf.generate(ids, max_new_tokens=8, do_sample=False)
+    want = looplm_generate.generate(
+        model, TOK, ["hello looped"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=8)
+    )
+    assert TOK.decode(cut_at_eos(out, ids.shape[1])[0]) == want[0] and int(out.max()) < 258

@@ -13,6 +13,7 @@ on the context and on the depth, and the tests assert that it does.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import os
@@ -204,6 +205,42 @@ def test_greedy_ids_and_logprobs_equal_looplm_generate(base, depth):
     assert any(looplm_generate(model, p, other, NEW)[0] != vllm_ids_logprobs(o)[0] for p, o in zip(PROMPTS, outs))
     shifted = [0, *PROMPTS[1][1:]]
     assert looplm_generate(model, shifted, depth, NEW)[0] != vllm_ids_logprobs(outs[1])[0]
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_is_never_sampled_or_scored(tmp_path):
+    """An embedding of 320 rows over the byte tokenizer's 258 ids (a padded release): `looplm export`
+    records the tokenizer's size, and the plugin's logits are -inf past it, so greedy ids and their
+    log-probs, and the prompt's, are those over the tokenizer's ids (looplm's references, restricted
+    to them), not over rows that spell nothing."""
+    n_tok = TOK.vocab_size
+    model = tiny(vocab_size=320)
+    folder = exported(tmp_path, model)
+    with engine(folder) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        scored = llm.generate([{"prompt_token_ids": PROMPTS[2]}], SCORE, use_tqdm=False)[0]
+
+    class TokenizerRows(torch.nn.Module):  # the model's head, -inf past the tokenizer's ids
+        def __init__(self, head):
+            super().__init__()
+            self.inner = head
+
+        def forward(self, x):
+            out = self.inner(x).clone()
+            out[..., n_tok:] = float("-inf")
+            return out
+
+    restricted = copy.deepcopy(model)
+    restricted.head = TokenizerRows(restricted.head)
+    unrestricted = [looplm_generate(model, p, 3, NEW)[0] for p in PROMPTS]
+    assert any(i >= n_tok for ids in unrestricted for i in ids)  # the padded rows would win somewhere
+    for prompt, out in zip(PROMPTS, outs):
+        want_ids, want_lp = looplm_generate(restricted, prompt, 3, NEW)
+        ids, lp = vllm_ids_logprobs(out)
+        assert ids == want_ids and max(ids) < n_tok
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) <= TOL
+    lp = model(torch.tensor([PROMPTS[2]]), 3, init="seeded").logits[0, :, :n_tok].log_softmax(-1)
+    want = [float(lp[t - 1, PROMPTS[2][t]]) for t in range(1, len(PROMPTS[2]))]
+    assert max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(scored), want)) <= TOL
 
 
 @pytest.mark.parametrize("prefill, depth", [(1, 4), (5, 2)])

@@ -24,7 +24,10 @@ class LoopedLMConfig(PretrainedConfig):
     - `cache_kind`: "terminal" (one KV bank per physical layer) or "full" (one per layer visit);
     - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth);
     - `compile_decode`: `generate` runs its one-token decode steps through looplm's compiled
-      `DecodeStep` (`torch.compile`; the first call of a batch size pays the compilation).
+      `DecodeStep` (`torch.compile`; the first call of a batch size pays the compilation);
+    - `tokenizer_vocab_size`: the ids the tokenizer has when the embedding is padded past them (a
+      release's padded vocabulary; None: every row is a token): the logits of the other rows are
+      -inf in the wrapper and the vLLM plugin, so no engine chooses or normalises over them.
 
     `depth_rule()` maps them to looplm's `DepthRule` (`CONFIG_KEYS`), the only place the two spellings meet.
     """
@@ -49,6 +52,7 @@ class LoopedLMConfig(PretrainedConfig):
     exit_tau: float | None = None
     min_depth: int = 1
     compile_decode: bool = False
+    tokenizer_vocab_size: int | None = None
     # -- tokens (looplm's ByteTokenizer by default) --
     eos_token_id: int | None = 256
     pad_token_id: int | None = 257
@@ -110,6 +114,9 @@ class LoopedLMConfig(PretrainedConfig):
     def check_generation_fields(self) -> None:
         """Raise ValueError with a one-line reason when a test-time field is out of range."""
         self.check_rule(self.depth_rule(), self.cache_kind)
+        n = self.tokenizer_vocab_size
+        if n is not None and not 1 <= n <= self.vocab_size:
+            raise ValueError(f"tokenizer_vocab_size must be in 1..{self.vocab_size} (vocab_size), got {n}")
 
     def to_model_config(self) -> ModelConfig:
         """The looplm `ModelConfig` of this config (validated)."""

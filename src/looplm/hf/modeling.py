@@ -196,6 +196,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         if tokenizer is not None:
             kwargs.setdefault("eos_token_id", tokenizer.eos_id)
             kwargs.setdefault("pad_token_id", tokenizer.pad_id)
+            if tokenizer.vocab_size < model.cfg.vocab_size:  # a padded embedding: rows no token reaches
+                kwargs.setdefault("tokenizer_vocab_size", tokenizer.vocab_size)
         config = LoopedLMConfig.from_model_config(model.cfg, **kwargs)
         return cls(config, model=model)
 
@@ -228,6 +230,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             )
         embed = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.model.cfg = dataclasses.replace(self.model.cfg, vocab_size=embed.num_embeddings)
+        if self.config.tokenizer_vocab_size is not None:  # resized to the tokenizer: its every row a token
+            self.config.tokenizer_vocab_size = min(self.config.tokenizer_vocab_size, embed.num_embeddings)
         return embed
 
     def set_input_embeddings(self, value):
@@ -321,6 +325,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         else:
             logits = self._extend(input_ids, attention_mask, cache, rule, kind, example_ids)
 
+        n_tok = cfg.tokenizer_vocab_size
+        if n_tok is not None and n_tok < logits.shape[-1]:  # rows past the tokenizer are never a token
+            logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= n_tok, float("-inf"))
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:

@@ -373,6 +373,9 @@ class LoopedLMForVLLM(nn.Module):
         if cfg.tie_embeddings:
             self.head = self.head.tie_weights(self.embed)
         self.logits_processor = LogitsProcessor(cfg.vocab_size)
+        # rows of a padded embedding past the tokenizer's ids (`looplm export` records how many it has)
+        n_tok = getattr(hf, "tokenizer_vocab_size", None)
+        self.tokenizer_vocab_size = int(n_tok) if n_tok is not None and n_tok < cfg.vocab_size else None
 
     def stack(self, name: str) -> list[LoopedBlock]:
         n = {"prelude": self.cfg.n_prelude, "core": self.cfg.n_core, "coda": self.cfg.n_coda}[name]
@@ -491,7 +494,12 @@ class LoopedLMForVLLM(nn.Module):
         return s
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.head, hidden_states)
+        """The head's logits, -inf past the tokenizer's ids: vLLM samples and normalises over the
+        width it was given (the model's vocab_size), so the padded rows are masked, not cut."""
+        logits = self.logits_processor(self.head, hidden_states)
+        if logits is not None and self.tokenizer_vocab_size is not None:
+            logits[..., self.tokenizer_vocab_size :] = float("-inf")
+        return logits
 
     # -- weights ---------------------------------------------------------------------------------
     def target(self, name: str) -> tuple[str, object]:
