@@ -640,6 +640,10 @@ def test_resize_token_embeddings_keeps_looplms_config_and_refuses_value_embeddin
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized").eval()
     with torch.no_grad():
         assert (again(ids).logits - logits).abs().max() <= 1e-5
+    hf.resize_token_embeddings(266, pad_to_multiple_of=64)  # 266 tokens in 320 rows: the rest no token
+    assert hf.config.vocab_size == 320 and hf.config.tokenizer_vocab_size == 266
+    with torch.no_grad():
+        assert torch.isinf(hf(ids).logits[..., 266:]).all() and not torch.isinf(hf(ids).logits[..., :266]).any()
     with_values = LoopedLMForCausalLM.from_looplm(tiny_model(value_embeds="odd"), TOK, num_steps=2)
     with pytest.raises(ValueError, match="value embeddings"):
         with_values.resize_token_embeddings(264)

@@ -222,7 +222,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """transformers' resize of the embedding (and an untied head), with looplm's own config
-        following; refused for value embeddings (their per-layer tables are indexed by token too)."""
+        following and `tokenizer_vocab_size` set to `new_num_tokens` when `pad_to_multiple_of` pads
+        past it; refused for value embeddings (their per-layer tables are indexed by token too)."""
         if self.config.value_embeds != "none":
             raise ValueError(
                 f"resize_token_embeddings does not resize value embeddings (value_embeds="
@@ -230,8 +231,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             )
         embed = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.model.cfg = dataclasses.replace(self.model.cfg, vocab_size=embed.num_embeddings)
-        if self.config.tokenizer_vocab_size is not None:  # resized to the tokenizer: its every row a token
-            self.config.tokenizer_vocab_size = min(self.config.tokenizer_vocab_size, embed.num_embeddings)
+        # new_num_tokens is the tokenizer's size (rows past it, padding to a multiple, are no token)
+        n = self.config.tokenizer_vocab_size if new_num_tokens is None else new_num_tokens
+        self.config.tokenizer_vocab_size = n if n is not None and n < embed.num_embeddings else None
         return embed
 
     def set_input_embeddings(self, value):
