@@ -145,3 +145,16 @@ def test_load_choice_jsonl_errors(tmp_path, line, msg):
     with pytest.raises(ValueError, match=msg) as err:
         load_choice_jsonl(p)
     assert f"{p}:2" in str(err.value)
+
+
+def test_acc_norm_divides_by_the_choices_own_characters(monkeypatch):
+    """lm-evaluation-harness's acc_norm: log-likelihood over len(choice), not counting the whitespace
+    moved out of the context. Here -2 over "a" and -5 over "bbbb": per character -2 and -1.25, so the
+    second; counted with the space (2 and 5 characters) the two would tie and the first would win."""
+    import looplm.eval.choice as choice
+
+    logliks = {" a": -2.0, " bbbb": -5.0}
+    monkeypatch.setattr(choice, "score_continuation", lambda model, tok, ctx, cont, **kw: (logliks[cont], False))
+    item = choice.ChoiceItem("Pick: ", ("a", "bbbb"), gold=1)
+    got = choice.score_choices(None, ByteTokenizer(), [item], depth=1)
+    assert got["items"][0]["pred"] == 0 and got["items"][0]["pred_norm"] == 1 and got["acc_norm"] == 1.0

@@ -82,3 +82,46 @@ def test_simple_evaluate_on_local_yaml(adapter, tmp_path, monkeypatch):
         ]
         hits += max(range(len(lls)), key=lambda i: (lls[i], -i)) == r["gold"]
     assert math.isclose(acc, hits / len(rows))
+
+
+class _Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+def _native_continuation(model, ids: list[int], n_ctx: int, example_id: int, vocab: int) -> float:
+    """Sum of ln p of ids[n_ctx:] under the native forward, over the first `vocab` ids."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]), 3, init="seeded", example_ids=torch.tensor([example_id])).logits[0]
+    lp = torch.log_softmax(logits[:, :vocab].double(), -1)
+    return sum(float(lp[t - 1, ids[t]]) for t in range(n_ctx, len(ids)))
+
+
+def test_the_harness_scores_as_lm_evals_own_models_do():
+    """A context's trailing whitespace starts the continuation (with a BPE tokenizer "is " + "Paris"
+    would otherwise add no token of its own), a context too long for the model keeps its last tokens,
+    and a padded embedding's rows past the tokenizer's ids (here made to win) are no token."""
+    from _models import decisive_model
+
+    from looplm.data.tokenizer import BPETokenizer
+
+    bpe = BPETokenizer.train(["The capital of France is Paris. The answer is Paris and Rome."] * 50, 300)
+    model = decisive_model(bpe.vocab_size)
+    harness = LoopLMHarness(model=model, tokenizer=bpe, depth=3, cache="full", device="cpu")
+    ((ll, _),) = harness.loglikelihood([_Req("The answer is ", "Paris")])
+    ctx = bpe.encode_prompt("The answer is")
+    want = _native_continuation(
+        model, bpe.encode_prompt("The answer is Paris"), len(ctx), stable_id("The answer is "), 10**9
+    )
+    assert abs(ll - want) <= 1e-4
+
+    tok = ByteTokenizer()
+    padded = decisive_model(320, max_seq_len=64)
+    with torch.no_grad():
+        padded.head.weight[258:] = 8 * padded.head.weight[:62]
+    harness = LoopLMHarness(model=padded, tokenizer=tok, depth=3, cache="full", device="cpu")
+    long = "x" * 70 + "yz"  # 72 tokens: the model holds 64
+    ((ll, _),) = harness.loglikelihood([_Req(long, " 2")])
+    ids = tok.encode(long + " 2")[-65:]  # the last 63 context tokens and the 2 targets
+    assert abs(ll - _native_continuation(padded, ids, 63, stable_id(long), 258)) <= 1e-4
+    assert abs(ll - _native_continuation(padded, ids, 63, stable_id(long), 320)) > 1.0  # the padded rows mattered

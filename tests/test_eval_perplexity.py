@@ -45,3 +45,21 @@ def test_bits_per_byte_against_a_direct_count(tmp_path, tiny_model_config, kind)
     assert n_bytes > 0
     assert got["bits_per_byte"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
     assert got["loss"] == pytest.approx(nats / got["tokens"], rel=1e-5)
+
+
+def test_scored_bytes_count_each_target_bytes_once(tmp_path):
+    """bits per byte divides by the bytes the scored targets add: with the byte tokenizer, one per
+    byte target, also for a byte of an accented character whose first byte is not a target (a
+    decode would make it U+FFFD, 3 bytes); end-of-text adds none."""
+    from looplm.eval.perplexity import scored_bytes
+
+    (tmp_path / "t").mkdir()
+    for i in range(8):
+        (tmp_path / "t" / f"{i:02d}.txt").write_text("été à la plage, où ça? " * 3)
+    tok = ByteTokenizer()
+    _, val = build_datasets(str(tmp_path / "t"), tok, seq_len=25, holdout=0.5, cache_dir=tmp_path / "c")
+    want = 0
+    for i in range(len(val)):
+        targets = val.get_batch([i]).targets[0].tolist()
+        want += sum(1 for t in targets if 0 <= t < 256)
+    assert scored_bytes(val, len(val), tok) == want

@@ -75,8 +75,11 @@ def score_continuation(
     cache: str = "terminal",
     example_id: int = 0,
     device="cpu",
+    truncate: bool = False,
 ) -> tuple[float, bool]:
-    """(sum of ln p over the target tokens, whether every target token was the argmax)."""
+    """(sum of ln p over the target tokens, whether every target token was the argmax), over the
+    tokenizer's ids (a padded embedding's other rows are no token). `truncate`: a context too long
+    for the model keeps its last tokens (lm-evaluation-harness's rule) instead of an error."""
     prefill_depth = prefill_depth or depth
     ctx_ids = tokenizer.encode_prompt(context)
     if not ctx_ids:
@@ -84,15 +87,20 @@ def score_continuation(
     target = tokenizer.encode_prompt(context + continuation)[len(ctx_ids) :]
     if not target:
         raise UserError(f"continuation {continuation!r} adds no tokens to the context")
+    keep = model.cfg.max_seq_len + 1 - len(target)  # context tokens that fit before the targets
+    if truncate and 1 <= keep < len(ctx_ids):
+        ctx_ids = ctx_ids[-keep:]
     need = len(ctx_ids) + len(target) - 1  # the last target token is never fed
     if need > model.cfg.max_seq_len:
         raise UserError(f"context + continuation need {need} tokens, the model context is {model.cfg.max_seq_len}")
     dtype = next(model.parameters()).dtype
     kv = make_cache(cache, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
     ids = torch.tensor([example_id], device=device)
+    vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)
     logits = extend(model, torch.tensor([ctx_ids], device=device), kv, prefill_depth, example_ids=ids).logits[0, -1]
     total, greedy = 0.0, True
     for t, tok in enumerate(target):
+        logits = logits[:vocab]
         logp = torch.log_softmax(logits.double(), -1)
         total += float(logp[tok])
         greedy &= int(logits.argmax()) == tok
@@ -138,7 +146,7 @@ def score_choices(
             )
             logliks.append(ll)
             greedy.append(g)
-            lengths.append(len(cont))
+            lengths.append(len(choice))  # lm-evaluation-harness's acc_norm: the choice's own characters
         pred, pred_norm = pick(logliks, lengths)
         hits += pred == item.gold
         hits_norm += pred_norm == item.gold

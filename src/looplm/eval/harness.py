@@ -18,7 +18,7 @@ from lm_eval.api.registry import register_model
 
 from looplm.checkpoint import load_model, resolve_device
 from looplm.errors import UserError
-from looplm.eval.choice import score_continuation
+from looplm.eval.choice import score_continuation, split_context
 from looplm.eval.generation import greedy_generate
 
 
@@ -62,6 +62,9 @@ class LoopLMHarness(LM):
     def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
         if not self.tokenizer.encode_prompt(context):  # an empty context starts from the end-of-text token
             return self._score_after_eos(continuation, example_id)
+        # as lm-eval's own models: the context's trailing whitespace starts the continuation, and a
+        # context too long for the model keeps its last tokens
+        context, continuation = split_context(context, continuation)
         return score_continuation(
             self.model,
             self.tokenizer,
@@ -72,6 +75,7 @@ class LoopLMHarness(LM):
             cache=self.cache,
             example_id=example_id,
             device=self._device,
+            truncate=True,
         )
 
     @torch.no_grad()
@@ -86,10 +90,11 @@ class LoopLMHarness(LM):
             logits = self.model(
                 chunk, self.depth, init="seeded", example_ids=torch.tensor([example_id], device=self._device)
             ).logits
-            logp = torch.log_softmax(logits[0, :-1].double(), -1)
+            logits = logits[0, :-1, : min(self.model.cfg.vocab_size, self.tokenizer.vocab_size)]  # the tokenizer's ids
+            logp = torch.log_softmax(logits.double(), -1)
             target = chunk[0, 1:]
             total += float(logp.gather(-1, target[:, None]).sum())
-            greedy &= bool((logits[0, :-1].argmax(-1) == target).all())
+            greedy &= bool((logits.argmax(-1) == target).all())
         return total, greedy
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:

@@ -80,9 +80,13 @@ def native_perplexity(
 
 
 def scored_bytes(data: PackedDataset, n: int, tokenizer) -> int:
-    """UTF-8 bytes of the text of the supervised targets in the first `n` sequences of `data`."""
+    """UTF-8 bytes the supervised targets in the first `n` sequences of `data` add to the text: each
+    token's own bytes (a byte of a character whose other bytes are not targets counts once, not as
+    the 3 bytes of the U+FFFD a decode would give it; special tokens add none)."""
     total = 0
     for i in range(n):
         targets = data.get_batch([i]).targets[0]
-        total += len(tokenizer.decode(targets[targets != IGNORE_INDEX].tolist()).encode("utf-8"))
+        for t in targets[targets != IGNORE_INDEX].tolist():
+            piece = tokenizer.token_piece(t)
+            total += len(piece) if isinstance(piece, bytes) else 0
     return total
