@@ -78,6 +78,10 @@ def constructed_examples(model, depth, n=8, steps=6):
         ("no digits here", None),
         ("", None),
         ("x=7\n#### 18", "18"),
+        ("#### 5 apples (from 2 baskets)", "5"),  # the answer mark wins over numbers after it
+        ("#### 72\nQuestion 2: how many", "72"),
+        ("#### none\nso 4", "4"),  # no number after the mark: the last number
+        ("1,2345", "2345"),  # not a thousands group: no '5' cut off a number
     ],
 )
 def test_extract_final_number(text, want):

@@ -33,7 +33,7 @@ class GenItem:
 
 
 # a comma-grouped number (1,234,567.5) or a plain one (-3, 3.50)
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|-?\d+(?:\.\d+)?")
 
 
 def normalize_number(text: str) -> str | None:
@@ -50,7 +50,13 @@ def normalize_number(text: str) -> str | None:
 
 
 def extract_final_number(text: str) -> str | None:
-    """The last number in `text`, normalised (see `normalize_number`), or None."""
+    """The final answer in `text`, normalised (see `normalize_number`), or None: the first number after
+    the last '####' when there is one (GSM8K's answer mark, which text after it must not override),
+    else the last number."""
+    if "####" in text:
+        found = _NUMBER.findall(text.rsplit("####", 1)[1])
+        if found:
+            return normalize_number(found[0])
     found = _NUMBER.findall(text)
     return normalize_number(found[-1]) if found else None
 
