@@ -18,6 +18,7 @@ from looplm.errors import UserError
 from looplm.eval.records import read_records
 from looplm.data import Tokenizer
 from looplm.infer.cache import make_cache
+from looplm.infer.decode import token_vocab
 from looplm.infer.extend import extend
 
 
@@ -96,7 +97,7 @@ def score_continuation(
     dtype = next(model.parameters()).dtype
     kv = make_cache(cache, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
     ids = torch.tensor([example_id], device=device)
-    vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)
+    vocab = token_vocab(model, tokenizer)
     logits = extend(model, torch.tensor([ctx_ids], device=device), kv, prefill_depth, example_ids=ids).logits[0, -1]
     total, greedy = 0.0, True
     for t, tok in enumerate(target):

@@ -20,6 +20,7 @@ from looplm.checkpoint import load_model, resolve_device
 from looplm.errors import UserError
 from looplm.eval.choice import score_continuation, split_context
 from looplm.eval.generation import greedy_generate
+from looplm.infer.decode import token_vocab
 
 
 @register_model("looplm")
@@ -84,13 +85,13 @@ class LoopLMHarness(LM):
         first = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id  # a text start
         x = torch.tensor([[first, *ids]], device=self._device)
         total, greedy = 0.0, True
-        window = self.model.cfg.max_seq_len
+        window, vocab = self.model.cfg.max_seq_len, token_vocab(self.model, self.tokenizer)
         for start in range(0, len(ids), window - 1):  # non-overlapping windows, each after an EOS
             chunk = torch.cat([x[:, :1], x[:, 1 + start : 1 + start + window - 1]], dim=1)
             logits = self.model(
                 chunk, self.depth, init="seeded", example_ids=torch.tensor([example_id], device=self._device)
             ).logits
-            logits = logits[0, :-1, : min(self.model.cfg.vocab_size, self.tokenizer.vocab_size)]  # the tokenizer's ids
+            logits = logits[0, :-1, :vocab]
             logp = torch.log_softmax(logits.double(), -1)
             target = chunk[0, 1:]
             total += float(logp.gather(-1, target[:, None]).sum())

@@ -56,6 +56,12 @@ class SamplingConfig:
                 raise UserError("stop strings must be non-empty, got ''")
 
 
+def token_vocab(model, tokenizer: Tokenizer) -> int:
+    """How many logits are tokens: the tokenizer's ids, where a release pads the model's embedding
+    and head past them (rows no token reaches, which nothing may choose or normalise over)."""
+    return min(model.cfg.vocab_size, tokenizer.vocab_size)
+
+
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """The distribution [B, V] that `choose` samples from at temperature > 0: softmax(logits / T)
     restricted to the top-k tokens, then to the nucleus (the smallest set of most likely tokens

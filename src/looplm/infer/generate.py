@@ -15,7 +15,7 @@ import torch
 from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.cache import make_cache
-from looplm.infer.decode import SamplingConfig, TextStream, choose
+from looplm.infer.decode import SamplingConfig, TextStream, choose, token_vocab
 from looplm.infer.depth_rule import CacheKind, DepthRule
 from looplm.infer.prefill import Prefill
 from looplm.infer.speculative import Speculation, SpeculationStats, speculative_decode
@@ -147,8 +147,7 @@ def generate(
     max_len = model.cfg.max_seq_len if compile else L + cfg.max_new_tokens - 1
     kv = make_cache(cache, model.cfg, B, max_len, rule.deepest, device=device, dtype=next(model.parameters()).dtype)
     gate = {} if rule.exit_gate is None else {"exit_gate": rule.exit_gate}
-    # the logits cover the tokenizer's ids: a release may pad the model's embedding past them
-    vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)
+    vocab = token_vocab(model, tokenizer)  # the logits cover the tokenizer's ids
     logits = (prefill or Prefill())(model, tokens, kv, rule.prefill, example_ids=ids_arg, pad=pad, **gate)[
         :, -1, :vocab
     ]

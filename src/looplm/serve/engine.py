@@ -27,7 +27,7 @@ import torch
 
 from looplm.data import Tokenizer
 from looplm.errors import UserError
-from looplm.infer.decode import SamplingConfig, TextStream, choose
+from looplm.infer.decode import SamplingConfig, TextStream, choose, token_vocab
 from looplm.infer.depth_rule import DepthRule, check_depth
 from looplm.infer.prefill import Prefill, check_arm_cache
 from looplm.infer.speculative import Speculation
@@ -275,7 +275,7 @@ class Engine:
         # the static step: the compiled engine's every step, and the speculative rounds (a request may
         # speculate on an engine that does not by default)
         # logits cover the tokenizer's ids (a release may pad the model's embedding past them)
-        self.vocab = min(model.cfg.vocab_size, tokenizer.vocab_size)
+        self.vocab = token_vocab(model, tokenizer)
         self._step = DecodeStep(
             model, self.pool.cache, compile=config.compile, compile_options=compile_options, vocab=self.vocab
         )
