@@ -562,7 +562,7 @@ class Engine:
         room for the verify chunk of k + 1 tokens."""
         k, draft_depth = self.speculation(row.handle.request)
         depth = row.rule.depth
-        if not k or row.rule.exit_tau is not None or draft_depth >= depth or length + k + 1 > self.max_len:
+        if not k or row.rule.exit_tau is not None or length + k + 1 > self.max_len:  # k > 0: r_d < depth (`check`)
             return None
         return depth, k, draft_depth
 
@@ -622,8 +622,8 @@ class Engine:
             depth=depth,
             draft_depth=draft_depth,
             k=k,
-            sampling=[r.handle.request.sampling if m else SamplingConfig() for r, m in zip(rows, members)],
-            generators=[r.generator if m else None for r, m in zip(rows, members)],
+            sampling=[r.handle.request.sampling for r in rows],
+            generators=[r.generator for r in rows],
             keys=self._keys(k + 1),
             members=members,
         )

@@ -82,7 +82,10 @@ def speculative_round(
     lengths; `sampling`/`generators` are the n live rows' settings (generator None = greedy).
     `keys`: every step of the round attends over cache positions [0, keys) (`DecodeStep.__call__`;
     the rows' lengths + k + 1 must fit). `members` (default: all): the live rows that speculate; the
-    others ride along (the engine gives them greedy settings), get no tokens and count no drafts."""
+    others ride along: drafted greedily (their generators untouched), no tokens, no drafts counted."""
+    members = [True] * n if members is None else members
+    sampling = [cfg if m else SamplingConfig() for cfg, m in zip(sampling, members)]
+    generators = [gen if m else None for gen, m in zip(generators, members)]
     B = rows.tokens.shape[0]
     pad = [SamplingConfig()] * (B - n)
     tok, drafts, dists = rows.tokens, [], []
@@ -97,7 +100,6 @@ def speculative_round(
     chunk = torch.cat([rows.tokens[:, None], drafted], 1)
     verify, _ = step(StepRows(chunk, rows.write_at, rows.first, rows.example_ids), depth, keys=keys)
     verify = verify[:n]
-    members = [True] * n if members is None else members
     out = []
     for b in range(n):
         if not members[b]:
