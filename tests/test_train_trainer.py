@@ -103,6 +103,25 @@ def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
         build_sampler(DepthConfig(sampler="learned", learned=LearnedPriorConfig(init_from=pln.out_dir)))
 
 
+def test_a_prior_from_another_run_keeps_its_cap_and_resumes_without_that_run(tmp_path, cache):
+    import shutil
+
+    prior = dict(depth__sampler="learned", depth__learned__warmup_updates=1, depth__learned__lr=0.3)
+    source = Trainer(job(tmp_path, cache, "source", train__stop_after=1, **prior))
+    source.fit()
+    n = len(source.sampler.pmf())  # 64: the tiny job's cap
+    # a cap other than the source prior's is refused before any work (it used to train with
+    # depths past the cap, up to a failure at the first draw past the model's max depth)
+    with pytest.raises(UserError, match=f"set --depth.cap {n}"):
+        Trainer(job(tmp_path, cache, "short", depth__cap=8, depth__learned__init_from=source.out_dir, **prior))
+    follow = dict(depth__learned__init_from=source.out_dir, train__checkpoint_every=100, **prior)
+    first = Trainer(job(tmp_path, cache, "follow", train__stop_after=2, **follow))
+    first.fit()
+    shutil.rmtree(source.out_dir)  # the source run is gone: the resumed run has its own prior
+    second = Trainer(job(tmp_path, cache, "follow", train__resume=True, **follow))
+    assert second.step == 2 and second.sampler.state_dict() == first.sampler.state_dict()
+
+
 def test_resume_restores_optimizer_state(tmp_path, cache):
     """The optimizer state goes through flatten -> safetensors/JSON -> unflatten unchanged."""
     a = Trainer(job(tmp_path, cache, train__stop_after=2))
@@ -348,6 +367,33 @@ def test_expected_flops_follow_the_learned_pmf(tmp_path, cache):
     assert logged[0] != pytest.approx(float(initial @ per_depth), rel=1e-9)
 
 
+# -- the initial state of training is the model's own rule (design §2, §14) ------------------------
+def test_a_model_that_starts_from_its_input_trains_from_its_input(tmp_path, cache):
+    # state_init "input" (Ouro; what injection "none" needs): s0 = the prelude output, with its
+    # gradient. The reference starts the recurrence from e through the forward's `initial` hook.
+    t = Trainer(job(tmp_path, cache, model__injection="none", model__state_init="input"))
+    rows, batch = t._host_batch(t.train_data, 0, 0, t.job.train.grad_accum, t.job.train.seed)[0]
+    got = t._loss(batch, 2, None, t._noise(0, 0, rows, batch.inputs.shape[1]))
+    got.backward()
+    assert t.model.embed.weight.grad is not None and float(t.model.embed.weight.grad.abs().sum()) > 0
+    out = t.model(batch.inputs, 2, doc_ids=batch.doc_ids, positions=batch.positions, initial=lambda e, *a, **k: e)
+    want = F.cross_entropy(
+        out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    assert torch.allclose(got, want, rtol=1e-6), (float(got), float(want))
+
+
+def test_training_noise_has_the_models_std_and_truncation(tmp_path, cache):
+    # Huginn's state: N(0, std^2) truncated at +-3 std. The std of a standard normal cut at +-3 is
+    # sqrt(1 - 6 phi(3) / (1 - 2 Phi(-3))) = 0.98658.
+    t = Trainer(job(tmp_path, cache, model__state_init="trunc-normal", model__state_std=0.5))
+    z = t._noise(0, 0, range(4), 64)
+    assert float(z.abs().max()) <= 1.5 + 1e-6
+    assert abs(float(z.std()) - 0.5 * 0.98658) < 0.01, float(z.std())
+    t = Trainer(job(tmp_path, cache, "plain", model__state_std=0.25))
+    assert abs(float(t._noise(0, 0, range(4), 64).std()) - 0.25) < 0.01
+
+
 def test_train_step_is_deterministic_in_seed(tmp_path, cache):
     """Same seed, same job: identical loss; another seed: another loss."""
     a = Trainer(job(tmp_path, cache, "a", train__steps=2)).train_step()
@@ -488,6 +534,17 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path, cache):
         ({"depth__bptt_window": 0}, "bptt_window must be >= 1"),
         ({"eval__depths": (1, 65)}, r"eval.depths: depth must be in 1..64, got 65"),
         ({"train__flex_kernel_options": ("BLOCK_M",)}, "flex kernel option 'BLOCK_M' is not KEY=VALUE"),
+        # each of these used to pass, then fail after the first step (% 0) or log a made-up val loss
+        ({"train__checkpoint_every": 0}, "checkpoint_every must be >= 1, got 0"),
+        ({"train__log_every": 0}, "log_every must be >= 1, got 0"),
+        ({"train__eval_batches": 0}, "eval_batches must be >= 1, got 0"),
+        # choices the command line restricts, in a job built in Python (they trained in fp32, uncompiled)
+        ({"train__precision": "fp16"}, "unknown train.precision 'fp16'; choose one of auto, fp32, bf16"),
+        ({"train__compile": "yes"}, "unknown train.compile 'yes'"),
+        ({"model__n_kv_heads": 0}, "n_kv_heads must be >= 1, got 0"),
+        ({"model__exit_gate": True}, "no exit objective"),  # untrained, and DDP failed on it at step 2
+        ({"model__norm_eps": -1.0}, "norm_eps must be > 0, got -1"),
+        ({"depth__sampler": "learned", "depth__learned__beta1": 1.5}, r"beta1 must be in \[0, 1\), got 1.5"),
     ],
 )
 def test_invalid_jobs_fail_before_building_data(tmp_path, overrides, match):

@@ -140,6 +140,16 @@ class ModelConfig:
         """Raise ValueError with a one-line reason when the shape is inconsistent."""
         if self.injection not in ALL_INJECTIONS:
             raise UserError(f"unknown injection {self.injection!r}; choose one of {', '.join(ALL_INJECTIONS)}")
+        for name in ("n_heads", "n_kv_heads"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, ok, rule in (
+            ("norm_eps", self.norm_eps > 0, "> 0"),
+            ("rope_base", self.rope_base > 0, "> 0"),
+            ("ortho_eps", self.ortho_eps >= 0, ">= 0"),
+        ):
+            if not ok:
+                raise UserError(f"{name} must be {rule}, got {getattr(self, name):g}")
         if self.d_model % self.n_heads:
             raise UserError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:

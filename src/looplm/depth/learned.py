@@ -102,8 +102,9 @@ class LearnedDepthPrior(DepthSampler):
         super().__init__(len(logits), seed)
         if not 1 <= target <= len(logits):
             raise UserError(f"depth-prior target mean must lie in [1, {len(logits)}], got {target}")
-        if cfg.ema_decay < 0 or cfg.ema_decay >= 1:
-            raise UserError(f"depth-prior ema_decay must be in [0, 1), got {cfg.ema_decay}")
+        for name in ("ema_decay", "beta1", "beta2"):
+            if not 0 <= getattr(cfg, name) < 1:
+                raise UserError(f"depth-prior {name} must be in [0, 1), got {getattr(cfg, name)}")
         if cfg.lr <= 0 or cfg.warmup_updates < 0 or cfg.entropy_weight < 0 or cfg.mean_weight < 0:
             raise UserError("depth-prior lr must be > 0 and warmup_updates, entropy_weight, mean_weight >= 0")
         reward_fn(cfg.reward)

@@ -8,6 +8,7 @@ from them; checkpoints store them as JSON.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -44,6 +45,21 @@ class DataConfig:
     """Training examples drawn from the task generator (source 'tasks')."""
     tasks: TaskConfig = field(default_factory=TaskConfig)
     """Which generator tasks and difficulties (source 'tasks')."""
+
+
+def check_choices(cfg, prefix: str = "") -> None:
+    """Refuse a field of dataclass `cfg` typed `Literal[...]` whose value is none of its choices: the
+    command line restricts them, but a job built in Python or read from JSON is not checked there."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Annotated:
+            hint = typing.get_args(hint)[0]
+        if typing.get_origin(hint) is Literal:
+            allowed = typing.get_args(hint)
+            value = getattr(cfg, f.name)
+            if value not in allowed:
+                raise UserError(f"unknown {prefix}{f.name} {value!r}; choose one of {', '.join(map(str, allowed))}")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Initial-state noise of training: N(0, 1/d) per global row, drawn only for the rows a rank holds.
+"""Initial-state noise of training: N(0, 1/d) per global row (or the model's own std and truncation,
+`LoopedLM.initial_state`), drawn only for the rows a rank holds.
 
 The noise of microbatch `micro` of step `step` is one generator stream seeded by (seed, step,
 micro); global row r of the microbatch is the r-th [L, d] draw of that stream. A rank (or one
@@ -21,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from looplm.model.state import truncate_normal
+
 
 def noise_seed(seed: int, step: int, micro: int) -> int:
     """Seed of the stream of microbatch `micro` of optimizer step `step`."""
@@ -28,10 +31,21 @@ def noise_seed(seed: int, step: int, micro: int) -> int:
 
 
 def initial_state_noise(
-    seed: int, step: int, micro: int, rows: range, seq_len: int, d_model: int, device: torch.device
+    seed: int,
+    step: int,
+    micro: int,
+    rows: range,
+    seq_len: int,
+    d_model: int,
+    device: torch.device,
+    *,
+    std: float | None = None,
+    truncate: bool = False,
 ) -> torch.Tensor:
     """Initial states s0 ~ N(0, 1/d) of global rows `rows` (a contiguous range) of a microbatch:
-    [len(rows), seq_len, d_model] float32 on `device`."""
+    [len(rows), seq_len, d_model] float32 on `device`; `std` replaces 1/sqrt(d) and `truncate`
+    maps each draw onto the normal truncated at +-3 std, as the model's `state_std` and
+    "trunc-normal" state do (`looplm.model.state`)."""
     if rows.step != 1 or rows.start < 0 or len(rows) < 1:
         raise ValueError(f"rows must be a non-empty contiguous range from 0 up, got {rows}")
     gen = torch.Generator(device=device).manual_seed(noise_seed(seed, step, micro))
@@ -40,4 +54,6 @@ def initial_state_noise(
         out[0].normal_(generator=gen)
     for i in range(len(rows)):
         out[i].normal_(generator=gen)
-    return out.div_(math.sqrt(d_model))
+    if truncate:
+        out = truncate_normal(out)
+    return out.mul_(std) if std else out.div_(math.sqrt(d_model))

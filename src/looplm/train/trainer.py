@@ -31,6 +31,7 @@ from looplm.data.corpus import CORPORA
 from looplm.data.packing import caches_ready
 from looplm.data.record import DataRecord, absolute_source
 from looplm.depth import DepthSampler, LearnedDepthPrior, build_sampler
+from looplm.depth.learned import logits_from_run
 from looplm.depth.plot import plot_prior
 from looplm.errors import UserError
 from looplm.model import LoopedLM
@@ -39,7 +40,15 @@ from looplm.train import distributed as D
 from looplm.train import parallelize as P
 from looplm.train.checkpointing import Checkpointer, is_sharded_run
 from looplm.train.checkpointing import verify as verify_checkpoint
-from looplm.train.config import DataConfig, TrainConfig, TrainJob, job_from_dict, jsonable, vocab_size_for
+from looplm.train.config import (
+    check_choices,
+    DataConfig,
+    TrainConfig,
+    TrainJob,
+    job_from_dict,
+    jsonable,
+    vocab_size_for,
+)
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.layout import BatchLayout
 from looplm.train.loss import cross_entropy_sum, loss_kind, microbatch_loss, parse_kernel_options
@@ -209,6 +218,7 @@ class Trainer:
         self._saved: dict | None = None  # the resumed checkpoint's job, its step and data record
         resume_from = self._find_resume()
         job = self.job  # _find_resume may have replaced its data section: the source as the run recorded it
+        self.sampler: DepthSampler = self._depth_sampler(resume_from)
         self.data = d = self._run_data()
         self.layout = self._plan_layout(resume_from)
         saved_tok = load_tokenizer(resume_from) if resume_from else None
@@ -228,7 +238,6 @@ class Trainer:
         self.model = LoopedLM(m).to(self.env.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.dtype = resolve_dtype(t.precision, self.env.device)
-        self.sampler: DepthSampler = build_sampler(job.depth)
         # Wrapped from outside, in torchtitan's order: checkpointing, compile, data parallelism.
         self.attention = attention_kernel(t, self.env.device, m.head_dim)
         self.loss_kind = loss_kind(t, self.env.device)
@@ -283,14 +292,22 @@ class Trainer:
         if j.model.vocab_size < 0:
             raise UserError(f"model.vocab_size must be >= 0 (0: the tokenizer's size), got {j.model.vocab_size}")
         dataclasses.replace(j.model, vocab_size=j.model.vocab_size or 1).validate()  # 0 is resolved later
+        if j.model.exit_gate:  # its parameters would stay random, and DDP fails on unused parameters
+            raise UserError(
+                "model.exit_gate: looplm train has no exit objective, so the gate would never learn; "
+                "train without it (a converted model brings its trained gate)"
+            )
         if j.data.seq_len > j.model.max_seq_len:
             raise UserError(
                 f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}"
             )
-        for name in ("steps", "micro_batch", "grad_accum"):
+        for name in ("steps", "micro_batch", "grad_accum", "checkpoint_every", "log_every", "eval_batches"):
             if getattr(j.train, name) < 1:
-                raise UserError(f"train.{name} must be >= 1")
+                raise UserError(f"train.{name} must be >= 1, got {getattr(j.train, name)}")
+        if j.train.eval_every < 0:
+            raise UserError(f"train.eval_every must be >= 0 (0 disables), got {j.train.eval_every}")
         t = j.train
+        check_choices(t, "train.")
         for name, ok, rule in (
             ("lr", lambda v: v > 0, "> 0"),
             ("warmup_frac", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -305,8 +322,10 @@ class Trainer:
         if t.warmup_frac + t.decay_frac > 1:
             raise UserError(f"train.warmup_frac + decay_frac must be <= 1, got {t.warmup_frac + t.decay_frac:g}")
         j.eval.validate(j.model.max_depth, j.model.max_seq_len, prefix="eval.", allow_no_depths=True)
-        # Depth settings are checked here, before the (possibly long) data build.
-        build_sampler(j.depth)
+        # Depth settings are checked here, before the (possibly long) data build; a prior read from
+        # another run is checked once the resume is known (`_depth_sampler`).
+        if j.depth.sampler != "learned" or j.depth.learned.init_from is None:
+            build_sampler(j.depth)
         if j.model.max_depth < j.depth.cap:
             raise UserError(f"depth cap {j.depth.cap} exceeds the model's max_depth {j.model.max_depth}")
         if j.train.attention == "flex":
@@ -324,6 +343,14 @@ class Trainer:
                 if not p.is_dir():
                     raise UserError(f"train.out_dir {out}: {p} is a file, not a folder: choose another --train.out-dir")
                 break
+
+    def _depth_sampler(self, resume_from: Path | None) -> DepthSampler:
+        """The run's depth sampler. A resumed learned prior that started from another run's
+        (`depth.learned.init_from`) is built from its own checkpoint's logits, which its state then
+        restores anyway: the source run may have moved or gone since."""
+        d = self.job.depth
+        own = resume_from is not None and d.sampler == "learned" and d.learned.init_from is not None
+        return build_sampler(d, init_logits=logits_from_run(resume_from) if own else None)
 
     def _find_resume(self) -> Path | None:
         latest = self.ckpt_root / "latest"
@@ -392,9 +419,7 @@ class Trainer:
         cfg = dataclasses.replace(m, vocab_size=m.vocab_size or vocab)
         end = min(t.steps, t.stop_after) if t.stop_after is not None else t.steps
         done = self._saved["step"] if self._saved else 0
-        flops = expected_flops_per_token(
-            cfg, d.seq_len, build_sampler(self.job.depth).pmf(), self.job.depth.bptt_window
-        )
+        flops = expected_flops_per_token(cfg, d.seq_len, self.sampler.pmf(), self.job.depth.bptt_window)
         line = cpu_warning(
             cfg, count_params(cfg), end - done, self.layout.global_batch * d.seq_len, flops, self.env.device
         )
@@ -498,9 +523,24 @@ class Trainer:
         return data
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def _noise(self, step: int, micro: int, rows: range, L: int) -> torch.Tensor:
-        """Initial states N(0, 1/d) of global rows `rows` of the microbatch (design §2)."""
-        return initial_state_noise(self.job.train.seed, step, micro, rows, L, self.job.model.d_model, self.env.device)
+    def _noise(self, step: int, micro: int, rows: range, L: int) -> torch.Tensor | None:
+        """Initial states of global rows `rows` of the microbatch (design §2): noise with the model's
+        std and truncation, or None for a model that starts from its prelude output (s0 = e, which
+        the forward computes and which keeps its gradient)."""
+        m = self.job.model
+        if m.state_init == "input":
+            return None
+        return initial_state_noise(
+            self.job.train.seed,
+            step,
+            micro,
+            rows,
+            L,
+            m.d_model,
+            self.env.device,
+            std=m.state_std or None,
+            truncate=m.state_init == "trunc-normal",
+        )
 
     def _host_batch(
         self, data: PackedDataset, step: int, micro: int, n_micro: int, seed: int
