@@ -88,6 +88,11 @@ def test_teacher_init_refuses_nonlinear_injections_and_copies_blocks_cyclically(
     s = EndpointStudent.from_teacher(m, n_blocks=3)
     assert torch.equal(s.blocks[2].ffn.w1.weight, m.core[0].ffn.w1.weight)
     EndpointStudent.from_teacher(_teacher("deq-qkv"), init="random")  # random init works for any teacher
+    # a recurrence that ends in an exit norm is not F(0; e) of the student's blocks (2.4 off before)
+    for norm in ("rms", "rms-gain"):
+        with pytest.raises(ValueError, match="exit norm"):
+            EndpointStudent.from_teacher(_teacher("parcae-nonorm", exit_norm=norm))
+        EndpointStudent.from_teacher(_teacher("parcae-nonorm", exit_norm=norm), init="random")
 
 
 def test_student_prefill_of_a_padded_batch_equals_each_row_alone(single_thread):

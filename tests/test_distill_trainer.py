@@ -112,6 +112,16 @@ def test_lr_warms_up_to_the_peak_then_cosine_decays_to_a_tenth(teacher, tmp_path
         assert got[-1] == pytest.approx(2e-4, rel=1e-12)  # the last update runs at 0.1x
 
 
+def test_weight_decay_spares_the_students_norm_gains_and_validation_needs_rows(teacher, tmp_path):
+    tr = DistillTrainer(teacher, _cfg(tmp_path, weight_decay=0.1))
+    decayed = {id(p) for g in tr.optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {n for n, p in tr.student.named_parameters() if id(p) in decayed}
+    assert names == {n for n, p in tr.student.named_parameters() if p.ndim >= 2}  # matrices only (design §12)
+    assert any("norm" in n for n, _ in tr.student.named_parameters())
+    with pytest.raises(ValueError, match="val_rows must be >= 1"):  # it reported a perfect 0.0000 before
+        DistillTrainer(teacher, _cfg(tmp_path, "none", val_rows=0))
+
+
 def test_teacher_init_starts_closer_than_random_init(teacher, tmp_path):
     """Near a fixed point the one-recurrence state from zero is already a fair guess of z^R."""
     errs = {

@@ -76,3 +76,20 @@ def test_action_logprobs_at_a_temperature():
     p0 = math.exp(1.0) / (math.exp(1.0) + 1 + math.exp(-0.5))
     p1 = math.exp(1.5) / (2 * math.exp(0.25) + math.exp(1.5))
     torch.testing.assert_close(got, torch.tensor([[math.log(p0), math.log(p1)]]))
+
+
+def test_a_position_that_is_no_action_has_no_weight_even_at_inf():
+    # a KL term that overflows at a padded position must not turn the loss into NaN (0 * inf)
+    logp = torch.tensor([[-0.5, -200.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-0.5, 600.0]], dtype=torch.float64)  # exp(800) = inf at the padded position
+    mask = torch.tensor([[True, False]])
+    loss, stats = clipped_policy_loss(logp, torch.tensor([2.0], dtype=torch.float64), mask, kl_coef=0.1, ref_logp=ref)
+    assert loss.item() == pytest.approx(-2.0) and stats["kl"] == 0.0
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and torch.isfinite(logp.grad).all()
+
+
+def test_action_logprobs_over_the_tokenizers_ids():
+    logits = torch.tensor([[[1.0, 2.0, 9.0]]])  # the last row is padding past a 2-id tokenizer
+    got = action_logprobs(logits, torch.tensor([[1]]), vocab=2)
+    torch.testing.assert_close(got, torch.tensor([[2.0 - math.log(math.exp(1.0) + math.exp(2.0))]]))

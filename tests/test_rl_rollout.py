@@ -67,6 +67,20 @@ def test_endpoints_at_depth_match_an_unbatched_terminal_replay(model):
         torch.testing.assert_close(ro.states.endpoints[i, : P + T - 1], torch.cat(zs), rtol=1e-5, atol=1e-5)
 
 
+def test_a_head_padded_past_the_tokenizer_samples_and_scores_only_its_ids(tiny_model_config):
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    model = LoopedLM(tiny_model_config(vocab_size=tok.vocab_size + 62, max_seq_len=48)).eval()
+    with torch.no_grad():
+        model.head.weight[tok.vocab_size :] *= 4  # padded rows that would win most draws
+    ro = rollout(model, tok, PROMPTS, group_size=2, depth=2, max_new_tokens=6, seed=0)
+    assert all(t < tok.vocab_size for c in ro.completions for t in c), ro.completions
+    # the sampling log-probs are normalised over the tokenizer's ids: a native forward's, cut there
+    native = model(ro.tokens, 2, init="seeded", example_ids=ro.example_ids).logits[..., : tok.vocab_size]
+    logp = torch.log_softmax(native, -1).gather(-1, ro.targets[..., None])[..., 0]
+    torch.testing.assert_close(ro.logprobs[ro.mask], logp[ro.mask], rtol=1e-4, atol=1e-4)
+
+
 def test_stop_strings_end_a_row_and_are_cut_from_the_text(model):
     tok = ByteTokenizer()
     nl = tok.encode("\n")[0]
@@ -108,5 +122,10 @@ def test_rewards_and_sources(tmp_path):
     REWARDS.pop("always")
     with pytest.raises(ValueError, match="unknown reward"):
         get_reward("nope", "tasks")
+    # a built-in reward on the other kind of problem: it scored 0 always, or failed after a rollout
+    with pytest.raises(ValueError, match="reward 'exact' checks generator tasks, not the problems of"):
+        get_reward("exact", str(path))
+    with pytest.raises(ValueError, match="reward 'final_number' checks GSM8K answers.*use digits or exact"):
+        get_reward("final_number", "tasks")
     with pytest.raises(ValueError, match="neither 'tasks'"):
         ProblemSource(str(tmp_path / "missing.jsonl"))

@@ -105,6 +105,10 @@ def test_resume_continues_exactly(source, tmp_path):
         (("--neumann", "-1"), "neumann must be >= 0"),
         (("--source", "nowhere.jsonl"), "neither 'tasks' nor a GSM8K-format JSONL"),
         (("--reward", "nope"), "unknown reward"),
+        (("--checkpoint-every", "0"), "checkpoint_every must be >= 1"),  # failed after a step
+        (("--kl-coef", "-1"), "kl_coef must be >= 0"),  # rewarded moving away from the start
+        (("--beta2", "1.5"), r"beta2 must be in [0, 1)"),
+        (("--min-difficulty", "0"), "difficulty"),  # was replaced by the checkpoint's, silently
     ],
 )
 def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):

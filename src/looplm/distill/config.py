@@ -70,12 +70,11 @@ class DistillConfig:
     """After training: generator-task examples for each prefill arm's exact match (0 skips; task-trained teachers)."""
 
     def validate(self) -> None:
-        for name in ("steps", "micro_batch", "calibration_rows", "log_every", "checkpoint_every"):
+        for name in ("steps", "micro_batch", "calibration_rows", "log_every", "checkpoint_every", "val_rows"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "warmup",
-            "val_rows",
             "val_every",
             "report_rows",
             "report_examples",
@@ -89,6 +88,9 @@ class DistillConfig:
             raise UserError(f"student_blocks must be >= 1, got {self.student_blocks}")
         if self.lr <= 0:
             raise UserError(f"lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()}

@@ -85,6 +85,11 @@ class EndpointStudent(nn.Module):
             return student
         if init != "teacher":
             raise UserError(f"unknown student init {init!r}; choose teacher or random")
+        if inj.exit_norm is not None:
+            raise UserError(
+                f"teacher init: the teacher's recurrence ends in its exit norm ({teacher.cfg.exit_norm}), "
+                "which the student has no place for; use random init"
+            )
         with torch.no_grad():
             if isinstance(inj, ParcaeDiagonal):  # Inj(0, e~) = dt * (W e~); OrthoInj too (alpha = 0 at s = 0)
                 student.in_proj.weight.copy_(inj.dt()[:, None] * inj.W.weight)

@@ -39,6 +39,7 @@ from looplm.errors import UserError
 from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
+from looplm.train.trainer import param_groups
 from looplm.train.startup import format_params, model_line
 
 
@@ -138,10 +139,12 @@ class DistillTrainer:
         # E on training rows, as the paper calibrates it (§3.2); validation on held-out rows
         self.calib_rows = calibration_rows(len(self.train_data), cfg.calibration_rows)
         self.val_rows = list(range(min(len(self.val_data), cfg.val_rows)))
+        if not self.val_rows:  # every figure the run reports is a held-out one
+            raise UserError("the teacher's data has no held-out rows to validate the student on")
         torch.manual_seed(cfg.seed)
         self.student = EndpointStudent.from_teacher(self.teacher, cfg.student_blocks, cfg.init).train()
         self.optimizer = torch.optim.AdamW(
-            self.student.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay
+            param_groups(self.student, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8
         )
         self.step, self.elapsed = 0, 0.0
         self.logger = MetricsLogger(

@@ -94,9 +94,15 @@ class RLConfig:
             raise UserError(
                 f"group_size must be >= 2 (advantages are normalised within a group), got {self.group_size}"
             )
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples"):
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kl_coef", "weight_decay", "grad_clip", "eval_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.neumann < 0:
             raise UserError(f"neumann must be >= 0, got {self.neumann}")
         if self.temperature <= 0 or self.lr <= 0 or self.clip_eps <= 0:

@@ -27,9 +27,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return adv.flatten().to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
-def action_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target) under softmax(logits / temperature): [N, L, V], [N, L] -> [N, L]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+def action_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, vocab: int | None = None
+) -> torch.Tensor:
+    """log pi(target) under softmax(logits / temperature): [N, L, V], [N, L] -> [N, L]; with `vocab`,
+    over the first `vocab` logits only (the tokenizer's ids, where the model's head is padded past
+    them: the rollout samples among those, `looplm.infer.decode.token_vocab`)."""
+    logp = torch.log_softmax(logits[..., :vocab].float() / temperature, dim=-1)
     return logp.gather(-1, targets[..., None])[..., 0]
 
 
@@ -54,16 +58,18 @@ def clipped_policy_loss(
     if n == 0:
         raise ValueError("no action tokens to score")
     old = logp.detach() if old_logp is None else old_logp
-    ratio = torch.exp(logp - old)
+    # positions that are no actions enter as 0 (ratio 1, KL 0), so an inf there cannot make a NaN
+    # in the loss or, through torch.where's 0 * inf, in the gradient
+    ratio = torch.exp(torch.where(mask, logp - old, 0))
     adv = advantages[:, None].to(logp.dtype)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     per_token = -surrogate
     stats = {"clip_frac": float((((ratio - 1).abs() > clip_eps) & mask).sum() / n)}
     if ref_logp is not None:
-        diff = ref_logp - logp
+        diff = torch.where(mask, ref_logp - logp, 0)
         kl = torch.exp(diff) - diff - 1
-        stats["kl"] = float((kl.detach() * mask).sum() / n)
+        stats["kl"] = float(kl.detach().sum() / n)
         if kl_coef:
             per_token = per_token + kl_coef * kl
-    loss = (per_token * mask).sum() / n
+    loss = torch.where(mask, per_token, 0).sum() / n
     return loss, stats

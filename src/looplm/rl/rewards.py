@@ -46,6 +46,8 @@ def final_number(reference: GenItem, completion: str) -> float:
 
 
 REWARDS: dict[str, RewardFn] = {"exact": exact_answer, "digits": answer_digits, "final_number": final_number}
+_READS: dict[RewardFn, type] = {exact_answer: Example, answer_digits: Example, final_number: GenItem}
+"""The reference each built-in reward reads: a generator example, or a GSM8K item."""
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
@@ -57,10 +59,17 @@ def get_reward(name: str, source: str) -> RewardFn:
     """The reward called `name`; "auto" is exact match for generator tasks, final number for GSM8K."""
     if name == "auto":
         name = "exact" if source == "tasks" else "final_number"
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise UserError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}") from None
+    if name not in REWARDS:
+        raise UserError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}")
+    fn, gives = REWARDS[name], Example if source == "tasks" else GenItem
+    reads = _READS.get(fn)  # None for a registered reward: it knows its references
+    if reads is not None and reads is not gives:
+        fits = sorted(n for n, f in REWARDS.items() if _READS.get(f) is gives)
+        raise UserError(
+            f"reward {name!r} checks {'generator tasks' if reads is Example else 'GSM8K answers'}, "
+            f"not the problems of {source!r}: use {' or '.join(fits)} (or auto)"
+        )
+    return fn
 
 
 class ProblemSource:

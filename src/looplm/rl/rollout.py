@@ -24,7 +24,7 @@ from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
-from looplm.infer.decode import TextStream
+from looplm.infer.decode import TextStream, token_vocab
 from looplm.infer.step import DecodeStep, StepRows
 
 
@@ -166,7 +166,8 @@ def rollout(
         "terminal", model.cfg, N, P + max_new_tokens - 1, depth, device=device, dtype=next(model.parameters()).dtype
     )
     out = extend(model, left, cache, depth, example_ids=ids_arg, pad=pad)
-    logits, z_prompt = out.logits[:, -1], out.endpoint
+    vocab = token_vocab(model, tokenizer)  # a padded head's rows past the tokenizer are no actions
+    logits, z_prompt = out.logits[:, -1, :vocab], out.endpoint
     if isinstance(seed, int):
         gens = [torch.Generator(device=device).manual_seed(seed)]
     else:
@@ -178,7 +179,7 @@ def rollout(
     ended = [False] * N
     lengths = [0] * N
     streams = [TextStream(tokenizer, stop, context=ids) for ids in encoded]  # stop strings, at a cost per token
-    step = DecodeStep(model, cache)  # the decode step generate runs (design §16), returning endpoints
+    step = DecodeStep(model, cache, vocab=vocab)  # the decode step generate runs (design §16), returning endpoints
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         probs = logp.exp()

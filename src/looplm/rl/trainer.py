@@ -37,6 +37,7 @@ from looplm.data import TaskConfig
 from looplm.data import generate_examples
 from looplm.errors import UserError
 from looplm.eval.generation import greedy_generate, load_gsm8k_jsonl
+from looplm.infer.decode import token_vocab
 from looplm.rl.config import RLConfig
 from looplm.rl.estimators import reference_logits, score_and_backward
 from looplm.rl.grpo import action_logprobs, clipped_policy_loss, group_advantages
@@ -69,6 +70,7 @@ class RLTrainer:
         self.local_prompts = D.rank_share(cfg.prompts_per_step, self.env, "prompts_per_step")
         self.device = self.env.device
         self.model, self.tokenizer, self.job = ckpt.load_model(self.source_path, self.device)
+        self.vocab = token_vocab(self.model, self.tokenizer)  # the ids a rollout samples among
         self.data = ckpt.load_data(self.source_path)
         cfg.validate(self.model.cfg.max_depth)
         self.reference = None
@@ -99,8 +101,8 @@ class RLTrainer:
         trained = self.data.tasks
         tasks = TaskConfig(
             kinds=tuple(self.cfg.task_kinds or trained.kinds),
-            min_difficulty=self.cfg.min_difficulty or trained.min_difficulty,
-            max_difficulty=self.cfg.max_difficulty or trained.max_difficulty,
+            min_difficulty=trained.min_difficulty if self.cfg.min_difficulty is None else self.cfg.min_difficulty,
+            max_difficulty=trained.max_difficulty if self.cfg.max_difficulty is None else self.cfg.max_difficulty,
         )
         tasks.validate()
         if not self.data.is_tasks and self.env.is_main:  # legitimate, but easy to do by accident
@@ -161,7 +163,7 @@ class RLTrainer:
         ref_logp = None
         if self.reference is not None:  # scored along the estimator's path: KL = 0 while policy == reference
             ref_logits = reference_logits(cfg.estimator, self.reference, model, ro, depth=cfg.depth)
-            ref_logp = action_logprobs(ref_logits, ro.targets, cfg.temperature)
+            ref_logp = action_logprobs(ref_logits, ro.targets, cfg.temperature, self.vocab)
         t1 = time.perf_counter()
         stats: dict = {}
         # The loss is a mean over this rank's action tokens. Scaled by this rank's share of the global
@@ -173,7 +175,7 @@ class RLTrainer:
         scale = n_local * env.world_size / n_global
 
         def objective(logits: torch.Tensor) -> torch.Tensor:
-            logp = action_logprobs(logits, ro.targets, cfg.temperature)
+            logp = action_logprobs(logits, ro.targets, cfg.temperature, self.vocab)
             loss, s = clipped_policy_loss(
                 logp, advantages, ro.mask, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, ref_logp=ref_logp
             )
