@@ -219,6 +219,19 @@ def test_sampling_draws_from_the_exact_filtered_distribution(temperature, top_k,
         assert set(draws[1::2].tolist()) == {2} and set(draws[0::2].tolist()) == {1}
 
 
+def test_a_nucleus_that_reaches_top_p_exactly_stops_there():
+    # four equal tokens: two of them carry exactly 0.5, so top_p 0.5 keeps two (a third was kept)
+    draws = choose(torch.zeros(2000, 4), SamplingConfig(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(0))
+    assert len(set(draws.tolist())) == 2
+
+
+def test_a_tiny_temperature_samples_the_argmax():
+    # logits / 1e-38 overflowed to +-inf, the softmax was NaN and token 0 won every race
+    logits = torch.tensor([[0.0, 10.0, 5.0], [20.0, -10.0, 30.0]])
+    got = choose(logits, SamplingConfig(temperature=1e-38), torch.Generator().manual_seed(0))
+    assert got.tolist() == [1, 2]
+
+
 def test_greedy_choice_is_each_rows_argmax():
     assert choose(ROWS[[1, 0, 1]], SamplingConfig(), None).tolist() == [2, int(ROWS[0].argmax()), 2]
 

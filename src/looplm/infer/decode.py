@@ -66,14 +66,17 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """The distribution [B, V] that `choose` samples from at temperature > 0: softmax(logits / T)
     restricted to the top-k tokens, then to the nucleus (the smallest set of most likely tokens
     whose probability reaches top_p), renormalised."""
-    logits = logits.float() / cfg.temperature
+    logits = logits.float()
+    # shifted by the row's largest logit first (the same softmax): a tiny temperature then sends the
+    # others to -inf instead of every logit to +-inf (a NaN distribution)
+    logits = (logits - logits.amax(-1, keepdim=True)) / cfg.temperature
     if cfg.top_k > 0:
         kth = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_logits, order = logits.sort(-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > cfg.top_p  # tokens after the nucleus is complete
+        drop = probs.cumsum(-1) - probs >= cfg.top_p  # tokens after the nucleus reached top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(-1)
