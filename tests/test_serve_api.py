@@ -30,7 +30,7 @@ from looplm.infer import extend, make_cache  # noqa: E402
 from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
 from looplm.infer.speculative import Speculation  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
-from looplm.serve import Engine, EngineConfig, Request  # noqa: E402
+from looplm.serve import Engine, EngineConfig, Request, Token  # noqa: E402
 from looplm.serve.api import create_app  # noqa: E402
 from looplm.serve.protocol import CHAT_STOP  # noqa: E402
 
@@ -1193,3 +1193,44 @@ def test_a_request_cancelled_while_queued_counts_as_finished(model):
     handle.cancel()
     engine.step()
     assert engine.stats()["finished_total"] == {"cancelled": 1}
+
+
+def test_every_request_that_never_ran_counts_as_finished_with_its_prompt(model):
+    """A prefill that fails, and requests still queued at shutdown, are counted in /metrics'
+    finished requests as a cancel in the queue is, and their Finish carries the prompt's size."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the prefill failed")
+
+    engine.prefill = failing
+    broken = engine.submit(Request(TOK.encode("hello"), SamplingConfig(max_new_tokens=4)))
+    engine.step()
+    assert broken.finish.reason == "error" and engine.stats()["finished_total"] == {"error": 1}
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+    running = engine.submit(Request(TOK.encode("hello"), SamplingConfig(max_new_tokens=8)))
+    queued = engine.submit(Request(TOK.encode("queued prompt"), SamplingConfig(max_new_tokens=8)))
+    engine.step()
+    engine.shutdown()
+    assert (running.finish.reason, queued.finish.reason, queued.finish.prompt_tokens) == ("cancelled", "cancelled", 13)
+    assert engine.stats()["finished_total"] == {"cancelled": 2}
+
+
+@pytest.mark.parametrize("speculate", [0, 3])
+def test_an_end_of_text_token_is_no_decoded_token(model, speculate):
+    """/metrics counts as decoded only the tokens rows emitted: the EOS that ends a row is not one."""
+    config = EngineConfig(max_batch=1, depth=4, speculate=speculate, draft_depth=1)
+    prompt = TOK.encode("hello")
+    free, events = Engine(model, TOK, config), []
+    free.run_until_done([free.submit(Request(prompt, SamplingConfig(max_new_tokens=10)), sink=events.append)])
+    ids = [e.token_id for e in events if isinstance(e, Token)]
+    j = next(j for j in range(2, len(ids)) if ids[j] not in ids[:j])  # the first new token after two
+
+    class EndsThere(ByteTokenizer):
+        eos_id = ids[j]
+
+    engine = Engine(model, EndsThere(), config)
+    handle = engine.submit(Request(prompt, SamplingConfig(max_new_tokens=10)))
+    engine.run_until_done([handle])
+    assert (handle.finish.reason, handle.finish.completion_tokens) == ("stop", j)
+    assert engine.decoded_tokens == j - 1  # the prefill chose the first; the decode steps the rest

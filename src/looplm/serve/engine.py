@@ -434,7 +434,7 @@ class Engine:
         for row in list(self._rows):
             self._finish(0, "cancelled")
         while self._pending:
-            self._pending.popleft().emit(Finish("cancelled", "", "", 0, 0, 0.0))
+            self._finish_unstarted(self._pending.popleft(), "cancelled")
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -463,19 +463,13 @@ class Engine:
             for h in cancelled:
                 self._pending.remove(h)
         for h in cancelled:
-            reason = "error" if h.sink_error else "cancelled"
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            h.emit(
-                Finish(
-                    reason,
-                    "",
-                    "",
-                    len(h.request.prompt_ids),
-                    0,
-                    0.0,
-                    error=h.sink_error,
-                )
-            )
+            self._finish_unstarted(h, "error" if h.sink_error else "cancelled", h.sink_error)
+
+    def _finish_unstarted(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
+        """End a request that never became a row (cancelled in the queue, its prefill failed, the
+        engine stopped): counted as every finished request is, with its prompt's size."""
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        handle.emit(Finish(reason, "", "", len(handle.request.prompt_ids), 0, 0.0, error=error))
 
     def _admit(self) -> bool:
         admitted = False
@@ -496,7 +490,7 @@ class Engine:
                     continue
                 if len(self._rows) < self.pool.running:  # the slot was claimed but the row not added
                     self.pool.release(self.pool.running - 1)
-                handle.emit(Finish("error", "", "", len(handle.request.prompt_ids), 0, 0.0, error=message))
+                self._finish_unstarted(handle, "error", message)
         return admitted
 
     def _prefill(self, handle: RequestHandle) -> None:
@@ -579,13 +573,16 @@ class Engine:
         for i in slots:
             self.pool.set_length(i, self.pool.lengths[i] + 1)
         used = used_t.tolist()
-        self._count(len(slots), sum(used[i] for i in slots))
         for i in slots:
             rows[i].depths.append(used[i])
         greedy = logits.argmax(-1).tolist()  # one host sync for every greedy row
         # rows finish (and move) while we go: walk from the end so the rows not yet seen stay put
-        for i in reversed(slots):
-            self._accept(i, logits[i], used[i], None if rows[i].generator is not None else greedy[i])
+        emitted = [
+            i
+            for i in reversed(slots)
+            if self._accept(i, logits[i], used[i], None if rows[i].generator is not None else greedy[i])
+        ]
+        self._count(len(emitted), sum(used[i] for i in emitted))
 
     def _speculate(self, plan: tuple[int, int, int], members: list[bool], carried: list[bool]) -> None:
         """One speculative round (`looplm.serve.speculation`) of the `members` rows, which share `plan`.
@@ -637,13 +634,11 @@ class Engine:
             row = rows[i]
             if carried[i]:  # its plain step: chosen as a plain step chooses
                 row.depths.append(depth)
-                emitted += 1
-                self._accept(i, result.logits[i, 0], depth)
+                emitted += self._accept(i, result.logits[i, 0], depth)
                 continue
             for j, tok in enumerate(result.tokens[i]):
                 row.depths.append(depth)
-                emitted += 1
-                self._accept(i, result.logits[i, j], depth, tok)
+                emitted += self._accept(i, result.logits[i, j], depth, tok)
                 if i >= len(rows) or rows[i] is not row:  # finished: its slot is free (or another row's)
                     break
         # acceptance counts the verifier's decisions, emitted or not; tokens, what the rows emitted
@@ -792,15 +787,16 @@ class Engine:
             return None
         return self._step.key_range(max(self.pool.lengths) + n)
 
-    def _accept(self, slot: int, logits: torch.Tensor, depth: int, token: int | None = None) -> None:
+    def _accept(self, slot: int, logits: torch.Tensor, depth: int, token: int | None = None) -> bool:
         """Choose slot's next token from its last logits [V] (or take the greedy `token`); emit it;
-        finish the row if it is done."""
+        finish the row if it is done. Returns whether a token was emitted (an EOS ends the row
+        unemitted, and counts as no decoded token)."""
         row = self._rows[slot]
         req = row.handle.request
         tok = token if token is not None else int(choose(logits[None], req.sampling, row.generator)[0])
         if tok == self.tokenizer.eos_id:
             self._finish(slot, "stop")
-            return
+            return False
         piece, stopped = row.stream.push(tok)
         self.generated_tokens += 1
         event = Token(tok, piece, depth)
@@ -817,6 +813,7 @@ class Engine:
             self._finish(slot, "length")
         else:
             row.next_token = tok
+        return True
 
     def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
         row = self._rows[slot]
