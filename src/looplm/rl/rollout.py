@@ -34,7 +34,10 @@ class SavedStateError(ValueError):
 
 def parameter_version(model: torch.nn.Module) -> str:
     """A stamp that changes whenever any parameter is modified in place (an optimizer step,
-    `load_state_dict`, `copy_`): torch bumps a tensor's version counter on every in-place write."""
+    `load_state_dict`, `copy_`): torch bumps a tensor's version counter on every in-place write.
+    Writes that bypass the counter are not seen: a fused optimizer's kernel (`AdamW(fused=True)`),
+    a write through `.data`, `module.to(dtype)`. `looplm rl` steps a non-fused AdamW; a loop of your
+    own around `score_and_backward` must too, or roll out afresh after every update."""
     versions = ",".join(f"{p._version}" for p in model.parameters())
     return f"{id(model):x}:" + hashlib.sha256(versions.encode()).hexdigest()[:16]
 

@@ -81,7 +81,11 @@ class RLTrainer:
         self.reward_fn = get_reward(cfg.reward, cfg.source)
         self.stop = cfg.stop if cfg.stop is not None else ("\n",) if cfg.source == "tasks" else ("\n\n", "Question:")
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8
+            param_groups(self.model, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=1e-8,
+            fused=False,  # a fused step writes without bumping version counters: the stale-state check needs them
         )
         self.step, self.elapsed = 0, 0.0
         resume_from = self._find_resume()
