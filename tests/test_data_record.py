@@ -198,3 +198,30 @@ def test_a_relative_data_source_is_read_back_from_another_folder(tmp_path, monke
     assert json.loads((elsewhere / "eval.json").read_text())["perplexity"]["1"]["tokens"] > 0
     # the report and its pictures, no second token cache here
     assert sorted(p.name for p in elsewhere.iterdir() if p.suffix != ".png") == ["eval.json"]
+
+
+def test_held_out_examples_with_the_training_seed_are_still_fresh():
+    # eval draws with EvalConfig.task_seed (1234): a run trained with seed 1234 got no example at all
+    from looplm.data import TaskConfig, generate_examples
+    from looplm.data.record import DataRecord
+
+    tasks = TaskConfig(kinds=("add",), max_difficulty=3)
+    record = DataRecord(source="tasks", tasks=tasks, n_task_examples=500, seed=1234)
+    seen = {ex.prompt for ex in generate_examples(tasks, 500, 1234)}
+    fresh = record.held_out_examples(100, 1234)
+    assert len(fresh) > 50 and not {ex.prompt for ex in fresh} & seen
+
+
+def test_a_data_record_with_a_bad_tasks_section_is_a_data_error():
+    from looplm.data.record import DataRecord
+    from looplm.data.sources import DataError
+
+    base = DataRecord(source="tasks").to_dict()
+    for tasks, message in (
+        ({**base["tasks"], "extra": 1}, "unknown task config fields"),  # a newer looplm's record
+        (["add"], "not a mapping"),
+    ):
+        with pytest.raises(DataError, match=message):
+            DataRecord.from_dict({**base, "tasks": tasks})
+    without_kinds = {k: v for k, v in base["tasks"].items() if k != "kinds"}
+    assert DataRecord.from_dict({**base, "tasks": without_kinds}).tasks.kinds == DataRecord().tasks.kinds

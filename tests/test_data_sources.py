@@ -70,6 +70,17 @@ def test_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="latin1.txt is not valid UTF-8"):
         list(iter_documents(str(bad)))
     assert issubclass(DataError, ValueError)
+    # the offset of the bad byte counts from the file's start, in a file read in chunks too
+    for at in (1000, 300_000):
+        big = tmp_path / f"bad{at}.txt"
+        big.write_bytes(b"ab\n" * (at // 3) + b"a" * (at % 3) + b"\xff" + b"tail\n" * 10)
+        with pytest.raises(DataError, match=rf"bad{at}.txt is not valid UTF-8 \(byte offset {at}\)"):
+            list(iter_documents(str(big)))
+    # a JSON escape of half a surrogate pair (a cut emoji) is no text: named with its line
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"text": "fine"}\n{"text": "a cut emoji \\ud83d here"}\n')
+    with pytest.raises(DataError, match=r"cut.jsonl:2: field 'text' holds a lone surrogate"):
+        list(iter_documents(str(cut)))
 
 
 def test_hf_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:

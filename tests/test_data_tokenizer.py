@@ -132,3 +132,16 @@ def test_byte_level_alphabet_is_the_backends() -> None:
 
     assert sorted(BYTE_LEVEL) == sorted(pre_tokenizers.ByteLevel.alphabet())
     assert sorted(BYTE_LEVEL.values()) == list(range(256))
+
+
+def test_a_pickled_bpe_tokenizer_keeps_special_token_text_as_text() -> None:
+    # the trainer broadcasts its tokenizer to the other ranks by pickling; the backend's
+    # encode_special_tokens flag did not survive it, so "<eos>" in text became the EOS id there
+    import copy
+    import pickle
+
+    tok = BPETokenizer.train(["some text with <eos> in it " * 20], vocab_size=300)
+    for other in (pickle.loads(pickle.dumps(tok)), copy.deepcopy(tok)):
+        assert other.encode("a<eos>b") == tok.encode("a<eos>b")
+        assert tok.eos_id not in other.encode("a<eos>b")
+        assert other.fingerprint() == tok.fingerprint()

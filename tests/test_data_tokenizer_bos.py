@@ -177,6 +177,19 @@ def test_bos_policy_of_a_release_tokenizer(post_processor, config, want):
     assert bos_policy(backend(post_processor), config) == want
 
 
+def test_a_template_that_also_ends_the_text_still_names_its_bos():
+    # "<s> $A </s>" puts the BOS before every text as "<s> $A" does (it was read as no BOS)
+    from looplm.data.tokenizer import bos_policy
+
+    tok = backend(False)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A {EOS}", special_tokens=[(BOS, tok.token_to_id(BOS)), (EOS, tok.token_to_id(EOS))]
+    )
+    assert bos_policy(tok, {}) == BOS
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, tok.token_to_id(EOS))])
+    assert bos_policy(tok, {}) is None  # an end token alone is no BOS
+
+
 def test_a_policy_naming_an_unknown_token_is_refused():
     from looplm.data.tokenizer import bos_policy
     from looplm.errors import UserError

@@ -10,6 +10,7 @@ record as data.json (`looplm.checkpoint`); a training run's record is read off i
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,12 @@ class DataRecord:
         return self.datasets(tokenizer, seq_len)[1]
 
     def held_out_examples(self, n: int, seed: int) -> list[Example]:
-        """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold."""
+        """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold.
+        A `seed` equal to the training seed would draw the training set's first examples (every one of
+        them dropped), so that draw takes a seed derived from both instead."""
         seen = {ex.prompt for ex in generate_examples(self.tasks, self.n_task_examples, self.seed)}
+        if seed == self.seed:
+            seed = int.from_bytes(hashlib.sha256(f"looplm-held-out-{seed}".encode()).digest()[:8], "little")
         return [ex for ex in generate_examples(self.tasks, n, seed) if ex.prompt not in seen]
 
 
@@ -137,4 +142,12 @@ def absolute_source(source: str) -> str:
 def _task_config(data) -> TaskConfig:
     if isinstance(data, TaskConfig):
         return data
-    return TaskConfig(**{**data, "kinds": tuple(data["kinds"])})
+    if not isinstance(data, dict):
+        raise DataError(f"the data record's tasks section is not a mapping: {data!r}")
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(TaskConfig)})
+    if unknown:
+        raise DataError(f"unknown task config fields {unknown} in the data record (written by a newer looplm?)")
+    values = dict(data)
+    if "kinds" in values:
+        values["kinds"] = tuple(values["kinds"])
+    return TaskConfig(**values)

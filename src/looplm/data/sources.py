@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -57,8 +58,23 @@ def _iter_text_file(path: Path) -> Iterator[Document]:
         text = "".join(buf)
         if text.strip():
             yield Document(text)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not valid UTF-8 (byte offset {exc.start})") from None
+    except UnicodeDecodeError:
+        raise DataError(_not_utf8(path)) from None
+
+
+def _not_utf8(path: Path) -> str:
+    """The error of a file that is not UTF-8, with the file offset of its first bad byte (a streaming
+    decoder's own offset counts from its current chunk)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            pending = len(decoder.getstate()[0])  # bytes of a character begun in the chunk before
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                return f"{path} is not valid UTF-8 (byte offset {offset - pending + exc.start})"
+            offset += len(chunk)
+    return f"{path} is not valid UTF-8 (it ends inside a character)"
 
 
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[Document]:
@@ -76,10 +92,17 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[Document]:
                 text = record[text_field]
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{lineno}: field {text_field!r} is not a string")
+                try:  # JSON may escape half of a surrogate pair (a cut emoji), which is no text
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise DataError(
+                        f"{path}:{lineno}: field {text_field!r} holds a lone surrogate {text[exc.start]!r} "
+                        f"at character {exc.start} (half of an escaped pair), which is no UTF-8 text"
+                    ) from None
                 if text.strip():
                     yield Document(text)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not valid UTF-8 (byte offset {exc.start})") from None
+    except UnicodeDecodeError:
+        raise DataError(_not_utf8(path)) from None
 
 
 def _folder_files(path: Path) -> list[Path]:

@@ -182,6 +182,11 @@ class BPETokenizer(Tokenizer):
             and b"".join(bytes(BYTE_LEVEL[c] for c in p) for p in pieces) == probe.encode()
         )
 
+    def __reduce__(self):
+        # rebuilt through __init__: `encode_special_tokens` is a runtime flag of the backend that
+        # pickling (a broadcast to other ranks, a deepcopy) does not carry
+        return (_rebuild_bpe, (self._json, *self._names, self._bos_name))
+
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         """Train a byte-level BPE of (at most) ``vocab_size`` ids in memory."""
@@ -332,9 +337,14 @@ def bos_policy(backend: HFTokenizer, config: dict, special_tokens: dict | None =
     probe = "looplm probe"
     plain = backend.encode(probe, add_special_tokens=False).ids
     full = backend.encode(probe, add_special_tokens=True).ids
-    if len(full) == len(plain) + 1 and full[1:] == plain:
+    # "<s> $A" and "<s> $A </s>" alike: one token before the text (what follows it is not a BOS)
+    if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
         return backend.id_to_token(full[0])
     return None
+
+
+def _rebuild_bpe(json_text: str, eos_token: str, pad_token: str, bos_token: str | None) -> BPETokenizer:
+    return BPETokenizer(HFTokenizer.from_str(json_text), eos_token, pad_token, bos_token)
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:

@@ -36,7 +36,8 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per packed training sequence (at most the model's max_seq_len)."""
     holdout: float = 0.05
-    """Fraction of documents held out for validation."""
+    """Fraction of documents held out for validation: drawn from (seed, number of documents), so a
+    corpus that gains or loses documents after training splits anew (evaluate on the corpus as trained)."""
     text_field: str = "text"
     """Field of each JSONL record (or HF dataset row) that holds the text."""
     cache_dir: Path = Path(".cache/looplm")
