@@ -152,6 +152,12 @@ def test_missing_manifest(checkpoint):
         ckpt.load_model(checkpoint)
 
 
+def _unlist_the_weights(path):
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["sha256"]["model.safetensors"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
@@ -161,6 +167,10 @@ def test_missing_manifest(checkpoint):
             "unknown checkpoint format",
         ),
         (lambda p: (p / "config.json").unlink(), "config.json listed in the manifest is missing"),
+        # a manifest without its table was a KeyError (an internal error at the command line)
+        (lambda p: (p / "manifest.json").write_text(json.dumps({"format": ckpt.FORMAT})), "has no sha256 table"),
+        # weights the manifest does not list loaded unchecked
+        (_unlist_the_weights, "model.safetensors not in the manifest"),
     ],
 )
 def test_damaged_manifest_or_missing_file(checkpoint, edit, match):

@@ -423,6 +423,8 @@ def test_refuses_bad_tensors(tmp_path, mutate, match):
         ({"huginn_input_injection": "none"}, "the input would never enter the recurrence"),  # state_init normal
         ({"huginn_hierarchical_state": "split_hl"}, "huginn_hierarchical_state"),
         ({"num_layers": 5}, "num_layers 5"),
+        # the release starts from zeros by default; this converted to a noise start (0.41 logits off)
+        ({"huginn_state_init": "zero"}, "huginn_state_init 'zero': a zero initial state"),
     ],
 )
 def test_refuses_configs_it_cannot_convert_exactly(tmp_path, overrides, match):

@@ -190,7 +190,13 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
         raise CheckpointError(f"{path}/{MANIFEST} is not valid JSON") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
-    for name, digest in sorted(manifest["sha256"].items())[share[0] :: share[1]]:
+    listed = manifest.get("sha256")
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{path}/{MANIFEST} has no sha256 table")
+    unlisted = sorted(f.name for f in path.glob("*.safetensors") if f.name not in listed)
+    if unlisted:  # weights nothing vouches for would load unchecked
+        raise CheckpointError(f"{path}: {', '.join(unlisted)} not in the manifest (a file put there by hand?)")
+    for name, digest in sorted(listed.items())[share[0] :: share[1]]:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")

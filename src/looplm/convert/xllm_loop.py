@@ -159,6 +159,11 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
         raise refuse(f"prelude {n_prelude} + core {n_core} + coda {n_coda} layers != num_layers {n_layers}")
     injection, kind, prelude_norm, _ = _scheme(model)
     state_init = field(model, "huginn_state_init")
+    if state_init not in ("normal", "input"):  # the release's default is 'zero'
+        raise refuse(
+            f"huginn_state_init {state_init!r}: a zero initial state has no looplm state_init (it would "
+            "start from noise); only 'normal' and 'input' releases convert"
+        )
     if state_init == "input" and prelude_norm:
         raise refuse(
             "huginn_state_init 'input' with a prelude norm: which prelude output starts the state is not mapped"
@@ -179,7 +184,7 @@ def _release(config: dict, tokenizer_vocab: int) -> _Release:
         norm_eps=float(field(model, "rmsnorm_eps")),
         ortho_eps=float(field(model, "huginn_ortho_projection_eps")),
         max_depth=max_depth,
-        state_init="input" if state_init == "input" else "normal",  # input: s0 = the prelude output e
+        state_init=state_init,  # input: s0 = the prelude output e
     )
     try:
         cfg.validate()
