@@ -193,3 +193,6 @@ def test_parcae_carryover_against_a_direct_computation(tiny_model_config):
     torch.testing.assert_close(out["cos"], cq / (c.norm(dim=-1) * q.norm(dim=-1)), rtol=1e-5, atol=1e-6)
     assert (out["amplification"] - 1).abs().mean() > 0.05  # not OrthoInj's 1
     assert carryover_alignment(LoopedLM(tiny_model_config(injection="deq-qkv")).injection, c, q) is None
+    # no injection (Ouro): s' = s, nothing is injected to align with (it reported cos 0.98, amplification 2)
+    none = LoopedLM(tiny_model_config(injection="none", state_init="input")).injection
+    assert carryover_alignment(none, c, q) is None

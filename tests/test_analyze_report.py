@@ -127,6 +127,23 @@ def test_bad_settings_are_one_line_errors(run_dir, tmp_path, capsys, flags, mess
     assert not (tmp_path / "o").exists()
 
 
+def test_other_data_gets_its_own_folder_and_the_report_names_its_data(run_dir, tmp_path, capsys):
+    run = shutil.copytree(run_dir, tmp_path / "run", symlinks=True)
+    assert main(["analyze", str(run), *FAST, "--data", "shakespeare"]) == 0
+    assert "held-out tokens of shakespeare" in capsys.readouterr().out
+    assert json.loads((run / "analyze-shakespeare" / "report.json").read_text())["data"] == "shakespeare"
+    assert not (run / "analyze").exists()  # the run's own analysis was overwritten before
+
+
+def test_an_output_that_is_a_file_is_refused_before_the_work(run_dir, tmp_path, capsys):
+    # it was an internal error (FileExistsError) once the whole analysis had run
+    (tmp_path / "file").write_text("")
+    assert main(["analyze", str(run_dir), *FAST, "--output", str(tmp_path / "file")]) == 2
+    assert "is a file, not a folder" in _error(capsys)
+    assert main(["analyze", str(run_dir), *FAST, "--output", str(tmp_path / "file" / "out")]) == 2
+    assert "file" in _error(capsys)
+
+
 def test_checkpoint_without_a_recurrent_core(run_dir, tmp_path, capsys):
     path = ckpt.resolve(shutil.copytree(run_dir, tmp_path / "run", symlinks=True))
     config = ckpt.read_json(path, "config.json")

@@ -116,3 +116,15 @@ def test_rows_are_judged_separately():
 def test_solve_rule_validation(bad):
     with pytest.raises(ValueError):
         SolveRule(**bad).validate()
+
+
+def test_the_shortest_allowed_solve_can_qualify_an_exact_fixed_point():
+    # step 1 never counts (no earlier K/V), so 8 stable + 16 confirmation + 1 final need 26 steps;
+    # 25 was allowed and then could never qualify anything
+    rule = SolveRule()
+    shortest = rule.stable_steps + rule.confirm_steps + 2
+    with pytest.raises(ValueError, match="leaves no room"):
+        SolveRule(max_depth=shortest - 1).validate()
+    SolveRule(max_depth=shortest).validate()
+    out = solve(lambda s: (s, []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=shortest))
+    assert out.qualified.all()

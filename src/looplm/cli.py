@@ -31,7 +31,7 @@ from looplm.analyze.report import AnalyzeConfig
 from looplm.data.tasks import DEFAULT_TASK_EXAMPLES
 from looplm.distill.config import DistillConfig
 from looplm.errors import UserError, install_hint
-from looplm.eval.report import EvalConfig, report_name
+from looplm.eval.report import EvalConfig, data_name, report_name
 from looplm.infer.depth_rule import CacheKind, DepthRule
 from looplm.infer.generate import SamplingConfig
 from looplm.infer.prefill import PrefillArm
@@ -41,7 +41,15 @@ from looplm.train.config import JOB_PRESETS, TrainJob
 
 # What a user can fix: looplm's UserError (bad options, data, checkpoints), a path that is not there or
 # not readable, a run whose loss diverged (the message says which option to change).
-USER_ERRORS = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FloatingPointError)
+USER_ERRORS = (
+    UserError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    FloatingPointError,
+)
 DEBUG_ENV = "LOOPLM_DEBUG"
 
 PresetJob = tyro.extras.subcommand_type_from_defaults(
@@ -538,7 +546,15 @@ def analyze(
     require_recurrence(path)
     model, tokenizer, _ = load_model(path, device)
     cfg.validate(model.cfg.max_depth)
-    data = _data_record(path, data, model.cfg.max_seq_len).validation(tokenizer)
+    record = _data_record(path, data, model.cfg.max_seq_len)
+    own = _recorded_data(path)
+    other = data is not None and (own is None or own.source != record.source)
+    # other data than the run's own gets its own folder, as eval's report does: the run's stays
+    out = cfg.output or _run_folder(path) / ("analyze" if not other else f"analyze-{data_name(data)}")
+    if out.exists() and not out.is_dir():  # refused now, not after the work
+        raise UserError(f"the output {out} is a file, not a folder: choose another --output")
+    out.parent.mkdir(parents=True, exist_ok=True)  # a path under a file fails here too
+    data = record.validation(tokenizer)
     bar = _progress(cfg.work_units(len(data)), "analyze")
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
@@ -554,7 +570,7 @@ def analyze(
     finally:
         torch.set_num_threads(default_threads)
         bar.close()
-    out = cfg.output or _run_folder(path) / "analyze"
+    analysis.report["data"] = record.source
     paths = write_outputs(analysis, out, plots=cfg.plots)
     print(format_summary(analysis.report))
     print(f"\nwrote {', '.join(p.name for p in paths)} to {out} in {time.time() - start:.0f} s")

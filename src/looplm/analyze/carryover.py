@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from looplm.model.injection import DeqQKV
+from looplm.model.injection import DeqQKV, NoInjection
 
 
 def carryover_alignment(injection, endpoint: torch.Tensor, injected: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """Per-token {"cos", "amplification"} [B, L] in fp64 at state `endpoint` with injected input q;
-    None for DEQ-QKV, which has no core-entrance injection."""
-    if isinstance(injection, DeqQKV):
+    None for DEQ-QKV, which has no core-entrance injection, and for no injection at all (Ouro: the
+    input enters only through s0, so there is no injected input to align with)."""
+    if isinstance(injection, (DeqQKV, NoInjection)):
         return None
     c = injection.carryover(endpoint, injected).double()
     q = injected.double()
@@ -32,7 +33,7 @@ def carryover_alignment(injection, endpoint: torch.Tensor, injected: torch.Tenso
 def summarize(values: torch.Tensor) -> dict[str, float]:
     """{"mean", "median", "q10", "q90", "min", "max"} of a tensor of per-token values."""
     v = values.flatten().double()
-    q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64, device=v.device))
     return {
         "mean": float(v.mean()),
         "median": float(q[1]),

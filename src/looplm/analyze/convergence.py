@@ -76,7 +76,7 @@ def convergence_profile(change: torch.Tensor, positions: torch.Tensor, tau: floa
                 }
             )
     flat = change.flatten(1).double()
-    q = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64), dim=1)
+    q = torch.quantile(flat, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device=flat.device), dim=1)
     return {
         "tau": tau,
         "horizon": H,

@@ -273,7 +273,9 @@ def format_summary(report: dict) -> str:
     """A one-screen plain-text summary of the report."""
     c = report["convergence"]
     lines = [
-        f"fixed-point diagnostics ({report['model']['injection']}, {c['tokens']} held-out tokens, "
+        f"fixed-point diagnostics ({report['model']['injection']}, {c['tokens']} held-out tokens"
+        + (f" of {report['data']}" if report.get("data") else "")
+        + ", "
         f"horizon {c['horizon']}, tau {c['tau']:g})",
         f"  converged: {100 * c['fraction_converged']:.1f}% of tokens; median convergence depth "
         f"{_fmt(c['median_depth'])}; never: {c['never']}",

@@ -55,10 +55,10 @@ class SolveRule:
             raise UserError(f"solve tolerances must be > 0, got tol={self.tol}, drift_tol={self.drift_tol}")
         if self.stable_steps < 1 or self.confirm_steps < 0:
             raise UserError("solve stable_steps must be >= 1 and confirm_steps >= 0")
-        if self.max_depth < self.stable_steps + self.confirm_steps + 1:
+        if self.max_depth < self.stable_steps + self.confirm_steps + 2:  # the first step never counts as stable
             raise UserError(
-                f"solve max_depth {self.max_depth} leaves no room for {self.stable_steps} stable, "
-                f"{self.confirm_steps} confirmation and 1 final step"
+                f"solve max_depth {self.max_depth} leaves no room for the first step (no earlier K/V to "
+                f"compare), {self.stable_steps} stable, {self.confirm_steps} confirmation and 1 final step"
             )
 
 

@@ -371,13 +371,16 @@ def report_name(source: str | None) -> str:
     eval-<source>.json for other data (`--data`), so that scoring other text never replaces the run's report.
     <source> is the data's name made safe for any file system: a path's last part, hf:org/set:split as
     hf-org-set-split."""
+    return "eval.json" if source is None else f"eval-{data_name(source)}.json"
+
+
+def data_name(source: str) -> str:
+    """A data source's name made safe for any file system: a path's last part, hf:org/set:split as
+    hf-org-set-split (what reports on other data than a run's own are named after)."""
     import re
 
-    if source is None:
-        return "eval.json"
     name = source if source.startswith("hf:") else (Path(source.rstrip("/\\")).name or source)
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:80] or "data"
-    return f"eval-{safe}.json"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")[:80] or "data"
 
 
 def write_report(report: dict, path: Path) -> None:
