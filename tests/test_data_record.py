@@ -156,7 +156,8 @@ def test_a_converted_release_is_evaluated_on_text_by_default(tmp_path, monkeypat
         )
         == 0
     )
-    analysis = json.loads((out / "analyze" / "report.json").read_text())
+    analysis = json.loads((out / "analyze-held.jsonl" / "report.json").read_text())  # other data: its own folder
+    assert analysis["data"] == str(held)
     val = record.with_source(str(held)).validation(ckpt.load_model(out)[1])  # a row or two of the held text
     assert len(val) < AnalyzeConfig().sequences < len(record.validation(ckpt.load_model(out)[1]))
     assert analysis["convergence"]["tokens"] == len(val) * 64
