@@ -100,3 +100,15 @@ def test_hf_with_fake_package(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [d.text for d in iter_documents("hf:org/corpus:validation")] == ["one", "two"]
     assert list(iter_documents("hf:org/corpus")) == [Document("one"), Document("two")]
     assert calls == [("org/corpus", "validation"), ("org/corpus", "train")]
+
+
+def test_a_changed_hf_dataset_is_new_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the token cache's key named the dataset only: a local copy that changed kept its old tokens
+    class Rows(list):
+        _fingerprint = "a1"
+
+    rows = Rows([{"text": "old"}])
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, split: rows))
+    before = sources.describe_source("hf:/data/local_set")
+    rows._fingerprint = "b2"
+    assert sources.describe_source("hf:/data/local_set") != before

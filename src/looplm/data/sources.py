@@ -118,6 +118,16 @@ def _parse_hf(source: str) -> tuple[str, str]:
 
 
 def _iter_hf(source: str, text_field: str) -> Iterator[Document]:
+    for i, record in enumerate(_load_hf(source)):
+        if text_field not in record:
+            raise DataError(f"{source}: record {i} has no field {text_field!r}")
+        text = record[text_field]
+        if isinstance(text, str) and text.strip():
+            yield Document(text)
+
+
+def _load_hf(source: str):
+    """The locally cached dataset of an hf:<name>[:<split>] source."""
     name, split = _parse_hf(source)
     # Never touch the network: only a locally cached dataset may be used.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -126,15 +136,9 @@ def _iter_hf(source: str, text_field: str) -> Iterator[Document]:
     except ImportError:
         raise DataError(f"source {source!r} needs the 'datasets' package: {install_hint('datasets')}") from None
     try:
-        ds = datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, split=split)
     except Exception as exc:  # datasets raises many unrelated types
         raise DataError(f"cannot load cached dataset {name!r} split {split!r}: {exc}".splitlines()[0]) from None
-    for i, record in enumerate(ds):
-        if text_field not in record:
-            raise DataError(f"{source}: record {i} has no field {text_field!r}")
-        text = record[text_field]
-        if isinstance(text, str) and text.strip():
-            yield Document(text)
 
 
 def _iter_raw(
@@ -204,7 +208,10 @@ def describe_source(
         return describe_corpus(source)
     if source.startswith("hf:"):
         name, split = _parse_hf(source)
-        return json.dumps({"source": "hf", "name": name, "split": split, "field": text_field}, sort_keys=True)
+        # the dataset's own fingerprint (datasets derives it from its files): a changed local copy is new data
+        fingerprint = getattr(_load_hf(source), "_fingerprint", None)
+        desc = {"source": "hf", "name": name, "split": split, "field": text_field, "fingerprint": fingerprint}
+        return json.dumps(desc, sort_keys=True)
     path = Path(source)
     if not path.exists():
         raise DataError(f"data source not found: {source}")
