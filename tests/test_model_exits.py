@@ -124,3 +124,30 @@ def test_adaptive_exit_needs_the_terminal_cache():
     m = _model()
     with pytest.raises(ValueError, match="needs the terminal cache"):
         m(torch.zeros(1, 3, dtype=torch.long), DepthPlan(4, exit_tau=0.1), cache=make_cache("full", m.cfg, 1, 8, 4))
+
+
+def test_a_forward_with_per_row_depths_backpropagates_as_each_row_alone():
+    # Exits.after changed `active` in place after torch.where kept it for backward: the forward was
+    # right and .backward() failed. Reference: each row's own int-depth forward, its own gradient.
+    m = _model().train()
+    tokens = torch.randint(0, 50, (2, 5))
+    out = m(tokens, DepthPlan(torch.tensor([3, 1])), init="seeded", example_ids=torch.arange(2))
+    out.logits.square().sum().backward()
+    got = m.core[0].ffn.w1.weight.grad.clone()
+    m.zero_grad()
+    for b, depth in enumerate((3, 1)):
+        alone = m(tokens[b : b + 1], depth, init="seeded", example_ids=torch.tensor([b]))
+        alone.logits.square().sum().backward()
+    torch.testing.assert_close(got, m.core[0].ffn.w1.weight.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="bptt_window"):  # it was silently full backprop here
+        m(tokens, DepthPlan(torch.tensor([3, 1])), bptt_window=1)
+
+
+def test_the_exit_gate_returns_only_the_states_asked_for():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, exit_gate=True)
+    m = LoopedLM(cfg).eval()
+    with torch.no_grad():
+        out = m(torch.randint(0, 50, (1, 6)), DepthPlan(4, exit_gate=0.5), return_states=True, keep_states=1)
+        every = m(torch.randint(0, 50, (1, 6)), DepthPlan(4, exit_gate=0.5), return_states=True)
+    assert len(out.states) == 1 and len(every.states) == 4

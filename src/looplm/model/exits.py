@@ -101,7 +101,7 @@ class Exits:
             change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
             stop |= self.active & (change < self.tau) & (r + 1 >= self.floor)
         self.used[stop] = r + 1
-        self.active &= ~stop
+        self.active = self.active & ~stop  # a new tensor: the torch.where above keeps this one for backward
         return s
 
     def compact(self) -> torch.Tensor | None:

@@ -414,6 +414,8 @@ class LoopedLM(nn.Module):
         `keep_states` k: of the returned states only the last k are kept."""
         n = s.shape[1]
         if plan.freezes:
+            if bptt_window is not None and torch.is_grad_enabled():
+                raise ValueError("bptt_window truncates a fixed depth's backprop; per-row depths and exits take none")
             s, states, used = self.with_exits(
                 s, ctx, plan, cache=cache, return_states=return_states, keep_states=keep_states
             )
@@ -430,6 +432,8 @@ class LoopedLM(nn.Module):
         if plan.exit_gate is not None:  # the gate's exit: each token's state at its exit recurrence enters the coda
             index = threshold_exit(exit_distribution([self.exit_gate(v) for v in visited]), plan.exit_gate)
             s, used = select_depth(torch.stack(visited, 2), index), index + 1
+            if keep_states is not None:  # the gate read every state; the caller keeps the last k
+                visited = visited[-keep_states:]
         return s, (visited if return_states else None), used
 
     def fixed_depth(
