@@ -283,6 +283,8 @@ def test_help_still_prints_in_full(capsys):
         (["--eval.choice-tasks", "{missing}"], "eval.choice_tasks: no such file"),
         (["--eval.sample-depths", "1", "--eval.sample-prompt", ""], "eval.sample_prompt: the samples need a non-empty"),
         (["--eval.cacheeval-span", "60", "10"], "P + C <= the context max_seq_len=64"),
+        # it failed after training and the other measurements, with no eval.json written
+        (["--data.seq-len", "32", "--eval.cacheeval-span", "30", "10"], "do not fit the data's rows of 32"),
         (["--train.lr", "-1"], "train.lr must be > 0, got -1"),
         (["--train.beta1", "2"], "train.beta1 must be in [0, 1), got 2"),
         (["--train.warmup-frac", "2"], "train.warmup_frac must be in [0, 1], got 2"),

@@ -203,10 +203,16 @@ def test_teacher_hash_depends_on_every_weight_and_not_on_the_object():
 
 
 class OneRow:
-    """A held-out set of one 20-token row, as a PackedDataset gives it."""
+    """A held-out set of one 20-token row, as a PackedDataset gives it: one document, or two whose
+    boundary falls at position 4 of the first half."""
 
-    def __init__(self):
+    def __init__(self, boundary: int | None = None):
         self.x = torch.randint(0, 50, (1, 20))
+        self.doc = torch.zeros_like(self.x)
+        self.positions = torch.arange(20)[None]
+        if boundary is not None:
+            self.doc[:, boundary:] = 1
+            self.positions[:, boundary:] -= boundary
 
     def __len__(self):
         return 1
@@ -214,8 +220,7 @@ class OneRow:
     def get_batch(self, idx):
         from looplm.data import Batch
 
-        zeros = torch.zeros_like(self.x)
-        return Batch(self.x, self.x, zeros, torch.arange(20)[None], torch.tensor([0]))
+        return Batch(self.x, self.x, self.doc, self.positions, torch.tensor([0]))
 
 
 def test_bank_error_against_a_direct_computation(single_thread):
@@ -232,3 +237,21 @@ def test_bank_error_against_a_direct_computation(single_thread):
     den = sum(a.k.pow(2).sum() + a.v.pow(2).sum() for a, _ in banks)
     want = math.sqrt(num / den)
     assert want > 0.01 and abs(bank_error(m, rows, Prefill("r1"), 4) - want) < 1e-5
+
+
+def test_bank_error_prefills_each_document_from_its_own_start(single_thread):
+    # the first half [0, 10) holds documents [0, 4) and [4, 10): each is its own prompt (its own
+    # cache), as in real use; the whole half as one sequence let the second attend to the first
+    from looplm.eval.prefill_arms import bank_error
+
+    m, rows = _teacher(), OneRow(boundary=4)
+    ids, num, den = torch.tensor([0]), 0.0, 0.0
+    for start, end in ((0, 4), (4, 10)):
+        x = rows.x[:, start:end]
+        ref, r1 = TerminalCache(m.cfg, 1, end - start), TerminalCache(m.cfg, 1, end - start)
+        extend(m, x, ref, 4, example_ids=ids)
+        extend(m, x, r1, 1, example_ids=ids)
+        for a, b in zip(ref.banks()[1:], r1.banks()[1:]):
+            num += float((b.k - a.k).pow(2).sum() + (b.v - a.v).pow(2).sum())
+            den += float(a.k.pow(2).sum() + a.v.pow(2).sum())
+    assert abs(bank_error(m, rows, Prefill("r1"), 4) - math.sqrt(num / den)) < 1e-5

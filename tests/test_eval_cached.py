@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -265,6 +266,38 @@ def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
         assert math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
 
 
+def test_prefilled_only_scores_the_documents_a_prefill_reaches(tmp_path):
+    """What compares prefill arms: of the second-half targets, only those of documents that begin
+    before the midpoint (their first part is the prompt an arm prefills); written out from doc ids."""
+    from looplm.data import build_datasets
+    from looplm.eval.cached import cached_perplexity
+
+    tok = ByteTokenizer()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(16):
+        (docs / f"{i}.txt").write_text("fox %d jumps. " % i * (1 + i % 3))
+    _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
+    rows = min(4, len(val))
+    m = _tiny(tok.vocab_size, 48)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(rows):
+            b = val.get_batch([i])
+            logits = m(
+                b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
+            ).logits
+            doc = b.doc_ids[0].tolist()
+            keep = torch.tensor([t >= 24 and doc[t] == doc[23] for t in range(48)])  # the document at 23 goes on
+            t = torch.where(keep, b.targets[0], -100)
+            total += F.cross_entropy(logits[0], t, ignore_index=-100, reduction="sum").item()
+            count += int((t != -100).sum())
+    every = cached_perplexity(m, val, 3, "full", max_sequences=rows)["tokens"]
+    got = cached_perplexity(m, val, 3, "full", max_sequences=rows, prefilled_only=True)
+    assert 0 < got["tokens"] == count < every
+    assert math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
+
+
 def test_cacheeval_span_protocol(tmp_path):
     """App. D.4 with P prompt and C continuation targets: in the first document of P + C tokens, starting
     at s, prefill inputs s .. s+P-1; the prefill's last logits score target s+P-1 (the token x[s+P]); then
@@ -303,6 +336,22 @@ def test_cacheeval_span_protocol(tmp_path):
         assert got["tokens"] == count and math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
     term = cached_perplexity(m, val, 2, "terminal", max_sequences=2, stepwise=True, span=(P, C))
     assert term["tokens"] == count and term["mean_decode_depth"] == 2.0
+
+
+def test_a_span_no_document_holds_is_named(tmp_path):
+    # short documents: no row holds P + C tokens of one document. The error blamed "no supervised targets".
+    from looplm.data import build_datasets
+    from looplm.eval.cached import cached_perplexity
+
+    tok = ByteTokenizer()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"{i}.txt").write_text(f"short {i}.")
+    _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
+    m = _tiny(tok.vocab_size, 48)
+    with pytest.raises(ValueError, match=r"cacheeval span 10 10: no held-out document has 20 tokens \(the longest has"):
+        cached_perplexity(m, val, 2, "full", max_sequences=2, span=(10, 10))
 
 
 def test_cached_perplexity_runs_in_the_model_dtype():

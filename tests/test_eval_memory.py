@@ -82,7 +82,7 @@ def test_sharing_estimate_bounds_the_measured_peak(rows):
     """One row with the full cache at R = 8 (the largest of the table's three protocols)."""
     torch.manual_seed(0)
     model = LoopedLM(CFG).eval()
-    for span in (None, (16, 24)):
+    for span in (None, (16, 24), (42, 21), (48, 8), (56, 4)):  # a prompt longer than its continuation too
         with LiveBytes() as mem:
             sharing_table(model, rows, [8], max_sequences=1, span=span)
         estimate = sharing_bytes(CFG, 64, 8, span)

@@ -282,6 +282,7 @@ def evaluate(
         model, tokenizer, _ = load_model(path, device)
         cfg.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tokenizer)
         record = _data_record(path, data, model.cfg.max_seq_len)
+        cfg.check_span(record.seq_len, prefix="--")
         if cfg.generation_examples and not record.is_tasks:
             print(
                 f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",

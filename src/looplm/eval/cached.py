@@ -41,7 +41,7 @@ from looplm.infer import extend, make_cache
 from looplm.infer.prefill import Prefill
 
 
-def _segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
+def document_segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of each document segment of a row, in order."""
     ids = doc_ids.tolist()
     out, start = [], 0
@@ -57,12 +57,12 @@ def _second_half_segments(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
     the segment is read from `start`, inputs [start, first) are prefilled and targets [first, end)
     scored; first = max(start, L // 2)."""
     mid = doc_ids.shape[0] // 2
-    return [(s, max(s, mid), e) for s, e in _segments(doc_ids) if e > mid]
+    return [(s, max(s, mid), e) for s, e in document_segments(doc_ids) if e > mid]
 
 
 def _document_with_room(doc_ids: torch.Tensor, need: int) -> int | None:
     """Start of the first document segment of a row with at least `need` tokens, or None."""
-    return next((s for s, e in _segments(doc_ids) if e - s >= need), None)
+    return next((s for s, e in document_segments(doc_ids) if e - s >= need), None)
 
 
 @torch.no_grad()
@@ -79,28 +79,39 @@ def cached_perplexity(
     min_depth: int = 1,
     span: tuple[int, int] | None = None,
     prefill: Prefill | None = None,
+    prefilled_only: bool = False,
 ) -> dict[str, float]:
     """{"loss", "ppl", "tokens", "mean_decode_depth"} with a `mode` ("terminal" or "full") cache at
     `depth`, under the row-halves protocol (default) or CacheEval spans (`span=(P, C)`; the paper uses
-    1,024 + 512; rows without a document of P + C tokens are skipped). See the module docstring for
+    1,024 + 512; rows without a document of P + C tokens are skipped, and `max_sequences` counts the
+    spans scored; none at all is a UserError naming the span). See the module docstring for
     exactly which targets are scored; "tokens" counts them.
 
     `stepwise=True` scores by teacher-forced one-token decoding instead of one parallel chunk (same
     targets). `prefill` writes the prompt part (`looplm.infer.prefill`: distilled student, R = 1 or 2;
-    default: the model at `depth`); the rest is scored at `depth`. Caches use the model's dtype."""
+    default: the model at `depth`); the rest is scored at `depth`. `prefilled_only` scores only the
+    documents that have a prefilled part (what compares prefill arms). Caches use the model's dtype."""
     dtype = next(model.parameters()).dtype
     total, count, depth_sum, n_dec = 0.0, 0, 0, 0
-    for i in range(min(len(data), max_sequences)):
+    if span is not None and (span[0] < 1 or span[1] < 1):
+        raise UserError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
+    # spans: the first `max_sequences` rows that hold a document of P + C tokens; halves: the first rows
+    rows, spans, longest = range(len(data) if span is not None else min(len(data), max_sequences)), 0, 0
+    for i in rows:
+        if span is not None and spans == max_sequences:
+            break
         b = data.get_batch([i]).to(device)
         if span is None:
             # (context start, first fed input after the prompt, end of fed inputs, first scored target)
             plans = [(s, first, e, first) for s, first, e in _second_half_segments(b.doc_ids[0])]
+            if prefilled_only:  # documents that start at or after the midpoint have no prompt to prefill
+                plans = [plan for plan in plans if plan[1] > plan[0]]
         else:
             P, C = span
-            if P < 1 or C < 1:
-                raise UserError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
             s = _document_with_room(b.doc_ids[0], P + C)
             plans = [] if s is None else [(s, s + P, s + P + C - 1, s + P - 1)]
+            spans += bool(plans)
+            longest = max([longest] + [e - s0 for s0, e in document_segments(b.doc_ids[0])])
         for start, fed, end, scored in plans:
             targets = b.targets[:, scored:end]
             n = int((targets != IGNORE_INDEX).sum())
@@ -111,7 +122,8 @@ def cached_perplexity(
             if fed > start:
                 out = (prefill or Prefill())(model, b.inputs[:, start:fed], cache, depth, example_ids=b.example_ids)
                 if scored < fed:  # CacheEval: the prefill's last logits score the first target
-                    logits.append(out[:, scored - fed :])
+                    logits.append(out[:, scored - fed :].clone())  # not a view holding all P rows' logits
+                del out
             if end > fed and stepwise:
                 for t in range(fed, end):
                     step = extend(
@@ -133,6 +145,11 @@ def cached_perplexity(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             ).item()
             count += n
+    if count == 0 and span is not None and spans == 0:
+        raise UserError(
+            f"cacheeval span {span[0]} {span[1]}: no held-out document has {span[0] + span[1]} tokens "
+            f"(the longest has {longest}); choose a shorter span"
+        )
     if count == 0:
         raise UserError("no scored tokens for cached perplexity (no supervised targets in the scored part of any row)")
     loss = total / count

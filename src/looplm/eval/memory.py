@@ -45,12 +45,20 @@ def perplexity_bytes(cfg: ModelConfig, seq_len: int, batch: int, ce_chunk_rows: 
 
 
 def sharing_bytes(cfg: ModelConfig, seq_len: int, depth: int, span: tuple[int, int] | None) -> int:
-    """Activation bytes of one row of the full-cache sharing protocol at `depth`."""
-    length, scored = (span[0] + span[1] - 1, span[1]) if span is not None else (seq_len, seq_len - seq_len // 2)
+    """Activation bytes of one row of the full-cache sharing protocol at `depth`: the cache, the larger
+    of the prompt's forward and the scored chunk's, and the logits (the prompt's [P, V] and the head's
+    packed weight while it is prefilled, then the scored ones three times: kept, concatenated, in the
+    cross-entropy)."""
+    if span is not None:
+        prompt, scored = span
+        length = prompt + scored - 1
+    else:
+        prompt, scored, length = seq_len // 2, seq_len - seq_len // 2, seq_len
     visits = cfg.n_prelude + cfg.n_core * depth + cfg.n_coda
     cache = visits * 2 * length * cfg.n_kv_heads * cfg.head_dim * FP32
-    logits = 3 * scored * cfg.vocab_size * FP32
-    return cache + logits + perplexity_bytes(cfg, scored, 1, ce_chunk_rows=0)  # + the chunk's forward
+    head = cfg.vocab_size * cfg.d_model * FP32  # the CPU BLAS packs the head's weight for a many-row product
+    logits = max(prompt * cfg.vocab_size * FP32 + head, 3 * scored * cfg.vocab_size * FP32)
+    return cache + logits + perplexity_bytes(cfg, max(prompt, scored), 1, ce_chunk_rows=0)  # + the forward
 
 
 def eval_peak_bytes(cfg: ModelConfig, seq_len: int, eval_cfg) -> dict[str, int]:

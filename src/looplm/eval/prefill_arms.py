@@ -3,9 +3,11 @@
 Decoding is the same for every arm (the teacher at depth R with the terminal cache); only the way
 the prompt enters the cache differs (`looplm.infer.prefill`). Per arm and depth:
 - continuation perplexity: prefill the first half of each held-out row with the arm and score the
-  second half at R (`cached_perplexity`);
+  second half at R as one teacher-forced chunk (`cached_perplexity`), over the documents that have a
+  prefilled part (a document that starts past the midpoint is scored the same by every arm);
 - generator-task exact match: prefill the prompt with the arm, then greedy decoding at R;
-- bank error: how far the arm's terminal banks are from those of teacher prefill at R.
+- bank error: how far the arm's terminal banks are from those of teacher prefill at R, each
+  document of the first half prefilled from its own start (no attention crosses documents).
 Any arm works here, given its `Prefill`; training students is `looplm.distill`'s business.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from looplm.eval.cached import cached_perplexity
+from looplm.eval.cached import cached_perplexity, document_segments
 from looplm.eval.generation import exact_match_generator_tasks
 from looplm.infer.cache import TerminalCache
 from looplm.infer.prefill import Prefill
@@ -42,7 +44,9 @@ def prefill_table(
         table[arm.arm] = {}
         for r in depths:
             ppl = (
-                cached_perplexity(model, val, r, "terminal", max_sequences=rows, device=device, prefill=arm)
+                cached_perplexity(
+                    model, val, r, "terminal", max_sequences=rows, device=device, prefill=arm, prefilled_only=True
+                )
                 if rows > 0
                 else None
             )
@@ -68,19 +72,22 @@ def prefill_table(
 @torch.no_grad()
 def bank_error(model, val, arm: Prefill, depth: int, *, rows: int = 16, device="cpu") -> float:
     """Relative error of the arm's core and coda terminal banks against teacher prefill at `depth`:
-    sqrt(sum |dK|^2 + |dV|^2) / sqrt(sum |K|^2 + |V|^2) over the first half of each held-out row
-    (prelude banks are the same in every arm), averaged over rows."""
+    sqrt(sum |dK|^2 + |dV|^2) / sqrt(sum |K|^2 + |V|^2) over the first half of each held-out row, each
+    of its documents prefilled from its own start as real use does (prelude banks are the same in
+    every arm), averaged over rows."""
     errs = []
     for i in range(min(rows, len(val))):
         b = val.get_batch([i]).to(device)
-        x = b.inputs[:, : max(1, b.inputs.shape[1] // 2)]
-        ref_cache, arm_cache = (TerminalCache(model.cfg, 1, x.shape[1], device=device) for _ in range(2))
-        Prefill("teacher")(model, x, ref_cache, depth, example_ids=b.example_ids)
-        arm(model, x, arm_cache, depth, example_ids=b.example_ids)
+        half = max(1, b.inputs.shape[1] // 2)
         diff = norm = 0.0
-        for r, g in zip([*ref_cache.core, *ref_cache.coda], [*arm_cache.core, *arm_cache.coda]):
-            diff += (g.k - r.k).double().pow(2).sum().item() + (g.v - r.v).double().pow(2).sum().item()
-            norm += r.k.double().pow(2).sum().item() + r.v.double().pow(2).sum().item()
+        for start, end in document_segments(b.doc_ids[0, :half]):
+            x = b.inputs[:, start:end]
+            ref_cache, arm_cache = (TerminalCache(model.cfg, 1, x.shape[1], device=device) for _ in range(2))
+            Prefill("teacher")(model, x, ref_cache, depth, example_ids=b.example_ids)
+            arm(model, x, arm_cache, depth, example_ids=b.example_ids)
+            for r, g in zip([*ref_cache.core, *ref_cache.coda], [*arm_cache.core, *arm_cache.coda]):
+                diff += (g.k - r.k).double().pow(2).sum().item() + (g.v - r.v).double().pow(2).sum().item()
+                norm += r.k.double().pow(2).sum().item() + r.v.double().pow(2).sum().item()
         errs.append(math.sqrt(diff / max(norm, 1e-30)))
     return sum(errs) / max(len(errs), 1)
 

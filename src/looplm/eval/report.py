@@ -61,6 +61,14 @@ class EvalConfig:
     """Write the report as JSON here (default: <run>/eval.json next to the checkpoint's run; with --data other
     than the run's own, <run>/eval-<data>.json)."""
 
+    def check_span(self, row_len: int, prefix: str = "") -> None:
+        """Refuse a CacheEval span that no data row of `row_len` tokens can hold (it failed only after
+        every other measurement, with no report written)."""
+        if self.cacheeval_span is not None and sum(self.cacheeval_span) > row_len:
+            P, C = self.cacheeval_span
+            name = f"{prefix}{'cacheeval-span' if prefix == '--' else 'cacheeval_span'}"
+            raise UserError(f"{name}: P + C = {P + C} tokens do not fit the data's rows of {row_len}, got {P} {C}")
+
     def validate(
         self, max_depth: int, max_seq_len: int, *, prefix: str = "", allow_no_depths: bool = False, tokenizer=None
     ) -> None:

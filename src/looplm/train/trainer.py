@@ -322,6 +322,7 @@ class Trainer:
         if t.warmup_frac + t.decay_frac > 1:
             raise UserError(f"train.warmup_frac + decay_frac must be <= 1, got {t.warmup_frac + t.decay_frac:g}")
         j.eval.validate(j.model.max_depth, j.model.max_seq_len, prefix="eval.", allow_no_depths=True)
+        j.eval.check_span(j.data.seq_len, prefix="eval.")
         # Depth settings are checked here, before the (possibly long) data build; a prior read from
         # another run is checked once the resume is known (`_depth_sampler`).
         if j.depth.sampler != "learned" or j.depth.learned.init_from is None:
