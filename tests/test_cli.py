@@ -397,6 +397,9 @@ def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
         (["--prompt", "x", "--max-new-tokens", "1000"], "exceeds the context"),
         (["--prompt", "x", "--exit-tau", "0.1", "--min-depth", "9"], "min_depth 9 exceeds"),
         (["--prompt", "x", "--exit-gate", "0.5"], "exit gate"),
+        # settings an arm would ignore silently
+        (["--prompt", "x", "--prefill", "r1", "--prefill-depth", "3"], "--prefill r1 has its own"),
+        (["--prompt", "x", "--student", "somewhere"], "--student is read only with --prefill student"),
     ):
         assert cli.main(["generate", run, *bad]) == 2
         out, err = capsys.readouterr()

@@ -139,6 +139,8 @@ def _prefill_arms(model, names, student_path=None) -> list:
     from looplm.infer.prefill import Prefill
 
     student = None
+    if student_path is not None and "student" not in names:
+        raise UserError("--student is read only with --prefill student")
     if "student" in names:
         if student_path is None:
             raise UserError("--prefill student needs --student PATH (a `looplm distill` checkpoint or run folder)")
@@ -368,6 +370,8 @@ def generate(
     model, tokenizer, _ = load_model(path, _device(device))
     prompts, tasks = _generate_prompts(path, prompt)
     room = model.cfg.max_seq_len - max(len(tokenizer.encode_prompt(p)) for p in prompts) + 1
+    if rule.prefill_depth is not None and prefill != "teacher":
+        raise UserError(f"--prefill-depth sets the teacher prefill's depth; --prefill {prefill} has its own")
     (arm,) = _prefill_arms(model, (prefill,), student)
     speculation = Speculation(speculate, draft_depth) if speculate else None
     if compile:
