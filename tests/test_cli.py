@@ -400,6 +400,7 @@ def test_generate_command_streams_and_rejects_bad_input(tmp_path, capsys):
         # settings an arm would ignore silently
         (["--prompt", "x", "--prefill", "r1", "--prefill-depth", "3"], "--prefill r1 has its own"),
         (["--prompt", "x", "--student", "somewhere"], "--student is read only with --prefill student"),
+        (["--prompt", "x", "--min-depth", "3"], "give --exit-tau too"),
     ):
         assert cli.main(["generate", run, *bad]) == 2
         out, err = capsys.readouterr()

@@ -370,6 +370,8 @@ def generate(
     model, tokenizer, _ = load_model(path, _device(device))
     prompts, tasks = _generate_prompts(path, prompt)
     room = model.cfg.max_seq_len - max(len(tokenizer.encode_prompt(p)) for p in prompts) + 1
+    if rule.min_depth != 1 and rule.exit_tau is None:
+        raise UserError("--min-depth bounds the adaptive depth of --exit-tau; give --exit-tau too")
     if rule.prefill_depth is not None and prefill != "teacher":
         raise UserError(f"--prefill-depth sets the teacher prefill's depth; --prefill {prefill} has its own")
     (arm,) = _prefill_arms(model, (prefill,), student)
