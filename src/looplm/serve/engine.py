@@ -64,7 +64,9 @@ class EngineConfig:
     speculate: int = 0
     """Self-speculative decoding: draft this many tokens per row at `draft_depth`, then verify them in
     one chunk at the rows' depth (`looplm.serve.speculation`); 0 = off. A request may turn it off
-    or change k and the draft depth; a step speculates when all running rows agree."""
+    or change k and the draft depth. Whether a row speculates depends on its own request alone (k > 0,
+    no exit_tau, its depth above the draft depth, room in its slot); rows of one plan speculate
+    together, the others are carried or ride along (`Engine._plan`)."""
     draft_depth: int = 2
     """Recurrences per draft token (below the depth) with `speculate`."""
     key_range: bool = False
