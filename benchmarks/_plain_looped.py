@@ -255,20 +255,34 @@ class PlainLooped(nn.Module):
             s = blk(s, cos, sin, (mask, *self.banks[first + j], at))
         return self.head(self.norm(s))[:, 0].float()
 
-    def compiled(self) -> PlainLooped:
-        """Compile the three decode pieces as looplm's `DecodeStep` does on a CPU (the same split,
-        inductor's C++ wrapper)."""
+    def recur_many(self, s, u, cos, sin, mask, at):
+        for _ in range(self.unroll):
+            s = self.recur(s, u, cos, sin, mask, at)
+        return s
+
+    unroll = 1
+
+    def compiled(self, unroll: int = 1) -> PlainLooped:
+        """Compile the decode pieces as looplm's `DecodeStep` does on a CPU: the same split (prelude,
+        `unroll` recurrences per graph and one for the rest, coda), inductor's C++ wrapper. (Not its
+        row kernels: this stack's linears and attention stay the BLAS's and SDPA's.)"""
         options = {"cpp_wrapper": True, "size_asserts": False}
-        self.begin, self.recur, self.end = (
-            torch.compile(f, dynamic=False, options=options) for f in (self.begin, self.recur, self.end)
+        self.unroll = unroll
+        self.begin, self.recur_many, self.recur, self.end = (
+            torch.compile(f, dynamic=False, options=options)
+            for f in (self.begin, self.recur_many, self.recur, self.end)
         )
         return self
 
     @torch.no_grad()
     def step(self, tokens, at, depth: int):
-        """fp32 logits [B, vocab] of one token per row (`tokens` [B] at positions `at` [B]) at `depth`."""
+        """fp32 logits [B, vocab] of one token per row (`tokens` [B] at positions `at` [B]) at `depth`:
+        depth // unroll calls of the unrolled graph, then one recurrence at a time."""
         u, cos, sin, mask = self.begin(tokens, at)
         s = torch.zeros_like(u)
-        for _ in range(depth):
+        many, rest = divmod(depth, self.unroll) if self.unroll > 1 else (0, depth)
+        for _ in range(many):
+            s = self.recur_many(s, u, cos, sin, mask, at)
+        for _ in range(rest):
             s = self.recur(s, u, cos, sin, mask, at)
         return self.end(s, cos, sin, mask, at)

@@ -87,9 +87,18 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def run_looplm(compile=False):
-        return generate(
-            model, tok, PROMPTS, DepthRule(args.depth), cache="terminal", sampling=sampling, compile=compile
+        stats: dict = {}
+        generate(
+            model,
+            tok,
+            PROMPTS,
+            DepthRule(args.depth),
+            cache="terminal",
+            sampling=sampling,
+            compile=compile,
+            stats=stats,
         )
+        return stats["token_ids"]
 
     @torch.no_grad()
     def run_hf(compile=False):
@@ -103,11 +112,10 @@ def main() -> None:
             compile_decode=compile,
         )
 
-    def texts_of(out) -> list[str]:
-        rows = []
-        for row in out[:, L:].tolist():
-            rows.append(tok.decode(row[: row.index(tok.eos_id)] if tok.eos_id in row else row))
-        return rows
+    def ids_of(out) -> list[list[int]]:
+        """Each row's generated ids up to its EOS: compared as ids, not as text (a random model's bytes
+        are mostly invalid UTF-8, which decodes to U+FFFD whatever the byte)."""
+        return [row[: row.index(tok.eos_id)] if tok.eos_id in row else row for row in out[:, L:].tolist()]
 
     arms = {"looplm": run_looplm, "hf": run_hf}
     if args.compile:
@@ -117,11 +125,11 @@ def main() -> None:
         t = time.perf_counter()
         out = arm()
         warm_up[name] = time.perf_counter() - t
-        texts = out if name.startswith("looplm") else texts_of(out)
+        got = out if name.startswith("looplm") else ids_of(out)
         if name == "hf":
             steps = out.shape[1] - L  # decode steps of every arm (they stop together, at max_new_tokens or all-EOS)
-        want = texts if want is None else want
-        if texts != want:
+        want = got if want is None else want
+        if got != want:
             raise SystemExit(f"arm {name!r} produced other tokens than arm 'looplm'")
     tokens = len(PROMPTS) * steps
 

@@ -590,12 +590,13 @@ def main() -> None:
                 f"p95 {r['median_latency_p95_s']:.3f} s, ttft p50 {r['median_ttft_p50_s']:.3f} s; engine alone "
                 f"{r['median_engine_only_tokens_per_s']:.1f} tok/s; depth {r['mean_decode_depth']:.2f}"
             )
-        same_outputs = {  # greedy: batching must not change a request's text
-            rows[i]["arm"] + " vs " + rows[j]["arm"]: sum(
-                a["text"] == b["text"] for a, b in zip(rows[i]["results"], rows[j]["results"])
+        same_outputs = {  # greedy: batching must not change a request's text (an arm cut short is no pair)
+            rows[i]["arm"] + " vs " + rows[j]["arm"]: (
+                sum(a["text"] == b["text"] for a, b in zip(rows[i]["results"], rows[j]["results"]))
+                if rows[i]["completed"] == rows[j]["completed"] == len(jobs)
+                else f"not compared (completed {rows[i]['completed']} and {rows[j]['completed']})"
             )
             for i, j in compared
-            if rows[i]["completed"] == rows[j]["completed"] == len(jobs)
         }
         print(f"identical texts (of {len(jobs)}): {same_outputs}")
         over_baseline = None
@@ -604,8 +605,9 @@ def main() -> None:
             over_baseline = {r["arm"]: r["median_tokens_per_s"] / base for r in rows}
             print("over the baseline: " + ", ".join(f"{a} {x:.2f}x" for a, x in over_baseline.items()))
         quality = None
-        if args.checkpoint is not None:
-            fixed, adaptive = rows[-2], rows[-1]
+        if args.checkpoint is not None and not args.minimal:  # the two arms added for it, found by name
+            fixed = next(r for r in rows if r["arm"] == f"fixed depth {args.adaptive_depth}")
+            adaptive = next(r for r in rows if r["arm"].startswith("adaptive exit tau"))
             pairs = lambda row: [(texts[r["index"]], r["text"]) for r in row["results"]]  # noqa: E731
             same = [
                 a["text"] == f["text"]

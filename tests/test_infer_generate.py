@@ -258,6 +258,7 @@ def test_generate_equals_each_row_decoded_by_hand(model, mode, prefill, depth, t
             model, mode, TOK.encode(prompt), 10, prefill, depth, eos=TOK.eos_id, example_id=0, exit_tau=tau
         )
         assert got[row] == TOK.decode(ids), (row, got[row], TOK.decode(ids))
+        assert stats["token_ids"][row] == [t for t in ids if t != TOK.eos_id]  # the ids too, not only the text
     if tau is not None:
         assert stats["mean_decode_depth"] < depth
 

@@ -71,7 +71,8 @@ def generate(
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
     receives "mean_decode_depth" (the mean recurrences per decoded token of the rows still running,
-    < depth with adaptive exit), "decoded_tokens", "decode_seconds" (from the end of the prefill),
+    < depth with adaptive exit), "decoded_tokens", "token_ids" (each row's generated ids, the EOS
+    that ends a row not among them), "decode_seconds" (from the end of the prefill),
     "first_step_seconds" and "first_step_tokens" (the time until the first step's end, compiling
     included, and the tokens decided by then; with `speculate` the first round's), and with
     `speculate` also "acceptance_rate" and "tokens_per_verify".
@@ -101,6 +102,7 @@ def generate(
     ids_all = [0] * len(prompts) if example_ids is None else list(example_ids)
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
         out, totals, decoded, seconds, first, first_tokens = [], SpeculationStats(), 0, 0.0, 0.0, 0
+        token_ids: list[list[int]] = []
         step = step or DecodeStep(model, compile=compile)  # one step (and its compiled graphs) for every prompt
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
@@ -123,6 +125,7 @@ def generate(
             for f in ("rounds", "drafted", "accepted"):
                 setattr(totals, f, getattr(totals, f) + row_stats["speculation"][f])
             decoded += row_stats["decoded_tokens"]
+            token_ids += row_stats["token_ids"]
             seconds += row_stats["decode_seconds"]
             if i == 0:
                 first, first_tokens = row_stats["first_step_seconds"], row_stats["first_step_tokens"]
@@ -131,6 +134,7 @@ def generate(
                 _speculation_stats(totals),
                 mean_decode_depth=float(depth),
                 decoded_tokens=decoded,
+                token_ids=token_ids,
                 decode_seconds=seconds,
                 first_step_seconds=first,
                 first_step_tokens=first_tokens,
@@ -190,6 +194,7 @@ def generate(
                 _speculation_stats(totals),
                 mean_decode_depth=float(depth),
                 decoded_tokens=len(streams[0].ids),
+                token_ids=[list(streams[0].ids)],
                 decode_seconds=time.perf_counter() - started,
                 first_step_seconds=totals.first_round_s,
                 first_step_tokens=totals.first_round_tokens,
@@ -235,6 +240,7 @@ def generate(
     if stats is not None:
         stats["mean_decode_depth"] = sum(depths_used) / len(depths_used) if depths_used else float(depth)
         stats["decoded_tokens"] = sum(len(stream.ids) for stream in streams)
+        stats["token_ids"] = [list(stream.ids) for stream in streams]
         stats["decode_seconds"] = time.perf_counter() - started
         stats["first_step_seconds"] = first
         # the first step decided each row's first token (from the prompt's logits) and its second
