@@ -154,6 +154,10 @@ def test_kv_settling_of_an_exact_contraction(tiny_model_config):
     kv_at = sorted({r for d in depths for r in (d, d + span)})
     traj = run_trajectory(model, start(model, tokens(), init="zero"), horizon=4, kv_at=tuple(kv_at))
     rows = kv_settling(traj.kv, depths, span)
+    # one row per core layer and depth (the checks below would pass on an empty table)
+    assert sorted((row["layer"], row["depth"]) for row in rows) == [
+        (j, d) for j in range(model.cfg.n_core) for d in depths
+    ]
     # K^r is the core input s^(r-1) + e = (1/lam - lam^(r-1)) s*, so
     # |K^(r+k) - K^r| / |K^r| = lam^r (1 - lam^k) / (1 - lam^r) and |K^r| / |K^5| = (1 - lam^r) / (1 - lam^5).
     for row in rows:

@@ -10,6 +10,7 @@ from looplm.config import ModelConfig
 from looplm.data import ByteTokenizer, Example
 from looplm.eval.perplexity import native_perplexity
 from looplm.eval.tasks import task_accuracy
+from looplm.infer import make_cache
 from looplm.model import LoopedLM
 
 
@@ -354,17 +355,28 @@ def test_a_span_no_document_holds_is_named(tmp_path):
         cached_perplexity(m, val, 2, "full", max_sequences=2, span=(10, 10))
 
 
-def test_cached_perplexity_runs_in_the_model_dtype():
+def test_cached_perplexity_runs_in_the_model_dtype(monkeypatch):
     """A bf16 model gets bf16 caches: finite results close to the fp32 model's, on the same targets."""
     import copy
 
+    from looplm.eval import cached
     from looplm.eval.cached import cached_perplexity
 
+    made = []
+
+    def spy(*args, **kwargs):  # the caches the protocol allocates, and their banks' dtype
+        cache = make_cache(*args, **kwargs)
+        made.append({bank.k.dtype for bank in cache.banks()})
+        return cache
+
+    monkeypatch.setattr(cached, "make_cache", spy)
     m, data = _tiny(), _Packed(_ROWS)
     m16 = copy.deepcopy(m).to(torch.bfloat16)
     for mode, stepwise, span in (("terminal", True, None), ("full", False, (5, 3))):
         ref = cached_perplexity(m, data, 3, mode, stepwise=stepwise, span=span)
+        made.clear()
         got = cached_perplexity(m16, data, 3, mode, stepwise=stepwise, span=span)
+        assert made and all(dtypes == {torch.bfloat16} for dtypes in made), made
         assert got["tokens"] == ref["tokens"]
         assert math.isfinite(got["loss"]) and abs(got["loss"] - ref["loss"]) < 0.05
 

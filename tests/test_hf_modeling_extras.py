@@ -156,7 +156,7 @@ def test_lm_eval_hf_backend_matches_the_looplm_adapter(exported, tmp_path, monke
     own = harness.LoopLMHarness(checkpoint=str(checkpoint), depth=3, cache="full")
     assert hflm.max_length == 64  # config.max_position_embeddings -> max_seq_len
     requests = [Req(r["context"], c) for r in CHOICE_ROWS for c in r["choices"]] + [Req("", "abc")]
-    for (a, greedy_a), (b, greedy_b) in zip(hflm.loglikelihood(requests), own.loglikelihood(requests)):
+    for (a, greedy_a), (b, greedy_b) in zip(hflm.loglikelihood(requests), own.loglikelihood(requests), strict=True):
         assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) and greedy_a == greedy_b
 
 

@@ -284,9 +284,10 @@ def test_input_validation():
     with pytest.raises(ValueError):
         model(torch.randint(0, 50, (2, 33)), 2)
     model(torch.randint(0, 50, (1, 32)), 1, init="zero")  # exactly max_seq_len is allowed
-    with pytest.raises(ValueError):
+    # matched: `B, L = tokens.shape` raises a ValueError of its own without the check
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         model(torch.randint(0, 50, (8,)), 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
         model(torch.randint(0, 50, (1, 2, 8)), 2)
 
 
