@@ -39,7 +39,7 @@ from looplm.errors import UserError
 from looplm.model.blocks import causal_document_mask, rope_tables
 from looplm.train import distributed as D
 from looplm.train.metrics import MetricsLogger
-from looplm.train.trainer import param_groups
+from looplm.train.optim import param_groups
 from looplm.train.startup import format_params, model_line
 
 
@@ -104,7 +104,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class DistillTrainer:
     def __init__(self, teacher_path: Path, cfg: DistillConfig, env: D.DistEnv | None = None):
-        from looplm.train.trainer import flat_diff
+        from looplm.train.config import flat_diff
 
         cfg.validate()
         self.cfg = cfg

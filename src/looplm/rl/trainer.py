@@ -47,7 +47,8 @@ from looplm.train import distributed as D
 from looplm.train.config import jsonable
 from looplm.train.metrics import MetricsLogger
 from looplm.train.startup import model_line
-from looplm.train.trainer import flat_diff, param_groups
+from looplm.train.config import flat_diff
+from looplm.train.optim import param_groups
 
 # Settings that may change when a run is resumed; everything else must match.
 RESUMABLE = {"steps", "resume", "progress", "device", "eval_every", "checkpoint_every", "keep_checkpoints"}

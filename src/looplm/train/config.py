@@ -48,6 +48,20 @@ class DataConfig:
     """Which generator tasks and difficulties (source 'tasks')."""
 
 
+def flat_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """"key.sub: old -> new" for every leaf of two config dicts that differs (what a resume into
+    another config is refused with)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        key = f"{prefix}{k}"
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += flat_diff(va, vb, key + ".")
+        elif va != vb:
+            out.append(f"{key}: {va!r} -> {vb!r}")
+    return out
+
+
 def check_choices(cfg, prefix: str = "") -> None:
     """Refuse a field of dataclass `cfg` typed `Literal[...]` whose value is none of its choices: the
     command line restricts them, but a job built in Python or read from JSON is not checked there."""

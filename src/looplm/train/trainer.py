@@ -42,6 +42,7 @@ from looplm.train.checkpointing import Checkpointer, is_sharded_run
 from looplm.train.checkpointing import verify as verify_checkpoint
 from looplm.train.config import (
     check_choices,
+    flat_diff,
     DataConfig,
     TrainConfig,
     TrainJob,
@@ -51,6 +52,7 @@ from looplm.train.config import (
 )
 from looplm.train.flops import expected_flops_per_token, mean_flops_per_token
 from looplm.train.layout import BatchLayout
+from looplm.train.optim import param_groups
 from looplm.train.loss import cross_entropy_sum, loss_kind, microbatch_loss, parse_kernel_options
 from looplm.train.metrics import MetricsLogger
 from looplm.train.noise import initial_state_noise
@@ -143,28 +145,6 @@ def resolve_dtype(precision: str, device: torch.device) -> torch.dtype:
     if precision == "bf16":
         return torch.bfloat16
     return torch.bfloat16 if device.type == "cuda" else torch.float32  # auto: fp32 on every CPU
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices of the blocks, embedding and head; none on norm gains or on the
-    injection's parameters (decay would pull dt/A_log and the identity-initialised W toward 0;
-    design §12)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.ndim >= 2 and not name.startswith("injection.") else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def flat_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        key = f"{prefix}{k}"
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += flat_diff(va, vb, key + ".")
-        elif va != vb:
-            out.append(f"{key}: {va!r} -> {vb!r}")
-    return out
 
 
 def use_compile(t: TrainConfig, device: torch.device) -> bool:
