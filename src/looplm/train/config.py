@@ -49,7 +49,7 @@ class DataConfig:
 
 
 def flat_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """"key.sub: old -> new" for every leaf of two config dicts that differs (what a resume into
+    """Every leaf of two config dicts that differs, as "key.sub: old -> new" (what a resume into
     another config is refused with)."""
     out = []
     for k in sorted(set(a) | set(b)):
