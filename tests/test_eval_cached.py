@@ -234,21 +234,20 @@ def test_sharing_table_penalties_match_independent_ces():
     assert table[3]["terminal_ppl"] != table[3]["full_ppl"]  # an untrained model at R = 3 does depend on the banks
 
 
-def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
-    """Real packed rows: the full cache (chunk and decode) equals one document-masked native forward over
-    each row, scored on the supervised targets t >= L // 2."""
+def _packed_text(tmp_path):
+    """Held-out rows of 48 byte tokens packed from short documents of three lengths."""
     from looplm.data import build_datasets
-    from looplm.eval.cached import cached_perplexity
 
-    tok = ByteTokenizer()
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(16):
         (docs / f"{i}.txt").write_text("fox %d jumps. " % i * (1 + i % 3))
-    _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
-    rows = min(4, len(val))
-    assert any(len(set(val.get_batch([i]).doc_ids[0, 24:].tolist())) > 1 for i in range(rows))  # packed halves
-    m = _tiny(tok.vocab_size, 48)
+    return build_datasets(str(docs), ByteTokenizer(), seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")[1]
+
+
+def _native_score(m, val, rows: int, scored) -> tuple[float, int]:
+    """(CE sum, count) of one document-masked native forward per row at R = 3 over the targets that
+    `scored(doc ids of the row)` marks ([48] booleans)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(rows):
@@ -256,11 +255,22 @@ def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
             logits = m(
                 b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
             ).logits
-            t = b.targets[:, 24:]
-            total += F.cross_entropy(
-                logits[:, 24:].flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum"
-            ).item()
+            t = torch.where(scored(b.doc_ids[0].tolist()), b.targets[0], -100)
+            total += F.cross_entropy(logits[0], t, ignore_index=-100, reduction="sum").item()
             count += int((t != -100).sum())
+    return total, count
+
+
+def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
+    """Real packed rows: the full cache (chunk and decode) equals one document-masked native forward over
+    each row, scored on the supervised targets t >= L // 2."""
+    from looplm.eval.cached import cached_perplexity
+
+    val = _packed_text(tmp_path)
+    rows = min(4, len(val))
+    assert any(len(set(val.get_batch([i]).doc_ids[0, 24:].tolist())) > 1 for i in range(rows))  # packed halves
+    m = _tiny(ByteTokenizer().vocab_size, 48)
+    total, count = _native_score(m, val, rows, lambda doc: torch.arange(48) >= 24)
     for stepwise in (False, True):
         got = cached_perplexity(m, val, 3, "full", max_sequences=rows, stepwise=stepwise)
         assert got["tokens"] == count
@@ -270,29 +280,15 @@ def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
 def test_prefilled_only_scores_the_documents_a_prefill_reaches(tmp_path):
     """What compares prefill arms: of the second-half targets, only those of documents that begin
     before the midpoint (their first part is the prompt an arm prefills); written out from doc ids."""
-    from looplm.data import build_datasets
     from looplm.eval.cached import cached_perplexity
 
-    tok = ByteTokenizer()
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(16):
-        (docs / f"{i}.txt").write_text("fox %d jumps. " % i * (1 + i % 3))
-    _, val = build_datasets(str(docs), tok, seq_len=48, holdout=0.5, cache_dir=tmp_path / "cache")
+    val = _packed_text(tmp_path)
     rows = min(4, len(val))
-    m = _tiny(tok.vocab_size, 48)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(rows):
-            b = val.get_batch([i])
-            logits = m(
-                b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
-            ).logits
-            doc = b.doc_ids[0].tolist()
-            keep = torch.tensor([t >= 24 and doc[t] == doc[23] for t in range(48)])  # the document at 23 goes on
-            t = torch.where(keep, b.targets[0], -100)
-            total += F.cross_entropy(logits[0], t, ignore_index=-100, reduction="sum").item()
-            count += int((t != -100).sum())
+    m = _tiny(ByteTokenizer().vocab_size, 48)
+    # the targets from 24 on of the document at position 23, which goes on past the midpoint
+    total, count = _native_score(
+        m, val, rows, lambda doc: torch.tensor([t >= 24 and doc[t] == doc[23] for t in range(48)])
+    )
     every = cached_perplexity(m, val, 3, "full", max_sequences=rows)["tokens"]
     got = cached_perplexity(m, val, 3, "full", max_sequences=rows, prefilled_only=True)
     assert 0 < got["tokens"] == count < every
