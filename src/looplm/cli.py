@@ -106,6 +106,13 @@ def _device(pref: str):
     return resolve_device(pref)
 
 
+def _other_data(path: Path, data: str | None, record) -> str | None:
+    """`data` when it names other data than the checkpoint records (`record`, from `_data_record`),
+    else None: reports on other data go beside the run's own, under their own names."""
+    own = _recorded_data(path)
+    return data if data is not None and (own is None or own.source != record.source) else None
+
+
 def _recorded_data(path: Path):
     """The checkpoint's data record (`looplm.checkpoint.load_data`), or None for a Hugging Face folder
     that records none (one saved by Transformers alone)."""
@@ -290,9 +297,7 @@ def evaluate(
                 f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",
                 file=sys.stderr,
             )
-        own = _recorded_data(path)
-        other = data is not None and (own is None or own.source != record.source)
-        out = cfg.output or _run_folder(path) / report_name(data if other else None)
+        out = cfg.output or _run_folder(path) / report_name(_other_data(path, data, record))
         arms = None
         if tuple(prefill) != ("teacher",):
             arms = _prefill_arms(model, prefill, student)
@@ -554,10 +559,8 @@ def analyze(
     model, tokenizer, _ = load_model(path, device)
     cfg.validate(model.cfg.max_depth)
     record = _data_record(path, data, model.cfg.max_seq_len)
-    own = _recorded_data(path)
-    other = data is not None and (own is None or own.source != record.source)
-    # other data than the run's own gets its own folder, as eval's report does: the run's stays
-    out = cfg.output or _run_folder(path) / ("analyze" if not other else f"analyze-{data_name(data)}")
+    other = _other_data(path, data, record)  # its own folder, as eval's report: the run's analysis stays
+    out = cfg.output or _run_folder(path) / ("analyze" if other is None else f"analyze-{data_name(other)}")
     if out.exists() and not out.is_dir():  # refused now, not after the work
         raise UserError(f"the output {out} is a file, not a folder: choose another --output")
     out.parent.mkdir(parents=True, exist_ok=True)  # a path under a file fails here too
