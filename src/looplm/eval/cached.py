@@ -96,7 +96,7 @@ def cached_perplexity(
     if span is not None and (span[0] < 1 or span[1] < 1):
         raise UserError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
     # spans: the first `max_sequences` rows that hold a document of P + C tokens; halves: the first rows
-    rows, spans, longest = range(len(data) if span is not None else min(len(data), max_sequences)), 0, 0
+    rows, spans = range(len(data) if span is not None else min(len(data), max_sequences)), 0
     for i in rows:
         if span is not None and spans == max_sequences:
             break
@@ -111,7 +111,6 @@ def cached_perplexity(
             s = _document_with_room(b.doc_ids[0], P + C)
             plans = [] if s is None else [(s, s + P, s + P + C - 1, s + P - 1)]
             spans += bool(plans)
-            longest = max([longest] + [e - s0 for s0, e in document_segments(b.doc_ids[0])])
         for start, fed, end, scored in plans:
             targets = b.targets[:, scored:end]
             n = int((targets != IGNORE_INDEX).sum())
@@ -145,7 +144,8 @@ def cached_perplexity(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             ).item()
             count += n
-    if count == 0 and span is not None and spans == 0:
+    if count == 0 and span is not None and spans == 0:  # every row was read: name the longest document
+        longest = max(e - s for i in rows for s, e in document_segments(data.get_batch([i]).doc_ids[0]))
         raise UserError(
             f"cacheeval span {span[0]} {span[1]}: no held-out document has {span[0] + span[1]} tokens "
             f"(the longest has {longest}); choose a shorter span"
