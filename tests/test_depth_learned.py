@@ -217,6 +217,13 @@ def test_restricted_prior_never_leaves_its_support():
     assert s.pmf()[7] > 0.1  # moved toward the cheap depth inside the support
 
 
+def test_a_target_mean_outside_the_restricted_support_is_refused():
+    # depth 5 over 1..3 was accepted: the mean penalty could never be met and pushed mass to depth 3
+    with pytest.raises(ValueError, match="outside its active depths 1..3"):
+        prior(init="restricted", low=1, high=3)
+    assert prior(init="restricted", low=3, high=7).target == 5.0
+
+
 def test_uniform_init_and_bad_settings():
     np.testing.assert_array_equal(prior(init="uniform").pmf(), np.full(CAP, 1 / CAP))
     with pytest.raises(ValueError, match="reward"):

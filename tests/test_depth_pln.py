@@ -148,3 +148,10 @@ def test_calibrate_mu_rejects_impossible_targets():
     for target in (1.0, 0.5, 64.0, 100.0):
         with pytest.raises(ValueError):
             calibrate_mu(target)
+
+
+@pytest.mark.parametrize("sigma", [float("nan"), -0.5, float("inf")])
+def test_bad_sigma_is_refused(sigma):
+    # NaN gave a NaN pmf (an error only at the first draw of a training run); -0.5 ran as 0.5
+    with pytest.raises(ValueError, match="PLN sigma"):
+        pln_pmf(5.0, sigma)

@@ -185,7 +185,8 @@ def test_depth_rule_checks_once_with_one_message():
             rule.check(8, **where)
     for fields, message in (
         (dict(exit_tau=0.0), "exit_tau must be > 0"),
-        (dict(min_depth=0), "min_depth must be >= 1"),
+        (dict(min_depth=0), "min_depth must be an integer >= 1"),
+        (dict(exit_tau=0.1, min_depth=2.5), "min_depth must be an integer >= 1"),  # was truncated to 2
         (dict(exit_gate=1.5), "exit_gate must be a probability"),
         (dict(exit_tau=0.1, exit_gate=0.5), "choose one exit rule"),
     ):

@@ -155,7 +155,7 @@ def test_sampling_config_edges_are_accepted(model):
     ("fields", "message"),
     [
         (dict(exit_tau=0.0), "exit_tau must be > 0"),
-        (dict(min_depth=0), "min_depth must be >= 1"),
+        (dict(min_depth=0), "min_depth must be an integer >= 1"),
     ],
 )
 def test_depth_rule_rejects_out_of_range_exit_rules(fields, message):

@@ -112,6 +112,11 @@ def test_full_cache_per_row_depths_fill_the_unreached_visits():
         (DepthPlan(4, exit_tau=0.0), "exit_tau > 0"),
         (DepthPlan(4, exit_tau=0.1, min_depth=5), "min_depth <= depth"),
         (DepthPlan(4, exit_gate=0.5), "needs a model with an exit gate"),
+        # fractional depths were truncated (2.5 ran 2 recurrences) where `model(tokens, 2.5)` is refused
+        (DepthPlan(2.5), "depth must be an integer"),
+        (DepthPlan(torch.tensor([2.5, 3.0])), "per-row depths must be an integer tensor"),
+        (DepthPlan(4, exit_tau=0.1, min_depth=2.5), "min_depth must be an integer"),
+        (DepthPlan(4, exit_tau=torch.tensor([0.1]), min_depth=torch.tensor([2.5])), "min_depth must be an integer"),
     ],
 )
 def test_plans_are_checked_once(plan, message):

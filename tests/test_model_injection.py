@@ -86,17 +86,23 @@ def test_ortho_along_u_at_every_recurrence_of_a_forward():
     perturb_(model.injection)
     tokens = torch.randint(0, 50, (2, 12))
     state0 = torch.randn(2, 12, D) / math.sqrt(D)
+    # what the forward itself feeds the core at each recurrence: the first core block's input
+    seen: list[torch.Tensor] = []
+    hook = model.core[0].register_forward_pre_hook(lambda block, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            out = model(tokens, 6, state0=state0, return_states=True)
+    finally:
+        hook.remove()
+    assert len(seen) == 6
     with torch.no_grad():
-        out = model(tokens, 6, state0=state0, return_states=True)
         positions = torch.arange(12).expand(2, 12)
         rope = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_base)
-        e = model.run_prelude(tokens, rope, None)
-        u = model.injection.prepare(e)
-        prev = [state0, *out.states[:-1]]
-        for r, s in enumerate(prev):
-            ratio = along_u(model.injection(s, u), u)
-            scale = (s.double().norm(dim=-1) / u.double().norm(dim=-1)).clamp(min=1.0)
-            assert ((ratio - 1).abs() <= 1e-6 * scale).all(), f"recurrence {r + 1}: {(ratio - 1).abs().max()}"
+        u = model.injection.prepare(model.run_prelude(tokens, rope, None))
+    for r, (x, s) in enumerate(zip(seen, [state0, *out.states[:-1]])):
+        ratio = along_u(x, u)
+        scale = (s.double().norm(dim=-1) / u.double().norm(dim=-1)).clamp(min=1.0)
+        assert ((ratio - 1).abs() <= 1e-6 * scale).all(), f"recurrence {r + 1}: {(ratio - 1).abs().max()}"
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6, 0.3])

@@ -102,6 +102,11 @@ class LearnedDepthPrior(DepthSampler):
         super().__init__(len(logits), seed)
         if not 1 <= target <= len(logits):
             raise UserError(f"depth-prior target mean must lie in [1, {len(logits)}], got {target}")
+        depths = np.flatnonzero(active) + 1
+        if not depths[0] <= target <= depths[-1]:  # the mean penalty could never be met
+            raise UserError(
+                f"depth-prior target mean {target} lies outside its active depths {depths[0]}..{depths[-1]}"
+            )
         for name in ("ema_decay", "beta1", "beta2"):
             if not 0 <= getattr(cfg, name) < 1:
                 raise UserError(f"depth-prior {name} must be in [0, 1), got {getattr(cfg, name)}")

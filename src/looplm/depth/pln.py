@@ -19,6 +19,8 @@ GH_NODES = 64
 
 def pln_pmf_given_mu(mu: float, sigma: float = 0.5, cap: int = 64) -> np.ndarray:
     """pmf over R = 1..cap (index r-1) for a given mu."""
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise UserError(f"PLN sigma (the standard deviation of ln lambda) must be a finite number >= 0, got {sigma}")
     x, w = np.polynomial.hermite.hermgauss(GH_NODES)
     lam = np.exp(mu + math.sqrt(2.0) * sigma * x)  # ln lambda = mu + sqrt(2) sigma x
     weights = w / math.sqrt(math.pi)

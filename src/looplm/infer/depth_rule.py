@@ -17,6 +17,7 @@ the standard-library-only configs can use it; re-exported here).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -52,8 +53,8 @@ class DepthRule:
         """Raise UserError with a one-line reason for an exit rule that no model could run."""
         if self.exit_tau is not None and not self.exit_tau > 0:
             raise UserError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
-        if self.min_depth < 1:
-            raise UserError(f"min_depth must be >= 1, got {self.min_depth}")
+        if isinstance(self.min_depth, bool) or not isinstance(self.min_depth, numbers.Integral) or self.min_depth < 1:
+            raise UserError(f"min_depth must be an integer >= 1, got {self.min_depth!r}")
         if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
             raise UserError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
         if self.exit_gate is not None and self.exit_tau is not None:

@@ -58,8 +58,13 @@ class DepthPlan:
 
     def check(self, max_depth: int, *, has_gate: bool, cache: str | None) -> None:
         """Raise ValueError with a one-line reason for a plan this model or cache kind (`cache`) cannot run."""
-        low = int(self.depth.min()) if self.per_row else int(self.depth)
-        check_depth("depth", low if low < 1 else self.largest, max_depth)
+        if not self.per_row:
+            check_depth("depth", self.depth, max_depth)
+        elif self.depth.is_floating_point() or self.depth.is_complex() or self.depth.dtype == torch.bool:
+            raise ValueError(f"per-row depths must be an integer tensor, got {self.depth.dtype}")
+        else:
+            low = int(self.depth.min())
+            check_depth("depth", low if low < 1 else self.largest, max_depth)
         if self.adaptive:
             if cache != "terminal":
                 raise ValueError(
@@ -71,6 +76,11 @@ class DepthPlan:
                     f"adaptive depth needs exit_tau > 0 and 1 <= min_depth <= depth, "
                     f"got exit_tau={self.exit_tau}, min_depth={self.min_depth}"
                 )
+            if isinstance(self.min_depth, torch.Tensor):
+                if self.min_depth.is_floating_point() or self.min_depth.dtype == torch.bool:
+                    raise ValueError(f"per-row min_depth must be an integer tensor, got {self.min_depth.dtype}")
+            else:
+                check_depth("min_depth", self.min_depth, self.largest)
         if self.exit_gate is not None:
             if not has_gate:
                 raise ValueError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
