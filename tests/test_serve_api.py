@@ -806,8 +806,8 @@ class _ScriptedEngine:
     max_tokens), each token released as text once its character is whole; prompt scores are -1. So
     the completion's bytes are known to the test, which a trained or random model would not give."""
 
-    def __init__(self, reply: str):
-        self.tokenizer, self.reply = TOK, TOK.encode(reply)
+    def __init__(self, reply: str | bytes):
+        self.tokenizer, self.reply = TOK, list(reply) if isinstance(reply, bytes) else TOK.encode(reply)
         self.config, self.max_len, self.running, self.waiting = EngineConfig(max_batch=1), 64, 0, 0
 
     def start(self):
@@ -832,12 +832,13 @@ class _ScriptedEngine:
                     [-1.0] * n, [[(t, -1.0)] for t in request.prompt_ids[1:]] if request.prompt_logprobs else None
                 )
             )
-        utf8, text = codecs.getincrementaldecoder("utf-8")(), ""
+        utf8, text = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
         ids = self.reply[: request.sampling.max_new_tokens]
         for t in ids:
             piece = utf8.decode(bytes([t]))
             text += piece
             sink(Token(t, piece, 1, -0.5, [(t, -0.5)] if request.logprobs else None))
+        text += utf8.decode(b"", final=True)
         handle = SimpleNamespace(
             finish=Finish("length", text, "", len(request.prompt_ids), len(ids), 1.0), cancel=lambda: None
         )
@@ -885,6 +886,37 @@ def test_text_offsets_count_characters_for_multi_byte_text():
             text, merged = _streamed_logprobs(http, {**body, "echo": echo})
             assert text == choice["text"]
             assert merged == {key: choice["logprobs"][key] for key in merged}
+
+
+def _offsets_by_incremental_decoder(data: bytes) -> list[int]:
+    """Each byte's character index in `data.decode("utf-8", "replace")`, from Python's incremental
+    decoder: a byte that continues a pending character belongs to it; a byte that breaks a pending
+    prefix off (the decoder emits U+FFFD for the prefix) starts one character after it."""
+    import codecs
+
+    utf8, emitted, offsets = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0, []
+    for b in data:
+        pending = bool(utf8.getstate()[0])
+        out = utf8.decode(bytes([b]))
+        offsets.append(emitted + (pending and out.startswith("\ufffd")))
+        emitted += len(out)
+    return offsets
+
+
+@pytest.mark.parametrize("reply", [b"\xca$", b"\xa5\xb2", b"\xfc\x8ex", b"ab\xe6\x97c", b"\xe6\x97\xa5\xe6x\xf0\x9f"])
+def test_text_offsets_of_invalid_utf8(reply):
+    """A byte that is invalid, or that breaks off an incomplete character, starts a character of its own
+    (its U+FFFD's): it got the offset of the character before it ([0, 0] for b"\xca$")."""
+    from fastapi.testclient import TestClient
+
+    text = reply.decode("utf-8", errors="replace")
+    with TestClient(create_app(_ScriptedEngine(reply), NAME)) as http:
+        body = {"model": NAME, "prompt": "ab", "max_tokens": len(reply), "logprobs": 1}
+        plain = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert plain["text"] == text
+        assert plain["logprobs"]["text_offset"] == _offsets_by_incremental_decoder(reply)
+        streamed_text, merged = _streamed_logprobs(http, body)
+        assert merged["text_offset"] == plain["logprobs"]["text_offset"]
 
 
 # -- unknown request fields are refused by name; OpenAI's own are accepted -----------------------------

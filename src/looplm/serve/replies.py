@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
@@ -71,18 +73,24 @@ class Offsets:
         self._next = start
 
     def push(self, token_id: int) -> int:
-        """The offset of `token_id`, the sequence's next token."""
-        offset = self._next
+        """The offset of `token_id`, the sequence's next token: where the text first changes when the
+        token is added (decoding is prefix-stable but for a trailing incomplete character, one U+FFFD,
+        which a continuation byte completes in place or leaves unchanged, and any other byte breaks
+        off as a character of its own)."""
+        before = self.tok.decode(self.ids[self._prefix :])
         self.ids.append(token_id)
         done = self.tok.decode(self.ids[self._prefix : self._read])
         window = self.tok.decode(self.ids[self._prefix :])
+        if window == before:  # nothing new, or a character still incomplete: the pending character's
+            at = len(before) - before.endswith("\ufffd")
+        else:
+            at = len(os.path.commonprefix([before, window]))
+        offset = max(self._next, self._done - len(done) + at)
         new = window[len(done) :] if window.startswith(done) else ""
         if new and not new.endswith("\ufffd"):  # whole characters: the next window starts after them
             self._done += len(new)
             self._prefix, self._read = self._read, len(self.ids)
-            self._next = self._done
-        else:  # an incomplete character at the end (one U+FFFD): the next token still belongs to it
-            self._next = max(offset, self._done + len(new) - new.endswith("\ufffd"))
+        self._next = offset
         return offset
 
 
