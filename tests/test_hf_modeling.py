@@ -647,6 +647,37 @@ def test_resize_token_embeddings_keeps_looplms_config_and_refuses_value_embeddin
     with_values = LoopedLMForCausalLM.from_looplm(tiny_model(value_embeds="odd"), TOK, num_steps=2)
     with pytest.raises(ValueError, match="value embeddings"):
         with_values.resize_token_embeddings(264)
+    # padding alone (no new_num_tokens): the tokenizer keeps its 258 ids, the rows past them are no token
+    padded = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK, num_steps=2).eval()
+    padded.resize_token_embeddings(pad_to_multiple_of=64)
+    assert padded.config.vocab_size == 320 and padded.config.tokenizer_vocab_size == TOK.vocab_size
+    with torch.no_grad():
+        assert torch.isinf(padded(ids[:, :1]).logits[..., TOK.vocab_size :]).all()
+
+
+def test_a_refused_prompt_leaves_the_cache_empty_for_the_next_prompt():
+    """A first call refused (too long for the cache) used to leave the cache allocated at length 0, so
+    the next prompt ran as a decode chunk at num_steps (not prefill_steps), or was refused for the
+    failed call's padding. The prompt now prefills as on a fresh cache (`_reference.NaiveDecoder`)."""
+    from _reference import NaiveDecoder
+
+    model = decisive_model(TOK.vocab_size, max_seq_len=48)
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=4, prefill_steps=1).eval()
+    prompt = TOK.encode("a prompt")
+    cache = LoopedCache("terminal", max_len=10)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="exceed the cache length"):
+            hf(torch.tensor([TOK.encode("a prompt that is too long")]), cache=cache)
+        got = hf(torch.tensor([prompt]), cache=cache).logits[0]
+    want, _, _ = NaiveDecoder(model, "terminal").chunk(prompt, 1)
+    assert (got - want).abs().max() <= 1e-4
+    cache = LoopedCache("terminal", max_len=10)  # a padded batch refused, then another one
+    long, long_mask = padded_batch(["a prompt that is too long", "ab"])
+    short, short_mask = padded_batch(["abc", "ab"])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="exceed the cache length"):
+            hf(long, attention_mask=long_mask, cache=cache)
+        assert hf(short, attention_mask=short_mask, cache=cache).logits.shape[:2] == (2, 3)
 
 
 def test_a_vocabulary_padded_past_the_tokenizer_is_never_chosen(tmp_path):

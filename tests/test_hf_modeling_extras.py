@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from _jobs import write_choice_task as write_jobs_choice_task  # noqa: E402
 from _jobs import error_line, run_main, shared_cache, tiny_job  # noqa: E402
+from _models import decisive_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from looplm import checkpoint as ckpt  # noqa: E402
@@ -314,7 +315,7 @@ def test_adaptive_exit_reports_looplms_mean_depth(exported):
             return_dict_in_generate=True,
         )
         new = out.sequences[:, ids.shape[1] :]
-        assert TOK.eos_id not in new.tolist()  # no row stops early (else the two feed different tokens)
+        assert not any(TOK.eos_id in row for row in new.tolist())  # no row stops early (rows ending: below)
         assert [TOK.decode(row) for row in new.tolist()] == texts
         got = hf.last_generate_stats
         assert got == {"mean_decode_depth": stats["mean_decode_depth"], "decode_steps": 7}
@@ -325,3 +326,37 @@ def test_adaptive_exit_reports_looplms_mean_depth(exported):
             assert low <= got["mean_decode_depth"] < 8  # it really exits early
     hf.generate(ids, attention_mask=mask, max_new_tokens=3, use_cache=False)
     assert hf.last_generate_stats is None
+
+
+def test_mean_depth_counts_only_rows_still_generating():
+    """A row that ended (EOS) is fed padding by transformers until the batch ends; looplm's `generate`
+    takes it out of the batch. The wrapper's mean depth averaged over those padded steps too (4.2286
+    against looplm's 4.2222 in the review's case); it now counts what looplm counts."""
+    import copy
+
+    prompts = ["x", "a longer prompt", "mid size", "the end", "hello"]
+    ids, mask = padded_batch(prompts)
+    base = decisive_model(TOK.vocab_size, max_seq_len=48)  # its exits vary from row to row
+    rule = dict(exit_tau=0.05, min_depth=2)
+    first = LoopedLMForCausalLM.from_looplm(base, TOK, num_steps=8).eval()
+    plain = first.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **rule)[:, ids.shape[1] :]
+    for cand in sorted({t for row in plain.tolist() for t in row[:5]}):  # make EOS win where `cand` would
+        model = copy.deepcopy(base)
+        with torch.no_grad():
+            model.head.weight[TOK.eos_id] = model.head.weight[cand] * 1.5
+        hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=8).eval()
+        new = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **rule)[:, ids.shape[1] :]
+        ended = [TOK.eos_id in row[:6] for row in new.tolist()]
+        if any(ended) and not all(ended):
+            break
+    else:
+        raise AssertionError("no token of the greedy text makes some rows (not all) end early: the test needs one")
+    stats: dict = {}
+    sampling = SamplingConfig(max_new_tokens=8)
+    texts = generate(
+        model, TOK, prompts, DepthRule(8, **rule), cache="terminal", sampling=sampling, stats=stats,
+        example_ids=[0] * len(prompts),
+    )  # fmt: skip
+    rows = [row[: row.index(TOK.eos_id)] if TOK.eos_id in row else row for row in new.tolist()]
+    assert [TOK.decode(row) for row in rows] == texts
+    assert hf.last_generate_stats["mean_decode_depth"] == pytest.approx(stats["mean_decode_depth"], abs=1e-9)

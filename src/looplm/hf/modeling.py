@@ -56,7 +56,11 @@ class LoopedCache(Cache):
         self.step: DecodeStep | None = None  # the compiled one-token step (compile=True), made with `inner`
         self.pad: torch.Tensor | None = None  # [B] left-padding tokens per row
         self.decode_depth: int | None = None  # recurrences per decoded token (num_steps of the call)
-        self.depths_used: list = []  # mean depth per decode step (adaptive exit: < decode_depth)
+        # per decode step: each row's recurrences per token [B] (adaptive exit: < decode_depth), and
+        # whether the row was still generating [B] (generate: it has not fed an end of sequence)
+        self.depths_used: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.eos_ids: torch.Tensor | None = None  # generate's end-of-sequence ids (None: no row finishes)
+        self.finished: torch.Tensor | None = None  # [B] rows that fed an end of sequence
 
     def allocate(self, config: LoopedLMConfig, batch: int, depth: int, kind: str, device, dtype) -> None:
         kind = self.kind or kind
@@ -101,14 +105,29 @@ class LoopedCache(Cache):
 
     def reset(self) -> None:
         self.inner, self.step, self.pad, self.decode_depth, self.depths_used = None, None, None, None, []
+        self.finished = None
+
+    def record(self, used: torch.Tensor, fed: torch.Tensor, depth: int) -> None:
+        """A decode step's recurrences `used` [B, n] for the tokens `fed` [B, n] (no device sync). A row
+        that feeds one of `eos_ids` has finished: transformers feeds it padding from then on, and
+        looplm's `generate` takes it out of the batch, so its steps from there on do not count."""
+        self.decode_depth = depth
+        if self.eos_ids is not None:
+            ended = torch.isin(fed, self.eos_ids.to(fed.device)).any(1)
+            self.finished = ended if self.finished is None else self.finished | ended
+        live = torch.ones_like(used[:, 0], dtype=torch.bool) if self.finished is None else ~self.finished
+        self.depths_used.append((used.float().mean(1), live))
 
     @property
     def mean_decode_depth(self) -> float | None:
-        """Mean recurrences per token over the decode steps (chunks appended after the prompt), as
-        `looplm.infer.generate.generate` reports it in `stats`; the decode depth when there were none."""
-        if not self.depths_used:
+        """Mean recurrences per token over the decode steps (chunks appended after the prompt) of the rows
+        still generating, as `looplm.infer.generate.generate` reports it in `stats`; the decode depth
+        when there were none."""
+        total = sum(float((used * live).sum()) for used, live in self.depths_used)
+        count = sum(int(live.sum()) for _, live in self.depths_used)
+        if not count:
             return None if self.decode_depth is None else float(self.decode_depth)
-        return sum(float(d) for d in self.depths_used) / len(self.depths_used)
+        return total / count
 
     def _unsupported(self, what: str):
         raise NotImplementedError(
@@ -136,6 +155,14 @@ class LoopedCache(Cache):
             f"LoopedCache(kind={self.kind!r}, length={self.get_seq_length()}, max_len={self.get_max_length()}"
             f"{', compile=True' if self.compile else ''})"
         )
+
+
+def _eos_ids(generation_config) -> torch.Tensor | None:
+    """The end-of-sequence ids a generation stops a row at (an int, a list or None in the config)."""
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return None
+    return torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
 
 
 def left_padding(attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -229,10 +256,11 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 f"resize_token_embeddings does not resize value embeddings (value_embeds="
                 f"{self.config.value_embeds!r}): their tables are indexed by token id as the embedding is"
             )
+        tokens = self.config.tokenizer_vocab_size or self.config.vocab_size  # every row a token until now
         embed = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.model.cfg = dataclasses.replace(self.model.cfg, vocab_size=embed.num_embeddings)
         # new_num_tokens is the tokenizer's size (rows past it, padding to a multiple, are no token)
-        n = self.config.tokenizer_vocab_size if new_num_tokens is None else new_num_tokens
+        n = tokens if new_num_tokens is None else new_num_tokens
         self.config.tokenizer_vocab_size = n if n is not None and n < embed.num_embeddings else None
         return embed
 
@@ -346,6 +374,15 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def _extend(self, input_ids, attention_mask, cache: LoopedCache, rule: DepthRule, kind: str, example_ids):
+        if cache.inner is not None:
+            return self._append(input_ids, attention_mask, cache, rule, kind, example_ids)
+        try:  # the prompt: a refused or failed prefill leaves the cache empty, for the next call's prompt
+            return self._append(input_ids, attention_mask, cache, rule, kind, example_ids)
+        except BaseException:
+            cache.reset()
+            raise
+
+    def _append(self, input_ids, attention_mask, cache: LoopedCache, rule: DepthRule, kind: str, example_ids):
         B, n = input_ids.shape
         if cache.inner is None:  # the prompt: allocate the looplm cache and prefill
             cache.allocate(self.config, B, rule.deepest, kind, input_ids.device, self.model.embed.weight.dtype)
@@ -381,9 +418,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                     input_ids, plan, cache=cache.inner, pad=cache.pad, init="seeded", example_ids=example_ids
                 )
             logits, used = out.logits, out.depths
-        if not first:  # a decode step: its mean depth over the rows (a tensor: no device sync here)
-            cache.decode_depth = rule.depth
-            cache.depths_used.append(float(rule.depth) if rule.exit_tau is None else used.float().mean())
+        if not first:  # a decode step: each row's depth (tensors: no device sync here)
+            cache.record(used.reshape(B, -1), input_ids, rule.depth)
         elif cache.decode_depth is None:
             cache.decode_depth = rule.depth
         return logits
@@ -434,6 +470,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             user._is_user_defined = True
             if model_kwargs.get("compile_decode"):  # asked for by this call: the user's cache takes it
                 user.compile = True
+            user.eos_ids = _eos_ids(generation_config)
             self._generation_cache = user
             return
         if generation_config.use_cache is False:
@@ -450,6 +487,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         model_kwargs["cache"] = self._generation_cache = LoopedCache(
             model_kwargs.get("cache_kind"), max_len=None if compile else max_cache_length, compile=compile
         )
+        self._generation_cache.eos_ids = _eos_ids(generation_config)
 
     def _compile_decode(self, asked: bool | None) -> bool:
         """Whether a cache started now runs its decode steps compiled: as asked, else the config's field."""
