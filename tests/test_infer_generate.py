@@ -71,6 +71,18 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(model):
     assert top1 == greedy
 
 
+def test_a_sampled_prompt_does_not_depend_on_its_batch(model):
+    """Rows drew from one shared generator, so a prompt's samples changed with the prompts beside it
+    (and the rows that finished before it). Each row now draws from its own generator seeded alike:
+    every prompt of a batch samples what it samples alone."""
+    s = SamplingConfig(max_new_tokens=10, temperature=1.3, seed=5)
+    prompts = ["ab", "a much longer prompt", "ab", "xyz"]
+    together = generate(model, TOK, prompts, DepthRule(3), sampling=s)
+    alone = [generate(model, TOK, [p], DepthRule(3), sampling=s)[0] for p in prompts]
+    assert together == alone
+    assert len(set(together)) > 2  # sampled, not one text for all
+
+
 def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)

@@ -96,6 +96,17 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     return sample(probabilities(logits, cfg), generator)
 
 
+def choose_rows(
+    logits: torch.Tensor, cfg: SamplingConfig, generators: Sequence[torch.Generator] | None
+) -> torch.Tensor:
+    """Next token ids [B] from last-position logits [B, V], row b sampled with `generators[b]` (greedy
+    at temperature 0): a row's draws do not depend on the other rows."""
+    if cfg.temperature <= 0:
+        return logits.argmax(-1)
+    probs = probabilities(logits, cfg)
+    return torch.cat([sample(probs[b : b + 1], g) for b, g in enumerate(generators)])
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """`text` cut before the earliest stop string, and whether one occurred."""
     hits = [text.index(s) for s in stop if s and s in text]

@@ -15,7 +15,7 @@ import torch
 from looplm.data import Tokenizer
 from looplm.errors import UserError
 from looplm.infer.cache import make_cache
-from looplm.infer.decode import SamplingConfig, TextStream, choose, token_vocab
+from looplm.infer.decode import SamplingConfig, TextStream, choose, choose_rows, token_vocab
 from looplm.infer.depth_rule import CacheKind, DepthRule
 from looplm.infer.prefill import Prefill
 from looplm.infer.speculative import Speculation, SpeculationStats, speculative_decode
@@ -155,7 +155,9 @@ def generate(
     logits = (prefill or Prefill())(model, tokens, kv, rule.prefill, example_ids=ids_arg, pad=pad, **gate)[
         :, -1, :vocab
     ]
-    gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
+    # sampling: each row draws from its own generator seeded alike, so a prompt's tokens do not depend on
+    # the batch it runs in (as the server's requests, and each prompt under `speculate`)
+    gens = [torch.Generator(device=device).manual_seed(cfg.seed) for _ in range(B)] if cfg.temperature > 0 else None
     started = time.perf_counter()
     streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
     step = step or DecodeStep(model, compile=compile)
@@ -180,7 +182,7 @@ def generate(
             draft_depth=speculate.draft_depth,
             k=speculate.k,
             sampling=cfg,
-            generator=gen,
+            generator=None if gens is None else gens[0],
             pad=pad,
             example_ids=ids_arg,
             emit=emit,
@@ -206,7 +208,7 @@ def generate(
     depths_used: list[int] = []
     first = 0.0
     for t in range(cfg.max_new_tokens):
-        nxt = choose(logits[: len(live)], cfg, gen)
+        nxt = choose_rows(logits[: len(live)], cfg, None if gens is None else [gens[i] for i in live])
         for i, tok in zip(live, nxt.tolist()):
             if tok == tokenizer.eos_id:
                 done[i] = True
