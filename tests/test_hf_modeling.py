@@ -129,24 +129,12 @@ def test_from_looplm_shares_the_parameters():
 
 
 # -- generate --------------------------------------------------------------------------------------
-def looplm_greedy_ids(monkeypatch, model, prompts, rule, **kw) -> list[list[int]]:
-    """Token ids chosen by looplm's own generate (recorded at its `choose`), cut at EOS."""
-    steps = []
-    choose = looplm_generate.choose
-
-    def record(logits, cfg, gen):
-        nxt = choose(logits, cfg, gen)
-        steps.append(nxt.tolist())
-        return nxt
-
-    monkeypatch.setattr(looplm_generate, "choose", record)
+def looplm_greedy_ids(model, prompts, rule, **kw) -> list[list[int]]:
+    """Token ids chosen by looplm's own generate (its stats' `token_ids`: each row's, EOS excluded)."""
+    stats: dict = {}
     # every row seeded as example 0, as the wrapper does: each prompt as if alone
-    texts = looplm_generate.generate(model, TOK, prompts, rule, example_ids=[0] * len(prompts), **kw)
-    monkeypatch.undo()
-    rows = []
-    for i in range(len(prompts)):
-        row = [s[i] for s in steps]
-        rows.append(row[: row.index(TOK.eos_id)] if TOK.eos_id in row else row)
+    texts = looplm_generate.generate(model, TOK, prompts, rule, example_ids=[0] * len(prompts), stats=stats, **kw)
+    rows = stats["token_ids"]
     assert [TOK.decode(r) for r in rows] == texts
     return rows
 
@@ -161,9 +149,7 @@ def cut_at_eos(out, prompt_len):
 @pytest.mark.parametrize("mode", ["terminal", "full"])
 def test_greedy_generate_equals_looplm_generate(exported, hf_model, monkeypatch, mode):
     model, _ = exported
-    want = looplm_greedy_ids(
-        monkeypatch, model, PROMPTS, DepthRule(4, 2), cache=mode, sampling=SamplingConfig(max_new_tokens=10)
-    )
+    want = looplm_greedy_ids(model, PROMPTS, DepthRule(4, 2), cache=mode, sampling=SamplingConfig(max_new_tokens=10))
     ids, mask = padded_batch(PROMPTS)
     out = hf_model.generate(
         ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=4, prefill_steps=2, cache_kind=mode
@@ -174,8 +160,8 @@ def test_greedy_generate_equals_looplm_generate(exported, hf_model, monkeypatch,
 def test_generate_with_config_defaults_and_without_cache(exported, hf_model, monkeypatch):
     model, _ = exported
     sampling = SamplingConfig(max_new_tokens=6)
-    terminal = looplm_greedy_ids(monkeypatch, model, PROMPTS, DepthRule(3), cache="terminal", sampling=sampling)
-    full = looplm_greedy_ids(monkeypatch, model, PROMPTS, DepthRule(3), cache="full", sampling=sampling)
+    terminal = looplm_greedy_ids(model, PROMPTS, DepthRule(3), cache="terminal", sampling=sampling)
+    full = looplm_greedy_ids(model, PROMPTS, DepthRule(3), cache="full", sampling=sampling)
     ids, mask = padded_batch(PROMPTS)
     cached = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6)  # config: num_steps 3, terminal
     assert cut_at_eos(cached, ids.shape[1]) == terminal
@@ -387,9 +373,7 @@ def test_user_cache_and_text_generation_pipeline(exported, hf_model, monkeypatch
 
     generator = pipeline("text-generation", model=hf_model, tokenizer=AutoTokenizer.from_pretrained(exported[1]))
     got = generator("hello", max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
-    want = looplm_greedy_ids(
-        monkeypatch, exported[0], ["hello"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=6)
-    )
+    want = looplm_greedy_ids(exported[0], ["hello"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=6))
     assert got == TOK.decode(want[0])
 
 
@@ -459,6 +443,18 @@ def test_missing_weights_are_an_error(exported, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_weights_the_config_has_no_place_for_are_an_error(exported, tmp_path):
+    """config.json saying `tie_embeddings` over a checkpoint with its own head: the head's weights were
+    dropped with transformers' warning only, and the logits were those of another model."""
+    _, out = exported
+    (tmp_path / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    assert "model.head.weight" in load_file(str(out / "model.safetensors")) and not config["tie_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_embeddings": True}))
+    with pytest.raises(ValueError, match=r"gives no place to \(\['model.head.weight'\]\)"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 

@@ -588,7 +588,7 @@ def test_prompt_embeddings_are_refused_at_load_by_name(base):
             pass
 
 
-def test_refusals_of_parallelism_and_unknown_switches():
+def test_refusals_of_parallelism():
     hf = dataclasses.make_dataclass("HF", [("num_steps", int, 3)])()
     with pytest.raises(Refused, match="pipeline parallelism"):
         check_servable(hf, pipeline_parallel=2)
@@ -607,6 +607,7 @@ def test_refusals_of_depth_settings():
         ("min_depth", int, 1),
         ("exit_gate_threshold", object, None),
         ("exit_gate", bool, False),
+        ("tokenizer_vocab_size", object, None),
     ]
     HF = dataclasses.make_dataclass("HF", fields)
     check_servable(HF(prefill_steps=2, exit_tau=0.1, min_depth=4))
@@ -614,6 +615,13 @@ def test_refusals_of_depth_settings():
         ({"prefill_steps": 0}, r"prefill_steps must be in 1\.\.64 \(the config's max_depth\), got 0"),
         ({"exit_tau": 0.0}, "exit_tau must be > 0"),
         ({"exit_tau": 0.1, "min_depth": 5}, "min_depth 5 exceeds the decode depth 4"),
+        # min_depth without exit_tau was replaced by 1 before it was checked: 0 and 5 loaded
+        ({"min_depth": 0}, "min_depth must be an integer >= 1, got 0"),
+        ({"min_depth": 5}, "min_depth 5 exceeds the decode depth 4"),
+        # --hf-overrides skip the config's own checks: 0 masked every logit (NaN log-probs), -5 the last 5
+        ({"tokenizer_vocab_size": 0}, r"tokenizer_vocab_size must be in 1\.\.258 \(vocab_size\), got 0"),
+        ({"tokenizer_vocab_size": -5}, "tokenizer_vocab_size must be in"),
+        ({"tokenizer_vocab_size": 2.5}, "tokenizer_vocab_size must be in"),
     ):
         with pytest.raises(Refused, match=words):
             check_servable(HF(**bad))

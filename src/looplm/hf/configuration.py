@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from transformers import PretrainedConfig
 
 from looplm.config import ModelConfig
+from looplm.errors import UserError
 from looplm.infer.depth_rule import DepthRule
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 CONFIG_KEYS = {"depth": "num_steps", "prefill_depth": "prefill_steps", "cache": "cache_kind"}
 """looplm's name of each test-time setting -> its config.json key (and `generate`/forward keyword), kept as
 exported by every looplm version and read by the vLLM plugin; `exit_tau` and `min_depth` are spelled alike."""
+
+
+def check_tokenizer_vocab_size(n, vocab_size: int) -> None:
+    """UserError (a ValueError) unless `n`, the tokenizer's ids in an embedding of `vocab_size` rows, is
+    None or an integer in 1..vocab_size."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= vocab_size):
+        raise UserError(f"tokenizer_vocab_size must be in 1..{vocab_size} (vocab_size), got {n!r}")
 
 
 class LoopedLMConfig(PretrainedConfig):
@@ -114,9 +123,7 @@ class LoopedLMConfig(PretrainedConfig):
     def check_generation_fields(self) -> None:
         """Raise ValueError with a one-line reason when a test-time field is out of range."""
         self.check_rule(self.depth_rule(), self.cache_kind)
-        n = self.tokenizer_vocab_size
-        if n is not None and not 1 <= n <= self.vocab_size:
-            raise ValueError(f"tokenizer_vocab_size must be in 1..{self.vocab_size} (vocab_size), got {n}")
+        check_tokenizer_vocab_size(self.tokenizer_vocab_size, self.vocab_size)
 
     def to_model_config(self) -> ModelConfig:
         """The looplm `ModelConfig` of this config (validated)."""

@@ -231,16 +231,25 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """As `PreTrainedModel.from_pretrained`, but weights missing from the checkpoint (or of the
-        wrong shape) are an error, never a random initialisation."""
+        wrong shape) are an error, never a random initialisation; and so are weights the model has
+        no place for (the config does not describe the checkpoint: e.g. `tie_embeddings` set over an
+        untied head, whose weights would be dropped)."""
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         missing = sorted(info.get("missing_keys") or [])
         mismatched = list(info.get("mismatched_keys") or [])
+        unexpected = sorted(info.get("unexpected_keys") or [])
+        where = args[0] if args else ""
         if missing or mismatched:
             raise ValueError(
-                f"{args[0] if args else ''}: the checkpoint does not hold every weight of the looplm "
+                f"{where}: the checkpoint does not hold every weight of the looplm "
                 f"model (missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                 f"wrong shape {mismatched[:3]})"
+            )
+        if unexpected:
+            raise ValueError(
+                f"{where}: the checkpoint holds weights its config gives no place to "
+                f"({unexpected[:3]}{'...' if len(unexpected) > 3 else ''}): config.json does not describe it"
             )
         return (model, info) if want_info else model
 

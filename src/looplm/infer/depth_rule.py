@@ -90,11 +90,10 @@ class DepthRule:
         check_depth(name("depth", "depth"), self.depth, max_depth, what)
         if self.prefill_depth is not None:
             check_depth(name("prefill_depth", "prefill_depth"), self.prefill_depth, max_depth, what)
-        if self.exit_tau is not None:
-            if cache != "terminal":
-                raise UserError("adaptive depth (exit_tau) needs the terminal cache")
-            if self.min_depth > self.depth:
-                raise UserError(f"min_depth {self.min_depth} exceeds the decode depth {self.depth}")
+        if self.min_depth > self.depth:  # refused with or without exit_tau, wherever it was given
+            raise UserError(f"min_depth {self.min_depth} exceeds the decode depth {self.depth}")
+        if self.exit_tau is not None and cache != "terminal":
+            raise UserError("adaptive depth (exit_tau) needs the terminal cache")
         if self.exit_gate is not None and not has_gate:
             raise UserError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
         return self

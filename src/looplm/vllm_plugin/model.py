@@ -46,7 +46,7 @@ from vllm.sequence import IntermediateTensors
 
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
 from looplm.errors import UserError
-from looplm.hf.configuration import CONFIG_KEYS
+from looplm.hf.configuration import CONFIG_KEYS, check_tokenizer_vocab_size
 from looplm.infer.depth_rule import DepthRule
 from looplm.model.blocks import RMSNorm, attention_inputs, block_forward, build_block, ffn_hidden, rope_tables
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
@@ -121,10 +121,10 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
         )
     pre, tau = getattr(hf_config, "prefill_steps", None), getattr(hf_config, "exit_tau", None)
     try:  # looplm's one depth rule, its settings named by their config keys
-        rule = DepthRule(
-            getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1) if tau is not None else 1
-        )
+        rule = DepthRule(getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1))
         rule.check(cfg.max_depth, what="the config's max_depth", spelling=CONFIG_KEYS)
+        # --hf-overrides reach the config past its own checks: a 0 here masked every logit (NaN log-probs)
+        check_tokenizer_vocab_size(getattr(hf_config, "tokenizer_vocab_size", None), cfg.vocab_size)
     except UserError as err:
         raise Refused(str(err)) from None
     depth = rule.depth
