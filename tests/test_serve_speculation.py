@@ -49,8 +49,9 @@ def _run(engine: Engine, reqs: list[Request], windows: dict | None = None, monke
 
         def recording(step, rows, n, **kw):
             result = real(step, rows, n, **kw)
-            for b in range(n):
-                windows.setdefault(engine._rows[b].handle.request.example_id, []).append(len(result.tokens[b]) - 1)
+            for b in range(n):  # the round's speculating rows (others ride along or are carried)
+                if kw["members"][b]:
+                    windows.setdefault(engine._rows[b].handle.request.example_id, []).append(len(result.tokens[b]) - 1)
             return result
 
         monkeypatch.setattr(engine_mod, "speculative_round", recording)
