@@ -136,6 +136,9 @@ def test_load_choice_jsonl(tmp_path):
         (json.dumps({"context": "Q", "choices": ["a"], "gold": 0}), "at least 2 choices"),
         (json.dumps({"context": "Q", "choices": "ab", "gold": 0}), "list of strings"),
         (json.dumps([1, 2]), "JSON object"),
+        # accepted here, refused by the scorer after the eval's perplexity work
+        (json.dumps({"context": " \n", "choices": ["a", "b"], "gold": 0}), "'context' is empty"),
+        (json.dumps({"context": "Q", "choices": ["a", ""], "gold": 0}), "choice 1 is empty"),
     ],
 )
 def test_load_choice_jsonl_errors(tmp_path, line, msg):

@@ -10,8 +10,9 @@ lm_eval = pytest.importorskip("lm_eval", reason="optional extra: pip install -e 
 
 from looplm.config import ModelConfig  # noqa: E402
 from looplm.data import ByteTokenizer  # noqa: E402
-from looplm.eval.choice import score_continuation  # noqa: E402
+from looplm.eval.choice import score_continuation, score_tokens  # noqa: E402
 from looplm.eval.harness import LoopLMHarness, stable_id  # noqa: E402
+from looplm.infer.generate import DepthRule, SamplingConfig, generate  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -51,6 +52,74 @@ def test_request_types_against_native_forward(adapter):
     assert math.isclose(roll, sum(float(lp[t - 1, x[t]]) for t in range(1, len(x))), rel_tol=1e-6)
     out = adapter.generate_until([_Req("hi", {"until": ["\n"], "max_gen_toks": 5})])
     assert len(out) == 1 and "\n" not in out[0]
+
+
+def _native_logp(m, ids: list[int], depth: int, example_id: int) -> torch.Tensor:
+    """log p of every next token of `ids` under the native forward (no cache): [n, V] in float64."""
+    with torch.no_grad():
+        logits = m(torch.tensor([ids]), depth, init="seeded", example_ids=torch.tensor([example_id])).logits[0]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def test_rolling_windows_follow_lm_evals_contract(adapter):
+    """A text longer than the context: lm-eval's windows (context length 1) predict the first L tokens
+    after the text-start token, then up to L tokens after the L + 1 - n tokens before them (n of
+    them predicted: the last window sees a full context). The adapter cut the text into windows that
+    each restarted after a fresh end-of-text token (20 nats off on a 43-token text at L = 16)."""
+    m = adapter.model
+    L = m.cfg.max_seq_len
+    text = "".join(chr(97 + (7 * i) % 26) for i in range(2 * L + 37))  # 2 full windows and a part
+    ids, sid = TOK.encode(text), stable_id(text)
+    want, done = 0.0, 0
+    while done < len(ids):  # the windows written out from lm-eval's docstring
+        n = min(L, len(ids) - done)
+        ctx = [TOK.eos_id] if done == 0 else ids[done - (L + 1 - n) : done]
+        x = ctx + ids[done : done + n]
+        logp = _native_logp(m, x[:-1], 3, sid)  # the full cache at one depth: the native forward
+        want += sum(float(logp[len(ctx) - 1 + j, x[len(ctx) + j]]) for j in range(n))
+        done += n
+    got = adapter.loglikelihood_rolling([_Req(text)])[0]
+    assert math.isclose(got, want, rel_tol=1e-6), (got, want)
+
+
+def test_an_empty_context_is_scored_by_the_cached_protocol():
+    """An empty context used to go through the native forward at `depth`, whatever `cache` and
+    `prefill_depth` said; it is now the text-start token prefilled at prefill_depth, then the
+    continuation decoded at depth, as every other request."""
+    torch.manual_seed(1)
+    m = LoopedLM(
+        ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    ).eval()
+    cont = "the cat"
+    scores = {}
+    for cache in ("terminal", "full"):
+        for pre in (1, 4):
+            harness = LoopLMHarness(model=m, tokenizer=TOK, depth=4, prefill_depth=pre, cache=cache)
+            scores[cache, pre] = harness.loglikelihood([_Req("", cont)])[0][0]
+            # the same as the context given explicitly as the text-start token
+            ids = TOK.encode(cont)
+            explicit = score_tokens(
+                m, [TOK.eos_id], ids, depth=4, prefill_depth=pre, cache=cache, example_id=stable_id("")
+            )
+            assert scores[cache, pre] == explicit[0]
+    assert len(set(scores.values())) == 4  # the cache and the prefill depth are honoured
+    x = [TOK.eos_id, *TOK.encode(cont)]  # full cache, prefill depth = depth: the native forward
+    logp = _native_logp(m, x, 4, stable_id(""))
+    assert math.isclose(scores["full", 4], sum(float(logp[t - 1, x[t]]) for t in range(1, len(x))), rel_tol=1e-6)
+
+
+def test_generate_until_keeps_the_last_tokens_of_a_long_context(adapter):
+    """A context longer than the model's context crashed the whole lm-eval run (a UserError from the
+    prompt check); as lm-eval's own models, it keeps its last max_seq_len - max_gen_toks + 1 tokens."""
+    L = adapter.model.cfg.max_seq_len
+    context = "".join(chr(97 + (5 * i) % 26) for i in range(L + 8))
+    got = adapter.generate_until([_Req(context, {"until": ["\n"], "max_gen_toks": 6})])
+    kept = TOK.encode(context)[-(L - 6 + 1) :]
+    want = generate(
+        adapter.model, TOK, [TOK.decode(kept)], DepthRule(3), cache="full",
+        sampling=SamplingConfig(max_new_tokens=6, stop=("\n",)), example_ids=[stable_id(context)],
+    )  # fmt: skip
+    assert got == want
 
 
 @pytest.mark.slow

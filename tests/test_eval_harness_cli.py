@@ -85,3 +85,17 @@ def test_the_script_ends_a_user_error_in_one_line(monkeypatch, capsys):
     rc, _, err = run_script(monkeypatch, capsys, "--model", "looplm", "--model_args", "checkpoint=x,dept=3")
     assert rc == 2 and err.strip().splitlines() == [err.strip().splitlines()[-1]], err
     assert err.strip().startswith("error: unknown model_args: dept"), err
+
+
+@pytest.mark.parametrize("given", [["--model_args", "checkpoint=x,device=cpu"], ["--model_args=device=cpu,depth=3"]])
+def test_a_device_in_model_args_is_refused_in_one_line(monkeypatch, capsys, given):
+    """lm-eval passes its own --device to the model as `device=`: one given in --model_args too ended in
+    Python's "got multiple values for keyword argument 'device'" traceback."""
+    import lm_eval.__main__
+
+    def fake_cli_evaluate():
+        raise AssertionError("lm-eval must not start")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli_evaluate)
+    rc, _, err = run_script(monkeypatch, capsys, "--model", "looplm", *given)
+    assert rc == 2 and err.strip() == "error: give the device as --device (lm-eval's option), not in --model_args"

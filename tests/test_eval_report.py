@@ -72,3 +72,26 @@ def test_eval_on_other_data_keeps_the_runs_report(text_run, tmp_path, capsys):
     from looplm.eval.report import report_name
 
     assert report_name("hf:org/set:test") == "eval-hf-org-set-test.json" and report_name(None) == "eval.json"
+
+
+def test_a_sample_prompt_is_measured_with_its_bos_token():
+    """The samples' prompt was measured without the BOS the decode adds: a prompt of max_seq_len - 1
+    text tokens passed the up-front check, then the samples asked for one new token too many (and
+    one of max_seq_len tokens, for a prompt that does not fit), after the eval's other work."""
+    from _models import decisive_model
+
+    from looplm.data import ByteTokenizer
+    from looplm.eval.report import EvalConfig, depth_samples
+
+    class BosBytes(ByteTokenizer):  # a tokenizer that starts every prompt with a BOS
+        @property
+        def bos_id(self):
+            return self.eos_id
+
+    tok, model = BosBytes(), decisive_model(258, max_seq_len=16)
+    fits = EvalConfig(depths=(1,), sample_depths=(2,), sample_prompt="x" * 15, sample_tokens=8)
+    fits.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tok)
+    assert depth_samples(model, tok, fits, "cpu")["tokens"] == 1  # 16 tokens with the BOS: one new token
+    too_long = EvalConfig(depths=(1,), sample_depths=(2,), sample_prompt="x" * 16, sample_tokens=8)
+    with pytest.raises(ValueError, match="does not fit the context max_seq_len=16"):
+        too_long.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tok)

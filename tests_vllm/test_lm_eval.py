@@ -41,7 +41,7 @@ MC = [  # one-byte choices after the context (target_delimiter ""): one continua
     {"question": "All the world's a stag", "choices": ["e", "s", "x"], "label": 0},
     {"question": "Hi", "choices": ["!", "?", "."], "label": 0},
 ]
-# (no trailing space in a context: lm-eval's vllm model moves it into the continuation, LoopLMHarness does not)
+# (no trailing space in a context: the split between context and continuation is then the same in both models)
 MULTI = [{"question": "Now is the winter of our", "choices": [" discontent", " content", " tent"], "label": 0}]
 GEN = [
     {"question": "To be, or not", "answer": " to be"},

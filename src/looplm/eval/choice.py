@@ -42,6 +42,10 @@ def load_choice_jsonl(path: str | Path) -> list[ChoiceItem]:
             raise UserError(f"{where}: 'choices' must be a list of strings")
         if len(choices) < 2:
             raise UserError(f"{where}: need at least 2 choices, got {len(choices)}")
+        if not context.strip():  # scoring needs a context to prefill: refused here, before any work
+            raise UserError(f"{where}: 'context' is empty")
+        if "" in choices:
+            raise UserError(f"{where}: choice {choices.index('')} is empty (it adds no tokens to score)")
         if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
             raise UserError(f"{where}: 'gold' must be an index in 0..{len(choices) - 1}, got {gold!r}")
         items.append(ChoiceItem(context, tuple(choices), gold))
@@ -81,7 +85,6 @@ def score_continuation(
     """(sum of ln p over the target tokens, whether every target token was the argmax), over the
     tokenizer's ids (a padded embedding's other rows are no token). `truncate`: a context too long
     for the model keeps its last tokens (lm-evaluation-harness's rule) instead of an error."""
-    prefill_depth = prefill_depth or depth
     ctx_ids = tokenizer.encode_prompt(context)
     if not ctx_ids:
         raise UserError("choice context is empty (nothing to prefill)")
@@ -91,13 +94,46 @@ def score_continuation(
     keep = model.cfg.max_seq_len + 1 - len(target)  # context tokens that fit before the targets
     if truncate and 1 <= keep < len(ctx_ids):
         ctx_ids = ctx_ids[-keep:]
+    return score_tokens(
+        model,
+        ctx_ids,
+        target,
+        depth=depth,
+        prefill_depth=prefill_depth,
+        cache=cache,
+        example_id=example_id,
+        device=device,
+        vocab=token_vocab(model, tokenizer),
+    )
+
+
+@torch.no_grad()
+def score_tokens(
+    model,
+    ctx_ids: Sequence[int],
+    target: Sequence[int],
+    *,
+    depth: int,
+    prefill_depth: int | None = None,
+    cache: str = "terminal",
+    example_id: int = 0,
+    device="cpu",
+    vocab: int | None = None,
+) -> tuple[float, bool]:
+    """(sum of ln p over the `target` ids, whether each was the argmax) after the context `ctx_ids`
+    (non-empty): the context prefilled at `prefill_depth` into a fresh batch-1 cache of kind
+    `cache`, then the target fed one decode step at a time at `depth` (the first target scored by the
+    prefill's last logits); the log-probabilities over the first `vocab` ids (default: all)."""
+    prefill_depth = prefill_depth or depth
+    ctx_ids, target = list(ctx_ids), list(target)
+    if not ctx_ids or not target:
+        raise UserError("scoring needs a context and at least one target token")
     need = len(ctx_ids) + len(target) - 1  # the last target token is never fed
     if need > model.cfg.max_seq_len:
         raise UserError(f"context + continuation need {need} tokens, the model context is {model.cfg.max_seq_len}")
     dtype = next(model.parameters()).dtype
     kv = make_cache(cache, model.cfg, 1, need, max(depth, prefill_depth), device=device, dtype=dtype)
     ids = torch.tensor([example_id], device=device)
-    vocab = token_vocab(model, tokenizer)
     logits = extend(model, torch.tensor([ctx_ids], device=device), kv, prefill_depth, example_ids=ids).logits[0, -1]
     total, greedy = 0.0, True
     for t, tok in enumerate(target):

@@ -93,7 +93,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def greedy_generate(
     model,
     tokenizer: Tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     example_ids: Sequence[int],
     *,
     depth: int,

@@ -5,20 +5,24 @@
 `looplm-lm-eval` is lm-eval's own command line after `import looplm.eval.harness`, which registers the
 model name (`lm_eval` alone does not know it; `looplm.eval.harness_cli`). Every request is scored by
 decoding with a KV cache, as in the paper's protocol (design §8): prefill the context at
-`prefill_depth`, then feed the continuation one token at a time at `depth`.
+`prefill_depth`, then feed the continuation one token at a time at `depth`; an empty context starts
+from the text-start token (BOS, else EOS), as lm-eval's own models do. `loglikelihood_rolling` scores
+lm-eval's rolling windows (`get_rolling_token_windows`, context length 1: disjoint windows of the
+model's context, the last one after a full context) the same way, so a long document costs one decode
+step per token.
 """
 
 from __future__ import annotations
 
 import zlib
 
-import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from looplm.checkpoint import load_model, resolve_device
 from looplm.errors import UserError
-from looplm.eval.choice import score_continuation, split_context
+from looplm.eval.choice import score_continuation, score_tokens, split_context
 from looplm.eval.generation import greedy_generate
 from looplm.infer.decode import token_vocab
 
@@ -45,7 +49,7 @@ class LoopLMHarness(LM):
         super().__init__()
         unknown = [k for k in others if k not in self.HARNESS_ARGS]
         if unknown:  # a misspelt depth= would otherwise evaluate at the default depth, silently
-            known = "checkpoint, depth, prefill_depth, cache, device, max_gen_toks"
+            known = "checkpoint, depth, prefill_depth, cache, max_gen_toks; the device is lm-eval's --device"
             raise UserError(f"unknown model_args: {', '.join(unknown)} (known: {known})")
         if cache not in ("terminal", "full"):
             raise UserError(f"model_args cache must be terminal or full, got {cache!r}")
@@ -61,11 +65,12 @@ class LoopLMHarness(LM):
         self._device, self.max_gen_toks = device, int(max_gen_toks)
 
     def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
-        if not self.tokenizer.encode_prompt(context):  # an empty context starts from the end-of-text token
-            return self._score_after_eos(continuation, example_id)
         # as lm-eval's own models: the context's trailing whitespace starts the continuation, and a
         # context too long for the model keeps its last tokens
         context, continuation = split_context(context, continuation)
+        if not self.tokenizer.encode_prompt(context):  # an empty context: the text-start token
+            ids = self.tokenizer.encode(continuation)
+            return self._score_ids([self._text_start], ids, example_id)
         return score_continuation(
             self.model,
             self.tokenizer,
@@ -79,30 +84,38 @@ class LoopLMHarness(LM):
             truncate=True,
         )
 
-    @torch.no_grad()
-    def _score_after_eos(self, text: str, example_id: int) -> tuple[float, bool]:
-        ids = self.tokenizer.encode(text)
-        first = self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id  # a text start
-        x = torch.tensor([[first, *ids]], device=self._device)
-        total, greedy = 0.0, True
-        window, vocab = self.model.cfg.max_seq_len, token_vocab(self.model, self.tokenizer)
-        for start in range(0, len(ids), window - 1):  # non-overlapping windows, each after an EOS
-            chunk = torch.cat([x[:, :1], x[:, 1 + start : 1 + start + window - 1]], dim=1)
-            logits = self.model(
-                chunk, self.depth, init="seeded", example_ids=torch.tensor([example_id], device=self._device)
-            ).logits
-            logits = logits[0, :-1, :vocab]
-            logp = torch.log_softmax(logits.double(), -1)
-            target = chunk[0, 1:]
-            total += float(logp.gather(-1, target[:, None]).sum())
-            greedy &= bool((logits.argmax(-1) == target).all())
-        return total, greedy
+    @property
+    def _text_start(self) -> int:
+        """What an empty context starts from (lm-eval's prefix token): BOS, else EOS."""
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id
+
+    def _score_ids(self, ctx_ids: list[int], target: list[int], example_id: int) -> tuple[float, bool]:
+        return score_tokens(
+            self.model,
+            ctx_ids,
+            target,
+            depth=self.depth,
+            prefill_depth=self.prefill_depth,
+            cache=self.cache,
+            example_id=example_id,
+            device=self._device,
+            vocab=token_vocab(self.model, self.tokenizer),
+        )
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         return [self._score(*req.args[:2], example_id=stable_id(req.args[0])) for req in requests]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
-        return [self._score_after_eos(req.args[0], example_id=stable_id(req.args[0]))[0] for req in requests]
+        out = []
+        for req in requests:
+            text, total = req.args[0], 0.0
+            windows = get_rolling_token_windows(
+                self.tokenizer.encode(text), self._text_start, self.model.cfg.max_seq_len, context_len=1
+            )
+            for ctx, pred in map(make_disjoint_window, windows):
+                total += self._score_ids(ctx, pred, stable_id(text))[0]
+            out.append(total)
+        return out
 
     def generate_until(self, requests) -> list[str]:
         out = []
@@ -110,12 +123,13 @@ class LoopLMHarness(LM):
             context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            room = self.model.cfg.max_seq_len - len(self.tokenizer.encode_prompt(context)) + 1
-            n = max(1, min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), room))
+            # as lm-eval's own models: a context too long for the new tokens keeps its last tokens
+            n = max(1, min(int(kwargs.get("max_gen_toks", self.max_gen_toks)), self.model.cfg.max_seq_len))
+            ids = self.tokenizer.encode_prompt(context) or [self._text_start]
             out += greedy_generate(
                 self.model,
                 self.tokenizer,
-                [context],
+                [ids[-(self.model.cfg.max_seq_len - n + 1) :]],
                 [stable_id(context)],
                 depth=self.depth,
                 prefill_depth=self.prefill_depth,

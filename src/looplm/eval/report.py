@@ -134,7 +134,7 @@ class EvalConfig:
         if self.sample_depths:
             if self.sample_prompt == "":
                 raise bad("sample_prompt", "the samples need a non-empty prompt", "''")
-            n = len(tokenizer.encode(self.sample_prompt)) if tokenizer is not None and self.sample_prompt else 0
+            n = len(tokenizer.encode_prompt(self.sample_prompt)) if tokenizer is not None and self.sample_prompt else 0
             if n > max_seq_len:
                 raise bad("sample_prompt", f"does not fit the context max_seq_len={max_seq_len}", f"{n} tokens")
 
@@ -283,7 +283,7 @@ def depth_samples(model, tokenizer, cfg: EvalConfig, device, prompt: str | None 
     from looplm.infer.generate import DepthRule, SamplingConfig, generate
 
     prompt = prompt or cfg.sample_prompt or TEXT_SAMPLE_PROMPT
-    room = model.cfg.max_seq_len - len(tokenizer.encode(prompt)) + 1  # the last new token is never fed
+    room = model.cfg.max_seq_len - len(tokenizer.encode_prompt(prompt)) + 1  # the last new token is never fed
     if room < 1:
         raise UserError(f"sample prompt {prompt!r:.60} does not fit the context max_seq_len={model.cfg.max_seq_len}")
     n = min(cfg.sample_tokens, room)

@@ -25,11 +25,12 @@ __all__ = ["DepthRule", "SamplingConfig", "Speculation", "choose", "generate"]
 
 
 def encode_prompts(
-    tokenizer: Tokenizer, prompts: Sequence[str], max_new_tokens: int, max_seq_len: int
+    tokenizer: Tokenizer, prompts: Sequence[str | Sequence[int]], max_new_tokens: int, max_seq_len: int
 ) -> list[list[int]]:
-    """The prompts' token ids; a UserError for an empty prompt, or one that leaves no room for
-    `max_new_tokens` in the context `max_seq_len`."""
-    encoded = [tokenizer.encode_prompt(p) for p in prompts]
+    """The prompts' token ids (a text is encoded as a prompt, token ids are taken as they are); a
+    UserError for an empty prompt, or one that leaves no room for `max_new_tokens` in the context
+    `max_seq_len`."""
+    encoded = [tokenizer.encode_prompt(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
             raise UserError(f"prompt {i} is empty")
@@ -53,7 +54,7 @@ def _bucket(n: int, compiled: bool) -> int:
 def generate(
     model,
     tokenizer: Tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     rule: DepthRule,
     *,
     cache: CacheKind = "terminal",
@@ -66,8 +67,8 @@ def generate(
     speculate: Speculation | None = None,
     step: DecodeStep | None = None,
 ) -> list[str]:
-    """Continue each prompt at the recurrences of `rule` with a KV cache of kind `cache` (terminal or
-    full); returns the generated texts (stop strings and EOS excluded).
+    """Continue each prompt (a text, or its token ids) at the recurrences of `rule` with a KV cache of
+    kind `cache` (terminal or full); returns the generated texts (stop strings and EOS excluded).
 
     `on_token(row, text_piece)` is called as text is produced (streaming); `stats`, when given,
     receives "mean_decode_depth" (the mean recurrences per decoded token of the rows still running,
