@@ -475,7 +475,10 @@ def main() -> None:
         if not args.tiny:
             ap.error("give --out (or set $OUT)")
         out = Path("benchmarks/results")
-    steps, warmup = args.steps or (2 if args.tiny else 8), args.warmup or (1 if args.tiny else 2)
+    steps = args.steps if args.steps is not None else (2 if args.tiny else 8)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    if steps < 1 or warmup < 0:  # --warmup 0 is no untimed step; it read as the default
+        ap.error(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
     reserve = (
         0.0
         if args.skip_torchrun

@@ -47,3 +47,10 @@ def test_wsd_matches_closed_form_everywhere_and_is_monotone():
     decay = values[T - D :]
     assert all(b < a for a, b in zip(decay, decay[1:]))
     assert min(values) == pytest.approx(1e-4) and max(values) == 1.0
+
+
+def test_a_zero_fraction_means_no_warmup_or_no_decay():
+    # warmup_frac 0 still warmed up for one step (step 0 at 1e-4 of the rate); decay_frac 0 decayed at the last
+    assert [wsd_multiplier(t, 100, 0.0, 0.1) for t in (0, 1, 89)] == [1.0, 1.0, 1.0]
+    assert [wsd_multiplier(t, 100, 0.05, 0.0) for t in (5, 99, 100)] == [1.0, 1.0, 1.0]
+    assert wsd_multiplier(0, 10, 0.01, 0.01) == 1e-4  # a fraction above 0 takes at least one step

@@ -806,3 +806,58 @@ def test_resume_from_another_folder_reads_the_runs_relative_source(tmp_path, cac
                 train__resume=True,
             )
         )
+
+
+# -- what the trainer reports about its own steps -------------------------------------------------------
+def test_progress_lines_carry_their_own_steps_loss(tmp_path, cache, capsys, monkeypatch):
+    """Off a terminal the trainer updated the bar before setting its values, so each printed line
+    carried the previous step's loss (and the first none)."""
+    import re
+
+    from looplm.train import progress
+
+    real = progress.LineProgress.__init__
+    monkeypatch.setattr(  # a line every step
+        progress.LineProgress, "__init__", lambda self, *a, **kw: real(self, *a, **{**kw, "every_s": 0.0})
+    )
+    trainer = Trainer(job(tmp_path, cache, train__steps=3, train__log_every=1, train__progress=True))
+    trainer.fit()
+    printed = {
+        int(m[1]): float(m[2])
+        for m in re.finditer(r"train: step (\d+)/3 \(\d+%\), loss=([\d.]+)", capsys.readouterr().err)
+    }
+    assert printed == {s: round(v, 3) for s, v in losses(trainer.out_dir).items()}
+
+
+def test_the_token_rate_leaves_out_evaluation_and_checkpoints(tmp_path, cache, monkeypatch):
+    """Evaluation and checkpoint time fell into the next window's tokens/s (a 2 s evaluation: 127
+    against 26,895 tokens/s measured from the steps). The rate of a window is now its tokens over its
+    steps' time only, so an evaluation made 50 s long changes no rate by much."""
+    import time as time_mod
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["now"])
+    real_step, real_eval = Trainer.train_step, Trainer.evaluate
+
+    def step(self):  # every step takes 1 s of the fake clock
+        clock["now"] += 1.0
+        return real_step(self)
+
+    def evaluate(self):
+        clock["now"] += 50.0
+        return real_eval(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    trainer = Trainer(job(tmp_path, cache, train__steps=4, train__log_every=1, train__eval_every=2))
+    trainer.fit()
+    per_step = trainer.layout.global_batch * trainer.job.data.seq_len
+    rates = [r["tokens_per_s"] for r in step_records(trainer.out_dir).values()]
+    assert rates == [pytest.approx(per_step)] * 4
+
+
+@pytest.mark.parametrize(("field", "value"), [("stop_after", -3), ("stop_after", 0), ("keep_checkpoints", 0)])
+def test_run_lengths_and_kept_checkpoints_below_one_are_refused(tmp_path, cache, field, value):
+    # stop_after -3 trained nothing and returned "checkpoint": "None"; keep_checkpoints -1 kept one
+    with pytest.raises(UserError, match=f"train.{field} must be >= 1"):
+        Trainer(job(tmp_path, cache, **{f"train__{field}": value}))

@@ -281,9 +281,19 @@ class Trainer:
             raise UserError(
                 f"data.seq_len {j.data.seq_len} exceeds the model context max_seq_len {j.model.max_seq_len}"
             )
-        for name in ("steps", "micro_batch", "grad_accum", "checkpoint_every", "log_every", "eval_batches"):
+        for name in (
+            "steps",
+            "micro_batch",
+            "grad_accum",
+            "checkpoint_every",
+            "log_every",
+            "eval_batches",
+            "keep_checkpoints",
+        ):
             if getattr(j.train, name) < 1:
                 raise UserError(f"train.{name} must be >= 1, got {getattr(j.train, name)}")
+        if j.train.stop_after is not None and j.train.stop_after < 1:
+            raise UserError(f"train.stop_after must be >= 1 (steps of the schedule) or unset, got {j.train.stop_after}")
         if j.train.eval_every < 0:
             raise UserError(f"train.eval_every must be >= 0 (0 disables), got {j.train.eval_every}")
         t = j.train
@@ -771,11 +781,11 @@ class Trainer:
             window_depths += res.depths
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"non-finite loss at step {self.step}; lower --train.lr")
-            if bar is not None:
-                bar.update(1)
+            if bar is not None:  # this step's values, then the step (a plain-lines bar prints at update)
                 bar.set_postfix(
                     loss=f"{res.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", R=",".join(map(str, res.depths))
                 )
+                bar.update(1)
             if self.step % t.log_every == 0 or self.step == end:
                 now = time.perf_counter()
                 rate = window_tokens / max(now - window_t, 1e-9)
@@ -804,6 +814,7 @@ class Trainer:
                 record.update({f"depth/{k}": v for k, v in self.depth_metrics.items()})
                 self.logger.log(record, self.step)
                 window_t, window_tokens, window_depths = now, 0, []
+            side = time.perf_counter()  # evaluation and checkpoints are no training time: not in the rate
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == end):
                 val = self.evaluate()
                 self.logger.log({"val_loss": val, "val_ppl": math.exp(min(val, 50))}, self.step)
@@ -811,6 +822,7 @@ class Trainer:
                     bar.write(f"step {self.step}: val loss {val:.4f} (ppl {math.exp(min(val, 50)):.3f})")
             if self.step % t.checkpoint_every == 0 or self.step == end:
                 last = self.save()
+            window_t += time.perf_counter() - side
         return last
 
     # -- checkpoints ----------------------------------------------------------------------------
