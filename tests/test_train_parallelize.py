@@ -412,7 +412,9 @@ def test_fsdp_gets_bf16_compute_with_fp32_gradient_reduction(monkeypatch, tiny_m
     model = LoopedLM(tiny_model_config())
     env = DistEnv(world_size=2, joined=True)
     assert wrap_model(model, env, "fsdp", param_dtype=torch.bfloat16) is model
-    assert [m for m, _ in calls] == [*model.prelude, *model.core, *model.coda, model]
+    assert [m for m, _ in calls] == [*model.prelude, *model.core, *model.coda, model.injection, model]
+    injection = calls.pop(-2)[1]["mp_policy"]  # elementwise on the state each recurrence: fp32, as under DDP
+    assert injection.param_dtype is None and injection.reduce_dtype == torch.float32
     policies = {kw["mp_policy"] for _, kw in calls}
     assert len(policies) == 1
     policy = policies.pop()

@@ -107,7 +107,8 @@ class TrainConfig:
     """Compute dtype: auto = bf16 autocast on CUDA, fp32 on CPU; bf16 = bf16 autocast on either."""
     parallel: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """Data parallelism under torchrun: DDP, FSDP2 (fully_shard per block; bf16 compute with fp32 gradient
-    reduction when precision is bf16), or HSDP (FSDP2 sharded within a node, replicated across nodes)."""
+    reduction when precision is bf16, the injection kept fp32), or HSDP (FSDP2 sharded within a node,
+    replicated across nodes)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile every block and the injection (auto: on for CUDA, off on CPU); the recompile count after
     warm-up is logged as compile_recompiles."""

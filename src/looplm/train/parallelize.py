@@ -106,6 +106,11 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
         )
         for block in blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=mp)
+        if param_dtype is not None and any(True for _ in model.injection.parameters()):
+            # the injection's decay and scales act elementwise on the state at every recurrence: fp32, as
+            # under DDP (autocast casts matmul inputs only); bf16 rounding would move the fixed point
+            fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+            fully_shard(model.injection, mesh=mesh, mp_policy=fp32)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if param_dtype is not None:
             keep_stream_fp32(model)
