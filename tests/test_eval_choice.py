@@ -161,3 +161,26 @@ def test_acc_norm_divides_by_the_choices_own_characters(monkeypatch):
     item = choice.ChoiceItem("Pick: ", ("a", "bbbb"), gold=1)
     got = choice.score_choices(None, ByteTokenizer(), [item], depth=1)
     assert got["items"][0]["pred"] == 0 and got["items"][0]["pred_norm"] == 1 and got["acc_norm"] == 1.0
+
+
+@pytest.mark.parametrize("cache", ["terminal", "full"])
+def test_a_continuation_is_decoded_at_depth_after_a_prefill_at_prefill_depth(model, cache):
+    """The context prefilled at prefill_depth, each target token fed at depth: against a decoder written
+    out by hand (`_reference.NaiveDecoder`); every other test scored with prefill_depth == depth, so
+    targets fed at the prefill depth went unnoticed."""
+    from _reference import NaiveDecoder
+
+    from looplm.eval.choice import score_continuation
+
+    tok = ByteTokenizer()
+    context, continuation = "Q: what comes", " next, and why?"
+    ctx, target = tok.encode(context), tok.encode(context + continuation)[len(tok.encode(context)) :]
+    got, _ = score_continuation(model, tok, context, continuation, depth=4, prefill_depth=2, cache=cache, example_id=7)
+    ref = NaiveDecoder(model, cache, example_id=7)
+    logits = ref.chunk(ctx, 2)[0][-1]
+    want = 0.0
+    for i, t in enumerate(target):
+        want += float(torch.log_softmax(logits.double(), -1)[t])
+        if i + 1 < len(target):
+            logits = ref.chunk([t], 4)[0][-1]
+    assert got == pytest.approx(want, abs=1e-4)

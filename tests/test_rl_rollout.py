@@ -100,6 +100,23 @@ def test_stop_strings_end_a_row_and_are_cut_from_the_text(model):
         rollout(model, tok, PROMPTS, group_size=2, depth=2, max_new_tokens=45)
 
 
+def test_an_eos_ends_a_row(model):
+    """A sampled EOS ends its row as a stop string does: the EOS is the row's last action, nothing is
+    sampled after it, and the mask covers exactly the completions (no test sampled an EOS before)."""
+    tok = ByteTokenizer()
+    with torch.no_grad():  # make the EOS likely, so most rows end by it
+        model.head.weight[tok.eos_id] += 3 * model.head.weight.norm(dim=1).max()
+    ro = rollout(model, tok, PROMPTS, group_size=4, depth=2, max_new_tokens=6, seed=0)
+    assert any(ro.stopped)
+    for c, text, stopped in zip(ro.completions, ro.texts, ro.stopped):
+        assert (tok.eos_id in c) == stopped
+        if stopped:
+            assert c.index(tok.eos_id) == len(c) - 1 and text == tok.decode(c[:-1])
+        else:
+            assert len(c) == 6
+    assert int(ro.mask.sum()) == sum(ro.completion_lengths)
+
+
 def test_rewards_and_sources(tmp_path):
     ex = Example("+57,48=", "105", "add_msd", 2)
     assert get_reward("auto", "tasks")(ex, "105") == 1.0

@@ -183,3 +183,21 @@ def test_start_up_line_resume_line_and_session_summary(source, tmp_path, capsys)
     printed = capsys.readouterr().out.splitlines()
     assert f"resuming {out} from step 1 (of 2)" in printed
     assert any(x.startswith("RL steps 2..2 (1 this session, reuse) in ") for x in printed), printed
+
+
+def test_each_completion_is_scored_against_its_own_problems_reference(source, tmp_path):
+    """Row i*G + j is completion j of problem i: its reward reads problem i's reference. A reward
+    that ignores the reference (the length reward above) could not tell a wrong pairing apart."""
+    seen: list[str] = []
+    register_reward("ref_seen", lambda ref, text: seen.append(ref) or 0.0)
+    try:
+        args = rl_args(source, tmp_path / "rl")
+        args[args.index("length")] = "ref_seen"
+        assert main(args) == 0
+    finally:
+        REWARDS.pop("ref_seen")
+    G, P = 3, 2
+    groups = [seen[i : i + G] for i in range(0, len(seen), G)]
+    assert len(groups) == 2 * P  # two steps of P problems
+    assert all(len(set(g)) == 1 for g in groups), groups  # a group's completions share one reference
+    assert any(groups[2 * s][0] != groups[2 * s + 1][0] for s in range(2))  # problems that differ: the check bites

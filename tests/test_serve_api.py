@@ -1266,3 +1266,18 @@ def test_an_end_of_text_token_is_no_decoded_token(model, speculate):
     engine.run_until_done([handle])
     assert (handle.finish.reason, handle.finish.completion_tokens) == ("stop", j)
     assert engine.decoded_tokens == j - 1  # the prefill chose the first; the decode steps the rest
+
+
+def test_a_chat_reply_stops_where_any_other_roles_turn_would_start():
+    """For every role a request may give other than the assistant's, the rendered prompt's turn for it
+    (what a model trained on the template would write next) starts with a stop string of the reply."""
+    from typing import get_args
+
+    from looplm.serve.protocol import ChatMessage, ChatRequest
+
+    roles = [r for r in get_args(ChatMessage.model_fields["role"].annotation) if r != "assistant"]
+    assert set(roles) == {"system", "developer", "user"}
+    for role in roles:
+        req = ChatRequest(model=NAME, messages=[{"role": "user", "content": "hi"}, {"role": role, "content": "x"}])
+        turn = req.render().split("\n")[1]  # the second message's own line
+        assert any(("\n" + turn).startswith(stop) for stop in req.stop_strings()), (role, req.stop_strings())

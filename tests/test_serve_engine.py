@@ -566,3 +566,68 @@ def test_key_range_needs_a_compiled_engine(model):
         EngineConfig(key_range=True).check(prefix="--")
     with pytest.raises(UserError, match="key_range is for compiled steps"):
         Engine(model, TOK, EngineConfig(key_range=True))
+
+
+# -- bookkeeping the other tests do not reach (found by mutating the engine) ---------------------------
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_a_saved_range_restored_puts_back_every_bank(model, mode):
+    """`SlotPool.save` / `restore` (a row riding along a speculative round short of room): K and V of
+    every bank come back; a restore that wrote V only went unnoticed by the token-level tests."""
+    pool = SlotPool(model.cfg, 2, 16, mode=mode, depth=3, device="cpu", dtype=torch.float32)
+    torch.manual_seed(0)
+    for bank in pool.cache.banks():
+        bank.k.normal_(), bank.v.normal_()
+    before = [(b.k.clone(), b.v.clone()) for b in pool.cache.banks()]
+    saved = pool.save(1, 4, 9)
+    for bank in pool.cache.banks():
+        bank.k[1, :, 4:12] = 0.0
+        bank.v[1, :, 4:12] = 0.0
+    pool.restore(1, 4, saved)
+    for bank, (k, v) in zip(pool.cache.banks(), before):
+        assert torch.equal(bank.k[:, :, :9], k[:, :, :9]) and torch.equal(bank.v[:, :, :9], v[:, :, :9])
+        assert torch.equal(bank.k[0], k[0]) and (bank.k[1, :, 9:12] == 0).all()  # only [4, 9) of slot 1
+
+
+def test_an_eos_is_no_generated_token(model):
+    """generated_tokens_total counts the tokens the requests received: an EOS that ends a request is
+    none of them (the threaded-engine test has no request that ends by EOS). The model is made to end
+    some requests: its EOS wins where one of its greedy tokens would."""
+    import collections
+    import copy
+
+    prompts, stats = _prompts(6, seed=4), {}
+    generate(model, TOK, prompts, DepthRule(3), sampling=SamplingConfig(12), stats=stats, example_ids=list(range(6)))
+    for token, _ in collections.Counter(t for row in stats["token_ids"] for t in row).most_common():
+        eos_model = copy.deepcopy(model)
+        with torch.no_grad():
+            eos_model.head.weight[TOK.eos_id] = 1.5 * eos_model.head.weight[token]
+        engine = Engine(eos_model, TOK, EngineConfig(max_batch=3, depth=3))
+        finishes = engine.generate(
+            [Request(TOK.encode(p), SamplingConfig(12), example_id=i) for i, p in enumerate(prompts)]
+        )
+        if 0 < sum(f.reason == "stop" for f in finishes) < len(finishes):
+            break
+    else:
+        raise AssertionError("no token of the greedy texts makes some requests (not all) end by EOS")
+    assert engine.stats()["generated_tokens_total"] == sum(f.completion_tokens for f in finishes)
+
+
+def test_cancelling_two_rows_at_once_stops_both(model):
+    """Rows 0 and 2 cancelled together: finishing row 0 moves row 2 into slot 0, which must be looked
+    at again; it was skipped, decoded one more step and emitted a token after its cancel."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=3, depth=3))
+    events: list[list] = [[], [], []]
+    handles = [
+        engine.submit(Request(TOK.encode(p), SamplingConfig(20), example_id=i), sink=events[i].append)
+        for i, p in enumerate(_prompts(3))
+    ]
+    engine.step()
+    engine.step()
+    counts = [len(e) for e in events]
+    assert all(n >= 2 for n in counts)  # tokens so far
+    handles[0].cancel(), handles[2].cancel()
+    engine.step()
+    for i in (0, 2):
+        assert [type(e) for e in events[i][counts[i] :]] == [Finish]  # nothing after the cancel but its end
+        assert events[i][-1].reason == "cancelled" and events[i][-1].completion_tokens == counts[i]
+    assert engine.running == 1

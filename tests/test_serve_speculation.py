@@ -161,6 +161,23 @@ def test_a_requests_tokens_do_not_depend_on_what_else_runs(model, monkeypatch, m
     assert alone[2] == _no_cache_greedy(model, TOK.encode("the quick brown fox j"), 20, DEPTH, 4) or mode == "terminal"
 
 
+def test_drafted_and_accepted_count_the_speculating_rows_rounds(model, monkeypatch):
+    """/metrics' speculative counters against the rounds recorded from the engine: drafts are k per
+    speculating row and round (rows riding along were counted too), accepted drafts are each window's
+    (the verifier's own token was counted as accepted)."""
+    k, windows = 3, {}
+    reqs = [Request(TOK.encode(p), SamplingConfig(24), example_id=i + 2) for i, p in enumerate(PROMPTS[:3])]
+    reqs += [  # plain rows at another depth: plain steps of their own, riding along in the rounds
+        Request(TOK.encode(p), SamplingConfig(24), rule=DepthRule(DEPTH + 1), example_id=i + 5, speculate=0)
+        for i, p in enumerate(PROMPTS[3:5])
+    ]
+    engine = Engine(model, TOK, EngineConfig(max_batch=8, depth=DEPTH, max_depth=DEPTH + 1, speculate=k, draft_depth=1))
+    _run(engine, reqs, windows, monkeypatch)
+    assert sorted(windows) == [2, 3, 4]  # only the speculating requests take rounds
+    assert engine.drafted_tokens == k * sum(len(w) for w in windows.values())
+    assert engine.accepted_tokens == sum(sum(w) for w in windows.values()) > 0
+
+
 @pytest.mark.slow
 def test_a_compiled_engine_rides_rows_along_as_the_eager_engine_does(model):
     """The compiled engine (padding rows of a batch bucket beside the passengers; Dynamo-traced graphs
