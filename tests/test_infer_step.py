@@ -386,3 +386,21 @@ def test_compile_options_merge_with_the_defaults_and_never_give_a_mode_and_optio
     for device, given in ((cpu, {"options": {}}), (cuda, {"options": {}}), (cuda, {}), (cpu, {"mode": "default"})):
         got = step_compile_options(device, given)
         assert not ("mode" in got and "options" in got), got  # torch.compile refuses both
+
+
+def test_a_full_cache_step_in_which_every_row_stops_at_the_lowest_depth():
+    """Every row at depth 1: the loop ends after the first visit, so the step's fill alone writes
+    visits 2..D of the full cache, which a later deeper step reads. A fill starting one visit late
+    went unnoticed (mixed depths run the loop to every visit); against `extend` on a twin cache."""
+    torch.manual_seed(0)
+    m = decisive_model(50, max_seq_len=32, max_depth=8)
+    B, L, ids = 2, 5, torch.arange(2)
+    a = make_cache("full", m.cfg, B, 32, 6)
+    extend(m, torch.randint(0, 50, (B, L)), a, 6, example_ids=ids)
+    b = a.take(torch.arange(B))
+    step, pad = DecodeStep(m, a), torch.zeros(B, dtype=torch.long)
+    for t, d in enumerate([1, 6]):
+        tok = torch.randint(0, 50, (B,))
+        got, _ = step(StepRows(tok, torch.full((B,), L + t), pad, ids, depth=torch.full((B,), d)), 6)
+        want = extend(m, tok[:, None], b, torch.full((B,), d), example_ids=ids).logits[:, -1]
+        assert (got - want).abs().max() <= 1e-5, f"step {t} at depth {d}"

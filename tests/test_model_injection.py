@@ -10,7 +10,7 @@ import torch
 
 from looplm.config import INJECTIONS, ModelConfig
 from looplm.model import LoopedLM, build_injection
-from looplm.model.blocks import rope_tables
+from looplm.model.blocks import apply_rope, rope_tables
 from looplm.model.injection import project_off
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -321,3 +321,24 @@ def test_carryover_and_injected_input_match_the_equations(name):
     # the split is not trivial: the carryover is neither s itself (but for additive) nor 0
     assert (carry_ref - s.double()).abs().max() > 1e-2 or name == "additive"
     assert torch.equal(inj.carryover(torch.zeros_like(s), q), torch.zeros_like(s))
+
+
+def test_deq_qkv_offsets_reach_k_and_v_by_name():
+    """DEQ-QKV written out for core layer 0 at the first recurrence (s' = s): K = rope(W_k x + P_k e),
+    V = W_v x + P_v e with x = attn_norm(s^0). The offsets' K and V swapped went unnoticed: the shape
+    test checked only the query's offset, and the naive decoder calls the offsets itself."""
+    torch.manual_seed(0)
+    m = LoopedLM(tiny(injection="deq-qkv")).eval()
+    perturb_(m.injection)
+    tok = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        ctx, s0 = m.begin(tok, init="seeded")
+        e = m.run_prelude(tok, ctx.rope, None)
+        _, kvs = m.recurrence(s0, ctx, return_kv=True)
+        blk, proj = m.core[0], m.injection.proj[0]
+        x = blk.attn_norm(s0)
+        heads = lambda t: t.view(2, 7, m.cfg.n_kv_heads, m.cfg.head_dim).transpose(1, 2)  # noqa: E731
+        want_k = apply_rope(heads(blk.attn.wk(x) + e @ proj["k"].weight.T), *ctx.rope)
+        want_v = heads(blk.attn.wv(x) + e @ proj["v"].weight.T)
+    torch.testing.assert_close(kvs[0][0], want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kvs[0][1], want_v, rtol=1e-5, atol=1e-5)
