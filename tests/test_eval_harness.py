@@ -194,3 +194,17 @@ def test_the_harness_scores_as_lm_evals_own_models_do():
     ids = tok.encode(long + " 2")[-65:]  # the last 63 context tokens and the 2 targets
     assert abs(ll - _native_continuation(padded, ids, 63, stable_id(long), 258)) <= 1e-4
     assert abs(ll - _native_continuation(padded, ids, 63, stable_id(long), 320)) > 1.0  # the padded rows mattered
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (dict(depth=0), "model_args depth must be in 1..64"),
+        (dict(prefill_depth=0), "model_args prefill_depth must be in 1..64"),  # read as `depth` in scoring
+        (dict(max_gen_toks=0), "model_args max_gen_toks must be >= 1"),  # generated one token
+        (dict(depth="x"), "model_args depth must be an integer"),
+    ],
+)
+def test_depths_and_lengths_out_of_range_are_refused(adapter, args, message):
+    with pytest.raises(ValueError, match=message):
+        LoopLMHarness(model=adapter.model, tokenizer=TOK, **args)

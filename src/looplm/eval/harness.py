@@ -21,6 +21,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from looplm.checkpoint import load_model, resolve_device
+from looplm.config import check_depth
 from looplm.errors import UserError
 from looplm.eval.choice import score_continuation, score_tokens, split_context
 from looplm.eval.generation import greedy_generate
@@ -61,8 +62,15 @@ class LoopLMHarness(LM):
                 raise UserError("looplm harness model needs checkpoint=PATH")
             model, tokenizer, _ = load_model(checkpoint, device)
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.depth, self.prefill_depth, self.cache = int(depth), prefill_depth and int(prefill_depth), cache
-        self._device, self.max_gen_toks = device, int(max_gen_toks)
+        # lm-eval hands model_args over as strings or numbers: checked as the depths they name
+        depth, prefill_depth, max_gen_toks = _integer(depth), _integer(prefill_depth), _integer(max_gen_toks)
+        check_depth("model_args depth", depth, model.cfg.max_depth)
+        if prefill_depth is not None:
+            check_depth("model_args prefill_depth", prefill_depth, model.cfg.max_depth)
+        if not isinstance(max_gen_toks, int) or max_gen_toks < 1:
+            raise UserError(f"model_args max_gen_toks must be >= 1, got {max_gen_toks!r}")
+        self.depth, self.prefill_depth, self.cache = depth, prefill_depth, cache
+        self._device, self.max_gen_toks = device, max_gen_toks
 
     def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
         # as lm-eval's own models: the context's trailing whitespace starts the continuation, and a
@@ -138,6 +146,13 @@ class LoopLMHarness(LM):
                 stop=tuple(until),
             )
         return out
+
+
+def _integer(value):
+    """An int from lm-eval's model_args value (None stays None; anything else is checked by the caller)."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return value
 
 
 def stable_id(context: str) -> int:
