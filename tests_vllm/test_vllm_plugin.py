@@ -765,3 +765,35 @@ def test_tensor_parallel_2_with_sharded_switches(tmp_path):
     for prompt, out in zip(PROMPTS[1:], outs):
         err = max(abs(a - b) for a, b in zip(vllm_prompt_logprobs(out), prompt_logprobs(model, prompt, 3)))
         assert err <= TOL
+
+
+def test_the_config_hook_raises_every_token_budget_to_the_context():
+    """With chunked prefill already off and the batched-token budget at the context, a scheduled-token
+    budget below it was left as it was: a prompt longer than it could never be scheduled."""
+    from types import SimpleNamespace
+
+    from looplm.vllm_plugin import LoopedConfigHook
+
+    class Scheduler(SimpleNamespace):
+        def verify_max_model_len(self, max_len):
+            assert self.max_num_batched_tokens >= max_len
+
+    sched = Scheduler(
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=2048,
+        long_prefill_token_threshold=0,
+        max_num_scheduled_tokens=256,
+        max_num_encoder_input_tokens=2048,
+        encoder_cache_size=2048,
+    )
+    hf = dataclasses.make_dataclass("HF", [("num_steps", int, 3)])()
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf, max_model_len=2048, enable_prompt_embeds=False),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+        scheduler_config=sched,
+        cache_config=SimpleNamespace(enable_prefix_caching=False),
+    )
+    LoopedConfigHook.verify_and_update_config(config)
+    assert sched.max_num_scheduled_tokens == sched.max_num_batched_tokens == 2048
+    assert not sched.enable_chunked_prefill

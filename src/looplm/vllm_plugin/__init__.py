@@ -57,7 +57,13 @@ class LoopedConfigHook:
 
         log = init_logger("vllm.looplm_plugin")
         sched, max_len = vllm_config.scheduler_config, vllm_config.model_config.max_model_len
-        if sched.enable_chunked_prefill or sched.max_num_batched_tokens < max_len or sched.long_prefill_token_threshold:
+        short = sched.max_num_scheduled_tokens is not None and sched.max_num_scheduled_tokens < max_len
+        if (
+            sched.enable_chunked_prefill
+            or sched.max_num_batched_tokens < max_len
+            or sched.long_prefill_token_threshold
+            or short  # with chunked prefill already off, a long prompt would never be scheduled
+        ):
             budget = max(sched.max_num_batched_tokens, max_len)
             log.info(
                 "looplm: chunked prefill is off, max_num_batched_tokens=%d (was %d): each prompt prefills as "
@@ -69,7 +75,7 @@ class LoopedConfigHook:
             sched.enable_chunked_prefill = False
             sched.long_prefill_token_threshold = 0  # it would cut a long prompt even without chunked prefill
             sched.max_num_batched_tokens = budget
-            if sched.max_num_scheduled_tokens is not None and sched.max_num_scheduled_tokens < max_len:
+            if short:
                 sched.max_num_scheduled_tokens = budget
             sched.max_num_encoder_input_tokens = sched.encoder_cache_size = budget
             sched.verify_max_model_len(max_len)
