@@ -200,3 +200,63 @@ def test_parcae_carryover_against_a_direct_computation(tiny_model_config):
     # no injection (Ouro): s' = s, nothing is injected to align with (it reported cos 0.98, amplification 2)
     none = LoopedLM(tiny_model_config(injection="none", state_init="input")).injection
     assert carryover_alignment(none, c, q) is None
+
+
+def test_convergence_needs_a_change_strictly_below_tau():
+    """Mutant conv-le-tau (`change < tau` -> `change <= tau`). The design: converged at c when
+    delta^r < tau for r = c+1..H; a change exactly at tau does not count (binary fractions: exact)."""
+    from looplm.analyze import NEVER, convergence_depths
+
+    change = torch.tensor([[0.5, 0.25], [0.25, 0.125]])  # [H = 2, 2 tokens], tau = 0.25
+    # token 0: delta^2 = tau is not below it -> never; token 1: delta^1 = tau, delta^2 < tau -> depth 1
+    assert convergence_depths(change, 0.25).tolist() == [NEVER, 1]
+
+
+def test_profile_buckets_and_change_quantiles_against_a_naive_loop():
+    """Mutants conv-bucket-le (`pos < lo + interval` -> `<=`), conv-bucket-frac-all (bucket fraction over
+    all tokens) and conv-q25-q75-swap: every bucket field and the per-recurrence quartiles by hand."""
+    from looplm.analyze import NEVER, convergence_depths, convergence_profile
+
+    g = torch.Generator().manual_seed(5)
+    H, B, L, interval, tau = 6, 3, 20, 8, 0.01
+    change = (
+        torch.rand(H, B, L, generator=g, dtype=torch.float64)
+        * torch.linspace(1, 0.02, H, dtype=torch.float64)[:, None, None]
+    )
+    change[:, :, :8] *= 0.3  # the first bucket converges more often than the others
+    positions = torch.arange(L).expand(B, L)
+    prof = convergence_profile(change, positions, tau=tau, interval=interval)
+    depth = convergence_depths(change, tau)
+    want = []
+    for lo in range(0, L, interval):
+        cells = [(b, p) for b in range(B) for p in range(L) if lo <= p < lo + interval]
+        done = [int(depth[b, p]) for b, p in cells if depth[b, p] != NEVER]
+        want.append(
+            {
+                "start": lo,
+                "end": lo + interval,
+                "tokens": len(cells),
+                "fraction_converged": len(done) / len(cells),
+                "median_depth": statistics.median(done) if done else None,
+            }
+        )
+    got = prof["intervals"]
+    assert [(b["start"], b["end"], b["tokens"]) for b in got] == [(w["start"], w["end"], w["tokens"]) for w in want]
+    for b, w in zip(got, want):
+        assert b["fraction_converged"] == pytest.approx(w["fraction_converged"])
+        assert b["median_depth"] == w["median_depth"]
+    assert len({b["fraction_converged"] for b in got}) > 1  # the buckets differ (a global fraction would not)
+    for r in range(H):  # linear-interpolation quartiles (statistics' "inclusive" method) of delta^(r+1)
+        q25, q50, q75 = statistics.quantiles(change[r].flatten().tolist(), n=4, method="inclusive")
+        assert prof["change"]["q25"][r] == pytest.approx(q25)
+        assert prof["change"]["median"][r] == pytest.approx(q50)
+        assert prof["change"]["q75"][r] == pytest.approx(q75)
+        assert prof["change"]["q25"][r] < prof["change"]["q75"][r]
+
+
+def test_summarize_quantiles_by_hand():
+    """Mutant carry-quantile-q10-q90 (q10 and q90 swapped)."""
+    from looplm.analyze.carryover import summarize
+
+    s = summarize(torch.arange(11, dtype=torch.float32).flip(0))  # 0..10: deciles are 1 and 9
+    assert s == {"mean": 5.0, "median": 5.0, "q10": 1.0, "q90": 9.0, "min": 0.0, "max": 10.0}

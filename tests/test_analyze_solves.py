@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from test_analyze_convergence import scaled_model, tokens
 
 from looplm.analyze import SolveRule, solve, span_solves, start
@@ -128,3 +129,76 @@ def test_the_shortest_allowed_solve_can_qualify_an_exact_fixed_point():
     SolveRule(max_depth=shortest).validate()
     out = solve(lambda s: (s, []), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=shortest))
     assert out.qualified.all()
+
+
+def test_prediction_kl_is_kl_p_to_q_by_hand():
+    """Mutant solve-kl-reverse (KL(q || p) instead of KL(p || q))."""
+    import math
+
+    from looplm.analyze.solves import prediction_kl
+
+    p, q = [0.7, 0.2, 0.1], [0.2, 0.3, 0.5]
+    want = sum(a * math.log(a / b) for a, b in zip(p, q))  # 0.5838..., KL(q || p) = 0.5318...
+    got = prediction_kl(torch.tensor([p], dtype=torch.float64).log(), torch.tensor([q], dtype=torch.float64).log())
+    assert float(got[0]) == pytest.approx(want, rel=1e-9)
+
+
+def test_a_moving_value_cache_alone_never_qualifies():
+    """Mutant solve-kv-nocheck (the per-layer V change dropped from the rule): state and K fixed, V keeps
+    moving by 1e-3 per step, far above tol = 1e-5 (the existing test moves K and V together)."""
+    from looplm.analyze import SolveRule, solve
+
+    clock = iter(range(10**6))
+
+    def moving_v(s):
+        k = torch.ones(1, 1, 2, 3, dtype=torch.float64)
+        v = k * (1 + 1e-3 * next(clock))
+        return s, [(k, v)]
+
+    assert not solve(moving_v, torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=100)).qualified.any()
+
+
+class _ScaleCore(nn.Module):
+    """x -> lam x, reporting x as K and V (tokens do not interact in the core)."""
+
+    def __init__(self, lam, h, hd):
+        super().__init__()
+        self.lam, self.h, self.hd = lam, h, hd
+
+    def forward(self, x, rope, mask, *, offsets=None, kv=None):
+        if kv is not None:
+            B, L, _ = x.shape
+            kv.update(*(x.reshape(B, L, self.h, self.hd).transpose(1, 2),) * 2)
+        return self.lam * x
+
+
+def test_control_prediction_uses_the_depth_r_prefix_state(tiny_model_config):
+    """Mutant solve-control-prefix (`predict(s, control.state)` -> `predict(prefix.state, ...)`).
+    Additive injection and a scaling core: s^r = lam (s^(r-1) + e), so the depth-R prefix state is
+    lam^R s0 + lam (1 - lam^R) / (1 - lam) e and every fixed point is lam e / (1 - lam); the control's
+    KL(joint || control) is the coda's KL between [s*_prefix, s*_cur] and [s^R_prefix, s*_cur]."""
+    from looplm.analyze import SolveRule, span_solves, start
+    from looplm.model import LoopedLM
+
+    lam, R = 0.9, 1
+    cfg = tiny_model_config(injection="additive", n_core=1, d_model=16, n_heads=2, n_kv_heads=2, max_depth=1024)
+    model = LoopedLM(cfg).eval()
+    model.core = nn.ModuleList([_ScaleCore(lam, cfg.n_kv_heads, cfg.head_dim)])
+    with torch.no_grad():  # a coda whose last token reads the prefix strongly
+        for p in model.coda.parameters():
+            if p.ndim == 2:
+                p.mul_(6.0)
+    x, ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(2)), torch.arange(2)
+    out = span_solves(model, x, example_ids=ids, rule=SolveRule(max_depth=400), control_depth=R)
+    assert out["joint_qualified"].all() and out["control_qualified"].all()
+    begin = start(model, x, example_ids=ids)
+    e, s0 = begin.ctx.injected.double(), begin.state0.double()
+    star = lam * e / (1 - lam)
+    s_r = lam**R * s0 + lam * (1 - lam**R) / (1 - lam) * e
+    ctrl = torch.cat([s_r[:, :-1], star[:, -1:]], dim=1).float()
+    with torch.no_grad():
+        p = model.run_coda(star.float(), begin.ctx.rope, begin.ctx.mask, begin.ctx)[:, -1].double().log_softmax(-1)
+        q = model.run_coda(ctrl, begin.ctx.rope, begin.ctx.mask, begin.ctx)[:, -1].double().log_softmax(-1)
+    want = (p.exp() * (p - q)).sum(-1)
+    assert want.min() > 1e3 * out["kl"].abs().max()  # the unconverged prefix matters; the solves agree
+    torch.testing.assert_close(out["control_kl"], want, rtol=1e-2, atol=1e-10)

@@ -501,3 +501,19 @@ def test_weights_follow_the_umask(umask_022, tmp_path, tmp_path_factory):
         files += sorted((tmp_path / "hf").glob("*.safetensors"))
     modes = {str(f.relative_to(tmp_path)): oct(stat.S_IMODE(f.stat().st_mode)) for f in files}
     assert modes == dict.fromkeys(modes, "0o644"), modes
+
+
+def test_a_sharded_export_folder_loads_every_shard(tmp_path):
+    """Mutant ck-hf-shard-skip (the index's shard list loses a file): an HF export folder saved in
+    shards (model.safetensors.index.json) loads every tensor, with the 'model.' prefix removed."""
+    from _jobs import write_hf_weights
+
+    from looplm.checkpoint import _hf_weights
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"model.layer{i}.weight": torch.randn(3, 2, generator=g) for i in range(5)}
+    write_hf_weights(tmp_path, state, shards=3)
+    got = _hf_weights(tmp_path)
+    assert sorted(got) == sorted(k[len("model.") :] for k in state)
+    for k, v in state.items():
+        assert torch.equal(got[k[len("model.") :]], v)

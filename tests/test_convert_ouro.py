@@ -385,3 +385,24 @@ def test_refuses_a_missing_shard(tmp_path):
     with pytest.raises(CheckpointError, match="shard model-00001-of-00002.safetensors named in"):
         convert_ouro(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _drop_keys(root: Path, *keys, section=None):
+    config = json.loads((root / "config.json").read_text())
+    target = config if section is None else config[section]
+    for k in keys:
+        target.pop(k)
+    (root / "config.json").write_text(json.dumps(config))
+
+
+def test_ouro_keeps_the_release_norm_eps_and_defaults_to_four_loops(tmp_path):
+    """Mutants ouro-eps-ignored (rms_norm_eps not read) and ouro-steps-default (total_ut_steps default
+    4 -> 8): OuroConfig's total_ut_steps default is 4."""
+    from looplm.checkpoint import load_model
+    from looplm.convert import convert_ouro
+
+    src = make_ouro(tmp_path / "src", rms_norm_eps=1e-5)
+    _drop_keys(src, "total_ut_steps")
+    model, _, job = load_model(convert_ouro(src, tmp_path / "out"))
+    assert model.cfg.norm_eps == 1e-5
+    assert job["depth"]["depth"] == 4

@@ -68,3 +68,13 @@ def test_cache_key_is_the_content():
     desc = json.loads(describe_source("shakespeare"))
     assert desc["builtin"] and len(desc["sha256"]) == 64
     assert describe_source("shakespeare") == describe_source("shakespeare")
+
+
+def test_split_scenes_keeps_a_short_tail():
+    """Mutant corp-tail-dropped: a trailing piece under 200 characters joins the last scene (nothing lost)."""
+    from looplm.data.corpus import split_scenes
+
+    text = "ACT 1.\n" + "Enter the king. " * 20 + "\nSCENE 2.\nExeunt.\n"
+    docs = split_scenes(text)
+    assert "".join(docs) == text
+    assert docs[-1].endswith("SCENE 2.\nExeunt.\n")

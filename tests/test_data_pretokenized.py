@@ -369,3 +369,47 @@ def test_training_reads_a_pretokenized_folder(tmp_path: Path) -> None:
     assert not (tmp_path / "cache").exists()  # nothing was tokenized again
     trainer.fit()
     assert trainer.step == 2
+
+
+def _pretok(tmp_path):
+    from looplm.data import tokenize_corpus
+
+    source = str(make_folder(tmp_path / "corpus"))
+    return source, tokenize_corpus(source, tmp_path / "out", holdout=0.25, progress=False)
+
+
+def test_another_seed_is_not_kept_silently(tmp_path):
+    """Mutant pt-seed-nodiff: the held-out draw depends on the seed, so a folder tokenized with seed 0
+    is not reused for seed 1 (refused without --overwrite)."""
+    from looplm.data import tokenize_corpus
+    from looplm.errors import UserError
+
+    source, out = _pretok(tmp_path)
+    with pytest.raises(UserError, match=r"seed 1 \(the folder's: 0\)"):
+        tokenize_corpus(source, out, holdout=0.25, seed=1, progress=False)
+
+
+def test_marker_counts_must_match_the_split(tmp_path):
+    """Mutant pt-counts-nocheck: pretokenized.json's token count disagreeing with train/meta.json."""
+    from looplm.data import DataError, open_pretokenized
+
+    _, out = _pretok(tmp_path)
+    info = json.loads((out / "pretokenized.json").read_text())
+    info["splits"]["train"]["tokens"] += 1
+    (out / "pretokenized.json").write_text(json.dumps(info))
+    with pytest.raises(DataError, match="disagrees"):
+        open_pretokenized(out, 4)
+
+
+def test_token_file_size_follows_the_split_dtype(tmp_path):
+    """Mutant pt-size-itemsize (tokens.bin size taken as 2 bytes a token whatever the dtype): a split
+    whose meta.json says uint32 but whose tokens.bin holds 2-byte ids is refused."""
+    from looplm.data import DataError, open_pretokenized
+
+    _, out = _pretok(tmp_path)
+    meta = json.loads((out / "train" / "meta.json").read_text())
+    assert meta["dtype"] == "uint16"
+    meta["dtype"] = "uint32"
+    (out / "train" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="expected"):
+        open_pretokenized(out, 4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -112,3 +113,32 @@ def test_a_changed_hf_dataset_is_new_data(monkeypatch: pytest.MonkeyPatch) -> No
     before = sources.describe_source("hf:/data/local_set")
     rows._fingerprint = "b2"
     assert sources.describe_source("hf:/data/local_set") != before
+
+
+def test_large_files_are_cut_only_at_blank_lines(tmp_path):
+    """Mutant src-cut-midpara (a cut as soon as 64 KB are read): paragraphs of many short lines stay
+    whole; every document but the last ends with its blank line."""
+    from looplm.data import iter_documents
+    from looplm.data import sources
+
+    para = "".join(f"line {j} of a paragraph that goes on\n" for j in range(60))
+    text = "\n".join(para for _ in range(80))  # ~170 KB, a blank line every 60 lines
+    path = tmp_path / "big.txt"
+    path.write_text(text)
+    docs = [d.text for d in iter_documents(str(path))]
+    assert len(docs) > 1 and "".join(docs) == text
+    assert all(d.endswith("\n\n") for d in docs[:-1])
+    assert all(len(d) >= sources.MAX_CHUNK_CHARS for d in docs[:-1])
+
+
+def test_a_same_size_edit_changes_the_source_description(tmp_path):
+    """Mutant src-desc-no-mtime: an edit that keeps the size (only the mtime tells) is new data."""
+    from looplm.data.sources import describe_source
+
+    path = tmp_path / "a.txt"
+    path.write_text("hello world\n")
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    before = describe_source(str(path))
+    path.write_text("HELLO WORLD\n")
+    os.utime(path, ns=(2_000_000_000, 2_000_000_000))
+    assert describe_source(str(path)) != before

@@ -105,3 +105,27 @@ def test_paper_presets_report_fits_a_40_gb_budget(preset):
     est = eval_peak_bytes(cfg, job.data.seq_len, job.eval)
     assert est["peak"] < GPU_BUDGET, {k: f"{v / 1e9:.1f} GB" for k, v in est.items()}
     assert max(job.eval.depths) == 32 and job.eval.max_sequences * job.data.seq_len >= 2**18
+
+
+def test_cache_estimate_counts_k_and_v_of_every_layer_visit(tiny_model_config):
+    """Mutant mem-visits-noprelude (prelude visits left out of the sharing cache): one more prelude layer
+    adds exactly one visit's K and V, 2 x T x n_kv_heads x head_dim fp32 values."""
+    from looplm.eval.memory import sharing_bytes
+
+    a, b = tiny_model_config(n_prelude=1), tiny_model_config(n_prelude=2)
+    for span, T in ((None, 32), ((20, 9), 28)):
+        diff = sharing_bytes(b, 32, 5, span) - sharing_bytes(a, 32, 5, span)
+        assert diff == 2 * T * a.n_kv_heads * a.head_dim * 4
+
+
+def test_attention_estimate_counts_q_k_and_v(tiny_model_config):
+    """Mutant mem-attn-kv1 (K and V counted once): with attention the widest block (long rows, a small
+    FFN and vocabulary), two more KV heads add K and V of B x L tokens x 2 heads x head_dim fp32 values."""
+    from looplm.eval.memory import perplexity_bytes
+
+    a = tiny_model_config(n_heads=4, n_kv_heads=2, ffn_dim=8, vocab_size=8, max_seq_len=512)
+    b = tiny_model_config(n_heads=4, n_kv_heads=4, ffn_dim=8, vocab_size=8, max_seq_len=512)
+    B, L = 2, 512
+    assert perplexity_bytes(b, L, B, ce_chunk_rows=4) - perplexity_bytes(a, L, B, ce_chunk_rows=4) == (
+        B * L * 2 * 2 * a.head_dim * 4
+    )
