@@ -269,3 +269,15 @@ def test_job_config_round_trips_through_dict():
     old = job.to_dict()
     del old["depth"]["learned"]  # checkpoints written before the learned prior existed
     assert job_from_dict(old).depth.learned == LearnedPriorConfig()
+
+
+# M40: learned.py advantages against the baseline *after* this step's EMA update instead of before it
+def test_advantage_uses_the_baseline_taken_before_the_update():
+    s = prior(reward="inv_ppl", warmup_updates=1000, ema_decay=0.9)
+    step(s, [(2, 1.0, 1), (7, 2.0, 1)])
+    c = [-math.exp(-1.0), -math.exp(-2.0)]
+    b = sum(c) / 2  # the first observation initialises the baseline
+    m = step(s, [(3, 1.5, 1)])
+    scale = math.sqrt(0.25) / abs((c[0] - c[1]) / 2)  # std(CE) / std(cost), both from the first update
+    assert m["advantage_abs"] == pytest.approx(scale * abs(-math.exp(-1.5) - b), rel=1e-12)
+    assert s.base_cost == pytest.approx(0.9 * b + 0.1 * -math.exp(-1.5))  # the baseline moved after

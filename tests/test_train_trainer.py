@@ -18,7 +18,9 @@ from looplm.depth import DepthConfig, LearnedPriorConfig, build_sampler
 from looplm.errors import UserError
 from looplm.model import LoopedLM
 from looplm.train.layout import BatchLayout
+from looplm.train.flops import flops_per_token
 from looplm.train.noise import initial_state_noise
+from looplm.train.optim import param_groups
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -861,3 +863,174 @@ def test_run_lengths_and_kept_checkpoints_below_one_are_refused(tmp_path, cache,
     # stop_after -3 trained nothing and returned "checkpoint": "None"; keep_checkpoints -1 kept one
     with pytest.raises(UserError, match=f"train.{field} must be >= 1"):
         Trainer(job(tmp_path, cache, **{f"train__{field}": value}))
+
+
+# -- found by mutating the trainer: what the other tests let through ---------------------------------
+def ce_sum(model, batch, depth, **kw):
+    out = model(batch.inputs, depth, doc_ids=batch.doc_ids, positions=batch.positions, **kw)
+    return F.cross_entropy(
+        out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+# M06: trainer.py `self._noise(self.step, i, ...)` -> `self._noise(0, i, ...)` (every step reuses step 0's noise)
+def test_every_step_draws_its_own_initial_state_noise(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=1, train__steps=4))
+    seen = []
+    original = t._loss
+
+    def record(batch, depth, bptt_window, state0):
+        seen.append((t.step, state0.detach().clone()))
+        return original(batch, depth, bptt_window, state0)
+
+    t._loss = record
+    t.train_step()
+    t.train_step()
+    L, d, seed = t.job.data.seq_len, t.job.model.d_model, t.job.train.seed
+    by_step = {s: [z for k, z in seen if k == s] for s in (0, 1)}
+    assert [len(v) for v in by_step.values()] == [2, 2]  # grad_accum 2, one forward per microbatch
+    for s, zs in by_step.items():
+        for i, z in enumerate(zs):
+            assert torch.equal(z, initial_state_noise(seed, s, i, range(4), L, d, torch.device("cpu"))), (s, i)
+    # independent of the seed function: the 4 microbatches of the two steps are mutually uncorrelated
+    flat = torch.cat([torch.cat(by_step[0]), torch.cat(by_step[1])]).flatten(1)  # 16 rows of L * d
+    corr = torch.corrcoef(flat)
+    assert (corr - torch.eye(len(flat))).abs().max() < 0.15
+
+
+# M09: trainer.py `zip(depths, stats.tolist())` -> `zip(depths[::-1], stats.tolist())` (feedback paired
+# with another microbatch's depth)
+def test_prior_feedback_pairs_each_microbatch_with_its_own_depth(tmp_path, cache):
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            depth__sampler="learned",
+            depth__depth=2.5,
+            depth__learned__init="restricted",
+            depth__low=1,
+            depth__high=4,
+            train__grad_accum=4,
+        )
+    )
+    init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    observed = []
+    original = t.sampler.observe
+    t.sampler.observe = lambda depth, loss_sum, n: (observed.append((depth, loss_sum, n)), original(depth, loss_sum, n))
+    res = t.train_step()
+    assert len(set(res.depths)) > 1, res.depths  # the check needs microbatches of different depths
+    ref = LoopedLM(t.job.model)
+    ref.load_state_dict(init)
+    L, d, seed = t.job.data.seq_len, t.job.model.d_model, t.job.train.seed
+    want = []
+    with torch.no_grad():
+        for i, depth in enumerate(res.depths):
+            ((rows, batch),) = t._host_batch(t.train_data, 0, i, 4, seed)
+            z = initial_state_noise(seed, 0, i, rows, L, d, torch.device("cpu"))
+            want.append((depth, float(ce_sum(ref, batch, depth, state0=z)), batch.n_targets))
+    assert [(r, n) for r, _, n in observed] == [(r, n) for r, _, n in want]
+    for (_, got, _), (_, ref_sum, _) in zip(observed, want):
+        assert got == pytest.approx(ref_sum, rel=1e-5)
+
+
+# M12: checkpointing.py drops `torch.set_rng_state(torch.tensor(state["torch_rng"], ...))` in `load`
+def test_resume_restores_the_global_torch_rng(tmp_path, cache):
+    a = Trainer(job(tmp_path, cache, train__steps=4))
+    a.train_step()
+    torch.manual_seed(1234)
+    want = torch.get_rng_state().clone()
+    a.save()
+    torch.manual_seed(99)
+    Trainer(job(tmp_path, cache, train__steps=4, train__resume=True))
+    assert torch.equal(torch.get_rng_state(), want)
+
+
+# M13: trainer.py `mean_flops_per_token(..., res.depths, self.job.depth.bptt_window)` -> `(..., res.depths, None)`
+def test_flops_seen_count_only_the_backprop_window(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=3, depth__bptt_window=1, train__steps=2))
+    t.fit()
+    L = t.job.data.seq_len
+    tokens_per_step = 4 * 2 * L  # micro_batch x grad_accum x seq_len
+    m = t.job.model
+    # design §5 by hand: 6 (static + 1 recurrence) + 2 (2 no-grad recurrences); the full-BPTT count is larger
+    per_token = flops_per_token(m, L, 3, 1)
+    assert per_token < flops_per_token(m, L, 3, None)
+    assert t.flops_seen == pytest.approx(2 * tokens_per_step * per_token, rel=1e-12)
+    last = [r for r in read_metrics(t.out_dir) if "flops" in r][-1]
+    assert last["flops"] == pytest.approx(2 * tokens_per_step * per_token, rel=1e-12)
+
+
+# M14: trainer.py `max(1, round(self.sampler.mean()))` -> `max(1, int(self.sampler.mean()))`
+def test_evaluate_defaults_to_the_rounded_prior_mean(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, depth__sampler="uniform", depth__low=2, depth__high=5, train__eval_batches=1))
+    assert t.sampler.mean() == pytest.approx(3.5)  # rounds to 4 (int() would give 3)
+    got = t.evaluate()
+    assert got == t.evaluate(depth=4)
+    assert got != t.evaluate(depth=3)
+
+
+# M15: trainer.py evaluate drops `init="seeded",` (the model's default gaussian init from the global RNG);
+# M17: loss.py full path drops `positions=batch.positions` (the seeded state is keyed by (example, position))
+def test_evaluate_is_the_seeded_token_mean_of_the_validation_batches(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=2, train__eval_batches=2))
+    ref = LoopedLM(t.job.model)
+    ref.load_state_dict(t.model.state_dict())
+    total, n = 0.0, 0
+    restarts = False
+    with torch.no_grad():
+        for i in range(2):
+            for _, batch in t._host_batch(t.val_data, 0, i, 2, seed=1):
+                restarts |= bool((batch.positions[:, 1:] == 0).any())
+                total += float(ce_sum(ref, batch, 2, init="seeded", example_ids=batch.example_ids))
+                n += batch.n_targets
+    assert restarts  # rows pack several documents, so their positions differ from 0..L-1
+    torch.manual_seed(5)
+    first = t.evaluate()
+    torch.manual_seed(6)
+    assert t.evaluate() == first  # no draw from the global RNG
+    assert first == pytest.approx(total / n, rel=1e-6)
+
+
+# M18: loss.py microbatch_loss passes `bptt_window=None` instead of `bptt_window=bptt_window`
+def test_training_gradient_is_truncated_to_the_backprop_window(tmp_path, cache):
+    depth, window = 4, 1
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            depth__sampler="fixed",
+            depth__depth=depth,
+            depth__bptt_window=window,
+            train__grad_clip=0.0,
+            train__grad_accum=1,
+        )
+    )
+    init, captured = captured_step_grads(t)
+    ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
+    state0 = t._noise(0, 0, rows, t.job.data.seq_len)
+
+    def reference(w):
+        ref = LoopedLM(t.job.model)
+        ref.load_state_dict(init)
+        (ce_sum(ref, batch, depth, bptt_window=w, state0=state0) / batch.n_targets).backward()
+        return torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
+
+    got = torch.cat([g.flatten() for _, g in sorted(captured.items())])
+    truncated, full = reference(window), reference(None)
+    gap = (full - truncated).norm()
+    assert gap > 0
+    assert (got - truncated).norm() <= 0.01 * gap
+
+
+# M32: optim.py `p.ndim >= 2 and not name.startswith("injection.")` -> `p.ndim >= 2`
+@pytest.mark.parametrize("injection", ["parcae-decay", "huginn-linear"])
+def test_weight_decay_spares_the_injection_matrices(tiny_model_config, injection):
+    model = LoopedLM(tiny_model_config(injection=injection))
+    groups = param_groups(model, 0.1)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    injection_matrices = {n for n, p in model.named_parameters() if n.startswith("injection.") and p.ndim >= 2}
+    assert injection_matrices  # W (parcae) or A_state/A_input (huginn): the check is not vacuous
+    # design §12: matrices of the blocks, embedding and head; no norm gains, no injection parameters
+    assert names == {n for n, p in model.named_parameters() if p.ndim >= 2} - injection_matrices
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
