@@ -886,3 +886,25 @@ def test_generate_speculate_prints_the_same_text_and_the_acceptance_line(tmp_pat
         assert rc == 2 and out == "", (bad, out)
         assert len(error_lines(err)) == 1 and err.startswith("error:") and msg in err, err
         assert "Traceback" not in err
+
+
+def test_generate_passes_its_options_to_looplms_generate(tmp_path, monkeypatch, capsys):
+    """Kills L03 (cli.py generate: `compile=compile` -> `compile=False`): --compile, --cache, --depth and
+    --prefill-depth reach `looplm.infer.generate.generate` (the spy records them, then runs it uncompiled to
+    stay fast)."""
+    from _jobs import run_main, write_random_run
+
+    import looplm.infer.generate as gen
+
+    run = write_random_run(tmp_path / "run", data__source="shakespeare")
+    calls, real = [], gen.generate
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: calls.append((a, k)) or real(*a, **{**k, "compile": False}))
+    argv = ["generate", run, "--prompt", "ROMEO.", "--max-new-tokens", "2", "--device", "cpu"]
+    rc, _, err = run_main([*argv, "--compile", "--cache", "full", "--depth", "2", "--prefill-depth", "3"], capsys)
+    assert rc == 0, err
+    ((args, kwargs),) = calls
+    assert kwargs["compile"] is True and kwargs["cache"] == "full"
+    assert (args[3].depth, args[3].prefill_depth) == (2, 3)
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert calls[-1][1]["compile"] is False and calls[-1][1]["cache"] == "terminal"

@@ -698,3 +698,40 @@ def test_a_vocabulary_padded_past_the_tokenizer_is_never_chosen(tmp_path):
         model, TOK, ["hello looped"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=8)
     )
     assert TOK.decode(cut_at_eos(out, ids.shape[1])[0]) == want[0] and int(out.max()) < 258
+
+
+def test_compile_decode_false_overrides_the_configs_true():
+    """Kills H10 (modeling.py `_compile_decode` -> `config.compile_decode or bool(asked)`): a call's
+    compile_decode=False wins over the config's True (no compiled step), for a forward's cache and generate's."""
+    model = decisive_model(TOK.vocab_size, max_seq_len=48)
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=3, compile_decode=True).eval()
+    ids = torch.tensor([TOK.encode("mid size")])
+    with torch.no_grad():
+        assert hf(ids, use_cache=True).cache.compile is True
+        assert hf(ids, use_cache=True, compile_decode=False).cache.compile is False
+    # one new token: the prompt's prefill only, so nothing is compiled either way
+    out = hf.generate(ids, max_new_tokens=1, do_sample=False, compile_decode=False, return_dict_in_generate=True)
+    assert out.cache.compile is False
+
+
+def test_byte_tokenizer_maps_every_byte_as_gpt2_byte_level_does():
+    """Kills E02 (export.py `_byte_symbols` keep range 0xAE -> 0xAF): the exported byte tokenizer's vocabulary
+    is GPT-2's byte-to-unicode table (the one its ByteLevel pre-tokenizer and decoder use), and text made of every
+    byte that UTF-8 text holds encodes and decodes as looplm's ByteTokenizer does."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from looplm.hf.export import byte_tokenizer
+
+    tok = byte_tokenizer()
+    vocab = tok.get_vocab()
+    assert {symbol: vocab.get(symbol) for symbol in bytes_to_unicode().values()} == {
+        symbol: b for b, symbol in bytes_to_unicode().items()
+    }
+    # every byte value valid in UTF-8: ASCII, 2-, 3- and 4-byte characters (leads C2..F4, continuations 80..BF)
+    chars = [chr(c) for c in range(1, 0x800)] + [chr(c) for c in range(0x800, 0x10000, 61) if not 0xD800 <= c < 0xE000]
+    chars += [chr(c) for c in range(0x10000, 0x110000, 4099)]
+    text = "".join(chars) + "®"
+    assert {b for b in text.encode()} >= set(range(1, 0x80)) | set(range(0x80, 0xC0)) | set(range(0xC2, 0xF5))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == TOK.encode(text)
+    assert tok.decode(ids) == text

@@ -360,3 +360,42 @@ def test_mean_depth_counts_only_rows_still_generating():
     rows = [row[: row.index(TOK.eos_id)] if TOK.eos_id in row else row for row in new.tolist()]
     assert [TOK.decode(row) for row in rows] == texts
     assert hf.last_generate_stats["mean_decode_depth"] == pytest.approx(stats["mean_decode_depth"], abs=1e-9)
+
+
+def test_generate_of_one_token_reports_num_steps_not_the_prefill_depth():
+    """Kills H08 (modeling.py `cache.decode_depth = rule.depth` -> `rule.deepest` after the prefill): a
+    generation with no decode step reports the decode depth, as looplm's `generate` does, never the prefill's."""
+    model = decisive_model(TOK.vocab_size, max_seq_len=48)
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=3).eval()
+    stats: dict = {}
+    generate(
+        model, TOK, ["a longer prompt"], DepthRule(3, 6), cache="terminal",
+        sampling=SamplingConfig(max_new_tokens=1), stats=stats, example_ids=[0],
+    )  # fmt: skip
+    ids = torch.tensor([TOK.encode("a longer prompt")])
+    out = hf.generate(ids, max_new_tokens=1, do_sample=False, prefill_steps=6, return_dict_in_generate=True)
+    assert stats["mean_decode_depth"] == 3.0
+    assert hf.last_generate_stats == {"mean_decode_depth": stats["mean_decode_depth"], "decode_steps": 0}
+    assert out.cache.mean_decode_depth == 3.0
+
+
+def test_min_depth_keyword_bounds_the_adaptive_exit():
+    """Kills C01 (configuration.py `depth_rule` ignoring its `min_depth` argument): generate(min_depth=4)
+    equals looplm's generate under DepthRule(8, exit_tau, min_depth=4) (texts and mean depth), and differs
+    from min_depth=1 (the config's), so the keyword is seen."""
+    model = decisive_model(TOK.vocab_size, max_seq_len=48)
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=8).eval()
+    ids, mask = padded_batch(PROMPTS)
+    got = {}
+    for low in (1, 4):
+        stats: dict = {}
+        texts = generate(
+            model, TOK, PROMPTS, DepthRule(8, exit_tau=0.3, min_depth=low), cache="terminal",
+            sampling=SamplingConfig(max_new_tokens=8), stats=stats, example_ids=[0] * len(PROMPTS),
+        )  # fmt: skip
+        new = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, exit_tau=0.3, min_depth=low)
+        rows = [r[: r.index(TOK.eos_id)] if TOK.eos_id in r else r for r in new[:, ids.shape[1] :].tolist()]
+        assert [TOK.decode(r) for r in rows] == texts
+        assert hf.last_generate_stats["mean_decode_depth"] == pytest.approx(stats["mean_decode_depth"], abs=1e-9)
+        got[low] = stats["mean_decode_depth"]
+    assert got[4] >= 4 > got[1]  # the test can fail: min_depth changes the depth

@@ -1281,3 +1281,141 @@ def test_a_chat_reply_stops_where_any_other_roles_turn_would_start():
         req = ChatRequest(model=NAME, messages=[{"role": "user", "content": "hi"}, {"role": role, "content": "x"}])
         turn = req.render().split("\n")[1]  # the second message's own line
         assert any(("\n" + turn).startswith(stop) for stop in req.stop_strings()), (role, req.stop_strings())
+
+
+def test_usage_mean_decode_depth_weights_each_choice_by_its_tokens():
+    """Kills R01 (replies.py `usage`: the mean of the choices' means instead of the per-token mean): two
+    choices, 1 token at depth 3 and 3 tokens at depth 5 (2, 6 and 7 recurrences), are 4 tokens whose
+    recurrences sum to 18: a mean decode depth of 4.5, not (3 + 5) / 2."""
+    from looplm.serve.engine import Finish
+    from looplm.serve.replies import usage
+
+    per_token = [[3], [2, 6, 7]]  # each choice's recurrences per decoded token
+    finishes = [Finish("length", "", "", 7, len(d), sum(d) / len(d)) for d in per_token]
+    got = usage(7, finishes)
+    assert got["mean_decode_depth"] == pytest.approx(sum(map(sum, per_token)) / sum(map(len, per_token)))
+    assert (got["prompt_tokens"], got["completion_tokens"], got["total_tokens"]) == (7, 4, 11)
+
+
+def _serve_model():
+    return decisive_model(TOK.vocab_size, max_depth=8)
+
+
+def _sse(resp) -> list[dict]:
+    import json
+
+    return [
+        json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def _free(model, prompt: str, n: int, stop=()) -> tuple[str, list[int]]:
+    """looplm generate's greedy text for `prompt` alone at depth 3, and its token ids."""
+    stats: dict = {}
+    text = generate(
+        model, TOK, [prompt], DepthRule(3), sampling=SamplingConfig(max_new_tokens=n, stop=tuple(stop)), stats=stats
+    )[0]
+    return text, stats["token_ids"][0]
+
+
+def test_a_streamed_completion_ends_with_the_reason_and_usage_of_the_whole_reply():
+    """Kills R04 (replies.py CompletionReply.finish: finish_reason always "stop") and R02 (usage total_tokens
+    = completion_tokens only): a reply cut by max_tokens ends "length", one cut by a stop string "stop", streamed
+    as whole; usage counts the prompt's tokens plus the generated ones (looplm generate's, on the prompt alone)."""
+    from fastapi.testclient import TestClient
+
+    from looplm.serve import Engine, EngineConfig
+    from looplm.serve.api import create_app
+
+    model = _serve_model()
+    free, ids = _free(model, "abc", 12)
+    assert len(ids) > 4 and TOK.eos_id not in ids[:4] and len(free) > 3, free
+    prompt_tokens = len(TOK.encode_prompt("abc"))
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    with TestClient(create_app(engine, "m")) as http:
+        for extra, reason in (({"max_tokens": 4}, "length"), ({"max_tokens": 12, "stop": [free[2:4]]}, "stop")):
+            text, got_ids = _free(model, "abc", extra["max_tokens"], extra.get("stop", ()))
+            body = {"model": "m", "prompt": "abc", "temperature": 0, **extra}
+            whole = http.post("/v1/completions", json=body).json()
+            assert whole["choices"][0]["finish_reason"] == reason and whole["choices"][0]["text"] == text
+            usage = whole["usage"]
+            assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == len(got_ids)
+            assert usage["total_tokens"] == prompt_tokens + len(got_ids)
+            chunks = _sse(
+                http.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+            )
+            reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+            assert reasons[-1] == reason and not any(reasons[:-1])
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+            assert chunks[-1]["usage"] == usage
+
+
+def test_a_streamed_chat_reply_releases_its_held_back_tail():
+    """Kills R05 (replies.py ChatReply.finish dropping `ev.tail`): a reply whose last character could start a
+    stop string is held back until the reply ends; the finish chunk carries it, so the deltas join into the
+    whole reply's content and looplm generate's text."""
+    from fastapi.testclient import TestClient
+
+    from looplm.serve import Engine, EngineConfig
+    from looplm.serve.api import create_app
+    from looplm.serve.protocol import CHAT_STOP
+
+    model = _serve_model()
+    rendered = "user: hi\nassistant:"
+    free, _ = _free(model, rendered, 6, CHAT_STOP)
+    stop = free[-1] + "\x01"  # never generated whole, its first character ends the reply: held back
+    want, _ = _free(model, rendered, 6, (stop, *CHAT_STOP))
+    assert want == free and free
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stop": [stop],
+    }
+    with TestClient(create_app(engine, "m")) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        chunks = _sse(http.post("/v1/chat/completions", json={**body, "stream": True}))
+    assert whole["message"]["content"] == want
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+    assert chunks[-1]["choices"][0]["delta"].get("content")  # the test can fail: the finish chunk held text
+
+
+def test_a_chat_without_max_tokens_may_fill_the_context():
+    """Kills P01 (protocol.py ChatRequest.budget `context - prompt_tokens + 1` -> `context - prompt_tokens`):
+    unset max_tokens lets a chat reply take every position the slot has left, plus the last token (never fed),
+    as looplm generate's room is; the reply equals looplm generate with that budget."""
+    from fastapi.testclient import TestClient
+
+    from looplm.serve import Engine, EngineConfig
+    from looplm.serve.api import create_app
+    from looplm.serve.protocol import CHAT_STOP
+
+    model = _serve_model()
+    rendered = "user: hi\nassistant:"
+    slot = 32
+    room = slot - len(TOK.encode_prompt(rendered)) + 1
+    want, ids = _free(model, rendered, room, CHAT_STOP)
+    assert len(ids) == room and TOK.eos_id not in ids  # the reply runs to the budget (the test can fail)
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_seq_len=slot))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    with TestClient(create_app(engine, "m")) as http:
+        got = http.post("/v1/chat/completions", json=body).json()
+    assert got["choices"][0]["message"]["content"] == want and got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"]["completion_tokens"] == room
+
+
+def test_top_logprobs_keep_the_likelier_of_two_tokens_spelled_alike():
+    """Kills R03 (replies.py `_top`: `top.setdefault(...)` -> `top[...] = lp`): of two alternatives with one
+    spelling (a byte-fallback `<0x41>` and `A`, say), the likelier one (listed first) keeps the key."""
+    from types import SimpleNamespace
+
+    from looplm.serve.replies import CompletionReply
+
+    class Pieces:  # ids 1 and 2 spell "A", 3 spells "B"
+        def token_piece(self, i):
+            return {1: b"A", 2: b"A", 3: b"B"}[i]
+
+    reply = SimpleNamespace(tok=Pieces())
+    assert CompletionReply._top(reply, [(2, -0.1), (1, -0.7), (3, -1.5)]) == {"A": -0.1, "B": -1.5}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 import gc
 import os
 import queue
@@ -767,33 +768,40 @@ def test_tensor_parallel_2_with_sharded_switches(tmp_path):
         assert err <= TOL
 
 
-def test_the_config_hook_raises_every_token_budget_to_the_context():
-    """With chunked prefill already off and the batched-token budget at the context, a scheduled-token
-    budget below it was left as it was: a prompt longer than it could never be scheduled."""
-    from types import SimpleNamespace
-
+def _run_config_hook(**scheduler) -> SimpleNamespace:
+    """The plugin's config hook on a stand-in of vLLM's engine config (a 2048-token context); returns the
+    scheduler config it updated."""
     from looplm.vllm_plugin import LoopedConfigHook
 
     class Scheduler(SimpleNamespace):
         def verify_max_model_len(self, max_len):
             assert self.max_num_batched_tokens >= max_len
 
-    sched = Scheduler(
-        enable_chunked_prefill=False,
-        max_num_batched_tokens=2048,
-        long_prefill_token_threshold=0,
-        max_num_scheduled_tokens=256,
-        max_num_encoder_input_tokens=2048,
-        encoder_cache_size=2048,
-    )
+    defaults = dict(enable_chunked_prefill=False, max_num_batched_tokens=2048, long_prefill_token_threshold=0)
+    sched = Scheduler(**{**defaults, "max_num_encoder_input_tokens": 2048, "encoder_cache_size": 2048, **scheduler})
     hf = dataclasses.make_dataclass("HF", [("num_steps", int, 3)])()
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=hf, max_model_len=2048, enable_prompt_embeds=False),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        speculative_config=None,
-        scheduler_config=sched,
-        cache_config=SimpleNamespace(enable_prefix_caching=False),
+    LoopedConfigHook.verify_and_update_config(
+        SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=hf, max_model_len=2048, enable_prompt_embeds=False),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            speculative_config=None,
+            scheduler_config=sched,
+            cache_config=SimpleNamespace(enable_prefix_caching=False),
+        )
     )
-    LoopedConfigHook.verify_and_update_config(config)
+    return sched
+
+
+def test_the_config_hook_raises_every_token_budget_to_the_context():
+    """With chunked prefill already off and the batched-token budget at the context, a scheduled-token
+    budget below it was left as it was: a prompt longer than it could never be scheduled."""
+    sched = _run_config_hook(max_num_scheduled_tokens=256)
     assert sched.max_num_scheduled_tokens == sched.max_num_batched_tokens == 2048
     assert not sched.enable_chunked_prefill
+
+
+def test_the_config_hook_turns_off_the_long_prefill_threshold():
+    """vLLM's scheduler cuts a prompt at long_prefill_token_threshold even with chunked prefill off
+    (`if 0 < long_prefill_token_threshold < num_new_tokens`), so the hook zeroes it."""
+    sched = _run_config_hook(long_prefill_token_threshold=16, max_num_scheduled_tokens=None)
+    assert sched.long_prefill_token_threshold == 0 and not sched.enable_chunked_prefill
