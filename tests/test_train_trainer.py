@@ -274,33 +274,42 @@ def captured_step_grads(t: Trainer) -> tuple[dict, dict]:
     return init, captured
 
 
-def test_fixed_depth_defaults_to_full_bptt(tmp_path, cache):
-    """--depth.sampler fixed --depth.depth 12 without a window trains with full BPTT (the paper's
-    fixed-depth baseline), not with the sampled priors' b = 10: its gradient equals autograd through
-    all 12 recurrences, and differs from the truncated one (the first 2 recurrences contribute)."""
-    depth = 12
+@pytest.mark.parametrize(("depth", "window", "other"), [(12, None, 10), (4, 1, None)], ids=["full", "truncated"])
+def test_the_trainers_gradient_follows_its_backprop_window(tmp_path, cache, depth, window, other):
+    """The gradient of one training step equals autograd through the last `window` recurrences, and
+    differs from the one through `other` (so the check bites):
+    - `full`: --depth.sampler fixed --depth.depth 12 without a window trains with full BPTT (the paper's
+      fixed-depth baseline), not with the sampled priors' b = 10 (the first 2 recurrences contribute);
+    - `truncated`: an explicit window of 1 reaches the model (it was once passed as None: full BPTT)."""
+    overrides = {} if window is None else {"depth__bptt_window": window}
     t = Trainer(
-        job(tmp_path, cache, depth__sampler="fixed", depth__depth=depth, train__grad_clip=0.0, train__grad_accum=1)
+        job(
+            tmp_path,
+            cache,
+            depth__sampler="fixed",
+            depth__depth=depth,
+            train__grad_clip=0.0,
+            train__grad_accum=1,
+            **overrides,
+        )
     )
-    assert t.job.depth.bptt_window is None
+    assert t.job.depth.bptt_window == window
     init, captured = captured_step_grads(t)
     ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
     state0 = t._noise(0, 0, rows, t.job.data.seq_len)
 
-    def reference(window):
+    def reference(b):
         ref = LoopedLM(t.job.model)
         ref.load_state_dict(init)
-        out = ref(
-            batch.inputs, depth, bptt_window=window, doc_ids=batch.doc_ids, positions=batch.positions, state0=state0
-        )
+        out = ref(batch.inputs, depth, bptt_window=b, doc_ids=batch.doc_ids, positions=batch.positions, state0=state0)
         F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX).backward()
         return torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
 
     got = torch.cat([g.flatten() for _, g in sorted(captured.items())])
-    full, truncated = reference(None), reference(10)
-    gap = (full - truncated).norm()
-    assert gap > 0  # the first depth - 10 recurrences carry gradient
-    assert (got - full).norm() <= 0.01 * gap
+    want, contrast = reference(window), reference(other)
+    gap = (want - contrast).norm()
+    assert gap > 0
+    assert (got - want).norm() <= 0.01 * gap
 
 
 @pytest.mark.parametrize(
@@ -989,37 +998,6 @@ def test_evaluate_is_the_seeded_token_mean_of_the_validation_batches(tmp_path, c
     torch.manual_seed(6)
     assert t.evaluate() == first  # no draw from the global RNG
     assert first == pytest.approx(total / n, rel=1e-6)
-
-
-# M18: loss.py microbatch_loss passes `bptt_window=None` instead of `bptt_window=bptt_window`
-def test_training_gradient_is_truncated_to_the_backprop_window(tmp_path, cache):
-    depth, window = 4, 1
-    t = Trainer(
-        job(
-            tmp_path,
-            cache,
-            depth__sampler="fixed",
-            depth__depth=depth,
-            depth__bptt_window=window,
-            train__grad_clip=0.0,
-            train__grad_accum=1,
-        )
-    )
-    init, captured = captured_step_grads(t)
-    ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
-    state0 = t._noise(0, 0, rows, t.job.data.seq_len)
-
-    def reference(w):
-        ref = LoopedLM(t.job.model)
-        ref.load_state_dict(init)
-        (ce_sum(ref, batch, depth, bptt_window=w, state0=state0) / batch.n_targets).backward()
-        return torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
-
-    got = torch.cat([g.flatten() for _, g in sorted(captured.items())])
-    truncated, full = reference(window), reference(None)
-    gap = (full - truncated).norm()
-    assert gap > 0
-    assert (got - truncated).norm() <= 0.01 * gap
 
 
 # M32: optim.py `p.ndim >= 2 and not name.startswith("injection.")` -> `p.ndim >= 2`

@@ -117,11 +117,12 @@ class LoopLMHarness(LM):
         out = []
         for req in requests:
             text, total = req.args[0], 0.0
+            example_id = stable_id(text)
             windows = get_rolling_token_windows(
                 self.tokenizer.encode(text), self._text_start, self.model.cfg.max_seq_len, context_len=1
             )
             for ctx, pred in map(make_disjoint_window, windows):
-                total += self._score_ids(ctx, pred, stable_id(text))[0]
+                total += self._score_ids(ctx, pred, example_id)[0]
             out.append(total)
         return out
 

@@ -60,9 +60,8 @@ class DepthPlan:
         """Raise ValueError with a one-line reason for a plan this model or cache kind (`cache`) cannot run."""
         if not self.per_row:
             check_depth("depth", self.depth, max_depth)
-        elif self.depth.is_floating_point() or self.depth.is_complex() or self.depth.dtype == torch.bool:
-            raise ValueError(f"per-row depths must be an integer tensor, got {self.depth.dtype}")
         else:
+            _integer_rows("depths", self.depth)
             low = int(self.depth.min())
             check_depth("depth", low if low < 1 else self.largest, max_depth)
         if self.adaptive:
@@ -77,8 +76,7 @@ class DepthPlan:
                     f"got exit_tau={self.exit_tau}, min_depth={self.min_depth}"
                 )
             if isinstance(self.min_depth, torch.Tensor):
-                if self.min_depth.is_floating_point() or self.min_depth.dtype == torch.bool:
-                    raise ValueError(f"per-row min_depth must be an integer tensor, got {self.min_depth.dtype}")
+                _integer_rows("min_depth", self.min_depth)
             else:
                 check_depth("min_depth", self.min_depth, self.largest)
         if self.exit_gate is not None:
@@ -88,6 +86,12 @@ class DepthPlan:
                 raise ValueError("exit_gate needs one fixed depth and no exit_tau")
             if not 0 <= self.exit_gate <= 1:
                 raise ValueError(f"exit_gate must be a probability threshold in [0, 1], got {self.exit_gate}")
+
+
+def _integer_rows(name: str, values: torch.Tensor) -> None:
+    """ValueError unless the per-row `values` [B] are integers (a fractional depth would be truncated)."""
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(f"per-row {name} must be an integer tensor, got {values.dtype}")
 
 
 class Exits:
