@@ -399,3 +399,79 @@ def test_min_depth_keyword_bounds_the_adaptive_exit():
         assert hf.last_generate_stats["mean_decode_depth"] == pytest.approx(stats["mean_decode_depth"], abs=1e-9)
         got[low] = stats["mean_decode_depth"]
     assert got[4] >= 4 > got[1]  # the test can fail: min_depth changes the depth
+
+
+# -- the exit gate's threshold exit (Ouro's rule) --------------------------------------------------------
+def gated_model() -> LoopedLM:
+    """A decisive model with an exit gate whose exit distribution spreads over the recurrences, so a
+    threshold picks different recurrences for different tokens."""
+    model = decisive_model(TOK.vocab_size, max_seq_len=48, exit_gate=True)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for p in model.exit_gate.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_generate_with_exit_gate_threshold_decodes_as_looplm_does(compile_decode):
+    """`exit_gate_threshold` (a generate keyword or config field) decodes as looplm's `generate` under
+    DepthRule(depth, exit_gate=q): the gate's recurrence feeds the coda. The wrapper used to ignore the
+    gate and decode at num_steps; the texts differ here, so the test sees it. With compile_decode the
+    one-token steps (the compiled step has no gate) run the model's forward."""
+    model = gated_model()
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=6).eval()
+    ids, mask = padded_batch(PROMPTS)
+    texts = {}
+    for q in (None, 0.5):
+        texts[q] = generate(
+            model, TOK, PROMPTS, DepthRule(6, exit_gate=q), cache="terminal",
+            sampling=SamplingConfig(max_new_tokens=8), example_ids=[0] * len(PROMPTS),
+        )  # fmt: skip
+    assert texts[0.5] != texts[None]  # the threshold changes the text: the test can tell
+    new = hf.generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, exit_gate_threshold=0.5,
+        compile_decode=compile_decode,
+    )  # fmt: skip
+    rows = [r[: r.index(TOK.eos_id)] if TOK.eos_id in r else r for r in new[:, ids.shape[1] :].tolist()]
+    assert [TOK.decode(r) for r in rows] == texts[0.5]
+    by_config = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=6, exit_gate_threshold=0.5).eval()
+    assert torch.equal(by_config.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False), new)
+
+
+def test_forward_without_a_cache_reads_the_gates_recurrence():
+    """A forward without a cache at exit_gate_threshold q is the native forward under
+    DepthPlan(num_steps, exit_gate=q), and not the last recurrence's logits."""
+    from looplm.model.exits import DepthPlan
+
+    model = gated_model()
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=6).eval()
+    ids = torch.tensor([TOK.encode("a longer prompt")])
+    seeded = dict(init="seeded", example_ids=torch.zeros(1, dtype=torch.long))
+    with torch.no_grad():
+        want = model(ids, DepthPlan(6, exit_gate=0.5), **seeded).logits
+        last = model(ids, 6, **seeded).logits
+        got = hf(ids, exit_gate_threshold=0.5).logits
+    assert not torch.allclose(want, last)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"exit_gate_threshold": 1.5}, "exit_gate_threshold must be a probability in"),
+        ({"exit_gate_threshold": 0.5, "exit_tau": 0.1}, "choose one exit rule: exit_gate_threshold"),
+    ],
+)
+def test_exit_gate_threshold_is_refused_by_its_config_name(fields, message):
+    model = gated_model()
+    with pytest.raises(ValueError, match=message):
+        LoopedLMForCausalLM.from_looplm(model, TOK, **fields)
+
+
+def test_exit_gate_threshold_needs_a_model_with_a_gate():
+    with pytest.raises(ValueError, match="exit_gate_threshold needs a model with an exit gate"):
+        LoopedLMForCausalLM.from_looplm(decisive_model(TOK.vocab_size), TOK, exit_gate_threshold=0.5)
+    hf = LoopedLMForCausalLM.from_looplm(decisive_model(TOK.vocab_size), TOK).eval()
+    with pytest.raises(ValueError, match="exit_gate_threshold needs a model with an exit gate"):
+        hf(torch.tensor([[1, 2]]), exit_gate_threshold=0.5)

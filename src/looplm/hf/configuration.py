@@ -12,7 +12,12 @@ from looplm.errors import UserError
 from looplm.infer.depth_rule import DepthRule
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
-CONFIG_KEYS = {"depth": "num_steps", "prefill_depth": "prefill_steps", "cache": "cache_kind"}
+CONFIG_KEYS = {
+    "depth": "num_steps",
+    "prefill_depth": "prefill_steps",
+    "cache": "cache_kind",
+    "exit_gate": "exit_gate_threshold",
+}
 """looplm's name of each test-time setting -> its config.json key (and `generate`/forward keyword), kept as
 exported by every looplm version and read by the vLLM plugin; `exit_tau` and `min_depth` are spelled alike."""
 
@@ -32,6 +37,9 @@ class LoopedLMConfig(PretrainedConfig):
     - `prefill_steps`: recurrences over the prompt during `generate` (R_pre; None = num_steps);
     - `cache_kind`: "terminal" (one KV bank per physical layer) or "full" (one per layer visit);
     - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth);
+    - `exit_gate_threshold`: a model with a learned exit gate (`exit_gate=True`, Ouro) reads each
+      token's logits at the first recurrence whose cumulative exit probability reaches it (every
+      recurrence still runs; None = the last recurrence's logits);
     - `compile_decode`: `generate` runs its one-token decode steps through looplm's compiled
       `DecodeStep` (`torch.compile`; the first call of a batch size pays the compilation);
     - `tokenizer_vocab_size`: the ids the tokenizer has when the embedding is padded past them (a
@@ -60,6 +68,7 @@ class LoopedLMConfig(PretrainedConfig):
     cache_kind: str = "terminal"
     exit_tau: float | None = None
     min_depth: int = 1
+    exit_gate_threshold: float | None = None
     compile_decode: bool = False
     tokenizer_vocab_size: int | None = None
     # -- tokens (looplm's ByteTokenizer by default) --
@@ -105,20 +114,31 @@ class LoopedLMConfig(PretrainedConfig):
         prefill_steps: int | None = None,
         exit_tau: float | None = None,
         min_depth: int | None = None,
+        exit_gate_threshold: float | None = None,
     ) -> DepthRule:
         """The config's test-time fields as a looplm `DepthRule`, each argument given (a forward's or
         `generate`'s keyword) in place of the config's own."""
+        tau = self.exit_tau if exit_tau is None else exit_tau
+        gate = self.exit_gate_threshold if exit_gate_threshold is None else exit_gate_threshold
+        # DepthRule checks these too, naming its own field (exit_gate): say them as the config spells them
+        if gate is not None and not 0 <= gate <= 1:
+            raise UserError(f"exit_gate_threshold must be a probability in [0, 1] or unset, got {gate}")
+        if gate is not None and tau is not None:
+            raise UserError("choose one exit rule: exit_gate_threshold (the model's gate) or exit_tau (state change)")
         return DepthRule(
             self.num_steps if num_steps is None else num_steps,
             self.prefill_steps if prefill_steps is None else prefill_steps,
-            self.exit_tau if exit_tau is None else exit_tau,
+            tau,
             self.min_depth if min_depth is None else min_depth,
+            gate,
         )
 
     def check_rule(self, rule: DepthRule, cache: str) -> DepthRule:
         """`rule` checked for a cache of kind `cache` against this config's max_depth, its settings named by
         their config keys (ValueError with a one-line reason); returns it."""
-        return rule.check(self.max_depth, cache=cache, what="the config's max_depth", spelling=CONFIG_KEYS)
+        return rule.check(
+            self.max_depth, cache=cache, has_gate=self.exit_gate, what="the config's max_depth", spelling=CONFIG_KEYS
+        )
 
     def check_generation_fields(self) -> None:
         """Raise ValueError with a one-line reason when a test-time field is out of range."""

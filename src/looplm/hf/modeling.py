@@ -206,6 +206,8 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
     forward(input_ids, attention_mask, cache, labels, num_steps, ...) -> CausalLMOutputWithPast.
     Generation kwargs (or config fields): `num_steps` (R_dec), `prefill_steps` (R_pre),
     `cache_kind` ("terminal" | "full"), `exit_tau` / `min_depth` (adaptive decode depth),
+    `exit_gate_threshold` (a gated model's threshold exit, with or without a cache; its decode
+    steps run the model's forward, compiled or not),
     `compile_decode` (one-token decode steps through looplm's compiled `DecodeStep`).
     """
 
@@ -294,6 +296,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         cache_kind: str | None = None,
         exit_tau: float | None = None,
         min_depth: int | None = None,
+        exit_gate_threshold: float | None = None,
         example_ids: torch.Tensor | None = None,
         compile_decode: bool | None = None,
         use_cache: bool | None = None,
@@ -335,7 +338,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             raise ValueError(f"looplm needs a looplm.hf.LoopedCache, got {type(cache).__name__}")
         cfg = self.config
         kind = (cache.kind if cache is not None else None) or cache_kind or cfg.cache_kind
-        rule = cfg.check_rule(cfg.depth_rule(num_steps, prefill_steps, exit_tau, min_depth), kind)
+        rule = cfg.check_rule(cfg.depth_rule(num_steps, prefill_steps, exit_tau, min_depth, exit_gate_threshold), kind)
         if cache is None and use_cache:
             if self.training:
                 raise ValueError(
@@ -359,7 +362,12 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 positions = (idx - pad[:, None]).clamp(min=0)
                 doc_ids = (idx >= pad[:, None]).long()  # padding and real tokens never see each other
             logits = self.model(
-                input_ids, rule.depth, doc_ids=doc_ids, positions=positions, init="seeded", example_ids=example_ids
+                input_ids,
+                rule.prefill_plan(rule.depth),  # num_steps, and the exit gate's threshold when set
+                doc_ids=doc_ids,
+                positions=positions,
+                init="seeded",
+                example_ids=example_ids,
             ).logits
         else:
             logits = self._extend(input_ids, attention_mask, cache, rule, kind, example_ids)
@@ -419,7 +427,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 f"{cache.inner.max_len} (the model context is max_seq_len={self.config.max_seq_len})"
             )
         first = cache.inner.length == 0
-        if not first and n == 1 and cache.compile:
+        if not first and n == 1 and cache.compile and rule.exit_gate is None:  # the step has no exit gate
             logits, used = cache.decode_step(self.model, input_ids[:, 0], rule, example_ids)
         else:
             with torch.no_grad():

@@ -82,8 +82,9 @@ class DepthRule:
         """Raise UserError with a one-line reason if this rule cannot run on a model whose deepest
         allowed depth is `max_depth` with a KV cache of kind `cache` (terminal or full); `has_gate`:
         the model has an exit gate. `what` says what sets `max_depth` (the server's --max-depth, ...);
-        `spelling` maps `depth`, `prefill_depth` and `cache` to the names the caller's user wrote them
-        with (a Transformers config's `num_steps`, `prefill_steps`, `cache_kind`). Returns self."""
+        `spelling` maps `depth`, `prefill_depth`, `cache` and `exit_gate` to the names the caller's user wrote them
+        with (a Transformers config's `num_steps`, `prefill_steps`, `cache_kind`,
+        `exit_gate_threshold`). Returns self."""
         name = (spelling or {}).get
         if cache not in CACHE_KINDS:
             raise UserError(f"unknown {name('cache', 'cache mode')} {cache!r}; choose terminal or full")
@@ -95,7 +96,7 @@ class DepthRule:
         if self.exit_tau is not None and cache != "terminal":
             raise UserError("adaptive depth (exit_tau) needs the terminal cache")
         if self.exit_gate is not None and not has_gate:
-            raise UserError("exit_gate needs a model with an exit gate (cfg.exit_gate)")
+            raise UserError(f"{name('exit_gate', 'exit_gate')} needs a model with an exit gate (cfg.exit_gate)")
         return self
 
     def decode_plan(self) -> DepthPlan:
