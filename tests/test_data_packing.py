@@ -46,6 +46,39 @@ class WideTokenizer(ByteTokenizer):
         return "wide-test"
 
 
+class BosTokenizer(ByteTokenizer):
+    """Byte tokenizer with a beginning-of-text token (id 258), as a released model's tokenizer may have."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 259
+
+    @property
+    def bos_id(self) -> int:
+        return 258
+
+    def canonical_description(self) -> str:
+        return "byte-bos-test"
+
+
+class TopEosTokenizer(ByteTokenizer):
+    """Byte tokenizer of `vocab` ids whose end-of-document token is the last id, vocab - 1."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    @property
+    def eos_id(self) -> int:
+        return self.vocab - 1
+
+    def canonical_description(self) -> str:
+        return f"top-eos-{self.vocab}"
+
+
 def make_folder(root: Path, n: int = 12) -> Path:
     root.mkdir()
     rng = np.random.default_rng(0)
@@ -56,14 +89,16 @@ def make_folder(root: Path, n: int = 12) -> Path:
 
 
 def reference_docs(source: str, tok: Tokenizer, **kw: object) -> list[tuple[list[int], list[int]]]:
-    """Naive: (token ids incl. eos, supervised flags) per document, in source order."""
+    """Naive: (token ids incl. bos and eos, supervised flags) per document, in source order; a tokenizer's
+    BOS starts every document (the prompt of a task) and is never supervised."""
     out = []
+    bos = [] if tok.bos_id is None else [tok.bos_id]
     for doc in iter_documents(source, **kw):  # type: ignore[arg-type]
         if doc.answer_start is None:
-            ids = tok.encode(doc.text) + [tok.eos_id]
-            sup = [1] * len(ids)
+            ids = bos + tok.encode(doc.text) + [tok.eos_id]
+            sup = [0] * len(bos) + [1] * (len(ids) - len(bos))
         else:
-            p, a = tok.encode(doc.text[: doc.answer_start]), tok.encode(doc.text[doc.answer_start :])
+            p, a = bos + tok.encode(doc.text[: doc.answer_start]), tok.encode(doc.text[doc.answer_start :])
             ids = p + a + [tok.eos_id]
             sup = [0] * len(p) + [1] * (len(a) + 1)
         out.append((ids, sup))
@@ -291,3 +326,82 @@ def test_one_default_for_the_task_generators_size():
         cli.tokenize,
     ):
         assert inspect.signature(fn).parameters["n_task_examples"].default == want, fn.__qualname__
+
+
+@pytest.mark.parametrize("source", ["folder", "tasks"])
+def test_bos_starts_every_document(tmp_path: Path, source: str) -> None:
+    """A tokenizer with a BOS: every document, a task's prompt included, starts with it, unsupervised
+    (as `encode_prompt` starts a prompt at inference)."""
+    tok = BosTokenizer()
+    cfg = TaskConfig(max_difficulty=3)
+    kw: dict = dict(task_config=cfg, n_task_examples=100, seed=0) if source == "tasks" else {}
+    src = "tasks" if source == "tasks" else str(make_folder(tmp_path / "corpus", n=6))
+    train, _ = build_datasets(src, tok, seq_len=16, holdout=0.2, cache_dir=tmp_path / "c", **kw)
+    docs = split_docs(train)
+    assert docs and all(d[0] == tok.bos_id and d.count(tok.bos_id) == 1 for d in docs)
+    ref = reference_docs(src, tok, **kw)
+    check_against_reference(train, [r for r in ref if r[0] in docs])
+
+
+def test_a_large_holdout_leaves_a_training_document(tmp_path: Path) -> None:
+    """holdout 0.9 of 3 documents rounds to 3 held out; at most n - 1 are, so training keeps one."""
+    src = make_folder(tmp_path / "corpus", n=3)
+    train, val = build_datasets(str(src), ByteTokenizer(), seq_len=4, holdout=0.9, cache_dir=tmp_path / "c")
+    assert (train.n_docs, val.n_docs) == (1, 2)
+
+
+def test_a_tiny_task_holdout_still_validates_on_one_example(tmp_path: Path) -> None:
+    """holdout * n rounds to 0 task examples: the validation split still gets one (not an empty split)."""
+    cfg = TaskConfig(min_difficulty=4, max_difficulty=6)
+    _, val = build_datasets(
+        "tasks", ByteTokenizer(), seq_len=8, holdout=0.001, cache_dir=tmp_path, task_config=cfg, n_task_examples=300
+    )
+    assert val.n_docs == 1
+
+
+def test_another_holdout_builds_another_cache(tmp_path: Path) -> None:
+    """The holdout is part of the cache key: the same corpus with another holdout is split again."""
+    src = make_folder(tmp_path / "corpus", n=10)
+    tok = ByteTokenizer()
+    train_a, val_a = build_datasets(str(src), tok, seq_len=8, holdout=0.2, cache_dir=tmp_path / "c")
+    train_b, val_b = build_datasets(str(src), tok, seq_len=8, holdout=0.5, cache_dir=tmp_path / "c")
+    assert train_b.cache_dir != train_a.cache_dir
+    assert (val_a.n_docs, val_b.n_docs) == (2, 5)
+
+
+@pytest.mark.parametrize(("vocab", "dtype"), [(65535, np.uint16), (65536, np.uint32), (65537, np.uint32)])
+def test_token_dtype_holds_the_largest_id(tmp_path: Path, vocab: int, dtype) -> None:
+    """The cache's documented rule: uint16 when vocab_size <= 65535, else uint32; the largest id survives."""
+    src = make_folder(tmp_path / "corpus", n=4)
+    tok = TopEosTokenizer(vocab)
+    train, _ = build_datasets(str(src), tok, seq_len=8, holdout=0.25, cache_dir=tmp_path / "c")
+    assert train.tokens.dtype == dtype
+    assert np.asarray(train.tokens).max() == vocab - 1  # the eos id survives
+
+
+def test_caches_ready_needs_both_splits(tmp_path: Path) -> None:
+    """`caches_ready` (the trainer's "no tokenizing needed") holds only when both splits are finished."""
+    from looplm.data.packing import caches_ready
+
+    src = make_folder(tmp_path / "corpus", n=5)
+    tok = ByteTokenizer()
+    assert not caches_ready(str(src), tok, cache_dir=tmp_path / "c")
+    train, val = build_datasets(str(src), tok, seq_len=8, cache_dir=tmp_path / "c")
+    assert caches_ready(str(src), tok, cache_dir=tmp_path / "c")
+    (val.cache_dir / "meta.json").unlink()
+    assert not caches_ready(str(src), tok, cache_dir=tmp_path / "c")
+
+
+def test_epoch_permutation_is_the_callers_own_copy() -> None:
+    """The permutation is cached; the caller gets a writable copy, and writing it leaves the next call's intact."""
+    p = epoch_permutation(20, seed=4, epoch=2)
+    want = p.copy()
+    p[:] = 0
+    assert np.array_equal(epoch_permutation(20, seed=4, epoch=2), want)
+
+
+def test_negative_sequence_indices_are_refused(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "corpus", n=6)
+    train, _ = build_datasets(str(src), ByteTokenizer(), seq_len=8, cache_dir=tmp_path / "c")
+    with pytest.raises(IndexError, match="out of range"):
+        train.get_batch([0, -1])

@@ -145,3 +145,22 @@ def test_a_pickled_bpe_tokenizer_keeps_special_token_text_as_text() -> None:
         assert other.encode("a<eos>b") == tok.encode("a<eos>b")
         assert tok.eos_id not in other.encode("a<eos>b")
         assert other.fingerprint() == tok.fingerprint()
+
+
+def test_eos_and_pad_pieces_are_their_names_even_when_not_special() -> None:
+    """A foreign tokenizer may add its end and padding tokens as ordinary added tokens: `token_piece`
+    still names them (they are looplm's special tokens), while another ordinary added token is its text."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    backend.add_tokens([AddedToken(t, special=False) for t in ("<end>", "<fill>", "<word>")])
+    tok = BPETokenizer(backend, eos_token="<end>", pad_token="<fill>")
+    assert (tok.token_piece(tok.eos_id), tok.token_piece(tok.pad_id)) == ("<end>", "<fill>")
+    assert tok.token_piece(backend.token_to_id("<word>")) == b"<word>"

@@ -224,3 +224,61 @@ def test_converters_record_the_release_policy(tmp_path):
     (src / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
     tok = ckpt.load_model(convert_huginn(src, tmp_path / "huginn-out"))[1]
     assert tok.bos_id == HFTokenizer.from_file(str(src / "tokenizer.json")).token_to_id(config["bos_token"])
+
+
+def test_a_bos_with_id_zero_is_still_added():
+    """A BOS may be the vocabulary's first token (id 0): `encode_prompt` puts it first all the same."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT] * 20, trainer=trainer)
+    bpe = BPETokenizer(tok, EOS, PAD, BOS)
+    assert bpe.bos_id == 0
+    assert bpe.encode_prompt(TEXT) == [0, *bpe.encode(TEXT)]
+
+
+def test_a_bos_beside_looplms_own_special_names_is_kept(tmp_path):
+    """A tokenizer with looplm's `<eos>`/`<pad>` and a BOS: saving and loading, and pickling (the
+    trainer's broadcast to other ranks), keep the BOS, and its fingerprint differs from the tokenizer
+    without one (their token caches never mix)."""
+    import pickle
+
+    from looplm.data import load_tokenizer
+    from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, BOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT] * 20, trainer=trainer)
+    with_bos = BPETokenizer(HFTokenizer.from_str(tok.to_str()), bos_token=BOS)
+    plain = BPETokenizer(HFTokenizer.from_str(tok.to_str()))
+    bos_id = tok.token_to_id(BOS)
+    assert with_bos.bos_id == bos_id and plain.bos_id is None
+    assert with_bos.fingerprint() != plain.fingerprint()
+    with_bos.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.bos_id == bos_id and loaded.fingerprint() == with_bos.fingerprint()
+    again = pickle.loads(pickle.dumps(with_bos))
+    assert again.bos_id == bos_id and again.encode_prompt(TEXT)[0] == bos_id
+    assert again.fingerprint() == with_bos.fingerprint()
+
+
+def test_bos_policy_reads_the_special_tokens_map():
+    """add_bos_token without a bos_token in tokenizer_config.json: the name comes from special_tokens_map.json."""
+    from looplm.data.tokenizer import bos_policy
+
+    tok = backend(False)
+    assert bos_policy(tok, {"add_bos_token": True}, {"bos_token": BOS}) == BOS
+    assert bos_policy(tok, {"add_bos_token": True}, {"bos_token": {"content": BOS}}) == BOS

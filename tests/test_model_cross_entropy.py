@@ -151,3 +151,28 @@ def test_chunk_ce_traces_whole_for_cuda_compile():
         torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, want_g, rtol=1e-6, atol=1e-7)
     assert fn(logits.detach(), t, -100, None)[1] is None
+
+
+@pytest.mark.parametrize("chunk", [100, 5])
+def test_linear_cross_entropy_honours_its_ignore_index(chunk):
+    """A non-default `ignore_index` (-1 here) is skipped on both paths: one chunk without a gradient
+    (F.cross_entropy directly) and several chunks (the autograd function)."""
+    h, w, t = rows()
+    t[[3, 10, 11]] = -1
+    want = F.cross_entropy((h @ w.t()).float(), t.clamp(min=0), reduction="none")[t != -1].sum()
+    with torch.no_grad():
+        got = linear_cross_entropy(h, w, t, ignore_index=-1, chunk_rows=chunk)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-5)
+
+
+def test_linear_cross_entropy_gradient_of_the_weight_alone():
+    """Only the head weight requires a gradient (a frozen trunk, h detached): the chunked loss still
+    gives the weight its gradient, that of the full logits."""
+    h, w, t = rows()
+    h = h.detach()
+    want = F.cross_entropy((h @ w.t()).float(), t, ignore_index=-100, reduction="sum")
+    (want_gw,) = torch.autograd.grad(want, w)
+    got = linear_cross_entropy(h, w, t, chunk_rows=5)
+    assert got.requires_grad
+    (gw,) = torch.autograd.grad(got, w)
+    torch.testing.assert_close(gw, want_gw, rtol=1e-5, atol=1e-6)

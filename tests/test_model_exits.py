@@ -15,10 +15,19 @@ from looplm.model.exits import DepthPlan
 PROMPT = 9
 
 
-def _model() -> LoopedLM:
+def _model(**overrides) -> LoopedLM:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, n_prelude=1, n_core=2, n_coda=1
+        vocab_size=50,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        max_seq_len=32,
+        n_prelude=1,
+        n_core=2,
+        n_coda=1,
+        **overrides,
     )
     return LoopedLM(cfg).eval()
 
@@ -156,3 +165,93 @@ def test_the_exit_gate_returns_only_the_states_asked_for():
         out = m(torch.randint(0, 50, (1, 6)), DepthPlan(4, exit_gate=0.5), return_states=True, keep_states=1)
         every = m(torch.randint(0, 50, (1, 6)), DepthPlan(4, exit_gate=0.5), return_states=True)
     assert len(out.states) == 1 and len(every.states) == 4
+
+
+@pytest.mark.parametrize("overrides", [dict(injection="deq-qkv"), dict(value_embeds="odd")])
+def test_compacted_rows_read_their_own_rows_of_the_context(overrides):
+    """In a one-token step the rows still recurring take their own rows of the per-forward context
+    (`Context.select`): DEQ-QKV's Q/K/V offsets and the core's value embeddings. Reference: each row
+    decoded alone at its own depth (no compaction)."""
+    m = _model(**overrides)
+    tokens = torch.randint(0, 50, (3, PROMPT))
+    nxt = torch.randint(0, 50, (3,))
+    depths = torch.tensor([1, 4, 2])
+    cache = _prefilled(m, tokens)
+    with torch.no_grad():
+        out = m(nxt[:, None], DepthPlan(depths), cache=cache, init="seeded", example_ids=torch.arange(3))
+    for b in range(3):
+        logits, used, _ = _alone(m, tokens, nxt, b, int(depths[b]))
+        assert used == int(depths[b])
+        assert (out.logits[b, -1] - logits).abs().max() <= 1e-5, b
+
+
+def test_a_prefill_with_per_row_depths_keeps_each_rows_terminal_kv():
+    """A multi-token chunk with per-row depths: a row that stopped must not write the visits it skips
+    (`slot(keep=active)`), so its terminal K/V are those of its own last recurrence. Reference: each row
+    prefilled alone at its integer depth, then the same next token decoded on both caches."""
+    m = _model()
+    tokens = torch.randint(0, 50, (2, PROMPT))
+    nxt = torch.randint(0, 50, (2, 1))
+    depths = (1, 3)
+    cache = make_cache("terminal", m.cfg, 2, 16, 6)
+    kw = dict(init="seeded", example_ids=torch.arange(2))
+    with torch.no_grad():
+        m(tokens, DepthPlan(torch.tensor(depths)), cache=cache, **kw)
+        out = m(nxt, 2, cache=cache, **kw)
+    for b, depth in enumerate(depths):
+        alone = make_cache("terminal", m.cfg, 1, 16, 6)
+        kw_b = dict(init="seeded", example_ids=torch.tensor([b]))
+        with torch.no_grad():
+            m(tokens[b : b + 1], depth, cache=alone, **kw_b)
+            want = m(nxt[b : b + 1], 2, cache=alone, **kw_b).logits
+        assert (out.logits[b] - want[0]).abs().max() <= 1e-5, b
+
+
+def test_a_cached_chunk_without_logits_still_writes_the_coda_kv():
+    """`compute_logits=False` with a cache skips only the head: the coda's K/V of the chunk are written,
+    so the next token's logits equal the parallel forward over the whole sequence (full cache)."""
+    m = _model()
+    tokens = torch.randint(0, 50, (1, PROMPT + 1))
+    kw = dict(init="seeded", example_ids=torch.tensor([0]))
+    cache = make_cache("full", m.cfg, 1, 16, 3)
+    with torch.no_grad():
+        assert m(tokens[:, :PROMPT], 3, cache=cache, compute_logits=False, **kw).logits is None
+        got = m(tokens[:, PROMPT:], 3, cache=cache, **kw).logits[0, -1]
+        want = m(tokens, 3, **kw).logits[0, -1]
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_per_row_depths_keep_the_last_states_asked_for():
+    """`keep_states` k with per-row depths (`with_exits`): exactly the last k of the per-recurrence states."""
+    m = _model()
+    tokens = torch.randint(0, 50, (2, 6))
+    plan = DepthPlan(torch.tensor([4, 2]))
+    kw = dict(init="seeded", example_ids=torch.arange(2), return_states=True)
+    with torch.no_grad():
+        every = m(tokens, plan, **kw).states
+        kept = m(tokens, plan, keep_states=2, **kw).states
+    assert len(every) == 4 and len(kept) == 2
+    for a, b in zip(kept, every[-2:]):
+        assert torch.equal(a, b)
+
+
+def test_the_exit_gate_reads_every_state_whatever_keep_states():
+    """The exit gate picks each token's exit recurrence from every state, also when the caller keeps only
+    the last k (`keep_states`): the endpoint, the logits and the depths are those without `keep_states`,
+    and the kept states are the last k of them."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, exit_gate=True)
+    m = LoopedLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.exit_gate.parameters():  # a gate that exits tokens at different recurrences
+            p.add_(torch.randn_like(p))
+    tokens = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        every = m(tokens, DepthPlan(4, exit_gate=0.5), init="seeded", return_states=True)
+        kept = m(tokens, DepthPlan(4, exit_gate=0.5), init="seeded", return_states=True, keep_states=2)
+    assert len(set(every.depths.flatten().tolist())) > 1, "the gate picked one depth: the test would not see it"
+    assert torch.equal(kept.depths, every.depths)
+    torch.testing.assert_close(kept.logits, every.logits, rtol=0, atol=0)
+    assert len(kept.states) == 2
+    for a, b in zip(kept.states, every.states[-2:]):
+        assert torch.equal(a, b)

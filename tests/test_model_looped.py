@@ -378,3 +378,46 @@ def test_initialisation_statistics():
     assert torch.equal(inj.A_input.bias.detach(), torch.zeros(d)) and inj.A_state.bias is None
     gains = [m.weight for m in model.modules() if isinstance(m, RMSNorm) and m.weight is not None]
     assert len(gains) == 2 * n_blocks + 1 and all(torch.equal(g.detach(), torch.ones(d)) for g in gains)
+
+
+def test_input_state_keeps_the_embeddings_gradient():
+    """state_init="input" (Ouro: s0 = e, no injection): the initial state is the prelude output with its
+    graph, so the embedding and the prelude learn through it. Reference: the recurrence unrolled by hand
+    from s = e without a detach."""
+    model = make_model("none", state_init="input")
+    tokens = torch.randint(0, 50, (2, 7))
+    targets = torch.randint(0, 50, (2, 7))
+    out = model(tokens, 3)
+    got = grads_of(model, F.cross_entropy(out.logits.reshape(-1, 50), targets.reshape(-1)))
+    rope = rope_tables(torch.arange(7).expand(2, 7), model.cfg.head_dim, model.cfg.rope_base)
+    s = model.embed(tokens)
+    for block in model.prelude:
+        s = block(s, rope, None)
+    for _ in range(3):
+        for block in model.core:
+            s = block(s, rope, None)
+    for block in model.coda:
+        s = block(s, rope, None)
+    logits = model.head(model.norm(s)).float()
+    want = grads_of(model, F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1)))
+    assert want["embed.weight"].abs().amax() > 0 and want["prelude.0.attn.wq.weight"].abs().amax() > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_initialisation_of_the_switches():
+    """design §14 inits: Parcae's coda map C starts as the identity (the coda reads z^R unchanged), a
+    value-embedding gate starts at 0 (gate 2 sigmoid(0) = 1), and a tied head leaves the embedding's own
+    init, truncated normal with std 1/sqrt(d) (not the head's 0.02)."""
+    torch.manual_seed(0)
+    model = LoopedLM(tiny(coda_proj=True, value_embeds="odd", n_core=2))
+    assert torch.equal(model.coda_proj.weight.detach(), torch.eye(32))
+    z = torch.randn(2, 5, 32)
+    assert torch.equal(model.coda_input(z), z)
+    gates = [b.attn.ve_gate.weight for b in (*model.prelude, *model.core, *model.coda) if b.has_value_embed]
+    assert gates and all(torch.equal(g.detach(), torch.zeros_like(g)) for g in gates)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=4096, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128, tie_embeddings=True)
+    tied = LoopedLM(cfg)
+    assert tied.head.weight is tied.embed.weight
+    assert_truncated_normal("tied embed", tied.embed.weight, 1 / math.sqrt(64))
