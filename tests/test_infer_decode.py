@@ -11,6 +11,7 @@ from _reference import SP_TEXTS, sentencepiece_tokenizer
 from looplm.data import BPETokenizer, ByteTokenizer
 from looplm.infer import DepthRule
 from looplm.infer.decode import TextStream, cut_at_stop
+from looplm.model.exits import DepthPlan
 
 TEXTS = ["Hello, world! déjà vu — 東京タワー 🙂 ok.\nNext line", "aaaa bbbb STOP here", "ümlaut ß ∑ x"]
 
@@ -172,6 +173,10 @@ def test_depth_rule_checks_once_with_one_message():
     assert ok.check(8) is ok
     assert ok.decode_plan().exit_tau == 0.1 and ok.prefill_plan().exit_tau is None
     assert ok.prefill_plan().depth == 8
+    gated = DepthRule(depth=4, exit_gate=0.0)  # the threshold's whole range [0, 1] is allowed
+    assert DepthRule(depth=4, exit_gate=1.0).exit_gate == 1.0
+    assert gated.prefill_plan().exit_gate == gated.decode_plan().exit_gate == 0.0  # the prompt's tokens exit too
+    assert DepthRule(depth=4, exit_gate=0.7).prefill_plan(2) == DepthPlan(2, exit_gate=0.7)
     cases = [
         (DepthRule(depth=9), {}, "depth must be in 1..8, got 9"),
         (DepthRule(depth=2, prefill_depth=0), {}, "prefill_depth must be in 1..8, got 0"),

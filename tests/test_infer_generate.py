@@ -8,6 +8,7 @@ from _reference import DEPTH_CASES, DEPTH_IDS, greedy_replay, sentencepiece_toke
 from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
 from looplm.infer.generate import DepthRule, SamplingConfig, choose, generate
+from looplm.infer.step import DecodeStep
 
 TOK = ByteTokenizer()
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -368,10 +369,14 @@ def test_rows_that_end_at_different_times_equal_each_row_alone(model, mode):
         assert stats["decoded_tokens"] == sum(counts)
 
 
-def test_mean_decode_depth_counts_only_live_rows(model):
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_mean_decode_depth_counts_only_live_rows(model, bucketed):
     """Adaptive exit over rows that end at different steps: the batch's mean decode depth is the
     per-token depths of the rows run alone, summed over the steps each row really decodes (a step feeds
-    every chosen token but the row's last; EOS is chosen too), over the number of those steps."""
+    every chosen token but the row's last; EOS is chosen too), over the number of those steps.
+    `bucketed`: `compile=True`'s bookkeeping (the cache spans the context, 3 live rows run at a bucket of
+    4 whose padding row repeats the last live row) with an eager step (nothing compiles): the padding
+    rows' depths are not counted, and every row's text is the eager batch's."""
     cfg, rule = SamplingConfig(max_new_tokens=12), DepthRule(6, exit_tau=0.02, min_depth=2)
     free = _free_ids(model, "terminal", 6, 12, exit_tau=0.02, min_depth=2)
     tok = _EosAt(_eos_ending_rows_early(free))
@@ -387,6 +392,75 @@ def test_mean_decode_depth_counts_only_live_rows(model):
         steps += chosen - 1
     assert len(set(lengths)) >= 2, lengths
     stats = {}
-    generate(model, tok, ENDING_PROMPTS, rule, sampling=cfg, stats=stats)
+    kw = dict(compile=True, step=DecodeStep(model)) if bucketed else {}
+    texts = generate(model, tok, ENDING_PROMPTS, rule, sampling=cfg, stats=stats, **kw)
     assert stats["mean_decode_depth"] == pytest.approx(total / steps, abs=1e-9)
+    assert not bucketed or texts == generate(model, tok, ENDING_PROMPTS, rule, sampling=cfg)
     assert 2 <= stats["mean_decode_depth"] < 6
+
+
+# -- the context's edges, the compiled bookkeeping, the stats and the stream's tail ------------------------
+def test_a_prompt_that_exactly_fills_the_context_is_taken(model):
+    """The last new token is never fed: a prompt of L tokens takes max_new_tokens up to max_seq_len - L + 1
+    (here 48 - 40 + 1 = 9), and a prompt of max_seq_len tokens one new token; one more is refused."""
+    for prompt, n in (("abcdefgh" * 5, 9), ("abcdefgh" * 6, 1)):
+        stats = {}
+        cfg = SamplingConfig(max_new_tokens=n)
+        got = generate(model, TOK, [prompt], DepthRule(3), cache="full", sampling=cfg, stats=stats)
+        assert got == [_greedy_no_cache(model, prompt, n, 3)] and stats["decoded_tokens"] == n
+        with pytest.raises(ValueError, match="exceeds the context"):
+            generate(model, TOK, [prompt], DepthRule(3), sampling=SamplingConfig(max_new_tokens=n + 1))
+    with pytest.raises(ValueError, match="more than the context"):
+        generate(model, TOK, ["abcdefgh" * 6 + "a"], DepthRule(3), sampling=SamplingConfig(max_new_tokens=1))
+
+
+def test_compiled_steps_run_at_power_of_two_buckets():
+    """A compiled step keeps one graph per batch size: n live rows run at the next power of two."""
+    from looplm.infer.generate import _bucket
+
+    assert [_bucket(n, True) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert [_bucket(n, False) for n in range(1, 10)] == list(range(1, 10))
+
+
+def test_the_first_step_decides_two_tokens_per_row(model):
+    """first_step_tokens: the first step decided each row's first token (the prompt's logits) and its
+    second; with max_new_tokens 1 no step runs (0 tokens, 0 s)."""
+    prompts = ["ab", "hello world", "x"]
+    for n, want in ((6, 6), (2, 6), (1, 0)):
+        stats = {}
+        generate(model, TOK, prompts, DepthRule(3), sampling=SamplingConfig(max_new_tokens=n), stats=stats)
+        assert stats["first_step_tokens"] == want, (n, stats)
+        assert (stats["first_step_seconds"] > 0) == (n > 1)
+
+
+def test_the_streams_tail_goes_to_its_own_row(model):
+    """A stop string that begins with a row's last character holds it back until the end of the
+    sequence; `on_token` then streams it to that row (row 1 here), so each row's pieces join into its text."""
+    prompts = ["ab", "hello world", "x"]
+    free = generate(model, TOK, prompts, DepthRule(3), sampling=SamplingConfig(max_new_tokens=6))
+    tail = free[1][-1]
+    assert tail.isprintable() and tail != "\ufffd", free
+    pieces = {i: "" for i in range(3)}
+    cfg = SamplingConfig(max_new_tokens=6, stop=(tail + "\u2603",))
+    got = generate(
+        model, TOK, prompts, DepthRule(3), sampling=cfg, on_token=lambda i, p: pieces.update({i: pieces[i] + p})
+    )
+    assert got == free and [pieces[i] for i in range(3)] == free
+
+
+def test_a_model_vocabulary_padded_past_the_tokenizer_is_never_decoded():
+    """A release pads the embedding and head past the tokenizer's ids (here 300 rows for 258 byte ids) with
+    rows that win every argmax: every decoded token is still a tokenizer id, the argmax over those ids."""
+    m = decisive_model(300, max_seq_len=48)
+    with torch.no_grad():
+        m.head.weight[TOK.vocab_size :] = 3 * m.head.weight[: 300 - TOK.vocab_size]  # larger logits everywhere
+    ids = TOK.encode("hello")
+    want = []
+    for _ in range(8):
+        with torch.no_grad():
+            logits = m(torch.tensor([ids + want]), 3, init="seeded").logits[0, -1]
+        assert int(logits.argmax()) >= TOK.vocab_size  # the padded rows would win
+        want.append(int(logits[: TOK.vocab_size].argmax()))
+    stats = {}
+    generate(m, TOK, ["hello"], DepthRule(3), cache="full", sampling=SamplingConfig(max_new_tokens=8), stats=stats)
+    assert stats["token_ids"] == [want]

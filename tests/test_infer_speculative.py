@@ -453,3 +453,209 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end():
     tv = 0.5 * float((counts / N - exact).abs().sum())
     print(f"total variation {tv:.3f}, acceptance {stats.acceptance_rate:.2f}")
     assert tv < 0.06, (counts / N, exact)
+
+
+# -- the defaults, the budget and the cache's room ---------------------------------------------------------
+def test_speculation_defaults():
+    """The documented defaults: 4 drafts per verify at depth 2, the verify resumed from the drafts' states."""
+    assert (Speculation().k, Speculation().draft_depth, Speculation().reuse) == (4, 2, True)
+
+
+def _direct(model, prompt, *, mode, max_len, n, k, draft_depth, cache_depth=DEPTH, sampling=None, generator=None):
+    """speculative_decode called directly on a cache of `max_len` positions after `extend` prefilled the
+    prompt (example id 0): (emitted ids, windows [(drafts, accepted)], stats)."""
+    ids = TOK.encode(prompt)
+    cache = make_cache(mode, model.cfg, 1, max_len, cache_depth)
+    first = extend(model, torch.tensor([ids]), cache, DEPTH, example_ids=torch.tensor([0])).logits[:, -1]
+    out, windows, stats = [], [], spec_mod.SpeculationStats()
+    real = spec_mod.accept
+
+    def accept(drafts, p, q, g):
+        n_acc, nxt = real(drafts, p, q, g)
+        windows.append((drafts.shape[0], n_acc))
+        return n_acc, nxt
+
+    spec_mod.accept = accept
+    try:
+        spec_mod.speculative_decode(
+            DecodeStep(model, cache),
+            first,
+            length=len(ids),
+            depth=DEPTH,
+            draft_depth=draft_depth,
+            k=k,
+            sampling=sampling or SamplingConfig(max_new_tokens=n),
+            generator=generator,
+            pad=torch.tensor([0]),
+            example_ids=torch.tensor([0]),
+            emit=lambda t: out.append(t) or False,
+            stats=stats,
+        )
+    finally:
+        spec_mod.accept = real
+    return out, windows, stats
+
+
+@pytest.mark.parametrize(("k", "n"), [(3, 9), (4, 11), (2, 8)])
+def test_an_eager_round_drafts_only_what_may_still_be_emitted(model, k, n):
+    """Eagerly (a cache far longer than the budget) a round drafts min(k, tokens still to emit - 1): the
+    verifier's own token is the last one; `drafted` counts those drafts, not k per round."""
+    out, windows, stats = _direct(model, "hello", mode="full", max_len=48, n=n, k=k, draft_depth=2)
+    assert out == _no_cache_greedy(model, TOK.encode("hello"), n, DEPTH, -1)
+    emitted = 1
+    for drafted, accepted in windows:
+        assert drafted == min(k, n - emitted - 1), windows
+        emitted += accepted + 1
+    assert any(d < k for d, _ in windows)  # the budget cut a round short
+    assert stats.drafted == sum(d for d, _ in windows) and stats.accepted == sum(a for _, a in windows)
+
+
+@pytest.mark.parametrize(("prompt", "k", "room"), [("hello", 2, 4), ("hello", 3, 6), ("hello", 4, 6)])
+def test_a_cache_shorter_than_the_budget_bounds_the_drafts(model, prompt, k, room):
+    """A full cache of L + room positions under a budget of 30 tokens: the rounds draft only what the cache
+    can hold (a verify chunk never writes past it) and the row emits room + 1 tokens (the last one is never
+    fed), the no-cache greedy tokens. (Here no round fills the cache exactly: see the next test.)"""
+    ids = TOK.encode(prompt)
+    out, windows, _ = _direct(model, prompt, mode="full", max_len=len(ids) + room, n=30, k=k, draft_depth=2)
+    assert out == _no_cache_greedy(model, ids, room + 1, DEPTH, -1)
+    assert any(d < k for d, _ in windows)  # the room, not k, bounded a round
+
+
+@pytest.mark.parametrize(("prompt", "k", "room"), [("a", 2, 3), ("a", 4, 5), ("hello", 1, 5)])
+def test_a_round_that_fills_the_cache_ends_the_decode(model, prompt, k, room):
+    """BUG (speculative_decode): when a round's drafts are all accepted and its chunk reaches the cache's
+    last position, `length == max_len` and the next pass takes the `n_draft < 1` branch, whose plain step
+    writes `last` at position max_len: IndexError. Nothing can be fed any more; the decode should end with
+    the room + 1 tokens emitted (as when the last round leaves one position: the plain step fills it)."""
+    ids = TOK.encode(prompt)
+    out, windows, _ = _direct(model, prompt, mode="full", max_len=len(ids) + room, n=30, k=k, draft_depth=2)
+    assert out == _no_cache_greedy(model, ids, room + 1, DEPTH, -1)
+
+
+class _CappedFullReplay:
+    """The hand-written decoder (`_reference.NaiveDecoder`) for a full cache of `visits` banks per core
+    layer used deeper than that: a token at recurrence r reads the prefix's visit-r K/V for r < visits - 1,
+    else each prefix token's last recurrence (the cache's last bank, which every deeper visit overwrites)."""
+
+    def __init__(self, model, visits):
+        from _reference import NaiveDecoder
+
+        class Capped(NaiveDecoder):
+            def _core_prefix(self, r, j):
+                pairs = [visits_[r if r < visits - 1 else -1][j] for visits_ in self.core]
+                return [k for k, _ in pairs], [v for _, v in pairs]
+
+        self.ref = Capped(model, "full", 0)
+
+    def chunk(self, ids):
+        return self.ref.chunk(list(ids), DEPTH)[0]
+
+
+@pytest.mark.parametrize("prompt", ["hello", "the quick brown f"])
+def test_a_full_cache_shallower_than_the_draft_depth_is_verified_from_scratch(model, prompt):
+    """A full cache of 2 visits under drafts at depth 3 (verified at 4): the drafts' states are not the
+    verifier's there, so the verify reruns every recurrence (no resume, which would be refused); the
+    tokens are a replay (the prompt, then each accepted window, as chunks) on the capped cache's rule."""
+    out, windows, _ = _direct(model, prompt, mode="full", max_len=48, n=12, k=3, draft_depth=3, cache_depth=2)
+    ref = _CappedFullReplay(model, 2)
+    predicted, p = [int(ref.chunk(TOK.encode(prompt))[-1].argmax())], 0
+    sizes = [a for _, a in windows]
+    while p < len(out):
+        window = out[p : p + (sizes.pop(0) if sizes else 0) + 1]
+        predicted += [int(x) for x in ref.chunk(window).argmax(-1)]
+        p += len(window)
+    assert len(out) == 12 and out == predicted[:12]
+
+
+@pytest.mark.parametrize("mode", ["full", "terminal"])
+def test_a_budget_of_one_token_is_the_prompts_next_token(model, mode):
+    """max_new_tokens 1: the prompt's logits decide the one token; no round runs (none could: the cache
+    has no position for the token, which is never fed)."""
+    stats = {}
+    got = generate(
+        model,
+        TOK,
+        ["hello"],
+        DepthRule(DEPTH),
+        cache=mode,
+        stats=stats,
+        speculate=Speculation(3, 2),
+        sampling=SamplingConfig(max_new_tokens=1),
+    )
+    assert got == [TOK.decode(_no_cache_greedy(model, TOK.encode("hello"), 1, DEPTH, TOK.eos_id))]
+    assert stats["speculation"] == {"rounds": 0, "drafted": 0, "accepted": 0} and stats["decoded_tokens"] == 1
+
+
+@pytest.mark.parametrize("mode", ["full", "terminal"])
+def test_sampled_speculation_is_reproducible_from_its_seed_and_top_k_one_is_greedy(model, mode):
+    """Speculative sampling draws its drafts, the acceptance coins and the corrections from the row's
+    seeded generator: one seed, one text (the global RNG moves in between); another seed, another text.
+    With top_k 1 the verifier's distribution is its argmax: the text is plain greedy decoding's (full
+    cache), whatever the coins (a p with mass off its argmax would let other tokens through)."""
+
+    def sampled(seed, top_k=0):
+        cfg = SamplingConfig(max_new_tokens=16, temperature=1.0, top_k=top_k, seed=seed)
+        return generate(model, TOK, ["hello"], DepthRule(DEPTH), cache=mode, speculate=Speculation(3, 1), sampling=cfg)
+
+    first = sampled(3)
+    torch.rand(7)
+    assert sampled(3) == first != sampled(4)
+    if mode == "full":
+        greedy = TOK.decode(_no_cache_greedy(model, TOK.encode("hello"), 16, DEPTH, TOK.eos_id))
+        assert [sampled(s, top_k=1)[0] for s in (0, 1, 2)] == [greedy] * 3
+
+
+def test_speculation_refuses_the_exit_gate():
+    """The verifier runs one fixed depth: a rule with the model's exit gate is refused, as exit_tau is."""
+    from looplm.config import ModelConfig
+    from looplm.model import LoopedLM
+
+    cfg = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, exit_gate=True)
+    gated = LoopedLM(cfg).eval()
+    with pytest.raises(UserError, match="exit_gate"):
+        generate(gated, TOK, ["ab"], DepthRule(DEPTH, exit_gate=0.5), speculate=Speculation(2, 1))
+
+
+def test_batched_speculation_reports_every_prompts_tokens_and_streams_each_row(monkeypatch, model):
+    """Several prompts under `speculate` (one at a time): decoded_tokens and token_ids cover every prompt,
+    decode_seconds is the sum of their decodes, first_step_* are the first prompt's first round (a clock
+    that moves 1 s per verify makes them exact), and `on_token` streams each prompt's text to its own row."""
+    clock, accepted = _Clock(), []
+    real_accept = spec_mod.accept
+
+    def accept(drafts, p, q, g):
+        n_acc, nxt = real_accept(drafts, p, q, g)
+        accepted.append(n_acc)
+        clock.tick(1.0)
+        return n_acc, nxt
+
+    starts, real_decode = [], gen_mod.speculative_decode  # each prompt's first round
+
+    def decode(*a, **kw):
+        starts.append(len(accepted))
+        return real_decode(*a, **kw)
+
+    monkeypatch.setattr(spec_mod, "accept", accept)
+    monkeypatch.setattr(gen_mod, "speculative_decode", decode)
+    monkeypatch.setattr(spec_mod, "time", clock)
+    monkeypatch.setattr(gen_mod, "time", clock)
+    prompts, cfg, spec = ["hello", "a", "the quick brown f"], SamplingConfig(max_new_tokens=10), Speculation(3, 1)
+    pieces, stats = collections.defaultdict(str), {}
+    texts = generate(
+        model,
+        TOK,
+        prompts,
+        DepthRule(DEPTH),
+        cache="full",
+        speculate=spec,
+        sampling=cfg,
+        stats=stats,
+        on_token=lambda row, piece: pieces.__setitem__(row, pieces[row] + piece),
+    )
+    first_accepted = accepted[0]
+    assert accepted[starts[0]] != accepted[starts[-1]]  # the first and the last prompt's first rounds differ
+    want = [_no_cache_greedy(model, TOK.encode(p), 10, DEPTH, TOK.eos_id) for p in prompts]
+    assert texts == [TOK.decode(ids) for ids in want] and dict(pieces) == dict(enumerate(texts))
+    assert stats["token_ids"] == want and stats["decoded_tokens"] == sum(map(len, want))
+    assert stats["decode_seconds"] == len(accepted) == stats["speculation"]["rounds"]
+    assert stats["first_step_seconds"] == 1.0 and stats["first_step_tokens"] == 2 + first_accepted

@@ -124,6 +124,7 @@ def test_full_cache_per_row_depths_fill_the_unreached_visits():
         # fractional depths were truncated (2.5 ran 2 recurrences) where `model(tokens, 2.5)` is refused
         (DepthPlan(2.5), "depth must be an integer"),
         (DepthPlan(torch.tensor([2.5, 3.0])), "per-row depths must be an integer tensor"),
+        (DepthPlan(torch.tensor([True, True])), "per-row depths must be an integer tensor"),  # not depths 1
         (DepthPlan(4, exit_tau=0.1, min_depth=2.5), "min_depth must be an integer"),
         (DepthPlan(4, exit_tau=torch.tensor([0.1]), min_depth=torch.tensor([2.5])), "min_depth must be an integer"),
     ],
@@ -255,3 +256,30 @@ def test_the_exit_gate_reads_every_state_whatever_keep_states():
     assert len(kept.states) == 2
     for a, b in zip(kept.states, every.states[-2:]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("min_depth", [1, 2, 3])
+def test_an_exit_threshold_no_change_misses_stops_every_token_at_min_depth(min_depth):
+    """exit_tau 1e9: every token stops at the first recurrence it may, r = min_depth (1..depth, both ends
+    allowed): its logits and terminal K/V are those of the fixed depth min_depth."""
+    m = _model()
+    tokens = torch.randint(0, 50, (2, 6))
+    got, fixed = make_cache("terminal", m.cfg, 2, 8, 3), make_cache("terminal", m.cfg, 2, 8, 3)
+    with torch.no_grad():
+        out = m(tokens, DepthPlan(3, exit_tau=1e9, min_depth=min_depth), cache=got, init="seeded")
+        want = m(tokens, min_depth, cache=fixed, init="seeded")
+    assert out.depths.unique().tolist() == [min_depth]
+    assert (out.logits - want.logits).abs().max() <= 1e-5
+    for a, b in zip(got.core, fixed.core):
+        assert (a.k - b.k).abs().max() <= 1e-5
+
+
+def test_the_exit_gate_takes_one_fixed_depth():
+    """The gate reads each token's cumulative exit probability over one recurrence loop: per-row depths
+    (as exit_tau) are refused with it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, exit_gate=True)
+    m = LoopedLM(cfg).eval()
+    for plan in (DepthPlan(torch.tensor([2, 3]), exit_gate=0.5), DepthPlan(3, exit_tau=0.1, exit_gate=0.5)):
+        with pytest.raises(ValueError, match="exit_gate needs one fixed depth"):
+            m(torch.zeros(2, 3, dtype=torch.long), plan, cache=make_cache("terminal", m.cfg, 2, 8, 4))

@@ -282,3 +282,17 @@ def test_looplm_serve_takes_speculate_and_checks_it_before_loading(tmp_path, cap
     code = cli.main(["serve", str(tmp_path / "missing"), "--depth", "4", "--speculate", "3", "--draft-depth", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "--draft-depth must be in 1..3 (below --depth 4), got 4" in err, err
+
+
+def test_sampling_rows_speculating_together_each_sample_what_they_sample_alone(model):
+    """Two sampled requests (their own seeds and settings) in one round: each row's acceptance rule weighs
+    its drafts by its own draft distribution and its own verifier settings, so each request's tokens are
+    those it samples alone (a row judged by another row's q or p samples something else)."""
+    config = EngineConfig(max_batch=4, depth=DEPTH, cache="full", speculate=3, draft_depth=1)
+    reqs = [
+        Request(TOK.encode("hello"), SamplingConfig(14, temperature=0.8, top_k=30, seed=5), example_id=2),
+        Request(TOK.encode("the quick brown f"), SamplingConfig(14, temperature=1.2, seed=7), example_id=3),
+        Request(TOK.encode("ab"), SamplingConfig(14, temperature=1.0, top_p=0.9, seed=9), example_id=4),
+    ]
+    alone = [_run(Engine(model, TOK, config), [r])[0] for r in reqs]
+    assert _run(Engine(model, TOK, config), reqs) == alone

@@ -162,6 +162,8 @@ def speculative_decode(
         # drafts past the cache cannot be written; past what may still be emitted they are wasted, but a
         # compiled step keeps k (a shorter chunk is a new graph to compile)
         room = step.cache.max_len - length - 1
+        if room < 0:  # the last round filled the cache: its last token cannot be fed
+            return
         n_draft = min(k, room) if step.compiled else min(k, sampling.max_new_tokens - emitted - 1, room)
         if n_draft < 1:  # the last token: one plain step at the verifier's depth
             logits, _ = step(StepRows(last, torch.tensor([length], device=dev), pad, example_ids), depth)
