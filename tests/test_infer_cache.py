@@ -502,3 +502,104 @@ def test_per_row_depths_on_a_chunk_equal_each_row_at_its_own_depth(prefix):
             assert (out.logits[b] - native).abs().max() <= 1e-4
         assert (out.logits[b] - ref.chunk(x[b, prefix:].tolist(), depth)[0]).abs().max() <= 1e-4
         assert (step[b] - ref.step(int(nxt[b, 0]), 4)[0]).abs().max() <= 1e-4
+
+
+# -- bookkeeping: the chunk's positions and mask, the cache's bounds, views and taken rows ---------------
+def test_chunk_positions_and_mask_with_left_padding_by_hand():
+    """`chunk(n, pad)` after c cached tokens: a real token sits at c + i - pad_b and attends to its row's
+    real keys up to itself; a pad query sees itself only (no query has an empty row, which is NaN for
+    attention kernels that do not special-case it) and sits at position 0."""
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    pad = torch.tensor([0, 2, 5])
+    for c, n in ((0, 6), (3, 4)):
+        cache = TerminalCache(cfg, 3, 32)
+        cache.length = c
+        positions, mask = cache.chunk(n, pad, "cpu")
+        assert mask.shape == (3, 1, n, c + n)
+        for b in range(3):
+            for i in range(n):
+                q = c + i  # the query's cache position
+                assert int(positions[b, i]) == max(0, q - int(pad[b])), (c, b, i)
+                if q < pad[b]:
+                    want = [key == q for key in range(c + n)]
+                else:
+                    want = [pad[b] <= key <= q for key in range(c + n)]
+                assert mask[b, 0, i].tolist() == want, (c, b, i)
+
+
+def test_a_chunk_may_fill_the_cache_to_its_last_position():
+    """A chunk ending exactly at `max_len` fits (one more is refused): the logits equal the native forward
+    (a full cache at the chunks' depth is exact)."""
+    m = _model()
+    x = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        ref = m(x, 3, init="seeded").logits
+    cache = FullCache(m.cfg, 2, 8, depth=3)
+    got = torch.cat([extend(m, x[:, :5], cache, 3).logits, extend(m, x[:, 5:], cache, 3).logits], 1)
+    assert cache.length == 8 and (got - ref).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="exceed the cache length"):
+        extend(m, x[:, :1], cache, 3)
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_a_view_without_a_length_starts_empty(mode):
+    """`view(rows)` without `length` is an empty cache over those rows (a serving slot's prefill), whatever
+    the pointer of the cache it views: its chunk equals the native forward of that row alone."""
+    m = _model()
+    x, y = torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (1, 5))
+    cache = make_cache(mode, m.cfg, 2, 32, 3)
+    extend(m, x, cache, 3)
+    view = cache.view(slice(1, 2))
+    assert view.length == 0
+    got = extend(m, y, view, 3, example_ids=torch.tensor([1])).logits
+    with torch.no_grad():
+        ref = m(y, 3, init="seeded", example_ids=torch.tensor([1])).logits
+    assert (got - ref).abs().max() <= 1e-5
+    assert cache.length == 7 and view.length == 5
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_take_keeps_each_taken_rows_own_length(mode):
+    """`take(rows)` of a cache with per-row lengths carries each taken row's length in the new order, so a
+    one-token step on the taken rows equals the same step on the rows in place."""
+    from _models import decisive_model
+
+    m = decisive_model(vocab_size=50, max_seq_len=32)
+    lengths = [5, 9, 7]
+    cache, nxt = _prefilled(m, mode, lengths, cache_depth=4)
+    cache.length = torch.tensor(lengths)
+    rows = torch.tensor([2, 0])
+    taken = cache.take(rows)
+    assert taken.length.tolist() == [7, 5] and taken.batch == 2
+    got = extend(m, nxt[rows], taken, 4, example_ids=rows).logits
+    ref = extend(m, nxt, cache, 4, example_ids=torch.arange(3)).logits[rows]
+    assert (got - ref).abs().max() <= 1e-5
+
+
+def test_a_stopped_tokens_core_write_keeps_its_terminal_entry():
+    """`slot("core", j, r, keep)`: a token still recurring (keep True) writes its K/V; a stopped one keeps
+    its terminal K/V: in the full cache its entry of visit r - 1 (so chunk siblings read what a later token
+    will), at visit 0 or past the cache's visits (the shared last bank) and in the terminal cache its own
+    entry. Checked on the bank after `update` and on what attention reads, against `torch.where` by hand."""
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    g = torch.Generator().manual_seed(6)
+    keep = torch.tensor([[True, False, True], [False, False, True]])
+    for cache, r, source in (
+        (FullCache(cfg, 2, 8, depth=3), 1, lambda c: c.core[0][1]),
+        (FullCache(cfg, 2, 8, depth=3), 2, lambda c: c.core[1][1]),
+        (FullCache(cfg, 2, 8, depth=3), 0, lambda c: c.core[0][1]),
+        (FullCache(cfg, 2, 8, depth=3), 4, lambda c: c.core[2][1]),
+        (TerminalCache(cfg, 2, 8), 2, lambda c: c.core[1]),
+    ):
+        for bank in cache.banks():
+            bank.k.normal_(generator=g), bank.v.normal_(generator=g)
+        cache.length = 2
+        old_k, old_v = source(cache).k[:, :, 2:5].clone(), source(cache).v[:, :, 2:5].clone()
+        k, v = torch.randn(2, 2, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g)
+        read_k, read_v = cache.slot("core", 1, r, keep).update(k, v)
+        bank = cache.core_read(r, 1)
+        want_k = torch.where(keep[:, None, :, None], k, old_k)
+        want_v = torch.where(keep[:, None, :, None], v, old_v)
+        assert torch.equal(bank.k[:, :, 2:5], want_k) and torch.equal(bank.v[:, :, 2:5], want_v), (cache.mode, r)
+        assert torch.equal(read_k[:, :, 2:], want_k) and torch.equal(read_v[:, :, 2:], want_v), (cache.mode, r)
+        assert read_k.shape[2] == 5

@@ -4,13 +4,23 @@ once, its cost per token, and the one decode-spec check."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 from _reference import SP_TEXTS, sentencepiece_tokenizer
 
 from looplm.data import BPETokenizer, ByteTokenizer
 from looplm.infer import DepthRule
-from looplm.infer.decode import TextStream, cut_at_stop
+from looplm.infer.decode import (
+    CONTEXT_IDS,
+    SamplingConfig,
+    TextStream,
+    cut_at_stop,
+    decode_context,
+    probabilities,
+    token_vocab,
+)
 from looplm.model.exits import DepthPlan
 
 TEXTS = ["Hello, world! déjà vu — 東京タワー 🙂 ok.\nNext line", "aaaa bbbb STOP here", "ümlaut ß ∑ x"]
@@ -197,3 +207,33 @@ def test_depth_rule_checks_once_with_one_message():
     ):
         with pytest.raises(ValueError, match=message):  # an exit rule no model could run: refused when made
             DepthRule(2, **fields)
+
+
+def test_cut_at_stop_cuts_at_the_earliest_stop_in_the_text_not_the_first_listed():
+    assert cut_at_stop("say ok then world", ("world", "ok")) == ("say ", True)
+    assert cut_at_stop("say ok then world", ("ok", "world")) == ("say ", True)
+    assert cut_at_stop("nothing here", ("world",)) == ("nothing here", False)
+
+
+def test_decode_context_keeps_the_prompts_last_ids():
+    """The last CONTEXT_IDS ids (what a reply continues), or none when they end inside a character."""
+    tok = ByteTokenizer()
+    ids = tok.encode("a long prompt of many bytes")
+    assert decode_context(tok, ids) == ids[-CONTEXT_IDS:]
+    assert decode_context(tok, ids[:3]) == ids[:3]
+    assert decode_context(tok, [*ids, "é".encode()[0]]) == []
+
+
+def test_token_vocab_is_the_smaller_of_the_model_and_the_tokenizer():
+    tok = ByteTokenizer()
+    for model_vocab in (tok.vocab_size + 62, tok.vocab_size, 50):
+        model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=model_vocab))
+        assert token_vocab(model, tok) == min(model_vocab, tok.vocab_size)
+
+
+def test_a_top_k_larger_than_the_vocabulary_keeps_every_token():
+    """top_k past the logits' width is every token: softmax(logits / T), by hand."""
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0], [3.0, 1.0, -2.0, 1.5]])
+    got = probabilities(logits, SamplingConfig(temperature=0.7, top_k=10))
+    e = (logits / 0.7).exp()
+    assert torch.allclose(got, e / e.sum(-1, keepdim=True), atol=1e-6)

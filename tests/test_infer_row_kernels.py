@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _models import decisive_model
 
 from looplm.infer import extend, make_cache
-from looplm.infer.row_kernels import FEW_QUERIES, few_query_attention, row_kernels_backend, row_linear
+from looplm.infer.row_kernels import FEW_QUERIES, few_query_attention, rewrite, row_kernels_backend, row_linear
 from looplm.infer.step import DecodeStep, StepRows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -139,3 +139,82 @@ def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
     assert str(F.linear) not in called and str(F.scaled_dot_product_attention) not in called, called
     with pytest.raises(ValueError, match="compiled steps"):
         DecodeStep(model, cache, row_kernels=True)
+
+
+def test_the_backends_edges_few_queries_included_broadcast_masks_dropout_and_row_blocks_excluded():
+    """The rewrite's edges: exactly FEW_QUERIES queries are rewritten; a mask broadcast over the queries
+    ([B, 1, 1, S]), an SDPA with dropout and a linear of several rows in one batch entry ([1, 3, in]) are
+    left to torch; the rewritten graph's code calls the written-out forms (an inner backend that runs
+    `gm` runs them), and the kept calls' results equal the eager ones."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 4, generator=g)
+    k, v = torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    few = torch.randn(2, 4, FEW_QUERIES, 8, generator=g)
+    q3 = torch.randn(2, 4, 3, 8, generator=g)
+    shared = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    shared[1, 0, 0, :2] = False
+    full = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    x1, block = torch.randn(1, 4, generator=g), torch.randn(1, 3, 4, generator=g)
+
+    def calls(x1, block):
+        return (
+            F.linear(x1, w),  # rewritten
+            F.linear(block, w),  # three rows: the BLAS
+            F.scaled_dot_product_attention(  # rewritten: FEW_QUERIES queries
+                few, k, v, attn_mask=torch.ones(2, 1, FEW_QUERIES, 5, dtype=torch.bool), enable_gqa=True
+            ),
+            F.scaled_dot_product_attention(q3, k, v, attn_mask=shared, enable_gqa=True),  # broadcast over queries
+            F.scaled_dot_product_attention(q3, k, v, attn_mask=full, dropout_p=0.5, enable_gqa=True),  # dropout
+        )
+
+    got = torch.compile(calls, backend=row_kernels_backend(recording), dynamic=False)(x1, block)
+    (gm,) = graphs
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("row_linear" in t for t in targets) == 1 and sum("_sdpa_few_queries" in t for t in targets) == 1
+    assert targets.count(str(F.linear)) == 1 and targets.count(str(F.scaled_dot_product_attention)) == 2
+    assert "row_linear" in gm.code and "_sdpa_few_queries" in gm.code
+    ref = calls(x1, block)
+    for a, b in zip(got[:4], ref[:4], strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_one_backend_per_inner_backend_and_options():
+    """`row_kernels_backend` returns the same object for the same (inner, options), whatever the options'
+    order, and another for other options or another inner backend (an inner callable here: inductor's
+    options take the same path without importing inductor)."""
+
+    def inner(gm, example_inputs):
+        return gm.forward
+
+    def other(gm, example_inputs):
+        return gm.forward
+
+    a = row_kernels_backend(inner, {"cpp_wrapper": True, "size_asserts": False})
+    assert a is row_kernels_backend(inner, {"size_asserts": False, "cpp_wrapper": True})
+    assert a is not row_kernels_backend(inner, {"cpp_wrapper": False, "size_asserts": False})
+    assert a is not row_kernels_backend(inner)
+    assert a is not row_kernels_backend(other, {"cpp_wrapper": True, "size_asserts": False})
+
+
+def test_rewrite_regenerates_the_code_of_a_graph_that_already_ran():
+    """`rewrite` on a graph whose code was generated (it ran once): the code is regenerated, so it calls
+    the written-out form (Dynamo's graphs generate their code lazily, which hid a missing recompile)."""
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append(gm)
+        return gm.forward
+
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(1, 4)
+    torch.compile(lambda x: F.linear(x, w), backend=capture, dynamic=False)(x)
+    (gm,) = captured
+    assert "row_linear" not in gm.code
+    assert rewrite(gm) == 1
+    assert "row_linear" in gm.code

@@ -404,3 +404,31 @@ def test_a_full_cache_step_in_which_every_row_stops_at_the_lowest_depth():
         got, _ = step(StepRows(tok, torch.full((B,), L + t), pad, ids, depth=torch.full((B,), d)), 6)
         want = extend(m, tok[:, None], b, torch.full((B,), d), example_ids=ids).logits[:, -1]
         assert (got - want).abs().max() <= 1e-5, f"step {t} at depth {d}"
+
+
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_a_step_with_a_smaller_vocab_returns_those_tokens_logits_only(model, mode):
+    """`vocab=k` (a tokenizer smaller than the model's padded embedding): a one-token step and a chunk
+    per row return the first k logits of `extend`'s, [B, k] and [B, n, k], not the whole head."""
+    k = 37
+    cache, twin, pad, L = _twins(model, mode, _prompts(2, seed=21), depth=3, cache_depth=4)
+    step, ids = DecodeStep(model, cache, vocab=k), torch.arange(2)
+    tok = torch.tensor([5, 9])
+    got, _ = step(StepRows(tok, torch.full((2,), L), pad, ids), 4)
+    ref = extend(model, tok[:, None], twin, 4, example_ids=ids, pad=pad).logits[:, -1]
+    assert got.shape == (2, k) and (got - ref[:, :k]).abs().max() <= TOL
+    chunk = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    got, _ = step(StepRows(chunk, torch.full((2,), L + 1), pad, ids), 4)
+    ref = extend(model, chunk, twin, 4, example_ids=ids, pad=pad).logits
+    assert got.shape == (2, 3, k) and (got - ref[..., :k]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("max_len", [32, 20])
+def test_key_range_rounds_up_to_a_multiple_of_16_within_the_cache(model, max_len):
+    """`key_range(needed)`: the fewest multiple of 16 positions that hold `needed`, capped at the cache
+    (a range rounded down would cut off the rows' last positions)."""
+    step = DecodeStep(model, make_cache("terminal", model.cfg, 1, max_len, 4))
+    for needed in range(1, max_len + 1):
+        want = min(max_len, 16 * ((needed + 15) // 16))
+        assert step.key_range(needed) == want, needed
+        assert step.key_range(needed) >= needed
