@@ -336,6 +336,8 @@ def test_full_queue_answers_429(model):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(http.post, f"{url}/v1/completions", json=body)
             assert queued.wait(30)  # the first request waits in the queue (the engine is paused)
+            health = http.get(f"{url}/health").json()  # (waiting is the queue, not the batch)
+            assert (health["waiting"], health["running_sequences"]) == (1, 0)
             second = http.post(f"{url}/v1/completions", json=body)
             assert second.status_code == 429
             assert second.json()["error"]["code"] == "queue_full" and "retry later" in second.json()["error"]["message"]
@@ -1266,6 +1268,7 @@ def test_an_end_of_text_token_is_no_decoded_token(model, speculate):
     engine.run_until_done([handle])
     assert (handle.finish.reason, handle.finish.completion_tokens) == ("stop", j)
     assert engine.decoded_tokens == j - 1  # the prefill chose the first; the decode steps the rest
+    assert engine.stats()["mean_decode_depth"] == 4.0  # (the step that chose the EOS is not counted)
 
 
 def test_a_chat_reply_stops_where_any_other_roles_turn_would_start():
@@ -1419,3 +1422,117 @@ def test_top_logprobs_keep_the_likelier_of_two_tokens_spelled_alike():
 
     reply = SimpleNamespace(tok=Pieces())
     assert CompletionReply._top(reply, [(2, -0.1), (1, -0.7), (3, -1.5)]) == {"A": -0.1, "B": -1.5}
+
+
+# -- the HTTP layer's edges (found by mutating events, api, errors and protocol) ----------------------------
+def test_choices_that_do_not_all_fit_the_queue_leave_none_queued(model):
+    """A request whose choices fill the queue part way (the queue holds 3; 1 waits, 3 come)
+    is refused with EngineFull and the choices already queued are cancelled: none of them runs."""
+    import asyncio
+
+    from looplm.serve.engine import EngineFull
+    from looplm.serve.events import Choices
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2, max_queue=3))
+    first = engine.submit(Request(TOK.encode("first"), SamplingConfig(2)))
+
+    async def submit():
+        with pytest.raises(EngineFull):
+            Choices(engine, [Request(TOK.encode(p), SamplingConfig(2)) for p in ("ab", "cd", "ef")])
+        engine.step()  # drops the cancelled choices, admits the first request
+
+    asyncio.run(submit())
+    engine.run_until_done([first])
+    assert engine.finished["cancelled"] == 2 and sum(engine.finished.values()) == 3 and engine.waiting == 0
+    assert engine.prompt_tokens == len("first")  # only the first request was prefilled
+
+
+def test_a_choice_that_fails_is_an_error_body_streamed_or_not(model):
+    """A choice whose generation fails (its prefill raised) ends a stream with OpenAI's error
+    body carrying the engine's message, not a chunk with finish_reason "error"; unstreamed it is a 500."""
+    from fastapi.testclient import TestClient
+
+    from looplm.infer.prefill import Prefill
+
+    class Failing(Prefill):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("the prefill failed")
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2), prefill=Failing())
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 4}
+    with TestClient(create_app(engine, NAME)) as http:
+        whole = http.post("/v1/completions", json=body)
+        assert whole.status_code == 500 and "the prefill failed" in whole.json()["error"]["message"]
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+    data = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    errors = [d["error"] for d in data if "error" in d]
+    assert len(errors) == 1 and errors[0]["type"] == "server_error" and "the prefill failed" in errors[0]["message"]
+    assert not any(c.get("finish_reason") for d in data for c in d.get("choices", []))
+
+
+def test_a_streamed_run_of_tokens_belongs_to_one_choice():
+    """Events that arrived together are sent as one chunk per run of consecutive tokens of
+    one choice; tokens of two choices side by side are two runs."""
+    from looplm.serve.engine import Finish
+    from looplm.serve.events import _runs
+
+    a, b, c, d = (Token(t, chr(t), 2) for t in b"abcd")
+    end = Finish("length", "ab", "", 1, 2, 2.0)
+    batch = [(0, a), (1, b), (1, c), (0, d), (0, end), (1, a)]
+    assert _runs(batch) == [(0, [a]), (1, [b, c]), (0, [d]), (0, end), (1, [a])]
+
+
+def test_the_model_card_gives_the_engines_slot_length(model):
+    """The model card's max_model_len is the engine's slot (`max_seq_len` 32 here), what a
+    request may fill, not the model's context (64)."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2, max_seq_len=32))
+    with TestClient(create_app(engine, NAME)) as http:
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 32
+        assert http.get(f"/v1/models/{NAME}").json()["max_model_len"] == 32
+
+
+def test_error_bodies_name_the_field_the_kind_and_the_code(model):
+    """A body that fails validation names its field as the client sent it (`max_tokens`,
+    not `body.max_tokens`); a body that is not JSON says so; an unknown path is a 404
+    `not_found_error`; a request to a stopped engine is a 503 `shutting_down`."""
+    from fastapi.testclient import TestClient
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+    ok = {"model": NAME, "prompt": "ab", "max_tokens": 2}
+    with TestClient(create_app(engine, NAME)) as http:
+        r = http.post("/v1/completions", json={**ok, "max_tokens": "many"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "max_tokens" and error["message"].startswith("max_tokens: ")
+        r = http.post("/v1/completions", content="{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": "the request body is not valid JSON",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+        r = http.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        engine.shutdown()
+        r = http.post("/v1/completions", json=ok)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert r.json()["error"]["type"] == "server_error"
+
+
+def test_request_fields_at_their_limits():
+    """Four stop strings (OpenAI's most) are accepted; a chat's
+    max_completion_tokens wins over the older max_tokens; top_logprobs 0 without logprobs asks for
+    nothing; a frequency_penalty, like a presence_penalty, is refused."""
+    from pydantic import ValidationError
+
+    from looplm.serve.protocol import ChatRequest, CompletionRequest
+
+    four = ["a", "b", "c", "d"]
+    assert CompletionRequest(prompt="x", stop=four).stop_strings() == tuple(four)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ChatRequest(messages=messages, max_tokens=2, max_completion_tokens=5).budget(10, 64) == 5
+    assert ChatRequest(messages=messages, top_logprobs=0).logprob_count() is None
+    with pytest.raises(ValidationError, match="frequency_penalty"):
+        CompletionRequest(prompt="x", frequency_penalty=0.5)

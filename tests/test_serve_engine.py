@@ -18,6 +18,7 @@ from _reference import DEPTH_CASES, decode_replay
 from looplm.data import ByteTokenizer
 from looplm.infer import extend, make_cache
 from looplm.infer.generate import DepthRule, SamplingConfig, generate
+from looplm.infer.prefill import Prefill
 from looplm.serve import Engine, EngineConfig, EngineFull, EngineStopped, Finish, Request, Token
 from looplm.errors import UserError
 from looplm.serve.engine import PromptLogprobs
@@ -631,3 +632,230 @@ def test_cancelling_two_rows_at_once_stops_both(model):
         assert [type(e) for e in events[i][counts[i] :]] == [Finish]  # nothing after the cancel but its end
         assert events[i][-1].reason == "cancelled" and events[i][-1].completion_tokens == counts[i]
     assert engine.running == 1
+
+
+# -- failures, prefill arms, scheduling edges and counters (found by mutating the engine) ---------------
+def test_a_failed_decode_step_fails_every_running_row(model):
+    """A decode step that raises on the engine's thread ends every running row as an error
+    (the step's state is lost for all of them), not only the row in slot 0."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=3, depth=3))
+    handles = [engine.submit(Request(TOK.encode(p), SamplingConfig(20))) for p in _prompts(3)]
+    decode, calls = engine._decode, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the step broke")
+        decode()
+
+    engine._decode = failing_once
+    engine.start()  # its first step admits all three, then fails
+    try:
+        finishes = [list(h.events(timeout=30))[-1] for h in handles]
+    finally:
+        engine.shutdown()
+    assert [(f.reason, f.error) for f in finishes] == [("error", "RuntimeError: the step broke")] * 3
+    assert engine.finished == {"error": 3} and engine.pool.running == 0
+
+
+def test_the_slot_of_a_failed_prefill_serves_the_next_request(model):
+    """A prefill that raises after claiming its slot gives the slot back; with one slot the
+    next request runs (it waited forever: the engine went idle with a request unfinished)."""
+    calls = []
+
+    class FailingOnce(Prefill):
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("the prefill failed")
+            return super().__call__(*args, **kwargs)
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3), prefill=FailingOnce())
+    broken = engine.submit(Request(TOK.encode("hello"), SamplingConfig(4)))
+    after = engine.submit(Request(TOK.encode("abc"), SamplingConfig(6)))
+    engine.run_until_done([broken, after])
+    assert broken.finish.reason == "error" and "the prefill failed" in broken.finish.error
+    assert after.finish.text == _alone(model, "abc", Request([], SamplingConfig(6), DepthRule(3)), "terminal")
+    assert engine.pool.running == 0 and engine.finished["error"] == 1
+
+
+def test_a_prefill_that_fails_after_its_row_joined_finishes_it_once(model):
+    """When choosing the first token raises (the row already holds its slot), the request
+    gets one Finish (an error) and is counted once; the other request is untouched."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    accept, calls = engine._accept, []
+
+    def failing_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("choosing broke")
+        return accept(*args, **kwargs)
+
+    engine._accept = failing_first
+    events: list = []
+    bad = engine.submit(Request(TOK.encode("hello"), SamplingConfig(4)), sink=events.append)
+    good = engine.submit(Request(TOK.encode("abc"), SamplingConfig(6)))
+    engine.run_until_done([bad, good])
+    assert [type(e) for e in events] == [Finish] and events[0].reason == "error" and "choosing broke" in events[0].error
+    assert good.finish.text == _alone(model, "abc", Request([], SamplingConfig(6), DepthRule(3)), "terminal")
+    assert engine.finished["error"] == 1 and sum(engine.finished.values()) == 2 and engine.pool.running == 0
+
+
+def test_a_prompt_only_scored_for_a_broken_sink_is_an_error(model):
+    """A request with max_tokens 0 whose sink raised on its prompt scores ends as an error
+    (with the sink's message), as a decoding request with a broken sink does, not as "length"."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
+
+    def broken(event):
+        raise RuntimeError("the consumer is gone")
+
+    handle = engine.submit(Request(TOK.encode("score me"), SamplingConfig(0), prompt_logprobs=0), sink=broken)
+    engine.run_until_done([handle])
+    assert handle.finish.reason == "error" and "the consumer is gone" in handle.finish.error
+    assert engine.finished == {"error": 1} and engine.pool.running == 0
+
+
+def test_a_cheap_prefill_arm_gives_the_first_token_its_own_depth(model):
+    """With `Prefill("r1")` the prompt runs one recurrence whatever the request's prefill
+    depth, so the first token's depth is 1 (not the request's 4); every token equals a by-hand decode
+    prefilled at depth 1 (`decode_replay`)."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3, max_depth=4), prefill=Prefill("r1"))
+    req = Request(TOK.encode("cheap prefill"), SamplingConfig(5), DepthRule(3, 4), logprobs=0, example_id=2)
+    ((tokens, _),) = _run(engine, [req])
+    ids = [t.token_id for t in tokens]
+    logits, used = decode_replay(model, "terminal", req.prompt_ids, ids[:-1], 1, 3, example_id=2)
+    lp = logits.log_softmax(-1)
+    assert [t.depth for t in tokens] == used == [1, 3, 3, 3, 3]
+    assert ids == lp.argmax(-1).tolist()
+    assert (torch.tensor([t.logprob for t in tokens]) - lp[torch.arange(len(ids)), ids]).abs().max() <= 1e-4
+
+
+def test_tokens_per_second_counts_the_steps_of_the_window(model, monkeypatch):
+    """Stats' tokens_per_second is the tokens of the decode steps in the last
+    `window_s` over the time since the first of them (the window's length when one step is in it).
+    A fake clock puts three one-token steps at t = 1, 2, 3."""
+    import looplm.serve.engine as engine_mod
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+        monotonic = perf_counter
+
+    clock = Clock()
+    monkeypatch.setattr(engine_mod, "time", clock)
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2))
+    decode = engine._decode
+
+    def ticking():
+        clock.now += 1.0
+        decode()
+
+    engine._decode = ticking
+    (finish,) = engine.generate([Request(TOK.encode("abc"), SamplingConfig(4), DepthRule(2))])
+    assert finish.completion_tokens == 4 and engine.decoded_tokens == 3  # steps at t = 1, 2, 3
+    assert engine.stats(10.0)["tokens_per_second"] == pytest.approx(3 / 2)  # since t = 1
+    clock.now = 12.5  # only the step at t = 3 is in the last 10 s
+    assert engine.stats(10.0)["tokens_per_second"] == pytest.approx(1 / 10)
+    clock.now = 20.0
+    assert engine.stats(10.0)["tokens_per_second"] == 0.0
+
+
+def test_a_compiled_step_runs_at_the_smallest_bucket_that_holds_its_rows(model):
+    """N running rows run at the smallest of 1, 2, 4, ... max_batch that holds them."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=6, depth=3))
+    assert engine.buckets() == [1, 2, 4, 6]
+    assert [engine._bucket(n) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+
+
+def test_logprobs_zero_gives_no_alternatives_and_twenty_gives_twenty(model):
+    """`logprobs` 0 is the chosen token's log-probability alone (top_logprobs None, as
+    a prompt's scores with prompt_logprobs 0); 20, OpenAI's most, is accepted and gives the 20 most
+    likely tokens of the replay alone."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=3))
+    reqs = [Request(TOK.encode("top"), SamplingConfig(3), DepthRule(3), logprobs=n) for n in (0, 20)]
+    (none, _), (twenty, _) = _run(engine, reqs)
+    assert none and all(t.logprob is not None and t.top_logprobs is None for t in none)
+    assert_logprobs_equal(twenty, replay(model, reqs[1], [t.token_id for t in twenty], "terminal", 8), 20, greedy=True)
+
+
+def test_a_request_without_decode_steps_reports_its_decode_depth(model):
+    """A request that ends at its first token (max_tokens 1) ran no decode step; its
+    mean_decode_depth is its decode depth (5), not 0, nor its prefill depth."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3, max_depth=6))
+    (finish,) = engine.generate([Request(TOK.encode("one"), SamplingConfig(1), DepthRule(5, 2))])
+    assert finish.completion_tokens == 1 and finish.mean_decode_depth == 5.0
+
+
+def test_an_adaptive_row_at_a_rounds_depth_is_not_carried_by_the_round(model):
+    """A plain row at a speculating row's depth but with adaptive exit cannot take its step
+    from the verify chunk (which runs every position at the full depth): it steps plainly, exiting
+    early, and equals its by-hand decode with the exit rule."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=4, max_depth=4, speculate=3, draft_depth=1))
+    spec = Request(TOK.encode("speculating row"), SamplingConfig(12), example_id=1)
+    tau = Request(TOK.encode("exits early"), SamplingConfig(12), DepthRule(4, exit_tau=0.2), logprobs=0, example_id=2)
+    _, (tokens, _) = _run(engine, [spec, tau])
+    ids = [t.token_id for t in tokens]
+    logits, used = decode_replay(model, "terminal", tau.prompt_ids, ids[:-1], 4, 4, example_id=2, exit_tau=0.2)
+    assert engine.drafted_tokens > 0 and min(used[1:]) < 4  # a round ran, and the exit fired
+    assert ids == logits.argmax(-1).tolist() and [t.depth for t in tokens] == used
+
+
+def test_a_row_with_just_room_for_its_verify_chunk_speculates(model):
+    """A row speculates while its slot holds the verify chunk of k + 1 tokens after its
+    length (length + k + 1 <= max_len). A 12-token prompt in a 16-position slot with k = 3 has room
+    for exactly one round, its first decode step: 3 drafts; one token more and none. (The full cache:
+    speculation there is exactly greedy decoding.)"""
+    config = EngineConfig(max_batch=1, depth=4, max_seq_len=16, speculate=3, draft_depth=1, cache="full")
+    for n, drafts in ((12, 3), (13, 0)):
+        engine = Engine(model, TOK, config)
+        req = Request(TOK.encode("abcdefghijklm"[:n]), SamplingConfig(16 - n + 1))
+        (finish,) = engine.generate([req])
+        assert finish.completion_tokens >= 2 and engine.drafted_tokens == drafts, n
+        assert finish.text == _alone(model, "abcdefghijklm"[:n], Request([], req.sampling, DepthRule(4)), "full")
+
+
+def test_a_plain_row_with_just_room_for_the_chunk_rides_in_the_round(model):
+    """A plain row at a round's depth takes its step inside the round while its slot has
+    room for the chunk (length + k + 1 <= max_len), so no plain sub-step runs for it then: every plain
+    sub-step's rows are short of that room."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=4, max_seq_len=16, speculate=3, draft_depth=1))
+    plain_lengths = []
+    real = engine._plain
+
+    def recording(members):
+        plain_lengths.extend(n for n, m in zip(engine.pool.lengths, members) if m)
+        return real(members)
+
+    engine._plain = recording
+    spec = Request(TOK.encode("a"), SamplingConfig(10), example_id=1)
+    plain = Request(TOK.encode("b" * 12), SamplingConfig(5), speculate=0, example_id=2)
+    engine.generate([spec, plain])
+    assert engine.drafted_tokens > 0 and plain_lengths  # rounds ran; the plain row stepped alone later
+    assert all(n + 3 + 1 > engine.max_len for n in plain_lengths), plain_lengths
+
+
+def test_compiled_rows_at_different_depths_without_exit_keep_their_depths(model, compiled_engine):
+    """Compiled rows at decode depths 2 and 6 (no adaptive exit) run each at its own depth:
+    tokens, depths and log-probabilities equal each request's replay alone."""
+    reqs = [
+        Request(TOK.encode(p), SamplingConfig(5), DepthRule(d), logprobs=2, example_id=i)
+        for i, (p, d) in enumerate(zip(["shallow one", "deep one"], [2, 6]))
+    ]
+    for (tokens, _), req in zip(_run(compiled_engine, reqs), reqs):
+        assert [t.depth for t in tokens[1:]] == [req.rule.depth] * (len(tokens) - 1)
+        assert_logprobs_equal(tokens, replay(model, req, [t.token_id for t in tokens], "terminal", 6), 2, greedy=True)
+
+
+def test_a_compiled_prefill_runs_the_prefill_arms_depth(model, compiled_engine, monkeypatch):
+    """The compiled engine's prefill chunk runs the arm's teacher depth (`Prefill("r1")`: 1
+    recurrence, whatever the request's prefill depth 4): its first token equals a by-hand prefill at 1."""
+    monkeypatch.setattr(compiled_engine, "prefill", Prefill("r1"))
+    req = Request(TOK.encode("cheap prefill"), SamplingConfig(2), DepthRule(4, 4), logprobs=0, example_id=3)
+    ((tokens, _),) = _run(compiled_engine, [req])
+    logits, used = decode_replay(model, "terminal", req.prompt_ids, [], 1, 4, example_id=3)
+    lp = logits[0].log_softmax(-1)
+    assert tokens[0].depth == 1 and tokens[0].token_id == int(lp.argmax())
+    assert abs(tokens[0].logprob - float(lp.max())) <= 1e-4
