@@ -255,3 +255,100 @@ def test_bank_error_prefills_each_document_from_its_own_start(single_thread):
             num += float((b.k - a.k).pow(2).sum() + (b.v - a.v).pow(2).sum())
             den += float(a.k.pow(2).sum() + a.v.pow(2).sum())
     assert abs(bank_error(m, rows, Prefill("r1"), 4) - math.sqrt(num / den)) < 1e-5
+
+
+def test_teacher_targets_equal_the_native_forward_of_packed_documents(single_thread):
+    """The targets of a packed row (two documents, positions restarting at the boundary) are the
+    teacher's native forward with the same document mask, positions and seeded initial state."""
+    from looplm.distill.trainer import teacher_targets
+
+    m, rows = _teacher(), OneRow(boundary=7)
+    b = rows.get_batch([0])
+    t = teacher_targets(m, b, 3)
+    with torch.no_grad():
+        out = m(b.inputs, 3, init="seeded", example_ids=b.example_ids, doc_ids=b.doc_ids, positions=b.positions)
+    torch.testing.assert_close(t.endpoint, out.endpoint, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t.logits, out.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_student_blocks_default_to_the_teachers_core_and_read_its_value_embeddings_cyclically():
+    """A 3-block core with value embeddings on odd layers: the default student has 3 blocks; a 5-block
+    student's block i is core block i mod 3 and reads core layer (i mod 3)'s value embeddings (a naive
+    loop over the teacher's own blocks)."""
+    m = _teacher("parcae-nonorm", n_core=3, value_embeds="odd")
+    assert EndpointStudent.from_teacher(m).n_blocks == 3
+    s = EndpointStudent.from_teacher(m, n_blocks=5)
+    x = torch.randint(0, 50, (2, 10))
+    rope = _rope(m, 2, 10)
+    with torch.no_grad():
+        e = m.run_prelude(x, rope, None)
+        values = m.context(e, rope, None, x).core_values
+        got = s(e, rope, None, values=values)
+        want = s.in_proj(e)
+        for i in range(5):
+            v = values[i % 3]
+            want = m.core[i % 3](want, rope, None, **({} if v is None else {"value_embed": v}))
+    assert values[1] is not None and values[0] is None
+    assert (got - want).abs().max() <= 1e-6
+
+
+def test_a_student_with_an_input_norm_survives_its_checkpoint(tmp_path):
+    """A parcae-decay teacher's student normalises its input: the norm is part of its arch, so the
+    loaded student computes exactly what the saved one did."""
+    teacher = _teacher("parcae-decay")
+    student = EndpointStudent.from_teacher(teacher).eval()
+    assert student.input_norm is not None
+    with torch.no_grad():
+        student.input_norm.weight.mul_(1.3)
+    save_student(tmp_path / "s", student, teacher, depth=3)
+    loaded, _ = load_student(tmp_path / "s", teacher)
+    assert loaded.input_norm is not None
+    e, rope = torch.randn(1, 6, 32), _rope(teacher, 1, 6)
+    with torch.no_grad():
+        assert torch.equal(loaded(e, rope, None), student(e, rope, None))
+
+
+class Rows(OneRow):
+    """A held-out set of `n` 20-token one-document rows."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.xs = [torch.randint(0, 50, (1, 20)) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.xs)
+
+    def get_batch(self, idx):
+        from looplm.data import Batch
+
+        (i,) = idx
+        return Batch(self.xs[i], self.xs[i], self.doc, self.positions, torch.tensor([i]))
+
+
+def test_bank_error_is_the_mean_of_the_per_row_errors(single_thread):
+    from looplm.eval.prefill_arms import bank_error
+
+    m, rows = _teacher(), Rows(3)
+    per_row = []
+    for i in range(3):
+        x, ids = rows.xs[i][:, :10], torch.tensor([i])
+        ref, r1 = TerminalCache(m.cfg, 1, 10), TerminalCache(m.cfg, 1, 10)
+        extend(m, x, ref, 4, example_ids=ids)
+        extend(m, x, r1, 1, example_ids=ids)
+        banks = list(zip(ref.banks()[1:], r1.banks()[1:]))
+        num = sum(float((b.k - a.k).pow(2).sum() + (b.v - a.v).pow(2).sum()) for a, b in banks)
+        den = sum(float(a.k.pow(2).sum() + a.v.pow(2).sum()) for a, _ in banks)
+        per_row.append(math.sqrt(num / den))
+    assert max(per_row) - min(per_row) > 1e-4  # rows that differ: a max or a sum would not pass
+    assert abs(bank_error(m, rows, Prefill("r1"), 4, rows=3) - sum(per_row) / 3) < 1e-6
+    assert abs(bank_error(m, rows, Prefill("r1"), 4, rows=2) - sum(per_row[:2]) / 2) < 1e-6
+
+
+def test_prefill_table_format():
+    from looplm.eval.prefill_arms import format_prefill_table
+
+    row = dict(continuation_ppl=3.25, tokens=10, acc=0.5, n=8, bank_rel_err=0.125, block_passes=6)
+    text = format_prefill_table({"teacher": {2: row}, "r1": {2: dict(row, acc=None, continuation_ppl=None)}})
+    lines = text.splitlines()
+    assert lines[2].split() == ["2", "teacher", "6", "0.1250", "3.2500", "50.0%", "8"]
+    assert lines[3].split() == ["2", "r1", "6", "0.1250", "-", "-", "8"]

@@ -14,7 +14,7 @@ from looplm import checkpoint as ckpt
 from looplm.cli import main
 from looplm.distill import load_student
 from looplm.distill.config import DistillConfig
-from looplm.distill.trainer import DistillTrainer, teacher_targets
+from looplm.distill.trainer import DistillTrainer, calibration_rows, teacher_targets
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -331,3 +331,78 @@ def test_start_up_line_resume_line_and_session_summary(teacher, tmp_path, capsys
     out = capsys.readouterr().out.splitlines()
     assert f"resuming {tmp_path / 'p'} from step 2 (of 3)" in out
     assert any(x.startswith("distilled steps 3..3 (1 this session) in ") for x in out), out
+
+
+def test_calibration_rows_are_spread_evenly_and_never_repeat():
+    assert calibration_rows(12, 5) == [0, 2, 4, 7, 9]  # i * n // k, not i * (n // k)
+    assert calibration_rows(3, 5) == [0, 1, 2]  # more rows asked than the split has: each row once
+    assert calibration_rows(4, 4) == [0, 1, 2, 3]
+
+
+def test_distill_defaults_are_the_designs():
+    """Design §9: AdamW (0.9, 0.95), no weight decay, clip 1.0, warm-up 8, beta = 1, teacher init, R = 5."""
+    cfg = DistillConfig()
+    assert (cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip) == (0.9, 0.95, 0.0, 1.0)
+    assert (cfg.warmup, cfg.kl_weight, cfg.init, cfg.depth) == (8, 1.0, "teacher", 5)
+
+
+def test_grad_clip_zero_disables_clipping(teacher, tmp_path):
+    """--grad-clip 0 means no clipping (the same steps as an unreachable clip), not a clip to norm 0."""
+    students = []
+    for name, clip in (("off", 0.0), ("huge", 1e9)):
+        tr = DistillTrainer(teacher, _cfg(tmp_path, name, grad_clip=clip, steps=2, warmup=0))
+        before = {k: v.clone() for k, v in tr.student.state_dict().items()}
+        tr.train_step()
+        tr.train_step()
+        students.append(tr.student.state_dict())
+    assert any(not torch.equal(before[k], students[0][k]) for k in before)
+    for k in students[0]:
+        assert torch.equal(students[0][k], students[1][k]), k
+
+
+def test_validation_is_a_token_mean_against_a_direct_computation(teacher, tmp_path):
+    """val_rel_err = mean over held-out tokens of |z_hat - z^R| / |z^R|, val_rel_err_next the same after
+    one teacher recurrence (z^{R+1} of the native forward on the target side), val_mse_norm the MSE / E;
+    over 8 rows scored in two microbatches of 4."""
+    tr = DistillTrainer(teacher, _cfg(tmp_path, init="random"))
+    got = tr.validate()
+    b = tr.val_data.get_batch(list(range(8)))
+    t = teacher_targets(tr.teacher, b, 3)
+    kw = dict(init="seeded", example_ids=b.example_ids, doc_ids=b.doc_ids, positions=b.positions)
+    with torch.no_grad():
+        z_r = tr.teacher(b.inputs, 3, **kw).endpoint.double()
+        z_next = tr.teacher(b.inputs, 4, **kw).endpoint.double()
+        z_hat = tr.student(t.prelude, t.rope, t.mask, values=t.ctx.core_values)
+        z_hat_next = tr.teacher.recurrence(z_hat, t.ctx).double()
+    z_hat = z_hat.double()
+    rel = ((z_hat - z_r).norm(dim=-1) / z_r.norm(dim=-1)).mean()
+    rel_next = ((z_hat_next - z_next).norm(dim=-1) / z_next.norm(dim=-1)).mean()
+    assert got["val_rel_err"] == pytest.approx(float(rel), rel=1e-4)
+    assert got["val_rel_err_next"] == pytest.approx(float(rel_next), rel=1e-4)
+    assert got["val_mse_norm"] == pytest.approx(float((z_hat - z_r).pow(2).mean() / tr.energy), rel=1e-4)
+
+
+def test_the_last_step_is_logged_and_validated_off_the_periods(teacher, tmp_path):
+    DistillTrainer(teacher, _cfg(tmp_path, steps=6, log_every=4, val_every=0)).fit()
+    records = read_metrics(tmp_path / "distill")
+    assert [r["step"] for r in records if "loss" in r] == [4, 6]
+    assert [r["step"] for r in records if "val_rel_err" in r] == [6]
+
+
+def test_random_init_is_a_function_of_the_seed(teacher, tmp_path):
+    """The random-init ablation is reproducible: the same seed gives the same student, whatever the
+    global RNG did before; another seed another student."""
+    a = DistillTrainer(teacher, _cfg(tmp_path, "a", init="random", seed=3)).student.state_dict()
+    torch.randn(100)
+    b = DistillTrainer(teacher, _cfg(tmp_path, "b", init="random", seed=3)).student.state_dict()
+    c = DistillTrainer(teacher, _cfg(tmp_path, "c", init="random", seed=4)).student.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["in_proj.weight"], c["in_proj.weight"])
+
+
+def test_resume_may_change_the_validation_period(teacher, tmp_path):
+    part = DistillTrainer(teacher, _cfg(tmp_path, "part", steps=4))
+    part.train_step()
+    part.save()
+    resumed = DistillTrainer(teacher, _cfg(tmp_path, "part", steps=4, val_every=2, log_every=3, resume=True))
+    assert resumed.step == 1

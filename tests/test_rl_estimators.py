@@ -298,3 +298,53 @@ def test_reference_logits_follow_each_estimators_scoring_path(setup):
         reference_logits("reuse", twin, model, ro, depth=3)
     with pytest.raises(ValueError, match="unknown estimator"):
         reference_logits("implicit", twin, model, ro, depth=3)
+
+
+def test_saved_states_of_another_model_are_rejected(tiny_model_config):
+    """The parameter version names the model object too: two models built alike have equal version
+    counters, yet one's rollout states do not describe the other, which may differ through writes the
+    counters miss (here `.data`; a fused optimizer's too)."""
+    tok = ByteTokenizer()
+    cfg = tiny_model_config(vocab_size=tok.vocab_size, max_seq_len=48)
+    torch.manual_seed(0)
+    a = LoopedLM(cfg)
+    torch.manual_seed(0)
+    b = LoopedLM(cfg)
+    b.head.weight.data.mul_(2.0)
+    assert [p._version for p in a.parameters()] == [p._version for p in b.parameters()]
+    ro = rollout(a, tok, ["+1,2="], group_size=2, depth=2, max_new_tokens=3)
+    check_saved_states(ro.states, a, ro.tokens, ro.example_ids, 2)
+    with pytest.raises(SavedStateError, match="stale"):
+        check_saved_states(ro.states, b, ro.tokens, ro.example_ids, 2)
+
+
+def test_estimators_score_a_model_with_value_embeddings(tiny_model_config):
+    """The one-recurrence path gives the context its token ids (value embeddings read them): for a
+    value-embedding model, recompute's reference logits equal the native forward one recurrence deeper."""
+    tok = ByteTokenizer()
+    model = LoopedLM(tiny_model_config(vocab_size=tok.vocab_size, max_seq_len=48, value_embeds="odd"))
+    ro = rollout(model, tok, ["+12,34=", "+5,6="], group_size=2, depth=2, max_new_tokens=4, seed=1)
+    with torch.no_grad():
+        native = model(ro.tokens, 3, init="seeded", example_ids=ro.example_ids).logits
+    got = reference_logits("recompute", model, model, ro, depth=2)
+    torch.testing.assert_close(got, native, rtol=1e-5, atol=1e-5)
+    out = score_and_backward("reuse", model, ro, lambda logits: logits.float().logsumexp(-1).mean(), depth=2)
+    assert torch.isfinite(torch.tensor(out["loss"]))
+
+
+def test_endpoint_residual_is_the_mean_relative_change_over_the_real_tokens(setup):
+    """residual = mean over the non-padding tokens of |F(z) - z| / |z|. With z the native depth-R
+    endpoint (zero at the right padding, as saved endpoints are), F(z) is the native endpoint at R + 1."""
+    model, ro, objective = setup
+    R = 3
+    with torch.no_grad():
+        z_r = model(ro.tokens, R, init="seeded", example_ids=ro.example_ids).endpoint
+        z_next = model(ro.tokens, R + 1, init="seeded", example_ids=ro.example_ids).endpoint
+    real = torch.zeros(ro.tokens.shape, dtype=torch.bool)
+    for i, (p, n) in enumerate(zip(ro.prompt_lengths, ro.completion_lengths)):
+        real[i, : p + n - 1] = True
+    assert not real.all()  # some rows are padded: the check bites
+    z = torch.where(real[..., None], z_r, 0.0)
+    want = ((z_next - z_r).norm(dim=-1) / z_r.norm(dim=-1))[real].mean()
+    out = endpoint_backward(model, ro.tokens, z, objective, 1)
+    assert out["residual"] == pytest.approx(float(want), rel=1e-4)

@@ -146,3 +146,56 @@ def test_rewards_and_sources(tmp_path):
         get_reward("final_number", "tasks")
     with pytest.raises(ValueError, match="neither 'tasks'"):
         ProblemSource(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_rollout_that_exactly_fills_the_context_is_accepted(model):
+    """The last sampled token is never fed: prompt + max_new_tokens - 1 tokens must fit in max_seq_len,
+    so a rollout that fills the context exactly runs, and one token more is refused."""
+    tok = ByteTokenizer()
+    P = len(tok.encode_prompt(PROMPTS[0]))
+    ro = rollout(model, tok, PROMPTS[:1], group_size=2, depth=1, max_new_tokens=48 - P + 1, seed=0)
+    assert ro.tokens.shape[1] <= 48
+    with pytest.raises(ValueError, match="max_seq_len"):
+        rollout(model, tok, PROMPTS[:1], group_size=2, depth=1, max_new_tokens=48 - P + 2, seed=0)
+
+
+def test_sampling_logprobs_at_a_temperature_are_those_of_the_tempered_distribution(model):
+    """At temperature T the rollout samples from softmax(logits / T): its saved log-probabilities equal
+    a native forward's logits divided by T (every other rollout test samples at T = 1)."""
+    tok = ByteTokenizer()
+    ro = rollout(model, tok, PROMPTS, group_size=2, depth=1, max_new_tokens=5, temperature=0.5, seed=4)
+    native = model(ro.tokens, 1, init="seeded", example_ids=ro.example_ids).logits
+    logp = torch.log_softmax(native / 0.5, -1).gather(-1, ro.targets[..., None])[..., 0]
+    torch.testing.assert_close(ro.logprobs[ro.mask], logp[ro.mask], rtol=1e-4, atol=1e-5)
+
+
+def test_the_scoring_layout_is_as_wide_as_the_longest_row(model):
+    """L is the longest prompt + completion - 1 (the last sampled token is never fed): no column of
+    padding alone, which the update would score for nothing."""
+    tok = ByteTokenizer()
+    ro = rollout(model, tok, PROMPTS, group_size=2, depth=1, max_new_tokens=4, seed=5)
+    want = max(len(tok.encode(PROMPTS[i // 2])) + n - 1 for i, n in enumerate(ro.completion_lengths))
+    assert ro.tokens.shape == ro.targets.shape == ro.mask.shape == (6, want)
+    assert ro.states.endpoints.shape == (6, want, model.cfg.d_model)
+
+
+def test_answer_digits_reads_the_stripped_first_line_and_charges_only_extra_characters():
+    """Partial credit: a short answer loses only its missing characters (no charge for length), the
+    first line is read with surrounding spaces stripped, and what follows the line is ignored."""
+    ex = Example("+57,48=", "105", "add_msd", 2)
+    assert answer_digits(ex, "10") == pytest.approx(2 / 3)
+    assert answer_digits(ex, " 105 ") == 1.0
+    assert answer_digits(ex, "105\n999") == 1.0
+    assert answer_digits(ex, "") == 0.0
+
+
+def test_a_jsonl_source_reshuffles_every_epoch(tmp_path):
+    """Each epoch of a GSM8K-format source visits every item once, in an order drawn afresh for the
+    epoch (seeded by (seed, epoch)), so successive epochs do not repeat one fixed order."""
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(8)))
+    src = ProblemSource(str(path), prompt_template="{question}", seed=2)
+    walk = [p.prompt for step in range(6) for p in src.draw(step, 4)]  # three epochs of 8
+    epochs = [walk[i : i + 8] for i in range(0, 24, 8)]
+    assert all(sorted(e) == sorted(f"q{i}" for i in range(8)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3

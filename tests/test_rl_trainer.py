@@ -109,6 +109,10 @@ def test_resume_continues_exactly(source, tmp_path):
         (("--kl-coef", "-1"), "kl_coef must be >= 0"),  # rewarded moving away from the start
         (("--beta2", "1.5"), r"beta2 must be in [0, 1)"),
         (("--min-difficulty", "0"), "difficulty"),  # was replaced by the checkpoint's, silently
+        (("--eval-samples", "0"), "eval_samples must be >= 1"),
+        (("--beta1", "1"), r"beta1 must be in [0, 1)"),
+        (("--clip-eps", "0"), "clip_eps must be > 0"),
+        (("--grad-clip", "-1"), "grad_clip must be >= 0"),  # a negative clip disabled clipping silently
     ],
 )
 def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):
@@ -201,3 +205,129 @@ def test_each_completion_is_scored_against_its_own_problems_reference(source, tm
     assert len(groups) == 2 * P  # two steps of P problems
     assert all(len(set(g)) == 1 for g in groups), groups  # a group's completions share one reference
     assert any(groups[2 * s][0] != groups[2 * s + 1][0] for s in range(2))  # problems that differ: the check bites
+
+
+def _trainer(src: Path, out: Path, **kw):
+    from looplm.rl.config import RLConfig
+    from looplm.rl.trainer import RLTrainer
+
+    base = dict(
+        out_dir=out,
+        steps=2,
+        prompts_per_step=2,
+        group_size=3,
+        depth=2,
+        max_new_tokens=4,
+        eval_every=0,
+        reward="length",
+        lr=1e-3,
+        device="cpu",
+        progress=False,
+    )
+    return RLTrainer(src, RLConfig(**{**base, **kw}))
+
+
+def test_rl_defaults_are_the_designs():
+    """Design §10: the reuse estimator with the paper's Neumann-4 update at depth 6, G = 8."""
+    from looplm.rl.config import RLConfig
+
+    cfg = RLConfig()
+    assert (cfg.estimator, cfg.neumann, cfg.depth, cfg.group_size) == ("reuse", 4, 6, 8)
+    assert (cfg.grad_clip, cfg.clip_eps, cfg.kl_coef, cfg.temperature) == (1.0, 0.2, 0.0, 1.0)
+
+
+def test_grad_clip_zero_disables_clipping(source, tmp_path):
+    """--grad-clip 0 means no clipping (the same step as an unreachable clip), not a clip to norm 0."""
+    moved = []
+    for name, clip in (("off", 0.0), ("huge", 1e9)):
+        tr = _trainer(source, tmp_path / name, grad_clip=clip, steps=1)
+        tr.train_step()
+        moved.append({k: v.clone() for k, v in tr.model.state_dict().items()})
+    before = weights(source)
+    assert any(not torch.equal(before[k], moved[0][k]) for k in before)
+    for k in moved[0]:
+        torch.testing.assert_close(moved[0][k], moved[1][k], rtol=0, atol=0, msg=k)
+
+
+def test_step_metrics_against_the_rollouts_and_rewards(source, tmp_path, monkeypatch):
+    """Each step's reward, pass@1, pass@G, uniform-group fraction, completion lengths and stop fraction
+    against the rollout the step sampled and a reward that marks exactly the first completion of
+    every group correct (1.0): pass@1 = 1/G, pass@G = 1, no group is uniform."""
+    from looplm.rl import trainer as T
+    from looplm.rl.rollout import rollout
+
+    seen = []
+
+    def recording(*a, **k):
+        seen.append(rollout(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(T, "rollout", recording)
+    calls = []
+    register_reward("first", lambda ref, text: calls.append(text) or float(len(calls) % 3 == 1))
+    try:
+        # stop at any digit or sign, so that some rows stop and others run to max_new_tokens
+        tr = _trainer(source, tmp_path / "rl", reward="first", stop=tuple("0123456789+=,- "), max_new_tokens=6)
+        records = [tr.train_step() for _ in range(2)]
+    finally:
+        REWARDS.pop("first")
+    assert len(seen) == 2
+    for rec, ro in zip(records, seen):
+        lengths = ro.completion_lengths
+        assert rec["reward"] == pytest.approx(1 / 3) and rec["pass@1"] == pytest.approx(1 / 3)
+        assert rec["pass@3"] == 1.0 and rec["uniform_group_frac"] == 0.0
+        assert rec["completion_len"] == pytest.approx(sum(lengths) / len(lengths))
+        assert rec["completion_len_max"] == max(lengths)
+        assert rec["stopped_frac"] == pytest.approx(sum(ro.stopped) / len(ro.stopped))
+    assert any(0 < r["stopped_frac"] < 1 for r in records)
+    assert any(max(ro.completion_lengths) != ro.completion_lengths[-1] for ro in seen)  # the max bites
+
+
+def test_kl_is_zero_at_the_start_at_a_temperature(source, tmp_path):
+    """The policy and the reference are both scored at the sampling temperature: the first step, where
+    policy == reference, has KL 0 (every other KL test runs at temperature 1)."""
+    tr = _trainer(source, tmp_path / "rl", kl_coef=0.05, temperature=0.6, steps=1)
+    rec = tr.train_step()
+    assert 0 <= rec["kl"] < 1e-7, rec
+
+
+def test_greedy_pass_counts_a_reward_of_one_as_solved(source, tmp_path):
+    """Held-out greedy pass@1 counts completions with reward >= 1 (exactly 1 is correct)."""
+    register_reward("one", lambda ref, text: 1.0)
+    try:
+        tr = _trainer(source, tmp_path / "rl", reward="one", eval_examples=2, eval_samples=2)
+        ev = tr.evaluate()
+        rec = tr.train_step()
+    finally:
+        REWARDS.pop("one")
+    assert ev == {"eval_reward": 1.0, "eval_greedy_pass@1": 1.0}
+    assert rec["pass@1"] == 1.0 and rec["pass@3"] == 1.0 and rec["uniform_group_frac"] == 1.0
+
+
+def test_the_last_step_is_evaluated_even_off_the_eval_period(source, tmp_path):
+    out = tmp_path / "rl"
+    assert main(rl_args(source, out, "--eval-every", "3", "--eval-examples", "2", "--eval-samples", "2")) == 0
+    assert [r["step"] for r in read_metrics(out) if "eval_reward" in r] == [0, 2]
+
+
+def test_resume_refuses_another_source_checkpoint(source, tmp_path, capsys):
+    other = write_random_run(tmp_path / "other")
+    out = tmp_path / "rl"
+    assert main(rl_args(source, out, "--steps", "1")) == 0
+    capsys.readouterr()
+    assert main(rl_args(other, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "different RL config" in err and "source:" in err
+
+
+def test_task_options_override_the_checkpoints_tasks(source, tmp_path):
+    """--task-kinds and --max-difficulty replace the checkpoint's training tasks; the default stop for
+    generator tasks is a newline, for a GSM8K file a blank line and 'Question:'."""
+    tr = _trainer(source, tmp_path / "rl", task_kinds=("add",), max_difficulty=2)
+    problems = tr.problems.draw(0, 16)
+    assert {p.reference.kind for p in problems} == {"add"}
+    assert max(p.reference.difficulty for p in problems) == 2
+    assert tr.stop == ("\n",)
+    data = tmp_path / "gsm.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}))
+    assert _trainer(source, tmp_path / "gsm", source=str(data)).stop == ("\n\n", "Question:")
