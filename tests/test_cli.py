@@ -670,6 +670,16 @@ def flat(text: str) -> str:
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
 
 
+@pytest.mark.parametrize(("preset", "shown"), [("tiny", "(default: 1 5)"), ("S", "(default: none)")])
+def test_help_shows_the_presets_own_sample_depths(capsys, preset, shown):
+    """`--eval.sample-depths` is empty by default (shown as none, tyro would print nothing), but the tiny
+    preset sets 1 5: its --help shows that, not a fixed "none"."""
+    rc, out, _ = run_main(["train", preset, "--help"], capsys)
+    text = flat(out)
+    assert rc == 0
+    assert shown in text[text.index("--eval.sample-depths") :].split("--eval.", 2)[1]
+
+
 @pytest.mark.parametrize("command", HELP_COMMANDS, ids=lambda c: " ".join(c) or "looplm")
 def test_help_texts_are_readable(capsys, command):
     """No empty `(default: )`, no default printed with a literal newline (it broke the box), no Sphinx markup."""

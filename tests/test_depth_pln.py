@@ -11,7 +11,7 @@ import pytest
 from looplm.depth import calibrate_mu, pln_pmf
 from looplm.depth.pln import pln_pmf_given_mu
 
-# The paper's PLN-5 pmf over R = 1..64 (design appendix; the paper's table, copied verbatim).
+# The paper's PLN-5 pmf over R = 1..64 (the paper's table, copied verbatim; design appendix).
 PAPER_PLN5 = np.array(
     [
         0.05768747546482591,

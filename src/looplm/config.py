@@ -29,14 +29,17 @@ def check_depth(name: str, value, max_depth: int, what: str | None = None) -> in
     return int(value)
 
 
-def shown_default(text: str):
+def shown_default(text: str, *, if_empty: bool = False):
     """`Annotated` metadata for a config field whose default tyro's --help would print empty (an empty
-    tuple) or across lines (a newline): tyro's own `help_behavior_hint`, `(default: text)`. None where
-    tyro is not installed (library use, the GPU benchmark's machine), where no help is printed."""
+    tuple) or across lines (a newline): tyro's own `help_behavior_hint`, `(default: text)`; with
+    `if_empty`, only where the default is empty (a preset that sets the field shows its own value).
+    None where tyro is not installed (library use, the GPU benchmark's machine), where no help is printed."""
     try:
         import tyro
     except ImportError:
         return None
+    if if_empty:
+        return tyro.conf.arg(help_behavior_hint=lambda shown: f"(default: {shown or text})")
     return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
 
 

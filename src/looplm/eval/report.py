@@ -48,7 +48,7 @@ class EvalConfig:
     """GSM8K-format JSONL ({"question", "answer" with '#### N'}): exact match of the final number."""
     gsm8k_max_new_tokens: int = 256
     """Longest GSM8K answer generated (cut to what the model's context leaves after the longest prompt)."""
-    sample_depths: Annotated[tuple[int, ...], shown_default("none")] = ()
+    sample_depths: Annotated[tuple[int, ...], shown_default("none", if_empty=True)] = ()
     """Depths at which to continue `sample_prompt` (one sample each, same seed: what depth changes)."""
     sample_prompt: str | None = None
     """Prompt of the samples; default: one from the data: a held-out generator prompt (task generator), a

@@ -1,4 +1,4 @@
-"""The decoding core shared by `generate`, the serving engine and RL rollouts (design §7, §15).
+"""The decoding core shared by `generate`, the serving engine and RL rollouts (design §7, §15, §16).
 
 - `SamplingConfig`: how tokens are chosen and when generation stops (the recurrences of a decode
   are its `looplm.infer.DepthRule`).

@@ -244,7 +244,7 @@ class DecodeStep:
                 layers = []
                 for j in range(cache.cfg.n_core):
                     bank = cache.core_read(r, j)
-                    # full cache: a stopped row's visit-r entry is its visit r - 1 entry (design §7)
+                    # full cache: a stopped row's visit-r entry is its visit r - 1 entry (design §7, §16)
                     back = cache.core[r - 1][j] if cache.mode == "full" and 0 < r < cache.depth else bank
                     layers.append((*cut(bank), *cut(back)))
                 core.append(layers)

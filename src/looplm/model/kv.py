@@ -138,7 +138,7 @@ class BankSlot:
 
 class RowsView:
     """Batch rows `rows` [b] of the banks a one-token step visits, for the recurrences that only
-    some rows still run (design §13). Each bank's rows are gathered once and reused while the set
+    some rows still run (design §13, §16). Each bank's rows are gathered once and reused while the set
     of rows stays the same (the terminal cache visits one bank per core layer at every
     recurrence); a visit writes its token's K/V into the gathered rows and through to the bank."""
 

@@ -115,7 +115,7 @@ class TrainConfig:
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for document-masked packed rows: boolean-mask SDPA, or FlexAttention block masks (auto: flex on CUDA for
     head_dim >= 16, the least torch's fused flex kernel takes; else SDPA)."""
-    flex_kernel_options: Annotated[tuple[str, ...], shown_default("none")] = ()
+    flex_kernel_options: Annotated[tuple[str, ...], shown_default("none", if_empty=True)] = ()
     """Extra FlexAttention kernel options as KEY=VALUE (torch's kernel_options, e.g. fwd_BLOCK_M=128
     bwd_BLOCK_N1=64: tile sizes for long sequences); CUDA only. ROWS_GUARANTEED_SAFE is unsafe for packed
     rows (see blocks.flex_kernel_options)."""
