@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from types import SimpleNamespace
 import gc
 import os
 import queue
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV memory per engine
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: faster start-up
@@ -332,6 +334,31 @@ def test_adaptive_exit_of_decoded_tokens_equals_looplm_generate(base, prefill, d
     assert max(abs(a - b) for f, o in zip(fixed, outs) for a, b in zip(f, vllm_ids_logprobs(o)[1])) > 1e-2
 
 
+@pytest.mark.parametrize("prefill, depth, tau", [(1, 4, None), (2, 6, EXIT_TAU)])
+def test_the_eager_loop_runs_only_the_recurrences_each_step_needs(base, prefill, depth, tau):
+    """The eager per-token loop's counters, one prompt at a time (no step mixes prompt and decoded tokens):
+    NEW forwards (the prompt, then NEW - 1 decoded tokens), none mixed, and exactly the recurrences the step's
+    tokens need: prefill_steps for the prompt's step (not max(prefill_steps, num_steps)), then each decoded
+    token's own depth, looplm's `extend` (num_steps, or its adaptive exit: the loop stops once it exited)."""
+    model, folder = base
+    overrides = {"num_steps": depth, "prefill_steps": prefill, "exit_tau": tau, "min_depth": 2}
+    deltas = []
+    with engine(folder, hf_overrides=overrides) as llm:
+        for prompt in PROMPTS:
+            before = llm.apply_model(lambda m: dict(m.loop_stats))[0]
+            out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+            after = llm.apply_model(lambda m: dict(m.loop_stats))[0]
+            deltas.append((out, {k: after[k] - before[k] for k in after}))
+    for prompt, (out, delta) in zip(PROMPTS, deltas):
+        used: list[int] = []
+        ids, _ = looplm_generate(model, prompt, depth, NEW, prefill_depth=prefill, exit_tau=tau, min_depth=2, used=used)
+        assert vllm_ids_logprobs(out)[0] == ids
+        want = {"forwards": NEW, "mixed": 0, "recurrences": prefill + sum(used[:-1])}  # the last token is never fed
+        assert delta == want
+    if tau is not None:  # the test can fail: decoded tokens did stop before num_steps
+        assert min(used[:-1]) < depth
+
+
 def test_a_long_prompt_prefills_as_one_chunk(base):
     """A prompt longer than max_num_batched_tokens is not cut into chunks (the plugin turns chunked prefill
     off and raises the budget to the context length): it equals looplm's whole-prompt prefill, not `extend`
@@ -484,6 +511,44 @@ def test_huginn_style_model_with_fused_projections(tmp_path):
         assert err <= TOL
 
 
+def edited(folder: Path, root: Path, drop: str | None = None, add: dict | None = None) -> Path:
+    """A copy of an exported folder whose checkpoint lacks tensor `drop` and has the tensors `add` besides."""
+    copy_ = root / f"edited{len(list(root.glob('edited*')))}"
+    shutil.copytree(folder, copy_)
+    weights = load_file(copy_ / "model.safetensors")
+    if drop is not None:
+        del weights[drop]
+    save_file({**weights, **(add or {})}, copy_ / "model.safetensors", metadata={"format": "pt"})
+    return copy_
+
+
+def test_load_weights_refuses_a_missing_or_an_unexpected_tensor(base, tmp_path):
+    """The plugin's own checks on a checkpoint's tensors: vLLM's loader counts every parameter of an
+    unquantized linear layer as loaded whatever the checkpoint holds, so a missing projection (here the second
+    core block's FFN output) would serve its initial values; an unexpected tensor is named, not a KeyError."""
+    folder = base[1]
+    with pytest.raises(ValueError, match=r"the checkpoint lacks tensors for \['layers\.2\.ffn\.w2\.weight'\]"):
+        with engine(edited(folder, tmp_path, drop="model.core.1.ffn.w2.weight")):
+            pass
+    extra = {"model.core.0.attn.extra.weight": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"unexpected tensor 'core\.0\.attn\.extra\.weight'"):
+        with engine(edited(folder, tmp_path, add=extra)):
+            pass
+
+
+@pytest.mark.parametrize("name", ["model.core.0.attn.wq.weight", "model.core.0.ffn.w3.weight"])
+def test_load_weights_refuses_a_checkpoint_lacking_one_projection_of_a_merged_layer(base, tmp_path, name):
+    """A checkpoint without `attn.wq` (but with wk, wv) or without `ffn.w3` (but with w1) leaves those rows of
+    the merged qkv / w13 parameter at their initial values; the checkpoint is incomplete and must be refused,
+    like one lacking any other tensor, the missing piece named. `load_weights` counted a merged parameter
+    loaded once any one of its shards was, and vLLM's own check exempts linear layers, so the engine
+    started and served uninitialised rows (prompt log-probs 0.55 off without `core.0.attn.wq`)."""
+    piece = name.removeprefix("model.core.0.").removesuffix(".weight")
+    with pytest.raises(ValueError, match=rf"lacks tensors for .*\({re.escape(piece)}\)"):
+        with engine(edited(base[1], tmp_path, drop=name)):
+            pass
+
+
 def test_vllm_serve_a_huginn_style_model(tmp_path):
     """A converted-Huginn-shaped model (sandwich norms, q/k bias, embedding scale, tied head, linear
     injection, truncated-normal state, 2/2/2 blocks) through vLLM's OpenAI server: greedy token ids
@@ -631,6 +696,38 @@ def test_refusals_of_depth_settings():
             check_servable(HF(exit_gate=True, exit_gate_threshold=0.5, **bad))
 
 
+def test_exit_gate_threshold_accepts_its_bounds_and_a_prefill_depth_equal_to_the_depth():
+    """exit_gate_threshold is a probability: 0 and 1 are served (as by looplm's config), what lies outside is
+    refused; with it, prefill_steps equal to num_steps is one fixed depth and is served."""
+    HF = dataclasses.make_dataclass(
+        "HF",
+        [
+            ("num_steps", int, 4),
+            ("prefill_steps", object, None),
+            ("exit_gate_threshold", object, None),
+            ("exit_gate", bool, True),
+        ],
+    )
+    for q in (0.0, 1.0):
+        check_servable(HF(exit_gate_threshold=q))
+    check_servable(HF(exit_gate_threshold=0.5, prefill_steps=4))
+    for q in (-0.1, 1.5):
+        with pytest.raises(Refused, match="a probability in"):
+            check_servable(HF(exit_gate_threshold=q))
+
+
+def test_a_model_switch_the_plugin_does_not_implement_is_refused_by_name(monkeypatch):
+    """A ModelConfig field missing from the plugin's IMPLEMENTED set is refused when it is not at its default
+    (a field added to looplm later never serves differently), and served at its default."""
+    from looplm.vllm_plugin import model as plugin
+
+    monkeypatch.setattr(plugin, "IMPLEMENTED", plugin.IMPLEMENTED - {"qk_norm"})
+    HF = dataclasses.make_dataclass("HF", [("num_steps", int, 3), ("qk_norm", bool, False)])
+    check_servable(HF())
+    with pytest.raises(Refused, match="model switch qk_norm=True is not implemented"):
+        check_servable(HF(qk_norm=True))
+
+
 def test_token_roles_and_the_hook_guard(monkeypatch):
     """A token is its request's prompt token iff its position < the prompt's length, whatever its query length
     (a one-token prompt, a prompt's last token, decoded tokens); a vLLM without the hooked method, or one
@@ -651,6 +748,49 @@ def test_token_roles_and_the_hook_guard(monkeypatch):
     assert getattr(gpu_model_runner.GPUModelRunner._prepare_inputs, "_looplm_token_roles_hook", False)
     monkeypatch.delattr(gpu_model_runner.GPUModelRunner, "_prepare_inputs")
     with pytest.raises(Refused, match="has no _prepare_inputs"):
+        token_roles.install(cfg)
+
+
+def test_the_roles_buffer_of_each_step(monkeypatch):
+    """The hook's fill of the model's roles buffer, step by step, on a stand-in runner: a step of exactly the
+    buffer's size fits; a shorter step clears what the longer one left (padding tokens read 0, decoded); the
+    host-side kinds (has prompt tokens, has decoded ones); a step past the buffer is an error."""
+    from looplm.vllm_plugin import token_roles
+
+    buffer = torch.full((8,), 7, dtype=torch.int8)
+    model = SimpleNamespace(**{token_roles.ROLES_ATTRIBUTE: buffer})
+    runner = SimpleNamespace(get_model=lambda: model)
+
+    def step(scheduled, computed, prompt):
+        runner.input_batch = SimpleNamespace(
+            num_reqs=len(scheduled), num_computed_tokens_cpu=np.array(computed), num_prompt_tokens=np.array(prompt)
+        )
+        token_roles._fill(runner, np.array(scheduled))
+        return buffer.tolist(), getattr(model, token_roles.KINDS_ATTRIBUTE)
+
+    # two whole prompts (5 and 3 tokens): 8 tokens, the buffer's size
+    assert step([5, 3], [0, 0], [5, 3]) == ([1] * 8, (True, False))
+    # both decode one token: the 6 entries the last step wrote past them read 0
+    assert step([1, 1], [5, 3], [5, 3]) == ([0] * 8, (False, True))
+    # a decoded token and a new 2-token prompt
+    assert step([1, 2], [6, 0], [5, 2]) == ([0, 1, 1, 0, 0, 0, 0, 0], (True, True))
+    with pytest.raises(RuntimeError, match="exceeds the roles buffer"):
+        step([9], [0], [9])
+
+
+def test_a_vllm_whose_input_batch_lacks_the_fields_is_refused(monkeypatch):
+    """install() reads the prompt length and computed tokens of each request from vLLM's InputBatch; a vLLM whose
+    InputBatch sets neither is refused at load, naming them."""
+    from vllm.v1.worker import gpu_input_batch
+
+    from looplm.vllm_plugin import token_roles
+
+    def init(self):
+        self.num_tokens = 0
+
+    monkeypatch.setattr(gpu_input_batch.InputBatch, "__init__", init)
+    cfg = SimpleNamespace(use_v2_model_runner=False)
+    with pytest.raises(Refused, match="InputBatch has no num_prompt_tokens, num_computed_tokens_cpu"):
         token_roles.install(cfg)
 
 
@@ -771,6 +911,11 @@ def test_tensor_parallel_2_with_sharded_switches(tmp_path):
 def _run_config_hook(**scheduler) -> SimpleNamespace:
     """The plugin's config hook on a stand-in of vLLM's engine config (a 2048-token context); returns the
     scheduler config it updated."""
+    return _hooked_config(**scheduler).scheduler_config
+
+
+def _hooked_config(hf_fields=(), prefix_caching=False, **scheduler) -> SimpleNamespace:
+    """The stand-in engine config after the plugin's config hook (`hf_fields`: extra config fields)."""
     from looplm.vllm_plugin import LoopedConfigHook
 
     class Scheduler(SimpleNamespace):
@@ -779,17 +924,16 @@ def _run_config_hook(**scheduler) -> SimpleNamespace:
 
     defaults = dict(enable_chunked_prefill=False, max_num_batched_tokens=2048, long_prefill_token_threshold=0)
     sched = Scheduler(**{**defaults, "max_num_encoder_input_tokens": 2048, "encoder_cache_size": 2048, **scheduler})
-    hf = dataclasses.make_dataclass("HF", [("num_steps", int, 3)])()
-    LoopedConfigHook.verify_and_update_config(
-        SimpleNamespace(
-            model_config=SimpleNamespace(hf_config=hf, max_model_len=2048, enable_prompt_embeds=False),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-            speculative_config=None,
-            scheduler_config=sched,
-            cache_config=SimpleNamespace(enable_prefix_caching=False),
-        )
+    hf = dataclasses.make_dataclass("HF", [("num_steps", int, 3), *hf_fields])()
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf, max_model_len=2048, enable_prompt_embeds=False),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+        scheduler_config=sched,
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
     )
-    return sched
+    LoopedConfigHook.verify_and_update_config(config)
+    return config
 
 
 def test_the_config_hook_raises_every_token_budget_to_the_context():
@@ -805,3 +949,20 @@ def test_the_config_hook_turns_off_the_long_prefill_threshold():
     (`if 0 < long_prefill_token_threshold < num_new_tokens`), so the hook zeroes it."""
     sched = _run_config_hook(long_prefill_token_threshold=16, max_num_scheduled_tokens=None)
     assert sched.long_prefill_token_threshold == 0 and not sched.enable_chunked_prefill
+
+
+def test_the_config_hook_keeps_a_token_budget_above_the_context():
+    """Turning chunked prefill off raises the step's token budget to the context where it is smaller; a larger
+    budget (more tokens per step: throughput) is kept, not cut to the context."""
+    sched = _run_config_hook(enable_chunked_prefill=True, max_num_batched_tokens=8192, max_num_scheduled_tokens=None)
+    assert not sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8192
+
+
+def test_the_config_hook_turns_prefix_caching_off_unless_the_config_allows_it():
+    """Prefix caching is turned off for a looped model, kept on with `allow_prefix_caching` in its config."""
+    off = _hooked_config(prefix_caching=True, max_num_scheduled_tokens=None)
+    assert not off.cache_config.enable_prefix_caching
+    allowed = _hooked_config(
+        hf_fields=[("allow_prefix_caching", bool, True)], prefix_caching=True, max_num_scheduled_tokens=None
+    )
+    assert allowed.cache_config.enable_prefix_caching

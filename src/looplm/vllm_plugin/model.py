@@ -55,6 +55,8 @@ from looplm.model.state import initial_state
 from looplm.vllm_plugin import token_roles
 
 STACKS = ("prelude", "core", "coda")
+MERGED_PIECES = {"q": "attn.wq", "k": "attn.wk", "v": "attn.wv", 0: "ffn.w1", 1: "ffn.w3"}
+"""The looplm tensor behind each shard of a merged vLLM parameter (qkv, w13), named in load errors."""
 # Every ModelConfig switch this module implements. A field added to ModelConfig later is refused at load
 # (unless it has its default value) until it is implemented here, so a model never serves differently.
 IMPLEMENTED = frozenset(
@@ -531,6 +533,7 @@ class LoopedLMForVLLM(nn.Module):
         `attn.wq/wk/wv` and `ffn.w1/w3`, or fused `attn.wqkv` (rows q, k, v) and `ffn.w13` (rows w1, w3)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        pieces: dict[str, set] = {}  # a merged parameter's shards loaded so far (qkv: q, k, v; w13: 0, 1)
         cfg = self.cfg
         q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         for name, w in weights:
@@ -553,7 +556,15 @@ class LoopedLMForVLLM(nn.Module):
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 loader(param, tensor) if shard is None else loader(param, tensor, shard)
                 loaded.add(pname)
-        missing = set(params) - loaded
+                if shard is not None:
+                    pieces.setdefault(pname, set()).add(shard)
+        # a merged parameter is loaded only when every piece was: vLLM's own check skips linear layers
+        lacking = sorted(
+            f"{pname} ({', '.join(MERGED_PIECES[shard] for shard in sorted(want - got, key=str))})"
+            for pname, got in pieces.items()
+            if (want := ({"q", "k", "v"} if ".qkv." in pname else {0, 1})) - got
+        )
+        missing = sorted(set(params) - loaded) + lacking
         if missing:
-            raise ValueError(f"the checkpoint lacks tensors for {sorted(missing)}")
+            raise ValueError(f"the checkpoint lacks tensors for {missing}")
         return loaded
