@@ -402,3 +402,65 @@ def test_depth_samples_fit_the_context():
     assert got["by_depth"][3] == want
     short = depth_samples(m, tok, EvalConfig(sample_depths=(1,), sample_tokens=5), "cpu")
     assert short["tokens"] == 5
+
+
+@pytest.mark.parametrize(("tau", "low"), [(0.1, 1), (0.2, 5)])
+def test_stepwise_adaptive_exit_against_a_decode_by_hand(tau, low):
+    """`stepwise=True` with `exit_tau`/`min_depth`: every fed input decoded with adaptive exit, as
+    `_reference.NaiveDecoder` does it by hand (each second-half document from its start, the part before
+    the midpoint prefilled at full depth): the loss over the scored targets and the mean recurrences
+    over every decoded input."""
+    from _reference import NaiveDecoder
+
+    from looplm.eval.cached import cached_perplexity, document_segments
+
+    m, data, depth = _tiny(), _Packed(_ROWS), 6
+    total, count, used = 0.0, 0, []
+    for i in range(len(data)):
+        b = data.get_batch([i])
+        for s, e in document_segments(b.doc_ids[0]):
+            if e <= 8:
+                continue
+            first = max(s, 8)
+            ref = NaiveDecoder(m, "terminal", example_id=i)
+            if first > s:
+                ref.chunk(b.inputs[0, s:first].tolist(), depth)
+            for t in range(first, e):
+                logits, u = ref.step(int(b.inputs[0, t]), depth, exit_tau=tau, min_depth=low)
+                used.append(u)
+                if b.targets[0, t] != -100:
+                    total += F.cross_entropy(logits, b.targets[0, t]).item()
+                    count += 1
+    assert count == len(_SCORED) and low <= min(used) < depth  # tokens exit early, never below min_depth
+    got = cached_perplexity(m, data, depth, "terminal", stepwise=True, exit_tau=tau, min_depth=low)
+    assert got["tokens"] == count
+    assert math.isclose(got["loss"], total / count, rel_tol=1e-5)
+    assert math.isclose(got["mean_decode_depth"], sum(used) / len(used), rel_tol=1e-9)
+
+
+def test_sharing_table_with_a_span_scores_the_cacheeval_targets():
+    """`sharing_table(span=(P, C))`: every column under the CacheEval protocol. In the first document of
+    P + C tokens of each row (row 0 has none: skipped), the full cache equals the native forward over the
+    prompt and the fed continuation; the decode column equals a prefill at R and C - 1 steps by hand."""
+    from _reference import NaiveDecoder
+
+    from looplm.eval.cached import sharing_table
+
+    m, data, (P, C), R = _tiny(), _Packed(_ROWS), (5, 3), 3
+    full = decode = 0.0
+    count = 0
+    for i, s in ((1, 0), (2, 0)):  # rows 1 and 2 start with a document of >= 8 tokens; row 0 has none
+        b = data.get_batch([i])
+        t = b.targets[0, s + P - 1 : s + P + C - 1]
+        with torch.no_grad():
+            logits = m(b.inputs[:, s : s + P + C - 1], R, init="seeded", example_ids=b.example_ids).logits[0, P - 1 :]
+        full += F.cross_entropy(logits, t, reduction="sum").item()
+        ref = NaiveDecoder(m, "terminal", example_id=i)
+        steps = [ref.chunk(b.inputs[0, s : s + P].tolist(), R)[0][-1]]
+        steps += [ref.step(int(x), R)[0] for x in b.inputs[0, s + P : s + P + C - 1]]
+        decode += F.cross_entropy(torch.stack(steps), t, reduction="sum").item()
+        count += len(t)
+    row = sharing_table(m, data, [R], span=(P, C))[R]
+    assert row["span"] == (P, C) and row["tokens"] == count == 2 * C
+    assert math.isclose(row["full_ppl"], math.exp(full / count), rel_tol=1e-5)
+    assert math.isclose(row["cacheeval_terminal_ppl"], math.exp(decode / count), rel_tol=1e-5)

@@ -184,3 +184,25 @@ def test_a_continuation_is_decoded_at_depth_after_a_prefill_at_prefill_depth(mod
         if i + 1 < len(target):
             logits = ref.chunk([t], 4)[0][-1]
     assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["terminal", "full"])
+def test_a_prefill_deeper_than_the_decode_depth(model, cache):
+    """prefill_depth above depth: the cache keeps what the deeper prefill writes (a full cache one bank
+    per recurrence of the prefill), and the score equals the decoder written out by hand."""
+    from _reference import NaiveDecoder
+
+    from looplm.eval.choice import score_continuation
+
+    tok = ByteTokenizer()
+    context, continuation = "Q: what comes", " next?"
+    ctx, target = tok.encode(context), tok.encode(context + continuation)[len(tok.encode(context)) :]
+    got, _ = score_continuation(model, tok, context, continuation, depth=2, prefill_depth=5, cache=cache, example_id=3)
+    ref = NaiveDecoder(model, cache, example_id=3)
+    logits = ref.chunk(ctx, 5)[0][-1]
+    want = 0.0
+    for i, t in enumerate(target):
+        want += float(torch.log_softmax(logits.double(), -1)[t])
+        if i + 1 < len(target):
+            logits = ref.chunk([t], 2)[0][-1]
+    assert got == pytest.approx(want, abs=1e-4)

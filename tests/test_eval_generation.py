@@ -199,3 +199,66 @@ def test_load_gsm8k_jsonl_errors(tmp_path, line, msg):
     with pytest.raises(ValueError, match=msg) as err:
         load_gsm8k_jsonl(p)
     assert f"{p}:2" in str(err.value)
+
+
+def _replayed_lines(model, prompts, prefill, depth, n, stop=("\n",)) -> list[str]:
+    """Greedy continuations decoded by hand (`_reference.greedy_replay`, terminal cache, example id =
+    the prompt's index), cut before the first stop string."""
+    from _reference import greedy_replay
+
+    tok, out = ByteTokenizer(), []
+    for i, prompt in enumerate(prompts):
+        ids, _ = greedy_replay(model, "terminal", tok.encode(prompt), n, prefill, depth, eos=tok.eos_id, example_id=i)
+        text = tok.decode(ids)
+        cut = min([text.index(s) for s in stop if s in text], default=len(text))
+        out.append(text[:cut])
+    return out
+
+
+def test_generator_tasks_prefill_at_prefill_depth_or_by_the_prefill_arm(single_thread):
+    """The prompt is prefilled at prefill_depth (or by the `prefill` arm: r1 is one recurrence), the
+    answer decoded at depth: the outputs equal a decode by hand (`_models.decisive_model`, whose text
+    the prefill depth changes)."""
+    from _models import decisive_model
+
+    from looplm.infer.prefill import Prefill
+
+    model = decisive_model()
+
+    examples = generate_examples(TaskConfig(max_difficulty=2), 4, seed=3)
+    prompts = [ex.prompt for ex in examples]
+    tok = ByteTokenizer()
+    at5 = exact_match_generator_tasks(model, tok, examples, depth=2, prefill_depth=5, max_new_tokens=6, batch_size=4)
+    assert at5["outputs"] == _replayed_lines(model, prompts, 5, 2, 6)
+    r1 = exact_match_generator_tasks(model, tok, examples, depth=3, prefill=Prefill("r1"), max_new_tokens=6)
+    assert r1["outputs"] == _replayed_lines(model, prompts, 1, 3, 6)
+    assert _replayed_lines(model, prompts, 5, 2, 6) != _replayed_lines(model, prompts, 2, 2, 6)
+    assert _replayed_lines(model, prompts, 1, 3, 6) != _replayed_lines(model, prompts, 3, 3, 6)
+
+
+def test_gsm8k_prefills_at_prefill_depth(single_thread):
+    """exact_match_gsm8k hands prefill_depth on: its outputs are the greedy answers decoded by hand with the
+    question prefilled at 5 recurrences and the answer at 2 (cut at its stop strings)."""
+    from _models import decisive_model
+
+    model = decisive_model()
+    items = [GenItem("1+1?", "#### 2", "2"), GenItem("2+3?", "#### 5", "5"), GenItem("10-4?", "#### 6", "6")]
+    stop = ("\n\n", "Question:")
+    got = exact_match_gsm8k(model, ByteTokenizer(), items, depth=2, prefill_depth=5, max_new_tokens=8, stop=stop)
+    prompts = [f"Question: {it.question}\nAnswer:" for it in items]
+    assert got["outputs"] == _replayed_lines(model, prompts, 5, 2, 8, stop)
+    assert _replayed_lines(model, prompts, 5, 2, 8, stop) != _replayed_lines(model, prompts, 2, 2, 8, stop)
+
+
+def test_a_final_answer_that_is_not_a_finite_number_is_refused(tmp_path):
+    """NaN and infinity parse as Decimals but are no answer: None from normalize_number, a one-line error
+    from the loader (infinity used to raise OverflowError, NaN became the gold 'NaN')."""
+    from looplm.eval.generation import normalize_number
+
+    for text in ("NaN", "inf", "-Infinity", "sNaN"):
+        assert normalize_number(text) is None, text
+    for text in ("NaN", "Infinity"):
+        p = tmp_path / f"{text}.jsonl"
+        p.write_text(json.dumps({"question": "q", "answer": f"so #### {text}"}) + "\n")
+        with pytest.raises(ValueError, match="is not a number"):
+            load_gsm8k_jsonl(p)

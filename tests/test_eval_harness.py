@@ -208,3 +208,52 @@ def test_the_harness_scores_as_lm_evals_own_models_do():
 def test_depths_and_lengths_out_of_range_are_refused(adapter, args, message):
     with pytest.raises(ValueError, match=message):
         LoopLMHarness(model=adapter.model, tokenizer=TOK, **args)
+
+
+class _BosBytes(ByteTokenizer):
+    """The byte tokenizer with a beginning-of-text token (byte 2 stands in for it)."""
+
+    @property
+    def bos_id(self):
+        return 2
+
+
+def test_rolling_windows_of_a_bos_tokenizer_start_after_bos(adapter):
+    """lm-eval's prefix token is the text-start token: BOS when the tokenizer has one (EOS only without):
+    the rolling log-likelihood of a short text is the native forward's over the text after BOS."""
+    m, tok, text = adapter.model, _BosBytes(), "abc de"
+    harness = LoopLMHarness(model=m, tokenizer=tok, depth=3, cache="full")
+    got = harness.loglikelihood_rolling([_Req(text)])[0]
+    x = [2, *tok.encode(text)]
+    logp = _native_logp(m, x[:-1], 3, stable_id(text))
+    assert math.isclose(got, sum(float(logp[t - 1, x[t]]) for t in range(1, len(x))), rel_tol=1e-6)
+
+
+def test_generate_until_takes_a_single_stop_string_whole(adapter):
+    """`until` given as one string is one stop string, not a set of characters: a string whose first
+    character the greedy text holds (but not the string) stops nothing."""
+    sid = stable_id("hi")
+    full = generate(
+        adapter.model, TOK, ["hi"], DepthRule(3), cache="full",
+        sampling=SamplingConfig(max_new_tokens=8), example_ids=[sid],
+    )[0]  # fmt: skip
+    assert len(full) > 1
+    until = full[-1] + "\x01"
+    assert until not in full
+    assert adapter.generate_until([_Req("hi", {"until": until, "max_gen_toks": 8})]) == [full]
+    assert adapter.generate_until([_Req("hi", {"until": [full[-1]], "max_gen_toks": 8})]) == [
+        full[: full.index(full[-1])]
+    ]
+
+
+def test_generate_until_caps_max_gen_toks_at_the_model_context(adapter):
+    """max_gen_toks past the model's context generates at most max_seq_len tokens after the context's last
+    token (what fits), instead of failing the run."""
+    L = adapter.model.cfg.max_seq_len
+    context = "some context"
+    got = adapter.generate_until([_Req(context, {"until": [], "max_gen_toks": 10 * L})])
+    want = generate(
+        adapter.model, TOK, [context[-1:]], DepthRule(3), cache="full",
+        sampling=SamplingConfig(max_new_tokens=L), example_ids=[stable_id(context)],
+    )  # fmt: skip
+    assert got == want

@@ -67,3 +67,20 @@ def test_scored_bytes_count_each_target_bytes_once(tmp_path):
         targets = val.get_batch([i]).targets[0].tolist()
         want += sum(1 for t in targets if 0 <= t < 256)
     assert scored_bytes(val, len(val), tok) == want
+
+
+def test_progress_reports_each_batch_with_its_depth(tmp_path, tiny_model_config):
+    """`progress(depth)` once per batch and depth: a batch at R costs about R batches at 1, so the
+    caller's bar advances by the depth."""
+    (tmp_path / "t").mkdir()
+    for i in range(6):
+        (tmp_path / "t" / f"{i}.txt").write_text(TEXTS[i])
+    tok = ByteTokenizer()
+    _, val = build_datasets(str(tmp_path / "t"), tok, seq_len=24, holdout=0.5, cache_dir=tmp_path / "c")
+    n = min(5, len(val))
+    assert n >= 3
+    calls = []
+    model = LoopedLM(tiny_model_config(vocab_size=tok.vocab_size, max_seq_len=24))
+    native_perplexity(model, val, [1, 3], batch_size=2, max_sequences=5, progress=calls.append)
+    batches = -(-n // 2)
+    assert calls == [1] * batches + [3] * batches

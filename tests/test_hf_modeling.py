@@ -735,3 +735,161 @@ def test_byte_tokenizer_maps_every_byte_as_gpt2_byte_level_does():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == TOK.encode(text)
     assert tok.decode(ids) == text
+
+
+# -- the wrapper's checks and bookkeeping, pinned (mutation sweep) -----------------------------------------
+def test_an_attention_mask_row_without_a_real_token_is_refused(hf_model):
+    """A row of the mask that is all padding has nothing to predict from: refused in the native forward
+    and at a cache's prefill, not run over padding alone."""
+    ids, mask = padded_batch(["abc", "ab"])
+    mask[1] = 0
+    with pytest.raises(ValueError, match="no real token"):
+        hf_model(ids, attention_mask=mask, num_steps=2)
+    with torch.no_grad(), pytest.raises(ValueError, match="no real token"):
+        hf_model(ids, attention_mask=mask, cache=LoopedCache("terminal", max_len=8), num_steps=2)
+
+
+def test_an_appended_token_must_match_the_caches_padding(hf_model):
+    """A cache filled with a left-padded prompt: the next call's mask must repeat that padding (a mask
+    of all ones says there was none) and mark the appended tokens as real (a padding token appended
+    to a cache is an error, even a single one)."""
+    ids, mask = padded_batch(["a longer", "ab"])
+    B, c = ids.shape
+    with torch.no_grad():
+        cache = hf_model(ids, attention_mask=mask, use_cache=True, num_steps=2).cache
+        nxt = torch.tensor([[97], [98]])
+        with pytest.raises(ValueError, match="does not match the padding"):
+            hf_model(nxt, attention_mask=torch.ones(B, c + 1, dtype=torch.long), cache=cache, num_steps=2)
+        with pytest.raises(ValueError, match="cannot be padding"):
+            hf_model(nxt, attention_mask=torch.cat([mask, torch.zeros(B, 1, dtype=torch.long)], 1), cache=cache)
+        # the right mask is accepted (and the refused calls appended nothing)
+        ok = hf_model(nxt, attention_mask=torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1), cache=cache)
+    assert ok.logits.shape[:2] == (2, 1) and cache.get_seq_length() == c + 1
+
+
+def test_prefill_steps_without_a_cache_are_compared_with_the_calls_num_steps(hf_model):
+    """Without a cache, prefill_steps equal to the call's num_steps is no conflict (config num_steps is 3
+    here); equal to the config's num_steps but not the call's, it is refused."""
+    ids = torch.tensor([TOK.encode("abc")])
+    with torch.no_grad():
+        same = hf_model(ids, num_steps=2, prefill_steps=2).logits
+        assert torch.equal(same, hf_model(ids, num_steps=2).logits)
+        with pytest.raises(ValueError, match="cached decoding"):
+            hf_model(ids, num_steps=2, prefill_steps=3)
+
+
+def test_a_full_cache_of_the_users_own_refuses_adaptive_exit(hf_model):
+    """The rule is checked against the kind of the cache the call is given (here "full", the config's is
+    "terminal"): adaptive exit needs the terminal cache."""
+    ids = torch.tensor([TOK.encode("abc")])
+    with torch.no_grad(), pytest.raises(ValueError, match="terminal cache"):
+        hf_model(ids, cache=LoopedCache("full", max_len=8), num_steps=3, exit_tau=0.1)
+
+
+def test_a_forward_without_a_cache_runs_num_steps_not_the_configs_prefill_steps():
+    """A config with prefill_steps 2 and num_steps 4: the native forward runs every token at 4, the
+    looplm forward at 4 recurrences (prefill_steps is for cached decoding)."""
+    model = tiny_model()
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=4, prefill_steps=2).eval()
+    ids = torch.tensor([TOK.encode("a longer prompt")])
+    with torch.no_grad():
+        want = model(ids, 4, init="seeded", example_ids=torch.zeros(1, dtype=torch.long)).logits
+        other = model(ids, 2, init="seeded", example_ids=torch.zeros(1, dtype=torch.long)).logits
+        got = hf(ids).logits
+    assert (want - other).abs().max() > 0.1
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_generate_may_fill_the_model_context(hf_model, exported):
+    """Prompt plus new tokens of max_seq_len + 1 (the last token is never fed, so the cache holds
+    max_seq_len) is allowed, as looplm's generate allows it, and gives its tokens; one more is refused."""
+    model, _ = exported
+    L = hf_model.config.max_seq_len
+    prompt = "a prompt"
+    ids = torch.tensor([TOK.encode(prompt)])
+    room = L - ids.shape[1] + 1
+    out = hf_model.generate(ids, max_new_tokens=room, do_sample=False)
+    assert out.shape[1] == L + 1 and TOK.eos_id not in out[0].tolist()  # no early end: the cache is filled
+    want = looplm_greedy_ids(model, [prompt], DepthRule(3), sampling=SamplingConfig(max_new_tokens=room))
+    assert cut_at_eos(out, ids.shape[1]) == want
+    with pytest.raises(ValueError, match="exceed the model context"):
+        hf_model.generate(ids, max_new_tokens=room + 1, do_sample=False)
+
+
+def test_a_chunk_appended_to_a_compiled_cache_runs_the_models_forward(hf_model, monkeypatch):
+    """A cache with compile=True runs one-token appends through the compiled step; a chunk of several
+    tokens goes through the model's forward: all of its logits, equal to the row decoded by hand."""
+    import looplm.hf.modeling as modeling
+    from _reference import NaiveDecoder
+
+    real = modeling.DecodeStep
+    monkeypatch.setattr(modeling, "DecodeStep", lambda *a, **k: real(*a, **k, compile_options={"backend": "eager"}))
+    ids = torch.tensor([TOK.encode("a prompt, then a chunk!")])
+    cache = LoopedCache("terminal", compile=True)
+    with torch.no_grad():
+        hf_model(ids[:, :10], cache=cache, num_steps=3)
+        chunk = hf_model(ids[:, 10:14], cache=cache, num_steps=3)
+    ref = NaiveDecoder(hf_model.model, "terminal")
+    ref.chunk(ids[0, :10].tolist(), 3)
+    want = ref.chunk(ids[0, 10:14].tolist(), 3)[0]
+    assert chunk.logits.shape[1] == 4 and cache.get_seq_length() == 14
+    assert (chunk.logits[0] - want).abs().max() <= 1e-4
+
+
+def test_a_chunks_mean_depth_is_the_mean_over_its_tokens(hf_model):
+    """The manual loop: a 4-token chunk appended with adaptive exit reports the mean of its tokens'
+    recurrences (the row decoded by hand), not their sum; a token appended after it counts as one
+    token of five, not as one call of two (the mean per token, as `generate` reports it)."""
+    from _reference import NaiveDecoder
+
+    ids = torch.tensor([TOK.encode("a prompt, then a chunk!")])
+    with torch.no_grad():
+        out = hf_model(ids[:, :16], use_cache=True, num_steps=6, prefill_steps=3)
+        hf_model(ids[:, 16:20], cache=out.cache, num_steps=6, exit_tau=0.05)
+    ref = NaiveDecoder(hf_model.model, "terminal")
+    ref.chunk(ids[0, :16].tolist(), 3)
+    _, used, _ = ref.chunk(ids[0, 16:20].tolist(), 6, exit_tau=0.05)
+    assert out.cache.mean_decode_depth == pytest.approx(float(used.float().mean()), abs=1e-9)
+    with torch.no_grad():
+        hf_model(ids[:, 20:21], cache=out.cache, num_steps=6)
+    _, last, _ = ref.chunk(ids[0, 20:21].tolist(), 6)
+    assert float(last.float().mean()) != float(used.float().mean())  # per call and per token differ here
+    want = (float(used.float().sum()) + float(last.float().sum())) / 5
+    assert out.cache.mean_decode_depth == pytest.approx(want, abs=1e-9)
+
+
+def test_tokenizer_vocab_size_is_set_only_for_rows_past_the_tokenizer(tmp_path):
+    """`tokenizer_vocab_size` says the embedding has rows no token reaches; it stays None (every row a
+    token) when the tokenizer spans the embedding: at `from_looplm`, in an export's config.json, after
+    `resize_token_embeddings` to exactly the new tokenizer's size. A resize that only pads a padded
+    embedding keeps the tokenizer's size, not the old number of rows."""
+    assert LoopedLMForCausalLM.from_looplm(tiny_model(), TOK).config.tokenizer_vocab_size is None
+    write_checkpoint(tmp_path / "ckpt", tiny_model(), TOK)
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tokenizer_vocab_size"] is None
+    hf = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK).eval()
+    hf.resize_token_embeddings(264)
+    assert hf.config.vocab_size == 264 and hf.config.tokenizer_vocab_size is None
+
+    padded = LoopedLMForCausalLM.from_looplm(tiny_model(vocab_size=300), TOK, num_steps=2).eval()
+    assert padded.config.tokenizer_vocab_size == TOK.vocab_size
+    padded.resize_token_embeddings(pad_to_multiple_of=64)
+    assert padded.config.vocab_size == 320 and padded.config.tokenizer_vocab_size == TOK.vocab_size
+    with torch.no_grad():
+        logits = padded(torch.tensor([[97, 98]])).logits
+    assert torch.isinf(logits[..., TOK.vocab_size :]).all() and not torch.isinf(logits[..., : TOK.vocab_size]).any()
+
+
+def test_tokenizer_vocab_size_is_checked_against_the_vocabulary(exported):
+    """`tokenizer_vocab_size` is refused out of 1..vocab_size (in a config and as a load override) and
+    accepted at both ends, vocab_size included (every row a token, nothing masked)."""
+    for bad in (0, 259, True, 2.5):
+        with pytest.raises(ValueError, match=r"tokenizer_vocab_size must be in 1\.\.258"):
+            LoopedLMConfig(vocab_size=258, tokenizer_vocab_size=bad)
+    with pytest.raises(ValueError, match=r"tokenizer_vocab_size must be in 1\.\.258"):
+        AutoConfig.from_pretrained(exported[1], tokenizer_vocab_size=300)
+    for ok in (1, 258):
+        assert LoopedLMConfig(vocab_size=258, tokenizer_vocab_size=ok).tokenizer_vocab_size == ok
+    hf = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK, tokenizer_vocab_size=258).eval()
+    with torch.no_grad():
+        assert not torch.isinf(hf(torch.tensor([[97, 98]])).logits).any()

@@ -328,11 +328,15 @@ def test_adaptive_exit_reports_looplms_mean_depth(exported):
     assert hf.last_generate_stats is None
 
 
-def test_mean_depth_counts_only_rows_still_generating():
+@pytest.mark.parametrize("own_cache", [False, True], ids=["generates-cache", "users-cache"])
+def test_mean_depth_counts_only_rows_still_generating(own_cache):
     """A row that ended (EOS) is fed padding by transformers until the batch ends; looplm's `generate`
     takes it out of the batch. The wrapper's mean depth averaged over those padded steps too (4.2286
-    against looplm's 4.2222 in the review's case); it now counts what looplm counts."""
+    against looplm's 4.2222 in the review's case); it now counts what looplm counts, also with a
+    `LoopedCache` of the user's own (which learns generate's end-of-sequence ids too)."""
     import copy
+
+    from looplm.hf import LoopedCache
 
     prompts = ["x", "a longer prompt", "mid size", "the end", "hello"]
     ids, mask = padded_batch(prompts)
@@ -345,7 +349,9 @@ def test_mean_depth_counts_only_rows_still_generating():
         with torch.no_grad():
             model.head.weight[TOK.eos_id] = model.head.weight[cand] * 1.5
         hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=8).eval()
-        new = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **rule)[:, ids.shape[1] :]
+        own = {"cache": LoopedCache()} if own_cache else {}
+        new = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, **rule, **own)
+        new = new[:, ids.shape[1] :]
         ended = [TOK.eos_id in row[:6] for row in new.tolist()]
         if any(ended) and not all(ended):
             break
@@ -475,3 +481,21 @@ def test_exit_gate_threshold_needs_a_model_with_a_gate():
     hf = LoopedLMForCausalLM.from_looplm(decisive_model(TOK.vocab_size), TOK).eval()
     with pytest.raises(ValueError, match="exit_gate_threshold needs a model with an exit gate"):
         hf(torch.tensor([[1, 2]]), exit_gate_threshold=0.5)
+
+
+@pytest.mark.parametrize("q", [0.0, 1.0])
+def test_exit_gate_thresholds_at_the_ends_of_0_1_are_accepted(q):
+    """A threshold is a probability: 0 (every token reads the first recurrence) and 1 are allowed, as
+    looplm's DepthRule allows them, in the config and as a forward keyword; the forward is the native
+    forward under DepthPlan(num_steps, exit_gate=q)."""
+    from looplm.model.exits import DepthPlan
+
+    model = gated_model()
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=6, exit_gate_threshold=q).eval()
+    assert hf.config.exit_gate_threshold == q
+    ids = torch.tensor([TOK.encode("a longer prompt")])
+    seeded = dict(init="seeded", example_ids=torch.zeros(1, dtype=torch.long))
+    with torch.no_grad():
+        want = model(ids, DepthPlan(6, exit_gate=q), **seeded).logits
+        got = hf(ids, exit_gate_threshold=q).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1536,3 +1536,141 @@ def test_request_fields_at_their_limits():
     assert ChatRequest(messages=messages, top_logprobs=0).logprob_count() is None
     with pytest.raises(ValidationError, match="frequency_penalty"):
         CompletionRequest(prompt="x", frequency_penalty=0.5)
+
+
+# -- replies: choices of several prompts, logprobs 0, empty deltas, offsets after a split character ----------
+def _stream_chunks(http, path: str, body: dict) -> list[dict]:
+    stream = http.post(path, json={**body, "stream": True})
+    assert stream.status_code == 200, stream.text
+    return [
+        json.loads(line[6:])
+        for line in stream.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def test_echoed_logprobs_of_n_choices_per_prompt_score_their_own_prompt():
+    """Two prompts, n = 2: choice i answers prompt i // 2, and with echo + logprobs its logprobs start with
+    that prompt's tokens (null score first), then the reply's, with offsets past that prompt's text."""
+    from fastapi.testclient import TestClient
+
+    prompts, reply = ["ab", "wxyz"], "ok"
+    with TestClient(create_app(_ScriptedEngine(reply), NAME)) as http:
+        body = {"model": NAME, "prompt": prompts, "n": 2, "echo": True, "logprobs": 1, "max_tokens": 2, "seed": 1}
+        choices = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        prompt = prompts[c["index"] // 2]
+        lp = c["logprobs"]
+        assert c["text"] == prompt + reply
+        assert lp["tokens"] == list(prompt + reply)
+        assert lp["token_logprobs"] == [None] + [-1.0] * (len(prompt) - 1) + [-0.5] * len(reply)
+        assert lp["text_offset"] == list(range(len(prompt) + len(reply)))
+
+
+def test_echo_with_logprobs_0_scores_the_prompt_too():
+    """logprobs 0 asks for the chosen tokens' log-probabilities without alternatives: with echo the prompt's
+    tokens come first (as with logprobs >= 1), streamed or not."""
+    from fastapi.testclient import TestClient
+
+    prompt, reply = "abc", "de"
+    with TestClient(create_app(_ScriptedEngine(reply), NAME)) as http:
+        body = {"model": NAME, "prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 2}
+        lp = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        assert lp["tokens"] == list(prompt + reply)
+        assert lp["token_logprobs"] == [None, -1.0, -1.0, -0.5, -0.5]
+        assert lp["text_offset"] == [0, 1, 2, 3, 4]
+        streamed = [
+            t for c in _stream_chunks(http, "/v1/completions", body) for t in c["choices"][0]["logprobs"]["tokens"]
+        ]
+        assert streamed == lp["tokens"]
+
+
+def test_a_stream_sends_no_empty_text_chunk_and_a_chat_stream_sends_every_tokens_logprobs():
+    """A character split over byte tokens: a completion stream without logprobs sends no chunk with empty
+    text for its first bytes (only the whole character); a chat stream with logprobs sends each byte's
+    entry all the same (3 for one 3-byte character), and its last chunk's delta is empty when nothing
+    was held back."""
+    from fastapi.testclient import TestClient
+
+    reply = "\u65e5x"  # 3 bytes, then 1
+    with TestClient(create_app(_ScriptedEngine(reply), NAME)) as http:
+        body = {"model": NAME, "prompt": "ab", "max_tokens": 4}
+        chunks = _stream_chunks(http, "/v1/completions", body)
+        texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is None]
+        assert "".join(texts) == reply and all(texts)
+
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
+        chunks = _stream_chunks(http, "/v1/chat/completions", chat)
+        entries = [
+            e
+            for c in chunks
+            if c["choices"] and c["choices"][0]["logprobs"]
+            for e in c["choices"][0]["logprobs"]["content"]
+        ]
+        assert [e["bytes"] for e in entries] == [[b] for b in reply.encode()]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == reply
+        last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+        assert len(last) == 1 and last[0]["choices"][0]["delta"] == {}
+
+
+def test_offsets_after_a_prompt_that_ends_inside_a_character():
+    """A prompt of token ids ending with the lead byte of a 2-byte character, a reply starting with a
+    continuation byte: the reply is decoded on its own (its first byte does not complete the prompt's
+    character: it is a U+FFFD of its own), and its offsets index that text."""
+    from fastapi.testclient import TestClient
+
+    reply = b"\xb4" + "\u65e5\u672c!".encode()
+    text = reply.decode("utf-8", errors="replace")
+    with TestClient(create_app(_ScriptedEngine(reply), NAME)) as http:
+        body = {"model": NAME, "prompt": [104, 0xD7], "max_tokens": len(reply), "logprobs": 1}
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert choice["text"] == text == "\ufffd\u65e5\u672c!"
+        assert choice["logprobs"]["text_offset"] == _offsets_by_incremental_decoder(reply) == [0, 1, 1, 1, 2, 2, 2, 3]
+        _, merged = _streamed_logprobs(http, body)
+        assert merged["text_offset"] == choice["logprobs"]["text_offset"]
+
+
+def test_offsets_decode_a_short_window_however_long_the_reply():
+    """`Offsets` decodes a window that slides past each whole character, so a token costs the same at any
+    length: over a long reply of 3-byte characters no decode sees more than a few ids (the window used to
+    stop sliding at the first character split over tokens), and the offsets are each byte's character."""
+    from looplm.serve.replies import Offsets
+
+    class Counting(ByteTokenizer):
+        longest = 0
+
+        def decode(self, ids, *args, **kwargs):
+            Counting.longest = max(Counting.longest, len(ids))
+            return super().decode(ids, *args, **kwargs)
+
+    text = "\u65e5\u672c" * 40 + "ab" * 20
+    offsets = Offsets(Counting())
+    got = [offsets.push(b) for b in text.encode()]
+    assert got == _char_of_each_byte(text)
+    assert Counting.longest <= 8, Counting.longest
+
+
+def test_a_token_event_without_text_is_a_chunk_only_when_it_carries_logprobs():
+    """The first byte of a split character is a `Token` with no text yet. Alone in an event (a reader that
+    keeps up gets one event per token): a completion chunk without logprobs has nothing to send (None, no
+    empty-text chunk); a chat chunk with logprobs still sends the byte's entry (else its log-probability
+    never reaches the client), and one without logprobs sends nothing."""
+    from looplm.serve.protocol import ChatRequest, CompletionRequest
+    from looplm.serve.replies import ChatReply, CompletionReply, Envelope
+
+    env = Envelope("x", NAME, 0)
+    partial, whole = [Token(0xE6, "", 1, -0.25, [(0xE6, -0.25)])], [Token(97, "a", 1, -0.5, [(97, -0.5)])]
+    body = CompletionRequest(model=NAME, prompt="ab", max_tokens=4, stream=True)
+    reply = CompletionReply(TOK, body, ["ab"], [TOK.encode("ab")], env)
+    reply.start(0)
+    assert reply.event(0, partial) is None
+    assert reply.event(0, whole)["choices"][0]["text"] == "a"
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = ChatReply(TOK, ChatRequest(model=NAME, messages=messages, logprobs=True), 3, 0, env)
+    chunk = chat.event(0, partial)
+    assert chunk["choices"][0]["delta"] == {"content": ""}
+    entry = {"token": "bytes:\\xe6", "logprob": -0.25, "bytes": [0xE6]}
+    assert chunk["choices"][0]["logprobs"]["content"] == [{**entry, "top_logprobs": [entry]}]
+    assert ChatReply(TOK, ChatRequest(model=NAME, messages=messages), 3, None, env).event(0, partial) is None

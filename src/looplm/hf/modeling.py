@@ -56,9 +56,10 @@ class LoopedCache(Cache):
         self.step: DecodeStep | None = None  # the compiled one-token step (compile=True), made with `inner`
         self.pad: torch.Tensor | None = None  # [B] left-padding tokens per row
         self.decode_depth: int | None = None  # recurrences per decoded token (num_steps of the call)
-        # per decode step: each row's recurrences per token [B] (adaptive exit: < decode_depth), and
-        # whether the row was still generating [B] (generate: it has not fed an end of sequence)
-        self.depths_used: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # per decode step (a chunk appended after the prompt): each row's recurrences summed over its
+        # tokens [B] (adaptive exit: < decode_depth a token), whether the row was still generating [B]
+        # (generate: it has not fed an end of sequence), and the chunk's tokens
+        self.depths_used: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.eos_ids: torch.Tensor | None = None  # generate's end-of-sequence ids (None: no row finishes)
         self.finished: torch.Tensor | None = None  # [B] rows that fed an end of sequence
 
@@ -116,15 +117,15 @@ class LoopedCache(Cache):
             ended = torch.isin(fed, self.eos_ids.to(fed.device)).any(1)
             self.finished = ended if self.finished is None else self.finished | ended
         live = torch.ones_like(used[:, 0], dtype=torch.bool) if self.finished is None else ~self.finished
-        self.depths_used.append((used.float().mean(1), live))
+        self.depths_used.append((used.float().sum(1), live, used.shape[1]))
 
     @property
     def mean_decode_depth(self) -> float | None:
         """Mean recurrences per token over the decode steps (chunks appended after the prompt) of the rows
         still generating, as `looplm.infer.generate.generate` reports it in `stats`; the decode depth
         when there were none."""
-        total = sum(float((used * live).sum()) for used, live in self.depths_used)
-        count = sum(int(live.sum()) for _, live in self.depths_used)
+        total = sum(float((used * live).sum()) for used, live, _ in self.depths_used)
+        count = sum(int(live.sum()) * n for _, live, n in self.depths_used)
         if not count:
             return None if self.decode_depth is None else float(self.decode_depth)
         return total / count
