@@ -260,3 +260,45 @@ def test_summarize_quantiles_by_hand():
 
     s = summarize(torch.arange(11, dtype=torch.float32).flip(0))  # 0..10: deciles are 1 and 9
     assert s == {"mean": 5.0, "median": 5.0, "q10": 1.0, "q90": 9.0, "min": 0.0, "max": 10.0}
+
+
+def _changes_for_depths(depths: list[int], H: int, tau: float = 0.1) -> torch.Tensor:
+    """delta [H, 1, len(depths)] whose convergence depths at tau are `depths` (NEVER: every change large)."""
+    cols = [[1.0] * H if c == NEVER else [1.0] * c + [tau / 10] * (H - c) for c in depths]
+    return torch.tensor(cols, dtype=torch.float64).T[:, None, :]
+
+
+def test_last_bucket_holds_a_position_on_an_interval_boundary():
+    """Mutant conv-range-last (`range(0, max(pos) + 1, ...)` -> `range(0, max(pos), ...)`): with positions
+    0..16 and interval 8 the token at 16 opens a third bucket; every token lies in one bucket."""
+    from looplm.analyze import convergence_profile
+
+    change = _changes_for_depths([0, 1, 2] * 5 + [3, 1], H=4)  # 17 tokens
+    prof = convergence_profile(change, torch.arange(17)[None], tau=0.1, interval=8)
+    assert [(b["start"], b["end"], b["tokens"]) for b in prof["intervals"]] == [(0, 8, 8), (8, 16, 8), (16, 24, 1)]
+    assert prof["intervals"][-1]["median_depth"] == 1
+
+
+def test_spearman_is_over_the_converged_tokens_only():
+    """Mutant conv-spearman-all (NEVER = -1 depths ranked with the rest): depths rise with position
+    among the converged tokens (rank correlation exactly 1); the late never-converged tokens do not count."""
+    from looplm.analyze import convergence_profile
+
+    change = _changes_for_depths([0, 1, 2, 3, NEVER, NEVER], H=4)
+    prof = convergence_profile(change, torch.arange(6)[None], tau=0.1)
+    assert prof["spearman_position_depth"] == pytest.approx(1.0, abs=1e-12)
+    assert prof["never"] == 2 and prof["histogram"] == [1, 1, 1, 1]
+
+
+def test_change_mean_is_the_plain_mean_per_recurrence():
+    """Mutant conv-mean-median (the "mean" curve given the median): a skewed delta whose mean and
+    median differ, against statistics.fmean per recurrence."""
+    from looplm.analyze import convergence_profile
+
+    g = torch.Generator().manual_seed(6)
+    change = torch.rand(5, 3, 9, generator=g, dtype=torch.float64) ** 4  # skewed: mean well above the median
+    prof = convergence_profile(change, torch.arange(9).expand(3, 9), tau=0.05)
+    for r in range(5):
+        want = statistics.fmean(change[r].flatten().tolist())
+        assert prof["change"]["mean"][r] == pytest.approx(want, rel=1e-12)
+        assert abs(want - prof["change"]["median"][r]) > 1e-3

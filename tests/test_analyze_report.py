@@ -192,3 +192,91 @@ def test_summary_labels_one_relative_change_per_value(horizon, depths):
     assert len(labels) == len(values) == len(depths), line
     assert labels[-1] == f"H = {horizon}" and labels[:-1] == [str(r) for r in depths[:-1]], line
     assert values == [format(1.0 / r, ".3g") for r in depths], line
+
+
+def test_progress_units_add_up_to_the_announced_work(run_dir):
+    """Mutant rep-work-solves3 (three solves counted per batch instead of prefix, joint, frozen and the
+    control): the progress bar's total, `work_units`, is what `analyze` reports, with and without the
+    sharing table."""
+    from looplm.analyze.report import AnalyzeConfig, analyze
+    from looplm.analyze.solves import SolveRule
+
+    model, tokenizer, _ = ckpt.load_model(run_dir)
+    data = ckpt.load_data(run_dir).validation(tokenizer)
+    for sharing in (2, 0):
+        cfg = AnalyzeConfig(
+            horizon=3,
+            sequences=3,
+            batch_size=2,
+            kv_depths=(2,),
+            kv_span=1,
+            solve_spans=3,
+            solve_length=6,
+            solve=SolveRule(max_depth=30),
+            sharing_depths=(1, 2),
+            sharing_sequences=sharing,
+            plots=False,
+        )
+        units = []
+        analysis = analyze(model, tokenizer, data, cfg, progress=lambda desc, n: units.append(n))
+        assert sum(units) == cfg.work_units(len(data)) == 2 + 4 * 2 + (2 if sharing else 0)
+        assert (analysis.report["sharing"] is None) == (sharing == 0)
+
+
+class _Rows:
+    """A stand-in held-out dataset: row i's tokens are all i (so a fake solve knows its rows)."""
+
+    seq_len = 16
+
+    def __len__(self):
+        return 4
+
+    def get_batch(self, idx):
+        from types import SimpleNamespace
+
+        t = torch.tensor(idx)[:, None].expand(-1, self.seq_len).clone()
+        b = SimpleNamespace(inputs=t, doc_ids=t * 0, positions=t * 0 + torch.arange(self.seq_len), example_ids=t[:, 0])
+        b.to = lambda device: b
+        return b
+
+
+def test_solve_summary_counts_qualified_rows_only(monkeypatch):
+    """Mutants rep-ctrl-nopair, rep-median-all, rep-gap-all and rep-length-nomin: depth statistics are
+    over each solve's qualified rows, gap and KL over the rows where prefix, joint and frozen all
+    qualified, the control's over those whose control qualified too; spans are cut to the rows' length."""
+    from looplm.analyze import report as rep
+    from looplm.analyze.report import AnalyzeConfig, solve_rows
+
+    T, F = True, False
+    per_row = {
+        "prefix_qualified": [T, T, T, F],
+        "prefix_depth": [10, 20, 40, -1],
+        "joint_qualified": [T, T, F, T],
+        "joint_depth": [12, 14, -1, 30],
+        "frozen_qualified": [T, T, T, T],
+        "frozen_depth": [5, 6, 7, 8],
+        "control_qualified": [F, T, T, T],
+        "gap": [1e-7, 3e-7, 0.5, 0.9],
+        "kl": [1e-9, 3e-9, 0.2, 0.4],
+        "control_gap": [0.7, 0.1, 0.3, 0.4],
+        "control_kl": [0.8, 0.05, 0.3, 0.4],
+    }
+    widths = []
+
+    def fake_span_solves(model, tokens, **kw):
+        widths.append(tokens.shape[1])
+        rows = tokens[:, 0].tolist()
+        return {k: torch.tensor([v[i] for i in rows]) for k, v in per_row.items()}
+
+    monkeypatch.setattr(rep, "span_solves", fake_span_solves)
+    out = solve_rows(
+        None, _Rows(), AnalyzeConfig(solve_spans=4, batch_size=3, solve_length=100), "cpu", lambda *a: None
+    )
+    assert widths == [16, 16] and out["spans"] == 4 and out["span_tokens"] == 16  # 100 > the rows' 16 tokens
+    assert out["qualified"] == {"prefix": 3, "joint": 3, "frozen": 4, "control": 3} and out["qualified_pairs"] == 2
+    assert out["median_depth"] == {"prefix": 20.0, "joint": 14.0, "frozen": 6.5}
+    assert out["max_depth"] == {"prefix": 40.0, "joint": 30.0, "frozen": 8.0}
+    assert out["gap"]["median"] == pytest.approx(2e-7) and out["gap"]["max"] == pytest.approx(3e-7)
+    assert out["kl"]["median"] == pytest.approx(2e-9) and out["kl"]["max"] == pytest.approx(3e-9)
+    assert out["control"]["spans"] == 1
+    assert out["control"]["gap_median"] == pytest.approx(0.1) and out["control"]["kl_median"] == pytest.approx(0.05)

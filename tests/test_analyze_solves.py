@@ -202,3 +202,68 @@ def test_control_prediction_uses_the_depth_r_prefix_state(tiny_model_config):
     want = (p.exp() * (p - q)).sum(-1)
     assert want.min() > 1e3 * out["kl"].abs().max()  # the unconverged prefix matters; the solves agree
     torch.testing.assert_close(out["control_kl"], want, rtol=1e-2, atol=1e-10)
+
+
+def _scripted(factors):
+    """A step that multiplies the state by the next of `factors` (1 + e: relative change |e|), no K/V."""
+    it = iter(factors)
+    return lambda s: (s * next(it), [])
+
+
+def test_a_failed_confirmation_starts_a_fresh_stable_run():
+    """Mutants solve-streak-noreset (the stable streak kept after a failed confirmation) and solve-depth-first
+    (the depth of the first stable run reported, not of the one that qualified). Scripted changes:
+    r = 1 never counts; r = 2..9 change 1e-6 (the stable run completes at r = 9); a 1e-4 jump at r = 14
+    (5th confirmation step) breaks the drift bound; r = 15..22 rebuild the 8-step run (depth 22), 16
+    confirmation steps (r = 23..38) and the final check (r = 39) qualify."""
+    e = 1 + 1e-6
+    factors = [e] * 13 + [1 + 1e-4] + [e] * 200
+    got = solve(_scripted(factors), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=100))
+    assert got.qualified.item() and got.depth.item() == 22 and got.steps == 39
+
+
+def test_confirmation_drift_is_measured_from_the_stable_runs_end():
+    """Mutant solve-anchor-prev (the anchor taken one recurrence before the stable run ended). A steady
+    relative change of 3e-6 per step: 16 confirmation steps drift (1 + 3e-6)^16 - 1 = 4.80e-5 <= 5e-5
+    from the run's endpoint (qualifies); from one step earlier it would be 17 steps, 5.10e-5 (never)."""
+    assert (1 + 3e-6) ** 16 - 1 < 5e-5 < (1 + 3e-6) ** 17 - 1
+    out = solve(_scripted([1 + 3e-6] * 400), torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=300))
+    assert out.qualified.item() and out.depth.item() == 9 and out.steps == 9 + 16 + 1
+
+
+def test_an_exact_fixed_point_qualifies_after_the_first_step_and_without_confirmation():
+    """Mutants solve-first-step-counts (step 1, with no earlier K/V, counted as stable) and
+    solve-confirm0-always (confirm_steps = 0 still spending a confirmation step). For F(s) = s the
+    stable run ends at r = 1 + stable_steps; with no confirmation the final check is the next step."""
+    s0 = torch.ones(1, 2, 3, dtype=torch.float64)
+    identity = lambda s: (s, [])  # noqa: E731
+    out = solve(identity, s0, SolveRule())
+    assert out.qualified.item() and out.depth.item() == 9 and out.steps == 9 + 16 + 1
+    bare = SolveRule(max_depth=10, confirm_steps=0)  # the shortest rule: 1 + 8 + 0 + 1 steps
+    out = solve(identity, s0, bare)
+    assert out.qualified.item() and out.depth.item() == 9 and out.steps == 10
+
+
+def test_each_rows_endpoint_is_the_state_and_kv_of_its_own_final_step():
+    """Mutants solve-keep-phase (a row's endpoint frozen one step early, before its final check) and
+    solve-kv-where-swap: two rows contracting at different rates finish at different steps; each keeps
+    the state and K/V of its own final recurrence (depth + 16 + 1), from a plain loop over the step."""
+    lam = torch.tensor([0.3, 0.8], dtype=torch.float64)[:, None, None]
+
+    def step(s):
+        new = 3.0 + lam * (s - 3.0)
+        return new, [(new[:, None] * 2.0, new[:, None] - 1.0)]  # K, V [B, 1, L, d]
+
+    s0 = torch.full((2, 2, 4), 1000.0, dtype=torch.float64)
+    out = solve(step, s0, SolveRule(max_depth=300))
+    assert out.qualified.all() and out.depth[0] < out.depth[1]
+    states, kvs, s = [s0], [None], s0
+    for _ in range(out.steps):
+        s, kv = step(s)
+        states.append(s)
+        kvs.append(kv)
+    for i in range(2):
+        final = int(out.depth[i]) + 16 + 1
+        assert torch.equal(out.state[i], states[final][i]), i
+        assert torch.equal(out.kv[0][0][i], kvs[final][0][0][i]) and torch.equal(out.kv[0][1][i], kvs[final][0][1][i])
+    assert out.steps == int(out.depth[1]) + 16 + 1

@@ -502,3 +502,77 @@ def test_cli_converts_and_reports_bad_folders_in_one_line(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "out3")]) == 2  # --from is required
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "--from" in err
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            {"huginn_prelude_orthogonal": True, "huginn_prelude_norm": "rms"},
+            "OrthoInj with a prelude norm has no looplm equivalent",
+        ),
+        ({"huginn_recurrent_exit_norm": "parameterless_rms"}, "a recurrent exit norm with the diagonal injection"),
+        ({"huginn_input_injection": "linear"}, "huginn-linear injection has the parameter-free exit norm"),
+    ],
+)
+def test_refuses_injection_and_norm_combinations_looplm_lacks(tmp_path, overrides, match):
+    """Mutants xl-ortho-prenorm, xl-diag-exitnorm and xl-linear-noexit: each combination is refused by
+    name (not converted into another model, nor failing later on the weights)."""
+    src = make_release(tmp_path / "release", **overrides)
+    with pytest.raises(CheckpointError, match=match):
+        convert_xllm_loop(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_vocab_size_minus_one_means_the_tokenizers(tmp_path):
+    """Mutant xl-vocab-neg1: the release's vocab_size -1 (its default) takes the tokenizer's size."""
+    src = make_release(tmp_path / "release", vocab_size=-1)
+    model, tok, _ = load_model(convert_xllm_loop(src, tmp_path / "converted"))
+    assert (
+        model.cfg.vocab_size
+        == tok.vocab_size
+        == HFTokenizer.from_file(str(src / "tokenizer/tokenizer.json")).get_vocab_size()
+    )
+
+
+def test_depth_cap_and_pln_recipe_come_from_the_release(tmp_path):
+    """Mutants xl-maxdepth-pln (the PLN cap left out of max_depth) and xl-pln-depth (the PLN mean taken
+    from loop_times): max_depth = max(64, loop_times, PLN cap), and the recipe's mean, sigma and cap."""
+    fields = {
+        "huginn_sampling_scheme": "poisson-lognormal-capped",
+        "huginn_poisson_lognormal_target_mean": 7.0,
+        "huginn_poisson_lognormal_sigma": 0.4,
+        "huginn_poisson_lognormal_max": 100,
+    }
+    out = convert_xllm_loop(make_release(tmp_path / "release", **fields), tmp_path / "converted")
+    job = json.loads((out / "config.json").read_text())
+    assert job["model"]["max_depth"] == 100
+    assert (job["depth"]["sampler"], job["depth"]["depth"], job["depth"]["sigma"], job["depth"]["cap"]) == (
+        "pln",
+        7.0,
+        0.4,
+        100,
+    )
+    out = convert_xllm_loop(make_release(tmp_path / "r2", loop_times=80), tmp_path / "c2")
+    assert json.loads((out / "config.json").read_text())["model"]["max_depth"] == 80
+
+
+def test_a_tokenizer_path_of_the_training_machine_reads_the_artifacts_tokenizer(tmp_path):
+    """Mutant xl-tok-abs: an absolute tokenizer path in config.json (where training ran) is not read;
+    the artifact's tokenizer/ folder is."""
+    src = make_release(tmp_path / "release", manifest=False)
+    config = json.loads((src / "config.json").read_text())
+    config["tokenizer"]["path"] = str(tmp_path / "elsewhere" / "tokenizer")
+    (src / "config.json").write_text(json.dumps(config))
+    write_manifest(src)
+    _, tok, _ = load_model(convert_xllm_loop(src, tmp_path / "converted"))
+    assert tok.eos_id == HFTokenizer.from_file(str(src / "tokenizer" / "tokenizer.json")).token_to_id(EOS)
+
+
+def test_a_teacher_for_a_model_artifact_is_refused(tmp_path):
+    """Mutant xl-teacher-refuse: --teacher belongs to a distilled student; given with a model artifact it
+    is refused rather than ignored."""
+    src = make_release(tmp_path / "release")
+    with pytest.raises(CheckpointError, match="--teacher is for a distilled student artifact"):
+        convert_xllm_loop(src, tmp_path / "out", teacher=tmp_path / "teacher")
+    assert not (tmp_path / "out").exists()

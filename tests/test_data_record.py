@@ -226,3 +226,28 @@ def test_a_data_record_with_a_bad_tasks_section_is_a_data_error():
             DataRecord.from_dict({**base, "tasks": tasks})
     without_kinds = {k: v for k, v in base["tasks"].items() if k != "kinds"}
     assert DataRecord.from_dict({**base, "tasks": without_kinds}).tasks.kinds == DataRecord().tasks.kinds
+
+
+def test_an_unknown_origin_is_refused():
+    """Mutant rec-origin-check: a data.json whose origin is neither 'trained' nor 'converted'."""
+    from looplm.data.record import DataRecord
+    from looplm.data.sources import DataError
+
+    with pytest.raises(DataError, match="unknown data record origin 'copied'"):
+        DataRecord.from_dict({**DataRecord().to_dict(), "origin": "copied"})
+    assert DataRecord.from_dict({**DataRecord().to_dict(), "origin": "converted"}).origin == "converted"
+
+
+def test_validation_rows_take_the_asked_length(tmp_path):
+    """Mutant rec-seqlen-arg (the record's seq_len always): `validation(tok, seq_len)` cuts rows of that length."""
+    from looplm.data import ByteTokenizer
+    from looplm.data.record import DataRecord
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(8):
+        (folder / f"{i}.txt").write_text(f"document {i} " + "a few words of text " * 10)
+    record = DataRecord(source=str(folder), seq_len=32, holdout=0.5, cache_dir=str(tmp_path / "cache"))
+    assert record.validation(ByteTokenizer()).seq_len == 32
+    val = record.validation(ByteTokenizer(), seq_len=12)
+    assert val.seq_len == 12 and val.get_batch([0]).inputs.shape == (1, 12)

@@ -142,3 +142,55 @@ def test_a_same_size_edit_changes_the_source_description(tmp_path):
     path.write_text("HELLO WORLD\n")
     os.utime(path, ns=(2_000_000_000, 2_000_000_000))
     assert describe_source(str(path)) != before
+
+
+def test_a_huge_file_without_blank_lines_is_still_cut(tmp_path):
+    """Mutant src-force-cut (only paragraph breaks cut): a 1.2 MB file of lines and no blank line is cut
+    once a piece reaches 16 x 64 KB, so memory stays bounded; nothing is lost."""
+    from looplm.data import sources
+
+    line = "x" * 99 + "\n"
+    text = line * 12_000
+    path = tmp_path / "wall.txt"
+    path.write_text(text)
+    docs = [d.text for d in iter_documents(str(path))]
+    limit = 16 * sources.MAX_CHUNK_CHARS
+    assert len(docs) == 2 and "".join(docs) == text
+    assert limit <= len(docs[0]) < limit + len(line)
+
+
+def test_the_bad_byte_offset_counts_a_character_split_across_read_chunks(tmp_path):
+    """Mutant src-utf8-pending: the decoder reads 1 MiB chunks; when a 2-byte character straddles the
+    chunk boundary its first byte is pending in the decoder, and the offset of a later bad byte must
+    not count it twice."""
+    at = (1 << 20) - 1 + 2 + 10  # 'a' * (2^20 - 1), then 'é' across the boundary, then 10 'b', then 0xff
+    bad = tmp_path / "split.txt"
+    bad.write_bytes(b"a" * ((1 << 20) - 1) + "é".encode() + b"b" * 10 + b"\xff" + b"tail\n")
+    with pytest.raises(DataError, match=rf"split.txt is not valid UTF-8 \(byte offset {at}\)"):
+        list(iter_documents(str(bad)))
+
+
+def test_whitespace_only_jsonl_records_are_skipped(tmp_path):
+    """Mutant src-jsonl-blank-doc (`text.strip()` -> `text`): a record of blanks is no document."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("one", "  \n\t", "two")))
+    assert [d.text for d in iter_documents(str(path))] == ["one", "two"]
+
+
+def test_folder_suffixes_are_matched_without_case(tmp_path):
+    """Mutant src-suffix-case: README.MD and NOTES.TXT are text files of a folder source too."""
+    (tmp_path / "NOTES.TXT").write_text("upper")
+    (tmp_path / "b.Md").write_text("mixed")
+    (tmp_path / "c.txt").write_text("lower")
+    assert sorted(d.text for d in iter_documents(str(tmp_path))) == ["lower", "mixed", "upper"]
+
+
+def test_source_description_names_the_jsonl_field_and_the_task_count(tmp_path):
+    """Mutants src-desc-field and src-desc-tasks-n: another JSONL text field, or another number of
+    generator examples, is other data (a token cache keyed on the description must not be reused)."""
+    from looplm.data.sources import describe_source
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "a", "body": "b"}) + "\n")
+    assert describe_source(str(path), text_field="text") != describe_source(str(path), text_field="body")
+    assert describe_source("tasks", n_task_examples=10) != describe_source("tasks", n_task_examples=20)

@@ -137,3 +137,13 @@ def test_unknown_kind_lists_known() -> None:
         generate_examples(TaskConfig(kinds=("nope",)), 1, seed=0)
     with pytest.raises(ValueError):
         generate_examples(TaskConfig(min_difficulty=3, max_difficulty=2), 1, seed=0)
+
+
+def test_one_digit_additions_draw_every_digit_including_zero() -> None:
+    """Mutant task-add-lo (operands from 10^(k-1) at k = 1 too): one-digit operands are 0..9; k-digit
+    ones (k > 1) have no leading zero, 10^(k-1)..10^k - 1."""
+    rng = random.Random(0)
+    ones = [ex.prompt[1:-1].split(",") for ex in (TASKS["add"](rng, 1) for _ in range(400))]
+    assert {int(x) for pair in ones for x in pair} == set(range(10))
+    threes = [ex.prompt[1:-1].split(",") for ex in (TASKS["add"](rng, 3) for _ in range(400))]
+    assert all(100 <= int(x) <= 999 for pair in threes for x in pair)

@@ -129,3 +129,23 @@ def test_attention_estimate_counts_q_k_and_v(tiny_model_config):
     assert perplexity_bytes(b, L, B, ce_chunk_rows=4) - perplexity_bytes(a, L, B, ce_chunk_rows=4) == (
         B * L * 2 * 2 * a.head_dim * 4
     )
+
+
+def test_peak_is_the_weights_and_the_larger_protocol():
+    """Mutants mem-batch-min (a batch larger than the rows measured), mem-sharing-off (the sharing table
+    counted when it is skipped) and mem-peak-ppl (the sharing protocol left out of the peak): a CacheEval
+    span whose full cache and logits outweigh one perplexity row."""
+    from looplm.eval.report import EvalConfig
+
+    weights = parameter_count(CFG) * 4
+    cfg = EvalConfig(depths=(1, 16), batch_size=32, max_sequences=1, sharing_sequences=1, cacheeval_span=(8, 56))
+    est = eval_peak_bytes(CFG, 64, cfg)
+    ppl, sharing = perplexity_bytes(CFG, 64, 1), sharing_bytes(CFG, 64, 16, (8, 56))
+    assert sharing > ppl and est == {
+        "weights": weights,
+        "perplexity": ppl,
+        "sharing": sharing,
+        "peak": weights + sharing,
+    }
+    cfg.sharing_sequences = 0
+    assert eval_peak_bytes(CFG, 64, cfg) == {"weights": weights, "perplexity": ppl, "sharing": 0, "peak": weights + ppl}

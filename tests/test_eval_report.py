@@ -95,3 +95,57 @@ def test_a_sample_prompt_is_measured_with_its_bos_token():
     too_long = EvalConfig(depths=(1,), sample_depths=(2,), sample_prompt="x" * 16, sample_tokens=8)
     with pytest.raises(ValueError, match="does not fit the context max_seq_len=16"):
         too_long.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tok)
+
+
+def test_a_cacheeval_span_may_fill_a_row_exactly():
+    """Mutant ev-span-ge: P + C equal to the rows' length fits; one more token does not."""
+    from looplm.eval.report import EvalConfig
+
+    EvalConfig(cacheeval_span=(40, 24)).check_span(64)
+    with pytest.raises(ValueError, match=r"--cacheeval-span: P \+ C = 65 tokens do not fit the data's rows of 64"):
+        EvalConfig(cacheeval_span=(40, 25)).check_span(64, prefix="--")
+
+
+def test_the_default_sample_prompt_is_the_first_line_of_the_first_held_out_document():
+    """Mutants ev-prompt-32 (the whole held-out split decoded, not 32 tokens) and ev-prompt-line (the
+    32 tokens given, not their first line): a first line and its newline; a first line longer than 32
+    tokens is cut at 32; blank text falls back to the built-in speaker line."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from looplm.data import ByteTokenizer
+    from looplm.data.record import DataRecord
+    from looplm.eval.report import TEXT_SAMPLE_PROMPT, EvalConfig, sample_prompt_for
+
+    tok, record = ByteTokenizer(), DataRecord(source="/corpora/held.txt")
+
+    def val(*docs):
+        ids = [tok.encode(d) for d in docs]
+        starts = np.cumsum([0] + [len(i) for i in ids[:-1]])
+        return SimpleNamespace(tokens=np.concatenate(ids), doc_starts=starts)
+
+    cfg = EvalConfig()
+    assert sample_prompt_for(cfg, record, val("First line\nsecond line\n", "other\n"), tok) == "First line\n"
+    long = "w" * 40 + "\nnext\n"
+    assert sample_prompt_for(cfg, record, val(long, "other\n"), tok) == "w" * 32
+    assert sample_prompt_for(cfg, record, val("   \n\n   "), tok) == TEXT_SAMPLE_PROMPT
+
+
+def test_the_default_sample_prompt_stays_inside_the_first_document():
+    """BUG (fails on the current source): the held-out split packs documents back to back, each followed
+    by eos (looplm.data.packing). A first document shorter than 32 tokens without a newline gave its 32
+    tokens read on into the next document, and decode skips the eos, so the prompt glued two documents
+    ("HiNext document\\n"). The prompt is the first document's text only."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from looplm.data import ByteTokenizer
+    from looplm.data.record import DataRecord
+    from looplm.eval.report import EvalConfig, sample_prompt_for
+
+    tok = ByteTokenizer()
+    docs = [tok.encode("Hi") + [tok.eos_id], tok.encode("Next document\n") + [tok.eos_id]]
+    val = SimpleNamespace(tokens=np.array(docs[0] + docs[1]), doc_starts=np.array([0, len(docs[0])]))
+    assert sample_prompt_for(EvalConfig(), DataRecord(source="/corpora/held.txt"), val, tok) == "Hi"

@@ -271,7 +271,8 @@ def sample_prompt_for(cfg: EvalConfig, data: DataRecord, val=None, tokenizer=Non
     if data.source == BUILTIN_TEXT or val is None or tokenizer is None or not len(val.doc_starts):
         return TEXT_SAMPLE_PROMPT
     start = int(val.doc_starts[0])
-    text = tokenizer.decode([int(t) for t in val.tokens[start : start + 32]])
+    end = int(val.doc_starts[1]) if len(val.doc_starts) > 1 else len(val.tokens)  # not into the next document
+    text = tokenizer.decode([int(t) for t in val.tokens[start : min(start + 32, end)]])
     line = text.split("\n", 1)[0]
     return line + "\n" if line.strip() and "\n" in text else (text if text.strip() else TEXT_SAMPLE_PROMPT)
 
