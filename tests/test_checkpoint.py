@@ -517,3 +517,97 @@ def test_a_sharded_export_folder_loads_every_shard(tmp_path):
     assert sorted(got) == sorted(k[len("model.") :] for k in state)
     for k, v in state.items():
         assert torch.equal(got[k[len("model.") :]], v)
+
+
+# -- found by mutating the checkpoint code (second sweep) ----------------------------------------------
+# C01, C02: checkpointing.py passed keep=2 to save_step (single file) / point_latest (sharded) instead of
+# train.keep_checkpoints
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+def test_keep_checkpoints_prunes_to_the_newest(tmp_path, tmp_path_factory, sharded):
+    kw = dict(train__steps=4, train__checkpoint_every=1, train__keep_checkpoints=3)
+    if sharded:
+        t = sharded_trainer(tmp_path_factory, tmp_path, "run", **kw)
+    else:
+        t = Trainer(tiny_job(tmp_path, "run", cache=shared_cache(tmp_path_factory), **kw))
+    t.fit()
+    assert sorted(p.name for p in t.ckpt_root.iterdir()) == ["latest", "step_0000002", "step_0000003", "step_0000004"]
+    assert ckpt.resolve(t.out_dir).name == "step_0000004" and ckpt.is_sharded(ckpt.resolve(t.out_dir)) == sharded
+
+
+# C03: checkpointing.py `load` of a sharded checkpoint dropped `set_rng_state(rng, ...)` (the torchrun test
+# checks it on ranks; this one in one process)
+def test_a_sharded_resume_restores_the_saved_rng(sharded_runs, tmp_path, tmp_path_factory):
+    run = shutil.copytree(sharded_runs / "sync", tmp_path / "sync")
+    path = ckpt.resolve(run)
+    planted = torch.Generator().manual_seed(1234).get_state().tolist()
+    (path / "rng" / "rank_00000.json").write_text(json.dumps({"torch": planted, "cuda": None}))
+    rewrite_manifest(path)
+    torch.manual_seed(99)
+    Trainer(tiny_job(tmp_path, "sync", cache=shared_cache(tmp_path_factory), train__steps=4, train__resume=True))
+    assert torch.get_rng_state().tolist() == planted
+
+
+# C04, C05: checkpointing.py `_commit` ignored a rank's failed write (committed a checkpoint missing its
+# shards) or left the temporary folder behind
+def test_a_failed_asynchronous_write_is_an_error_and_leaves_nothing(tmp_path, tmp_path_factory, monkeypatch):
+    from looplm.train.checkpointing import Checkpointer
+
+    t = sharded_trainer(tmp_path_factory, tmp_path, "run", train__steps=2, train__async_checkpoint=True)
+
+    def failing(self, tmp, rng_file):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Checkpointer, "_own_digests", failing)
+    t.train_step()
+    t.save()
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"writing checkpoint .*step_0000001 failed: rank 0: OSError\('disk full'\)"
+    ):
+        t.checkpointer.wait()
+    assert sorted(p.name for p in t.ckpt_root.iterdir()) == []  # no step folder, no temporary one, no `latest`
+
+
+# K01: checkpoint.py read_rng `files[rank % len(files)]` -> `files[0]` (every rank took rank 0's RNG)
+def test_read_rng_takes_the_ranks_own_state_modulo_the_saved_ranks(tmp_path):
+    (tmp_path / ckpt.RNG).mkdir()
+    for r in range(2):
+        (tmp_path / ckpt.RNG / f"rank_{r:05d}.json").write_text(json.dumps({"torch": [r], "cuda": None}))
+    assert [ckpt.read_rng(tmp_path, r)["torch"] for r in range(4)] == [[0], [1], [0], [1]]
+    assert ckpt.read_rng(tmp_path / "single-file", 0) is None
+
+
+# K02, K03: consolidate dropped the saved RNG (the consolidated checkpoint did not resume: no torch_rng), or
+# wrote into a non-empty folder (the torchrun test checks this through the command)
+def test_a_consolidated_checkpoint_resumes_with_rank_0s_rng(sharded_runs, tmp_path, tmp_path_factory):
+    out = tmp_path / "single"
+    path = ckpt.consolidate(sharded_runs / "sync", out)
+    rng = json.loads((ckpt.resolve(sharded_runs / "sync") / "rng" / "rank_00000.json").read_text())
+    assert ckpt.read_json(path, "trainer_state.json")["torch_rng"] == rng["torch"]
+    torch.manual_seed(99)
+    t = Trainer(tiny_job(tmp_path, "single", cache=shared_cache(tmp_path_factory), train__steps=4, train__resume=True))
+    assert t.step == 2 and torch.get_rng_state().tolist() == rng["torch"]
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    with pytest.raises(ckpt.CheckpointError, match="is not empty; consolidate into a new"):
+        ckpt.consolidate(sharded_runs / "sync", tmp_path / "used")
+    assert sorted(p.name for p in (tmp_path / "used").iterdir()) == ["notes.txt"]
+
+
+# K04: checkpoint.py refuse_overlap lost `or out in source.parents` (an output folder holding a standalone
+# checkpoint folder was accepted)
+def test_refuse_overlap_refuses_a_folder_that_holds_the_source(tmp_path):
+    from looplm.errors import UserError
+
+    run_ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    standalone = tmp_path / "exported" / "ck"
+    for source, out in (
+        (run_ckpt, tmp_path / "run"),
+        (run_ckpt, tmp_path / "run" / "distilled"),
+        (standalone, standalone),
+        (standalone, tmp_path / "exported"),  # holds the source folder
+        (standalone, tmp_path),
+    ):
+        with pytest.raises(UserError, match="overlaps the source run"):
+            ckpt.refuse_overlap(source, out)
+    for source, out in ((run_ckpt, tmp_path / "other"), (standalone, tmp_path / "exported-next")):
+        ckpt.refuse_overlap(source, out)  # beside it: fine

@@ -281,3 +281,63 @@ def test_advantage_uses_the_baseline_taken_before_the_update():
     scale = math.sqrt(0.25) / abs((c[0] - c[1]) / 2)  # std(CE) / std(cost), both from the first update
     assert m["advantage_abs"] == pytest.approx(scale * abs(-math.exp(-1.5) - b), rel=1e-12)
     assert s.base_cost == pytest.approx(0.9 * b + 0.1 * -math.exp(-1.5))  # the baseline moved after
+
+
+# -- found by mutating the prior (second sweep) --------------------------------------------------------
+# L01: learned.py observe `if n_targets > 0` -> `>= 0` (a microbatch without targets divided by zero)
+def test_a_microbatch_without_targets_is_not_feedback():
+    s = prior(reward="ce", warmup_updates=1000)
+    s.observe(3, 0.0, 0)
+    assert s.update()["updates"] == 0  # nothing observed: no update, no baselines
+    s.observe(3, 0.0, 0)
+    s.observe(4, 2.0, 1)
+    m = s.update()
+    assert m["updates"] == 1 and m["baseline_ce"] == 2.0  # the empty microbatch took no weight
+
+
+# L02: learned.py logits_from_run lost the `-inf` of the inactive depths (a restricted prior read back
+# from its run covered every depth)
+def test_a_restricted_prior_read_from_its_run_keeps_its_support(tmp_path):
+    from looplm.checkpoint import write_json
+    from looplm.depth.learned import logits_from_run
+
+    source = bandit(prior(init="restricted", low=3, high=7, warmup_updates=0, lr=0.2), 5, good=4)
+    write_json(tmp_path, "trainer_state.json", {"sampler": json.loads(json.dumps(source.state_dict()))})
+    logits = logits_from_run(tmp_path)
+    assert np.isneginf(logits[:2]).all() and np.isneginf(logits[7:]).all() and np.isfinite(logits[2:7]).all()
+    follow = build_sampler(DepthConfig(sampler="learned", learned=LearnedPriorConfig(init_from=tmp_path, frozen=True)))
+    np.testing.assert_allclose(follow.pmf(), source.pmf(), rtol=1e-12, atol=0)
+    assert (follow.pmf()[:2] == 0).all() and (follow.pmf()[7:] == 0).all()
+
+
+# L03: learned.py load_state_dict lost its cap check (a torch shape error instead of the message)
+def test_loading_a_prior_of_another_cap_is_refused_by_name():
+    from looplm.errors import UserError
+
+    short = build_sampler(DepthConfig(sampler="learned", cap=8, depth=5.0))
+    with pytest.raises(UserError, match="checkpoint's depth prior has 64 depths, this run 8"):
+        short.load_state_dict(prior().state_dict())
+
+
+# L04, L07: the prior's Adam settings: betas in [0, 1), lr > 0
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"beta1": 1.0}, r"beta1 must be in \[0, 1\), got 1.0"),
+        ({"beta2": 1.0}, r"beta2 must be in \[0, 1\), got 1.0"),
+        ({"lr": 0.0}, "lr must be > 0"),
+    ],
+)
+def test_prior_optimizer_settings_on_the_open_bound_are_refused(setting, match):
+    with pytest.raises(ValueError, match=match):
+        prior(**setting)
+    prior(beta1=0.0, beta2=0.0, ema_decay=0.0)  # the closed bound is allowed
+
+
+# L05, L06: metrics `p{target}` read p[target] (the next depth's mass); `allocation` counted 1 per depth drawn
+def test_metrics_report_the_targets_mass_and_every_draw():
+    s = build_sampler(DepthConfig(sampler="learned", depth=4.6, seed=3))
+    draws = [s.draw() for _ in range(200)]
+    m = s.metrics()
+    assert m["p5"] == s.pmf()[4]  # round(4.6) = 5: the probability of depth 5 (index 4)
+    assert m["allocation"] == [draws.count(r) for r in range(1, CAP + 1)] and sum(m["allocation"]) == 200

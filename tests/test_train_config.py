@@ -37,3 +37,14 @@ def test_presets_train_in_bf16_on_cuda_and_fp32_on_cpu(preset):
     assert resolve_dtype(precision, torch.device("cpu")) == torch.float32
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16  # asked for explicitly
     assert resolve_dtype("fp32", torch.device("cuda")) == torch.float32
+
+
+# F02-F04: the optimisation defaults and the paper's peak learning rate (design §6)
+def test_optimisation_defaults_follow_the_design():
+    from looplm.train.config import TrainConfig
+
+    t = TrainConfig()
+    assert (t.beta1, t.beta2, t.weight_decay, t.grad_clip) == (0.9, 0.98, 0.1, 1.0)
+    assert (t.warmup_frac, t.decay_frac) == (1 / 20, 1 / 10)  # W = T/20, D = T/10
+    assert job_preset("S").train.lr == 1.5e-3  # paper peak at S (fixed depth, PLN)
+    assert all(job_preset(p).train.warmup_frac == 1 / 20 for p in ("tiny", *PAPER))

@@ -739,3 +739,45 @@ def test_collectives_scan_sees_every_spelling(tmp_path):
         "def all_reduce(x):\n    return x\nall_reduce(1)\n"
     )
     assert collective_uses(tmp_path / "m.py") == []  # queries and a local namesake are not collectives
+
+
+# -- found by mutating distributed.py (second sweep) ---------------------------------------------------
+# D01: rank_share lost its divisibility check (rows silently dropped)
+def test_rank_share_splits_evenly_or_refuses():
+    from looplm.errors import UserError
+
+    assert D.rank_share(8, DistEnv(world_size=2), "rows") == 4 and D.rank_share(8, DistEnv(), "rows") == 8
+    with pytest.raises(
+        UserError, match="rows 7 \\(per step over all ranks\\) must be divisible by the number of ranks, 2"
+    ):
+        D.rank_share(7, DistEnv(world_size=2), "rows")
+
+
+# D02: all_reduce_gradients did not advance its offset (every parameter got the first one's values)
+@pytest.mark.parametrize("group", ["gloo"], indirect=True)
+def test_all_reduce_gradients_hands_each_parameter_its_own_gradient(group):
+    env = DistEnv(device=torch.device("cpu"), comm_device=torch.device("cpu"), joined=True)
+    a, b, c = (torch.nn.Parameter(torch.zeros(s)) for s in ((3,), (2, 2), (2,)))
+    a.grad = torch.tensor([1.0, 2.0, 3.0])
+    b.grad = torch.tensor([[4.0, 5.0], [6.0, 7.0]])
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    D.all_reduce_gradients([a, frozen, b, c], env)  # c has no gradient on this rank: zeros
+    assert torch.equal(a.grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(b.grad, torch.tensor([[4.0, 5.0], [6.0, 7.0]]))
+    assert torch.equal(c.grad, torch.zeros(2)) and frozen.grad is None
+
+
+# D03: init_distributed defaulted LOCAL_WORLD_SIZE to 1 (HSDP's shard group: every rank its own node)
+def test_local_world_size_defaults_to_the_world(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(D, "served_device_types", lambda group=None: {"cpu"})
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for var, value in (("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(var, value)
+    env = D.init_distributed("cpu")
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 4, 1, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert D.init_distributed("cpu").local_world_size == 2

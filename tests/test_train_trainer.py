@@ -1012,3 +1012,229 @@ def test_weight_decay_spares_the_injection_matrices(tiny_model_config, injection
     # design §12: matrices of the blocks, embedding and head; no norm gains, no injection parameters
     assert names == {n for n, p in model.named_parameters() if p.ndim >= 2} - injection_matrices
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+# -- found by mutating the trainer (second sweep): run lengths, resume state, records, refusals -----------
+# T01: trainer.py fit `end = min(t.steps, t.stop_after)` -> `end = t.stop_after` (trained past the schedule)
+def test_stop_after_past_the_schedule_ends_at_its_last_step(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, train__steps=3, train__stop_after=10))
+    summary = t.fit()
+    assert summary["step"] == 3 and sorted(losses(t.out_dir)) == [1, 2, 3]
+    assert t.latest_checkpoint().name == "step_0000003"
+
+
+# T02: trainer.py _warn_cpu `end - done` -> `end` (a resumed run was warned about the whole schedule)
+def test_the_cpu_warning_of_a_resumed_run_counts_the_steps_left(capsys):
+    from types import SimpleNamespace
+
+    from looplm.train.config import job_preset
+    from looplm.train.distributed import DistEnv
+
+    j = job_preset("S").resolved()
+    j.data.source = "corpus.txt"
+    resumed = SimpleNamespace(  # what `_warn_cpu` reads of a trainer resuming at step 19,000 of 20,000
+        job=j,
+        data=j.data,
+        env=DistEnv(),
+        _saved={"step": 19_000},
+        sampler=build_sampler(j.depth),
+        layout=BatchLayout(global_rows=1, grad_accum=8),
+    )
+    Trainer._warn_cpu(resumed, SimpleNamespace(vocab_size=64256))  # the tokenizer the checkpoint brings
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: preset S")]
+    # a fresh run's warning says 20,000 steps and 4.4e+18 FLOPs (test above): 1/20 of that is left
+    assert "preset S on a CPU: 1,000 steps of a 303.58 M-parameter model (65,536 tokens a step, 2.2e+17 FLOPs)" in line
+
+
+# T03, T04: trainer.py `self.step % t.log_every == 0 or self.step == end` (and eval's) lost `or self.step == end`
+def test_the_last_step_is_logged_and_evaluated_off_the_cadence(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, train__steps=3, train__log_every=2, train__eval_every=2, train__eval_batches=1))
+    t.fit()
+    assert sorted(step_records(t.out_dir)) == [2, 3]
+    assert [r["step"] for r in read_metrics(t.out_dir) if "val_loss" in r] == [2, 3]
+
+
+# T05: trainer.py the log window's depths were not reset after a record
+def test_mean_depth_window_averages_the_depths_since_the_last_record(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, train__steps=6, train__log_every=3))
+    drawn = []
+    step = t.train_step
+
+    def recording():
+        res = step()
+        drawn.append(res.depths)
+        return res
+
+    t.train_step = recording
+    t.fit()
+    records = step_records(t.out_dir)
+    assert sorted(records) == [3, 6]
+    for s in (3, 6):
+        window = [d for ds in drawn[s - 3 : s] for d in ds]
+        assert records[s]["mean_depth_window"] == pytest.approx(sum(window) / len(window), rel=1e-12), s
+    first, second = (sum(sum(ds) for ds in drawn[a : a + 3]) for a in (0, 3))
+    assert first != second  # the windows' means differ, so a window that kept step 1-3's depths shows
+
+
+# T06: trainer.py `_load` dropped the restore of flops_seen (or elapsed_s)
+def test_resume_restores_the_flops_and_time_counters(tmp_path, cache):
+    first = Trainer(job(tmp_path, cache, train__steps=4, train__stop_after=2))
+    first.fit()
+    assert first.flops_seen > 0 and first.elapsed > 0
+    second = Trainer(job(tmp_path, cache, train__steps=4, train__resume=True))
+    assert (second.flops_seen, second.elapsed, second.tokens_seen) == (
+        first.flops_seen,
+        first.elapsed,
+        first.tokens_seen,
+    )
+    summary = second.fit()
+    last = step_records(second.out_dir)[4]
+    assert last["flops"] == pytest.approx(second.flops_seen) and second.flops_seen > first.flops_seen
+    assert summary["elapsed_s"] > first.elapsed
+    assert summary["tokens"] == 4 * 4 * 2 * 64 and summary["session_tokens"] == 2 * 4 * 2 * 64  # T26
+
+
+# T08/T09/C01: RESUMABLE_CHANGES lost "train.keep_checkpoints" / "data.cache_dir"; Checkpointer.save passed
+# keep=2 instead of train.keep_checkpoints
+def test_resume_may_change_kept_checkpoints_cache_folder_and_eval_batches(stopped_run, cache):
+    t = Trainer(
+        job(
+            stopped_run,
+            cache,
+            train__steps=4,
+            train__resume=True,
+            train__keep_checkpoints=3,
+            train__checkpoint_every=1,
+            train__eval_batches=2,
+            train__prefetch=False,
+            data__cache_dir=cache / "elsewhere" / "..",  # the same folder, spelt otherwise
+        )
+    )
+    assert t.step == 2
+    t.fit()
+    kept = sorted(p.name for p in t.ckpt_root.glob("step_*"))
+    assert kept == ["step_0000002", "step_0000003", "step_0000004"]  # keep 3, not the default 2
+
+
+# T11, T12: `_check_steps` refused steps == done; fit's summary named no checkpoint when nothing was left to train
+def test_resuming_a_finished_run_trains_nothing_and_names_its_checkpoint(stopped_run, cache):
+    t = Trainer(job(stopped_run, cache, train__steps=2, train__resume=True))
+    assert t.step == 2
+    summary = t.fit()
+    assert summary["step"] == summary["start_step"] == 2 and summary["session_tokens"] == 0
+    assert summary["checkpoint"] == str(stopped_run / "run" / "checkpoints" / "step_0000002")
+
+
+# T13: `_plan_layout` read an old checkpoint's global batch off this run's micro_batch
+def test_a_checkpoint_without_its_global_batch_keeps_the_runs_micro_batch(stopped_run, cache):
+    path = stopped_run / "run" / "checkpoints" / "step_0000002"
+    state = ckpt.read_json(path, "trainer_state.json")
+    del state["global_micro_batch"]  # written before the field existed: micro_batch x world_size then
+    ckpt.write_json(path, "trainer_state.json", state)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["sha256"]["trainer_state.json"] = ckpt.file_sha256(path / "trainer_state.json")
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    t = Trainer(job(stopped_run, cache, train__steps=4, train__resume=True, train__micro_batch=2))
+    assert (t.layout.global_rows, [len(f) for f in t.layout.forwards()]) == (4, [2, 2])
+
+
+# T14: depth_summary `b >= deepest` -> `b > deepest`
+def test_a_window_equal_to_the_deepest_draw_is_full_bptt(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=4, depth__bptt_window=4))
+    assert t.depth_summary() == "depth: fixed R = 4, backprop window b = 4 (full BPTT: no depth above 4 is drawn)"
+
+
+# T15-T18: the optimisation settings' bounds (<= 1 for the sum, > 0, [0, 1), >= 0)
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"train__lr": 0.0}, "train.lr must be > 0, got 0"),
+        ({"train__beta2": 1.0}, r"train.beta2 must be in \[0, 1\), got 1"),
+        ({"train__beta1": 1.0}, r"train.beta1 must be in \[0, 1\), got 1"),
+        ({"train__weight_decay": -0.1}, "train.weight_decay must be >= 0, got -0.1"),
+        ({"train__warmup_frac": 0.6, "train__decay_frac": 0.5}, r"warmup_frac \+ decay_frac must be <= 1, got 1.1"),
+    ],
+)
+def test_optimisation_settings_out_of_range_are_refused(tmp_path, overrides, match):
+    with pytest.raises(UserError, match=match):
+        Trainer(job(tmp_path, tmp_path / "fresh-cache", **overrides))
+    assert not (tmp_path / "fresh-cache").exists()
+
+
+def test_optimisation_settings_on_their_bounds_are_accepted(tmp_path, cache):
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            train__warmup_frac=0.5,
+            train__decay_frac=0.5,
+            train__weight_decay=0.0,
+            train__grad_clip=0.0,
+            train__beta1=0.0,
+            train__beta2=0.0,
+        )
+    )
+    assert all(g["weight_decay"] == 0.0 for g in t.optimizer.param_groups)
+
+
+# T19, T20: the `looplm tokenize` command named for a .jsonl (--text-field) and an hf:<name>:<split> source
+@pytest.mark.parametrize(
+    ("source", "out"),
+    [("data/x.jsonl", "data/x-tokenized"), ("hf:org/name:train", "org-name-train-tokenized")],
+)
+def test_torchrun_on_records_names_their_text_field_and_output(source, out):
+    from looplm.train.config import DataConfig
+    from looplm.train.trainer import refuse_rank0_preparation
+
+    d = DataConfig(source=source, tokenizer="bpe", text_field="body")
+    with pytest.raises(UserError) as err:
+        refuse_rank0_preparation(2, d, seed=3, tokenizer=None)
+    cmd = f"looplm tokenize {source} {out} --tokenizer bpe --bpe-vocab-size 4096 --holdout 0.05 --text-field body --seed 3"
+    assert f"`{cmd}`" in str(err.value) and str(err.value).endswith(f"--data.source {out}")
+
+
+# T21: the optimizer took (beta2, beta1)
+def test_the_optimizer_is_adamw_with_the_jobs_settings(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, train__beta1=0.8, train__beta2=0.95, train__lr=2e-3))
+    assert isinstance(t.optimizer, torch.optim.AdamW)
+    for g in t.optimizer.param_groups:
+        assert (tuple(g["betas"]), g["eps"], g["lr"]) == ((0.8, 0.95), 1e-8, 2e-3)  # design §6: eps 1e-8
+
+
+# T22: the non-finite loss check dropped (the run went on, logging and checkpointing NaN weights)
+def test_a_non_finite_loss_stops_the_run(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, train__steps=3, train__checkpoint_every=1))
+    step = t.train_step
+
+    def diverging():
+        res = step()
+        if t.step == 2:
+            res.loss = float("nan")
+        return res
+
+    t.train_step = diverging
+    with pytest.raises(FloatingPointError, match="non-finite loss at step 2; lower --train.lr"):
+        t.fit()
+    assert t.latest_checkpoint().name == "step_0000001"
+
+
+# F01: config.py vocab_size_for `job_vocab < tokenizer_vocab` -> `<=` (a vocabulary equal to the tokenizer's refused)
+def test_a_vocabulary_equal_to_the_tokenizers_is_accepted():
+    from looplm.train.config import vocab_size_for
+
+    assert vocab_size_for(258, 258) == 258 and vocab_size_for(0, 258) == 258 and vocab_size_for(300, 258) == 300
+    with pytest.raises(UserError, match="257 is smaller than the tokenizer's 258"):
+        vocab_size_for(257, 258)
+
+
+# S01, S02: startup.py `steps <= 0` -> `steps < 0` (a warning for nothing left to train); `days >= 2` -> `days >= 1`
+def test_the_cpu_warning_has_nothing_to_say_of_no_steps_and_says_hours_below_two_days():
+    from looplm.config import model_preset
+    from looplm.train.startup import cpu_warning
+
+    s = model_preset("S")
+    assert cpu_warning(s, 3e8, 0, 1000, 1.296e9, "cpu") is None
+    # 1.296e17 FLOPs at 1e12 FLOP/s: 129,600 s = 1.5 days, said in hours
+    line = cpu_warning(s, 3e8, 100_000, 1000, 1.296e9, "cpu")
+    assert "take about 36 hours even at 1 TFLOP/s" in line, line
+    assert "take about 3 days" in cpu_warning(s, 3e8, 200_000, 1000, 1.296e9, "cpu")  # 3.0 days
