@@ -171,10 +171,12 @@ def _attention(q, k, v):  # [B, L, H, hd] each; causal, one query at a time
     return out
 
 
-def _sandwich(x, w, p, base, qk_bias):
+def _sandwich(x, w, p, base, qk_bias, kv=HEADS):
     B, L, _ = x.shape
     qkv = _norm(x, w[p + "norm_1.weight"]) @ w[p + "attn.Wqkv.weight"].T
-    q, k, v = (t.reshape(B, L, HEADS, HD) for t in qkv.split([D, D, D], -1))
+    q, k, v = qkv.split([D, kv * HD, kv * HD], -1)
+    q = q.reshape(B, L, HEADS, HD)  # grouped-query: query head h reads key/value head h // (HEADS / kv)
+    k, v = (t.reshape(B, L, kv, HD).repeat_interleave(HEADS // kv, 2) for t in (k, v))
     if qk_bias:
         q, k = q + w[p + "attn.qk_bias"][0], k + w[p + "attn.qk_bias"][1]
     att = _attention(_rope_interleaved(q, base), _rope_interleaved(k, base), v).reshape(B, L, D)
@@ -194,20 +196,20 @@ def load_source(root: Path) -> tuple[dict, dict]:
 
 def reference_logits(root: Path, tokens, depth, state0):
     config, w = load_source(root)
-    base, qkb = config["rope_base"], config["qk_bias"]
+    base, qkb, kv = config["rope_base"], config["qk_bias"], config["num_key_value_heads"]
     e = w["transformer.wte.weight"][tokens] * config["init_values"]["embed_scale"]
     for i in range(config["n_layers_in_prelude"]):
-        e = _sandwich(e, w, f"transformer.prelude.{i}.", base, qkb)
+        e = _sandwich(e, w, f"transformer.prelude.{i}.", base, qkb, kv)
     s = state0.double()
     for _ in range(depth):
         s = torch.cat([s, e], -1) @ w["transformer.adapter.weight"].T
         if "transformer.adapter.bias" in w:
             s = s + w["transformer.adapter.bias"]
         for i in range(config["n_layers_in_recurrent_block"]):
-            s = _sandwich(s, w, f"transformer.core_block.{i}.", base, qkb)
+            s = _sandwich(s, w, f"transformer.core_block.{i}.", base, qkb, kv)
     s = _norm(s, w["transformer.ln_f.weight"])  # once after the loop
     for i in range(config["n_layers_in_coda"]):
-        s = _sandwich(s, w, f"transformer.coda.{i}.", base, qkb)
+        s = _sandwich(s, w, f"transformer.coda.{i}.", base, qkb, kv)
     head = w.get("lm_head.weight", w["transformer.wte.weight"])
     return _norm(s, w["transformer.ln_f.weight"]) @ head.T
 
@@ -254,6 +256,38 @@ def test_logits_match_the_source_equations(tmp_path, overrides):
     print(f"huginn max |delta logit| = {worst:.2e}")
     assert worst <= 1e-4
     assert job["depth"]["depth"] == 32.0
+
+
+def test_grouped_query_heads_and_the_release_init_values(tmp_path):
+    """Mutants: Wqkv split as [kv, q, kv] rows or its shape taken as 3 * heads (grouped-query heads,
+    allowed without qk_bias); init_values.embed_scale ignored (sqrt(d) used), the state std read from
+    init_values.embedding instead of init_values.std, max_depth not 2 * mean_recurrence. Each value here
+    differs from its default, so only the config's own numbers give the source's logits."""
+    KV = 2
+    init = {"embed_scale": 3.0, "embedding": 0.05, "out_proj": 0.001, "std": 0.1}
+
+    def gqa(state):
+        g = torch.Generator().manual_seed(5)
+        for k in [k for k in state if k.endswith("attn.Wqkv.weight")]:
+            state[k] = (torch.randn((HEADS + 2 * KV) * HD, D, generator=g) * 0.2).bfloat16()
+        for k in [k for k in state if k.endswith("qk_bias")]:
+            del state[k]
+
+    src = make_huginn(
+        tmp_path / "huginn", mutate=gqa, num_key_value_heads=KV, qk_bias=False, init_values=init, mean_recurrence=40
+    )
+    model, _, job = load_model(convert_huginn(src, tmp_path / "converted", dtype="fp32"))
+    c = model.cfg
+    assert (c.n_heads, c.n_kv_heads, c.embed_scale, c.max_depth) == (HEADS, KV, 3.0, 80)
+    assert c.state_std == pytest.approx(0.1 * 3.0)
+    assert job["depth"]["depth"] == 40.0
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=g)
+    state0 = torch.randn(2, 9, D, generator=g) * 0.3
+    for depth in (1, 3):
+        with torch.no_grad():
+            got = model(tokens, depth, state0=state0).logits.double()
+        assert (got - reference_logits(src, tokens, depth, state0)).abs().max() <= 1e-4
 
 
 def test_tied_embeddings_stay_tied_and_the_tokenizer_keeps_its_specials(tmp_path):

@@ -364,6 +364,7 @@ def _drop(state):
         (None, {"num_key_value_heads": 4}, r"k_proj.weight has shape \(16, 32\), config.json implies \(32, 32\)"),
         (None, {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
         (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        (None, {"layer_types": ["full_attention"] * (LAYERS + 1)}, f"layer_types has {LAYERS + 1} entries"),
         (
             None,
             {"vocab_size": 999},
@@ -406,3 +407,17 @@ def test_ouro_keeps_the_release_norm_eps_and_defaults_to_four_loops(tmp_path):
     model, _, job = load_model(convert_ouro(src, tmp_path / "out"))
     assert model.cfg.norm_eps == 1e-5
     assert job["depth"]["depth"] == 4
+
+
+def test_context_length_and_untied_head_follow_ouroconfig(tmp_path):
+    """Mutants: max_seq_len not read from max_position_embeddings (64 here), and tie_word_embeddings
+    defaulting to True: OuroConfig's default is False, so a config.json without the key keeps its own
+    lm_head (whose logits are the source's, not the embedding's)."""
+    src = make_ouro(tmp_path / "ouro")
+    _drop_keys(src, "tie_word_embeddings")
+    model, _, _ = load_model(convert_ouro(src, tmp_path / "converted"))
+    assert model.cfg.max_seq_len == 64 and not model.cfg.tie_embeddings
+    tokens = torch.arange(5)[None] + 4
+    want, _ = reference(src, tokens, 2)
+    with torch.no_grad():
+        assert (model(tokens, 2).logits.double() - want[-1]).abs().max() <= 1e-4

@@ -160,7 +160,7 @@ def _rope_interleaved(t, start=0):  # t [B, L, H, hd] at positions start..: pair
     return torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2)
 
 
-def _block(h, w, p, flat, x, past=None):
+def _block(h, w, p, flat, x, past=None, qk_norm=True):
     """One block over the chunk h [B, L, D] (tokens x); `past` = (K, V) [B, P, H, HD] of P earlier
     tokens (K after RoPE and the q/k norm) that the chunk, at positions P.., also attends to.
     Returns (output, (K, V) of the past and the chunk)."""
@@ -174,7 +174,9 @@ def _block(h, w, p, flat, x, past=None):
         gate = 2 * torch.sigmoid(n[..., :32] @ w[p + "attn.ve_gate.weight"].T)  # [B, L, H_kv]
         v = v + gate[..., None] * w[f"value_embeds.{flat}.weight"][x].view(B, L, HEADS, HD)
     eps = torch.finfo(torch.float32).eps
-    q, k = _rms(_rope_interleaved(q, start), eps=eps), _rms(_rope_interleaved(k, start), eps=eps)
+    q, k = _rope_interleaved(q, start), _rope_interleaved(k, start)
+    if qk_norm:
+        q, k = _rms(q, eps=eps), _rms(k, eps=eps)
     if past is not None:
         k, v = torch.cat([past[0], k], 1), torch.cat([past[1], v], 1)
     att = torch.einsum("blhd,bmhd->bhlm", q, k) / math.sqrt(HD)
@@ -185,30 +187,33 @@ def _block(h, w, p, flat, x, past=None):
     return h + (0.5 * F.relu(n2 @ w[p + "mlp.fc.weight"].T).pow(2)) @ w[p + "mlp.proj.weight"].T, (k, v)
 
 
-def reference(w: dict, x: torch.Tensor, state0: torch.Tensor, steps: int, kept: dict | None = None) -> torch.Tensor:
+def reference(
+    w: dict, x: torch.Tensor, state0: torch.Tensor, steps: int, kept: dict | None = None, qk_norm: bool = True
+) -> torch.Tensor:
     """Logits of the tokens x at `steps` recurrences from the initial state `state0`. With `kept`
     ({block: (K, V) of the earlier tokens}, updated in place) the chunk attends to earlier tokens as
     a terminal cache holds them: every block's K/V of each token, the core blocks' from the token's
-    last recurrence (design §7)."""
+    last recurrence (design §7). Without ln_prelude (prelude_norm false) e~ = e; an lm_head is untied."""
     blocks = _blocks()
     kept = {} if kept is None else kept
     new = {}
     e = w["transformer.wte.weight"][x]
     for p, flat, _ in blocks[:P]:
-        e, new[p] = _block(e, w, p, flat, x, kept.get(p))
-    e = _rms(e, w["transformer.ln_prelude.weight"])
+        e, new[p] = _block(e, w, p, flat, x, kept.get(p), qk_norm)
+    if "transformer.ln_prelude.weight" in w:
+        e = _rms(e, w["transformer.ln_prelude.weight"])
     dt = F.softplus(w["transformer.adapter.dt_bias"])
     decay = torch.exp(-dt * torch.exp(w["transformer.adapter.A_log"]))
     s = state0.double()
     for _ in range(steps):
         s = decay * s + dt * (e @ w["transformer.adapter.B"].T)
         for p, flat, _ in blocks[P : P + K]:
-            s, new[p] = _block(s, w, p, flat, x, kept.get(p))  # the last recurrence's K/V stay
+            s, new[p] = _block(s, w, p, flat, x, kept.get(p), qk_norm)  # the last recurrence's K/V stay
     h = s @ w["transformer.C.weight"].T
     for p, flat, _ in blocks[P + K :]:
-        h, new[p] = _block(h, w, p, flat, x, kept.get(p))
+        h, new[p] = _block(h, w, p, flat, x, kept.get(p), qk_norm)
     kept.update(new)
-    return _rms(h, w["transformer.ln_f.weight"]) @ w["transformer.wte.weight"].T
+    return _rms(h, w["transformer.ln_f.weight"]) @ w.get("lm_head.weight", w["transformer.wte.weight"]).T
 
 
 # -- conversion matches the source ----------------------------------------------------------------
@@ -241,6 +246,66 @@ def test_logits_match_the_source_equations(tmp_path, sharded):
         worst = max(worst, (got.double() - want).abs().max().item())
     print(f"parcae max |delta logit| = {worst:.2e}")
     assert worst <= 1e-4
+
+
+def test_nonorm_untied_variant_without_qk_norm_matches_the_source(tmp_path):
+    """Mutants: injection always "parcae-decay" (prelude_norm false has no ln_prelude: e~ = e), an
+    untied lm_head replaced by the embedding, qk_norm forced on, and max_seq_len not read from
+    block_size (64 here)."""
+
+    def untie(state):
+        del state["transformer.ln_prelude.weight"]
+        state["lm_head.weight"] = (torch.randn(*state["transformer.wte.weight"].shape) * 0.3).bfloat16()
+
+    src = make_parcae(tmp_path / "parcae", mutate=untie, prelude_norm=False, tie_embeddings=False, qk_norm=False)
+    model, _, _ = load_model(convert_parcae(src, tmp_path / "converted", dtype="fp32"))
+    c = model.cfg
+    assert (c.injection, c.tie_embeddings, c.qk_norm, c.max_seq_len) == ("parcae-nonorm", False, False, BLOCK)
+    w = load_source(src)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=g)
+    state0 = torch.randn(2, 9, D, generator=g) * c.state_std
+    for depth in (1, 3):
+        with torch.no_grad():
+            got = model(tokens, depth, state0=state0).logits.double()
+        assert (got - reference(w, tokens, state0, depth, qk_norm=False)).abs().max() <= 1e-4
+
+
+def test_vocabulary_is_padded_up_to_the_padding_multiple(tmp_path):
+    """Mutant: the padded vocabulary rounded down instead of up when config.json has no
+    padded_vocab_size (the source pads vocab_size up to a multiple of padding_multiple)."""
+    vocab = hf_tokenizer(SPECIALS).get_vocab_size()
+    assert vocab % 64
+    padded = -(-vocab // 64) * 64
+
+    def pad(state):
+        for k in [k for k in state if k == "transformer.wte.weight" or k.startswith("value_embeds.")]:
+            state[k] = torch.cat([state[k], torch.zeros(padded - vocab, state[k].shape[1], dtype=state[k].dtype)])
+
+    src = make_parcae(tmp_path / "parcae", mutate=pad, padded_vocab_size=None)
+    model, tok, _ = load_model(convert_parcae(src, tmp_path / "converted"))
+    assert model.cfg.vocab_size == padded and tok.vocab_size == vocab
+
+
+def test_refuses_value_embeddings_on_blocks_looplm_does_not_map(tmp_path):
+    """Mutant: the odd-blocks check dropped. One block per stack, one recurrence, backprop depth 1: the
+    source puts a table and a gate on prelude.0 and coda.0 (flat 0 and 2), consistent with config.json,
+    but looplm's value_embeds="odd" has none there, so converting would silently drop them."""
+
+    def even(state):
+        for k in [k for k in state if k.startswith("value_embeds.") or ".1." in k or "ve_gate" in k]:
+            del state[k]
+        g = torch.Generator().manual_seed(3)
+        for flat, p in ((0, "transformer.prelude.0."), (2, "transformer.coda.0.")):
+            state[p + "attn.ve_gate.weight"] = (torch.randn(HEADS, 32, generator=g) * 0.5).bfloat16()
+            state[f"value_embeds.{flat}.weight"] = torch.randn(*state["transformer.wte.weight"].shape).bfloat16()
+
+    one = {"n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 1, "n_layers_in_coda": 1}
+    src = make_parcae(tmp_path / "parcae", mutate=even, mean_recurrence=1, mean_backprop_depth=1, **one)
+    with pytest.raises(CheckpointError, match=r"looplm maps only the odd blocks of each stack") as err:
+        convert_parcae(src, tmp_path / "out")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_tokenizer_specials_fall_back_to_the_release_names(tmp_path):
@@ -341,6 +406,7 @@ def _lone_table(state):
         ),
         (None, {"injection_type": "linear"}, "injection_type"),
         (None, {"nonlin_name": "GELU"}, "nonlin_name"),
+        (None, {"rope_settings": {"use_rope": True, "rope_condense_ratio": 2, "rope_base": 50000}}, "condenses"),
         (None, {"num_key_value_heads": 2}, "num_key_value_heads"),
         (
             None,

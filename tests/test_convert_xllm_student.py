@@ -45,12 +45,17 @@ def make_student(
     mutate=None,
     pin: str | None = None,
     manifest: bool = True,
+    fields: dict | None = None,
 ) -> Path:
     """A release student artifact for the teacher artifact `teacher` (distill.py student_config + Student)."""
     root.mkdir(parents=True)
     teacher_fields = json.loads((teacher / "config.json").read_text())["model"]
-    fields = {k: v for k, v in teacher_fields.items() if not k.startswith(("huginn_", "loop_"))}
+    overrides, fields = (
+        fields or {},
+        {k: v for k, v in teacher_fields.items() if not k.startswith(("huginn_", "loop_"))},
+    )
     fields.update(arch="transformer", num_layers=n_layers, model_dim=d, head_dim=d // HEADS, rope_head_dim=d // HEADS)
+    fields.update(overrides)
     g = torch.Generator().manual_seed(7)
 
     def rnd(*shape, std=0.2):
@@ -200,6 +205,11 @@ def _extra(state):
         ({"mutate": _drop}, "missing tensor layers.1.nffn.fc2.weight"),
         ({"mutate": _extra}, "unknown tensor norm.weight"),
         ({"pin": "0" * 64}, "was distilled from the teacher artifact with manifest 000000000000"),
+        # fields that would give blocks of another shape or forward than the teacher's
+        ({"fields": {"num_kv_heads": HEADS}}, f"the student's num_kv_heads {HEADS} contradicts the teacher's {KV}"),
+        ({"fields": {"rope_head_dim": 4}}, "the student's rope_head_dim 4 != head_dim 8"),
+        ({"fields": {"residual_func": "gated"}}, "residual_func = 'gated'"),
+        ({"fields": {"swiglu": False}}, "model.swiglu = False"),
     ],
 )
 def test_refuses_students_that_do_not_fit_the_teacher(tmp_path, converted, kwargs, match):
@@ -244,3 +254,38 @@ def test_refuses_a_teacher_converted_without_a_manifest(tmp_path):
     with pytest.raises(CheckpointError, match="cannot be confirmed"):
         convert_xllm_loop(src, tmp_path / "out", teacher=teacher)
     assert not (tmp_path / "out").exists()
+
+
+def test_refuses_a_teacher_not_converted_from_xllm_loop(tmp_path, converted):
+    """Mutant: the teacher's provenance check dropped. A looplm checkpoint converted from
+    another family is refused as such (not later, as a teacher whose manifest cannot be confirmed)."""
+    from test_convert_huginn import make_huginn
+
+    from looplm.convert import convert_huginn
+
+    teacher_src, _ = converted
+    other = convert_huginn(make_huginn(tmp_path / "huginn"), tmp_path / "other-ckpt")
+    src = make_student(tmp_path / "student", teacher_src)
+    with pytest.raises(CheckpointError, match="is not a checkpoint converted by `looplm convert --from xllm-loop`"):
+        convert_xllm_loop(src, tmp_path / "out", teacher=other)
+    assert not (tmp_path / "out").exists()
+
+
+def test_norm_offset_is_added_to_every_block_norm_gain(tmp_path, converted):
+    """Mutant: one norm gain given a fixed + 1 instead of `norm_offset`. With norm_offset 0 the student's
+    norm gains are the stored tensors themselves; every other tensor is the same either way."""
+    teacher_src, teacher = converted
+    src = make_student(tmp_path / "student", teacher_src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {}
+    for shard in set(index.values()):
+        stored.update({k: t.float() for k, t in load_file(str(src / shard)).items()})
+    model, _, _ = load_model(teacher)
+    plain, _ = load_student(convert_xllm_loop(src, tmp_path / "s0", "fp32", teacher=teacher, norm_offset=0.0), model)
+    offset, _ = load_student(convert_xllm_loop(src, tmp_path / "s1", "fp32", teacher=teacher), model)
+    for j in range(2):
+        for looplm_name, release_name in (("attn_norm", "attention.norm"), ("ffn_norm", "nffn.norm")):
+            want = stored[f"layers.{j}.{release_name}.weight"]
+            torch.testing.assert_close(getattr(plain.blocks[j], looplm_name).weight, want, rtol=0, atol=0)
+            torch.testing.assert_close(getattr(offset.blocks[j], looplm_name).weight, want + 1, rtol=0, atol=0)
+    torch.testing.assert_close(plain.in_proj.weight, stored["in_proj.weight"], rtol=0, atol=0)

@@ -484,6 +484,21 @@ def test_auto_tokenizer_matches_the_byte_tokenizer(exported):
     assert batch["input_ids"][0].tolist() == [257, 257, 97, 98] and batch["attention_mask"][0].tolist() == [0, 0, 1, 1]
 
 
+def test_byte_tokenizer_symbols_are_the_byte_level_alphabet():
+    """Mutant: byte 0xAD (soft hyphen, not printable) kept as itself. Each byte's token is GPT-2's
+    bytes_to_unicode symbol (written out here), so every UTF-8 byte of a text encodes to its own id."""
+    from looplm.hf.export import byte_tokenizer
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    symbol = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tok = byte_tokenizer()
+    assert tok.convert_ids_to_tokens(list(range(256))) == [symbol[b] for b in range(256)]
+    text = "".join(map(chr, range(1, 0x100))) + " \u00ad\u00e9\u65e5\U0001f389"  # every continuation byte
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == TOK.encode(text) and tok.decode(ids) == text
+
+
 def test_bpe_checkpoint_exports_its_tokenizer(tmp_path):
     bpe = BPETokenizer.train(["the cat sat on the mat", "the dog ate the log"] * 20, vocab_size=300)
     model = tiny_model(vocab_size=bpe.vocab_size)
