@@ -918,3 +918,281 @@ def test_generate_passes_its_options_to_looplms_generate(tmp_path, monkeypatch, 
     rc, _, err = run_main(argv, capsys)
     assert rc == 0, err
     assert calls[-1][1]["compile"] is False and calls[-1][1]["cache"] == "terminal"
+
+
+# -- what eval and generate measure and print (mutations a sweep let through) -------------------------------
+class ReportSpy:
+    """Records the progress bar's total and the prefill arms `looplm eval` hands `depth_report`, then runs it."""
+
+    def __init__(self, monkeypatch):
+        import looplm.cli as cli
+        import looplm.eval.report as report
+
+        self.totals, self.arms, progress, real = [], [], cli._progress, report.depth_report
+
+        def bar(total, *args, **kwargs):
+            self.totals.append(total)
+            return progress(total, *args, **kwargs)
+
+        def measured(*args, prefill=None, **kwargs):
+            self.arms.append(None if prefill is None else [a.arm for a in prefill])
+            return real(*args, prefill=prefill, **kwargs)
+
+        monkeypatch.setattr(cli, "_progress", bar)
+        monkeypatch.setattr(report, "depth_report", measured)
+
+
+def test_eval_progress_total_counts_every_batch_of_every_depth(tmp_path, monkeypatch, capsys):
+    """The bar's total (in recurrences) is sum(depths) x the batches per depth: ceil(3/2) = 2 perplexity
+    batches, ceil(5/2) = 3 task batches, one sharing batch: (1 + 2) x 6 = 18."""
+    from _jobs import write_random_run
+
+    run = write_random_run(tmp_path / "run")  # the task generator
+    spy = ReportSpy(monkeypatch)
+    flags = ["--depths", 1, 2, "--max-sequences", 3, "--task-examples", 5, "--batch-size", 2]
+    rc, _, err = run_main(["eval", run, *flags, "--sharing-sequences", 2, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert spy.totals == [(1 + 2) * (2 + 3 + 1)]
+
+
+def test_eval_names_each_prefill_arm_once_and_a_lone_arm_is_measured(random_run, monkeypatch, capsys):
+    """`--prefill r1` alone is an arm to compare (only the default, teacher alone, adds none); an arm given
+    twice is measured once, in the order first given."""
+    spy = ReportSpy(monkeypatch)
+    cheap = ["--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0, "--device", "cpu"]
+    for prefill in (["teacher"], ["r1"], ["r2", "teacher", "r2"]):
+        rc, _, err = run_main(["eval", random_run, *cheap, "--prefill", *prefill], capsys)
+        assert rc == 0, err
+    assert spy.arms == [None, ["r1"], ["r2", "teacher"]]
+
+
+def test_eval_with_the_checkpoints_own_data_writes_the_runs_report(random_run, capsys):
+    """--data naming the data the checkpoint records is no other data: the report is the run's eval.json."""
+    cheap = ["--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0, "--device", "cpu"]
+    rc, out, err = run_main(["eval", random_run, *cheap, "--data", "shakespeare"], capsys)
+    assert rc == 0, err
+    assert out.rstrip().endswith(f"report: {random_run / 'eval.json'}")
+    assert (random_run / "eval.json").is_file() and not list(random_run.glob("eval-*.json"))
+
+
+def test_eval_notes_generation_examples_only_on_data_without_generator_tasks(tmp_path, capsys):
+    from _jobs import write_random_run
+
+    cheap = ["--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0, "--device", "cpu"]
+    note = "note: --generation-examples scores generator tasks"
+    for source, noted in (("tasks", False), ("shakespeare", True)):
+        run = write_random_run(tmp_path / source, data__source=source)
+        rc, _, err = run_main(["eval", run, *cheap, "--generation-examples", 1], capsys)
+        assert rc == 0, err
+        assert (note in err) == noted, (source, err)
+
+
+def test_generate_length_default_leaves_room_after_the_longest_prompt(random_run, monkeypatch, capsys):
+    """Several prompts of a text checkpoint: 64 new tokens at most, cut to what the 64-token context leaves
+    after the longest (20 tokens: 64 - 20 + 1 = 45), not after the shortest."""
+    spy = GenerateSpy(monkeypatch)
+    rc, _, err = run_main(["generate", random_run, "--prompt", "ab", "x" * 20, "--depth", 2, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert spy.calls[-1][1]["sampling"].max_new_tokens == 64 - 20 + 1
+
+
+def test_generate_streams_the_prompt_once_then_the_text(random_run, monkeypatch, capsys):
+    """One prompt: stdout is the prompt, its continuation (what generate returns) and a newline, nothing twice."""
+    import looplm.infer.generate as gen
+
+    texts, real = [], gen.generate
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: texts.append(real(*a, **k)) or texts[-1])
+    argv = ["generate", random_run, "--prompt", "ROMEO.", "--depth", 2, "--max-new-tokens", 6, "--device", "cpu"]
+    rc, out, err = run_main([*argv, "--temperature", 0], capsys)
+    assert rc == 0, err
+    ((text,),) = texts
+    assert text and out == "ROMEO." + text + "\n"
+
+
+def test_generate_with_exit_tau_reports_the_mean_decode_depth_without_verbose(random_run, capsys):
+    """--exit-tau: a stderr line with the mean decode depth and its cap, the decode depth (not --min-depth)."""
+    argv = ["generate", random_run, "--prompt", "ROMEO.", "--depth", 4, "--max-new-tokens", 3, "--device", "cpu"]
+    rc, _, err = run_main([*argv, "--exit-tau", "0.5", "--min-depth", 2], capsys)
+    assert rc == 0, err
+    (line,) = [x for x in err.splitlines() if x.startswith("mean decode depth: ")]
+    assert re.fullmatch(r"mean decode depth: \d\.\d\d \(max 4\)", line), line
+    assert 2 <= float(line.split()[3]) <= 4
+
+
+def test_the_verbose_decode_line_has_no_compile_clause_without_a_timed_first_step():
+    """A first step that took no measured time (0 s) says nothing about compiling: plain rate only."""
+    from looplm.cli import _decode_line
+
+    stats = {"decoded_tokens": 10, "decode_seconds": 2.0, "first_step_seconds": 0.0, "first_step_tokens": 1}
+    assert _decode_line(stats, compile=True, speculated=False) == "decoded 10 tokens in 2.00 s (5.0 tokens/s)"
+
+
+CHEAP_ANALYZE = ["--horizon", 4, "--kv-depths", 2, "--solve-spans", 0, "--sharing-sequences", 0, "--no-plots"]
+
+
+def test_analyze_refuses_negative_threads_and_restores_the_thread_count(random_run, capsys):
+    """--threads -1 is a one-line error before any work; --threads 2 applies to the analysis only: torch's
+    thread count is the caller's again afterwards."""
+    rc, _, err = run_main(["analyze", random_run, *CHEAP_ANALYZE, "--threads", -1, "--device", "cpu"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "threads must be >= 0, got -1" in err and not (random_run / "analyze").exists()
+    before = torch.get_num_threads()
+    rc, _, err = run_main(["analyze", random_run, *CHEAP_ANALYZE, "--threads", before + 1, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert torch.get_num_threads() == before
+
+
+def test_a_transformers_folder_without_a_data_record_reads_as_text(random_run, tmp_path, monkeypatch, capsys):
+    """A Hugging Face folder saved without looplm's extras records no data: generate takes the text defaults
+    (no newline stop, 64 new tokens cut to the context), and eval --data reads rows that fit the 64-token
+    context."""
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    rc, _, err = run_main(["export", random_run, hf], capsys)
+    assert rc == 0, err
+    (hf / ckpt.HF_EXPORT_INFO).unlink()
+    spy = GenerateSpy(monkeypatch)
+    rc, _, err = run_main(["generate", hf, "--prompt", "ROMEO.", "--depth", 2, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert (spy.calls[-1][1]["sampling"].stop, spy.calls[-1][1]["sampling"].max_new_tokens) == ((), 59)
+    cheap = ["--depths", 1, "--max-sequences", 2, "--task-examples", 0, "--sharing-sequences", 0, "--device", "cpu"]
+    rc, _, err = run_main(["eval", hf, *cheap, "--data", "shakespeare", "--output", tmp_path / "e.json"], capsys)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "e.json").read_text())["perplexity"]["1"]["tokens"] == 2 * 64
+
+
+def test_tokenize_says_when_its_output_is_up_to_date(tmp_path, capsys):
+    """The same command again keeps the folder and says so; the first run says it wrote it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the looped model reads it again.\n")
+    argv = ["tokenize", corpus, tmp_path / "tok", "--holdout", "0.5"]
+    rc, out, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert out.startswith(f"wrote {tmp_path / 'tok'} in ")
+    rc, out, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert out.startswith(f"up to date (same source, tokenizer, holdout and seed): {tmp_path / 'tok'}\n")
+
+
+@pytest.mark.parametrize("host", ["::1", "127.0.0.1"])
+def test_serve_banner_names_the_run_and_brackets_an_ipv6_host(random_run, monkeypatch, capsys, host):
+    """`looplm serve` up to the point it would serve (uvicorn's run is stubbed): port 0 is allowed (any free
+    port), the banner names the run folder of a checkpoint given by its step folder and puts an IPv6 host in
+    brackets; a loopback host (IPv6's too) gets no warning about exposure."""
+    pytest.importorskip("uvicorn")
+    import socket
+
+    import uvicorn
+
+    if host == "::1":  # the command binds the host's socket itself: a machine may lack IPv6
+        try:
+            with socket.socket(socket.AF_INET6) as probe:
+                probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(self.config.port))
+    step = ckpt.resolve(random_run)
+    rc, out, err = run_main(["serve", step, "--host", host, "--port", 0, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    (port,) = served
+    shown = "[::1]" if host == "::1" else host
+    assert out.startswith(f"serving 'run' on http://{shown}:{port}/v1 ("), out
+    assert port != 0 and "warning" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "kept"),
+    [
+        (["train", "tiny", "--train.out-dir", "old", "--train.steps", "3"], ["train", "tiny", "--train.steps", "3"]),
+        (
+            ["train", "tiny", "--train.out_dir=old", "--train.no_resume", "--seed", "1"],
+            ["train", "tiny", "--seed", "1"],
+        ),
+        (["train", "S", "--train.no-resume", "--train.out_dir", "old"], ["train", "S"]),
+    ],
+)
+def test_the_resume_command_replaces_out_dir_and_resume_however_spelt(monkeypatch, tmp_path, argv, kept):
+    """--train.out-dir (with its value, or `=value`) and --train.resume / --train.no-resume, in either
+    spelling of `_`/`-`, are dropped from the command line and the resuming pair appended."""
+    import shlex
+
+    import looplm.cli as cli
+
+    monkeypatch.setattr(cli, "_ARGS", argv)
+    assert shlex.split(cli._resume_command(tmp_path / "run")) == [
+        "looplm",
+        *kept,
+        "--train.resume",
+        "--train.out-dir",
+        str(tmp_path / "run"),
+    ]
+
+
+def test_a_resumed_run_at_its_last_step_says_there_is_nothing_to_train(tmp_path, cache, capsys):
+    flags = tiny_flags(tmp_path, "run", cache=cache, train__steps=2, eval__depths=())
+    rc, out, _ = run_main(["train", "tiny", *flags], capsys)
+    assert rc == 0
+    rc, out, _ = run_main(["train", "tiny", *flags, "--train.resume"], capsys)
+    assert rc == 0
+    assert "\nno steps to train: the run is at step 2 (of 2)\n" in out and "trained steps" not in out, out
+
+
+def test_debug_switches_and_a_bare_interrupt(tmp_path, monkeypatch, capsys):
+    """LOOPLM_DEBUG=0 is off (no traceback); --debug shows a user error's traceback above its one line; a
+    KeyboardInterrupt without a message says `interrupted` (exit 130)."""
+    import looplm.checkpoint
+
+    from looplm.errors import UserError
+
+    def broken(*args, **kwargs):
+        raise ValueError("shapes do not broadcast")
+
+    monkeypatch.setattr(looplm.checkpoint, "load_model", broken)
+    monkeypatch.setenv("LOOPLM_DEBUG", "0")
+    rc, _, err = run_main(["eval", tmp_path, "--device", "cpu"], capsys)
+    assert rc == 1 and "Traceback" not in err and "--debug" in err, err
+    monkeypatch.delenv("LOOPLM_DEBUG")
+
+    def refused(*args, **kwargs):
+        raise UserError("the checkpoint says no")
+
+    monkeypatch.setattr(looplm.checkpoint, "load_model", refused)
+    rc, _, err = run_main(["--debug", "eval", tmp_path, "--device", "cpu"], capsys)
+    assert rc == 2 and "Traceback" in err and err.rstrip().splitlines()[-1] == "error: the checkpoint says no", err
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(looplm.checkpoint, "load_model", interrupted)
+    rc, _, err = run_main(["eval", tmp_path, "--device", "cpu"], capsys)
+    assert rc == 130 and err == "interrupted\n", err
+
+
+def test_consolidate_and_convert_pass_their_options_and_say_what_they_wrote(tmp_path, monkeypatch, capsys):
+    """The command bodies around looplm.checkpoint.consolidate and the converters (stubbed: the conversions
+    themselves are their modules' tests): --weights-only reaches consolidate; a converted student's line
+    names the teacher to generate with and the student for --student."""
+    import looplm.checkpoint
+    import looplm.convert
+
+    calls = []
+    monkeypatch.setattr(
+        looplm.checkpoint, "consolidate", lambda src, out, **kw: calls.append(kw) or Path(out) / "checkpoints"
+    )
+    for flags, weights_only in (([], False), (["--weights-only"], True)):
+        rc, out, err = run_main(["consolidate", tmp_path / "sharded", tmp_path / "out", *flags], capsys)
+        assert rc == 0, err
+        assert calls[-1] == {"weights_only": weights_only} and out == f"wrote {tmp_path / 'out' / 'checkpoints'}\n"
+    monkeypatch.setitem(looplm.convert.CONVERTERS, "xllm-loop", lambda src, out, **kw: calls.append(kw) or Path(out))
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    rc, out, err = run_main(["convert", tmp_path / "src", student, "--from", "xllm-loop", "--teacher", teacher], capsys)
+    assert rc == 0, err
+    assert calls[-1] == {"dtype": "fp32", "data": None, "teacher": teacher}
+    assert out == f"wrote {student}\nuse it with: looplm generate {teacher} --prefill student --student {student}\n"
+    rc, out, err = run_main(["convert", tmp_path / "src", teacher, "--from", "xllm-loop", "--dtype", "bf16"], capsys)
+    assert rc == 0, err
+    assert calls[-1] == {"dtype": "bf16", "data": None}
+    assert out == f"wrote {teacher}\nevaluate it with: looplm eval {teacher}\n"

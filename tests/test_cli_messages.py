@@ -78,3 +78,18 @@ def test_an_option_before_its_subcommand_is_told_where_it_goes(capsys):
         in err
     ), err
     assert "ordering can matter" not in err
+
+
+def test_a_single_value_option_before_a_missing_positional_is_not_blamed(capsys):
+    """Only an option that read on past its first value (--prompt A PATH) took the path; --output PATH is
+    one value, so the missing checkpoint is said alone."""
+    rc, _, err = run_main(["eval", "--output", "reports/eval.json"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "missing required input for looplm eval: PATH" in err and "took" not in err, err
+
+
+def test_a_mix_of_a_word_and_an_option_lists_the_subcommands(capsys):
+    """An unknown word among the tokens (a misspelt preset) lists the subcommands, even beside an unknown option."""
+    rc, _, err = run_main(["train", "XL", "--bogus"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "XL" in err and "; available subcommands: tiny, S, M, L" in err, err
