@@ -590,25 +590,9 @@ def test_a_budget_of_one_token_emits_one_token_whatever_room_the_cache_has(model
     """speculative_decode with max_new_tokens 1 on a cache with room to spare emits the prompt's next token
     and stops: the budget, not the cache's end, ends it (`generate` sizes its cache to the budget, so
     only a direct call tells the two apart)."""
-    ids = TOK.encode("hello")
-    cache = make_cache("full", model.cfg, 1, 48, DEPTH)
-    first = extend(model, torch.tensor([ids]), cache, DEPTH, example_ids=torch.tensor([0])).logits[:, -1]
-    out, stats = [], spec_mod.SpeculationStats()
-    spec_mod.speculative_decode(
-        DecodeStep(model, cache),
-        first,
-        length=len(ids),
-        depth=DEPTH,
-        draft_depth=2,
-        k=3,
-        sampling=SamplingConfig(max_new_tokens=1),
-        generator=None,
-        pad=torch.tensor([0]),
-        example_ids=torch.tensor([0]),
-        emit=lambda t: out.append(t) or False,
-        stats=stats,
-    )
-    assert out == [int(first.argmax(-1))] and stats.rounds == 0 and cache.length == len(ids)
+    out, windows, stats = _direct(model, "hello", mode="full", max_len=48, n=1, k=3, draft_depth=2)
+    assert out == _no_cache_greedy(model, TOK.encode("hello"), 1, DEPTH, TOK.eos_id)
+    assert windows == [] and stats.rounds == 0
 
 
 @pytest.mark.parametrize("mode", ["full", "terminal"])
