@@ -23,13 +23,14 @@ EOS, PAD, BOS = "<|end_text|>", "<|pad|>", "<|begin_text|>"
 TEXT = "the recurrent model thinks deeper and deeper, then answers"
 
 
-def backend(post_processor: bool) -> HFTokenizer:
+def backend(post_processor: bool, specials: tuple[str, ...] = (EOS, PAD, BOS)) -> HFTokenizer:
+    """A byte-level BPE trained on TEXT with `specials` as its first ids (in that order)."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=[EOS, PAD, BOS],
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -228,17 +229,7 @@ def test_converters_record_the_release_policy(tmp_path):
 
 def test_a_bos_with_id_zero_is_still_added():
     """A BOS may be the vocabulary's first token (id 0): `encode_prompt` puts it first all the same."""
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=[BOS, EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT] * 20, trainer=trainer)
-    bpe = BPETokenizer(tok, EOS, PAD, BOS)
+    bpe = BPETokenizer(backend(False, (BOS, EOS, PAD)), EOS, PAD, BOS)
     assert bpe.bos_id == 0
     assert bpe.encode_prompt(TEXT) == [0, *bpe.encode(TEXT)]
 
@@ -252,16 +243,7 @@ def test_a_bos_beside_looplms_own_special_names_is_kept(tmp_path):
     from looplm.data import load_tokenizer
     from looplm.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN, BOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT] * 20, trainer=trainer)
+    tok = backend(False, (EOS_TOKEN, PAD_TOKEN, BOS))
     with_bos = BPETokenizer(HFTokenizer.from_str(tok.to_str()), bos_token=BOS)
     plain = BPETokenizer(HFTokenizer.from_str(tok.to_str()))
     bos_id = tok.token_to_id(BOS)
