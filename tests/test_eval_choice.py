@@ -164,45 +164,34 @@ def test_acc_norm_divides_by_the_choices_own_characters(monkeypatch):
 
 
 @pytest.mark.parametrize("cache", ["terminal", "full"])
-def test_a_continuation_is_decoded_at_depth_after_a_prefill_at_prefill_depth(model, cache):
+@pytest.mark.parametrize(
+    ("depth", "prefill_depth", "continuation", "example_id"),
+    [(4, 2, " next, and why?", 7), (2, 5, " next?", 3)],
+    ids=["prefill-shallower", "prefill-deeper"],
+)
+def test_a_continuation_is_decoded_at_depth_after_a_prefill_at_prefill_depth(
+    model, cache, depth, prefill_depth, continuation, example_id
+):
     """The context prefilled at prefill_depth, each target token fed at depth: against a decoder written
     out by hand (`_reference.NaiveDecoder`); every other test scored with prefill_depth == depth, so
-    targets fed at the prefill depth went unnoticed."""
+    targets fed at the prefill depth went unnoticed. A prefill deeper than the decode depth: the cache
+    keeps what the deeper prefill writes (a full cache one bank per recurrence of the prefill)."""
     from _reference import NaiveDecoder
 
     from looplm.eval.choice import score_continuation
 
     tok = ByteTokenizer()
-    context, continuation = "Q: what comes", " next, and why?"
+    context = "Q: what comes"
     ctx, target = tok.encode(context), tok.encode(context + continuation)[len(tok.encode(context)) :]
-    got, _ = score_continuation(model, tok, context, continuation, depth=4, prefill_depth=2, cache=cache, example_id=7)
-    ref = NaiveDecoder(model, cache, example_id=7)
-    logits = ref.chunk(ctx, 2)[0][-1]
+    got, _ = score_continuation(
+        model, tok, context, continuation, depth=depth, prefill_depth=prefill_depth, cache=cache,
+        example_id=example_id,
+    )  # fmt: skip
+    ref = NaiveDecoder(model, cache, example_id=example_id)
+    logits = ref.chunk(ctx, prefill_depth)[0][-1]
     want = 0.0
     for i, t in enumerate(target):
         want += float(torch.log_softmax(logits.double(), -1)[t])
         if i + 1 < len(target):
-            logits = ref.chunk([t], 4)[0][-1]
-    assert got == pytest.approx(want, abs=1e-4)
-
-
-@pytest.mark.parametrize("cache", ["terminal", "full"])
-def test_a_prefill_deeper_than_the_decode_depth(model, cache):
-    """prefill_depth above depth: the cache keeps what the deeper prefill writes (a full cache one bank
-    per recurrence of the prefill), and the score equals the decoder written out by hand."""
-    from _reference import NaiveDecoder
-
-    from looplm.eval.choice import score_continuation
-
-    tok = ByteTokenizer()
-    context, continuation = "Q: what comes", " next?"
-    ctx, target = tok.encode(context), tok.encode(context + continuation)[len(tok.encode(context)) :]
-    got, _ = score_continuation(model, tok, context, continuation, depth=2, prefill_depth=5, cache=cache, example_id=3)
-    ref = NaiveDecoder(model, cache, example_id=3)
-    logits = ref.chunk(ctx, 5)[0][-1]
-    want = 0.0
-    for i, t in enumerate(target):
-        want += float(torch.log_softmax(logits.double(), -1)[t])
-        if i + 1 < len(target):
-            logits = ref.chunk([t], 2)[0][-1]
+            logits = ref.chunk([t], depth)[0][-1]
     assert got == pytest.approx(want, abs=1e-4)
