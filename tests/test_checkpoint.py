@@ -520,7 +520,7 @@ def test_a_sharded_export_folder_loads_every_shard(tmp_path):
 
 
 # -- found by mutating the checkpoint code (second sweep) ----------------------------------------------
-# C01, C02: checkpointing.py passed keep=2 to save_step (single file) / point_latest (sharded) instead of
+# checkpointing.py passed keep=2 to save_step (single file) / point_latest (sharded) instead of
 # train.keep_checkpoints
 @pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
 def test_keep_checkpoints_prunes_to_the_newest(tmp_path, tmp_path_factory, sharded):
@@ -534,7 +534,7 @@ def test_keep_checkpoints_prunes_to_the_newest(tmp_path, tmp_path_factory, shard
     assert ckpt.resolve(t.out_dir).name == "step_0000004" and ckpt.is_sharded(ckpt.resolve(t.out_dir)) == sharded
 
 
-# C03: checkpointing.py `load` of a sharded checkpoint dropped `set_rng_state(rng, ...)` (the torchrun test
+# checkpointing.py `load` of a sharded checkpoint dropped `set_rng_state(rng, ...)` (the torchrun test
 # checks it on ranks; this one in one process)
 def test_a_sharded_resume_restores_the_saved_rng(sharded_runs, tmp_path, tmp_path_factory):
     run = shutil.copytree(sharded_runs / "sync", tmp_path / "sync")
@@ -547,7 +547,7 @@ def test_a_sharded_resume_restores_the_saved_rng(sharded_runs, tmp_path, tmp_pat
     assert torch.get_rng_state().tolist() == planted
 
 
-# C04, C05: checkpointing.py `_commit` ignored a rank's failed write (committed a checkpoint missing its
+# checkpointing.py `_commit` ignored a rank's failed write (committed a checkpoint missing its
 # shards) or left the temporary folder behind
 def test_a_failed_asynchronous_write_is_an_error_and_leaves_nothing(tmp_path, tmp_path_factory, monkeypatch):
     from looplm.train.checkpointing import Checkpointer
@@ -567,7 +567,7 @@ def test_a_failed_asynchronous_write_is_an_error_and_leaves_nothing(tmp_path, tm
     assert sorted(p.name for p in t.ckpt_root.iterdir()) == []  # no step folder, no temporary one, no `latest`
 
 
-# K01: checkpoint.py read_rng `files[rank % len(files)]` -> `files[0]` (every rank took rank 0's RNG)
+# checkpoint.py read_rng `files[rank % len(files)]` -> `files[0]` (every rank took rank 0's RNG)
 def test_read_rng_takes_the_ranks_own_state_modulo_the_saved_ranks(tmp_path):
     (tmp_path / ckpt.RNG).mkdir()
     for r in range(2):
@@ -576,7 +576,7 @@ def test_read_rng_takes_the_ranks_own_state_modulo_the_saved_ranks(tmp_path):
     assert ckpt.read_rng(tmp_path / "single-file", 0) is None
 
 
-# K02, K03: consolidate dropped the saved RNG (the consolidated checkpoint did not resume: no torch_rng), or
+# consolidate dropped the saved RNG (the consolidated checkpoint did not resume: no torch_rng), or
 # wrote into a non-empty folder (the torchrun test checks this through the command)
 def test_a_consolidated_checkpoint_resumes_with_rank_0s_rng(sharded_runs, tmp_path, tmp_path_factory):
     out = tmp_path / "single"
@@ -593,7 +593,7 @@ def test_a_consolidated_checkpoint_resumes_with_rank_0s_rng(sharded_runs, tmp_pa
     assert sorted(p.name for p in (tmp_path / "used").iterdir()) == ["notes.txt"]
 
 
-# K04: checkpoint.py refuse_overlap lost `or out in source.parents` (an output folder holding a standalone
+# checkpoint.py refuse_overlap lost `or out in source.parents` (an output folder holding a standalone
 # checkpoint folder was accepted)
 def test_refuse_overlap_refuses_a_folder_that_holds_the_source(tmp_path):
     from looplm.errors import UserError

@@ -271,7 +271,7 @@ def test_job_config_round_trips_through_dict():
     assert job_from_dict(old).depth.learned == LearnedPriorConfig()
 
 
-# M40: learned.py advantages against the baseline *after* this step's EMA update instead of before it
+# learned.py advantages against the baseline *after* this step's EMA update instead of before it
 def test_advantage_uses_the_baseline_taken_before_the_update():
     s = prior(reward="inv_ppl", warmup_updates=1000, ema_decay=0.9)
     step(s, [(2, 1.0, 1), (7, 2.0, 1)])
@@ -284,7 +284,7 @@ def test_advantage_uses_the_baseline_taken_before_the_update():
 
 
 # -- found by mutating the prior (second sweep) --------------------------------------------------------
-# L01: learned.py observe `if n_targets > 0` -> `>= 0` (a microbatch without targets divided by zero)
+# learned.py observe `if n_targets > 0` -> `>= 0` (a microbatch without targets divided by zero)
 def test_a_microbatch_without_targets_is_not_feedback():
     s = prior(reward="ce", warmup_updates=1000)
     s.observe(3, 0.0, 0)
@@ -295,7 +295,7 @@ def test_a_microbatch_without_targets_is_not_feedback():
     assert m["updates"] == 1 and m["baseline_ce"] == 2.0  # the empty microbatch took no weight
 
 
-# L02: learned.py logits_from_run lost the `-inf` of the inactive depths (a restricted prior read back
+# learned.py logits_from_run lost the `-inf` of the inactive depths (a restricted prior read back
 # from its run covered every depth)
 def test_a_restricted_prior_read_from_its_run_keeps_its_support(tmp_path):
     from looplm.checkpoint import write_json
@@ -310,7 +310,7 @@ def test_a_restricted_prior_read_from_its_run_keeps_its_support(tmp_path):
     assert (follow.pmf()[:2] == 0).all() and (follow.pmf()[7:] == 0).all()
 
 
-# L03: learned.py load_state_dict lost its cap check (a torch shape error instead of the message)
+# learned.py load_state_dict lost its cap check (a torch shape error instead of the message)
 def test_loading_a_prior_of_another_cap_is_refused_by_name():
     from looplm.errors import UserError
 
@@ -319,7 +319,7 @@ def test_loading_a_prior_of_another_cap_is_refused_by_name():
         short.load_state_dict(prior().state_dict())
 
 
-# L04, L07: the prior's Adam settings: betas in [0, 1), lr > 0
+# the prior's Adam settings: betas in [0, 1), lr > 0
 @pytest.mark.parametrize(
     ("setting", "match"),
     [
@@ -334,7 +334,7 @@ def test_prior_optimizer_settings_on_the_open_bound_are_refused(setting, match):
     prior(beta1=0.0, beta2=0.0, ema_decay=0.0)  # the closed bound is allowed
 
 
-# L05, L06: metrics `p{target}` read p[target] (the next depth's mass); `allocation` counted 1 per depth drawn
+# metrics `p{target}` read p[target] (the next depth's mass); `allocation` counted 1 per depth drawn
 def test_metrics_report_the_targets_mass_and_every_draw():
     s = build_sampler(DepthConfig(sampler="learned", depth=4.6, seed=3))
     draws = [s.draw() for _ in range(200)]

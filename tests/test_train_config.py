@@ -39,7 +39,7 @@ def test_presets_train_in_bf16_on_cuda_and_fp32_on_cpu(preset):
     assert resolve_dtype("fp32", torch.device("cuda")) == torch.float32
 
 
-# F02-F04: the optimisation defaults and the paper's peak learning rate (design §6)
+# the optimisation defaults and the paper's peak learning rate (design §6)
 def test_optimisation_defaults_follow_the_design():
     from looplm.train.config import TrainConfig
 

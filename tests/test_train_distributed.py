@@ -742,7 +742,7 @@ def test_collectives_scan_sees_every_spelling(tmp_path):
 
 
 # -- found by mutating distributed.py (second sweep) ---------------------------------------------------
-# D01: rank_share lost its divisibility check (rows silently dropped)
+# rank_share lost its divisibility check (rows silently dropped)
 def test_rank_share_splits_evenly_or_refuses():
     from looplm.errors import UserError
 
@@ -753,7 +753,7 @@ def test_rank_share_splits_evenly_or_refuses():
         D.rank_share(7, DistEnv(world_size=2), "rows")
 
 
-# D02: all_reduce_gradients did not advance its offset (every parameter got the first one's values)
+# all_reduce_gradients did not advance its offset (every parameter got the first one's values)
 @pytest.mark.parametrize("group", ["gloo"], indirect=True)
 def test_all_reduce_gradients_hands_each_parameter_its_own_gradient(group):
     env = DistEnv(device=torch.device("cpu"), comm_device=torch.device("cpu"), joined=True)
@@ -767,7 +767,7 @@ def test_all_reduce_gradients_hands_each_parameter_its_own_gradient(group):
     assert torch.equal(c.grad, torch.zeros(2)) and frozen.grad is None
 
 
-# D03: init_distributed defaulted LOCAL_WORLD_SIZE to 1 (HSDP's shard group: every rank its own node)
+# init_distributed defaulted LOCAL_WORLD_SIZE to 1 (HSDP's shard group: every rank its own node)
 def test_local_world_size_defaults_to_the_world(monkeypatch):
     import torch.distributed as dist
 

@@ -882,7 +882,7 @@ def ce_sum(model, batch, depth, **kw):
     )
 
 
-# M06: trainer.py `self._noise(self.step, i, ...)` -> `self._noise(0, i, ...)` (every step reuses step 0's noise)
+# trainer.py `self._noise(self.step, i, ...)` -> `self._noise(0, i, ...)` (every step reuses step 0's noise)
 def test_every_step_draws_its_own_initial_state_noise(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=1, train__steps=4))
     seen = []
@@ -907,7 +907,7 @@ def test_every_step_draws_its_own_initial_state_noise(tmp_path, cache):
     assert (corr - torch.eye(len(flat))).abs().max() < 0.15
 
 
-# M09: trainer.py `zip(depths, stats.tolist())` -> `zip(depths[::-1], stats.tolist())` (feedback paired
+# trainer.py `zip(depths, stats.tolist())` -> `zip(depths[::-1], stats.tolist())` (feedback paired
 # with another microbatch's depth)
 def test_prior_feedback_pairs_each_microbatch_with_its_own_depth(tmp_path, cache):
     t = Trainer(
@@ -942,7 +942,7 @@ def test_prior_feedback_pairs_each_microbatch_with_its_own_depth(tmp_path, cache
         assert got == pytest.approx(ref_sum, rel=1e-5)
 
 
-# M12: checkpointing.py drops `torch.set_rng_state(torch.tensor(state["torch_rng"], ...))` in `load`
+# checkpointing.py drops `torch.set_rng_state(torch.tensor(state["torch_rng"], ...))` in `load`
 def test_resume_restores_the_global_torch_rng(tmp_path, cache):
     a = Trainer(job(tmp_path, cache, train__steps=4))
     a.train_step()
@@ -954,7 +954,7 @@ def test_resume_restores_the_global_torch_rng(tmp_path, cache):
     assert torch.equal(torch.get_rng_state(), want)
 
 
-# M13: trainer.py `mean_flops_per_token(..., res.depths, self.job.depth.bptt_window)` -> `(..., res.depths, None)`
+# trainer.py `mean_flops_per_token(..., res.depths, self.job.depth.bptt_window)` -> `(..., res.depths, None)`
 def test_flops_seen_count_only_the_backprop_window(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=3, depth__bptt_window=1, train__steps=2))
     t.fit()
@@ -969,7 +969,7 @@ def test_flops_seen_count_only_the_backprop_window(tmp_path, cache):
     assert last["flops"] == pytest.approx(2 * tokens_per_step * per_token, rel=1e-12)
 
 
-# M14: trainer.py `max(1, round(self.sampler.mean()))` -> `max(1, int(self.sampler.mean()))`
+# trainer.py `max(1, round(self.sampler.mean()))` -> `max(1, int(self.sampler.mean()))`
 def test_evaluate_defaults_to_the_rounded_prior_mean(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, depth__sampler="uniform", depth__low=2, depth__high=5, train__eval_batches=1))
     assert t.sampler.mean() == pytest.approx(3.5)  # rounds to 4 (int() would give 3)
@@ -978,8 +978,8 @@ def test_evaluate_defaults_to_the_rounded_prior_mean(tmp_path, cache):
     assert got != t.evaluate(depth=3)
 
 
-# M15: trainer.py evaluate drops `init="seeded",` (the model's default gaussian init from the global RNG);
-# M17: loss.py full path drops `positions=batch.positions` (the seeded state is keyed by (example, position))
+# trainer.py evaluate drops `init="seeded",` (the model's default gaussian init from the global RNG);
+# loss.py full path drops `positions=batch.positions` (the seeded state is keyed by (example, position))
 def test_evaluate_is_the_seeded_token_mean_of_the_validation_batches(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=2, train__eval_batches=2))
     ref = LoopedLM(t.job.model)
@@ -1000,7 +1000,7 @@ def test_evaluate_is_the_seeded_token_mean_of_the_validation_batches(tmp_path, c
     assert first == pytest.approx(total / n, rel=1e-6)
 
 
-# M32: optim.py `p.ndim >= 2 and not name.startswith("injection.")` -> `p.ndim >= 2`
+# optim.py `p.ndim >= 2 and not name.startswith("injection.")` -> `p.ndim >= 2`
 @pytest.mark.parametrize("injection", ["parcae-decay", "huginn-linear"])
 def test_weight_decay_spares_the_injection_matrices(tiny_model_config, injection):
     model = LoopedLM(tiny_model_config(injection=injection))
@@ -1015,7 +1015,7 @@ def test_weight_decay_spares_the_injection_matrices(tiny_model_config, injection
 
 
 # -- found by mutating the trainer (second sweep): run lengths, resume state, records, refusals -----------
-# T01: trainer.py fit `end = min(t.steps, t.stop_after)` -> `end = t.stop_after` (trained past the schedule)
+# trainer.py fit `end = min(t.steps, t.stop_after)` -> `end = t.stop_after` (trained past the schedule)
 def test_stop_after_past_the_schedule_ends_at_its_last_step(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__steps=3, train__stop_after=10))
     summary = t.fit()
@@ -1023,7 +1023,7 @@ def test_stop_after_past_the_schedule_ends_at_its_last_step(tmp_path, cache):
     assert t.latest_checkpoint().name == "step_0000003"
 
 
-# T02: trainer.py _warn_cpu `end - done` -> `end` (a resumed run was warned about the whole schedule)
+# trainer.py _warn_cpu `end - done` -> `end` (a resumed run was warned about the whole schedule)
 def test_the_cpu_warning_of_a_resumed_run_counts_the_steps_left(capsys):
     from types import SimpleNamespace
 
@@ -1046,7 +1046,7 @@ def test_the_cpu_warning_of_a_resumed_run_counts_the_steps_left(capsys):
     assert "preset S on a CPU: 1,000 steps of a 303.58 M-parameter model (65,536 tokens a step, 2.2e+17 FLOPs)" in line
 
 
-# T03, T04: trainer.py `self.step % t.log_every == 0 or self.step == end` (and eval's) lost `or self.step == end`
+# trainer.py `self.step % t.log_every == 0 or self.step == end` (and eval's) lost `or self.step == end`
 def test_the_last_step_is_logged_and_evaluated_off_the_cadence(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__steps=3, train__log_every=2, train__eval_every=2, train__eval_batches=1))
     t.fit()
@@ -1054,7 +1054,7 @@ def test_the_last_step_is_logged_and_evaluated_off_the_cadence(tmp_path, cache):
     assert [r["step"] for r in read_metrics(t.out_dir) if "val_loss" in r] == [2, 3]
 
 
-# T05: trainer.py the log window's depths were not reset after a record
+# trainer.py the log window's depths were not reset after a record
 def test_mean_depth_window_averages_the_depths_since_the_last_record(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__steps=6, train__log_every=3))
     drawn = []
@@ -1076,7 +1076,7 @@ def test_mean_depth_window_averages_the_depths_since_the_last_record(tmp_path, c
     assert first != second  # the windows' means differ, so a window that kept step 1-3's depths shows
 
 
-# T06: trainer.py `_load` dropped the restore of flops_seen (or elapsed_s)
+# trainer.py `_load` dropped the restore of flops_seen (or elapsed_s)
 def test_resume_restores_the_flops_and_time_counters(tmp_path, cache):
     first = Trainer(job(tmp_path, cache, train__steps=4, train__stop_after=2))
     first.fit()
@@ -1091,10 +1091,10 @@ def test_resume_restores_the_flops_and_time_counters(tmp_path, cache):
     last = step_records(second.out_dir)[4]
     assert last["flops"] == pytest.approx(second.flops_seen) and second.flops_seen > first.flops_seen
     assert summary["elapsed_s"] > first.elapsed
-    assert summary["tokens"] == 4 * 4 * 2 * 64 and summary["session_tokens"] == 2 * 4 * 2 * 64  # T26
+    assert summary["tokens"] == 4 * 4 * 2 * 64 and summary["session_tokens"] == 2 * 4 * 2 * 64
 
 
-# T08/T09/C01: RESUMABLE_CHANGES lost "train.keep_checkpoints" / "data.cache_dir"; Checkpointer.save passed
+# RESUMABLE_CHANGES lost "train.keep_checkpoints" / "data.cache_dir"; Checkpointer.save passed
 # keep=2 instead of train.keep_checkpoints
 def test_resume_may_change_kept_checkpoints_cache_folder_and_eval_batches(stopped_run, cache):
     t = Trainer(
@@ -1116,7 +1116,7 @@ def test_resume_may_change_kept_checkpoints_cache_folder_and_eval_batches(stoppe
     assert kept == ["step_0000002", "step_0000003", "step_0000004"]  # keep 3, not the default 2
 
 
-# T11, T12: `_check_steps` refused steps == done; fit's summary named no checkpoint when nothing was left to train
+# `_check_steps` refused steps == done; fit's summary named no checkpoint when nothing was left to train
 def test_resuming_a_finished_run_trains_nothing_and_names_its_checkpoint(stopped_run, cache):
     t = Trainer(job(stopped_run, cache, train__steps=2, train__resume=True))
     assert t.step == 2
@@ -1125,7 +1125,7 @@ def test_resuming_a_finished_run_trains_nothing_and_names_its_checkpoint(stopped
     assert summary["checkpoint"] == str(stopped_run / "run" / "checkpoints" / "step_0000002")
 
 
-# T13: `_plan_layout` read an old checkpoint's global batch off this run's micro_batch
+# `_plan_layout` read an old checkpoint's global batch off this run's micro_batch
 def test_a_checkpoint_without_its_global_batch_keeps_the_runs_micro_batch(stopped_run, cache):
     path = stopped_run / "run" / "checkpoints" / "step_0000002"
     state = ckpt.read_json(path, "trainer_state.json")
@@ -1138,13 +1138,13 @@ def test_a_checkpoint_without_its_global_batch_keeps_the_runs_micro_batch(stoppe
     assert (t.layout.global_rows, [len(f) for f in t.layout.forwards()]) == (4, [2, 2])
 
 
-# T14: depth_summary `b >= deepest` -> `b > deepest`
+# depth_summary `b >= deepest` -> `b > deepest`
 def test_a_window_equal_to_the_deepest_draw_is_full_bptt(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, depth__sampler="fixed", depth__depth=4, depth__bptt_window=4))
     assert t.depth_summary() == "depth: fixed R = 4, backprop window b = 4 (full BPTT: no depth above 4 is drawn)"
 
 
-# T15-T18: the optimisation settings' bounds (<= 1 for the sum, > 0, [0, 1), >= 0)
+# the optimisation settings' bounds (<= 1 for the sum, > 0, [0, 1), >= 0)
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -1177,7 +1177,7 @@ def test_optimisation_settings_on_their_bounds_are_accepted(tmp_path, cache):
     assert all(g["weight_decay"] == 0.0 for g in t.optimizer.param_groups)
 
 
-# T19, T20: the `looplm tokenize` command named for a .jsonl (--text-field) and an hf:<name>:<split> source
+# the `looplm tokenize` command named for a .jsonl (--text-field) and an hf:<name>:<split> source
 @pytest.mark.parametrize(
     ("source", "out"),
     [("data/x.jsonl", "data/x-tokenized"), ("hf:org/name:train", "org-name-train-tokenized")],
@@ -1193,7 +1193,7 @@ def test_torchrun_on_records_names_their_text_field_and_output(source, out):
     assert f"`{cmd}`" in str(err.value) and str(err.value).endswith(f"--data.source {out}")
 
 
-# T21: the optimizer took (beta2, beta1)
+# the optimizer took (beta2, beta1)
 def test_the_optimizer_is_adamw_with_the_jobs_settings(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__beta1=0.8, train__beta2=0.95, train__lr=2e-3))
     assert isinstance(t.optimizer, torch.optim.AdamW)
@@ -1201,7 +1201,7 @@ def test_the_optimizer_is_adamw_with_the_jobs_settings(tmp_path, cache):
         assert (tuple(g["betas"]), g["eps"], g["lr"]) == ((0.8, 0.95), 1e-8, 2e-3)  # design §6: eps 1e-8
 
 
-# T22: the non-finite loss check dropped (the run went on, logging and checkpointing NaN weights)
+# the non-finite loss check dropped (the run went on, logging and checkpointing NaN weights)
 def test_a_non_finite_loss_stops_the_run(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__steps=3, train__checkpoint_every=1))
     step = t.train_step
@@ -1218,7 +1218,7 @@ def test_a_non_finite_loss_stops_the_run(tmp_path, cache):
     assert t.latest_checkpoint().name == "step_0000001"
 
 
-# F01: config.py vocab_size_for `job_vocab < tokenizer_vocab` -> `<=` (a vocabulary equal to the tokenizer's refused)
+# config.py vocab_size_for `job_vocab < tokenizer_vocab` -> `<=` (a vocabulary equal to the tokenizer's refused)
 def test_a_vocabulary_equal_to_the_tokenizers_is_accepted():
     from looplm.train.config import vocab_size_for
 
@@ -1227,7 +1227,7 @@ def test_a_vocabulary_equal_to_the_tokenizers_is_accepted():
         vocab_size_for(257, 258)
 
 
-# S01, S02: startup.py `steps <= 0` -> `steps < 0` (a warning for nothing left to train); `days >= 2` -> `days >= 1`
+# startup.py `steps <= 0` -> `steps < 0` (a warning for nothing left to train); `days >= 2` -> `days >= 1`
 def test_the_cpu_warning_has_nothing_to_say_of_no_steps_and_says_hours_below_two_days():
     from looplm.config import model_preset
     from looplm.train.startup import cpu_warning
