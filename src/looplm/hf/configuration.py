@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 from looplm.config import ModelConfig
 from looplm.errors import UserError
-from looplm.infer.depth_rule import DepthRule
+from looplm.infer.depth_rule import DepthRule, check_exit_gate
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 CONFIG_KEYS = {
@@ -120,11 +120,7 @@ class LoopedLMConfig(PretrainedConfig):
         `generate`'s keyword) in place of the config's own."""
         tau = self.exit_tau if exit_tau is None else exit_tau
         gate = self.exit_gate_threshold if exit_gate_threshold is None else exit_gate_threshold
-        # DepthRule checks these too, naming its own field (exit_gate): say them as the config spells them
-        if gate is not None and not 0 <= gate <= 1:
-            raise UserError(f"exit_gate_threshold must be a probability in [0, 1] or unset, got {gate}")
-        if gate is not None and tau is not None:
-            raise UserError("choose one exit rule: exit_gate_threshold (the model's gate) or exit_tau (state change)")
+        check_exit_gate(gate, tau, CONFIG_KEYS["exit_gate"])  # before DepthRule's own check: the config's name
         return DepthRule(
             self.num_steps if num_steps is None else num_steps,
             self.prefill_steps if prefill_steps is None else prefill_steps,

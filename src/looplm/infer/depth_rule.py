@@ -26,10 +26,20 @@ from looplm.config import check_depth
 from looplm.errors import UserError
 from looplm.model.exits import DepthPlan
 
-__all__ = ["CACHE_KINDS", "CacheKind", "DepthRule", "check_depth"]
+__all__ = ["CACHE_KINDS", "CacheKind", "DepthRule", "check_depth", "check_exit_gate"]
 
 CacheKind = Literal["terminal", "full"]
 CACHE_KINDS: tuple[str, ...] = ("terminal", "full")
+
+
+def check_exit_gate(gate: float | None, exit_tau: float | None, name: str = "exit_gate") -> None:
+    """UserError with a one-line reason unless the exit gate's threshold `gate` (spelled `name`, as the
+    caller's user wrote it) is unset or a probability in [0, 1], and not given with `exit_tau` (one exit
+    rule at a time)."""
+    if gate is not None and not 0 <= gate <= 1:
+        raise UserError(f"{name} must be a probability in [0, 1] or unset, got {gate}")
+    if gate is not None and exit_tau is not None:
+        raise UserError(f"choose one exit rule: {name} (the model's gate) or exit_tau (state change)")
 
 
 @dataclass(frozen=True)
@@ -55,10 +65,7 @@ class DepthRule:
             raise UserError(f"exit_tau must be > 0 (adaptive depth) or unset, got {self.exit_tau}")
         if isinstance(self.min_depth, bool) or not isinstance(self.min_depth, numbers.Integral) or self.min_depth < 1:
             raise UserError(f"min_depth must be an integer >= 1, got {self.min_depth!r}")
-        if self.exit_gate is not None and not 0 <= self.exit_gate <= 1:
-            raise UserError(f"exit_gate must be a probability threshold in [0, 1] or unset, got {self.exit_gate}")
-        if self.exit_gate is not None and self.exit_tau is not None:
-            raise UserError("choose one exit rule: exit_gate (the model's gate) or exit_tau (state change)")
+        check_exit_gate(self.exit_gate, self.exit_tau)
 
     @property
     def prefill(self) -> int:
