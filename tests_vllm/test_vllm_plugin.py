@@ -691,9 +691,12 @@ def test_refusals_of_depth_settings():
     ):
         with pytest.raises(Refused, match=words):
             check_servable(HF(**bad))
-    for bad in ({"exit_tau": 0.1}, {"prefill_steps": 2}):
-        with pytest.raises(Refused, match="exit_gate_threshold .* takes no exit_tau and no prefill_steps"):
-            check_servable(HF(exit_gate=True, exit_gate_threshold=0.5, **bad))
+    with pytest.raises(Refused, match="choose one exit rule: exit_gate_threshold .* or exit_tau"):
+        check_servable(HF(exit_gate=True, exit_gate_threshold=0.5, exit_tau=0.1))
+    with pytest.raises(Refused, match="exit_gate_threshold .* takes no prefill_steps different from num_steps"):
+        check_servable(HF(exit_gate=True, exit_gate_threshold=0.5, prefill_steps=2))
+    with pytest.raises(Refused, match=r"exit_gate_threshold needs a model with an exit gate"):
+        check_servable(HF(exit_gate=False, exit_gate_threshold=0.5))
 
 
 def test_exit_gate_threshold_accepts_its_bounds_and_a_prefill_depth_equal_to_the_depth():

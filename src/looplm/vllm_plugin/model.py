@@ -47,7 +47,7 @@ from vllm.sequence import IntermediateTensors
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
 from looplm.errors import UserError
 from looplm.hf.configuration import CONFIG_KEYS, check_tokenizer_vocab_size
-from looplm.infer.depth_rule import DepthRule
+from looplm.infer.depth_rule import DepthRule, check_exit_gate
 from looplm.model.blocks import RMSNorm, attention_inputs, block_forward, build_block, ffn_hidden, rope_tables
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.injection import build_injection
@@ -122,24 +122,19 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
             '--hf-overrides \'{"cache_kind": "terminal"}\''
         )
     pre, tau = getattr(hf_config, "prefill_steps", None), getattr(hf_config, "exit_tau", None)
+    gate = getattr(hf_config, "exit_gate_threshold", None)
     try:  # looplm's one depth rule, its settings named by their config keys
-        rule = DepthRule(getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1))
-        rule.check(cfg.max_depth, what="the config's max_depth", spelling=CONFIG_KEYS)
+        check_exit_gate(gate, tau, CONFIG_KEYS["exit_gate"])
+        rule = DepthRule(getattr(hf_config, "num_steps", 5), pre, tau, getattr(hf_config, "min_depth", 1), gate)
+        rule.check(cfg.max_depth, has_gate=cfg.exit_gate, what="the config's max_depth", spelling=CONFIG_KEYS)
         # --hf-overrides reach the config past its own checks: a 0 here masked every logit (NaN log-probs)
         check_tokenizer_vocab_size(getattr(hf_config, "tokenizer_vocab_size", None), cfg.vocab_size)
     except UserError as err:
         raise Refused(str(err)) from None
-    depth = rule.depth
-    q = getattr(hf_config, "exit_gate_threshold", None)
-    if q is not None and (not cfg.exit_gate or not 0 <= q <= 1):
+    if gate is not None and rule.prefill != rule.depth:
         raise Refused(
-            f"exit_gate_threshold={q} needs a model with an exit gate (exit_gate=True) and a probability in [0, 1]"
-        )
-    if q is not None and (tau is not None or (pre is not None and pre != depth)):
-        raise Refused(
-            "exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth for every "
-            "token, as looplm's DepthPlan does: it takes no exit_tau and no prefill_steps different "
-            "from num_steps"
+            "exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth for every token, "
+            "as looplm's DepthPlan does: it takes no prefill_steps different from num_steps"
         )
     if pipeline_parallel != 1:
         raise Refused(
