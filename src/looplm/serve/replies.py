@@ -71,16 +71,16 @@ class Offsets:
         self._prefix, self._read = 0, len(self.ids)  # ids[prefix:read] are decoded: the window's context
         self._done = start  # characters of ids[:read] (plus `start`)
         self._next = start
+        self._context = self._window = tok.decode(self.ids)  # decode(ids[prefix:read]), decode(ids[prefix:])
 
     def push(self, token_id: int) -> int:
         """The offset of `token_id`, the sequence's next token: where the text first changes when the
         token is added (decoding is prefix-stable but for a trailing incomplete character, one U+FFFD,
         which a continuation byte completes in place or leaves unchanged, and any other byte breaks
         off as a character of its own)."""
-        before = self.tok.decode(self.ids[self._prefix :])
+        before, done = self._window, self._context
         self.ids.append(token_id)
-        done = self.tok.decode(self.ids[self._prefix : self._read])
-        window = self.tok.decode(self.ids[self._prefix :])
+        window = self._window = self.tok.decode(self.ids[self._prefix :])
         if window == before:  # nothing new, or a character still incomplete: the pending character's
             at = len(before) - before.endswith("\ufffd")
         else:
@@ -90,6 +90,7 @@ class Offsets:
         if new and not new.endswith("\ufffd"):  # whole characters: the next window starts after them
             self._done += len(new)
             self._prefix, self._read = self._read, len(self.ids)
+            self._context = self._window = self.tok.decode(self.ids[self._prefix :])
         self._next = offset
         return offset
 
