@@ -84,13 +84,21 @@ class LoopLMHarness(LM):
             self.tokenizer,
             context,
             continuation,
-            depth=self.depth,
-            prefill_depth=self.prefill_depth,
-            cache=self.cache,
             example_id=example_id,
-            device=self._device,
             truncate=True,
+            **self._decoding,
         )
+
+    @property
+    def _depths(self) -> dict:
+        """How every request is decoded: the depths and the cache, as the scoring and generation
+        functions take them."""
+        return {"depth": self.depth, "prefill_depth": self.prefill_depth, "cache": self.cache}
+
+    @property
+    def _decoding(self) -> dict:
+        """`_depths` and the device: the keywords of the scoring functions."""
+        return {**self._depths, "device": self._device}
 
     @property
     def _text_start(self) -> int:
@@ -102,12 +110,9 @@ class LoopLMHarness(LM):
             self.model,
             ctx_ids,
             target,
-            depth=self.depth,
-            prefill_depth=self.prefill_depth,
-            cache=self.cache,
             example_id=example_id,
-            device=self._device,
             vocab=token_vocab(self.model, self.tokenizer),
+            **self._decoding,
         )
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
@@ -140,11 +145,9 @@ class LoopLMHarness(LM):
                 self.tokenizer,
                 [ids[-(self.model.cfg.max_seq_len - n + 1) :]],
                 [stable_id(context)],
-                depth=self.depth,
-                prefill_depth=self.prefill_depth,
-                cache=self.cache,
                 max_new_tokens=n,
                 stop=tuple(until),
+                **self._depths,
             )
         return out
 
