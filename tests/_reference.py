@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from looplm.model.state import seeded_normal
+from looplm.model.state import StateStart, seeded_normal
 
 
 # -- one block by hand ---------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def plain_loop(
     through the model's public pieces, freezing each token once it stops (per-row depths or the exit
     rule). Returns (logits [B, L, V], used [B, L], states [R + 1, B, L, d] with s^0 first)."""
     B, L = tokens.shape
-    ctx, s = model.begin(tokens, init="seeded", example_ids=example_ids)
+    ctx, s = model.begin(tokens, StateStart("seeded", example_ids=example_ids))
     limit = torch.full((B, L), depth) if per_row_depth is None else torch.tensor(per_row_depth)[:, None].expand(B, L)
     active = torch.ones(B, L, dtype=torch.bool)
     used = limit.clone()

@@ -25,6 +25,7 @@ from looplm.checkpoint import CheckpointError, load_model
 from looplm.convert import convert_parcae
 from looplm.infer.cache import make_cache
 from looplm.infer.extend import extend
+from looplm.model import StateStart
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
@@ -350,7 +351,7 @@ def test_terminal_cache_decoding_matches_the_source_equations(tmp_path):
 def test_paths_without_the_value_embeddings_refuse(tmp_path):
     model, tok, _ = load_model(convert_parcae(make_parcae(tmp_path / "parcae"), tmp_path / "converted"))
     tokens = torch.tensor([tok.encode("the recurrent")])
-    ctx, s = model.begin(tokens, init="zero")
+    ctx, s = model.begin(tokens, StateStart("zero"))
     with torch.no_grad():
         with pytest.raises(ValueError, match="value embedding"):
             model.run_coda(s, ctx.rope, ctx.mask)  # no ctx: the coda's value embeddings are missing
@@ -454,7 +455,7 @@ def test_student_prefill_and_rl_estimators_carry_the_value_embeddings(tmp_path):
     tokens = torch.tensor([tok.encode("the recurrent model")])
     student = EndpointStudent.from_teacher(model).eval()
     assert student.blocks[1].has_value_embed and not student.blocks[0].has_value_embed
-    ctx, _ = model.begin(tokens, init="zero")
+    ctx, _ = model.begin(tokens, StateStart("zero"))
     e = model.run_prelude(tokens, ctx.rope, ctx.mask)
     with torch.no_grad():
         want = student(e, ctx.rope, ctx.mask, values=ctx.core_values)

@@ -5,6 +5,8 @@ import pytest
 import torch
 from _models import decisive_model
 
+from looplm.model import StateStart
+
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
@@ -35,8 +37,8 @@ def test_recurrence_is_contractive(model):
     """Two runs from different initial states approach each other at every recurrence, and the
     relative state change falls with depth (so `exit_tau` fires, and rounding is not amplified)."""
     x = torch.randint(0, 256, (4, 20), generator=torch.Generator().manual_seed(2))
-    ctx, a = model.begin(x, init="seeded")
-    _, b = model.begin(x, init="seeded", seed=7)
+    ctx, a = model.begin(x, StateStart("seeded"))
+    _, b = model.begin(x, StateStart("seeded", seed=7))
     gaps, changes = [], []
     for _ in range(12):
         prev = a

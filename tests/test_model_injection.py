@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from looplm.config import INJECTIONS, ModelConfig
-from looplm.model import LoopedLM, build_injection
+from looplm.model import LoopedLM, StateStart, build_injection
 from looplm.model.blocks import apply_rope, rope_tables
 from looplm.model.injection import project_off
 
@@ -332,7 +332,7 @@ def test_deq_qkv_offsets_reach_k_and_v_by_name():
     perturb_(m.injection)
     tok = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
-        ctx, s0 = m.begin(tok, init="seeded")
+        ctx, s0 = m.begin(tok, StateStart("seeded"))
         e = m.run_prelude(tok, ctx.rope, None)
         _, kvs = m.recurrence(s0, ctx, return_kv=True)
         blk, proj = m.core[0], m.injection.proj[0]

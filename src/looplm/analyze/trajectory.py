@@ -13,7 +13,7 @@ import torch
 
 from looplm.errors import UserError
 from looplm.model.looped import Context
-from looplm.model.state import StateInit
+from looplm.model.state import StateInit, StateStart
 
 
 def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,9 @@ def start(
     """The prelude, context and s^0 of `LoopedLM.forward` (evaluation-time seeded state by default)."""
     if positions is None:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
-    ctx, s0 = model.begin(tokens, doc_ids=doc_ids, positions=positions, init=init, example_ids=example_ids, seed=seed)
+    ctx, s0 = model.begin(
+        tokens, StateStart(init, example_ids=example_ids, seed=seed), doc_ids=doc_ids, positions=positions
+    )
     return Start(ctx, s0, positions)
 
 

@@ -31,6 +31,7 @@ from looplm.infer.row_kernels import row_kernels_backend
 from looplm.model.blocks import rope_tables
 from looplm.model.kv import KVBank
 from looplm.model.looped import Context
+from looplm.model.state import StateStart
 
 __all__ = ["DecodeStep", "StepRows"]
 
@@ -402,7 +403,7 @@ class DecodeStep:
         positions, mask, cos, sin = self._mask_and_rope(write_at, first, tokens.shape[1], banks["keys"])
         e = m.run_prelude(tokens, (cos, sin), mask, _Slots(banks, write_at))
         ctx = m.context(e, (cos, sin), mask, tokens)
-        s = m.start_state(e, ctx, init="seeded", positions=positions, example_ids=example_ids, seed=self.seed)
+        s = m.start_state(e, ctx, StateStart("seeded", example_ids=example_ids, seed=self.seed), positions)
         return s, mask, cos, sin, ctx.injected, ctx.qkv_offsets, ctx.core_values, ctx.coda_values
 
     def _recur(self, s, write_at, shared, core):

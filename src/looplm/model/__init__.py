@@ -2,6 +2,15 @@
 
 from looplm.model.injection import Injection, build_injection
 from looplm.model.looped import LoopedLM, LoopOutput
-from looplm.model.state import StateInit, initial_state, seeded_normal
+from looplm.model.state import StateInit, StateStart, initial_state, seeded_normal
 
-__all__ = ["Injection", "LoopOutput", "LoopedLM", "StateInit", "build_injection", "initial_state", "seeded_normal"]
+__all__ = [
+    "Injection",
+    "LoopOutput",
+    "LoopedLM",
+    "StateInit",
+    "StateStart",
+    "build_injection",
+    "initial_state",
+    "seeded_normal",
+]

@@ -19,7 +19,7 @@ from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, th
 from looplm.model.exits import DepthPlan, Exits
 from looplm.model.injection import build_injection
 from looplm.model.kv import KVRecord, LayerCache, RowsView
-from looplm.model.state import StateInit, initial_state
+from looplm.model.state import StateInit, StateStart, initial_state
 
 
 @dataclass
@@ -344,6 +344,7 @@ class LoopedLM(nn.Module):
         self.check_inputs(tokens, R)
         if plan is not None:
             plan.check(self.cfg.max_depth, has_gate=self.exit_gate is not None, cache=getattr(cache, "mode", None))
+        start = StateStart(init, state0, initial, example_ids, seed, generator)
         if cache is not None:
             if doc_ids is not None or positions is not None:
                 raise ValueError("a cached forward takes its positions and mask from the cache (no doc_ids/positions)")
@@ -351,30 +352,10 @@ class LoopedLM(nn.Module):
             rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_base)
             e = self.run_prelude(tokens, rope, mask, cache)
             ctx = self.context(e, rope, mask, tokens)
-            s = self.start_state(
-                e,
-                ctx,
-                init=init,
-                state0=state0,
-                initial=initial,
-                positions=positions,
-                example_ids=example_ids,
-                seed=seed,
-                generator=generator,
-            )
+            s = self.start_state(e, ctx, start, positions)
         else:
             ctx, s = self.begin(
-                tokens,
-                doc_ids=doc_ids,
-                positions=positions,
-                init=init,
-                state0=state0,
-                initial=initial,
-                example_ids=example_ids,
-                seed=seed,
-                generator=generator,
-                attention=attention,
-                flex_options=flex_options,
+                tokens, start, doc_ids=doc_ids, positions=positions, attention=attention, flex_options=flex_options
             )
         s, states, used = self.iterate(
             s,
@@ -507,15 +488,10 @@ class LoopedLM(nn.Module):
     def begin(
         self,
         tokens: torch.Tensor,
+        start: StateStart = StateStart(),
         *,
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        init: StateInit = "gaussian",
-        state0: torch.Tensor | None = None,
-        initial=None,
-        example_ids: torch.Tensor | None = None,
-        seed: int = 0,
-        generator: torch.Generator | None = None,
         attention: AttentionKernel = "sdpa",
         flex_options: dict | None = None,
     ) -> tuple[Context, torch.Tensor]:
@@ -528,42 +504,28 @@ class LoopedLM(nn.Module):
         mask = document_mask(doc_ids, attention, flex_options)
         e = self.run_prelude(tokens, rope, mask)
         ctx = self.context(e, rope, mask, tokens)
-        return ctx, self.start_state(
-            e,
-            ctx,
-            init=init,
-            state0=state0,
-            initial=initial,
-            positions=positions,
-            example_ids=example_ids,
-            seed=seed,
-            generator=generator,
-        )
+        return ctx, self.start_state(e, ctx, start, positions)
 
     def start_state(
-        self,
-        e: torch.Tensor,
-        ctx: Context,
-        *,
-        init: StateInit = "gaussian",
-        state0: torch.Tensor | None = None,
-        initial=None,
-        positions: torch.Tensor | None = None,
-        example_ids: torch.Tensor | None = None,
-        seed: int = 0,
-        generator: torch.Generator | None = None,
+        self, e: torch.Tensor, ctx: Context, start: StateStart = StateStart(), positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """s^0 for prelude output e: `initial`'s prediction, the given `state0`, or `initial_state`."""
-        if initial is not None:
+        """s^0 for prelude output e at `positions` (`StateStart` says which)."""
+        if start.initial is not None:
             # a student of a value-embedding teacher reads the core's value embeddings too
             return (
-                initial(e, ctx.rope, ctx.mask)
+                start.initial(e, ctx.rope, ctx.mask)
                 if ctx.core_values is None
-                else initial(e, ctx.rope, ctx.mask, values=ctx.core_values)
+                else start.initial(e, ctx.rope, ctx.mask, values=ctx.core_values)
             )
+        state0 = start.state0
         if state0 is None:
             s = self.initial_state(
-                e, init, positions=positions, example_ids=example_ids, seed=seed, generator=generator
+                e,
+                start.init,
+                positions=positions,
+                example_ids=start.example_ids,
+                seed=start.seed,
+                generator=start.generator,
             )
             if self.cfg.state_init == "input":
                 return s  # s0 = e keeps its gradient (the embedding learns)

@@ -12,12 +12,29 @@ A model whose `cfg.state_init` is "input" starts from its prelude output instead
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import torch
 
 StateInit = Literal["gaussian", "seeded", "zero"]
 _M32 = 0xFFFFFFFF
+
+
+class StateStart(NamedTuple):
+    """Where a forward's s^0 comes from (`LoopedLM.start_state`), the first that applies: `initial(e,
+    rope, mask[, values=...])`, a prediction from the prelude output (the distilled prefill's
+    student, design §9); `state0`, given (detached; trainers that draw a global batch's noise
+    themselves); the model's own start (`LoopedLM.initial_state`: the prelude output for
+    `cfg.state_init` "input", else the noise `init`, seeded by `seed`, `example_ids` and the
+    positions, or drawn from `generator`). A tuple, so that a compiled step builds it freely."""
+
+    init: StateInit = "gaussian"
+    state0: torch.Tensor | None = None
+    initial: Callable | None = None
+    example_ids: torch.Tensor | None = None
+    seed: int = 0
+    generator: torch.Generator | None = None
 
 
 def _mix32(h):
