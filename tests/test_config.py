@@ -257,6 +257,28 @@ def test_exit_gate_rules():
     torch.testing.assert_close(out.logits, per_depth[-1])
 
 
+def test_threshold_exit_stops_where_the_cumulative_probability_reaches_the_threshold():
+    """`>=`: a token whose cumulative exit probability equals q exactly exits there (reference: a loop)."""
+    pdf = torch.tensor([[[0.5, 0.25, 0.25], [0.0, 0.75, 0.25], [0.125, 0.125, 0.75]]])
+    for q in (0.125, 0.25, 0.5, 0.75, 1.0):
+        cum = pdf.cumsum(-1)
+        want = [next((r for r in range(3) if cum[0, t, r] >= q), 2) for t in range(3)]
+        assert threshold_exit(pdf, q)[0].tolist() == want, q
+    assert threshold_exit(pdf, 0.5)[0].tolist() == [0, 1, 2]
+
+
+def test_a_fresh_exit_gate_has_zero_bias_and_small_weights():
+    """ExitGate's init: bias 0 (hazard sigmoid(w . s) near 1/2 for any state) and weights N(0, 0.02^2)."""
+    from looplm.model.exit_gate import ExitGate
+
+    torch.manual_seed(0)
+    gate = ExitGate(4096)
+    assert torch.equal(gate.proj.bias, torch.zeros(1))
+    std = gate.proj.weight.std().item()
+    assert abs(std / 0.02 - 1) < 5 * math.sqrt(1 / (2 * 4096))  # 5 standard errors of a sample std
+    assert abs(gate.proj.weight.mean().item()) < 5 * 0.02 / math.sqrt(4096)
+
+
 def test_a_tied_checkpoint_stays_tied_through_looplm_export(tmp_path):
     pytest.importorskip("transformers")
     from looplm.checkpoint import load_model, save_model

@@ -341,3 +341,55 @@ def test_metrics_report_the_targets_mass_and_every_draw():
     m = s.metrics()
     assert m["p5"] == s.pmf()[4]  # round(4.6) = 5: the probability of depth 5 (index 4)
     assert m["allocation"] == [draws.count(r) for r in range(1, CAP + 1)] and sum(m["allocation"]) == 200
+
+
+# -- found by mutating the depth samplers (third sweep) -------------------------------------------------
+@pytest.mark.parametrize(
+    ("init", "low", "high", "target"), [("restricted", 5, 9, 5.0), ("restricted", 5, 9, 9.0), ("uniform", 1, 9, 1.0)]
+)
+def test_a_target_on_an_end_of_the_active_depths_is_allowed(init, low, high, target):
+    """The mean penalty can be met at either end of the active depths (all mass there), so a target
+    equal to the smallest or largest active depth, depth 1 included, is accepted."""
+    s = build_sampler(
+        DepthConfig(sampler="learned", depth=target, low=low, high=high, learned=LearnedPriorConfig(init=init))
+    )
+    assert s.target == target
+
+
+@pytest.mark.parametrize("setting", ["mean_weight", "entropy_weight", "warmup_updates"])
+def test_negative_prior_weights_are_refused(setting):
+    """A negative lambda_m would push the mean away from its target (lambda_H: toward collapse)."""
+    with pytest.raises(ValueError, match="mean_weight >= 0"):
+        prior(**{setting: -1})
+
+
+def test_loading_a_restricted_state_restores_its_support():
+    """load_state_dict takes the saved active depths: a restricted prior's state loaded into a prior
+    built over every depth samples only the saved support (its inactive logits are stored as 0)."""
+    source = bandit(prior(init="restricted", low=3, high=7, warmup_updates=0, lr=0.2), 5, good=4)
+    state = json.loads(json.dumps(source.state_dict()))
+    target = prior(init="uniform")
+    target.load_state_dict(state)
+    np.testing.assert_array_equal(target.pmf(), source.pmf())
+    assert (target.pmf()[:2] == 0).all() and (target.pmf()[7:] == 0).all()
+    assert all(3 <= target.draw() <= 7 for _ in range(200))
+
+
+def test_metrics_report_the_cost_baseline():
+    """`baseline_cost` is the EMA of the costs (inv_ppl: -exp(-CE)), not of the CEs."""
+    s = prior(reward="inv_ppl", warmup_updates=1000)
+    m = step(s, [(2, 1.0, 1), (7, 2.0, 1)])
+    assert m["baseline_ce"] == pytest.approx(1.5)
+    assert m["baseline_cost"] == pytest.approx(-(math.exp(-1.0) + math.exp(-2.0)) / 2)
+
+
+def test_init_from_reads_back_as_a_path():
+    """A job naming another run's prior (`init_from`) round-trips through its dict as a Path."""
+    from pathlib import Path
+
+    job = TrainJob()
+    job.depth.sampler = "learned"
+    job.depth.learned.init_from = Path("runs/source")
+    back = job_from_dict(json.loads(json.dumps(job.to_dict())))
+    assert back.depth.learned.init_from == Path("runs/source")
+    assert back.depth == job.depth

@@ -121,7 +121,10 @@ def test_calibrated_mu_for_target_5():
     assert abs(calibrate_mu(5.0) - 1.26129) < 1e-5
 
 
-@pytest.mark.parametrize("target", [2.0, 3.0, 10.0, 20.0])
+# 1.5: the cap bucket's remainder 1 - sum(body) rounds to -2e-16 there (a negative probability that
+# `rng.choice` refuses) unless clamped at 0; 60: a mean near the cap needs mu above ln(cap), so the
+# bisection's bracket must reach past it.
+@pytest.mark.parametrize("target", [1.5, 2.0, 3.0, 10.0, 20.0, 60.0])
 def test_other_targets_have_requested_mean(target):
     p = pln_pmf(target)
     assert abs(p.sum() - 1) < 1e-12
@@ -155,3 +158,22 @@ def test_bad_sigma_is_refused(sigma):
     # NaN gave a NaN pmf (an error only at the first draw of a training run); -0.5 ran as 0.5
     with pytest.raises(ValueError, match="PLN sigma"):
         pln_pmf(5.0, sigma)
+
+
+@pytest.mark.parametrize("target,cap", [(5.0, 8), (3.0, 4), (7.5, 16)])
+def test_a_small_cap_is_calibrated_for_its_own_cap(target, cap):
+    """mu is calibrated for the capped pmf the sampler uses (not for cap 64): E[R] is the target at
+    any cap, and the pmf covers depths 1..cap."""
+    p = pln_pmf(target, cap=cap)
+    assert p.shape == (cap,) and abs(p.sum() - 1) < 1e-12 and (p >= 0).all()
+    assert abs(np.dot(np.arange(1, cap + 1), p) - target) < 1e-9
+
+
+def test_sigma_zero_is_the_capped_poisson():
+    """sigma = 0 (a fixed lambda) is a valid PLN: the capped shifted Poisson, whose mean 1 + lambda
+    (up to the cap's negligible tail) fixes lambda = target - 1."""
+    lam = 4.0
+    want = np.array([math.exp(k * math.log(lam) - lam - math.lgamma(k + 1)) for k in range(63)])
+    p = pln_pmf(5.0, 0.0)
+    np.testing.assert_allclose(p[:63], want, rtol=1e-9, atol=1e-15)
+    assert abs(p[63] - (1 - want.sum())) < 1e-12

@@ -157,3 +157,65 @@ def test_successive_draws_are_independent():
     assert abs(repeats - 0.05) < 5 * math.sqrt(0.05 * 0.95 / n)
     lag1 = np.corrcoef(draws[1:], draws[:-1])[0, 1]
     assert abs(lag1) < 5 / math.sqrt(n)
+
+
+# -- the config's cap, seed and sigma reach every sampler ----------------------------------------
+def test_a_uniform_range_of_one_depth_always_draws_it():
+    """low == high is a valid uniform range (a fixed depth drawn through the uniform sampler)."""
+    s = build_sampler(DepthConfig(sampler="uniform", low=4, high=4))
+    assert {s.draw() for _ in range(50)} == {4}
+    expected = np.zeros(64)
+    expected[3] = 1.0
+    np.testing.assert_array_equal(s.pmf(), expected)
+
+
+def test_a_fixed_depth_above_a_smaller_cap_is_refused():
+    """The fixed depth is checked against the config's cap, not the default 64 (else pmf() indexes
+    past the end of its cap-long vector)."""
+    with pytest.raises(ValueError, match=r"fixed depth must be in 1\.\.8, got 10"):
+        build_sampler(DepthConfig(sampler="fixed", depth=10, cap=8))
+    s = build_sampler(DepthConfig(sampler="fixed", depth=8, cap=8))
+    assert s.cap == 8 and s.pmf().tolist() == [0.0] * 7 + [1.0]
+
+
+def test_pln_sampler_keeps_the_configs_cap():
+    """depth.cap bounds the PLN sampler: its pmf covers 1..cap with the target mean, and no draw exceeds it."""
+    s = build_sampler(DepthConfig(sampler="pln", depth=5.0, cap=8, seed=2))
+    assert s.cap == 8 and s.pmf().shape == (8,)
+    assert abs(s.mean() - 5.0) < 1e-9
+    draws = [s.draw() for _ in range(2000)]
+    assert max(draws) == 8  # the cap bucket holds the tail mass (about 10% at cap 8)
+
+
+@pytest.mark.parametrize("sampler", ["pln", "uniform", "learned"])
+def test_every_sampler_draws_from_the_configs_seed(sampler):
+    """The config's seed reaches the sampler: equal seeds draw equal sequences, other seeds others."""
+
+    def draws(seed):
+        s = build_sampler(DepthConfig(sampler=sampler, low=1, high=20, seed=seed))
+        return [s.draw() for _ in range(40)]
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
+
+
+def test_learned_pln_init_uses_the_configs_sigma():
+    from looplm.depth import pln_pmf
+
+    s = build_sampler(DepthConfig(sampler="learned", depth=5.0, sigma=0.9))
+    np.testing.assert_allclose(s.pmf(), pln_pmf(5.0, 0.9, 64), rtol=1e-12, atol=0)
+    assert abs(s.mean() - 5.0) < 1e-9
+
+
+def test_learned_logits_longer_than_the_cap_are_refused():
+    """A prior's logits must cover exactly 1..cap: longer ones would draw depths above depth.cap."""
+    with pytest.raises(ValueError, match=r"cover depths 1\.\.64 but depth.cap is 8"):
+        build_sampler(DepthConfig(sampler="learned", depth=5.0, cap=8), init_logits=np.zeros(64))
+    assert build_sampler(DepthConfig(sampler="learned", depth=5.0, cap=8), init_logits=np.zeros(8)).cap == 8
+
+
+@pytest.mark.parametrize("window", [True, False])
+def test_a_boolean_window_is_refused(window):
+    """bool is an int subclass: True must not pass as a window of 1 (nor False as 0)."""
+    with pytest.raises(ValueError, match="bptt_window must be >= 1"):
+        DepthConfig(sampler="pln", bptt_window=window).effective_bptt_window()

@@ -54,6 +54,37 @@ def test_seeded_is_deterministic():
     assert (a[0, 0, 1:] != a[0, 0, :-1]).all()
 
 
+def _hash_normal(seed: int, example: int, position: int, channel: int) -> float:
+    """One seeded standard normal in plain Python integers: a 32-bit finalizer chained over (seed,
+    example id, position, channel), two more rounds for two uniforms, then Box-Muller (design §2)."""
+    M = 0xFFFFFFFF
+
+    def mix(h: int) -> int:
+        for _ in range(2):
+            h = ((h >> 16) ^ h) * 0x45D9F3B & M
+        return (h >> 16) ^ h
+
+    h = mix((seed & M) ^ 0x9E3779B9)
+    for part in (example & M, position & M, channel):
+        h = mix(h ^ part)
+    h1 = mix(h ^ 0x85EBCA6B)
+    h2 = mix(h1 ^ 0xC2B2AE35)
+    u1, u2 = (h1 + 1.0) / (2.0**32 + 1.0), h2 / 2.0**32
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+def test_seeded_normal_is_the_documented_hash():
+    """The seeded state is a fixed function of (seed, example id, position, channel), pinned here in
+    plain integers so that an evaluation (and a converted model's or the vLLM plugin's states) gives
+    the same numbers in every looplm version: an equally good but different hash fails."""
+    ids, positions = torch.tensor([0, 7, 2**40 + 5]), torch.tensor([[0, 1, 30], [5, 6, 7], [0, 2, 4]])
+    got = seeded_normal(ids, positions, 5, seed=3)
+    want = [
+        [[_hash_normal(3, e, p, c) for c in range(5)] for p in row] for e, row in zip(ids.tolist(), positions.tolist())
+    ]
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-6)
+
+
 def test_seeded_is_independent_of_batch_composition():
     alone = seeded([7], 20, 32)
     batch = seeded([3, 7, 100, 2**40 + 5], 20, 32)
@@ -140,3 +171,26 @@ def test_model_gaussian_init_uses_generator():
         c = model(tokens, 3, generator=torch.Generator().manual_seed(10)).logits
     assert torch.equal(a, b)
     assert (a - c).abs().amax() > 1e-5
+
+
+def test_truncated_normal_is_the_quantile_map_of_the_normal_cut_at_3():
+    """truncate_normal(z) is the Phi(z)-quantile of N(0, 1) truncated to [-3, 3] (reference: the standard
+    library's NormalDist): odd, 0 at 0, and +-3 in the far tails."""
+    from statistics import NormalDist
+
+    from looplm.model.state import truncate_normal
+
+    n = NormalDist()
+    z = torch.linspace(-7.0, 7.0, 57, dtype=torch.float64)
+    lo, hi = n.cdf(-3.0), n.cdf(3.0)
+    want = torch.tensor([n.inv_cdf(lo + n.cdf(float(v)) * (hi - lo)) for v in z], dtype=torch.float64)
+    torch.testing.assert_close(truncate_normal(z), want, rtol=0, atol=1e-9)
+    assert truncate_normal(torch.tensor([40.0, -40.0], dtype=torch.float64)).tolist() == pytest.approx([3.0, -3.0])
+
+
+def test_seeded_defaults_are_the_row_index_and_the_position():
+    """Without example ids or positions the seeded state uses row b as example id b and position l as l."""
+    B, L, d = 3, 5, 16
+    got = initial_state("seeded", (B, L, d), device=torch.device("cpu"), dtype=torch.float32, seed=4)
+    want = seeded_normal(torch.arange(B), torch.arange(L).expand(B, L), d, seed=4) / math.sqrt(d)
+    assert torch.equal(got, want)
