@@ -348,3 +348,89 @@ def test_endpoint_residual_is_the_mean_relative_change_over_the_real_tokens(setu
     want = ((z_next - z_r).norm(dim=-1) / z_r.norm(dim=-1))[real].mean()
     out = endpoint_backward(model, ro.tokens, z, objective, 1)
     assert out["residual"] == pytest.approx(float(want), rel=1e-4)
+
+
+def test_negative_neumann_steps_are_refused():
+    """steps = -1 would silently run as 0 state products (range(-1) is empty): it is an error."""
+    A, W, H, x, y, recurrence, head = _linear_problem()
+    with pytest.raises(ValueError, match="Neumann steps must be >= 0"):
+        neumann_backward(recurrence, head, torch.zeros(A.shape[0], dtype=torch_f64), -1)
+
+
+def test_saved_states_of_a_deeper_rollout_are_refused(setup):
+    """The depth must match exactly: endpoints saved at depth 3 do not describe an update at depth 2."""
+    model, ro, _ = setup
+    with pytest.raises(SavedStateError, match="depth 3, the update runs at depth 2"):
+        check_saved_states(ro.states, model, ro.tokens, ro.example_ids, 2)
+
+
+@pytest.fixture
+def offset_rollout(tiny_model_config):
+    """A rollout whose example ids start at 9: the ids (which seed s0) differ from the default 0..N-1."""
+    tok = ByteTokenizer()
+    model = LoopedLM(tiny_model_config(vocab_size=tok.vocab_size, max_seq_len=48))
+    ro = rollout(model, tok, ["+12,34=", "+5,6="], group_size=2, depth=3, max_new_tokens=4, seed=2, first_example_id=9)
+    assert ro.example_ids.tolist() == [9, 10, 11, 12]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+    def objective(logits):
+        return clipped_policy_loss(action_logprobs(logits, ro.targets), adv, ro.mask)[0]
+
+    return model, ro, objective
+
+
+def test_every_path_seeds_the_rows_by_their_example_ids(offset_rollout):
+    """bptt's replay, recompute's endpoints and the KL reference of both start from s0 seeded by the
+    rollout's example ids, not by the row index (the two agree only when the ids start at 0)."""
+    model, ro, objective = offset_rollout
+    twin = copy.deepcopy(model).requires_grad_(False)
+    ids = ro.example_ids
+    with torch.no_grad():
+        native = {R: twin(ro.tokens, R, init="seeded", example_ids=ids).logits for R in (3, 4)}
+    torch.testing.assert_close(reference_logits("bptt", twin, model, ro, depth=3), native[3], rtol=0, atol=0)
+    # recompute scores F(z^R): the native forward one recurrence deeper
+    torch.testing.assert_close(reference_logits("recompute", twin, model, ro, depth=3), native[4], rtol=1e-5, atol=1e-5)
+    model.zero_grad()
+    score_and_backward("bptt", model, ro, objective, depth=3)
+    got = _grads(model)
+    objective(model(ro.tokens, 3, init="seeded", example_ids=ids).logits).backward()
+    for n, want in _grads(model).items():
+        torch.testing.assert_close(got[n], want, rtol=1e-6, atol=1e-8, msg=n)
+
+
+def test_reuse_reference_logits_read_the_states_given(setup):
+    """reference_logits(..., states=S) scores the reference on the endpoints of S, not the rollout's own:
+    given the native depth-R endpoints, a copy of the policy yields the native forward at R + 1."""
+    model, ro, _ = setup
+    twin = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        z = model(ro.tokens, 3, init="seeded", example_ids=ro.example_ids, compute_logits=False).endpoint
+        deeper = model(ro.tokens, 4, init="seeded", example_ids=ro.example_ids).logits
+    given = SavedStates(z, 3, ro.states.version, ro.states.tokens)
+    got = reference_logits("reuse", twin, model, ro, depth=3, states=given)
+    torch.testing.assert_close(got, deeper, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(reference_logits("reuse", twin, model, ro, depth=3), deeper, atol=1e-3)  # it bites
+
+
+@pytest.mark.parametrize("estimator", ["recompute", "reuse"])
+def test_neumann_steps_reach_the_one_recurrence_update(offset_rollout, estimator):
+    """neumann_steps = 0 is plain backpropagation through one recurrence from the detached endpoints
+    (c + B^T g); the estimator must pass the requested number of state products on (4 differs)."""
+    model, ro, objective = offset_rollout
+    if estimator == "recompute":
+        with torch.no_grad():
+            z = model(ro.tokens, 3, init="seeded", example_ids=ro.example_ids).endpoint
+    else:
+        z = ro.states.endpoints
+    from looplm.model.blocks import rope_tables
+
+    model.zero_grad()
+    score_and_backward(estimator, model, ro, objective, depth=3, neumann_steps=0)
+    got = _grads(model)
+    rope = rope_tables(
+        torch.arange(ro.tokens.shape[1]).expand(ro.tokens.shape), model.cfg.head_dim, model.cfg.rope_base
+    )
+    ctx = model.context(model.run_prelude(ro.tokens, rope, None), rope, None, ro.tokens)
+    objective(model.run_coda(model.recurrence(z.detach(), ctx), rope, None, ctx)).backward()
+    for n, want in _grads(model).items():
+        torch.testing.assert_close(got[n], want, rtol=1e-4, atol=1e-6, msg=n)

@@ -93,3 +93,53 @@ def test_action_logprobs_over_the_tokenizers_ids():
     logits = torch.tensor([[[1.0, 2.0, 9.0]]])  # the last row is padding past a 2-id tokenizer
     got = action_logprobs(logits, torch.tensor([[1]]), vocab=2)
     torch.testing.assert_close(got, torch.tensor([[2.0 - math.log(math.exp(1.0) + math.exp(2.0))]]))
+
+
+def test_integer_rewards_give_float_advantages():
+    """Rewards given as integers (0/1 correctness) are normalised in floating point, not truncated back
+    to the reward's integer dtype."""
+    adv = group_advantages(torch.tensor([1, 0, 0, 1, 2, 2]), 2)
+    s = math.sqrt(0.5)  # sample std of {1, 0}
+    want = [0.5 / (s + 1e-4), -0.5 / (s + 1e-4), -0.5 / (s + 1e-4), 0.5 / (s + 1e-4), 0.0, 0.0]
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor(want), rtol=1e-6, atol=1e-7)
+
+
+def test_a_batch_without_action_tokens_is_refused():
+    """No action token: the token mean would be 0 / 0 (a NaN loss), so it is an error."""
+    logp = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="no action tokens"):
+        clipped_policy_loss(logp, torch.ones(2), torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_a_non_action_position_at_minus_inf_keeps_the_gradient_finite():
+    """A log-prob of -inf off the mask (e.g. a padded target an fp16 softmax underflowed) gives
+    logp - old = -inf - -inf = NaN there; masked before the exp, it leaves no NaN in the gradient."""
+    logp = torch.tensor([[-0.7, -float("inf")]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, False]])
+    loss, stats = clipped_policy_loss(logp, torch.tensor([1.5], dtype=torch.float64), mask)
+    assert loss.item() == pytest.approx(-1.5) and stats["clip_frac"] == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.5, 0.0]], dtype=torch.float64))
+
+
+def test_clip_frac_counts_ratios_strictly_beyond_the_clip_range():
+    """A ratio on the edge of [1 - eps, 1 + eps] is not clipped (its clip is itself): clip_frac counts
+    |ratio - 1| > eps only."""
+    logp = torch.log(torch.tensor([[2.0, 2.5, 1.0]], dtype=torch.float64))
+    assert torch.exp(logp[0, 0]).item() == 2.0  # exactly on the edge for eps = 1
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    _, stats = clipped_policy_loss(logp, torch.ones(1, dtype=torch.float64), mask, old_logp=old, clip_eps=1.0)
+    assert stats["clip_frac"] == pytest.approx(1 / 3)  # only the ratio 2.5
+
+
+def test_kl_statistic_is_the_mean_over_action_tokens_only():
+    """The logged KL is a mean over the action tokens (the masked positions count neither in the sum
+    nor in the denominator)."""
+    logp = torch.log(torch.tensor([[0.2, 0.5, 0.1], [0.9, 0.3, 0.4]], dtype=torch.float64))
+    ref = torch.log(torch.tensor([[0.3, 0.5, 0.9], [0.6, 0.1, 0.4]], dtype=torch.float64))
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    _, stats = clipped_policy_loss(logp, torch.zeros(2, dtype=torch.float64), mask, ref_logp=ref)
+    k3 = lambda p, q: q / p - math.log(q / p) - 1  # noqa: E731  exp(ref - logp) - (ref - logp) - 1
+    assert stats["kl"] == pytest.approx((k3(0.2, 0.3) + k3(0.5, 0.5) + k3(0.9, 0.6)) / 3)

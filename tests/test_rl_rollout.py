@@ -199,3 +199,45 @@ def test_a_jsonl_source_reshuffles_every_epoch(tmp_path):
     epochs = [walk[i : i + 8] for i in range(0, 24, 8)]
     assert all(sorted(e) == sorted(f"q{i}" for i in range(8)) for e in epochs)
     assert len({tuple(e) for e in epochs}) == 3
+
+
+def test_a_groups_completions_do_not_depend_on_the_other_prompts_of_the_batch(model):
+    """With one seed per prompt, each group samples from its own generator: prompt B's group is the same
+    rolled out beside A or alone (data-parallel RL splits the prompts over ranks)."""
+    tok = ByteTokenizer()
+    both = rollout(model, tok, PROMPTS[:2], group_size=2, depth=2, max_new_tokens=5, seed=[3, 8])
+    alone = rollout(model, tok, PROMPTS[1:2], group_size=2, depth=2, max_new_tokens=5, seed=[8])
+    assert both.completions[2:] == alone.completions
+    first = rollout(model, tok, PROMPTS[:1], group_size=2, depth=2, max_new_tokens=5, seed=[3])
+    assert both.completions[:2] == first.completions
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        rollout(model, tok, PROMPTS, group_size=2, depth=2, max_new_tokens=5, seed=[3, 8])
+
+
+def test_token_hash_covers_the_shape():
+    """The same ids laid out in another shape are other rows: the hash differs even where the bytes of
+    tokens + example ids line up ([1, 5] + 1 id against [2, 2] + 2 ids)."""
+    from looplm.rl import token_hash
+
+    a = token_hash(torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([6]))
+    b = token_hash(torch.tensor([[1, 2], [3, 4]]), torch.tensor([5, 6]))
+    assert a != b
+
+
+def test_answer_digits_is_never_negative():
+    """A long wrong answer loses more for its extra characters than it has hits: the reward is floored at 0."""
+    ex = Example("+57,48=", "105", "add_msd", 2)
+    assert answer_digits(ex, "99999") == 0.0
+    assert answer_digits(ex, "1059") == pytest.approx(2 / 3)  # above the floor: 3 hits - 1 extra
+
+
+def test_problem_draws_depend_on_the_seed(tmp_path):
+    """Two RL runs with different seeds see different prompts, from the generator and from a JSONL file."""
+    tasks = TaskConfig(kinds=("add_msd",), max_difficulty=3)
+    draw = lambda seed: [p.prompt for p in ProblemSource("tasks", tasks=tasks, seed=seed).draw(0, 8)]  # noqa: E731
+    assert draw(0) != draw(1)
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(8)))
+    walk = lambda seed: [p.prompt for p in ProblemSource(str(path), prompt_template="{question}", seed=seed).draw(0, 8)]  # noqa: E731
+    assert walk(1) != walk(2)
+    assert sorted(walk(1)) == sorted(walk(2))

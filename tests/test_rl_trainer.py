@@ -331,3 +331,77 @@ def test_task_options_override_the_checkpoints_tasks(source, tmp_path):
     data = tmp_path / "gsm.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}))
     assert _trainer(source, tmp_path / "gsm", source=str(data)).stop == ("\n\n", "Question:")
+
+
+def test_config_validation_bounds():
+    """validate() refuses steps < 1, lr <= 0 and a negative eval period, and accepts the edge values that
+    are meaningful: neumann 0 (plain one-recurrence backprop), beta1 = beta2 = 0."""
+    from looplm.errors import UserError
+    from looplm.rl.config import RLConfig
+
+    for bad, message in (
+        (dict(steps=0), "steps must be >= 1"),
+        (dict(lr=0.0), "lr"),
+        (dict(eval_every=-1), "eval_every must be >= 0"),
+    ):
+        with pytest.raises(UserError, match=message):
+            RLConfig(**bad).validate(8)
+    RLConfig(neumann=0, beta1=0.0, beta2=0.0, eval_every=0, grad_clip=0.0).validate(8)
+
+
+def test_step_loss_is_the_token_mean_of_the_group_normalised_advantages(source, tmp_path, monkeypatch):
+    """With one inner iteration the ratio is 1 and there is no KL: loss = -sum_i A_i n_i / sum_i n_i over the
+    rows i (n_i action tokens), A normalised within each group of G = 3 consecutive rows, here the rewards
+    1, 0, 0 of every group (so A = (2/3, -1/3, -1/3) / (sqrt(1/3) + 1e-4))."""
+    from looplm.rl import trainer as T
+    from looplm.rl.rollout import rollout
+
+    seen = []
+    monkeypatch.setattr(T, "rollout", lambda *a, **k: seen.append(rollout(*a, **k)) or seen[-1])
+    calls = []
+    register_reward("first", lambda ref, text: calls.append(text) or float(len(calls) % 3 == 1))
+    try:
+        # stop at any digit or sign, so that completions have several lengths
+        tr = _trainer(source, tmp_path / "rl", reward="first", steps=1, stop=tuple("0123456789+=,- "), max_new_tokens=6)
+        rec = tr.train_step()
+    finally:
+        REWARDS.pop("first")
+    (ro,) = seen
+    s = (1 / 3) ** 0.5 + 1e-4
+    adv = [a / s for _ in range(2) for a in (2 / 3, -1 / 3, -1 / 3)]
+    n = ro.completion_lengths
+    assert len(set(n)) > 1  # rows of several lengths: the weighting bites
+    assert rec["loss"] == pytest.approx(-sum(a * k for a, k in zip(adv, n)) / sum(n), rel=1e-5)
+
+
+def test_logp_gap_compares_the_scored_and_sampling_policies_over_the_tokenizers_ids(tmp_path, monkeypatch):
+    """logp_gap = the mean over action tokens of |log pi_scored - log pi_sampling|. With bptt the scored
+    policy is the native forward, normalised (as the rollout samples) over the tokenizer's ids only, here
+    on a model whose head is padded past them."""
+    from _jobs import tiny_job
+
+    from looplm.data import ByteTokenizer
+    from looplm.model import LoopedLM
+    from looplm.rl import trainer as T
+    from looplm.rl.rollout import rollout
+
+    root = tmp_path / "padded"
+    job = tiny_job(tmp_path, "padded")
+    job.model.vocab_size = ByteTokenizer().vocab_size + 14
+    torch.manual_seed(0)
+    ckpt.save_model(root, LoopedLM(job.model), job.to_dict(), ByteTokenizer())
+    seen = []
+    monkeypatch.setattr(T, "rollout", lambda *a, **k: seen.append(rollout(*a, **k)) or seen[-1])
+    tr = _trainer(root, tmp_path / "rl", estimator="bptt", steps=1, temperature=0.8)
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    model = LoopedLM(tr.model.cfg)
+    model.load_state_dict(before)
+    rec = tr.train_step()
+    (ro,) = seen
+    with torch.no_grad():
+        logits = model(ro.tokens, 2, init="seeded", example_ids=ro.example_ids).logits[
+            ..., : ByteTokenizer().vocab_size
+        ]
+    logp = torch.log_softmax(logits / 0.8, -1).gather(-1, ro.targets[..., None])[..., 0]
+    want = float((logp - ro.logprobs).abs()[ro.mask].mean())
+    assert rec["logp_gap"] == pytest.approx(want, rel=1e-3, abs=1e-6)
