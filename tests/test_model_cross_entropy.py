@@ -4,16 +4,20 @@ gradients within fp32 rounding, with ignored targets and uneven last chunks."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _jobs import read_metrics, shared_cache, tiny_job
 
+from looplm.data import Batch
 from looplm.model import LoopedLM
 from looplm.model.cross_entropy import linear_cross_entropy
-from looplm.train.loss import loss_kind, parse_kernel_options
+from looplm.train.loss import cross_entropy_sum, loss_kind, microbatch_loss, parse_kernel_options
 from looplm.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -100,6 +104,73 @@ def test_loss_kind_and_kernel_options():
     for bad in ("BLOCK_M", "BLOCK_M=big", "=4"):
         with pytest.raises(ValueError, match="flex kernel option"):
             parse_kernel_options((bad,))
+    with pytest.raises(ValueError, match="unknown cross_entropy 'fused'"):  # not silently the full path
+        loss_kind(TrainConfig(cross_entropy="fused"), torch.device("cpu"))
+
+
+def packed_batch(vocab: int, B: int = 3, L: int = 24) -> Batch:
+    """Rows of several documents: positions restart at each document, targets partly ignored."""
+    g = torch.Generator().manual_seed(4)
+    inputs, targets = torch.randint(0, vocab, (2, B, L), generator=g)
+    targets[0, :3] = -100
+    doc = torch.zeros(B, L, dtype=torch.long)
+    for b, cuts in enumerate(([5, 14], [9], [])):
+        for c in cuts:
+            doc[b, c:] += 1
+    positions = torch.stack([torch.cat([torch.arange(int(n)) for n in row.bincount()]) for row in doc])
+    return Batch(inputs, targets, doc, positions, torch.arange(7, 7 + B))
+
+
+@pytest.mark.parametrize("kind", ["full", "chunked"])
+def test_cross_entropy_sum_passes_the_batchs_documents_and_positions(tiny_model_config, kind):
+    """Both loss kinds give F.cross_entropy (sum, ignored targets left out) of the logits of a forward
+    that sees the batch's document ids and restarted positions: the seeded initial state of evaluation
+    depends on the positions (and attention on the documents), so a path that drops either differs."""
+    cfg = tiny_model_config()
+    model = LoopedLM(cfg)
+    batch = packed_batch(cfg.vocab_size)
+    kw = dict(init="seeded", example_ids=batch.example_ids, bptt_window=2)
+    with torch.no_grad():
+        logits = model(batch.inputs, 3, doc_ids=batch.doc_ids, positions=batch.positions, **kw).logits
+        want = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100, reduction="sum")
+        no_pos = model(batch.inputs, 3, doc_ids=batch.doc_ids, **kw).logits
+        got = cross_entropy_sum(model, batch, 3, contextlib.nullcontext(), loss=kind, **kw)
+    assert not torch.allclose(no_pos, logits, atol=1e-3)  # the positions matter here
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+class ForwardRecorder(torch.nn.Module):
+    """Stands in for the model: records the keyword arguments of its forward and returns a fixed
+    CE sum (chunked) or fixed logits (full)."""
+
+    def __init__(self, vocab: int = 5):
+        super().__init__()
+        self.vocab, self.calls = vocab, []
+
+    def forward(self, inputs, depth, **kw):
+        self.calls.append((depth, kw))
+        if kw.get("targets") is not None:
+            return types.SimpleNamespace(logits=None, ce_sum=torch.tensor(1.5))
+        return types.SimpleNamespace(logits=torch.zeros(*inputs.shape, self.vocab), ce_sum=None)
+
+
+@pytest.mark.parametrize("kind", ["full", "chunked"])
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_microbatch_loss_hands_the_model_its_kind_window_state_and_kernel(kind, attention):
+    """The trainer's loss reaches the model as asked: the chunked kind as targets (the model's chunked
+    head + CE, never the [B, L, V] logits), the window, the initial state, the attention kernel, and the
+    flex kernel options only with flex."""
+    model, state0 = ForwardRecorder(), torch.ones(2, 4, 3)
+    batch = Batch(*(torch.zeros(2, 4, dtype=torch.long) for _ in range(4)), torch.arange(2))
+    opts = {"fwd_BLOCK_M": 64}
+    loss = microbatch_loss(
+        model, batch, 6, 2, state0, contextlib.nullcontext(), attention, loss=kind, flex_options=opts
+    )
+    ((depth, kw),) = model.calls
+    assert depth == 6 and kw["bptt_window"] == 2 and kw["state0"] is state0 and kw["attention"] == attention
+    assert kw.get("flex_options") == (opts if attention == "flex" else None)
+    assert ("targets" in kw) == (kind == "chunked")
+    assert float(loss) == pytest.approx(1.5 if kind == "chunked" else 8 * math.log(5))  # uniform logits
 
 
 @pytest.fixture(scope="module")

@@ -203,3 +203,12 @@ def test_expected_flops_is_pmf_weighted_sum():
     avg = np.mean([flops_per_token(CFG, L, r, 3) for r in range(2, 7)])
     assert expected_flops_per_token(CFG, L, UniformDepth(2, 6).pmf(), 3) == pytest.approx(avg, rel=1e-12)
     assert mean_flops_per_token(CFG, L, [2, 3, 4, 5, 6], 3) == pytest.approx(avg, rel=1e-12)
+
+
+def test_keys_per_query_of_one_row_and_of_no_depths():
+    from looplm.train.flops import keys_per_query
+
+    # one row [L] is a batch of one: [0 0 0 1 1 1 1 1] runs 6 + 15 = 21 pairs over 8 queries
+    assert keys_per_query(torch.tensor(DOCS[0])) == pytest.approx(21 / 8, rel=1e-15)
+    assert keys_per_query(np.array(DOCS)[None]) == pytest.approx(65 / 24, rel=1e-15)  # [1, B, L]
+    assert mean_flops_per_token(CFG, L, [], 2) == 0.0  # no draws (yet): no FLOPs, not a division by zero

@@ -29,3 +29,6 @@ def test_a_split_that_does_not_divide_is_refused():
         BatchLayout(6, 1, 4, 0, 2)
     with pytest.raises(ValueError, match="invalid"):
         BatchLayout(4, 1, 2, 2, 2)  # rank outside the world
+    for sizes in ((4, 0, 1, 0, 2), (4, 1, 1, 0, 0), (0, 1, 1, 0, 2)):  # no microbatch, no rows a forward, no rows
+        with pytest.raises(ValueError, match="invalid"):
+            BatchLayout(*sizes)

@@ -19,6 +19,7 @@ from looplm.train.mfu import datasheet_peak, measure_matmul_peak
         ("NVIDIA H200 NVL", 835.0),
         ("NVIDIA H100 80GB HBM3", 989.4),
         ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),  # before the SXM entry: "H100" is in its name too
         ("NVIDIA A100-SXM4-80GB", 312.0),
         ("NVIDIA GeForce RTX 4090", None),
     ],
@@ -37,3 +38,26 @@ def test_measured_peak_counts_two_n_cubed_per_matmul(monkeypatch):
     # one matmul "takes" 0.5 s, so a window of >= 1.2 s runs 3 matmuls in 0.5 s: 3 * 2 n^3 / 0.5
     assert got["reps_per_window"] == 3 and got["windows"] == 3 and got["timer"] == "wall clock"
     assert got["best"] == got["median"] == pytest.approx(3 * 2 * n**3 / 0.5)
+
+
+def test_measured_peak_takes_the_best_and_median_window(monkeypatch):
+    """Windows of unequal length: best is the fastest window's rate, median the median rate, and
+    window_s the median window's measured length (not the asked minimum)."""
+    # perf_counter() pairs: warm-up 0.5 s, one matmul 0.5 s, then windows of 0.5, 1.5 and 1.0 s
+    lengths = iter([0.5, 0.5, 0.5, 1.5, 1.0])
+    clock = {"t": 0.0, "start": True}
+
+    def perf_counter():
+        if not clock["start"]:
+            clock["t"] += next(lengths)
+        clock["start"] = not clock["start"]
+        return clock["t"]
+
+    monkeypatch.setattr(mfu.time, "perf_counter", perf_counter)
+    n = 16
+    got = measure_matmul_peak(torch.device("cpu"), torch.float32, n=n, window_s=1.2, windows=3)
+    flops = 3 * 2 * n**3  # 3 matmuls a window (1.2 s / 0.5 s, rounded up)
+    assert got["reps_per_window"] == 3
+    assert got["best"] == pytest.approx(flops / 0.5)
+    assert got["median"] == pytest.approx(flops / 1.0)
+    assert got["window_s"] == pytest.approx(1.0)

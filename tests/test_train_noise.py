@@ -87,6 +87,8 @@ def test_rows_must_be_a_contiguous_range():
         initial_state_noise(0, 0, 0, range(0, 4, 2), 4, 4, CPU)
     with pytest.raises(ValueError, match="contiguous"):
         initial_state_noise(0, 0, 0, range(2, 2), 4, 4, CPU)
+    with pytest.raises(ValueError, match="contiguous"):  # no row before row 0 (was drawn as row 0)
+        initial_state_noise(0, 0, 0, range(-1, 2), 4, 4, CPU)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -106,3 +108,19 @@ def test_each_microbatch_step_and_seed_has_its_own_stream():
     assert torch.equal(draws[1], initial_state_noise(0, 0, 1, range(2), L, d, CPU))
     corr = torch.corrcoef(torch.cat(draws).flatten(1))  # 12 rows of L * d values
     assert (corr - torch.eye(len(keys) * 2)).abs().max() < 0.15, corr  # 7 standard deviations of 2048 values
+
+
+@pytest.mark.parametrize("std", [None, 0.5])
+def test_truncation_applies_with_the_default_and_an_explicit_std(std):
+    """ "trunc-normal" with the default std 1/sqrt(d) (state_std 0) is truncated too: every value within
+    +-3 std, the std of a standard normal cut at +-3 (0.98658) times the scale, and the cut is a monotone
+    map of the untruncated draw (it keeps the order of the values)."""
+    L, d = 64, 32
+    scale = std if std else 1 / math.sqrt(d)
+    raw = initial_state_noise(0, 0, 0, range(4), L, d, CPU, std=std)
+    cut = initial_state_noise(0, 0, 0, range(4), L, d, CPU, std=std, truncate=True)
+    assert float(raw.abs().max()) > 3 * scale  # 8192 draws: some lie past 3 std, so the cut shows
+    assert float(cut.abs().max()) <= 3 * scale * (1 + 1e-6)
+    assert abs(float(cut.std()) / scale - 0.98658) < 0.02
+    in_raw_order = cut.flatten()[raw.flatten().argsort()]
+    assert bool((in_raw_order.diff() >= 0).all())

@@ -431,6 +431,44 @@ def test_fsdp_gets_bf16_compute_with_fp32_gradient_reduction(monkeypatch, tiny_m
         wrap_model(model, env, "zero3")
 
 
+def test_hsdp_shards_within_a_node_and_replicates_across_nodes(monkeypatch, tiny_model_config):
+    """HSDP over 3 nodes of 2 ranks: a (replicate 3, shard 2) mesh handed to every fully_shard call;
+    a world that is not whole nodes is refused before any mesh is built. A model whose injection has
+    no parameters (additive) gets no fp32 injection group."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
+
+    from looplm.train.distributed import DistEnv
+    from looplm.train.parallelize import wrap_model
+
+    meshes, calls = [], []
+
+    def init_device_mesh(device_type, shape, *, mesh_dim_names):
+        meshes.append((device_type, shape, mesh_dim_names))
+        return "mesh"
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append((module, kw)))
+    model = LoopedLM(tiny_model_config(injection="additive"))
+    assert not list(model.injection.parameters())
+    wrap_model(model, DistEnv(world_size=6, local_world_size=2, joined=True), "hsdp", param_dtype=torch.bfloat16)
+    assert meshes == [("cpu", (3, 2), ("replicate", "shard"))]
+    assert [m for m, _ in calls] == [*model.prelude, *model.core, *model.coda, model]  # no injection group
+    assert all(kw["mesh"] == "mesh" for _, kw in calls)
+    meshes.clear()
+    with pytest.raises(UserError, match="hsdp: world size 6 is not a multiple of the ranks per node 4"):
+        wrap_model(LoopedLM(tiny_model_config()), DistEnv(world_size=6, local_world_size=4, joined=True), "hsdp")
+    assert meshes == []
+
+
+def test_unknown_activation_checkpointing_is_refused(tiny_model_config):
+    model = LoopedLM(tiny_model_config())
+    for mode in ("blocks", "full"):
+        with pytest.raises(UserError, match=f"unknown activation checkpointing '{mode}'; choose none or block"):
+            apply_activation_checkpointing(model, mode)
+    assert type(model.core[0]).__name__ == "Block"  # nothing was wrapped
+
+
 def test_prefetched_batches_are_the_batches(tmp_path, cache):
     """The background thread assembles the same batches in the same order: identical runs."""
     runs = {}

@@ -54,3 +54,19 @@ def test_a_zero_fraction_means_no_warmup_or_no_decay():
     assert [wsd_multiplier(t, 100, 0.0, 0.1) for t in (0, 1, 89)] == [1.0, 1.0, 1.0]
     assert [wsd_multiplier(t, 100, 0.05, 0.0) for t in (5, 99, 100)] == [1.0, 1.0, 1.0]
     assert wsd_multiplier(0, 10, 0.01, 0.01) == 1e-4  # a fraction above 0 takes at least one step
+
+
+def test_fractions_round_to_the_nearest_step_and_decay_takes_at_least_one():
+    # T = 18: 10 % is 1.8 steps, so W = D = 2 (not 1): warmup passes half way at step 1; the cosine
+    # starts at step 16 and is half way at 17
+    assert wsd_multiplier(1, 18, 0.1, 0.0) == pytest.approx(1e-4 + (1 - 1e-4) / 2, abs=1e-12)
+    assert wsd_multiplier(16, 18, 0.0, 0.1) == 1.0
+    assert wsd_multiplier(17, 18, 0.0, 0.1) == pytest.approx(0.55, abs=1e-12)
+    # a decay fraction of 0.01 of 10 steps still decays over one step, reaching the floor at T
+    assert [wsd_multiplier(t, 10, 0.0, 0.01) for t in (8, 9)] == [1.0, 1.0]
+    assert wsd_multiplier(10, 10, 0.0, 0.01) == pytest.approx(0.1, abs=1e-12)
+
+
+def test_past_the_schedule_the_multiplier_stays_at_its_floor():
+    # the cosine does not climb back after T (a step past the schedule keeps the final rate)
+    assert [wsd_multiplier(t, T) for t in (T + 1, T + D // 2, T + D)] == pytest.approx([0.1] * 3, abs=1e-12)

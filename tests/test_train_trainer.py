@@ -593,6 +593,56 @@ def test_metrics_records(tmp_path, cache):
     assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in val)
 
 
+def test_metrics_logger_feeds_tensorboard_and_wandb_the_finite_scalars_at_their_step(tmp_path, monkeypatch):
+    """JSONL gets every record; TensorBoard and W&B (stand-ins here) get the finite numbers only, without
+    the step itself, each at the record's step."""
+    import sys
+    import types
+
+    from looplm.train.metrics import MetricsLogger
+
+    tb_calls, wb_calls = [], []
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, *args):
+            tb_calls.append(args)
+
+        def close(self):
+            tb_calls.append("closed")
+
+    class Run:
+        def log(self, scalars, **kw):
+            wb_calls.append((scalars, kw))
+
+        def finish(self):
+            wb_calls.append("finished")
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run()))
+    log = MetricsLogger(tmp_path, enabled=True, tensorboard=True, wandb=True)
+    log.log({"loss": 2.5, "n": 3, "val_loss": float("nan"), "grad_norm": float("inf"), "depths": [1, 2]}, 7)
+    log.close()
+    assert tb_calls == [("loss", 2.5, 7), ("n", 3, 7), "closed"]
+    assert wb_calls == [({"loss": 2.5, "n": 3}, {"step": 7}), "finished"]
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert line.startswith('{"step": 7, "loss": 2.5') and json.loads(line)["depths"] == [1, 2]
+
+
+def test_a_disabled_metrics_logger_neither_writes_nor_truncates(tmp_path):
+    """Ranks other than the main one log through a disabled logger: it leaves the main rank's file alone."""
+    from looplm.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+    log = MetricsLogger(tmp_path, enabled=False, tensorboard=False, wandb=False)
+    log.log({"loss": 1.0}, 3)
+    log.truncate_after(1)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
 # -- the vocabulary size of a run ---------------------------------------------------------------
 def test_vocab_size_is_the_tokenizers_unless_the_job_pads_it(tmp_path, cache):
     """`--model.vocab-size` is honoured (a padded embedding and head: more rows than the tokenizer has
