@@ -4,11 +4,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from looplm.checkpoint import CheckpointError
 from looplm.config import INJECTIONS, ModelConfig
 from looplm.distill import EndpointStudent, load_student, save_student, teacher_hash
 from looplm.distill.trainer import Targets, distill_loss, relative_error
+from looplm.errors import UserError
 from looplm.infer import TerminalCache, extend
 from looplm.infer.generate import DepthRule, SamplingConfig, generate
 from looplm.infer.prefill import Prefill, student_prefill
@@ -277,6 +279,8 @@ def test_student_blocks_default_to_the_teachers_core_and_read_its_value_embeddin
     loop over the teacher's own blocks)."""
     m = _teacher("parcae-nonorm", n_core=3, value_embeds="odd")
     assert EndpointStudent.from_teacher(m).n_blocks == 3
+    with pytest.raises(UserError, match="at least one block, got 0"):  # 0 is no block, not the default
+        EndpointStudent.from_teacher(m, n_blocks=0)
     s = EndpointStudent.from_teacher(m, n_blocks=5)
     x = torch.randint(0, 50, (2, 10))
     rope = _rope(m, 2, 10)
@@ -352,3 +356,139 @@ def test_prefill_table_format():
     lines = text.splitlines()
     assert lines[2].split() == ["2", "teacher", "6", "0.1250", "3.2500", "50.0%", "8"]
     assert lines[3].split() == ["2", "r1", "6", "0.1250", "-", "-", "8"]
+
+
+def test_a_loaded_student_is_in_eval_mode(tmp_path):
+    """load_student hands back the student in eval mode (its docstring's promise), every submodule too."""
+    teacher = _teacher()
+    student = EndpointStudent.from_teacher(teacher).train()
+    save_student(tmp_path / "s", student, teacher, depth=2)
+    loaded, _ = load_student(tmp_path / "s", teacher)
+    assert not any(mod.training for mod in loaded.modules())
+
+
+def test_teacher_hash_covers_each_entrys_name_shape_and_dtype():
+    """The same bytes under another name, in another shape or of another dtype are another teacher."""
+
+    def holder(**tensors):
+        mod = torch.nn.Module()
+        for name, t in tensors.items():
+            mod.register_buffer(name, t)
+        return mod
+
+    x = torch.arange(6, dtype=torch.float32)
+    base = teacher_hash(holder(a=x.view(2, 3)))
+    assert teacher_hash(holder(a=x.view(2, 3).clone())) == base
+    assert teacher_hash(holder(b=x.view(2, 3))) != base
+    assert teacher_hash(holder(a=x.view(3, 2))) != base
+    assert teacher_hash(holder(a=x.view(torch.int32).view(2, 3))) != base  # same bytes, another dtype
+
+
+def test_save_student_records_the_given_teachers_hash_over_a_stale_one_in_meta(tmp_path):
+    """Re-saving with the meta of another student.json (which carries its own teacher_sha256) still ties
+    the checkpoint to the teacher passed in."""
+    teacher, other = _teacher(seed=0), _teacher(seed=1)
+    student = EndpointStudent.from_teacher(teacher)
+    save_student(tmp_path / "s", student, teacher, teacher_sha256=teacher_hash(other), depth=2)
+    _, meta = load_student(tmp_path / "s", teacher)
+    assert meta["teacher_sha256"] == teacher_hash(teacher)
+    with pytest.raises(CheckpointError, match="another teacher"):
+        load_student(tmp_path / "s", other)
+
+
+def test_block_passes_count_each_stack_of_an_uneven_shape():
+    """Design §9's cost count at 2/3/2 blocks and a 4-block student, R = 4: prelude + student blocks +
+    teacher recurrences x core + coda (the student's own block count, not the core's)."""
+    m = _teacher(n_prelude=2, n_core=3, n_coda=2)
+    s = EndpointStudent.from_teacher(m, n_blocks=4)
+    assert Prefill("teacher").block_passes(m.cfg, 4) == 2 + 4 * 3 + 2
+    assert Prefill("student", s).block_passes(m.cfg, 4) == 2 + 4 + 1 * 3 + 2
+    assert Prefill("r1").block_passes(m.cfg, 4) == 2 + 3 + 2
+    assert Prefill("r2").block_passes(m.cfg, 4) == 2 + 2 * 3 + 2
+
+
+def test_student_prefill_refuses_a_cache_holding_one_token():
+    """The student sees only its chunk: even one cached token is a prefix it cannot read."""
+    m = _teacher()
+    s = EndpointStudent.from_teacher(m)
+    cache = TerminalCache(m.cfg, 1, 16)
+    extend(m, torch.zeros(1, 1, dtype=torch.long), cache, 2)
+    with pytest.raises(ValueError, match="empty cache"):
+        student_prefill(m, s, torch.zeros(1, 4, dtype=torch.long), cache)
+
+
+def test_student_prefill_of_a_value_embedding_teacher_against_a_hand_run(single_thread):
+    """A teacher with value embeddings: the student reads the core's value embeddings, then one teacher
+    recurrence and the coda (the model's pieces run by hand, no cache)."""
+    m = _teacher(n_core=3, value_embeds="odd")
+    student = EndpointStudent.from_teacher(m).eval()
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    x = torch.randint(0, 50, (2, 10))
+    got = student_prefill(m, student, x, TerminalCache(m.cfg, 2, 16))
+    rope = _rope(m, 2, 10)
+    with torch.no_grad():
+        e = m.run_prelude(x, rope, None)
+        ctx = m.context(e, rope, None, x)
+        want = m.run_coda(m.recurrence(student(e, rope, None, values=ctx.core_values), ctx), rope, None, ctx)
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_prefill_table_scores_the_second_half_after_each_arms_prefill(single_thread):
+    """continuation_ppl of an arm: its prefill of each row's first half, then the second half scored at R
+    as one chunk (extend by hand), over the first `rows` rows; a document that starts past the midpoint
+    is left out (it has no prefilled part)."""
+    from looplm.eval.prefill_arms import prefill_table
+
+    m, rows = _teacher(), Rows(3)
+    table = prefill_table(m, None, rows, [], [Prefill("teacher"), Prefill("r1")], (3,), rows=2)
+    ppls = {}
+    for arm, pre in (("teacher", 3), ("r1", 1)):
+        nll = 0.0
+        for i in range(2):
+            x, ids = rows.xs[i], torch.tensor([i])
+            cache = TerminalCache(m.cfg, 1, 20)
+            extend(m, x[:, :10], cache, pre, example_ids=ids)
+            logits = extend(m, x[:, 10:], cache, 3, example_ids=ids).logits
+            nll += float(F.cross_entropy(logits[0], x[0, 10:], reduction="sum"))
+        v = table[arm][3]
+        assert v["tokens"] == 20 and v["acc"] is None and v["n"] == 0
+        assert math.isclose(v["continuation_ppl"], math.exp(nll / 20), rel_tol=1e-5)
+        ppls[arm] = v["continuation_ppl"]
+    assert abs(ppls["teacher"] - ppls["r1"]) > 1e-4  # the arm is what differs
+    # documents [0, 12) and [12, 20): only targets 10 and 11 have a prefilled part
+    late = prefill_table(m, None, OneRow(boundary=12), [], [Prefill("r1")], (3,), rows=1)
+    assert late["r1"][3]["tokens"] == 2
+
+
+def test_prefill_table_without_rows_or_examples_still_counts_block_passes_per_depth():
+    """rows = 0 and no examples: no perplexity, no bank error, no accuracy; block passes at each depth."""
+    from looplm.eval.prefill_arms import prefill_table
+
+    m = _teacher()
+    table = prefill_table(m, None, Rows(1), [], [Prefill("teacher"), Prefill("r2")], (2, 4), rows=0)
+    for arm, passes in (("teacher", {2: 6, 4: 10}), ("r2", {2: 6, 4: 6})):
+        for r in (2, 4):
+            v = table[arm][r]
+            assert v["block_passes"] == passes[r], (arm, r)
+            assert v["continuation_ppl"] is None and v["bank_rel_err"] is None and v["acc"] is None
+            assert v["tokens"] == 0 and v["n"] == 0
+
+
+def test_prefill_table_decodes_the_generator_tasks_after_each_arms_prefill(monkeypatch):
+    """Each arm's exact match is taken with that arm's prefill at the table's depth."""
+    from looplm.eval import prefill_arms
+
+    calls = []
+
+    def fake(model, tokenizer, examples, *, depth, prefill=None, batch_size=16):
+        calls.append((prefill.arm if prefill is not None else None, depth, batch_size))
+        return {"acc": 0.25, "n": len(examples)}
+
+    monkeypatch.setattr(prefill_arms, "exact_match_generator_tasks", fake)
+    m = _teacher()
+    arms = [Prefill("teacher"), Prefill("r1")]
+    table = prefill_arms.prefill_table(m, None, Rows(1), ["a", "b"], arms, (2, 3), rows=0, batch_size=5)
+    assert calls == [("teacher", 2, 5), ("teacher", 3, 5), ("r1", 2, 5), ("r1", 3, 5)]
+    assert table["r1"][3]["acc"] == 0.25 and table["r1"][3]["n"] == 2

@@ -406,3 +406,79 @@ def test_resume_may_change_the_validation_period(teacher, tmp_path):
     part.save()
     resumed = DistillTrainer(teacher, _cfg(tmp_path, "part", steps=4, val_every=2, log_every=3, resume=True))
     assert resumed.step == 1
+
+
+def test_the_seed_picks_the_data_order(teacher, tmp_path):
+    """Teacher init makes the same student whatever the seed, so the first step's loss differs between
+    seeds only through the rows the seed draws: the same seed the same loss, another seed another."""
+    losses = [
+        DistillTrainer(teacher, _cfg(tmp_path, name, seed=seed, steps=1, warmup=0)).train_step()["loss"]
+        for name, seed in (("a", 3), ("b", 3), ("c", 4))
+    ]
+    assert losses[0] == losses[1] and losses[0] != losses[2], losses
+
+
+def test_a_value_embedding_teacher_distils(tmp_path, tmp_path_factory):
+    """A teacher with value embeddings: the training step and validation hand the student the core's
+    value embeddings (the student refuses to run without them)."""
+    Trainer(
+        tiny_job(tmp_path, "ve", cache=shared_cache(tmp_path_factory), model__value_embeds="odd", train__steps=1)
+    ).fit()
+    tr = DistillTrainer(ckpt.resolve(tmp_path / "ve"), _cfg(tmp_path, steps=2, val_rows=2, calibration_rows=2))
+    assert tr.teacher.cfg.value_embeds == "odd"
+    assert math.isfinite(tr.train_step()["loss"]) and math.isfinite(tr.validate()["val_loss"])
+
+
+def test_depth_outside_the_teachers_range_is_refused(teacher, tmp_path):
+    """R must be a depth the teacher runs: 1..max_depth (0 would regress the student to the noise s^0)."""
+    max_depth = ckpt.load_model(teacher, "cpu")[0].cfg.max_depth
+    for depth in (0, max_depth + 1):
+        with pytest.raises(ValueError, match=r"depth must be in 1\.\."):
+            DistillTrainer(teacher, _cfg(tmp_path, f"d{depth}", depth=depth))
+
+
+@pytest.mark.parametrize("change", [dict(depth=2), dict(seed=5)])
+def test_resume_refuses_another_depth_or_seed(teacher, tmp_path, change):
+    """The target depth and the seed (init and data order) define the run: a resume may not change them."""
+    part = DistillTrainer(teacher, _cfg(tmp_path, "part", steps=4))
+    part.train_step()
+    part.save()
+    with pytest.raises(ckpt.CheckpointError, match="different config"):
+        DistillTrainer(teacher, _cfg(tmp_path, "part", steps=4, resume=True, **change))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("lr", 0.0, "lr must be > 0"),
+        ("student_blocks", 0, "student_blocks must be >= 1"),  # 0 would silently mean the core's count
+        ("kl_weight", -0.5, "kl_weight must be >= 0"),
+        ("beta2", 1.0, r"beta2 must be in \[0, 1\)"),
+    ],
+)
+def test_distill_config_refuses_out_of_range_settings(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DistillConfig(**{field: value}).validate()
+
+
+def test_the_arms_report_compares_all_four_arms_on_evals_held_out_examples(teacher, monkeypatch):
+    """arms_after_distill: teacher, student, r1 and r2 at the distilled depth, on the generator examples
+    `looplm eval` scores (drawn with its task seed), none when n_examples = 0."""
+    from looplm.distill import evaluate
+    from looplm.eval.report import EvalConfig
+
+    seen = {}
+
+    def fake(model, tokenizer, val, examples, arms, depths, **kw):
+        seen.update(examples=examples, arms=[a.arm for a in arms], depths=depths, **kw)
+        return {}
+
+    monkeypatch.setattr(evaluate, "prefill_table", fake)
+    data = ckpt.load_data(teacher)
+    student = object()
+    evaluate.arms_after_distill(None, None, data, [], student, 3, rows=2, n_examples=6)
+    assert seen["arms"] == ["teacher", "student", "r1", "r2"] and seen["depths"] == (3,) and seen["rows"] == 2
+    want = data.held_out_examples(6, EvalConfig().task_seed)
+    assert seen["examples"] == want and want
+    evaluate.arms_after_distill(None, None, data, [], student, 3, rows=2, n_examples=0)
+    assert seen["examples"] == []

@@ -603,3 +603,16 @@ def test_a_stopped_tokens_core_write_keeps_its_terminal_entry():
         assert torch.equal(bank.k[:, :, 2:5], want_k) and torch.equal(bank.v[:, :, 2:5], want_v), (cache.mode, r)
         assert torch.equal(read_k[:, :, 2:], want_k) and torch.equal(read_v[:, :, 2:], want_v), (cache.mode, r)
         assert read_k.shape[2] == 5
+
+
+def test_extend_hands_its_seed_to_the_seeded_initial_state():
+    """`extend(..., seed=k)` starts from the seeded state of seed k: the native forward with the same
+    seed, and not the default seed's state."""
+    m = _model()
+    x, ids = torch.randint(0, 50, (2, 12)), torch.tensor([4, 9])
+    with torch.no_grad():
+        ref = m(x, 3, init="seeded", example_ids=ids, seed=7).logits
+        seed0 = m(x, 3, init="seeded", example_ids=ids).logits
+    got = extend(m, x, TerminalCache(m.cfg, 2, 32), 3, example_ids=ids, seed=7).logits
+    assert (got - ref).abs().max() <= 1e-5
+    assert (got - seed0).abs().max() > 1e-3

@@ -79,7 +79,7 @@ class EndpointStudent(nn.Module):
         """
         inj = teacher.injection
         norm = isinstance(inj, ParcaeDiagonal) and inj.prelude_norm is not None
-        student = cls(teacher.cfg, n_blocks or teacher.cfg.n_core, input_norm=norm)
+        student = cls(teacher.cfg, teacher.cfg.n_core if n_blocks is None else n_blocks, input_norm=norm)
         student.to(next(teacher.parameters()).device)
         if init == "random":
             return student
