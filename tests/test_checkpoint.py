@@ -7,6 +7,7 @@ import os
 import stat
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -611,3 +612,233 @@ def test_refuse_overlap_refuses_a_folder_that_holds_the_source(tmp_path):
             ckpt.refuse_overlap(source, out)
     for source, out in ((run_ckpt, tmp_path / "other"), (standalone, tmp_path / "exported-next")):
         ckpt.refuse_overlap(source, out)  # beside it: fine
+
+
+# -- pruning, atomic writes, verification, dtypes, devices ---------------------------------------------
+def _steps(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+
+
+def test_point_latest_keeps_at_least_the_newest(tmp_path):
+    """Mutant: `[: -max(1, keep)]` -> `[: -keep]` (keep=0 sliced `[:0]` and deleted nothing). keep 0 or
+    below still keeps the checkpoint `latest` points at, and only it."""
+    for step in (1, 2, 3):
+        (tmp_path / ckpt.step_name(step)).mkdir()
+    ckpt.point_latest(tmp_path, ckpt.step_name(3), keep=0)
+    assert _steps(tmp_path) == ["step_0000003"]
+    assert ckpt.resolve(tmp_path) == tmp_path / "step_0000003"
+
+
+def test_an_interrupt_during_a_write_leaves_no_temporary_folder(tmp_path):
+    """Mutant: write_atomic's `except BaseException` -> `except Exception` (Ctrl-C while the weights were
+    written left a .tmp-* folder beside the checkpoints)."""
+
+    def interrupted(tmp):
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_atomic(tmp_path / "step_1", interrupted)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crashed_attempts_temporary_folder_is_replaced(tmp_path):
+    """Mutant: fresh_folder kept what was in the folder (mkdir exist_ok instead of rmtree): a file left by
+    a crashed attempt under the same temporary name went into the new checkpoint and its manifest."""
+    stale = tmp_path / f".tmp-step_1-{os.getpid()}"
+    stale.mkdir()
+    (stale / "stale.bin").write_bytes(b"from the crashed attempt")
+    target = ckpt.write_atomic(tmp_path / "step_1", populate_ab)
+    assert sorted(p.name for p in target.iterdir()) == ["a.json", "b.bin", "manifest.json"]
+    assert leftovers(tmp_path) == []
+
+
+def test_unlisted_optimizer_weights_are_refused(checkpoint):
+    """Mutant: verify looked only for an unlisted model.safetensors; an optimizer.safetensors the manifest
+    does not vouch for would be loaded unchecked by a resume."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest["sha256"]["optimizer.safetensors"]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError, match="optimizer.safetensors not in the manifest"):
+        ckpt.verify(checkpoint)
+
+
+def test_read_sharded_keeps_the_saved_dtypes(tmp_path):
+    """Mutant: read_sharded's templates were float32 whatever the saved dtype (bf16 weights and integer
+    tensors came back cast)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {
+        "w": torch.randn(3, 4).to(torch.bfloat16),
+        "h": torch.randn(2, dtype=torch.float16),
+        "n": torch.arange(5, dtype=torch.int64),
+    }
+    (tmp_path / ckpt.SHARDS).mkdir()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model}, checkpoint_id=str(tmp_path / ckpt.SHARDS))
+    got = ckpt.read_sharded(tmp_path, "model")
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in model.items()}
+    assert all(torch.equal(got[k], model[k]) for k in model)
+
+
+def test_check_model_shapes_refuses_extra_or_transposed_weights(tmp_path):
+    """Mutants: `if missing or extra` -> `if missing` (unexpected tensors alone passed), and the shape
+    test by element count (a transposed matrix passed)."""
+    a = {"x": torch.zeros(2, 3)}
+    with pytest.raises(ckpt.CheckpointError, match=r"missing \[\], unexpected \['z'\]"):
+        ckpt.check_model_shapes(a, {"x": torch.zeros(2, 3), "z": torch.zeros(1)}, tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match=r"x has shape \(3, 2\), the model expects \(2, 3\)"):
+        ckpt.check_model_shapes(a, {"x": torch.zeros(3, 2)}, tmp_path)
+
+
+def test_resolve_reads_a_latest_file_with_a_trailing_newline(run_dir, checkpoint):
+    """Mutant: resolve dropped `.strip()` (a `latest` written by hand, `echo step_... > latest`, named a
+    folder ending in a newline)."""
+    (run_dir / "checkpoints" / "latest").write_text(checkpoint.name + "\n")
+    assert ckpt.resolve(run_dir) == checkpoint
+    assert ckpt.load_model(run_dir)[0].cfg.d_model == 32
+
+
+def test_an_hf_folder_with_missing_weights_is_a_checkpoint_error(tmp_path):
+    """Mutant: load_model of a Hugging Face folder skipped check_model_shapes (a missing tensor was a raw
+    RuntimeError from load_state_dict, not a one-line CheckpointError)."""
+    from looplm.config import ModelConfig
+    from looplm.data import ByteTokenizer
+
+    cfg = ModelConfig(vocab_size=258, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=32)
+    state = {f"model.{k}": v.contiguous() for k, v in LoopedLM(cfg).state_dict().items()}
+    dropped = sorted(state)[0]
+    del state[dropped]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "looplm", **cfg.to_dict()}))
+    ByteTokenizer().save(tmp_path / ckpt.HF_LOOPLM_TOKENIZER)
+    ckpt.save_tensors(tmp_path, "model.safetensors", state)
+    with pytest.raises(ckpt.CheckpointError, match=rf"missing \['{dropped[len('model.') :]}'\]"):
+        ckpt.load_model(tmp_path)
+
+
+def test_resolve_device_auto_and_device_index(monkeypatch):
+    """Mutants: 'auto' resolved to the CPU whatever the machine, and `device.index >= device_count()` ->
+    `>` (cuda:1 on a one-GPU machine was accepted). CUDA is faked: only the choice is under test."""
+    from looplm.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ckpt.resolve_device("auto") == torch.device("cuda")
+    assert ckpt.resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(UserError, match="has 1 CUDA device"):
+        ckpt.resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ckpt.resolve_device("auto") == torch.device("cpu")
+
+
+def test_weights_follow_another_umask(tmp_path):
+    """Mutant: follow_umask gave every file 0644 (right only under umask 022): under umask 027 the
+    weights are 0640, as every other file of the checkpoint."""
+    old = os.umask(0o027)
+    try:
+        ckpt.save_tensors(tmp_path, "model.safetensors", {"x": torch.zeros(2)})
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in tmp_path.iterdir()}
+    assert modes == {"model.safetensors": "0o640", "plain.json": "0o640"}
+
+
+def test_optimizer_state_keeps_its_tensor_dtypes(tmp_path):
+    """Mutant: flatten_optimizer_state cast every tensor to float32 (a bf16 moment or an integer step
+    came back in another dtype)."""
+    state = {
+        "state": {"w": {"step": torch.tensor(7), "exp_avg": torch.randn(3).to(torch.bfloat16)}},
+        "param_groups": [{"lr": 0.1, "params": ["w"]}],
+    }
+    tensors, meta = ckpt.flatten_optimizer_state(state)
+    ckpt.save_tensors(tmp_path, "optimizer.safetensors", tensors)
+    back = ckpt.unflatten_optimizer_state(ckpt.load_tensors(tmp_path, "optimizer.safetensors"), meta)
+    for name, value in state["state"]["w"].items():
+        got = back["state"]["w"][name]
+        assert got.dtype == value.dtype and torch.equal(got, value), name
+
+
+# -- the trainer's Checkpointer (looplm.train.checkpointing): saves and resumes --------------------------
+def test_each_rank_verifies_its_own_share(tmp_path):
+    """Mutant: checkpointing.verify passed share=(0, world_size) on every rank (files outside rank 0's
+    share were never hashed). Rank 1 of 2 is simulated: without a process group the gather is its own."""
+    from looplm.train import checkpointing
+    from looplm.train.distributed import DistEnv
+
+    target = ckpt.write_atomic(tmp_path / "step_1", populate_ab)  # sorted: a.json (rank 0), b.bin (rank 1)
+    (target / "b.bin").write_bytes(b"damaged")
+    checkpointing.verify(target, DistEnv(rank=0, world_size=2))
+    with pytest.raises(ckpt.CheckpointError, match="b.bin is corrupt"):
+        checkpointing.verify(target, DistEnv(rank=1, world_size=2))
+
+
+def test_a_second_asynchronous_save_commits_the_first(tmp_path, tmp_path_factory):
+    """Mutant: Checkpointer.save no longer waited for the pending asynchronous save: the next save replaced
+    it, so that checkpoint was never committed and its temporary folder was left behind."""
+    t = sharded_trainer(tmp_path_factory, tmp_path, "run", train__steps=2, train__async_checkpoint=True)
+    for _ in range(2):
+        t.train_step()
+        t.save()
+    t.checkpointer.wait()
+    assert sorted(p.name for p in t.ckpt_root.iterdir()) == ["latest", "step_0000001", "step_0000002"]
+    assert ckpt.resolve(t.out_dir).name == "step_0000002"
+    for name in ("step_0000001", "step_0000002"):
+        ckpt.verify(t.ckpt_root / name)
+
+
+def test_a_resume_without_optimizer_weights_is_refused(checkpoint, run_dir, tmp_path_factory):
+    """Mutant: `not optimizer.safetensors or "optimizer" not in state` -> `and` (a checkpoint that lost its
+    optimizer file but kept the state's optimizer entry failed inside safetensors, not with the one-line
+    CheckpointError)."""
+    (checkpoint / "optimizer.safetensors").unlink()
+    manifest = json.loads((checkpoint / ckpt.MANIFEST).read_text())
+    del manifest["sha256"]["optimizer.safetensors"]
+    (checkpoint / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError, match="holds no optimizer state"):
+        resume(run_dir, tmp_path_factory)
+
+
+def test_a_resume_with_missing_weights_names_them(checkpoint, run_dir, tmp_path_factory):
+    """Mutant: Checkpointer.load (single file) skipped check_model_shapes (a checkpoint missing a tensor
+    was an internal error from set_model_state_dict instead of a CheckpointError naming it)."""
+    weights = ckpt.load_tensors(checkpoint, "model.safetensors")
+    dropped = sorted(weights)[-1]
+    del weights[dropped]
+    ckpt.save_tensors(checkpoint, "model.safetensors", weights)
+    rewrite_manifest(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match=rf"missing \['{dropped}'\]"):
+        resume(run_dir, tmp_path_factory)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
+def test_checkpointer_restores_the_optimizer_param_groups(tmp_path, sharded):
+    """Mutant: the sharded load gave set_state_dict the optimizer's own state instead of the one read
+    from the shards (the moments, loaded in place, came back; the saved param groups did not). Both forms
+    restore the saved hyperparameters and state into an optimizer built with others."""
+    from looplm.train.checkpointing import Checkpointer
+    from looplm.train.distributed import DistEnv
+
+    def build(lr, wd):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, betas=(0.8, 0.9))
+
+    model, opt = build(0.1, 0.3)
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    saver = Checkpointer(tmp_path, DistEnv(), model, opt, sharded=sharded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        path = saver.save(3, {"step": 3}, lambda tmp: None)
+    twin, twin_opt = build(0.5, 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert Checkpointer(tmp_path, DistEnv(), twin, twin_opt, sharded=sharded).load(path)["step"] == 3
+    assert [(g["lr"], g["weight_decay"]) for g in twin_opt.param_groups] == [(0.1, 0.3)]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        for name, value in opt.state[p].items():
+            assert torch.equal(twin_opt.state[q][name], value), name

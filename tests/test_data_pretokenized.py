@@ -413,3 +413,80 @@ def test_token_file_size_follows_the_split_dtype(tmp_path):
     (out / "train" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="expected"):
         open_pretokenized(out, 4)
+
+
+# -- a pre-tokenized folder's consistency checks and its marker --------------------------------------
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        # doc_starts.npy holding fewer documents than meta.json says (the check was `> n_docs`)
+        ("fewer doc starts", "doc_starts.npy'?: .*documents, expected"),
+        # a split's meta.json of another cache version (the check was removed)
+        ("split cache version", "cache version"),
+        # the marker's document count disagreeing (only the token count was compared)
+        ("marker docs", "disagrees"),
+        # an older marker cache version (the check was `> CACHE_VERSION`)
+        ("old marker cache version", "holds token caches of version"),
+        # a marker whose splits are not a table (an AttributeError, not a DataError)
+        ("splits not a table", "lacks splits"),
+    ],
+)
+def test_more_inconsistent_folders_are_data_errors(tmp_path: Path, how: str, message: str) -> None:
+    _, out = _pretok(tmp_path)
+    if how == "fewer doc starts":
+        starts = np.load(out / "train" / "doc_starts.npy")
+        np.save(out / "train" / "doc_starts.npy", starts[:-1])
+    elif how == "split cache version":
+        _edit_json(out / "val" / "meta.json", lambda m: m.update(version=m["version"] + 1))
+    elif how == "marker docs":
+        _edit_json(out / pretok.MARKER_FILE, lambda i: i["splits"]["val"].update(docs=i["splits"]["val"]["docs"] + 1))
+    elif how == "old marker cache version":
+        _edit_json(out / pretok.MARKER_FILE, lambda i: i.update(cache_version=i["cache_version"] - 1))
+    elif how == "splits not a table":
+        _edit_json(out / pretok.MARKER_FILE, lambda i: i.update(splits=[]))
+    with pytest.raises(DataError, match=message):
+        open_pretokenized(out, 4)
+
+
+def test_a_zero_holdout_is_refused_before_anything_else(tmp_path: Path) -> None:
+    """Mutant: `0.0 < holdout` -> `0.0 <= holdout`. write_splits refuses it too, but only after the folder
+    is compared: into an existing folder a zero holdout was reported as other inputs needing --overwrite."""
+    source, out = _pretok(tmp_path)
+    before = pretokenized_info(out)
+    for target in (out, tmp_path / "new"):
+        with pytest.raises(UserError, match=r"holdout must be in \(0, 1\), got 0\.0"):
+            tokenize_corpus(source, target, holdout=0.0, progress=False)
+    assert pretokenized_info(out) == before and not (tmp_path / "new").exists()
+
+
+def test_the_marker_records_each_splits_dtype(tmp_path: Path, monkeypatch) -> None:
+    """Mutant: the marker's splits recorded dtype uint16 whatever the split's meta.json said (a
+    vocabulary over 65536 ids is stored as uint32)."""
+    from test_data_packing import WideTokenizer
+
+    monkeypatch.setattr(pretok, "build_tokenizer", lambda *a, **k: WideTokenizer())
+    out = tokenize_corpus(str(make_folder(tmp_path / "corpus")), tmp_path / "out", holdout=0.25, progress=False)
+    info = json.loads((out / pretok.MARKER_FILE).read_text())
+    for split in ("train", "val"):
+        meta = json.loads((out / split / "meta.json").read_text())
+        assert info["splits"][split]["dtype"] == meta["dtype"] == "uint32"
+
+
+def test_build_datasets_passes_the_text_field(tmp_path: Path) -> None:
+    """Mutant: build_datasets dropped `text_field` (a JSONL corpus whose text is under another key was
+    read with the default 'text' field)."""
+    source = str(make_jsonl(tmp_path / "corpus.jsonl", n=12))
+    train, val = build_datasets(
+        source, ByteTokenizer(), seq_len=8, holdout=0.25, cache_dir=tmp_path / "a", text_field="body"
+    )
+    want_train, want_val = prepare_caches(
+        source, ByteTokenizer(), holdout=0.25, cache_dir=tmp_path / "b", text_field="body"
+    )
+    for got, want in ((train, want_train), (val, want_val)):
+        assert np.array_equal(np.asarray(got.tokens), np.asarray(PackedDataset(want, 8).tokens))
