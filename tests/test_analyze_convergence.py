@@ -302,3 +302,90 @@ def test_change_mean_is_the_plain_mean_per_recurrence():
         want = statistics.fmean(change[r].flatten().tolist())
         assert prof["change"]["mean"][r] == pytest.approx(want, rel=1e-12)
         assert abs(want - prof["change"]["median"][r]) > 1e-3
+
+
+def test_relative_change_of_bf16_states_is_computed_in_fp32():
+    """bf16 states (an autocast run): the norms are taken in fp32, not in bf16, whose 8-bit mantissa
+    would put ~1% error on delta; compared against fp64 on the same bf16 values."""
+    from looplm.analyze import relative_change
+
+    g = torch.Generator().manual_seed(7)
+    old = torch.randn(2, 5, 512, generator=g).bfloat16()
+    new = (old.float() + 0.01 * torch.randn(2, 5, 512, generator=g)).bfloat16()
+    got = relative_change(new, old)
+    want = (new.double() - old.double()).norm(dim=-1) / old.double().norm(dim=-1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+    assert got.dtype == torch.float32
+
+
+def test_trajectory_runs_to_the_horizon_past_the_last_kv_depth(tiny_model_config):
+    """kv_at below the horizon: the recurrence still runs `horizon` times (the change curve has H rows
+    and the endpoint is s^H), with the K/V recorded at the requested recurrences on the way."""
+    lam = 0.8
+    model = scaled_model(tiny_model_config, lam)
+    x = tokens()
+    traj = run_trajectory(model, start(model, x, init="zero"), horizon=9, kv_at=(2, 4))
+    assert traj.change.shape[0] == 9 and sorted(traj.kv) == [2, 4]
+    # from s^0 = 0: s^r = (1 - lam^r) s* with s* = lam e / (1 - lam); K^r is the core input s^(r-1) + e
+    e = model.run_prelude(x, start(model, x).ctx.rope, None)
+    s_star = lam * e / (1 - lam)
+    torch.testing.assert_close(traj.endpoint, (1 - lam**9) * s_star, rtol=1e-9, atol=1e-12)
+    B, L, _ = e.shape
+    for r in (2, 4):
+        k = ((1 - lam ** (r - 1)) * s_star + e).reshape(B, L, 2, -1).transpose(1, 2)
+        torch.testing.assert_close(traj.kv[r][0][0], k, rtol=1e-9, atol=1e-12)
+
+
+def test_trajectory_start_takes_the_seed_and_the_documents(tiny_model_config):
+    """`start(seed=..., doc_ids=...)` is the native forward's s^0 and context: on packed rows (attention
+    confined to each document, positions restarting) with a non-default seed, the trajectory's changes
+    and endpoint equal those of LoopedLM.forward's own states."""
+    model = LoopedLM(tiny_model_config(injection="parcae-decay")).eval()
+    x, ids = tokens(B=2, L=10), torch.tensor([3, 8])
+    doc = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    pos = torch.stack([torch.cat([torch.arange(4), torch.arange(6)]), torch.cat([torch.arange(7), torch.arange(3)])])
+    kw = dict(doc_ids=doc, positions=pos, example_ids=ids, seed=11)
+    with torch.no_grad():
+        out = model(x, 4, init="seeded", return_states=True, **kw)
+    traj = run_trajectory(model, start(model, x, **kw), horizon=4)
+    torch.testing.assert_close(traj.endpoint, out.endpoint)
+    for r in range(2, 5):
+        prev, cur = out.states[r - 2], out.states[r - 1]
+        torch.testing.assert_close(
+            traj.change[r - 1], (cur - prev).norm(dim=-1) / prev.norm(dim=-1), rtol=1e-5, atol=1e-7
+        )
+
+
+def test_kv_settling_table_against_a_naive_sum_over_layers_and_batches():
+    """K and V settle separately (V compared with V), every core layer against its own norm at the first
+    (smallest) depth, and sums over the batches `KVSums.add` sees before taking the ratio; the depths may
+    come unsorted and repeated. Random K/V for 2 layers against sums written out by hand."""
+    from looplm.analyze import KVSums
+
+    g = torch.Generator().manual_seed(8)
+    depths, span = (4, 1, 4), 2
+    recs = (1, 3, 4, 6)
+
+    def draw(B):
+        return {
+            r: [
+                tuple(torch.randn(B, 2, 3, 4, generator=g, dtype=torch.float64) * (1 + j) for _ in "KV")
+                for j in range(2)
+            ]
+            for r in recs
+        }
+
+    batches = [draw(2), draw(3)]
+    sums = KVSums(depths, span)
+    for kv in batches:
+        sums.add(kv)
+    rows = sums.table()
+    assert [(row["layer"], row["depth"]) for row in rows] == [(0, 1), (0, 4), (1, 1), (1, 4)]
+    for row in rows:
+        j, r = row["layer"], row["depth"]
+        for i, name in enumerate("KV"):
+            diff = sum(float((kv[r + span][j][i] - kv[r][j][i]).square().sum()) for kv in batches)
+            norm = sum(float(kv[r][j][i].square().sum()) for kv in batches)
+            base = sum(float(kv[1][j][i].square().sum()) for kv in batches)
+            assert row[f"{name}_change"] == pytest.approx(math.sqrt(diff / norm), rel=1e-12)
+            assert row[f"{name}_norm_ratio"] == pytest.approx(math.sqrt(norm / base), rel=1e-12)

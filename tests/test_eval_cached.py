@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from looplm.config import ModelConfig
 from looplm.data import ByteTokenizer, Example
+from looplm.errors import UserError
 from looplm.eval.perplexity import native_perplexity
 from looplm.eval.tasks import task_accuracy
 from looplm.infer import make_cache
@@ -277,6 +278,20 @@ def test_cached_perplexity_full_cache_equals_native_on_packed_text(tmp_path):
         assert math.isclose(got["ppl"], math.exp(total / count), rel_tol=1e-5)
 
 
+def test_a_decode_time_exit_rule_needs_stepwise_scoring(tmp_path):
+    """Adaptive exit (exit_tau, min_depth) is a rule of one-token decoding: a chunk scored in parallel
+    would ignore it and report the fixed depth, so it is refused there by name."""
+    from looplm.eval.cached import cached_perplexity
+
+    val = _packed_text(tmp_path)
+    m = _tiny(ByteTokenizer().vocab_size, 48)
+    for rule in ({"exit_tau": 0.1}, {"min_depth": 2}):
+        with pytest.raises(UserError, match=f"{next(iter(rule))} .* stepwise=True"):
+            cached_perplexity(m, val, 3, "terminal", max_sequences=1, **rule)
+    got = cached_perplexity(m, val, 3, "terminal", max_sequences=1, stepwise=True, exit_tau=1e9)
+    assert got["mean_decode_depth"] == 1.0  # every decoded token stops after one recurrence
+
+
 def test_prefilled_only_scores_the_documents_a_prefill_reaches(tmp_path):
     """What compares prefill arms: of the second-half targets, only those of documents that begin
     before the midpoint (their first part is the prompt an arm prefills); written out from doc ids."""
@@ -464,3 +479,47 @@ def test_sharing_table_with_a_span_scores_the_cacheeval_targets():
     assert row["span"] == (P, C) and row["tokens"] == count == 2 * C
     assert math.isclose(row["full_ppl"], math.exp(full / count), rel_tol=1e-5)
     assert math.isclose(row["cacheeval_terminal_ppl"], math.exp(decode / count), rel_tol=1e-5)
+
+
+def test_odd_rows_and_one_token_prompts_against_the_native_forward():
+    """Row halves on rows of odd length (the midpoint is L // 2: of 15 positions, targets 7..14) and a
+    document with a single token before the midpoint (prefilled alone): the full cache, chunk and decode,
+    equals the document-masked native forward on the targets t >= L // 2; at a fixed depth every decoded
+    token reports that depth."""
+    from looplm.eval.cached import cached_perplexity
+
+    m, data = _tiny(), _Packed([((6, 9), (), False), ((7, 9), (), False)])
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(data)):
+            b = data.get_batch([i])
+            L = b.inputs.shape[1]
+            logits = m(
+                b.inputs, 3, doc_ids=b.doc_ids, positions=b.positions, init="seeded", example_ids=b.example_ids
+            ).logits[0]
+            for t in range(L // 2, L):
+                if b.targets[0, t] != -100:
+                    total += F.cross_entropy(logits[t], b.targets[0, t]).item()
+                    count += 1
+    assert count == 7 + 7  # row 0: 7..13 (14 ends its document); row 1: 8..14
+    for stepwise in (False, True):
+        got = cached_perplexity(m, data, 3, "full", stepwise=stepwise)
+        assert got["tokens"] == count
+        assert math.isclose(got["loss"], total / count, rel_tol=1e-5)
+        assert got["mean_decode_depth"] == 3.0
+
+
+def test_cacheeval_max_sequences_counts_spans_not_rows():
+    """With spans, `max_sequences` counts the spans scored, not the rows read: row 0 of `_ROWS` holds no
+    document of P + C tokens, so max_sequences=1 scores row 1's span (read past row 0), and only it."""
+    from looplm.eval.cached import cached_perplexity
+
+    m, data, (P, C) = _tiny(), _Packed(_ROWS), (5, 3)
+    b = data.get_batch([1])
+    with torch.no_grad():
+        logits = m(b.inputs[:, : P + C - 1], 2, init="seeded", example_ids=b.example_ids).logits[0, P - 1 :]
+    want = F.cross_entropy(logits, b.targets[0, P - 1 : P + C - 1]).item()
+    for stepwise in (False, True):
+        got = cached_perplexity(m, data, 2, "full", max_sequences=1, stepwise=stepwise, span=(P, C))
+        assert got["tokens"] == C
+        assert math.isclose(got["loss"], want, rel_tol=1e-5)

@@ -262,3 +262,47 @@ def test_a_final_answer_that_is_not_a_finite_number_is_refused(tmp_path):
         p.write_text(json.dumps({"question": "q", "answer": f"so #### {text}"}) + "\n")
         with pytest.raises(ValueError, match="is not a number"):
             load_gsm8k_jsonl(p)
+
+
+def test_task_accuracy_per_example_by_kind_and_difficulty(model, single_thread):
+    """Teacher-forced exact match, example by example, in batches of 3: an answer is right only when
+    every answer token and the closing newline are the argmax. Answers come from each example's own
+    greedy tokens at its index (its example id): the whole line (right), a proper prefix of it after
+    which the model goes on instead of ending the line (wrong: only the newline is missed) or junk."""
+    depth = 2
+    base = generate_examples(TaskConfig(max_difficulty=3), 12, seed=2)
+    examples, expected, prefixes = [], [], 0
+    for i, ex in enumerate(base):
+        toks = native_greedy(model, ex.prompt, depth, i, 6)
+        n = next((k for k, t in enumerate(toks) if not t < 128 or t == NL), len(toks))  # ASCII run before "\n"
+        answer, ok = "#wrong", False
+        if n < len(toks) and toks[n] == NL and i % 3 != 2:
+            answer, ok = bytes(toks[:n]).decode(), True
+        elif n < len(toks) and toks[n] != NL and n > 0:
+            answer, prefixes = bytes(toks[:n]).decode(), prefixes + 1
+        examples.append(Example(ex.prompt, answer, ex.kind, ex.difficulty))
+        expected.append(ok)
+    assert any(expected) and not all(expected) and prefixes > 0
+
+    def rate(key):
+        groups = {}
+        for ex, ok in zip(examples, expected):
+            groups.setdefault(key(ex), []).append(ok)
+        return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+
+    ids = []
+
+    class Spy:  # records the example ids each forward is given
+        cfg = model.cfg
+
+        def __call__(self, x, d, **kw):
+            ids.extend(kw["example_ids"].tolist())
+            return model(x, d, **kw)
+
+    got = task_accuracy(Spy(), ByteTokenizer(), examples, [depth], batch_size=3)[depth]
+    assert ids == list(range(len(examples)))  # each example's index, across batches
+    assert got["acc"] == pytest.approx(sum(expected) / len(expected))
+    assert got["n"] == len(examples)
+    assert got["by_kind"] == pytest.approx(rate(lambda ex: ex.kind))
+    assert got["by_difficulty"] == pytest.approx(rate(lambda ex: ex.difficulty))
+    assert len(got["by_difficulty"]) > 1

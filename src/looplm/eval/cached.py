@@ -88,13 +88,16 @@ def cached_perplexity(
     exactly which targets are scored; "tokens" counts them.
 
     `stepwise=True` scores by teacher-forced one-token decoding instead of one parallel chunk (same
-    targets). `prefill` writes the prompt part (`looplm.infer.prefill`: distilled student, R = 1 or 2;
+    targets); only it runs adaptive exit (`exit_tau`, `min_depth`). `prefill` writes the prompt part (`looplm.infer.prefill`: distilled student, R = 1 or 2;
     default: the model at `depth`); the rest is scored at `depth`. `prefilled_only` scores only the
     documents that have a prefilled part (what compares prefill arms). Caches use the model's dtype."""
     dtype = next(model.parameters()).dtype
     total, count, depth_sum, n_dec = 0.0, 0, 0, 0
     if span is not None and (span[0] < 1 or span[1] < 1):
         raise UserError(f"span needs P >= 1 prompt tokens and C >= 1 targets, got {span}")
+    if not stepwise and (exit_tau is not None or min_depth != 1):
+        rule = "exit_tau" if exit_tau is not None else "min_depth"
+        raise UserError(f"{rule} (adaptive exit) is a rule of one-token decoding: score with stepwise=True")
     # spans: the first `max_sequences` rows that hold a document of P + C tokens; halves: the first rows
     rows, spans = range(len(data) if span is not None else min(len(data), max_sequences)), 0
     for i in rows:
