@@ -1674,3 +1674,60 @@ def test_a_token_event_without_text_is_a_chunk_only_when_it_carries_logprobs():
     entry = {"token": "bytes:\\xe6", "logprob": -0.25, "bytes": [0xE6]}
     assert chunk["choices"][0]["logprobs"]["content"] == [{**entry, "top_logprobs": [entry]}]
     assert ChatReply(TOK, ChatRequest(model=NAME, messages=messages), 3, None, env).event(0, partial) is None
+
+
+def test_events_that_arrived_together_are_read_as_one_batch(model):
+    """`Choices.batches` hands every event already queued to the reader at once (one SSE write for them),
+    in arrival order: two choices run to the end before the reader wakes give one batch of all their
+    tokens and finishes."""
+    import asyncio
+
+    from looplm.serve.engine import Finish
+    from looplm.serve.events import Choices
+
+    class Connected:
+        async def is_disconnected(self):
+            return False
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    reqs = [Request(TOK.encode(p), SamplingConfig(n), example_id=i) for i, (p, n) in enumerate([("ab", 4), ("x", 3)])]
+
+    async def read():
+        choices = Choices(engine, reqs)
+        engine.run_until_done(choices.handles)  # on this thread: every event waits in the loop's queue
+        await asyncio.sleep(0)  # the engine's posts run
+        return [batch async for batch in choices.batches(Connected())]
+
+    batches = asyncio.run(read())
+    assert len(batches) == 1
+    (batch,) = batches
+    finishes = [(i, ev) for i, ev in batch if isinstance(ev, Finish)]
+    assert sorted(i for i, _ in finishes) == [0, 1]
+    for i, fin in finishes:
+        assert sum(isinstance(ev, Token) for j, ev in batch if j == i) == fin.completion_tokens
+
+
+def test_a_client_that_leaves_after_some_choices_finished_gets_no_body(model):
+    """`collect` answers None (a 499) when the client leaves before every choice finished, also when some
+    had: choice 0 (one token) ends at its prefill, choice 1 is still running when the client is gone."""
+    import asyncio
+
+    from looplm.serve.events import Choices, collect
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=2))
+    reqs = [Request(TOK.encode("ab"), SamplingConfig(1)), Request(TOK.encode("x"), SamplingConfig(8))]
+
+    async def read():
+        choices = Choices(engine, reqs)
+        engine.step()  # both prefill: choice 0 finishes, choice 1 has its first token
+        await asyncio.sleep(0)  # the engine's posts run
+        assert choices.handles[0].finish is not None and choices.handles[1].finish is None
+        return await collect(choices, Gone())
+
+    assert asyncio.run(read()) is None
+    engine.step()  # the unfinished choice was cancelled
+    assert engine.running == 0 and engine.finished == {"length": 1, "cancelled": 1}

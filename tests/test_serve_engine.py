@@ -859,3 +859,42 @@ def test_a_compiled_prefill_runs_the_prefill_arms_depth(model, compiled_engine, 
     lp = logits[0].log_softmax(-1)
     assert tokens[0].depth == 1 and tokens[0].token_id == int(lp.argmax())
     assert abs(tokens[0].logprob - float(lp.max())) <= 1e-4
+
+
+# -- slot accounting, finish reasons and text (found by mutating slots, speculation and the engine) ----------
+@pytest.mark.parametrize("mode", ["terminal", "full"])
+def test_cache_bytes_in_use_count_each_running_rows_cached_positions(model, mode):
+    """`bytes_in_use` (/metrics' cache_bytes_in_use) is the running rows' cached positions times one
+    position's K and V in every bank (2 x n_kv_heads x head_dim fp32 values per bank), not a bound such
+    as the longest row's length per row; a full pool refuses another claim, and only running slots are
+    released (a negative slot would copy the pool's last row, not the last running one)."""
+    pool = SlotPool(model.cfg, 3, 16, mode=mode, depth=3, device="cpu", dtype=torch.float32)
+    per_position = len(pool.cache.banks()) * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 4
+    assert pool.nbytes == 3 * 16 * per_position and pool.bytes_in_use == 0
+    for _ in range(3):
+        pool.claim()
+    for slot, n in enumerate((5, 16, 9)):
+        pool.set_length(slot, n)
+    assert pool.bytes_in_use == (5 + 16 + 9) * per_position
+    with pytest.raises(RuntimeError, match="no free slot"):
+        pool.claim()
+    for slot in (-1, 3):
+        with pytest.raises(IndexError, match="is not running"):
+            pool.release(slot)
+    pool.release(1)
+    assert pool.lengths == [5, 9] and pool.bytes_in_use == 14 * per_position
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(model):
+    """A stop string whose last token is the request's max_tokens-th ends the request as "stop" (its text
+    cut before the stop string), not "length": the same request with room to spare says how many tokens
+    it takes to complete the stop string."""
+    prompt = "abc"
+    free = _alone(model, prompt, Request([], SamplingConfig(20), DepthRule(3)), "terminal")
+    stop = free[5:8]
+    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=3))
+    (roomy,) = engine.generate([Request(TOK.encode(prompt), SamplingConfig(20, stop=(stop,)), DepthRule(3))])
+    assert roomy.reason == "stop" and roomy.completion_tokens < 20
+    n = roomy.completion_tokens  # the token that completed the stop string
+    (exact,) = engine.generate([Request(TOK.encode(prompt), SamplingConfig(n, stop=(stop,)), DepthRule(3))])
+    assert (exact.reason, exact.text, exact.completion_tokens) == ("stop", free[: free.index(stop)], n)

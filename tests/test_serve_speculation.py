@@ -22,6 +22,7 @@ import looplm.serve.engine as engine_mod
 from looplm.data import ByteTokenizer
 from looplm.infer.decode import SamplingConfig
 from looplm.infer.depth_rule import DepthRule
+from looplm.infer.step import DecodeStep
 from looplm.serve import Engine, EngineConfig, Request, Token
 
 TOK = ByteTokenizer()
@@ -243,6 +244,8 @@ def test_decode_counters_count_the_tokens_rows_emitted_not_all_their_window_deci
         (dict(speculate=-1), "speculate must be >= 0"),
         (dict(speculate=2, draft_depth=DEPTH), f"draft_depth must be in 1..{DEPTH - 1}"),
         (dict(speculate=2, draft_depth=0), f"draft_depth must be in 1..{DEPTH - 1}"),
+        # speculate asked for at a depth the engine's draft depth (2) is not below: refused, not run plainly
+        (dict(speculate=2, rule=DepthRule(2)), "draft_depth must be in 1..1"),
     ],
 )
 def test_bad_speculation_settings_are_refused_before_queueing(model, fields, message):
@@ -296,3 +299,92 @@ def test_sampling_rows_speculating_together_each_sample_what_they_sample_alone(m
     ]
     alone = [_run(Engine(model, TOK, config), [r])[0] for r in reqs]
     assert _run(Engine(model, TOK, config), reqs) == alone
+
+
+# -- found by mutating the speculating engine ---------------------------------------------------------------
+def test_speculated_tokens_carry_the_verifiers_logprobs_and_depth(model):
+    """Every token of a speculating request (full cache: its round's verify chunk is the parallel forward)
+    reports the log-probability, top alternatives and depth of the native no-cache forward at the
+    request's depth on the tokens before it: an accepted draft's are the verifier's at its own position
+    in the chunk, not the chunk's first position's, and its depth is the verifier's, not the draft's."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=DEPTH, cache="full", speculate=3, draft_depth=1))
+    reqs = [
+        Request(TOK.encode(p), SamplingConfig(16), logprobs=2, example_id=i + 2) for i, p in enumerate(PROMPTS[1:3])
+    ]
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_done(handles)
+    assert engine.accepted_tokens > 0  # some tokens were accepted drafts
+    for req, h in zip(reqs, handles):
+        tokens = [e for e in h.events(timeout=1) if isinstance(e, Token)]
+        seq = list(req.prompt_ids)
+        for t in tokens:
+            with torch.no_grad():
+                logits = model(torch.tensor([seq]), DEPTH, init="seeded", example_ids=torch.tensor([req.example_id]))
+            lp = logits.logits[0, -1].log_softmax(-1)
+            assert t.depth == DEPTH and abs(t.logprob - float(lp[t.token_id])) <= 1e-4
+            assert [i for i, _ in t.top_logprobs] == lp.topk(2).indices.tolist()
+            seq.append(t.token_id)
+
+
+def test_a_carried_rows_tokens_are_decoded_tokens(model, monkeypatch):
+    """A plain row carried by a round (its step is the verify chunk's first position) emits decoded
+    tokens like any other step: the decoded-token counter (tokens/s, mean decode depth) equals the tokens
+    generated less each request's first token (which its prefill chose)."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, depth=DEPTH, cache="full", speculate=3, draft_depth=1))
+    carried, real = [], engine._speculate
+    monkeypatch.setattr(engine, "_speculate", lambda plan, m, c: carried.append(any(c)) or real(plan, m, c))
+    reqs = [
+        Request(TOK.encode("hello"), SamplingConfig(12), example_id=2),
+        Request(TOK.encode("the quick brown f"), SamplingConfig(12), example_id=3, speculate=0),
+    ]
+    finishes = engine.generate(reqs)
+    assert any(carried)
+    assert engine.decoded_tokens == sum(f.completion_tokens for f in finishes) - len(reqs)
+    assert engine.decode_depth_sum == DEPTH * engine.decoded_tokens
+    s = engine.stats()
+    assert s["speculative_acceptance_rate"] == pytest.approx(engine.accepted_tokens / engine.drafted_tokens)
+
+
+def test_a_key_range_round_attends_over_its_verify_chunk(model):
+    """With `key_range` a round's steps attend over the positions its rows fill including the verify
+    chunk of k + 1 tokens (not one token): rows whose chunks cross a 16-position boundary give the
+    no-cache greedy tokens. The engine's step runs eagerly here (the same key ranges, no compiling)."""
+    config = EngineConfig(
+        max_batch=2, depth=DEPTH, cache="full", compile=True, key_range=True, speculate=3, draft_depth=1
+    )
+    engine = Engine(model, TOK, config)
+    engine._step = DecodeStep(model, engine.pool.cache, vocab=engine.vocab)  # eager, honouring `keys`
+    engine._prefill_step = None  # the eager prefill
+    reqs = [Request(TOK.encode(p), SamplingConfig(20), example_id=i + 2) for i, p in enumerate(["hello", "ab"])]
+    got = _run(engine, reqs)
+    for req, ids in zip(reqs, got):
+        assert ids == _no_cache_greedy(model, req.prompt_ids, 20, DEPTH, req.example_id)
+    assert engine.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("key_range", [False, True])
+def test_a_warm_up_runs_every_step_a_speculating_engine_serves(model, key_range):
+    """A compiled speculating engine's `warm_up` runs its step with every signature serving uses (chunk
+    shape, depth, fill, key range): the draft step (fill False) and the verify chunk of k + 1 tokens per
+    batch bucket, so no request compiles a graph. The step is recorded (and run eagerly) instead of
+    compiled; the prefill runs eagerly too."""
+    config = EngineConfig(
+        max_batch=2, depth=DEPTH, max_seq_len=32, compile=True, key_range=key_range, speculate=3, draft_depth=1
+    )
+    engine = Engine(model, TOK, config)
+    eager = DecodeStep(model, engine.pool.cache, vocab=engine.vocab)
+    calls = []
+
+    def recording(rows, depth, *, fill=True, keys=None, **kw):
+        calls.append((tuple(rows.tokens.shape), depth, fill, keys is None, rows.depth is None, rows.exits))
+        return eager(rows, depth, fill=fill, keys=keys, **kw)
+
+    recording.key_range = eager.key_range
+    engine._step, engine._prefill_step = recording, None
+    engine.warm_up()
+    warmed = set(calls)
+    calls.clear()
+    reqs = [Request(TOK.encode(p), SamplingConfig(12), example_id=i) for i, p in enumerate(["hello", "abc", "xy"])]
+    engine.generate(reqs)
+    assert {c[0] for c in calls} >= {(1,), (2,), (1, 4), (2, 4)}  # drafts and chunks of buckets 1 and 2
+    assert set(calls) <= warmed
