@@ -576,3 +576,98 @@ def test_a_teacher_for_a_model_artifact_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="--teacher is for a distilled student artifact"):
         convert_xllm_loop(src, tmp_path / "out", teacher=tmp_path / "teacher")
     assert not (tmp_path / "out").exists()
+
+
+# -- pinned by a mutation sweep (the release format shared with the student converter) ---------------------
+def _edit_release(src: Path, edit) -> None:
+    """Change config.json's model section with `edit` and write the manifest again (a consistent artifact)."""
+    config = json.loads((src / "config.json").read_text())
+    edit(config["model"])
+    (src / "config.json").write_bytes(_json_bytes(config))
+    write_manifest(src)
+
+
+def _rewrite_manifest(src: Path, edit, digest: bool = True) -> None:
+    """Change artifact_manifest.json with `edit`; its manifest_sha256 recomputed (`digest`) or dropped."""
+    path = src / "artifact_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop("manifest_sha256")
+    edit(manifest)
+    if digest:
+        manifest["manifest_sha256"] = hashlib.sha256(
+            json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()
+    path.write_bytes(_json_bytes(manifest))
+
+
+def test_fields_config_json_omits_take_xllms_modelconf_defaults(tmp_path):
+    """Mutants R08, R09, R14 (a default in xllm_release.DEFAULTS changed): a field that config.json omits has
+    xllm's ModelConf default (xllm/config.py): rmsnorm_eps 1e-6, rope_base 100000, PLN sigma 0.5 and cap 64."""
+    src = make_release(tmp_path / "release", huginn_sampling_scheme="poisson-lognormal-capped")
+
+    def omit(model):
+        for name in ("rmsnorm_eps", "rope_base", "huginn_poisson_lognormal_sigma", "huginn_poisson_lognormal_max"):
+            model.pop(name, None)
+
+    _edit_release(src, omit)
+    out = convert_xllm_loop(src, tmp_path / "converted")
+    model, _, _ = load_model(out)
+    assert (model.cfg.norm_eps, model.cfg.rope_base) == (1e-6, 100000.0)
+    depth = json.loads((out / "config.json").read_text())["depth"]
+    assert (depth["sampler"], depth["sigma"], depth["cap"]) == ("pln", 0.5, 64)
+
+
+def test_a_field_set_to_a_false_value_is_not_its_default(tmp_path):
+    """Mutants R07 (`field` read `model.get(name) or default`) and R10 (norm_affine left out of REQUIRED): a
+    release without affine norm gains (norm_affine false, whose default is true) is refused, not converted as
+    if its norms had gains."""
+    src = make_release(tmp_path / "release", norm_affine=False)
+    with pytest.raises(CheckpointError, match="model.norm_affine = False: looplm converts only norm_affine = True"):
+        convert_xllm_loop(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_size_that_disagrees_is_refused(tmp_path):
+    """Mutant R01 (the size check dropped): a file whose size differs from the manifest's size_bytes is
+    refused even where its SHA-256 matches (a manifest without its own digest, edited)."""
+    src = make_release(tmp_path / "release")
+
+    def wrong_size(manifest):
+        record = next(r for r in manifest["files"] if r["path"] == "config.json")
+        record["size_bytes"] += 1
+
+    _rewrite_manifest(src, wrong_size, digest=False)
+    with pytest.raises(CheckpointError, match="config.json has the wrong size"):
+        convert_xllm_loop(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_path_outside_the_folder_is_refused(tmp_path):
+    """Mutant R03 (records read as `src / path`): a manifest record naming a file outside the artifact is
+    refused by name, even when that file exists and matches its SHA-256."""
+    src = make_release(tmp_path / "release")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not in the artifact\n")
+
+    def add(manifest):
+        digest = hashlib.sha256(outside.read_bytes()).hexdigest()
+        manifest["files"].append({"path": "../outside.txt", "sha256": digest, "size_bytes": outside.stat().st_size})
+
+    _rewrite_manifest(src, add)
+    with pytest.raises(CheckpointError, match=r"file name '\.\./outside\.txt' points outside the folder"):
+        convert_xllm_loop(src, tmp_path / "out")
+
+
+def test_the_manifest_digest_does_not_depend_on_its_key_order(tmp_path):
+    """Mutant R06 (the digest without sort_keys): manifest_sha256 is over the canonical JSON (sorted keys,
+    compact), so a manifest written with its keys in another order verifies."""
+    src = make_release(tmp_path / "release")
+    path = src / "artifact_manifest.json"
+    manifest = json.loads(path.read_text())
+    reordered = {k: manifest[k] for k in reversed(list(manifest))}
+    reordered["files"] = [{k: r[k] for k in reversed(list(r))} for r in manifest["files"]]
+    assert list(reordered) != sorted(reordered)
+    path.write_text(json.dumps(reordered, indent=1))
+    out = convert_xllm_loop(src, tmp_path / "converted")
+    provenance = json.loads((out / "conversion.json").read_text())
+    assert provenance["manifest_verified"] and provenance["manifest_sha256"] == manifest["manifest_sha256"]

@@ -289,3 +289,85 @@ def test_norm_offset_is_added_to_every_block_norm_gain(tmp_path, converted):
             torch.testing.assert_close(getattr(plain.blocks[j], looplm_name).weight, want, rtol=0, atol=0)
             torch.testing.assert_close(getattr(offset.blocks[j], looplm_name).weight, want + 1, rtol=0, atol=0)
     torch.testing.assert_close(plain.in_proj.weight, stored["in_proj.weight"], rtol=0, atol=0)
+
+
+# -- pinned by a mutation sweep ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        # mutant S02: the student's head_dim field ignored (d // heads assumed)
+        ({"head_dim": 4}, "the student's head_dim 4 contradicts the teacher's 8"),
+        # mutant S03: the student's rmsnorm_eps not compared with the teacher's norm_eps
+        ({"rmsnorm_eps": 1e-5}, "the student's rmsnorm_eps 1e-05 contradicts the teacher's 1e-06"),
+        # mutant S12: the arch check dropped (a student section over a Huginn model's fields)
+        ({"arch": "huginn"}, "model.arch = 'huginn'; a release student is 'transformer'"),
+        # mutant S05: `n_blocks < 0`; zero blocks is refused here, in the converter's one-line form
+        ({"num_layers": 0}, "the student has num_layers 0; it needs at least one block"),
+    ],
+)
+def test_refuses_student_fields_its_weights_would_not_show(tmp_path, converted, fields, match):
+    """Fields that differ from the teacher's while the tensors keep the teacher's shapes: refused by the field,
+    before anything is written (the shape check alone would accept them)."""
+    teacher_src, teacher = converted
+    n_layers = fields.get("num_layers", 2)
+    src = make_student(tmp_path / "student", teacher_src, n_layers=n_layers, fields=fields)
+    with pytest.raises(CheckpointError, match=match):
+        convert_xllm_loop(src, tmp_path / "out", teacher=teacher)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_student_without_a_student_section_is_still_a_student(tmp_path, converted):
+    """Mutant S01 (`is_student` reads only the `student` section): a dense artifact holding `in_proj` is a
+    student even when config.json lacks the section (then refused for naming no teacher manifest), not read
+    as a model artifact."""
+    teacher_src, teacher = converted
+    src = make_student(tmp_path / "student", teacher_src, manifest=False)
+    config = json.loads((src / "config.json").read_text())
+    del config["student"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="is a distilled prefill student; convert its teacher artifact first"):
+        convert_xllm_loop(src, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="names no student.teacher_manifest_sha256"):
+        convert_xllm_loop(src, tmp_path / "out", teacher=teacher)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_conversion_record_says_what_was_verified_and_written(tmp_path, converted):
+    """Mutants S07 (manifest_verified always true), S08 (norm_offset recorded as 1) and S09 (the dtype recorded
+    as the argument, None by default): student.json's conversion section describes this conversion."""
+    teacher_src, teacher = converted
+    model = load_model(teacher)[0]
+    src = make_student(tmp_path / "student", teacher_src, manifest=False)
+    _, meta = load_student(convert_xllm_loop(src, tmp_path / "s", teacher=teacher, norm_offset=0.5), model)
+    conversion = meta["conversion"]
+    assert (conversion["manifest_verified"], conversion["manifest_sha256"]) == (False, None)
+    assert (conversion["norm_offset"], conversion["dtype"]) == (0.5, "float32")
+    _, meta = load_student(convert_xllm_loop(src, tmp_path / "s16", "bf16", teacher=teacher), model)
+    assert (meta["conversion"]["norm_offset"], meta["conversion"]["dtype"]) == (1.0, "bfloat16")
+
+
+def test_the_add_residual_converts_as_the_base_one(tmp_path, converted):
+    """Mutant S13 (residual_func 'add' refused): xllm's 'add' residual is the plain one (out = h + residual),
+    so a student recorded with it converts to the very tensors of its 'base' twin."""
+    teacher_src, teacher = converted
+    model = load_model(teacher)[0]
+    base = make_student(tmp_path / "base", teacher_src)
+    add = make_student(tmp_path / "add", teacher_src, fields={"residual_func": "add"})
+    want, _ = load_student(convert_xllm_loop(base, tmp_path / "s-base", teacher=teacher), model)
+    got, _ = load_student(convert_xllm_loop(add, tmp_path / "s-add", teacher=teacher), model)
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+
+
+def test_an_index_the_manifest_does_not_list_is_refused(tmp_path, converted):
+    """Mutant S14 (the shard index left out of the files that must be verified): every file the conversion
+    reads, model.safetensors.index.json included, must be listed in artifact_manifest.json."""
+    teacher_src, teacher = converted
+    src = make_student(tmp_path / "student", teacher_src)
+    path = src / "artifact_manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["manifest_sha256"]
+    manifest["files"] = [r for r in manifest["files"] if r["path"] != "model.safetensors.index.json"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is read but not listed"):
+        convert_xllm_loop(src, tmp_path / "out", teacher=teacher)
+    assert not (tmp_path / "out").exists()

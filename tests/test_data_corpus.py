@@ -78,3 +78,67 @@ def test_split_scenes_keeps_a_short_tail():
     docs = split_scenes(text)
     assert "".join(docs) == text
     assert docs[-1].endswith("SCENE 2.\nExeunt.\n")
+
+
+# -- pinned by a mutation sweep ----------------------------------------------------------------------------
+def _scene(heading: str, chars: int) -> str:
+    """A heading line and speech making a piece of exactly `chars` characters once stripped."""
+    body = ("Speak the speech, I pray you. " * 20)[: chars - len(heading) - 1]
+    return f"{heading}\n{body}\n"
+
+
+def test_a_scene_of_exactly_200_characters_is_a_document():
+    """Mutant C01 (`>` 200): a piece of 200 characters (stripped) is long enough to stand alone."""
+    text = _scene("ACT 1.", 200) + _scene("SCENE 2.", 300)
+    assert len(_scene("ACT 1.", 200).strip()) == 200
+    docs = split_scenes(text)
+    assert [d.splitlines()[0] for d in docs] == ["ACT 1.", "SCENE 2."] and "".join(docs) == text
+
+
+def test_a_scene_under_200_characters_joins_the_next_one():
+    """Mutant C02 (the minimum lowered to 100): a 150-character scene is merged into the scene after it."""
+    text = _scene("SCENE 1.", 150) + _scene("SCENE 2.", 300) + _scene("SCENE 3.", 199) + _scene("SCENE 4.", 250)
+    docs = split_scenes(text)
+    assert [d.splitlines()[0] for d in docs] == ["SCENE 1.", "SCENE 3."] and "".join(docs) == text
+    assert docs[0].count("SCENE") == 2 and docs[1].count("SCENE") == 2
+
+
+def test_a_short_tail_is_not_a_document_of_its_own():
+    """Mutant C03 (a short tail appended as its own document): what follows the last long scene and is under
+    200 characters joins that scene, so no document is shorter than 200 characters."""
+    text = _scene("SCENE 1.", 300) + _scene("SCENE 2.", 250) + "SCENE 3.\nExeunt.\n"
+    docs = split_scenes(text)
+    assert len(docs) == 2 and docs[1].startswith("SCENE 2.") and docs[1].endswith("SCENE 3.\nExeunt.\n")
+    assert all(len(d.strip()) >= 200 for d in docs)
+
+
+def _corpus(monkeypatch, root, files: dict[str, str]) -> None:
+    root.mkdir()
+    for name, text in files.items():
+        (root / name).write_text(text)
+    monkeypatch.setitem(CORPORA, "test", root)
+
+
+def test_the_corpus_is_read_in_file_name_order(tmp_path, monkeypatch):
+    """Mutant C05 (files in directory order): a corpus's files, and so its documents, come in name order,
+    whatever order the folder lists them in (its held-out split is drawn over this order)."""
+    from looplm.data.corpus import iter_corpus
+
+    names = [f"{c}.txt" for c in "kcjadgfbhie"]
+    _corpus(monkeypatch, tmp_path / "c", {n: _scene(f"SCENE {i + 1}.", 250) for i, n in enumerate(names)})
+    assert [p.name for p in corpus_files("test")] == sorted(names)
+    assert list(iter_corpus("test")) == [(tmp_path / "c" / n).read_text() for n in sorted(names)]
+
+
+def test_the_corpus_key_covers_file_names_and_contents(tmp_path, monkeypatch):
+    """Mutant C04 (only the contents hashed): renaming a file (which changes the name order the documents are
+    read in) changes the corpus's cache key, as changing a file's text does."""
+    from looplm.data.corpus import describe_corpus
+
+    _corpus(monkeypatch, tmp_path / "c", {"a.txt": _scene("SCENE 1.", 250), "b.txt": _scene("SCENE 2.", 250)})
+    before = describe_corpus("test")
+    (tmp_path / "c" / "b.txt").rename(tmp_path / "c" / "c.txt")
+    renamed = describe_corpus("test")
+    assert renamed != before
+    (tmp_path / "c" / "c.txt").write_text(_scene("SCENE 3.", 250))
+    assert describe_corpus("test") not in (before, renamed)

@@ -164,3 +164,109 @@ def test_eos_and_pad_pieces_are_their_names_even_when_not_special() -> None:
     tok = BPETokenizer(backend, eos_token="<end>", pad_token="<fill>")
     assert (tok.token_piece(tok.eos_id), tok.token_piece(tok.pad_id)) == ("<end>", "<fill>")
     assert tok.token_piece(backend.token_to_id("<word>")) == b"<word>"
+
+
+# -- pinned by a mutation sweep ----------------------------------------------------------------------------
+def _byte_fallback_tokenizer() -> BPETokenizer:
+    """A Llama-style SentencePiece BPE with byte fallback: a character outside its vocabulary encodes as
+    the `<0xHH>` tokens of its UTF-8 bytes, and the `▁` of each word is its leading space."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<eos>": 0, "<pad>": 1, "<unk>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("\u2581", "h", "i", "e", "l", "o"):
+        vocab[piece] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<eos>", "<pad>", "<unk>"])
+    return BPETokenizer(backend)
+
+
+def test_byte_fallback_pieces_are_their_bytes() -> None:
+    """Mutants T04/T05 (the `<0xHH>` branch misread or never taken): a byte-fallback token's piece is the byte
+    its name spells, so the pieces of a character split into bytes are its UTF-8 bytes."""
+    tok = _byte_fallback_tokenizer()
+    assert not tok._byte_level
+    for b in (0x00, 0x0A, 0x41, 0x80, 0xE6, 0xFF):
+        assert tok.token_piece(3 + b) == bytes([b])
+    ids = tok.encode("hi 日本")
+    assert tok.decode(ids) == "hi 日本"
+    first = tok.decode(ids[:1])  # the prepended `▁`, which the decoder strips at a text's start
+    assert b"".join(tok.token_piece(i) for i in ids[1:]) == "hi 日本"[len(first) :].encode()
+    assert sum(3 <= i < 3 + 256 for i in ids) == len("日本".encode())  # both characters fell back to bytes
+
+
+def test_vocab_size_counts_tokens_added_past_the_models_vocabulary() -> None:
+    """Mutant T02 (vocab_size without added tokens): ids of tokens added on top of the BPE vocabulary are
+    token ids too, so vocab_size reaches past the largest of them (the embedding must have their rows)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    backend.add_special_tokens(["<eos>", "<pad>", "<extra>"])
+    tok = BPETokenizer(backend)
+    added = [backend.token_to_id(t) for t in ("<eos>", "<pad>", "<extra>")]
+    assert tok.vocab_size == max(added) + 1 == 283
+    assert max(max(tok.encode(t)) for t in CORPUS[:3]) < tok.vocab_size
+
+
+def test_a_folder_with_only_a_tokenizer_json_loads(tmp_path: Path) -> None:
+    """Mutant T09 (the bare tokenizer.json branch dropped): a folder holding just another tool's tokenizer.json
+    loads as a BPE tokenizer (with looplm's default special names)."""
+    bpe = BPETokenizer.train(CORPUS, vocab_size=300)
+    (tmp_path / "tokenizer.json").write_text(bpe.backend_json)
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, BPETokenizer) and loaded.fingerprint() == bpe.fingerprint()
+    assert loaded.encode(CORPUS[2]) == bpe.encode(CORPUS[2])
+    with pytest.raises(ValueError, match="no tokenizer_config.json or tokenizer.json"):
+        load_tokenizer(tmp_path / "empty")
+
+
+def test_an_unknown_tokenizer_type_is_refused(tmp_path: Path) -> None:
+    """Mutant T10 (an unknown type read as the byte tokenizer): a tokenizer_config.json of another type is a
+    one-line error, never silently another tokenizer."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"type": "sentencepiece"}))
+    with pytest.raises(ValueError, match="unknown tokenizer type 'sentencepiece'"):
+        load_tokenizer(tmp_path)
+
+
+def test_bpe_vocab_size_258_is_the_smallest_accepted() -> None:
+    """Mutant T12 (`<=` 258): 256 bytes and the two special tokens fit in 258 ids (a BPE without merges);
+    257 is refused."""
+    tok = BPETokenizer.train(CORPUS, vocab_size=258)
+    assert tok.vocab_size == 258
+    assert tok.decode(tok.encode(CORPUS[2])) == CORPUS[2]
+    with pytest.raises(ValueError, match="BPE vocab_size must be >= 258"):
+        BPETokenizer.train(CORPUS, vocab_size=257)
+
+
+def test_eos_and_pad_added_as_ordinary_tokens_are_special_in_encode_and_decode() -> None:
+    """A foreign tokenizer may add its end and padding tokens as ordinary (non-special) added tokens. looplm
+    treats them as its special tokens all the same: their literal names in text stay text (never a document
+    boundary in the packed data), and `decode` skips them, as it skips `<eos>`/`<pad>` of its own tokenizers."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    backend.train_from_iterator(CORPUS, trainer=trainer)
+    backend.add_tokens([AddedToken(t, special=False) for t in ("<end>", "<fill>")])
+    end, fill = backend.token_to_id("<end>"), backend.token_to_id("<fill>")
+    tok = BPETokenizer(backend, eos_token="<end>", pad_token="<fill>")
+    assert (tok.eos_id, tok.pad_id) == (end, fill)  # the same ids, now special
+    ids = tok.encode("a <end> b <fill>")
+    assert tok.eos_id not in ids and tok.pad_id not in ids and tok.decode(ids) == "a <end> b <fill>"
+    assert tok.decode(tok.encode("ab") + [tok.eos_id, tok.pad_id]) == "ab"

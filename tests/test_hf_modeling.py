@@ -908,3 +908,44 @@ def test_tokenizer_vocab_size_is_checked_against_the_vocabulary(exported):
     hf = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK, tokenizer_vocab_size=258).eval()
     with torch.no_grad():
         assert not torch.isinf(hf(torch.tensor([[97, 98]])).logits).any()
+
+
+# -- export, pinned (mutation sweep) ---------------------------------------------------------------------------
+def test_exported_tokenizer_decodes_spaces_before_punctuation_as_written(tmp_path):
+    """Mutant X06 (clean_up_tokenization_spaces=True): transformers' clean-up (applied to a tokenizer whose model
+    is not BPE, here a SentencePiece-style Unigram) would drop the space before punctuation and contractions
+    (" ," -> ","); the exported tokenizer decodes as looplm's does, the text itself."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    text = "Well , then . Is it ? Yes ! It 's n't what I 'm , we 're or you 've said ."
+    backend = HFTokenizer(models.Unigram())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=120, special_tokens=["<eos>", "<pad>", "<unk>"], unk_token="<unk>", show_progress=False
+    )
+    backend.train_from_iterator([text] * 20, trainer=trainer)
+    unigram = BPETokenizer(backend)  # looplm's wrapper takes any `tokenizers` model
+    write_checkpoint(tmp_path / "ckpt", tiny_model(vocab_size=unigram.vocab_size), unigram)
+    tok = AutoTokenizer.from_pretrained(export(tmp_path / "ckpt", tmp_path / "hf"))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == unigram.encode(text)
+    assert tok.decode(ids) == text == unigram.decode(ids)
+    assert tok.batch_decode([ids])[0] == text
+
+
+def test_export_leaves_transformers_progress_bars_as_it_found_them(tmp_path):
+    """Mutant X15 (the restore taken for the wrong state): export hides transformers' progress bar while it
+    saves, then restores the caller's setting, enabled or disabled."""
+    from transformers.utils import logging as hf_logging
+
+    write_checkpoint(tmp_path / "ckpt", tiny_model(), TOK)
+    was = hf_logging.is_progress_bar_enabled()
+    try:
+        for enabled in (True, False):
+            (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+            export(tmp_path / "ckpt", tmp_path / f"hf-{enabled}")
+            assert hf_logging.is_progress_bar_enabled() is enabled
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

@@ -499,3 +499,28 @@ def test_exit_gate_thresholds_at_the_ends_of_0_1_are_accepted(q):
         want = model(ids, DepthPlan(6, exit_gate=q), **seeded).logits
         got = hf(ids, exit_gate_threshold=q).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_an_export_keeps_the_checkpoints_own_data_record(tmp_path):
+    """Mutant X14 (looplm_export.json without `data`): the exported folder's held-out data is the checkpoint's
+    data record (data.json), not one rebuilt from the job, which it may differ from (a converted model's
+    evaluation text, its origin)."""
+    import dataclasses
+
+    from looplm.data.record import DataRecord
+
+    model = tiny_model()
+    job = {**tiny_job(tmp_path).to_dict(), "model": model.cfg.to_dict()}
+    record = dataclasses.replace(DataRecord.from_job(job), source="shakespeare", seq_len=48, origin="converted")
+    assert record != DataRecord.from_job(job)
+
+    def populate(tmp):
+        ckpt.save_tensors(tmp, "model.safetensors", model.state_dict())
+        ckpt.write_json(tmp, "config.json", job)
+        ckpt.write_data_record(tmp, record)
+        TOK.save(tmp)
+
+    ckpt.write_atomic(tmp_path / "ckpt", populate)
+    assert ckpt.load_data(tmp_path / "ckpt") == record
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    assert ckpt.load_data(tmp_path / "hf") == record

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from looplm.errors import UserError
 
@@ -166,6 +166,14 @@ class BPETokenizer(Tokenizer):
         self._bos = None if bos_token is None else int(backend.token_to_id(bos_token))
         # Serialise before changing runtime flags so the fingerprint is the file content.
         self._json: str = backend.to_str()
+        # A tokenizer made elsewhere may add its end/padding/BOS tokens as ordinary ones: they are special
+        # here all the same (same ids), so that their names in text stay text and `decode` skips them.
+        ordinary = [t for t in backend.get_added_tokens_decoder().values() if t.content in named and not t.special]
+        if ordinary:
+            keep = ("single_word", "lstrip", "rstrip", "normalized")
+            backend.add_special_tokens(
+                [AddedToken(t.content, special=True, **{k: getattr(t, k) for k in keep}) for t in ordinary]
+            )
         # Literal "<eos>" in corpus text must stay text, never become the special id.
         backend.encode_special_tokens = True
         self._tok = backend
