@@ -48,3 +48,9 @@ def test_optimisation_defaults_follow_the_design():
     assert (t.warmup_frac, t.decay_frac) == (1 / 20, 1 / 10)  # W = T/20, D = T/10
     assert job_preset("S").train.lr == 1.5e-3  # paper peak at S (fixed depth, PLN)
     assert all(job_preset(p).train.warmup_frac == 1 / 20 for p in ("tiny", *PAPER))
+
+
+# config.py `grad_accum: int = 1` -> 2 (the tiny preset trained twice the batch the README states)
+def test_the_tiny_preset_trains_400_steps_of_16_x_256_tokens():
+    t, d = job_preset("tiny").train, job_preset("tiny").data
+    assert (t.steps, t.micro_batch, t.grad_accum, d.seq_len) == (400, 16, 1, 256)  # README: Quick start

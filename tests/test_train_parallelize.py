@@ -231,6 +231,17 @@ def test_trainer_with_checkpointing_matches_and_saves_plain_keys(tmp_path, cache
     assert resumed.step == 3
 
 
+# trainer.py `apply_activation_checkpointing(self.model, t.activation_checkpointing)` -> `(..., "none")`
+# (the setting was accepted and recorded, and every block kept its activations)
+def test_the_trainer_wraps_its_blocks_as_train_activation_checkpointing_says(tmp_path, cache):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for mode in ("none", "block"):
+        model = Trainer(tiny_job(tmp_path, mode, cache=cache, train__activation_checkpointing=mode)).model
+        blocks = [*model.prelude, *model.core, *model.coda]
+        assert [isinstance(b, CheckpointWrapper) for b in blocks] == [mode == "block"] * len(blocks), mode
+
+
 @pytest.mark.slow
 def test_compiled_blocks_with_block_masks_do_not_recompile_per_batch(tiny_model_config):
     """The GPU training path (compiled blocks + FlexAttention), forward only on CPU: every batch
@@ -481,3 +492,22 @@ def test_prefetched_batches_are_the_batches(tmp_path, cache):
         runs[prefetch] = step_records(trainer.out_dir)
     assert [r["loss"] for r in runs[True].values()] == [r["loss"] for r in runs[False].values()]
     assert [r["depths"] for r in runs[True].values()] == [r["depths"] for r in runs[False].values()]
+
+
+# trainer.py `self._prefetched = (step + 1, ...)` keyed the next step's batches under another step: each
+# step assembled its batches again on the training thread, the prefetched ones thrown away
+def test_prefetched_steps_are_not_assembled_again_on_the_training_thread(tmp_path, cache):
+    import threading
+
+    trainer = Trainer(tiny_job(tmp_path, "run", cache=cache, train__steps=4, train__prefetch=True))
+    built = []
+    real = trainer._host_step_batches
+
+    def recording(step):
+        built.append((step, threading.current_thread() is threading.main_thread()))
+        return real(step)
+
+    trainer._host_step_batches = recording
+    trainer.fit()
+    # step 0 on the training thread, each later step (and one past the end) once, ahead, on the prefetch thread
+    assert sorted(built) == [(0, True), (1, False), (2, False), (3, False), (4, False)]

@@ -1199,6 +1199,12 @@ def test_a_window_equal_to_the_deepest_draw_is_full_bptt(tmp_path, cache):
     ("overrides", "match"),
     [
         ({"train__lr": 0.0}, "train.lr must be > 0, got 0"),
+        # found by the third sweep: each of these checks could go unnoticed
+        ({"train__grad_clip": -1.0}, r"train.grad_clip must be >= 0 \(0 disables\), got -1"),
+        ({"train__warmup_frac": -0.1}, r"train.warmup_frac must be in \[0, 1\], got -0.1"),
+        ({"train__decay_frac": -0.1}, r"train.decay_frac must be in \[0, 1\], got -0.1"),
+        ({"train__grad_accum": 0}, "train.grad_accum must be >= 1, got 0"),
+        ({"train__eval_every": -1}, r"train.eval_every must be >= 0 \(0 disables\), got -1"),
         ({"train__beta2": 1.0}, r"train.beta2 must be in \[0, 1\), got 1"),
         ({"train__beta1": 1.0}, r"train.beta1 must be in \[0, 1\), got 1"),
         ({"train__weight_decay": -0.1}, "train.weight_decay must be >= 0, got -0.1"),
@@ -1288,3 +1294,198 @@ def test_the_cpu_warning_has_nothing_to_say_of_no_steps_and_says_hours_below_two
     line = cpu_warning(s, 3e8, 100_000, 1000, 1.296e9, "cpu")
     assert "take about 36 hours even at 1 TFLOP/s" in line, line
     assert "take about 3 days" in cpu_warning(s, 3e8, 200_000, 1000, 1.296e9, "cpu")  # 3.0 days
+
+
+# -- found by mutating the trainer (third sweep): schedule groups, clipping, records, resume ---------------
+# trainer.py `for g in self.optimizer.param_groups` -> `param_groups[:1]` (the no-decay group kept the peak lr)
+def test_every_param_group_follows_the_schedule(tmp_path, cache):
+    t = Trainer(job(tmp_path, cache, train__steps=8, train__warmup_frac=0.5, train__lr=1e-3))
+    assert len(t.optimizer.param_groups) == 2  # decayed matrices and the rest
+    for k in range(3):
+        t.train_step()
+        want = 1e-3 * (1e-4 + (1 - 1e-4) * k / 4)  # linear warmup over W = 8 * 0.5 = 4 steps, at step index k
+        assert [g["lr"] for g in t.optimizer.param_groups] == [pytest.approx(want, rel=1e-12)] * 2, k
+
+
+# trainer.py `clip_grad_norm_(..., t.grad_clip if t.grad_clip > 0 else inf)` -> `inf` (never clipped);
+# StepResult reported the clipped norm instead of the norm before clipping
+def test_gradients_are_clipped_to_grad_clip_and_the_norm_before_clipping_is_reported(tmp_path, cache):
+    clip = 0.05
+    t = Trainer(
+        job(
+            tmp_path,
+            cache,
+            depth__sampler="fixed",
+            depth__depth=2,
+            depth__bptt_window=None,
+            train__grad_accum=1,
+            train__grad_clip=clip,
+        )
+    )
+    init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    captured = {}
+    original_step = t.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        captured.update({n: p.grad.detach().clone() for n, p in t.model.named_parameters()})
+        return original_step(*args, **kwargs)
+
+    t.optimizer.step = capture_then_step
+    res = t.train_step()
+    # reference: the unclipped token-mean gradient of the same batch and noise, by plain autograd
+    seed, L, d = t.job.train.seed, t.job.data.seq_len, t.job.model.d_model
+    ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, seed)
+    ref = LoopedLM(t.job.model)
+    ref.load_state_dict(init)
+    z = initial_state_noise(seed, 0, 0, rows, L, d, torch.device("cpu"))
+    out = ref(batch.inputs, 2, doc_ids=batch.doc_ids, positions=batch.positions, state0=z)
+    F.cross_entropy(out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX).backward()
+    norm = float(torch.cat([p.grad.flatten() for p in ref.parameters()]).norm())
+    assert norm > 4 * clip  # clipping engages
+    assert res.grad_norm == pytest.approx(norm, rel=1e-4)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(captured[name], p.grad * (clip / norm), rtol=1e-3, atol=1e-8, msg=name)
+
+
+# trainer.py `model_tflops_per_s` took the last step's depths (or full BPTT) instead of the log window's
+def test_model_tflops_rate_counts_the_windows_depths_and_backprop_window(tmp_path, cache, monkeypatch):
+    import time as time_mod
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["now"])
+    real_step = Trainer.train_step
+    drawn = []
+
+    def step(self):  # every step takes 1 s of the fake clock
+        clock["now"] += 1.0
+        res = real_step(self)
+        drawn.append(res.depths)
+        return res
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    t = Trainer(job(tmp_path, cache, train__steps=4, train__log_every=2, depth__depth=3.0, depth__bptt_window=1))
+    t.fit()
+    records = step_records(t.out_dir)
+    assert sorted(records) == [2, 4]
+    m, L = t.job.model, t.job.data.seq_len
+    per_step = t.layout.global_batch * L
+    for s in (2, 4):
+        window = [r for ds in drawn[s - 2 : s] for r in ds]
+        assert sum(drawn[s - 1]) * 2 != sum(window)  # the last step's mean is not the window's
+        assert max(window) > 1  # the window of 1 leaves a no-grad prefix
+        # 6 (static + last recurrence) + 2 per no-grad recurrence, per token (design §5), averaged by hand
+        flops = sum(flops_per_token(m, L, r, 1) for r in window) / len(window)
+        assert records[s]["tokens_per_s"] == pytest.approx(per_step)
+        assert records[s]["model_tflops_per_s"] == pytest.approx(per_step * flops / 1e12, rel=1e-12), s
+
+
+# RESUMABLE_CHANGES lost a run setting (progress, tensorboard, wandb, device, cross_entropy, attention,
+# compile, parallel): a resume that changed it was refused as "a different config"
+def test_resume_may_change_how_the_run_is_executed(stopped_run, cache, monkeypatch):
+    import sys
+    import types
+
+    class Sink:  # TensorBoard and W&B stand-ins: the test needs neither installed nor a network
+        def __init__(self, *a, **kw):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *a, **kw: None
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Sink))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Sink()))
+    changed = dict(
+        train__progress=True,
+        train__tensorboard=True,
+        train__wandb=True,
+        train__device="auto",
+        train__cross_entropy="full",
+        train__attention="sdpa",
+        train__compile="off",
+        train__parallel="fsdp",
+    )
+    before = tiny_job(stopped_run, "run").train
+    assert all(getattr(before, k.removeprefix("train__")) != v for k, v in changed.items())  # each one changes
+    t = Trainer(job(stopped_run, cache, train__steps=4, train__resume=True, **changed))
+    assert t.step == 2
+
+
+# trainer.py `_check_steps` `steps != saved_steps` -> `steps > saved_steps` (a shortened run said nothing)
+def test_resume_with_fewer_steps_says_the_schedule_is_recomputed(stopped_run, cache, capsys):
+    capsys.readouterr()
+    t = Trainer(job(stopped_run, cache, train__steps=3, train__resume=True))
+    assert (
+        "shortening the run from 4 to 3 steps: the learning-rate schedule is recomputed for 3 steps"
+        in capsys.readouterr().out.splitlines()
+    )
+    assert t.fit()["step"] == 3
+
+
+# trainer.py `torch.manual_seed(t.seed)` before building the model -> `torch.manual_seed(0)`
+def test_the_model_init_follows_train_seed(tmp_path, cache):
+    for seed in (0, 3):
+        t = Trainer(job(tmp_path, cache, f"seed{seed}", train__seed=seed))
+        torch.manual_seed(seed)
+        ref = LoopedLM(t.job.model)
+        for (name, p), q in zip(t.model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (seed, name)
+
+
+# trainer.py `resumed=resume_from is not None` -> `resumed=False` (a resume on more ranks was told to run
+# `looplm tokenize` into another source, which the resume then refuses as a different config)
+def test_a_resume_on_ranks_without_its_token_cache_is_told_where_the_cache_is(tmp_path, cache):
+    from looplm.train.distributed import DistEnv
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"{i:02d}.txt").write_text(f"document {i} of a small corpus, long enough to pack. " * 8)
+    Trainer(job(tmp_path, cache, data__source=str(corpus), train__steps=4, train__stop_after=2)).fit()
+    fresh = tmp_path / "fresh-cache"
+    with pytest.raises(UserError, match="resume once on one process to build it"):
+        Trainer(
+            job(tmp_path, fresh, data__source=str(corpus), train__steps=4, train__resume=True),
+            env=DistEnv(world_size=2),
+        )
+
+
+# trainer.py `progress_bar(end, self.step, "train")` -> `progress_bar(end, 0, "train")` (a resumed run's
+# bar counted from 0)
+def test_a_resumed_runs_progress_counts_from_its_checkpoint(stopped_run, cache, capsys, monkeypatch):
+    import re
+
+    from looplm.train import progress
+
+    real = progress.LineProgress.__init__
+    monkeypatch.setattr(
+        progress.LineProgress, "__init__", lambda self, *a, **kw: real(self, *a, **{**kw, "every_s": 0.0})
+    )
+    capsys.readouterr()
+    Trainer(job(stopped_run, cache, train__steps=4, train__resume=True, train__progress=True)).fit()
+    assert re.findall(r"train: step (\d+)/4", capsys.readouterr().err) == ["3", "4"]
+
+
+# startup.py tokenizer_warning compared the tokenizers' names, not their fingerprints (another BPE file
+# than the folder's went unmentioned); model_line dropped " x N ranks"
+def test_a_tokenized_folder_with_another_bpe_than_the_requested_file_is_named(tmp_path):
+    from looplm.data.tokenizer import BPETokenizer
+    from looplm.train.startup import tokenizer_warning
+
+    texts = [f"document {i} of a small corpus, long enough to train a tokenizer. " * 4 for i in range(30)]
+    folder_tok, file_tok = BPETokenizer.train(texts, 300), BPETokenizer.train(texts, 280)
+    assert folder_tok.name == file_tok.name == "bpe" and folder_tok.vocab_size != file_tok.vocab_size
+    line = tokenizer_warning("tok", folder_tok, "my/tokenizer.json", 4096, file_tok)
+    assert line is not None and line.endswith(
+        f"(bpe, vocabulary {folder_tok.vocab_size}), not data.tokenizer's (my/tokenizer.json, vocabulary "
+        f"{file_tok.vocab_size})"
+    ), line
+    assert tokenizer_warning("tok", folder_tok, "my/tokenizer.json", 4096, folder_tok) is None
+
+
+def test_the_model_line_names_the_ranks():
+    from looplm.data import ByteTokenizer
+    from looplm.train.startup import model_line
+
+    args = (870_000, 258, ByteTokenizer(), 256, "cuda:0", "bf16 autocast")
+    assert model_line(*args, world_size=4).endswith(", device cuda:0 x 4 ranks, bf16 autocast")
+    assert model_line(*args).endswith(", device cuda:0, bf16 autocast")
