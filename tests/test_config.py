@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from looplm.checkpoint import load_tensors, save_tensors
-from looplm.config import ModelConfig
+from looplm.config import ModelConfig, check_depth, model_preset
 from looplm.model import LoopedLM
 from looplm.model.blocks import Block, apply_rope, rope_tables
 from looplm.model.exit_gate import exit_distribution, expected_logits, select_depth, threshold_exit
@@ -98,26 +98,39 @@ def test_validate_names_the_bad_switch_in_one_line(fields, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.25])  # 0.25: each norm must read cfg.norm_eps, not RMSNorm's default
 @pytest.mark.parametrize("placement", ["pre", "sandwich", "branch"])
-def test_block_norm_placement(placement):
-    block = perturbed(Block(tiny(block_norm=placement)))
+def test_block_norm_placement(placement, eps):
+    block = perturbed(Block(tiny(block_norm=placement, norm_eps=eps)))
     x = torch.randn(2, 7, D)
     rope = rope_tables(torch.arange(7).expand(2, 7), D // 4, 1e6)
     with torch.no_grad():
         got = block(x, rope, None)
         attn = lambda h: block.attn(h, rope, None)  # noqa: E731  (the sublayers themselves are tested elsewhere)
         ffn = block.ffn
-        n1, n3 = (lambda h: _norm(h, block.attn_norm.weight)), (lambda h: _norm(h, block.ffn_norm.weight))
+        n1, n3 = (lambda h: _norm(h, block.attn_norm.weight, eps)), (lambda h: _norm(h, block.ffn_norm.weight, eps))
         if placement == "pre":
             h = x + attn(n1(x))
             want = h + ffn(n3(h))
         elif placement == "sandwich":
-            h = _norm(x + attn(n1(x)), block.attn_out_norm.weight)
-            want = _norm(h + ffn(n3(h)), block.ffn_out_norm.weight)
+            h = _norm(x + attn(n1(x)), block.attn_out_norm.weight, eps)
+            want = _norm(h + ffn(n3(h)), block.ffn_out_norm.weight, eps)
         else:
-            h = x + _norm(attn(n1(x)), block.attn_out_norm.weight)
-            want = h + _norm(ffn(n3(h)), block.ffn_out_norm.weight)
+            h = x + _norm(attn(n1(x)), block.attn_out_norm.weight, eps)
+            want = h + _norm(ffn(n3(h)), block.ffn_out_norm.weight, eps)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["pre", "sandwich"])
+def test_block_parameters_keep_their_registration_order(placement):
+    """build_block registers attn_norm, attn, ffn_norm, ffn, then the second norms: the order of the
+    parameters, which a saved optimizer state follows (torch pairs its states with parameters by position)."""
+    names = [n for n, _ in Block(tiny(block_norm=placement)).named_parameters()]
+    attn = [f"attn.{w}.weight" for w in ("wq", "wk", "wv", "wo")]
+    want = ["attn_norm.weight", *attn, "ffn_norm.weight", "ffn.w1.weight", "ffn.w3.weight", "ffn.w2.weight"]
+    if placement == "sandwich":
+        want += ["attn_out_norm.weight", "ffn_out_norm.weight"]
+    assert names == want
 
 
 def test_qk_bias_is_added_before_rope():
@@ -417,3 +430,56 @@ def test_value_embeddings_and_coda_proj_in_the_model():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with torch.no_grad(), pytest.raises(ValueError, match="run_coda needs the forward's Context"):
         model.run_coda(s, rope, None)
+
+
+# -- check_depth, validate's ranges, from_dict and the presets ---------------------------------------
+def test_check_depth_takes_integers_in_range_only():
+    """A depth is an integer in 1..max_depth, returned as int; a bool is no depth (True would run one
+    recurrence), nor is a float or a string; `what` names the bound."""
+    assert check_depth("depth", 8, 8) == 8 and type(check_depth("depth", 1, 8)) is int
+    for bad in (True, False, 2.0, "3"):
+        with pytest.raises(ValueError, match=r"depth must be an integer in 1..8 \(the cap\), got"):
+            check_depth("depth", bad, 8, "the cap")
+    with pytest.raises(ValueError, match="depth must be an integer in 1..8"):
+        LoopedLM(tiny())(torch.zeros(1, 3, dtype=torch.long), True)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"norm_eps": 0.0}, "norm_eps must be > 0, got 0"),  # an all-zero row would give NaN
+        ({"rope_base": 0.0}, "rope_base must be > 0, got 0"),
+        ({"ortho_eps": -1e-3}, "ortho_eps must be >= 0, got -0.001"),
+        ({"max_depth": 0}, "max_depth must be >= 1, got 0"),
+        ({"ffn_dim": 0}, "ffn_dim must be >= 1, got 0"),
+        ({"max_seq_len": 0}, "max_seq_len must be >= 1, got 0"),
+        ({"vocab_size": 0}, "vocab_size must be >= 1, got 0"),
+        ({"n_prelude": -1}, "n_prelude and n_coda must be >= 0"),
+        ({"n_coda": -1}, "n_prelude and n_coda must be >= 0"),
+    ],
+)
+def test_validate_refuses_each_number_out_of_its_range(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(tiny(), **fields).validate()
+    # the boundary values themselves are valid shapes
+    dataclasses.replace(tiny(), ortho_eps=0.0, n_prelude=0, n_coda=0, max_depth=1, ffn_dim=1).validate()
+
+
+def test_from_dict_names_unknown_fields():
+    """A config dict from a newer looplm (or a typo) is refused naming its fields, not a TypeError."""
+    with pytest.raises(ValueError, match=r"unknown model config fields: \['n_layers', 'rope_scale'\]"):
+        ModelConfig.from_dict({**tiny().to_dict(), "rope_scale": 2.0, "n_layers": 3})
+
+
+def test_presets_are_the_papers_sizes_and_fresh_copies():
+    """design §1: S 1536, 24/6 heads, FFN 4352; M 3072, 48/12, 8704; L 6144, 96/24, 17408; head dim 64;
+    1/2/1 blocks. `model_preset` gives a copy: changing it leaves the next caller's preset unchanged."""
+    sizes = {"S": (1536, 24, 6, 4352), "M": (3072, 48, 12, 8704), "L": (6144, 96, 24, 17408)}
+    for name, (d, heads, kv, ffn) in sizes.items():
+        cfg = model_preset(name)
+        assert (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) == (d, heads, kv, ffn), name
+        assert cfg.head_dim == 64 and (cfg.n_prelude, cfg.n_core, cfg.n_coda) == (1, 2, 1)
+        cfg.validate()
+    mine = model_preset("tiny")
+    mine.d_model, mine.n_core = 64, 5
+    assert (model_preset("tiny").d_model, model_preset("tiny").n_core) == (128, 2)

@@ -127,6 +127,8 @@ def test_full_cache_per_row_depths_fill_the_unreached_visits():
         (DepthPlan(torch.tensor([True, True])), "per-row depths must be an integer tensor"),  # not depths 1
         (DepthPlan(4, exit_tau=0.1, min_depth=2.5), "min_depth must be an integer"),
         (DepthPlan(4, exit_tau=torch.tensor([0.1]), min_depth=torch.tensor([2.5])), "min_depth must be an integer"),
+        # per-row thresholds with one min_depth: still bounded by the plan's depth, not the model's max_depth
+        (DepthPlan(4, exit_tau=torch.tensor([0.1]), min_depth=5), "min_depth must be in 1..4, got 5"),
     ],
 )
 def test_plans_are_checked_once(plan, message):
@@ -139,6 +141,48 @@ def test_adaptive_exit_needs_the_terminal_cache():
     m = _model()
     with pytest.raises(ValueError, match="needs the terminal cache"):
         m(torch.zeros(1, 3, dtype=torch.long), DepthPlan(4, exit_tau=0.1), cache=make_cache("full", m.cfg, 1, 8, 4))
+    # nor does the parallel forward without a cache exit adaptively: a stopped token's K/V would be recomputed
+    # from its frozen state at every later recurrence instead of staying its terminal K/V
+    with pytest.raises(ValueError, match="needs the terminal cache"):
+        m(torch.zeros(1, 3, dtype=torch.long), DepthPlan(4, exit_tau=0.1))
+
+
+def test_a_row_with_exit_tau_zero_never_exits_even_where_the_state_stops_changing():
+    """A row's exit_tau of 0 never exits (the rule is change < tau, strict): a core that is exactly the
+    identity (no injection, s0 = e, every block's output maps zeroed) leaves a relative change of exactly 0,
+    and still that row runs every recurrence, while a row with exit_tau 0.5 stops at the first."""
+    m = _model(injection="none", state_init="input")
+    with torch.no_grad():
+        for block in m.core:
+            block.attn.wo.weight.zero_()
+            block.ffn.w2.weight.zero_()
+    tokens = torch.randint(0, 50, (2, 5))
+    plan = DepthPlan(4, exit_tau=torch.tensor([0.0, 0.5]), min_depth=1)
+    with torch.no_grad():
+        out = m(tokens, plan, cache=make_cache("terminal", m.cfg, 2, 8, 4), return_states=True)
+    assert torch.equal(out.states[-1], out.states[0])  # the identity core: zero change at every recurrence
+    assert out.depths.tolist() == [[4] * 5, [1] * 5]
+
+
+@pytest.mark.parametrize("q", [0.0, 1.0])
+def test_exit_gate_thresholds_zero_and_one_are_allowed(q):
+    """q is a probability threshold in [0, 1], both ends allowed: q = 0 is reached at the first recurrence
+    (every cumulative probability is >= 0), so the coda reads s^1: the logits of the fixed depth 1; q = 1 is
+    reached at the last (where the cumulative probability is the whole mass; no hazard here rounds to 1):
+    the fixed depth 4."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, exit_gate=True)
+    m = LoopedLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.exit_gate.parameters():
+            p.add_(torch.randn_like(p))
+    tokens = torch.randint(0, 50, (2, 6))
+    want_depth = 1 if q == 0.0 else 4
+    with torch.no_grad():
+        out = m(tokens, DepthPlan(4, exit_gate=q), init="seeded")
+        want = m(tokens, want_depth, init="seeded").logits
+    assert out.depths.unique().tolist() == [want_depth]
+    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_forward_with_per_row_depths_backpropagates_as_each_row_alone():

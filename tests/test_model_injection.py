@@ -384,3 +384,40 @@ def test_deq_qkv_projections_are_gaussian_with_std_002():
     assert w.numel() > 200_000
     assert abs(w.std().item() / 0.02 - 1) < 0.01 and abs(w.mean().item()) < 1e-4
     assert (w.abs() > 3 * 0.02).float().mean().item() > 0.001  # a normal has 0.27% beyond 3 sigma
+
+
+def test_injection_norms_use_the_configured_eps():
+    """Parcae-Decay's prelude norm and every exit norm (huginn-linear's gain-free one, a configured rms-gain)
+    use cfg.norm_eps: with eps 0.25 and inputs of RMS ~0.5 the float64 RMSNorm written out here differs
+    from one with RMSNorm's default 1e-6 by ~40%."""
+    torch.manual_seed(15)
+    e, s, x = 0.5 * torch.randn(2, 5, D), torch.randn(2, 5, D), 0.5 * torch.randn(2, 5, D)
+    cfg = tiny(injection="parcae-decay", norm_eps=0.25)
+    inj = build_injection(cfg)
+    perturb_(inj)
+    _, q_ref = reference_split("parcae-decay", inj, cfg, s, e)
+    torch.testing.assert_close(inj.prepare(e).double(), q_ref, rtol=1e-5, atol=1e-5)
+    for name, kind in (("huginn-linear", "auto"), ("additive", "rms-gain")):
+        inj = build_injection(tiny(injection=name, exit_norm=kind, norm_eps=0.25))
+        perturb_(inj)
+        gain = inj.exit_norm.weight
+        torch.testing.assert_close(inj.exit(x).double(), rms_norm64(x, gain, 0.25), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["parcae-decay", "parcae-nonorm", "ortho"])
+def test_an_fp32_injection_keeps_a_bf16_state_bf16(name):
+    """FSDP2 keeps the injection's parameters in fp32 (train/parallelize.py) while bf16 blocks may hand it a
+    bf16 state and prelude output: dt and the decay are cast to their dtype, so under autocast the update
+    stays bf16 (an fp32 dt or decay would promote the state to fp32 at the first recurrence). Values: the
+    float64 equations, to bf16 rounding."""
+    torch.manual_seed(16)
+    cfg = tiny(injection=name)
+    inj = build_injection(cfg)
+    perturb_(inj)
+    e, s = torch.randn(2, 5, D).bfloat16(), torch.randn(2, 5, D).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = inj.prepare(e)
+        out = inj(s, q)
+    assert q.dtype == out.dtype == torch.bfloat16
+    carry_ref, q_ref = reference_split(name, inj, cfg, s, e)
+    torch.testing.assert_close(out.double(), carry_ref + q_ref, rtol=0.02, atol=0.05)

@@ -17,7 +17,15 @@ import torch.nn.functional as F
 
 from looplm.config import INJECTIONS, ModelConfig
 from looplm.model import LoopedLM, build_injection
-from looplm.model.blocks import RMSNorm, rope_tables
+from looplm.model.blocks import (
+    Block,
+    RMSNorm,
+    document_block_mask,
+    document_mask,
+    per_head_norm,
+    rope_tables,
+)
+from looplm.model.kv import KVBank
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -145,6 +153,63 @@ def test_single_document_mask_equals_plain_causal():
         plain = model(tokens, 3, init="zero").logits
         masked = model(tokens, 3, init="zero", doc_ids=torch.full((2, 11), 5)).logits
     torch.testing.assert_close(masked, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_tables_keep_the_phase_of_long_positions():
+    """The angles p * base^(-2i/hd) are computed in float64: at the positions of an 8192-token context an
+    fp32 product is off by up to ~3e-4 rad. Reference: math.cos/sin of the closed form."""
+    hd, base = 64, 1e6
+    pos = torch.tensor([[0, 1, 4095, 8191], [7, 100, 5003, 8190]])
+    cos, sin = rope_tables(pos, hd, base)
+    assert cos.shape == sin.shape == (2, 1, 4, hd // 2) and cos.dtype == torch.float32
+    angles = [[[p * base ** (-2 * i / hd) for i in range(hd // 2)] for p in row] for row in pos.tolist()]
+    want_cos = torch.tensor([[[math.cos(a) for a in t] for t in row] for row in angles], dtype=torch.float64)
+    want_sin = torch.tensor([[[math.sin(a) for a in t] for t in row] for row in angles], dtype=torch.float64)
+    torch.testing.assert_close(cos[:, 0].double(), want_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0].double(), want_sin, rtol=0, atol=1e-6)
+
+
+def test_qk_norm_eps_is_the_fp32_machine_eps():
+    """qk_norm's per-head RMSNorm has eps = 2^-23 (Parcae): visible on heads of RMS ~1e-3, where a 1e-6
+    eps would shrink them by ~25%."""
+    x = 1e-3 * torch.randn(2, 4, 6, 8)
+    want = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 2.0**-23)
+    torch.testing.assert_close(per_head_norm(x).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_over_a_cached_prefix_needs_a_boolean_mask():
+    """With a slot that holds earlier tokens, mask=None would be SDPA's is_causal, aligned top-left (the
+    chunk's first token would see only the first cached key), and a FlexAttention block mask is built for
+    the parallel forward only: both are refused."""
+    cfg = tiny()
+    att = Block(cfg).attn
+    x = torch.randn(1, 2, cfg.d_model)
+    rope = rope_tables(torch.tensor([[3, 4]]), cfg.head_dim, cfg.rope_base)
+    bank = KVBank(1, cfg.n_kv_heads, 8, cfg.head_dim, "cpu", torch.float32)
+    flex = document_mask(torch.zeros(1, 8, dtype=torch.long), "flex")  # a mask as long as the bank
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="attention over a cached prefix needs an explicit mask"):
+            att(x, rope, None, kv=bank.slot(3))
+        with pytest.raises(ValueError, match="FlexAttention block masks serve the parallel forward"):
+            att(x, rope, flex, kv=bank.slot(3))
+
+
+def test_attention_takes_a_bare_block_mask_and_document_mask_names_its_kernels():
+    """A FlexAttention `BlockMask` passed as it is (without FlexMask) masks as the boolean mask written out
+    here (causal, same document); an unknown kernel name is refused, not served by SDPA."""
+    torch.manual_seed(0)
+    cfg = tiny()
+    att = Block(cfg).attn
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
+    x = torch.randn(2, 8, cfg.d_model)
+    rope = rope_tables(torch.arange(8).expand(2, 8), cfg.head_dim, cfg.rope_base)
+    q, kv = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    by_hand = ((q >= kv) & (doc[:, :, None] == doc[:, None, :]))[:, None]
+    with torch.no_grad():
+        torch.testing.assert_close(att(x, rope, document_block_mask(doc)), att(x, rope, by_hand), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown attention kernel 'xla'; choose sdpa or flex"):
+        document_mask(doc, "xla")
+    assert torch.equal(document_mask(doc, "sdpa"), by_hand)
 
 
 # ---------------------------------------------------------------------------------------------
