@@ -620,8 +620,8 @@ def _steps(root) -> list[str]:
 
 
 def test_point_latest_keeps_at_least_the_newest(tmp_path):
-    """Mutant: `[: -max(1, keep)]` -> `[: -keep]` (keep=0 sliced `[:0]` and deleted nothing). keep 0 or
-    below still keeps the checkpoint `latest` points at, and only it."""
+    """Guards against: `[: -max(1, keep)]` -> `[: -keep]` (keep=0 sliced `[:0]` and deleted nothing). keep 0 or below
+    still keeps the checkpoint `latest` points at, and only it."""
     for step in (1, 2, 3):
         (tmp_path / ckpt.step_name(step)).mkdir()
     ckpt.point_latest(tmp_path, ckpt.step_name(3), keep=0)
@@ -630,7 +630,7 @@ def test_point_latest_keeps_at_least_the_newest(tmp_path):
 
 
 def test_an_interrupt_during_a_write_leaves_no_temporary_folder(tmp_path):
-    """Mutant: write_atomic's `except BaseException` -> `except Exception` (Ctrl-C while the weights were
+    """Guards against: write_atomic's `except BaseException` -> `except Exception` (Ctrl-C while the weights were
     written left a .tmp-* folder beside the checkpoints)."""
 
     def interrupted(tmp):
@@ -643,8 +643,8 @@ def test_an_interrupt_during_a_write_leaves_no_temporary_folder(tmp_path):
 
 
 def test_a_crashed_attempts_temporary_folder_is_replaced(tmp_path):
-    """Mutant: fresh_folder kept what was in the folder (mkdir exist_ok instead of rmtree): a file left by
-    a crashed attempt under the same temporary name went into the new checkpoint and its manifest."""
+    """Guards against: fresh_folder kept what was in the folder (mkdir exist_ok instead of rmtree): a file left by a
+    crashed attempt under the same temporary name went into the new checkpoint and its manifest."""
     stale = tmp_path / f".tmp-step_1-{os.getpid()}"
     stale.mkdir()
     (stale / "stale.bin").write_bytes(b"from the crashed attempt")
@@ -654,8 +654,8 @@ def test_a_crashed_attempts_temporary_folder_is_replaced(tmp_path):
 
 
 def test_unlisted_optimizer_weights_are_refused(checkpoint):
-    """Mutant: verify looked only for an unlisted model.safetensors; an optimizer.safetensors the manifest
-    does not vouch for would be loaded unchecked by a resume."""
+    """Guards against: verify looked only for an unlisted model.safetensors; an optimizer.safetensors the manifest does
+    not vouch for would be loaded unchecked by a resume."""
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     del manifest["sha256"]["optimizer.safetensors"]
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
@@ -664,8 +664,8 @@ def test_unlisted_optimizer_weights_are_refused(checkpoint):
 
 
 def test_read_sharded_keeps_the_saved_dtypes(tmp_path):
-    """Mutant: read_sharded's templates were float32 whatever the saved dtype (bf16 weights and integer
-    tensors came back cast)."""
+    """Guards against: read_sharded's templates were float32 whatever the saved dtype (bf16 weights and integer tensors
+    came back cast)."""
     import torch.distributed.checkpoint as dcp
 
     model = {
@@ -682,8 +682,8 @@ def test_read_sharded_keeps_the_saved_dtypes(tmp_path):
 
 
 def test_check_model_shapes_refuses_extra_or_transposed_weights(tmp_path):
-    """Mutants: `if missing or extra` -> `if missing` (unexpected tensors alone passed), and the shape
-    test by element count (a transposed matrix passed)."""
+    """Guards against: `if missing or extra` -> `if missing` (unexpected tensors alone passed), and the shape test by
+    element count (a transposed matrix passed)."""
     a = {"x": torch.zeros(2, 3)}
     with pytest.raises(ckpt.CheckpointError, match=r"missing \[\], unexpected \['z'\]"):
         ckpt.check_model_shapes(a, {"x": torch.zeros(2, 3), "z": torch.zeros(1)}, tmp_path)
@@ -692,15 +692,15 @@ def test_check_model_shapes_refuses_extra_or_transposed_weights(tmp_path):
 
 
 def test_resolve_reads_a_latest_file_with_a_trailing_newline(run_dir, checkpoint):
-    """Mutant: resolve dropped `.strip()` (a `latest` written by hand, `echo step_... > latest`, named a
-    folder ending in a newline)."""
+    """Guards against: resolve dropped `.strip()` (a `latest` written by hand, `echo step_... > latest`, named a folder
+    ending in a newline)."""
     (run_dir / "checkpoints" / "latest").write_text(checkpoint.name + "\n")
     assert ckpt.resolve(run_dir) == checkpoint
     assert ckpt.load_model(run_dir)[0].cfg.d_model == 32
 
 
 def test_an_hf_folder_with_missing_weights_is_a_checkpoint_error(tmp_path):
-    """Mutant: load_model of a Hugging Face folder skipped check_model_shapes (a missing tensor was a raw
+    """Guards against: load_model of a Hugging Face folder skipped check_model_shapes (a missing tensor was a raw
     RuntimeError from load_state_dict, not a one-line CheckpointError)."""
     from looplm.config import ModelConfig
     from looplm.data import ByteTokenizer
@@ -717,8 +717,8 @@ def test_an_hf_folder_with_missing_weights_is_a_checkpoint_error(tmp_path):
 
 
 def test_resolve_device_auto_and_device_index(monkeypatch):
-    """Mutants: 'auto' resolved to the CPU whatever the machine, and `device.index >= device_count()` ->
-    `>` (cuda:1 on a one-GPU machine was accepted). CUDA is faked: only the choice is under test."""
+    """Guards against: 'auto' resolved to the CPU whatever the machine, and `device.index >= device_count()` -> `>`
+    (cuda:1 on a one-GPU machine was accepted). CUDA is faked: only the choice is under test."""
     from looplm.errors import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -732,8 +732,8 @@ def test_resolve_device_auto_and_device_index(monkeypatch):
 
 
 def test_weights_follow_another_umask(tmp_path):
-    """Mutant: follow_umask gave every file 0644 (right only under umask 022): under umask 027 the
-    weights are 0640, as every other file of the checkpoint."""
+    """Guards against: follow_umask gave every file 0644 (right only under umask 022): under umask 027 the weights are
+    0640, as every other file of the checkpoint."""
     old = os.umask(0o027)
     try:
         ckpt.save_tensors(tmp_path, "model.safetensors", {"x": torch.zeros(2)})
@@ -745,8 +745,8 @@ def test_weights_follow_another_umask(tmp_path):
 
 
 def test_optimizer_state_keeps_its_tensor_dtypes(tmp_path):
-    """Mutant: flatten_optimizer_state cast every tensor to float32 (a bf16 moment or an integer step
-    came back in another dtype)."""
+    """Guards against: flatten_optimizer_state cast every tensor to float32 (a bf16 moment or an integer step came back
+    in another dtype)."""
     state = {
         "state": {"w": {"step": torch.tensor(7), "exp_avg": torch.randn(3).to(torch.bfloat16)}},
         "param_groups": [{"lr": 0.1, "params": ["w"]}],
@@ -761,8 +761,8 @@ def test_optimizer_state_keeps_its_tensor_dtypes(tmp_path):
 
 # -- the trainer's Checkpointer (looplm.train.checkpointing): saves and resumes --------------------------
 def test_each_rank_verifies_its_own_share(tmp_path):
-    """Mutant: checkpointing.verify passed share=(0, world_size) on every rank (files outside rank 0's
-    share were never hashed). Rank 1 of 2 is simulated: without a process group the gather is its own."""
+    """Guards against: checkpointing.verify passed share=(0, world_size) on every rank (files outside rank 0's share
+    were never hashed). Rank 1 of 2 is simulated: without a process group the gather is its own."""
     from looplm.train import checkpointing
     from looplm.train.distributed import DistEnv
 
@@ -774,8 +774,8 @@ def test_each_rank_verifies_its_own_share(tmp_path):
 
 
 def test_a_second_asynchronous_save_commits_the_first(tmp_path, tmp_path_factory):
-    """Mutant: Checkpointer.save no longer waited for the pending asynchronous save: the next save replaced
-    it, so that checkpoint was never committed and its temporary folder was left behind."""
+    """Guards against: Checkpointer.save no longer waited for the pending asynchronous save: the next save replaced it,
+    so that checkpoint was never committed and its temporary folder was left behind."""
     t = sharded_trainer(tmp_path_factory, tmp_path, "run", train__steps=2, train__async_checkpoint=True)
     for _ in range(2):
         t.train_step()
@@ -788,7 +788,7 @@ def test_a_second_asynchronous_save_commits_the_first(tmp_path, tmp_path_factory
 
 
 def test_a_resume_without_optimizer_weights_is_refused(checkpoint, run_dir, tmp_path_factory):
-    """Mutant: `not optimizer.safetensors or "optimizer" not in state` -> `and` (a checkpoint that lost its
+    """Guards against: `not optimizer.safetensors or "optimizer" not in state` -> `and` (a checkpoint that lost its
     optimizer file but kept the state's optimizer entry failed inside safetensors, not with the one-line
     CheckpointError)."""
     (checkpoint / "optimizer.safetensors").unlink()
@@ -800,8 +800,8 @@ def test_a_resume_without_optimizer_weights_is_refused(checkpoint, run_dir, tmp_
 
 
 def test_a_resume_with_missing_weights_names_them(checkpoint, run_dir, tmp_path_factory):
-    """Mutant: Checkpointer.load (single file) skipped check_model_shapes (a checkpoint missing a tensor
-    was an internal error from set_model_state_dict instead of a CheckpointError naming it)."""
+    """Guards against: Checkpointer.load (single file) skipped check_model_shapes (a checkpoint missing a tensor was an
+    internal error from set_model_state_dict instead of a CheckpointError naming it)."""
     weights = ckpt.load_tensors(checkpoint, "model.safetensors")
     dropped = sorted(weights)[-1]
     del weights[dropped]
@@ -813,9 +813,9 @@ def test_a_resume_with_missing_weights_names_them(checkpoint, run_dir, tmp_path_
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])
 def test_checkpointer_restores_the_optimizer_param_groups(tmp_path, sharded):
-    """Mutant: the sharded load gave set_state_dict the optimizer's own state instead of the one read
-    from the shards (the moments, loaded in place, came back; the saved param groups did not). Both forms
-    restore the saved hyperparameters and state into an optimizer built with others."""
+    """Guards against: the sharded load gave set_state_dict the optimizer's own state instead of the one read from the
+    shards (the moments, loaded in place, came back; the saved param groups did not). Both forms restore the saved
+    hyperparameters and state into an optimizer built with others."""
     from looplm.train.checkpointing import Checkpointer
     from looplm.train.distributed import DistEnv
 

@@ -578,7 +578,7 @@ def test_a_teacher_for_a_model_artifact_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# -- pinned by a mutation sweep (the release format shared with the student converter) ---------------------
+# -- the release format shared with the student converter: defaults, required fields, the manifest ---------
 def _edit_release(src: Path, edit) -> None:
     """Change config.json's model section with `edit` and write the manifest again (a consistent artifact)."""
     config = json.loads((src / "config.json").read_text())
@@ -601,8 +601,8 @@ def _rewrite_manifest(src: Path, edit, digest: bool = True) -> None:
 
 
 def test_fields_config_json_omits_take_xllms_modelconf_defaults(tmp_path):
-    """Mutants R08, R09, R14 (a default in xllm_release.DEFAULTS changed): a field that config.json omits has
-    xllm's ModelConf default (xllm/config.py): rmsnorm_eps 1e-6, rope_base 100000, PLN sigma 0.5 and cap 64."""
+    """A field that config.json omits has xllm's ModelConf default (xllm/config.py): rmsnorm_eps 1e-6, rope_base 100000,
+    PLN sigma 0.5 and cap 64."""
     src = make_release(tmp_path / "release", huginn_sampling_scheme="poisson-lognormal-capped")
 
     def omit(model):
@@ -618,9 +618,8 @@ def test_fields_config_json_omits_take_xllms_modelconf_defaults(tmp_path):
 
 
 def test_a_field_set_to_a_false_value_is_not_its_default(tmp_path):
-    """Mutants R07 (`field` read `model.get(name) or default`) and R10 (norm_affine left out of REQUIRED): a
-    release without affine norm gains (norm_affine false, whose default is true) is refused, not converted as
-    if its norms had gains."""
+    """A release without affine norm gains (norm_affine false, whose default is true) is refused, not converted as if
+    its norms had gains."""
     src = make_release(tmp_path / "release", norm_affine=False)
     with pytest.raises(CheckpointError, match="model.norm_affine = False: looplm converts only norm_affine = True"):
         convert_xllm_loop(src, tmp_path / "out")
@@ -628,8 +627,8 @@ def test_a_field_set_to_a_false_value_is_not_its_default(tmp_path):
 
 
 def test_a_manifest_size_that_disagrees_is_refused(tmp_path):
-    """Mutant R01 (the size check dropped): a file whose size differs from the manifest's size_bytes is
-    refused even where its SHA-256 matches (a manifest without its own digest, edited)."""
+    """A file whose size differs from the manifest's size_bytes is refused even where its SHA-256 matches (a manifest
+    without its own digest, edited)."""
     src = make_release(tmp_path / "release")
 
     def wrong_size(manifest):
@@ -643,8 +642,8 @@ def test_a_manifest_size_that_disagrees_is_refused(tmp_path):
 
 
 def test_a_manifest_path_outside_the_folder_is_refused(tmp_path):
-    """Mutant R03 (records read as `src / path`): a manifest record naming a file outside the artifact is
-    refused by name, even when that file exists and matches its SHA-256."""
+    """A manifest record naming a file outside the artifact is refused by name, even when that file exists and matches
+    its SHA-256."""
     src = make_release(tmp_path / "release")
     outside = tmp_path / "outside.txt"
     outside.write_text("not in the artifact\n")
@@ -659,8 +658,8 @@ def test_a_manifest_path_outside_the_folder_is_refused(tmp_path):
 
 
 def test_the_manifest_digest_does_not_depend_on_its_key_order(tmp_path):
-    """Mutant R06 (the digest without sort_keys): manifest_sha256 is over the canonical JSON (sorted keys,
-    compact), so a manifest written with its keys in another order verifies."""
+    """manifest_sha256 is over the canonical JSON (sorted keys, compact), so a manifest written with its keys in another
+    order verifies."""
     src = make_release(tmp_path / "release")
     path = src / "artifact_manifest.json"
     manifest = json.loads(path.read_text())

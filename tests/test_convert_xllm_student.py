@@ -257,8 +257,8 @@ def test_refuses_a_teacher_converted_without_a_manifest(tmp_path):
 
 
 def test_refuses_a_teacher_not_converted_from_xllm_loop(tmp_path, converted):
-    """Mutant: the teacher's provenance check dropped. A looplm checkpoint converted from
-    another family is refused as such (not later, as a teacher whose manifest cannot be confirmed)."""
+    """Guards against: the teacher's provenance check dropped. A looplm checkpoint converted from another family is
+    refused as such (not later, as a teacher whose manifest cannot be confirmed)."""
     from test_convert_huginn import make_huginn
 
     from looplm.convert import convert_huginn
@@ -272,8 +272,8 @@ def test_refuses_a_teacher_not_converted_from_xllm_loop(tmp_path, converted):
 
 
 def test_norm_offset_is_added_to_every_block_norm_gain(tmp_path, converted):
-    """Mutant: one norm gain given a fixed + 1 instead of `norm_offset`. With norm_offset 0 the student's
-    norm gains are the stored tensors themselves; every other tensor is the same either way."""
+    """Guards against: one norm gain given a fixed + 1 instead of `norm_offset`. With norm_offset 0 the student's norm
+    gains are the stored tensors themselves; every other tensor is the same either way."""
     teacher_src, teacher = converted
     src = make_student(tmp_path / "student", teacher_src)
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
@@ -291,17 +291,17 @@ def test_norm_offset_is_added_to_every_block_norm_gain(tmp_path, converted):
     torch.testing.assert_close(plain.in_proj.weight, stored["in_proj.weight"], rtol=0, atol=0)
 
 
-# -- pinned by a mutation sweep ------------------------------------------------------------------------
+# -- the student's fields, its conversion record, residuals, the manifest's coverage -------------------
 @pytest.mark.parametrize(
     "fields, match",
     [
-        # mutant S02: the student's head_dim field ignored (d // heads assumed)
+        # the student's head_dim field ignored (d // heads assumed)
         ({"head_dim": 4}, "the student's head_dim 4 contradicts the teacher's 8"),
-        # mutant S03: the student's rmsnorm_eps not compared with the teacher's norm_eps
+        # the student's rmsnorm_eps not compared with the teacher's norm_eps
         ({"rmsnorm_eps": 1e-5}, "the student's rmsnorm_eps 1e-05 contradicts the teacher's 1e-06"),
-        # mutant S12: the arch check dropped (a student section over a Huginn model's fields)
+        # the arch check dropped (a student section over a Huginn model's fields)
         ({"arch": "huginn"}, "model.arch = 'huginn'; a release student is 'transformer'"),
-        # mutant S05: `n_blocks < 0`; zero blocks is refused here, in the converter's one-line form
+        # `n_blocks < 0`; zero blocks is refused here, in the converter's one-line form
         ({"num_layers": 0}, "the student has num_layers 0; it needs at least one block"),
     ],
 )
@@ -317,9 +317,8 @@ def test_refuses_student_fields_its_weights_would_not_show(tmp_path, converted, 
 
 
 def test_a_student_without_a_student_section_is_still_a_student(tmp_path, converted):
-    """Mutant S01 (`is_student` reads only the `student` section): a dense artifact holding `in_proj` is a
-    student even when config.json lacks the section (then refused for naming no teacher manifest), not read
-    as a model artifact."""
+    """A dense artifact holding `in_proj` is a student even when config.json lacks the section (then refused for naming
+    no teacher manifest), not read as a model artifact."""
     teacher_src, teacher = converted
     src = make_student(tmp_path / "student", teacher_src, manifest=False)
     config = json.loads((src / "config.json").read_text())
@@ -333,8 +332,7 @@ def test_a_student_without_a_student_section_is_still_a_student(tmp_path, conver
 
 
 def test_the_conversion_record_says_what_was_verified_and_written(tmp_path, converted):
-    """Mutants S07 (manifest_verified always true), S08 (norm_offset recorded as 1) and S09 (the dtype recorded
-    as the argument, None by default): student.json's conversion section describes this conversion."""
+    """student.json's conversion section describes this conversion."""
     teacher_src, teacher = converted
     model = load_model(teacher)[0]
     src = make_student(tmp_path / "student", teacher_src, manifest=False)
@@ -347,8 +345,8 @@ def test_the_conversion_record_says_what_was_verified_and_written(tmp_path, conv
 
 
 def test_the_add_residual_converts_as_the_base_one(tmp_path, converted):
-    """Mutant S13 (residual_func 'add' refused): xllm's 'add' residual is the plain one (out = h + residual),
-    so a student recorded with it converts to the very tensors of its 'base' twin."""
+    """xllm's 'add' residual is the plain one (out = h + residual), so a student recorded with it converts to the very
+    tensors of its 'base' twin."""
     teacher_src, teacher = converted
     model = load_model(teacher)[0]
     base = make_student(tmp_path / "base", teacher_src)
@@ -359,8 +357,8 @@ def test_the_add_residual_converts_as_the_base_one(tmp_path, converted):
 
 
 def test_an_index_the_manifest_does_not_list_is_refused(tmp_path, converted):
-    """Mutant S14 (the shard index left out of the files that must be verified): every file the conversion
-    reads, model.safetensors.index.json included, must be listed in artifact_manifest.json."""
+    """Every file the conversion reads, model.safetensors.index.json included, must be listed in
+    artifact_manifest.json."""
     teacher_src, teacher = converted
     src = make_student(tmp_path / "student", teacher_src)
     path = src / "artifact_manifest.json"

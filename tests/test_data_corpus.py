@@ -80,7 +80,7 @@ def test_split_scenes_keeps_a_short_tail():
     assert docs[-1].endswith("SCENE 2.\nExeunt.\n")
 
 
-# -- pinned by a mutation sweep ----------------------------------------------------------------------------
+# -- how the built-in corpus is cut into documents and keyed -----------------------------------------------
 def _scene(heading: str, chars: int) -> str:
     """A heading line and speech making a piece of exactly `chars` characters once stripped."""
     body = ("Speak the speech, I pray you. " * 20)[: chars - len(heading) - 1]
@@ -88,7 +88,7 @@ def _scene(heading: str, chars: int) -> str:
 
 
 def test_a_scene_of_exactly_200_characters_is_a_document():
-    """Mutant C01 (`>` 200): a piece of 200 characters (stripped) is long enough to stand alone."""
+    """A piece of 200 characters (stripped) is long enough to stand alone."""
     text = _scene("ACT 1.", 200) + _scene("SCENE 2.", 300)
     assert len(_scene("ACT 1.", 200).strip()) == 200
     docs = split_scenes(text)
@@ -96,7 +96,7 @@ def test_a_scene_of_exactly_200_characters_is_a_document():
 
 
 def test_a_scene_under_200_characters_joins_the_next_one():
-    """Mutant C02 (the minimum lowered to 100): a 150-character scene is merged into the scene after it."""
+    """A 150-character scene is merged into the scene after it."""
     text = _scene("SCENE 1.", 150) + _scene("SCENE 2.", 300) + _scene("SCENE 3.", 199) + _scene("SCENE 4.", 250)
     docs = split_scenes(text)
     assert [d.splitlines()[0] for d in docs] == ["SCENE 1.", "SCENE 3."] and "".join(docs) == text
@@ -104,8 +104,8 @@ def test_a_scene_under_200_characters_joins_the_next_one():
 
 
 def test_a_short_tail_is_not_a_document_of_its_own():
-    """Mutant C03 (a short tail appended as its own document): what follows the last long scene and is under
-    200 characters joins that scene, so no document is shorter than 200 characters."""
+    """What follows the last long scene and is under 200 characters joins that scene, so no document is shorter than 200
+    characters."""
     text = _scene("SCENE 1.", 300) + _scene("SCENE 2.", 250) + "SCENE 3.\nExeunt.\n"
     docs = split_scenes(text)
     assert len(docs) == 2 and docs[1].startswith("SCENE 2.") and docs[1].endswith("SCENE 3.\nExeunt.\n")
@@ -120,8 +120,8 @@ def _corpus(monkeypatch, root, files: dict[str, str]) -> None:
 
 
 def test_the_corpus_is_read_in_file_name_order(tmp_path, monkeypatch):
-    """Mutant C05 (files in directory order): a corpus's files, and so its documents, come in name order,
-    whatever order the folder lists them in (its held-out split is drawn over this order)."""
+    """A corpus's files, and so its documents, come in name order, whatever order the folder lists them in (its held-out
+    split is drawn over this order)."""
     from looplm.data.corpus import iter_corpus
 
     names = [f"{c}.txt" for c in "kcjadgfbhie"]
@@ -131,8 +131,8 @@ def test_the_corpus_is_read_in_file_name_order(tmp_path, monkeypatch):
 
 
 def test_the_corpus_key_covers_file_names_and_contents(tmp_path, monkeypatch):
-    """Mutant C04 (only the contents hashed): renaming a file (which changes the name order the documents are
-    read in) changes the corpus's cache key, as changing a file's text does."""
+    """Renaming a file (which changes the name order the documents are read in) changes the corpus's cache key, as
+    changing a file's text does."""
     from looplm.data.corpus import describe_corpus
 
     _corpus(monkeypatch, tmp_path / "c", {"a.txt": _scene("SCENE 1.", 250), "b.txt": _scene("SCENE 2.", 250)})

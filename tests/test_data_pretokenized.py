@@ -455,8 +455,8 @@ def test_more_inconsistent_folders_are_data_errors(tmp_path: Path, how: str, mes
 
 
 def test_a_zero_holdout_is_refused_before_anything_else(tmp_path: Path) -> None:
-    """Mutant: `0.0 < holdout` -> `0.0 <= holdout`. write_splits refuses it too, but only after the folder
-    is compared: into an existing folder a zero holdout was reported as other inputs needing --overwrite."""
+    """Guards against: `0.0 < holdout` -> `0.0 <= holdout`. write_splits refuses it too, but only after the folder is
+    compared: into an existing folder a zero holdout was reported as other inputs needing --overwrite."""
     source, out = _pretok(tmp_path)
     before = pretokenized_info(out)
     for target in (out, tmp_path / "new"):
@@ -466,8 +466,8 @@ def test_a_zero_holdout_is_refused_before_anything_else(tmp_path: Path) -> None:
 
 
 def test_the_marker_records_each_splits_dtype(tmp_path: Path, monkeypatch) -> None:
-    """Mutant: the marker's splits recorded dtype uint16 whatever the split's meta.json said (a
-    vocabulary over 65536 ids is stored as uint32)."""
+    """Guards against: the marker's splits recorded dtype uint16 whatever the split's meta.json said (a vocabulary over
+    65536 ids is stored as uint32)."""
     from test_data_packing import WideTokenizer
 
     monkeypatch.setattr(pretok, "build_tokenizer", lambda *a, **k: WideTokenizer())
@@ -479,8 +479,8 @@ def test_the_marker_records_each_splits_dtype(tmp_path: Path, monkeypatch) -> No
 
 
 def test_build_datasets_passes_the_text_field(tmp_path: Path) -> None:
-    """Mutant: build_datasets dropped `text_field` (a JSONL corpus whose text is under another key was
-    read with the default 'text' field)."""
+    """Guards against: build_datasets dropped `text_field` (a JSONL corpus whose text is under another key was read with
+    the default 'text' field)."""
     source = str(make_jsonl(tmp_path / "corpus.jsonl", n=12))
     train, val = build_datasets(
         source, ByteTokenizer(), seq_len=8, holdout=0.25, cache_dir=tmp_path / "a", text_field="body"

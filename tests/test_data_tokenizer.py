@@ -147,26 +147,35 @@ def test_a_pickled_bpe_tokenizer_keeps_special_token_text_as_text() -> None:
         assert other.fingerprint() == tok.fingerprint()
 
 
-def test_eos_and_pad_pieces_are_their_names_even_when_not_special() -> None:
-    """A foreign tokenizer may add its end and padding tokens as ordinary added tokens: `token_piece`
-    still names them (they are looplm's special tokens), while another ordinary added token is its text."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+def _bare_bpe(vocab_size: int):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on CORPUS without special tokens (what a tokenizer
+    made elsewhere may look like before its own end and padding tokens are added)."""
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     backend.train_from_iterator(CORPUS, trainer=trainer)
+    return backend
+
+
+def test_eos_and_pad_pieces_are_their_names_even_when_not_special() -> None:
+    """A foreign tokenizer may add its end and padding tokens as ordinary added tokens: `token_piece`
+    still names them (they are looplm's special tokens), while another ordinary added token is its text."""
+    from tokenizers import AddedToken
+
+    backend = _bare_bpe(300)
     backend.add_tokens([AddedToken(t, special=False) for t in ("<end>", "<fill>", "<word>")])
     tok = BPETokenizer(backend, eos_token="<end>", pad_token="<fill>")
     assert (tok.token_piece(tok.eos_id), tok.token_piece(tok.pad_id)) == ("<end>", "<fill>")
     assert tok.token_piece(backend.token_to_id("<word>")) == b"<word>"
 
 
-# -- pinned by a mutation sweep ----------------------------------------------------------------------------
+# -- byte-fallback pieces, added tokens, loading a folder, the smallest BPE --------------------------------
 def _byte_fallback_tokenizer() -> BPETokenizer:
     """A Llama-style SentencePiece BPE with byte fallback: a character outside its vocabulary encodes as
     the `<0xHH>` tokens of its UTF-8 bytes, and the `▁` of each word is its leading space."""
@@ -186,8 +195,8 @@ def _byte_fallback_tokenizer() -> BPETokenizer:
 
 
 def test_byte_fallback_pieces_are_their_bytes() -> None:
-    """Mutants T04/T05 (the `<0xHH>` branch misread or never taken): a byte-fallback token's piece is the byte
-    its name spells, so the pieces of a character split into bytes are its UTF-8 bytes."""
+    """A byte-fallback token's piece is the byte its name spells, so the pieces of a character split into bytes are its
+    UTF-8 bytes."""
     tok = _byte_fallback_tokenizer()
     assert not tok._byte_level
     for b in (0x00, 0x0A, 0x41, 0x80, 0xE6, 0xFF):
@@ -200,18 +209,9 @@ def test_byte_fallback_pieces_are_their_bytes() -> None:
 
 
 def test_vocab_size_counts_tokens_added_past_the_models_vocabulary() -> None:
-    """Mutant T02 (vocab_size without added tokens): ids of tokens added on top of the BPE vocabulary are
-    token ids too, so vocab_size reaches past the largest of them (the embedding must have their rows)."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    backend.train_from_iterator(CORPUS, trainer=trainer)
+    """Ids of tokens added on top of the BPE vocabulary are token ids too, so vocab_size reaches past the largest of
+    them (the embedding must have their rows)."""
+    backend = _bare_bpe(280)
     backend.add_special_tokens(["<eos>", "<pad>", "<extra>"])
     tok = BPETokenizer(backend)
     added = [backend.token_to_id(t) for t in ("<eos>", "<pad>", "<extra>")]
@@ -220,8 +220,8 @@ def test_vocab_size_counts_tokens_added_past_the_models_vocabulary() -> None:
 
 
 def test_a_folder_with_only_a_tokenizer_json_loads(tmp_path: Path) -> None:
-    """Mutant T09 (the bare tokenizer.json branch dropped): a folder holding just another tool's tokenizer.json
-    loads as a BPE tokenizer (with looplm's default special names)."""
+    """A folder holding just another tool's tokenizer.json loads as a BPE tokenizer (with looplm's default special
+    names)."""
     bpe = BPETokenizer.train(CORPUS, vocab_size=300)
     (tmp_path / "tokenizer.json").write_text(bpe.backend_json)
     loaded = load_tokenizer(tmp_path)
@@ -232,16 +232,14 @@ def test_a_folder_with_only_a_tokenizer_json_loads(tmp_path: Path) -> None:
 
 
 def test_an_unknown_tokenizer_type_is_refused(tmp_path: Path) -> None:
-    """Mutant T10 (an unknown type read as the byte tokenizer): a tokenizer_config.json of another type is a
-    one-line error, never silently another tokenizer."""
+    """A tokenizer_config.json of another type is a one-line error, never silently another tokenizer."""
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"type": "sentencepiece"}))
     with pytest.raises(ValueError, match="unknown tokenizer type 'sentencepiece'"):
         load_tokenizer(tmp_path)
 
 
 def test_bpe_vocab_size_258_is_the_smallest_accepted() -> None:
-    """Mutant T12 (`<=` 258): 256 bytes and the two special tokens fit in 258 ids (a BPE without merges);
-    257 is refused."""
+    """256 bytes and the two special tokens fit in 258 ids (a BPE without merges); 257 is refused."""
     tok = BPETokenizer.train(CORPUS, vocab_size=258)
     assert tok.vocab_size == 258
     assert tok.decode(tok.encode(CORPUS[2])) == CORPUS[2]
@@ -253,16 +251,9 @@ def test_eos_and_pad_added_as_ordinary_tokens_are_special_in_encode_and_decode()
     """A foreign tokenizer may add its end and padding tokens as ordinary (non-special) added tokens. looplm
     treats them as its special tokens all the same: their literal names in text stay text (never a document
     boundary in the packed data), and `decode` skips them, as it skips `<eos>`/`<pad>` of its own tokenizers."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import AddedToken
 
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    backend.train_from_iterator(CORPUS, trainer=trainer)
+    backend = _bare_bpe(300)
     backend.add_tokens([AddedToken(t, special=False) for t in ("<end>", "<fill>")])
     end, fill = backend.token_to_id("<end>"), backend.token_to_id("<fill>")
     tok = BPETokenizer(backend, eos_token="<end>", pad_token="<fill>")

@@ -266,10 +266,9 @@ def test_bos_policy_reads_the_special_tokens_map():
     assert bos_policy(tok, {"add_bos_token": True}, {"bos_token": {"content": BOS}}) == BOS
 
 
-# -- pinned by a mutation sweep ----------------------------------------------------------------------------
+# -- the exported tokenizer's BOS, special pieces, required names, fingerprints ----------------------------
 def test_the_exported_tokenizer_names_its_bos_and_starts_a_pair_with_it_once(bos_run, tmp_path):
-    """Mutants X02 (no bos_token given to the transformers tokenizer) and X01 (the pair template without BOS):
-    the exported tokenizer's bos_token is the policy's, and a text pair is one text starting with one BOS."""
+    """The exported tokenizer's bos_token is the policy's, and a text pair is one text starting with one BOS."""
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
@@ -282,16 +281,15 @@ def test_the_exported_tokenizer_names_its_bos_and_starts_a_pair_with_it_once(bos
 
 
 def test_token_piece_of_a_special_bos_is_its_name(tmp_path):
-    """Mutant T03 (only eos/pad named): any special added token, a BOS included, decodes to nothing, so its
-    piece is its name (a str), not its text as bytes."""
+    """Any special added token, a BOS included, decodes to nothing, so its piece is its name (a str), not its text as
+    bytes."""
     tok = tokenizer(tmp_path, bos=True)
     assert tok.token_piece(tok.bos_id) == BOS
     assert tok.decode([tok.bos_id, *tok.encode("the")]) == "the"
 
 
 def test_a_bos_the_backend_lacks_is_refused_by_name():
-    """Mutant T01 (the BOS left out of the required names): a bos_token the tokenizer does not define is a
-    one-line UserError naming it, not a TypeError."""
+    """A bos_token the tokenizer does not define is a one-line UserError naming it, not a TypeError."""
     from looplm.errors import UserError
 
     with pytest.raises(UserError, match=r"lacks required special token\(s\) \['<s>'\]"):
@@ -299,8 +297,8 @@ def test_a_bos_the_backend_lacks_is_refused_by_name():
 
 
 def test_the_fingerprint_tells_the_padding_name_apart():
-    """Mutant T07 (the pad name left out of canonical_description): two wrappers of one tokenizer.json that
-    pad with different tokens pack different rows, so their fingerprints (token-cache keys) differ."""
+    """Two wrappers of one tokenizer.json that pad with different tokens pack different rows, so their fingerprints
+    (token-cache keys) differ."""
     tok = backend(False)
     a = BPETokenizer(HFTokenizer.from_str(tok.to_str()), EOS, PAD)
     b = BPETokenizer(HFTokenizer.from_str(tok.to_str()), EOS, BOS)
@@ -310,8 +308,7 @@ def test_the_fingerprint_tells_the_padding_name_apart():
 
 
 def test_tokenizer_config_bos_token_wins_over_the_special_tokens_map():
-    """Mutant T11 (special_tokens_map.json read first): tokenizer_config.json's bos_token is the one
-    transformers adds, the map only fills in a missing one."""
+    """tokenizer_config.json's bos_token is the one transformers adds, the map only fills in a missing one."""
     from looplm.data.tokenizer import bos_policy
 
     assert bos_policy(backend(False), {"add_bos_token": True, "bos_token": BOS}, {"bos_token": EOS}) == BOS

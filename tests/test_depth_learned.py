@@ -343,7 +343,7 @@ def test_metrics_report_the_targets_mass_and_every_draw():
     assert m["allocation"] == [draws.count(r) for r in range(1, CAP + 1)] and sum(m["allocation"]) == 200
 
 
-# -- found by mutating the depth samplers (third sweep) -------------------------------------------------
+# -- the learned prior: targets at the ends, weights, a restored support, metrics ------------------------------------
 @pytest.mark.parametrize(
     ("init", "low", "high", "target"), [("restricted", 5, 9, 5.0), ("restricted", 5, 9, 9.0), ("uniform", 1, 9, 1.0)]
 )

@@ -21,7 +21,7 @@ from looplm.train.layout import BatchLayout
 from looplm.train.flops import flops_per_token
 from looplm.train.noise import initial_state_noise
 from looplm.train.optim import param_groups
-from looplm.train.trainer import Trainer
+from looplm.train.trainer import StepResult, Trainer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
@@ -259,8 +259,8 @@ def test_accumulated_gradient_is_token_mean_of_global_batch(tmp_path, cache, max
 
 
 # -- the backprop window (design §3) ------------------------------------------------------------------
-def captured_step_grads(t: Trainer) -> tuple[dict, dict]:
-    """(initial weights, gradients of one train_step as they reach the optimizer)."""
+def captured_step_grads(t: Trainer) -> tuple[dict, dict, StepResult]:
+    """(initial weights, gradients of one train_step as they reach the optimizer, the step's result)."""
     init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
     captured = {}
     original_step = t.optimizer.step
@@ -270,8 +270,7 @@ def captured_step_grads(t: Trainer) -> tuple[dict, dict]:
         return original_step(*args, **kwargs)
 
     t.optimizer.step = capture_then_step
-    t.train_step()
-    return init, captured
+    return init, captured, t.train_step()
 
 
 @pytest.mark.parametrize(("depth", "window", "other"), [(12, None, 10), (4, 1, None)], ids=["full", "truncated"])
@@ -294,7 +293,7 @@ def test_the_trainers_gradient_follows_its_backprop_window(tmp_path, cache, dept
         )
     )
     assert t.job.depth.bptt_window == window
-    init, captured = captured_step_grads(t)
+    init, captured, _ = captured_step_grads(t)
     ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, t.job.train.seed)
     state0 = t._noise(0, 0, rows, t.job.data.seq_len)
 
@@ -1199,7 +1198,7 @@ def test_a_window_equal_to_the_deepest_draw_is_full_bptt(tmp_path, cache):
     ("overrides", "match"),
     [
         ({"train__lr": 0.0}, "train.lr must be > 0, got 0"),
-        # found by the third sweep: each of these checks could go unnoticed
+        # and a negative clip, warm-up or decay fraction, a zero accumulation, a negative eval period
         ({"train__grad_clip": -1.0}, r"train.grad_clip must be >= 0 \(0 disables\), got -1"),
         ({"train__warmup_frac": -0.1}, r"train.warmup_frac must be in \[0, 1\], got -0.1"),
         ({"train__decay_frac": -0.1}, r"train.decay_frac must be in \[0, 1\], got -0.1"),
@@ -1296,7 +1295,7 @@ def test_the_cpu_warning_has_nothing_to_say_of_no_steps_and_says_hours_below_two
     assert "take about 3 days" in cpu_warning(s, 3e8, 200_000, 1000, 1.296e9, "cpu")  # 3.0 days
 
 
-# -- found by mutating the trainer (third sweep): schedule groups, clipping, records, resume ---------------
+# -- schedule groups, clipping, records, resume ------------------------------------------------------------
 # trainer.py `for g in self.optimizer.param_groups` -> `param_groups[:1]` (the no-decay group kept the peak lr)
 def test_every_param_group_follows_the_schedule(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__steps=8, train__warmup_frac=0.5, train__lr=1e-3))
@@ -1322,16 +1321,7 @@ def test_gradients_are_clipped_to_grad_clip_and_the_norm_before_clipping_is_repo
             train__grad_clip=clip,
         )
     )
-    init = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
-    captured = {}
-    original_step = t.optimizer.step
-
-    def capture_then_step(*args, **kwargs):
-        captured.update({n: p.grad.detach().clone() for n, p in t.model.named_parameters()})
-        return original_step(*args, **kwargs)
-
-    t.optimizer.step = capture_then_step
-    res = t.train_step()
+    init, captured, res = captured_step_grads(t)
     # reference: the unclipped token-mean gradient of the same batch and noise, by plain autograd
     seed, L, d = t.job.train.seed, t.job.data.seq_len, t.job.model.d_model
     ((rows, batch),) = t._host_batch(t.train_data, 0, 0, 1, seed)
