@@ -203,7 +203,7 @@ def test_parcae_carryover_against_a_direct_computation(tiny_model_config):
 
 
 def test_convergence_needs_a_change_strictly_below_tau():
-    """Mutant conv-le-tau (`change < tau` -> `change <= tau`). The design: converged at c when
+    """The design: converged at c when
     delta^r < tau for r = c+1..H; a change exactly at tau does not count (binary fractions: exact)."""
     from looplm.analyze import NEVER, convergence_depths
 
@@ -213,8 +213,7 @@ def test_convergence_needs_a_change_strictly_below_tau():
 
 
 def test_profile_buckets_and_change_quantiles_against_a_naive_loop():
-    """Mutants conv-bucket-le (`pos < lo + interval` -> `<=`), conv-bucket-frac-all (bucket fraction over
-    all tokens) and conv-q25-q75-swap: every bucket field and the per-recurrence quartiles by hand."""
+    """Every bucket field and the per-recurrence quartiles by hand."""
     from looplm.analyze import NEVER, convergence_depths, convergence_profile
 
     g = torch.Generator().manual_seed(5)
@@ -255,7 +254,7 @@ def test_profile_buckets_and_change_quantiles_against_a_naive_loop():
 
 
 def test_summarize_quantiles_by_hand():
-    """Mutant carry-quantile-q10-q90 (q10 and q90 swapped)."""
+    """Guards against q10 and q90 swapped."""
     from looplm.analyze.carryover import summarize
 
     s = summarize(torch.arange(11, dtype=torch.float32).flip(0))  # 0..10: deciles are 1 and 9
@@ -269,7 +268,7 @@ def _changes_for_depths(depths: list[int], H: int, tau: float = 0.1) -> torch.Te
 
 
 def test_last_bucket_holds_a_position_on_an_interval_boundary():
-    """Mutant conv-range-last (`range(0, max(pos) + 1, ...)` -> `range(0, max(pos), ...)`): with positions
+    """With positions
     0..16 and interval 8 the token at 16 opens a third bucket; every token lies in one bucket."""
     from looplm.analyze import convergence_profile
 
@@ -280,7 +279,7 @@ def test_last_bucket_holds_a_position_on_an_interval_boundary():
 
 
 def test_spearman_is_over_the_converged_tokens_only():
-    """Mutant conv-spearman-all (NEVER = -1 depths ranked with the rest): depths rise with position
+    """Depths rise with position
     among the converged tokens (rank correlation exactly 1); the late never-converged tokens do not count."""
     from looplm.analyze import convergence_profile
 
@@ -291,7 +290,7 @@ def test_spearman_is_over_the_converged_tokens_only():
 
 
 def test_change_mean_is_the_plain_mean_per_recurrence():
-    """Mutant conv-mean-median (the "mean" curve given the median): a skewed delta whose mean and
+    """A skewed delta whose mean and
     median differ, against statistics.fmean per recurrence."""
     from looplm.analyze import convergence_profile
 

@@ -195,8 +195,7 @@ def test_summary_labels_one_relative_change_per_value(horizon, depths):
 
 
 def test_progress_units_add_up_to_the_announced_work(run_dir):
-    """Mutant rep-work-solves3 (three solves counted per batch instead of prefix, joint, frozen and the
-    control): the progress bar's total, `work_units`, is what `analyze` reports, with and without the
+    """The progress bar's total, `work_units`, is what `analyze` reports, with and without the
     sharing table."""
     from looplm.analyze.report import AnalyzeConfig, analyze
     from looplm.analyze.solves import SolveRule
@@ -241,7 +240,7 @@ class _Rows:
 
 
 def test_solve_summary_counts_qualified_rows_only(monkeypatch):
-    """Mutants rep-ctrl-nopair, rep-median-all, rep-gap-all and rep-length-nomin: depth statistics are
+    """Depth statistics are
     over each solve's qualified rows, gap and KL over the rows where prefix, joint and frozen all
     qualified, the control's over those whose control qualified too; spans are cut to the rows' length."""
     from looplm.analyze import report as rep

@@ -132,7 +132,7 @@ def test_the_shortest_allowed_solve_can_qualify_an_exact_fixed_point():
 
 
 def test_prediction_kl_is_kl_p_to_q_by_hand():
-    """Mutant solve-kl-reverse (KL(q || p) instead of KL(p || q))."""
+    """Guards against KL(q || p) in place of KL(p || q)."""
     import math
 
     from looplm.analyze.solves import prediction_kl
@@ -144,7 +144,7 @@ def test_prediction_kl_is_kl_p_to_q_by_hand():
 
 
 def test_a_moving_value_cache_alone_never_qualifies():
-    """Mutant solve-kv-nocheck (the per-layer V change dropped from the rule): state and K fixed, V keeps
+    """State and K fixed, V keeps
     moving by 1e-3 per step, far above tol = 1e-5 (the existing test moves K and V together)."""
     from looplm.analyze import SolveRule, solve
 
@@ -173,8 +173,7 @@ class _ScaleCore(nn.Module):
 
 
 def test_control_prediction_uses_the_depth_r_prefix_state(tiny_model_config):
-    """Mutant solve-control-prefix (`predict(s, control.state)` -> `predict(prefix.state, ...)`).
-    Additive injection and a scaling core: s^r = lam (s^(r-1) + e), so the depth-R prefix state is
+    """Additive injection and a scaling core: s^r = lam (s^(r-1) + e), so the depth-R prefix state is
     lam^R s0 + lam (1 - lam^R) / (1 - lam) e and every fixed point is lam e / (1 - lam); the control's
     KL(joint || control) is the coda's KL between [s*_prefix, s*_cur] and [s^R_prefix, s*_cur]."""
     from looplm.analyze import SolveRule, span_solves, start
@@ -211,8 +210,8 @@ def _scripted(factors):
 
 
 def test_a_failed_confirmation_starts_a_fresh_stable_run():
-    """Mutants solve-streak-noreset (the stable streak kept after a failed confirmation) and solve-depth-first
-    (the depth of the first stable run reported, not of the one that qualified). Scripted changes:
+    """Guards against the stable streak kept after a failed confirmation, and against the depth of the first
+    stable run reported, not of the one that qualified. Scripted changes:
     r = 1 never counts; r = 2..9 change 1e-6 (the stable run completes at r = 9); a 1e-4 jump at r = 14
     (5th confirmation step) breaks the drift bound; r = 15..22 rebuild the 8-step run (depth 22), 16
     confirmation steps (r = 23..38) and the final check (r = 39) qualify."""
@@ -223,7 +222,7 @@ def test_a_failed_confirmation_starts_a_fresh_stable_run():
 
 
 def test_confirmation_drift_is_measured_from_the_stable_runs_end():
-    """Mutant solve-anchor-prev (the anchor taken one recurrence before the stable run ended). A steady
+    """A steady
     relative change of 3e-6 per step: 16 confirmation steps drift (1 + 3e-6)^16 - 1 = 4.80e-5 <= 5e-5
     from the run's endpoint (qualifies); from one step earlier it would be 17 steps, 5.10e-5 (never)."""
     assert (1 + 3e-6) ** 16 - 1 < 5e-5 < (1 + 3e-6) ** 17 - 1
@@ -232,8 +231,8 @@ def test_confirmation_drift_is_measured_from_the_stable_runs_end():
 
 
 def test_an_exact_fixed_point_qualifies_after_the_first_step_and_without_confirmation():
-    """Mutants solve-first-step-counts (step 1, with no earlier K/V, counted as stable) and
-    solve-confirm0-always (confirm_steps = 0 still spending a confirmation step). For F(s) = s the
+    """Guards against step 1, with no earlier K/V, counted as stable, and against confirm_steps = 0
+    still spending a confirmation step. For F(s) = s the
     stable run ends at r = 1 + stable_steps; with no confirmation the final check is the next step."""
     s0 = torch.ones(1, 2, 3, dtype=torch.float64)
     identity = lambda s: (s, [])  # noqa: E731
@@ -245,8 +244,8 @@ def test_an_exact_fixed_point_qualifies_after_the_first_step_and_without_confirm
 
 
 def test_each_rows_endpoint_is_the_state_and_kv_of_its_own_final_step():
-    """Mutants solve-keep-phase (a row's endpoint frozen one step early, before its final check) and
-    solve-kv-where-swap: two rows contracting at different rates finish at different steps; each keeps
+    """Guards against a row's endpoint frozen one step early (before its final check) and its K/V taken
+    from the other row: two rows contracting at different rates finish at different steps; each keeps
     the state and K/V of its own final recurrence (depth + 16 + 1), from a plain loop over the step."""
     lam = torch.tensor([0.3, 0.8], dtype=torch.float64)[:, None, None]
 

@@ -505,7 +505,7 @@ def test_weights_follow_the_umask(umask_022, tmp_path, tmp_path_factory):
 
 
 def test_a_sharded_export_folder_loads_every_shard(tmp_path):
-    """Mutant ck-hf-shard-skip (the index's shard list loses a file): an HF export folder saved in
+    """An HF export folder saved in
     shards (model.safetensors.index.json) loads every tensor, with the 'model.' prefix removed."""
     from _jobs import write_hf_weights
 
@@ -520,7 +520,7 @@ def test_a_sharded_export_folder_loads_every_shard(tmp_path):
         assert torch.equal(got[k[len("model.") :]], v)
 
 
-# -- found by mutating the checkpoint code (second sweep) ----------------------------------------------
+# -- pruning, sharded RNG state, failed asynchronous writes, consolidated resumes ----------------------
 # checkpointing.py passed keep=2 to save_step (single file) / point_latest (sharded) instead of
 # train.keep_checkpoints
 @pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded"])

@@ -920,7 +920,7 @@ def test_generate_passes_its_options_to_looplms_generate(tmp_path, monkeypatch, 
     assert calls[-1][1]["compile"] is False and calls[-1][1]["cache"] == "terminal"
 
 
-# -- what eval and generate measure and print (mutations a sweep let through) -------------------------------
+# -- what eval and generate measure and print ---------------------------------------------------------------
 class ReportSpy:
     """Records the progress bar's total and the prefill arms `looplm eval` hands `depth_report`, then runs it."""
 

@@ -49,7 +49,7 @@ def test_a_looplm_checkpoint_or_export_needs_no_conversion(tmp_path, capsys):
 
 # -- shared reading and writing helpers (looplm.convert.common) --------------------------------------
 def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path):
-    """Mutant cc-inside-dotdot (only absolute shard names refused): '../x.safetensors' in the index
+    """'../x.safetensors' in the index
     would read a file beside the release folder."""
     import json
 
@@ -63,7 +63,7 @@ def test_an_index_naming_a_shard_outside_the_folder_is_refused(tmp_path):
 
 
 def test_an_integer_tensor_of_the_right_shape_is_refused(tmp_path):
-    """Mutant cc-int-tensor (the floating-point check dropped): int weights would be cast to float32 silently."""
+    """Int weights would be cast to float32 silently."""
     import torch
     from safetensors.torch import save_file
 
@@ -91,7 +91,7 @@ def _tokenizer_folder(root, specials=("<a>", "<b>", "<c>"), **files):
 
 
 def test_special_tokens_map_names_win_over_tokenizer_config(tmp_path):
-    """Mutant cc-special-order (tokenizer_config.json's names over special_tokens_map.json's): the
+    """The
     special-tokens map is read first and a name it gives is kept."""
     from looplm.convert.common import hf_tokenizer
 
@@ -105,7 +105,7 @@ def test_special_tokens_map_names_win_over_tokenizer_config(tmp_path):
 
 
 def test_an_eos_id_list_names_its_first_token(tmp_path):
-    """Mutant cc-first-id-last: config.json's eos_token_id may be a list (Llama-3 style); its first id is
+    """Config.json's eos_token_id may be a list (Llama-3 style); its first id is
     the eos token, and padding falls back to it with a note."""
     from looplm.convert.common import hf_tokenizer
 
@@ -116,8 +116,8 @@ def test_an_eos_id_list_names_its_first_token(tmp_path):
 
 
 def test_a_converted_job_records_its_depth_cap_and_held_out_data(tiny_model_config):
-    """Mutants cc-cap-64 (the fixed-depth recipe's cap set to max_depth even below 64) and cc-data-default
-    (a given --data replaced by the built-in text)."""
+    """Guards against the fixed-depth recipe's cap set to max_depth even below 64, and against a given --data
+    replaced by the built-in text."""
     from looplm.convert.common import job_dict
     from looplm.data.record import BUILTIN_TEXT
 

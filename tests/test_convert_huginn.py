@@ -259,10 +259,10 @@ def test_logits_match_the_source_equations(tmp_path, overrides):
 
 
 def test_grouped_query_heads_and_the_release_init_values(tmp_path):
-    """Mutants: Wqkv split as [kv, q, kv] rows or its shape taken as 3 * heads (grouped-query heads,
-    allowed without qk_bias); init_values.embed_scale ignored (sqrt(d) used), the state std read from
-    init_values.embedding instead of init_values.std, max_depth not 2 * mean_recurrence. Each value here
-    differs from its default, so only the config's own numbers give the source's logits."""
+    """Guards against: Wqkv split as [kv, q, kv] rows or its shape taken as 3 * heads (grouped-query heads, allowed
+    without qk_bias); init_values.embed_scale ignored (sqrt(d) used), the state std read from init_values.embedding
+    instead of init_values.std, max_depth not 2 * mean_recurrence. Each value here differs from its default, so only the
+    config's own numbers give the source's logits."""
     KV = 2
     init = {"embed_scale": 3.0, "embedding": 0.05, "out_proj": 0.001, "std": 0.1}
 

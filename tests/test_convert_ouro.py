@@ -397,8 +397,7 @@ def _drop_keys(root: Path, *keys, section=None):
 
 
 def test_ouro_keeps_the_release_norm_eps_and_defaults_to_four_loops(tmp_path):
-    """Mutants ouro-eps-ignored (rms_norm_eps not read) and ouro-steps-default (total_ut_steps default
-    4 -> 8): OuroConfig's total_ut_steps default is 4."""
+    """OuroConfig's total_ut_steps default is 4."""
     from looplm.checkpoint import load_model
     from looplm.convert import convert_ouro
 
@@ -410,9 +409,9 @@ def test_ouro_keeps_the_release_norm_eps_and_defaults_to_four_loops(tmp_path):
 
 
 def test_context_length_and_untied_head_follow_ouroconfig(tmp_path):
-    """Mutants: max_seq_len not read from max_position_embeddings (64 here), and tie_word_embeddings
-    defaulting to True: OuroConfig's default is False, so a config.json without the key keeps its own
-    lm_head (whose logits are the source's, not the embedding's)."""
+    """Guards against: max_seq_len not read from max_position_embeddings (64 here), and tie_word_embeddings defaulting
+    to True: OuroConfig's default is False, so a config.json without the key keeps its own lm_head (whose logits are the
+    source's, not the embedding's)."""
     src = make_ouro(tmp_path / "ouro")
     _drop_keys(src, "tie_word_embeddings")
     model, _, _ = load_model(convert_ouro(src, tmp_path / "converted"))

@@ -250,9 +250,8 @@ def test_logits_match_the_source_equations(tmp_path, sharded):
 
 
 def test_nonorm_untied_variant_without_qk_norm_matches_the_source(tmp_path):
-    """Mutants: injection always "parcae-decay" (prelude_norm false has no ln_prelude: e~ = e), an
-    untied lm_head replaced by the embedding, qk_norm forced on, and max_seq_len not read from
-    block_size (64 here)."""
+    """Guards against: injection always "parcae-decay" (prelude_norm false has no ln_prelude: e~ = e), an untied lm_head
+    replaced by the embedding, qk_norm forced on, and max_seq_len not read from block_size (64 here)."""
 
     def untie(state):
         del state["transformer.ln_prelude.weight"]
@@ -273,8 +272,8 @@ def test_nonorm_untied_variant_without_qk_norm_matches_the_source(tmp_path):
 
 
 def test_vocabulary_is_padded_up_to_the_padding_multiple(tmp_path):
-    """Mutant: the padded vocabulary rounded down instead of up when config.json has no
-    padded_vocab_size (the source pads vocab_size up to a multiple of padding_multiple)."""
+    """Guards against: the padded vocabulary rounded down instead of up when config.json has no padded_vocab_size (the
+    source pads vocab_size up to a multiple of padding_multiple)."""
     vocab = hf_tokenizer(SPECIALS).get_vocab_size()
     assert vocab % 64
     padded = -(-vocab // 64) * 64
@@ -289,9 +288,9 @@ def test_vocabulary_is_padded_up_to_the_padding_multiple(tmp_path):
 
 
 def test_refuses_value_embeddings_on_blocks_looplm_does_not_map(tmp_path):
-    """Mutant: the odd-blocks check dropped. One block per stack, one recurrence, backprop depth 1: the
-    source puts a table and a gate on prelude.0 and coda.0 (flat 0 and 2), consistent with config.json,
-    but looplm's value_embeds="odd" has none there, so converting would silently drop them."""
+    """Guards against: the odd-blocks check dropped. One block per stack, one recurrence, backprop depth 1: the source
+    puts a table and a gate on prelude.0 and coda.0 (flat 0 and 2), consistent with config.json, but looplm's
+    value_embeds="odd" has none there, so converting would silently drop them."""
 
     def even(state):
         for k in [k for k in state if k.startswith("value_embeds.") or ".1." in k or "ve_gate" in k]:

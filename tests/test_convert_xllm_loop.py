@@ -516,7 +516,7 @@ def test_cli_converts_and_reports_bad_folders_in_one_line(tmp_path, capsys):
     ],
 )
 def test_refuses_injection_and_norm_combinations_looplm_lacks(tmp_path, overrides, match):
-    """Mutants xl-ortho-prenorm, xl-diag-exitnorm and xl-linear-noexit: each combination is refused by
+    """Each combination is refused by
     name (not converted into another model, nor failing later on the weights)."""
     src = make_release(tmp_path / "release", **overrides)
     with pytest.raises(CheckpointError, match=match):
@@ -525,7 +525,7 @@ def test_refuses_injection_and_norm_combinations_looplm_lacks(tmp_path, override
 
 
 def test_vocab_size_minus_one_means_the_tokenizers(tmp_path):
-    """Mutant xl-vocab-neg1: the release's vocab_size -1 (its default) takes the tokenizer's size."""
+    """The release's vocab_size -1 (its default) takes the tokenizer's size."""
     src = make_release(tmp_path / "release", vocab_size=-1)
     model, tok, _ = load_model(convert_xllm_loop(src, tmp_path / "converted"))
     assert (
@@ -536,8 +536,7 @@ def test_vocab_size_minus_one_means_the_tokenizers(tmp_path):
 
 
 def test_depth_cap_and_pln_recipe_come_from_the_release(tmp_path):
-    """Mutants xl-maxdepth-pln (the PLN cap left out of max_depth) and xl-pln-depth (the PLN mean taken
-    from loop_times): max_depth = max(64, loop_times, PLN cap), and the recipe's mean, sigma and cap."""
+    """Max_depth = max(64, loop_times, PLN cap), and the recipe's mean, sigma and cap."""
     fields = {
         "huginn_sampling_scheme": "poisson-lognormal-capped",
         "huginn_poisson_lognormal_target_mean": 7.0,
@@ -558,7 +557,7 @@ def test_depth_cap_and_pln_recipe_come_from_the_release(tmp_path):
 
 
 def test_a_tokenizer_path_of_the_training_machine_reads_the_artifacts_tokenizer(tmp_path):
-    """Mutant xl-tok-abs: an absolute tokenizer path in config.json (where training ran) is not read;
+    """An absolute tokenizer path in config.json (where training ran) is not read;
     the artifact's tokenizer/ folder is."""
     src = make_release(tmp_path / "release", manifest=False)
     config = json.loads((src / "config.json").read_text())
@@ -570,7 +569,7 @@ def test_a_tokenizer_path_of_the_training_machine_reads_the_artifacts_tokenizer(
 
 
 def test_a_teacher_for_a_model_artifact_is_refused(tmp_path):
-    """Mutant xl-teacher-refuse: --teacher belongs to a distilled student; given with a model artifact it
+    """--teacher belongs to a distilled student; given with a model artifact it
     is refused rather than ignored."""
     src = make_release(tmp_path / "release")
     with pytest.raises(CheckpointError, match="--teacher is for a distilled student artifact"):

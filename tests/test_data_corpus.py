@@ -71,7 +71,7 @@ def test_cache_key_is_the_content():
 
 
 def test_split_scenes_keeps_a_short_tail():
-    """Mutant corp-tail-dropped: a trailing piece under 200 characters joins the last scene (nothing lost)."""
+    """A trailing piece under 200 characters joins the last scene (nothing lost)."""
     from looplm.data.corpus import split_scenes
 
     text = "ACT 1.\n" + "Enter the king. " * 20 + "\nSCENE 2.\nExeunt.\n"

@@ -405,3 +405,25 @@ def test_negative_sequence_indices_are_refused(tmp_path: Path) -> None:
     train, _ = build_datasets(str(src), ByteTokenizer(), seq_len=8, cache_dir=tmp_path / "c")
     with pytest.raises(IndexError, match="out of range"):
         train.get_batch([0, -1])
+
+
+def test_batch_to_keeps_every_field_in_its_place(tmp_path: Path) -> None:
+    """The moved batch's doc ids and positions are the original's, not each other."""
+    src = make_folder(tmp_path / "corpus", n=12)
+    train, _ = build_datasets(str(src), ByteTokenizer(), seq_len=16, holdout=0.5, cache_dir=tmp_path / "c")
+    b = train.get_batch(list(range(len(train))))
+    assert int(b.doc_ids.max()) > 0  # a row with a document boundary: doc ids and positions differ
+    moved = b.to("cpu")
+    for field in ("inputs", "targets", "doc_ids", "positions", "example_ids"):
+        assert torch.equal(getattr(moved, field), getattr(b, field)), field
+
+
+def test_a_split_needs_one_token_more_than_a_row(tmp_path: Path) -> None:
+    """A row reads seq_len + 1 tokens (its inputs and the last target), so a split of exactly seq_len tokens is refused
+    (not an empty dataset); seq_len - 1 gives one row."""
+    src = make_folder(tmp_path / "corpus", n=6)
+    _, val = build_datasets(str(src), ByteTokenizer(), seq_len=8, holdout=0.2, cache_dir=tmp_path / "c")
+    n = val.n_tokens
+    with pytest.raises(DataError, match=f"seq_len={n} needs at least {n + 1}"):
+        PackedDataset(val.cache_dir, n)
+    assert len(PackedDataset(val.cache_dir, n - 1)) == 1

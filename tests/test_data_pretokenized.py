@@ -379,7 +379,7 @@ def _pretok(tmp_path):
 
 
 def test_another_seed_is_not_kept_silently(tmp_path):
-    """Mutant pt-seed-nodiff: the held-out draw depends on the seed, so a folder tokenized with seed 0
+    """The held-out draw depends on the seed, so a folder tokenized with seed 0
     is not reused for seed 1 (refused without --overwrite)."""
     from looplm.data import tokenize_corpus
     from looplm.errors import UserError
@@ -390,7 +390,7 @@ def test_another_seed_is_not_kept_silently(tmp_path):
 
 
 def test_marker_counts_must_match_the_split(tmp_path):
-    """Mutant pt-counts-nocheck: pretokenized.json's token count disagreeing with train/meta.json."""
+    """Pretokenized.json's token count disagreeing with train/meta.json."""
     from looplm.data import DataError, open_pretokenized
 
     _, out = _pretok(tmp_path)
@@ -402,7 +402,7 @@ def test_marker_counts_must_match_the_split(tmp_path):
 
 
 def test_token_file_size_follows_the_split_dtype(tmp_path):
-    """Mutant pt-size-itemsize (tokens.bin size taken as 2 bytes a token whatever the dtype): a split
+    """A split
     whose meta.json says uint32 but whose tokens.bin holds 2-byte ids is refused."""
     from looplm.data import DataError, open_pretokenized
 

@@ -229,7 +229,7 @@ def test_a_data_record_with_a_bad_tasks_section_is_a_data_error():
 
 
 def test_an_unknown_origin_is_refused():
-    """Mutant rec-origin-check: a data.json whose origin is neither 'trained' nor 'converted'."""
+    """A data.json whose origin is neither 'trained' nor 'converted'."""
     from looplm.data.record import DataRecord
     from looplm.data.sources import DataError
 
@@ -239,7 +239,7 @@ def test_an_unknown_origin_is_refused():
 
 
 def test_validation_rows_take_the_asked_length(tmp_path):
-    """Mutant rec-seqlen-arg (the record's seq_len always): `validation(tok, seq_len)` cuts rows of that length."""
+    """`validation(tok, seq_len)` cuts rows of that length."""
     from looplm.data import ByteTokenizer
     from looplm.data.record import DataRecord
 

@@ -116,7 +116,7 @@ def test_a_changed_hf_dataset_is_new_data(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_large_files_are_cut_only_at_blank_lines(tmp_path):
-    """Mutant src-cut-midpara (a cut as soon as 64 KB are read): paragraphs of many short lines stay
+    """Paragraphs of many short lines stay
     whole; every document but the last ends with its blank line."""
     from looplm.data import iter_documents
     from looplm.data import sources
@@ -132,7 +132,7 @@ def test_large_files_are_cut_only_at_blank_lines(tmp_path):
 
 
 def test_a_same_size_edit_changes_the_source_description(tmp_path):
-    """Mutant src-desc-no-mtime: an edit that keeps the size (only the mtime tells) is new data."""
+    """An edit that keeps the size (only the mtime tells) is new data."""
     from looplm.data.sources import describe_source
 
     path = tmp_path / "a.txt"
@@ -145,7 +145,7 @@ def test_a_same_size_edit_changes_the_source_description(tmp_path):
 
 
 def test_a_huge_file_without_blank_lines_is_still_cut(tmp_path):
-    """Mutant src-force-cut (only paragraph breaks cut): a 1.2 MB file of lines and no blank line is cut
+    """A 1.2 MB file of lines and no blank line is cut
     once a piece reaches 16 x 64 KB, so memory stays bounded; nothing is lost."""
     from looplm.data import sources
 
@@ -160,7 +160,7 @@ def test_a_huge_file_without_blank_lines_is_still_cut(tmp_path):
 
 
 def test_the_bad_byte_offset_counts_a_character_split_across_read_chunks(tmp_path):
-    """Mutant src-utf8-pending: the decoder reads 1 MiB chunks; when a 2-byte character straddles the
+    """The decoder reads 1 MiB chunks; when a 2-byte character straddles the
     chunk boundary its first byte is pending in the decoder, and the offset of a later bad byte must
     not count it twice."""
     at = (1 << 20) - 1 + 2 + 10  # 'a' * (2^20 - 1), then 'é' across the boundary, then 10 'b', then 0xff
@@ -171,14 +171,14 @@ def test_the_bad_byte_offset_counts_a_character_split_across_read_chunks(tmp_pat
 
 
 def test_whitespace_only_jsonl_records_are_skipped(tmp_path):
-    """Mutant src-jsonl-blank-doc (`text.strip()` -> `text`): a record of blanks is no document."""
+    """A record of blanks is no document."""
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("one", "  \n\t", "two")))
     assert [d.text for d in iter_documents(str(path))] == ["one", "two"]
 
 
 def test_folder_suffixes_are_matched_without_case(tmp_path):
-    """Mutant src-suffix-case: README.MD and NOTES.TXT are text files of a folder source too."""
+    """README.MD and NOTES.TXT are text files of a folder source too."""
     (tmp_path / "NOTES.TXT").write_text("upper")
     (tmp_path / "b.Md").write_text("mixed")
     (tmp_path / "c.txt").write_text("lower")
@@ -186,7 +186,7 @@ def test_folder_suffixes_are_matched_without_case(tmp_path):
 
 
 def test_source_description_names_the_jsonl_field_and_the_task_count(tmp_path):
-    """Mutants src-desc-field and src-desc-tasks-n: another JSONL text field, or another number of
+    """Another JSONL text field, or another number of
     generator examples, is other data (a token cache keyed on the description must not be reused)."""
     from looplm.data.sources import describe_source
 

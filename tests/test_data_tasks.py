@@ -140,7 +140,7 @@ def test_unknown_kind_lists_known() -> None:
 
 
 def test_one_digit_additions_draw_every_digit_including_zero() -> None:
-    """Mutant task-add-lo (operands from 10^(k-1) at k = 1 too): one-digit operands are 0..9; k-digit
+    """One-digit operands are 0..9; k-digit
     ones (k > 1) have no leading zero, 10^(k-1)..10^k - 1."""
     rng = random.Random(0)
     ones = [ex.prompt[1:-1].split(",") for ex in (TASKS["add"](rng, 1) for _ in range(400))]

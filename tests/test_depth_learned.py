@@ -283,7 +283,7 @@ def test_advantage_uses_the_baseline_taken_before_the_update():
     assert s.base_cost == pytest.approx(0.9 * b + 0.1 * -math.exp(-1.5))  # the baseline moved after
 
 
-# -- found by mutating the prior (second sweep) --------------------------------------------------------
+# -- the prior's feedback, support, cap, optimizer bounds and metrics ----------------------------------
 # learned.py observe `if n_targets > 0` -> `>= 0` (a microbatch without targets divided by zero)
 def test_a_microbatch_without_targets_is_not_feedback():
     s = prior(reward="ce", warmup_updates=1000)

@@ -139,6 +139,9 @@ def test_load_choice_jsonl(tmp_path):
         # accepted here, refused by the scorer after the eval's perplexity work
         (json.dumps({"context": " \n", "choices": ["a", "b"], "gold": 0}), "'context' is empty"),
         (json.dumps({"context": "Q", "choices": ["a", ""], "gold": 0}), "choice 1 is empty"),
+        # JSON true is no index, and every choice is a string
+        (json.dumps({"context": "Q", "choices": ["a", "b"], "gold": True}), "'gold' must be an index"),
+        (json.dumps({"context": "Q", "choices": ["a", 1], "gold": 0}), "list of strings"),
     ],
 )
 def test_load_choice_jsonl_errors(tmp_path, line, msg):
@@ -195,3 +198,72 @@ def test_a_continuation_is_decoded_at_depth_after_a_prefill_at_prefill_depth(
         if i + 1 < len(target):
             logits = ref.chunk([t], depth)[0][-1]
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_acc_norm_pairs_each_choice_with_its_own_length(monkeypatch):
+    """The longer choice first. -5 over "bbbb" and -2 over "a": per character -1.25 and -2, so the first; paired the
+    other way round (-5 and -0.5) the second."""
+    import looplm.eval.choice as choice
+
+    logliks = {" bbbb": -5.0, " a": -2.0}
+    monkeypatch.setattr(choice, "score_continuation", lambda model, tok, ctx, cont, **kw: (logliks[cont], False))
+    got = choice.score_choices(None, ByteTokenizer(), [ChoiceItem("Pick: ", ("bbbb", "a"), gold=0)], depth=1)
+    assert got["items"][0]["pred"] == 1 and got["items"][0]["pred_norm"] == 0 and got["acc_norm"] == 1.0
+
+
+def _native_argmax(model, ids, depth=2):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), depth, init="seeded", example_ids=torch.tensor([0])).logits[0, -1]
+    return logits
+
+
+def test_greedy_needs_every_target_token_to_be_the_argmax(model, single_thread):
+    """A first target that is not the argmax, then the argmax after it, is not greedy; the argmax then the argmax is
+    (against the native forward)."""
+    from looplm.eval.choice import score_tokens
+
+    ctx = ByteTokenizer().encode("The cat sat")
+    first = int(_native_argmax(model, ctx).argmax())
+    wrong = (first + 1) % 256
+    after_wrong = int(_native_argmax(model, ctx + [wrong]).argmax())
+    after_first = int(_native_argmax(model, ctx + [first]).argmax())
+    kw = dict(depth=2, cache="full")
+    assert score_tokens(model, ctx, [first, after_first], **kw)[1] is True
+    assert score_tokens(model, ctx, [wrong, after_wrong], **kw)[1] is False
+
+
+def test_greedy_is_the_argmax_over_the_tokenizers_ids(single_thread):
+    """Rows past `vocab` made to win are no token, so the argmax over the first `vocab` ids is greedy."""
+    from _models import decisive_model
+
+    from looplm.eval.choice import score_tokens
+
+    model = decisive_model(320, max_seq_len=64)
+    with torch.no_grad():
+        model.head.weight[258:] = 8 * model.head.weight[:62]
+    ctx = ByteTokenizer().encode("Q: 1+1=")
+    logits = _native_argmax(model, ctx)
+    assert int(logits.argmax()) >= 258  # a padded row wins over all ids
+    best = int(logits[:258].argmax())
+    ll, greedy = score_tokens(model, ctx, [best], depth=2, cache="full", vocab=258)
+    assert greedy is True
+    assert ll == pytest.approx(float(torch.log_softmax(logits[:258].double(), -1)[best]), abs=1e-4)
+
+
+def test_the_cache_has_the_models_dtype(monkeypatch, single_thread):
+    """A bf16 model's context is prefilled into a bf16 cache."""
+    import looplm.eval.choice as choice
+
+    made, real = [], choice.make_cache
+
+    def spy(*args, **kw):
+        made.append(kw["dtype"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(choice, "make_cache", spy)
+    torch.manual_seed(0)
+    m16 = LoopedLM(CFG).eval().to(torch.bfloat16)
+    for cache in ("terminal", "full"):
+        ll, _ = choice.score_continuation(m16, ByteTokenizer(), "Q: x", " y", depth=2, cache=cache)
+        assert ll < 0
+    assert made == [torch.bfloat16, torch.bfloat16]

@@ -82,6 +82,7 @@ def constructed_examples(model, depth, n=8, steps=6):
         ("#### 72\nQuestion 2: how many", "72"),
         ("#### none\nso 4", "4"),  # no number after the mark: the last number
         ("1,2345", "2345"),  # not a thousands group: no '5' cut off a number
+        ("#### 3 first try\n#### 5", "5"),  # the last answer mark, not the first
     ],
 )
 def test_extract_final_number(text, want):
@@ -191,6 +192,7 @@ def test_load_gsm8k_jsonl(tmp_path):
         (json.dumps({"question": "Q", "answer": "42"}), "no '####"),
         (json.dumps({"question": "Q", "answer": "#### many"}), "not a number"),
         (json.dumps({"question": 3, "answer": "#### 1"}), "must be a string"),
+        (json.dumps({"question": "Q", "answer": 5}), "'answer' must be a string"),
     ],
 )
 def test_load_gsm8k_jsonl_errors(tmp_path, line, msg):
@@ -306,3 +308,44 @@ def test_task_accuracy_per_example_by_kind_and_difficulty(model, single_thread):
     assert got["by_kind"] == pytest.approx(rate(lambda ex: ex.kind))
     assert got["by_difficulty"] == pytest.approx(rate(lambda ex: ex.difficulty))
     assert len(got["by_difficulty"]) > 1
+
+
+def test_the_gold_follows_the_last_answer_mark(tmp_path):
+    """An answer with two '####' marks has the number after the last one as its gold."""
+    p = tmp_path / "gsm.jsonl"
+    p.write_text(json.dumps({"question": "Q", "answer": "first #### 3, corrected\n#### 7"}) + "\n")
+    assert [it.gold for it in load_gsm8k_jsonl(p)] == ["7"]
+
+
+def test_gsm8k_prompts_with_the_template_given(model, monkeypatch):
+    """Each question is put in `prompt_template`."""
+    import looplm.eval.generation as gen
+
+    seen = []
+    monkeypatch.setattr(
+        gen, "greedy_generate", lambda m, t, prompts, ids, **kw: seen.extend(prompts) or ["7"] * len(prompts)
+    )
+    items = [GenItem("3+4?", "#### 7", "7"), GenItem("2+5?", "#### 7", "7")]
+    out = exact_match_gsm8k(model, ByteTokenizer(), items, depth=1, prompt_template="Q: {question}\nA:")
+    assert seen == ["Q: 3+4?\nA:", "Q: 2+5?\nA:"] and out["acc"] == 1.0
+
+
+def test_greedy_generate_without_stop_strings_runs_past_newlines(model, single_thread):
+    """`stop=()` cuts nothing, so the text is every greedy token (the native forward's, newlines included) up to
+    max_new_tokens."""
+    from looplm.eval.generation import greedy_generate
+
+    tok = ByteTokenizer()
+    for prompt in ("abc", "Q: 1", "hello", "xyz", "0 1 2"):
+        ids, toks = tok.encode(prompt), []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = model(torch.tensor([ids]), 2, init="seeded", example_ids=torch.tensor([0])).logits
+                toks.append(int(logits[0, -1].argmax()))
+                ids.append(toks[-1])
+        if NL in toks[:-1] and tok.eos_id not in toks:
+            break
+    else:
+        pytest.skip("no prompt whose greedy text holds a newline")
+    got = greedy_generate(model, tok, [prompt], [0], depth=2, cache="full", max_new_tokens=8, stop=())
+    assert got == [tok.decode(toks)] and "\n" in got[0]

@@ -257,3 +257,12 @@ def test_generate_until_caps_max_gen_toks_at_the_model_context(adapter):
         sampling=SamplingConfig(max_new_tokens=L), example_ids=[stable_id(context)],
     )  # fmt: skip
     assert got == want
+
+
+def test_generate_until_after_an_empty_context_starts_from_the_text_start_token(adapter):
+    """The text-start token (EOS here) is the prompt: the greedy tokens of the native forward after it."""
+    got = adapter.generate_until([_Req("", {"until": [], "max_gen_toks": 4})])
+    ids = [TOK.eos_id]
+    for _ in range(4):
+        ids.append(int(_native_logp(adapter.model, ids, 3, stable_id(""))[-1].argmax()))
+    assert got == [TOK.decode(ids[1:])]

@@ -108,7 +108,7 @@ def test_paper_presets_report_fits_a_40_gb_budget(preset):
 
 
 def test_cache_estimate_counts_k_and_v_of_every_layer_visit(tiny_model_config):
-    """Mutant mem-visits-noprelude (prelude visits left out of the sharing cache): one more prelude layer
+    """One more prelude layer
     adds exactly one visit's K and V, 2 x T x n_kv_heads x head_dim fp32 values."""
     from looplm.eval.memory import sharing_bytes
 
@@ -119,7 +119,7 @@ def test_cache_estimate_counts_k_and_v_of_every_layer_visit(tiny_model_config):
 
 
 def test_attention_estimate_counts_q_k_and_v(tiny_model_config):
-    """Mutant mem-attn-kv1 (K and V counted once): with attention the widest block (long rows, a small
+    """With attention the widest block (long rows, a small
     FFN and vocabulary), two more KV heads add K and V of B x L tokens x 2 heads x head_dim fp32 values."""
     from looplm.eval.memory import perplexity_bytes
 
@@ -132,8 +132,7 @@ def test_attention_estimate_counts_q_k_and_v(tiny_model_config):
 
 
 def test_peak_is_the_weights_and_the_larger_protocol():
-    """Mutants mem-batch-min (a batch larger than the rows measured), mem-sharing-off (the sharing table
-    counted when it is skipped) and mem-peak-ppl (the sharing protocol left out of the peak): a CacheEval
+    """A CacheEval
     span whose full cache and logits outweigh one perplexity row."""
     from looplm.eval.report import EvalConfig
 
@@ -149,3 +148,39 @@ def test_peak_is_the_weights_and_the_larger_protocol():
     }
     cfg.sharing_sequences = 0
     assert eval_peak_bytes(CFG, 64, cfg) == {"weights": weights, "perplexity": ppl, "sharing": 0, "peak": weights + ppl}
+
+
+def test_cache_estimate_counts_the_coda_visits(tiny_model_config):
+    """One more coda layer adds exactly one visit's K and V, 2 x T x n_kv_heads x head_dim fp32 values."""
+    a, b = tiny_model_config(n_coda=1), tiny_model_config(n_coda=2)
+    for span, T in ((None, 32), ((20, 9), 28)):
+        assert sharing_bytes(b, 32, 5, span) - sharing_bytes(a, 32, 5, span) == 2 * T * a.n_kv_heads * a.head_dim * 4
+
+
+def test_sharing_forward_is_the_longer_of_the_prompt_and_the_scored_chunk(tiny_model_config):
+    """On FFN-wide models a wider FFN costs the sharing estimate what it costs one forward over max(P, C) tokens, the
+    same for a span (4, 60) as for (60, 4) (the cache and the logits do not depend on the FFN)."""
+    kw = dict(d_model=32, n_heads=4, n_kv_heads=2, vocab_size=8, max_seq_len=64)
+    a, b = tiny_model_config(ffn_dim=512, **kw), tiny_model_config(ffn_dim=1024, **kw)
+    forward = perplexity_bytes(b, 60, 1, ce_chunk_rows=0) - perplexity_bytes(a, 60, 1, ce_chunk_rows=0)
+    assert forward > 0
+    for span in ((4, 60), (60, 4)):
+        assert sharing_bytes(b, 64, 3, span) - sharing_bytes(a, 64, 3, span) == forward, span
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(d_model=32, ffn_dim=1024, vocab_size=260), dict(d_model=128, ffn_dim=32, vocab_size=260)],
+    ids=["ffn-wide", "state-wide"],
+)
+def test_perplexity_estimate_bounds_the_measured_peak_of_other_shapes(rows, shape):
+    """The estimate bounds the measured peak where the FFN or the state, not the logits, is the widest: SwiGLU's silu(a)
+    * b holds four [B, L, ffn] tensors (a, b, silu(a) and the product), and the seeded initial state's int64/float64
+    hashes (`looplm.model.state.seeded_normal`) stay within the states counted. (The paper presets' perplexity term is
+    FFN-bound: counting three was 2.3 GB short at L.)"""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_heads=4, n_kv_heads=2, max_seq_len=64, max_depth=16, **shape)
+    model = LoopedLM(cfg).eval()
+    with LiveBytes() as mem:
+        native_perplexity(model, rows, [4], batch_size=1, max_sequences=1, ce_chunk_rows=64)
+    assert mem.peak <= perplexity_bytes(cfg, 64, 1, ce_chunk_rows=64), mem.peak

@@ -741,7 +741,7 @@ def test_collectives_scan_sees_every_spelling(tmp_path):
     assert collective_uses(tmp_path / "m.py") == []  # queries and a local namesake are not collectives
 
 
-# -- found by mutating distributed.py (second sweep) ---------------------------------------------------
+# -- rank shares, per-parameter gradient reduction, the local world size -------------------------------
 # rank_share lost its divisibility check (rows silently dropped)
 def test_rank_share_splits_evenly_or_refuses():
     from looplm.errors import UserError

@@ -1063,7 +1063,7 @@ def test_weight_decay_spares_the_injection_matrices(tiny_model_config, injection
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
 
 
-# -- found by mutating the trainer (second sweep): run lengths, resume state, records, refusals -----------
+# -- run lengths, resume state, records, refusals ---------------------------------------------------------
 # trainer.py fit `end = min(t.steps, t.stop_after)` -> `end = t.stop_after` (trained past the schedule)
 def test_stop_after_past_the_schedule_ends_at_its_last_step(tmp_path, cache):
     t = Trainer(job(tmp_path, cache, train__steps=3, train__stop_after=10))

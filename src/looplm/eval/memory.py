@@ -3,9 +3,11 @@
 The report runs an fp32 model without autograd. Its two large protocols:
 
 - native perplexity (`native_perplexity`): a batch of B rows x L tokens at the deepest R. Alive at
-  the peak: a few [B, L, d] states (the working state, the previous one and the two kept for the
-  state change, the prelude output and the injection's prepared input), the widest block's insides
-  (SwiGLU's gate, up and product [B, L, ffn]; or Q, K, V and the boolean mask [B, 1, L, L]), and one
+  the peak: the boolean document mask [B, 1, L, L], `STATE_BUFFERS` [B, L, d] states (the working
+  state, the previous one and the two kept for the state change, the prelude output, the
+  injection's prepared input and its concatenation [s; e], the block's residual stream and norm;
+  before the first recurrence the seeded initial state's int64/float64 hashes instead), the widest
+  block's insides (SwiGLU's gate, up, silu(gate) and product [B, L, ffn]; or Q, K and V), and one
   chunk of the cross-entropy (chunk logits [c, V] and a same-sized temporary of the log-sum-exp).
 - the sharing table (`sharing_table`): one row at a time; the full cache holds K and V of every
   layer visit (prelude, core x R, coda) for T tokens (P + C - 1 with a CacheEval span, else the row),
@@ -23,7 +25,7 @@ from looplm.config import ModelConfig
 from looplm.eval.perplexity import EVAL_CE_CHUNK_ROWS
 
 FP32 = 4
-STATE_BUFFERS = 6  # [B, L, d] states alive at once in a no-grad forward (see the module docstring)
+STATE_BUFFERS = 10  # [B, L, d] states alive at once in a no-grad forward (see the module docstring)
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -38,10 +40,11 @@ def perplexity_bytes(cfg: ModelConfig, seq_len: int, batch: int, ce_chunk_rows: 
     """Activation bytes (weights apart) of one `native_perplexity` batch of `batch` x `seq_len` tokens."""
     tokens = batch * seq_len
     state = tokens * cfg.d_model * FP32
-    ffn = 3 * tokens * cfg.ffn_dim * FP32
-    attention = tokens * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * FP32 + batch * seq_len * seq_len
+    mask = batch * seq_len * seq_len  # bool
+    ffn = 4 * tokens * cfg.ffn_dim * FP32
+    attention = tokens * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * FP32
     ce = 2 * min(ce_chunk_rows, tokens) * cfg.vocab_size * FP32 + 2 * state  # + the coda output and its norm
-    return STATE_BUFFERS * state + max(ffn + state, attention + state, ce)
+    return mask + STATE_BUFFERS * state + max(ffn + state, attention + state, ce)
 
 
 def sharing_bytes(cfg: ModelConfig, seq_len: int, depth: int, span: tuple[int, int] | None) -> int:

@@ -44,21 +44,33 @@ def _mix32(h):
     return (h >> 16) ^ h
 
 
+def _mix32_(h: torch.Tensor) -> torch.Tensor:
+    """`_mix32` of an int64 tensor, in place (one temporary at a time: the [B, L, d] hashes of a long
+    batch are large)."""
+    for _ in range(2):
+        h.bitwise_xor_(h >> 16).mul_(0x45D9F3B).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
+
+
 def seeded_normal(
     example_ids: torch.Tensor, positions: torch.Tensor, dim: int, seed: int = 0, dtype=torch.float32
 ) -> torch.Tensor:
-    """Standard normals [B, L, dim] that depend only on (seed, example id, position, channel)."""
+    """Standard normals [B, L, dim] that depend only on (seed, example id, position, channel). The
+    [B, L, dim] steps run in place, so that at most three int64/float64 tensors of that shape are
+    alive at once (the depth report's memory estimate, `looplm.eval.memory`, allows for them)."""
     dev = positions.device
     h = _mix32((seed & _M32) ^ 0x9E3779B9)  # a Python int: no host-to-device copy (CUDA graphs)
     h = _mix32(h ^ (example_ids.to(torch.int64).to(dev) & _M32))[:, None]  # [B, 1]
     h = _mix32(h ^ (positions.to(torch.int64) & _M32))[..., None]  # [B, L, 1]
-    h = _mix32(h ^ torch.arange(dim, dtype=torch.int64, device=dev))  # [B, L, d]
-    h1 = _mix32(h ^ 0x85EBCA6B)
-    h2 = _mix32(h1 ^ 0xC2B2AE35)
-    u1 = (h1.to(torch.float64) + 1.0) / (2.0**32 + 1.0)  # in (0, 1): log is finite
-    u2 = h2.to(torch.float64) / 2.0**32
-    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)  # Box-Muller
-    return z.to(dtype)
+    h1 = _mix32_(h ^ torch.arange(dim, dtype=torch.int64, device=dev))  # [B, L, d]
+    h1 = _mix32_(h1.bitwise_xor_(0x85EBCA6B))
+    h2 = _mix32_(h1 ^ 0xC2B2AE35)
+    u1 = h1.to(torch.float64).add_(1.0).div_(2.0**32 + 1.0)  # in (0, 1): log is finite
+    del h1
+    radius = u1.log_().mul_(-2.0).sqrt_()
+    angle = h2.to(torch.float64).div_(2.0**32).mul_(2.0 * math.pi).cos_()
+    del h2
+    return radius.mul_(angle).to(dtype)  # Box-Muller
 
 
 def truncate_normal(z: torch.Tensor, bound: float = 3.0) -> torch.Tensor:
