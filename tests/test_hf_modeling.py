@@ -485,7 +485,7 @@ def test_auto_tokenizer_matches_the_byte_tokenizer(exported):
 
 
 def test_byte_tokenizer_symbols_are_the_byte_level_alphabet():
-    """Mutant: byte 0xAD (soft hyphen, not printable) kept as itself. Each byte's token is GPT-2's
+    """Guards against: byte 0xAD (soft hyphen, not printable) kept as itself. Each byte's token is GPT-2's
     bytes_to_unicode symbol (written out here), so every UTF-8 byte of a text encodes to its own id."""
     from looplm.hf.export import byte_tokenizer
 
@@ -752,7 +752,7 @@ def test_byte_tokenizer_maps_every_byte_as_gpt2_byte_level_does():
     assert tok.decode(ids) == text
 
 
-# -- the wrapper's checks and bookkeeping, pinned (mutation sweep) -----------------------------------------
+# -- the wrapper's checks and bookkeeping ------------------------------------------------------------------
 def test_an_attention_mask_row_without_a_real_token_is_refused(hf_model):
     """A row of the mask that is all padding has nothing to predict from: refused in the native forward
     and at a cache's prefill, not run over padding alone."""
@@ -910,11 +910,11 @@ def test_tokenizer_vocab_size_is_checked_against_the_vocabulary(exported):
         assert not torch.isinf(hf(torch.tensor([[97, 98]])).logits).any()
 
 
-# -- export, pinned (mutation sweep) ---------------------------------------------------------------------------
+# -- the exported tokenizer and record ----------------------------------------------------------------
 def test_exported_tokenizer_decodes_spaces_before_punctuation_as_written(tmp_path):
-    """Mutant X06 (clean_up_tokenization_spaces=True): transformers' clean-up (applied to a tokenizer whose model
-    is not BPE, here a SentencePiece-style Unigram) would drop the space before punctuation and contractions
-    (" ," -> ","); the exported tokenizer decodes as looplm's does, the text itself."""
+    """Transformers' clean-up (applied to a tokenizer whose model is not BPE, here a SentencePiece-style Unigram) would
+    drop the space before punctuation and contractions (" ," -> ","); the exported tokenizer decodes as looplm's does,
+    the text itself."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -936,8 +936,8 @@ def test_exported_tokenizer_decodes_spaces_before_punctuation_as_written(tmp_pat
 
 
 def test_export_leaves_transformers_progress_bars_as_it_found_them(tmp_path):
-    """Mutant X15 (the restore taken for the wrong state): export hides transformers' progress bar while it
-    saves, then restores the caller's setting, enabled or disabled."""
+    """Export hides transformers' progress bar while it saves, then restores the caller's setting, enabled or
+    disabled."""
     from transformers.utils import logging as hf_logging
 
     write_checkpoint(tmp_path / "ckpt", tiny_model(), TOK)
@@ -949,3 +949,264 @@ def test_export_leaves_transformers_progress_bars_as_it_found_them(tmp_path):
             assert hf_logging.is_progress_bar_enabled() is enabled
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+# -- the cache, the checks and the config --------------------------------------------------------------------
+def test_a_cache_of_an_unknown_kind_is_refused_when_made():
+    """Q01: `LoopedCache("paged")` is refused at once, not left to fail at its first forward."""
+    with pytest.raises(ValueError, match="unknown cache kind 'paged'"):
+        LoopedCache("paged")
+
+
+def test_a_cache_without_a_kind_keeps_the_kind_its_prompt_chose(hf_model):
+    """Q02: a `LoopedCache()` filled by a call with cache_kind="full" is a full cache from then on: its kind says so,
+    and a later call's exit_tau (terminal cache only) is refused by it, not checked against the config's "terminal"."""
+    cache = LoopedCache()
+    ids = torch.tensor([TOK.encode("abc")])
+    with torch.no_grad():
+        hf_model(ids, cache=cache, cache_kind="full", num_steps=2)
+        assert cache.kind == "full" and type(cache.inner).__name__ == "FullCache"
+        with pytest.raises(ValueError, match="terminal cache"):
+            hf_model(torch.tensor([[97]]), cache=cache, num_steps=2, exit_tau=0.1)
+    assert cache.get_seq_length() == 3
+
+
+def test_cache_reports_its_rows_length_and_room(hf_model):
+    """Q03, Q04: before its prompt a cache reports no rows and no room (-1); after it, the batch of the prompt, the
+    tokens it holds and the length it was allocated with (the model context without a `max_len`)."""
+    for max_len, room in ((None, hf_model.config.max_seq_len), (12, 12)):
+        cache = LoopedCache("terminal", max_len=max_len)
+        assert (cache.batch_size, cache.get_seq_length(), cache.get_max_length()) == (-1, 0, -1)
+        with torch.no_grad():
+            hf_model(torch.tensor([TOK.encode("abcde"), TOK.encode("vwxyz")]), cache=cache, num_steps=2)
+        assert (cache.batch_size, cache.get_seq_length(), cache.get_max_length()) == (2, 5, room)
+        assert f"length=5, max_len={room}" in repr(cache)
+
+
+def test_a_prompt_without_a_mask_continues_under_a_mask_of_ones(hf_model):
+    """Q06: a prompt run without an attention_mask (no padding), then the usual next call with a mask of ones over the
+    cached and new tokens: accepted (ones mean no padding), and the same logits as without it, which are the full
+    forward's (full cache at prefill depth = num_steps)."""
+    ids = torch.tensor([TOK.encode("a prompt!"), TOK.encode("row two..")])
+    B, c = ids.shape
+    nxt = torch.tensor([[97], [98]])
+    with torch.no_grad():
+        masked = hf_model(ids, use_cache=True, cache_kind="full", num_steps=2)
+        step = hf_model(nxt, attention_mask=torch.ones(B, c + 1, dtype=torch.long), cache=masked.cache, num_steps=2)
+        whole = hf_model(torch.cat([ids, nxt], 1), num_steps=2).logits
+    assert (step.logits[:, 0] - whole[:, -1]).abs().max() <= 1e-5
+    assert masked.cache.pad is None
+
+
+def test_an_attention_mask_of_another_shape_is_refused(hf_model):
+    """Q07: a 2D mask one column longer than input_ids (zeros, then ones: a valid left padding of its own length) is
+    refused, in the native forward and at a cache's prefill, not read as one more padding token."""
+    ids, mask = padded_batch(["abc", "ab"])
+    longer = torch.cat([torch.zeros(2, 1, dtype=torch.long), mask], 1)
+    with pytest.raises(ValueError, match="shape of input_ids"):
+        hf_model(ids, attention_mask=longer, num_steps=2)
+    with torch.no_grad(), pytest.raises(ValueError, match="shape of input_ids"):
+        hf_model(ids, attention_mask=longer, cache=LoopedCache("terminal", max_len=8), num_steps=2)
+
+
+def test_forward_arguments_looplm_cannot_honour_are_refused(hf_model):
+    """Q09, Q10, Q11, Q13: a cache given twice (`cache` and `past_key_values`), return_dict=False, output_hidden_states
+    and labels of another shape are errors, not silently dropped or broadcast."""
+    ids = torch.tensor([TOK.encode("abcd")])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="not both"):
+            hf_model(ids, cache=LoopedCache("terminal", max_len=8), past_key_values=LoopedCache("terminal", max_len=8))
+        with pytest.raises(ValueError, match="return_dict=False"):
+            hf_model(ids, return_dict=False)
+        with pytest.raises(ValueError, match="hidden states"):
+            hf_model(ids, output_hidden_states=True)
+        with pytest.raises(ValueError, match="labels must have the shape"):
+            hf_model(ids, labels=ids[:, :3])
+
+
+def test_a_caches_own_kind_wins_over_the_calls_cache_kind(hf_model):
+    """Q12: a `LoopedCache("full")` given with cache_kind="terminal" is still a full cache: adaptive exit is refused for
+    it (the rule is checked against the cache the call runs on)."""
+    ids = torch.tensor([TOK.encode("abc")])
+    with torch.no_grad(), pytest.raises(ValueError, match="terminal cache"):
+        hf_model(ids, cache=LoopedCache("full", max_len=8), cache_kind="terminal", num_steps=3, exit_tau=0.1)
+
+
+def test_a_chunk_appended_under_a_mask_equals_the_full_forward(hf_model):
+    """Q14, Q27: a left-padded prompt in a full cache, then a 3-token chunk whose mask covers the cached and the new
+    tokens: accepted, and its logits equal the full forward over the whole padded sequence; a chunk whose mask marks one
+    of its new tokens as padding is refused."""
+    ids, mask = padded_batch(["a longer", "ab"])
+    B, c = ids.shape
+    chunk = torch.tensor([TOK.encode("xyz"), TOK.encode("uvw")])
+    full_mask = torch.cat([mask, torch.ones(B, 3, dtype=torch.long)], 1)
+    with torch.no_grad():
+        cache = hf_model(ids, attention_mask=mask, use_cache=True, cache_kind="full", num_steps=2).cache
+        bad = full_mask.clone()
+        bad[1, c + 1] = 0
+        with pytest.raises(ValueError, match="cannot be padding"):
+            hf_model(chunk, attention_mask=bad, cache=cache, num_steps=2)
+        got = hf_model(chunk, attention_mask=full_mask, cache=cache, num_steps=2).logits
+        whole = hf_model(torch.cat([ids, chunk], 1), attention_mask=full_mask, num_steps=2).logits
+    assert got.shape[:2] == (B, 3) and (got - whole[:, c:]).abs().max() <= 1e-5
+
+
+def test_a_one_token_prompt_of_a_compiled_cache_prefills_at_prefill_steps(hf_model, monkeypatch):
+    """Q15: with compile_decode, a prompt of one token is still the prompt: the model's forward at prefill_steps, not
+    the compiled decode step at num_steps; every step's logits equal the decode by hand."""
+    import looplm.hf.modeling as modeling
+
+    real = modeling.DecodeStep
+    monkeypatch.setattr(modeling, "DecodeStep", lambda *a, **k: real(*a, **k, compile_options={"backend": "eager"}))
+    ids = torch.tensor([TOK.encode("x")])
+    out = hf_model.generate(
+        ids, max_new_tokens=4, do_sample=False, num_steps=2, prefill_steps=6, compile_decode=True,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    fed = out.sequences[0, 1:-1].tolist()
+    want, _ = decode_replay(hf_model.model, "terminal", [ids[0, 0].item()], fed, 6, 2)
+    assert (torch.cat(out.logits) - want).abs().max() <= 1e-4
+    assert out.cache.step is not None  # the decode steps did run compiled
+
+
+def test_generate_refuses_a_chunked_prefill_and_a_filled_cache(hf_model):
+    """Q16, Q17: prefill_chunk_size (later chunks of the prompt would run at the decode depth) and a `LoopedCache` that
+    already holds tokens (generate would continue it as if it were empty) are refused."""
+    ids = torch.tensor([TOK.encode("a prompt")])
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        hf_model.generate(ids, max_new_tokens=3, do_sample=False, prefill_chunk_size=4)
+    cache = LoopedCache("terminal")
+    with torch.no_grad():
+        hf_model(ids, cache=cache)
+    with pytest.raises(ValueError, match="empty LoopedCache"):
+        hf_model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_a_users_compiled_cache_stays_compiled_through_generate(hf_model, monkeypatch):
+    """Q18: a `LoopedCache(compile=True)` of the user's own keeps running its decode steps compiled when the call does
+    not say compile_decode (the call may add compilation, never take the cache's away)."""
+    import looplm.hf.modeling as modeling
+
+    real = modeling.DecodeStep
+    monkeypatch.setattr(modeling, "DecodeStep", lambda *a, **k: real(*a, **k, compile_options={"backend": "eager"}))
+    own = LoopedCache(compile=True)
+    ids = torch.tensor([TOK.encode("mid size")])
+    got = hf_model.generate(ids, max_new_tokens=4, do_sample=False, cache=own)
+    assert own.compile and own.step is not None
+    assert torch.equal(got, hf_model.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_generates_own_cache_is_as_long_as_the_generation(hf_model):
+    """Q19: without compile_decode generate's cache holds the prompt and the new tokens it feeds (prompt +
+    max_new_tokens - 1), not the whole model context."""
+    ids = torch.tensor([TOK.encode("a prompt")])
+    out = hf_model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    assert out.cache.get_max_length() == ids.shape[1] + 5 - 1 < hf_model.config.max_seq_len
+
+
+def test_generate_ends_rows_at_every_end_of_sequence_id(hf_model):
+    """Q05, Q30: `generate(eos_token_id=[256, t])` ends a row at either id; the cache learns both (its `finished` rows,
+    which the mean depth leaves out, are the rows that fed one), not the first id alone nor the model's default
+    generation config."""
+    ids, mask = padded_batch(PROMPTS)
+    plain = hf_model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)[:, ids.shape[1] :]
+    t = plain[0, 1].item()  # row 0's second token: an end of sequence for this call
+    assert t != TOK.eos_id
+    for own in (None, LoopedCache()):
+        out = hf_model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=[TOK.eos_id, t],
+            return_dict_in_generate=True, **({} if own is None else {"cache": own}),
+        )  # fmt: skip
+        cache = out.cache if own is None else own
+        assert cache.eos_ids.tolist() == [TOK.eos_id, t]
+        new = out.sequences[:, ids.shape[1] :]
+        fed = new[:, :-1]  # the last token is never fed
+        ended = torch.isin(fed, torch.tensor([TOK.eos_id, t])).any(1)
+        assert bool(ended[0]) and torch.equal(cache.finished, ended)
+
+
+def test_from_looplm_keeps_the_callers_token_ids():
+    """Q20: token ids given to `from_looplm` win over the tokenizer's."""
+    hf = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK, eos_token_id=10, pad_token_id=11)
+    assert (hf.config.eos_token_id, hf.config.pad_token_id) == (10, 11)
+
+
+def test_from_pretrained_returns_the_loading_info_when_asked(exported):
+    """Q21: `output_loading_info=True` gives (model, info), as transformers' `from_pretrained` does."""
+    model, info = AutoModelForCausalLM.from_pretrained(exported[1], output_loading_info=True)
+    assert isinstance(model, LoopedLMForCausalLM) and not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_weights_of_the_wrong_shape_are_an_error_even_when_ignored(exported):
+    """Q22: `ignore_mismatched_sizes=True` over a checkpoint whose embedding does not fit the config would initialise it
+    at random; the wrapper refuses it."""
+    with pytest.raises(ValueError, match=r"wrong shape \[\('model\."):
+        AutoModelForCausalLM.from_pretrained(exported[1], vocab_size=300, ignore_mismatched_sizes=True)
+
+
+def test_a_looplm_model_of_another_shape_than_the_config_is_refused():
+    """Q23: wrapping a LoopedLM whose config differs from the HF config in any field (not only the vocabulary) is
+    refused."""
+    import dataclasses
+
+    model = tiny_model()
+    other = LoopedLMConfig.from_model_config(dataclasses.replace(model.cfg, max_depth=8))
+    with pytest.raises(ValueError, match="does not match the HF config"):
+        LoopedLMForCausalLM(other, model=model)
+
+
+def test_cache_edits_transformers_may_ask_for_are_refused():
+    """Q24, Q25: cropping and batch expansion (assisted decoding, beam search) raise, never no-op on a cache that would
+    then hold the wrong tokens or rows."""
+    cache = LoopedCache()
+    with pytest.raises(NotImplementedError, match="cropping"):
+        cache.crop(1)
+    with pytest.raises(NotImplementedError, match="batch expansion"):
+        cache.batch_repeat_interleave(2)
+
+
+def test_a_prompt_that_fails_in_the_model_leaves_the_cache_empty(hf_model):
+    """Q28: a prompt that fails inside the model (a token id past the vocabulary: IndexError, not a ValueError) leaves
+    the cache empty, so the next prompt prefills as on a fresh cache."""
+    cache = LoopedCache("terminal", max_len=16)
+    ids = torch.tensor([TOK.encode("abc")])
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            hf_model(torch.tensor([[97, 5000]]), cache=cache, num_steps=2)
+        assert cache.get_seq_length() == 0 and cache.inner is None
+        got = hf_model(ids, cache=cache, num_steps=2, prefill_steps=4).logits
+    want, _ = decode_replay(hf_model.model, "terminal", ids[0].tolist(), [], 4, 2)
+    assert (got[0, -1] - want[0]).abs().max() <= 1e-4
+
+
+def test_a_bfloat16_model_generates_on_a_bfloat16_cache():
+    """Q29: the cache is allocated in the model's dtype: a bfloat16 wrapper generates, its cache holds bfloat16, and it
+    gives looplm's generate's tokens on the same bfloat16 model."""
+    model = tiny_model().to(torch.bfloat16)
+    hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=2).eval()
+    ids = torch.tensor([TOK.encode("a prompt")])
+    out = hf.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    assert out.cache.nbytes == out.cache.inner.nbytes and out.cache.inner.nbytes > 0
+    assert hf.model.embed.weight.dtype == torch.bfloat16
+    want = looplm_greedy_ids(model, ["a prompt"], DepthRule(2), sampling=SamplingConfig(max_new_tokens=5))
+    assert cut_at_eos(out.sequences, ids.shape[1]) == want
+
+
+def test_config_refuses_a_setting_by_its_config_name(exported):
+    """Q31, Q34: a bad prefill_steps is named as the config spells it; a model field overridden at load (`n_heads` that
+    does not divide d_model) is refused at load, as a test-time field is."""
+    hf = LoopedLMForCausalLM.from_looplm(tiny_model(), TOK)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"prefill_steps must be in 1\.\.16"):
+        hf(torch.tensor([[1, 2]]), cache=LoopedCache(), prefill_steps=99)
+    with pytest.raises(ValueError, match="not divisible"):
+        AutoConfig.from_pretrained(exported[1], n_heads=5)
+
+
+def test_config_answers_transformers_names_with_looplms_fields():
+    """Q35, Q36: transformers' names read looplm's fields (num_key_value_heads is n_kv_heads, not n_heads), and the
+    default token ids are looplm's ByteTokenizer's."""
+    cfg = LoopedLMConfig(d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=48)
+    got = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+    assert got == (32, 4, 2, 64) and cfg.max_position_embeddings == 48
+    assert (cfg.eos_token_id, cfg.pad_token_id) == (TOK.eos_id, TOK.pad_id)

@@ -502,9 +502,8 @@ def test_exit_gate_thresholds_at_the_ends_of_0_1_are_accepted(q):
 
 
 def test_an_export_keeps_the_checkpoints_own_data_record(tmp_path):
-    """Mutant X14 (looplm_export.json without `data`): the exported folder's held-out data is the checkpoint's
-    data record (data.json), not one rebuilt from the job, which it may differ from (a converted model's
-    evaluation text, its origin)."""
+    """The exported folder's held-out data is the checkpoint's data record (data.json), not one rebuilt from the job,
+    which it may differ from (a converted model's evaluation text, its origin)."""
     import dataclasses
 
     from looplm.data.record import DataRecord
@@ -524,3 +523,23 @@ def test_an_export_keeps_the_checkpoints_own_data_record(tmp_path):
     assert ckpt.load_data(tmp_path / "ckpt") == record
     export(tmp_path / "ckpt", tmp_path / "hf")
     assert ckpt.load_data(tmp_path / "hf") == record
+
+
+# -- the config's adaptive exit ------------------------------------------------------------------------------
+def test_the_configs_exit_tau_and_min_depth_drive_generate():
+    """Q32, Q33: a config's exit_tau and min_depth (no keyword) decode as looplm's generate under DepthRule(8, exit_tau,
+    min_depth): the same texts and mean depth, within [min_depth, 8)."""
+    model = decisive_model(TOK.vocab_size, max_seq_len=48)
+    ids, mask = padded_batch(PROMPTS)
+    for low in (1, 4):
+        hf = LoopedLMForCausalLM.from_looplm(model, TOK, num_steps=8, exit_tau=0.3, min_depth=low).eval()
+        stats: dict = {}
+        texts = generate(
+            model, TOK, PROMPTS, DepthRule(8, exit_tau=0.3, min_depth=low), cache="terminal",
+            sampling=SamplingConfig(max_new_tokens=8), stats=stats, example_ids=[0] * len(PROMPTS),
+        )  # fmt: skip
+        new = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        rows = [r[: r.index(TOK.eos_id)] if TOK.eos_id in r else r for r in new[:, ids.shape[1] :].tolist()]
+        assert [TOK.decode(r) for r in rows] == texts
+        got = hf.last_generate_stats["mean_decode_depth"]
+        assert got == pytest.approx(stats["mean_decode_depth"], abs=1e-9) and low <= got < 8
