@@ -276,7 +276,7 @@ def _paper(size: str, lr: float) -> TrainJob:
         depth=DepthConfig(sampler="pln", depth=5.0),
         data=DataConfig(source=_required_source(), tokenizer="bpe", bpe_vocab_size=64256, seq_len=8192),
         train=TrainConfig(steps=20_000, micro_batch=1, grad_accum=8, lr=lr, out_dir=Path(f"runs/{size}")),
-        # The end-of-training report sized for one GPU (fp32 model, 8K rows; `looplm.eval.memory`, about 22 GB
+        # The end-of-training report sized for one GPU (fp32 model, 8K rows; `looplm.eval.memory`, about 28 GB
         # at L): 4 rows per forward, 32 rows (262K tokens), the sharing table on 8 CacheEval spans (App. D.4).
         eval=EvalConfig(batch_size=4, max_sequences=32, sharing_sequences=8, cacheeval_span=(1024, 512)),
     )
