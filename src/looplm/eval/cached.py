@@ -88,8 +88,9 @@ def cached_perplexity(
     exactly which targets are scored; "tokens" counts them.
 
     `stepwise=True` scores by teacher-forced one-token decoding instead of one parallel chunk (same
-    targets); only it runs adaptive exit (`exit_tau`, `min_depth`). `prefill` writes the prompt part (`looplm.infer.prefill`: distilled student, R = 1 or 2;
-    default: the model at `depth`); the rest is scored at `depth`. `prefilled_only` scores only the
+    targets); only it runs adaptive exit (`exit_tau`, `min_depth`). `prefill` writes the prompt part
+    (`looplm.infer.prefill`: distilled student, R = 1 or 2; default: the model at `depth`); the rest
+    is scored at `depth`. `prefilled_only` scores only the
     documents that have a prefilled part (what compares prefill arms). Caches use the model's dtype."""
     dtype = next(model.parameters()).dtype
     total, count, depth_sum, n_dec = 0.0, 0, 0, 0
