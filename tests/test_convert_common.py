@@ -126,3 +126,126 @@ def test_a_converted_job_records_its_depth_cap_and_held_out_data(tiny_model_conf
     assert small["depth"]["cap"] == 64 and small["data"]["source"] == "/corpora/held.txt"
     large = job_dict(tiny_model_config(max_depth=128), "/tok", 4)
     assert large["depth"]["cap"] == 128 and large["data"]["source"] == BUILTIN_TEXT
+
+
+def test_a_raven_architecture_without_model_type_is_huginn(tmp_path):
+    """Guards against: folder_family judging Huginn by model_type alone (a config.json naming only
+    architectures=["RavenForCausalLM"] is still Huginn)."""
+    import json
+
+    from looplm.convert.common import folder_family
+
+    src = make_huginn(tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    del config["model_type"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert folder_family(src) == "huginn"
+
+
+def test_a_non_empty_output_folder_is_refused_before_writing(tmp_path):
+    """Guards against: check_folders accepting an existing folder that already holds files."""
+    from looplm.checkpoint import CheckpointError
+    from looplm.convert import convert_huginn
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        convert_huginn(make_huginn(tmp_path / "src"), out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_pickle_suffixes_are_matched_case_insensitively(tmp_path):
+    """Guards against: refuse_pickles comparing the suffix as written (PYTORCH_MODEL.BIN is a pickle too)."""
+    from looplm.checkpoint import CheckpointError
+    from looplm.convert.common import refuse_pickles
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "PYTORCH_MODEL.BIN").write_bytes(b"\x80\x04")
+    with pytest.raises(CheckpointError, match="PYTORCH_MODEL.BIN is a pickle file"):
+        refuse_pickles(tmp_path)
+
+
+def test_an_index_naming_a_non_safetensors_shard_is_refused(tmp_path):
+    """Guards against: shard_map accepting an index whose shards are not .safetensors files."""
+    import json
+
+    from looplm.checkpoint import CheckpointError
+    from looplm.convert.common import INDEX, shard_map
+
+    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {"w": "model-00001.npz"}}))
+    with pytest.raises(CheckpointError, match=r"shard 'model-00001.npz' is not a .safetensors file"):
+        shard_map(tmp_path)
+
+
+def test_a_shard_holding_more_tensors_than_the_index_assigns_is_refused(tmp_path):
+    """Guards against: load_tensors checking only that a shard holds the tensors the index assigns it,
+    silently reading tensors the index does not name."""
+    import torch
+    from safetensors.torch import save_file
+
+    from looplm.checkpoint import CheckpointError
+    from looplm.convert.common import load_tensors
+
+    save_file({"w": torch.ones(2), "stray": torch.ones(3)}, str(tmp_path / "a.safetensors"))
+    with pytest.raises(CheckpointError, match=r"does not hold the tensors .* unexpected \['stray'\]"):
+        load_tensors(tmp_path, {"w": "a.safetensors"})
+
+
+def test_special_ids_refuse_booleans_and_ids_outside_the_vocabulary(tmp_path):
+    """Guards against: eos_token_id = true read as id 1 (bool is an int subclass), and an id the tokenizer
+    does not have accepted (or reported as a missing eos instead of a wrong id)."""
+    from looplm.checkpoint import CheckpointError
+    from looplm.convert.common import hf_tokenizer
+
+    hf = _tokenizer_folder(tmp_path / "rel")
+    with pytest.raises(CheckpointError, match="no eos_token"):
+        hf_tokenizer(tmp_path / "rel", {"eos_token_id": True})
+    with pytest.raises(CheckpointError, match=f"eos_token_id {hf.get_vocab_size() + 7} is not a token"):
+        hf_tokenizer(tmp_path / "rel", {"eos_token_id": hf.get_vocab_size() + 7})
+
+
+def test_config_json_ids_win_over_generation_config(tmp_path):
+    """Guards against: generation_config.json read before config.json (or the last source read winning)."""
+    from looplm.convert.common import hf_tokenizer
+
+    hf = _tokenizer_folder(tmp_path / "rel")
+    a, b, c = (hf.token_to_id(t) for t in ("<a>", "<b>", "<c>"))
+    (tmp_path / "rel" / "generation_config.json").write_text(f'{{"eos_token_id": {c}, "pad_token_id": {c}}}')
+    tok, _ = hf_tokenizer(tmp_path / "rel", {"eos_token_id": a, "pad_token_id": b})
+    assert (tok.eos_id, tok.pad_id) == (a, b)
+    tok, _ = hf_tokenizer(tmp_path / "rel", {"eos_token_id": a})
+    assert (tok.eos_id, tok.pad_id) == (a, c)  # generation_config fills only what config.json lacks
+
+
+def test_a_converted_job_trains_no_longer_than_the_models_context(tiny_model_config):
+    """Guards against: the job's data.seq_len kept at the S preset's value for a model whose context is shorter."""
+    from looplm.convert.common import job_dict
+
+    assert job_dict(tiny_model_config(max_seq_len=48), "/tok", 4)["data"]["seq_len"] == 48
+
+
+@pytest.mark.parametrize("dtype, name", [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_conversion_records_the_written_dtype_by_name(tmp_path, dtype, name):
+    """Guards against: conversion.json recording 'torch.float32' instead of the plain dtype name."""
+    import json
+
+    from looplm.convert import convert_huginn
+
+    out = convert_huginn(make_huginn(tmp_path / "src"), tmp_path / "out", dtype=dtype)
+    assert json.loads((out / "conversion.json").read_text())["dtype"] == name
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
+    """Guards against: check_vocab dropped (token ids past the embedding rows would index out of range); the refusal
+    names the tokenizer, not a tensor shape."""
+    from test_convert_huginn import hf_tokenizer as raven_tokenizer
+
+    from looplm.checkpoint import CheckpointError
+    from looplm.convert import convert_huginn
+
+    vocab = raven_tokenizer().get_vocab_size()
+    src = make_huginn(tmp_path / "src", padded_vocab_size=vocab - 1, vocab_size=vocab - 1)
+    with pytest.raises(CheckpointError, match=f"the tokenizer has {vocab} tokens, more than the model's {vocab - 1}"):
+        convert_huginn(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

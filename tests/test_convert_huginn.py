@@ -196,7 +196,7 @@ def load_source(root: Path) -> tuple[dict, dict]:
 
 def reference_logits(root: Path, tokens, depth, state0):
     config, w = load_source(root)
-    base, qkb, kv = config["rope_base"], config["qk_bias"], config["num_key_value_heads"]
+    base, qkb, kv = config["rope_base"], config["qk_bias"], config.get("num_key_value_heads", config["n_heads"])
     e = w["transformer.wte.weight"][tokens] * config["init_values"]["embed_scale"]
     for i in range(config["n_layers_in_prelude"]):
         e = _sandwich(e, w, f"transformer.prelude.{i}.", base, qkb, kv)
@@ -290,6 +290,28 @@ def test_grouped_query_heads_and_the_release_init_values(tmp_path):
         assert (got - reference_logits(src, tokens, depth, state0)).abs().max() <= 1e-4
 
 
+def test_config_fields_are_read_with_the_ravenconfig_defaults(tmp_path):
+    """Guards against: rope_base or norm_eps not read from config.json (the test release sets 10000 and 1e-5, not the
+    defaults), num_key_value_heads defaulting to anything but n_heads, vocab_size read before padded_vocab_size (the
+    embedding has padded_vocab_size rows) and tie_embeddings defaulting to False when config.json names neither tie
+    key (RavenConfig ties by default)."""
+    vocab = hf_tokenizer().get_vocab_size()
+    src = make_huginn(tmp_path / "huginn", rope_base=10000, norm_eps=1e-5, vocab_size=vocab - 5)
+    config = json.loads((src / "config.json").read_text())
+    for key in ("num_key_value_heads", "tie_embeddings"):
+        del config[key]
+    (src / "config.json").write_text(json.dumps(config))
+    model, _, _ = load_model(convert_huginn(src, tmp_path / "converted", dtype="fp32"))
+    c = model.cfg
+    assert (c.n_kv_heads, c.vocab_size, c.tie_embeddings, c.rope_base, c.norm_eps) == (HEADS, vocab, True, 1e4, 1e-5)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (1, 12), generator=g)
+    state0 = torch.randn(1, 12, D, generator=g) * 0.6
+    with torch.no_grad():
+        got = model(tokens, 2, state0=state0).logits.double()
+    assert (got - reference_logits(src, tokens, 2, state0)).abs().max() <= 1e-3  # eps 1e-5 vs the reference's 1e-6
+
+
 def test_tied_embeddings_stay_tied_and_the_tokenizer_keeps_its_specials(tmp_path):
     src = make_huginn(tmp_path / "huginn")
     out = convert_huginn(src, tmp_path / "converted")
@@ -362,6 +384,8 @@ def _untie(state):
         (None, {"num_key_value_heads": 2}, "qk_bias with 2 key/value heads"),
         (None, {"test_time_noise": 0.1}, "test_time_noise"),
         (_untie, {}, "lm_head.weight differs"),
+        (None, {"qk_norm": True}, r"qk_norm = True: looplm converts only qk_norm in \[False\]"),
+        (None, {"init_values": {"embed_scale": 1.0, "std": 0.0}}, r"init_values.std <= 0"),
     ],
 )
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):

@@ -370,6 +370,9 @@ def _drop(state):
             {"vocab_size": 999},
             r"(embed_tokens|lm_head)\.weight has shape \(\d+, 32\), config.json implies \(999, 32\)",
         ),
+        (None, {"hidden_act": "gelu"}, "hidden_act = 'gelu': looplm converts only silu"),
+        (None, {"mlp_bias": True}, "attention/MLP biases"),
+        (None, {"head_dim": HD // 2}, f"head_dim {HD // 2} x num_attention_heads"),
     ],
 )
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
@@ -420,3 +423,11 @@ def test_context_length_and_untied_head_follow_ouroconfig(tmp_path):
     want, _ = reference(src, tokens, 2)
     with torch.no_grad():
         assert (model(tokens, 2).logits.double() - want[-1]).abs().max() <= 1e-4
+
+
+def test_default_rope_scaling_and_a_long_loop_are_converted(tmp_path):
+    """Guards against: rope_scaling {"rope_type": "default"} (plain RoPE, as transformers writes it) refused, and
+    max_depth capped at 64 below the release's total_ut_steps."""
+    src = make_ouro(tmp_path / "ouro", rope_scaling={"rope_type": "default"}, total_ut_steps=80)
+    model, _, job = load_model(convert_ouro(src, tmp_path / "converted"))
+    assert model.cfg.max_depth == 80 and job["depth"]["depth"] == 80

@@ -316,6 +316,19 @@ def test_tokenizer_specials_fall_back_to_the_release_names(tmp_path):
     assert tok.eos_id == ids["<|eos|>"] and tok.pad_id == ids["<|pad|>"]
 
 
+def test_config_specials_norm_eps_and_scaled_stuck_are_kept(tmp_path):
+    """Guards against: the <|eos|>/<|pad|> fallback overriding eos/pad ids config.json gives, norm_eps not read from
+    config.json, and init_strategy "scaled-stuck" (same scales as scaled-zero) refused."""
+    tokens = json.loads(hf_tokenizer(SPECIALS).to_str())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in tokens}
+    bos = ids["<|bos|>"]
+    src = make_parcae(
+        tmp_path / "parcae", eos_token_id=bos, pad_token_id=bos, norm_eps=1e-6, init_strategy="scaled-stuck"
+    )
+    model, tok, _ = load_model(convert_parcae(src, tmp_path / "converted"))
+    assert (tok.eos_id, tok.pad_id, model.cfg.norm_eps) == (bos, bos, 1e-6)
+
+
 def test_full_cache_decodes_the_tokens_of_the_uncached_forward(tmp_path):
     model, tok, _ = load_model(convert_parcae(make_parcae(tmp_path / "parcae"), tmp_path / "converted"))
     prompt = torch.tensor([tok.encode("the recurrent model")])
@@ -413,6 +426,8 @@ def _lone_table(state):
             {"padded_vocab_size": 512},
             r"(wte|lm_head)\.weight has shape \(\d+, 64\), config.json implies \(512, 64\)",
         ),
+        (None, {"mup_model_scaling_factor": 2}, "mup_model_scaling_factor != 1"),
+        (None, {"qk_bias": True}, "qk_bias = true: looplm's Parcae blocks have no biases"),
     ],
 )
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):
