@@ -534,6 +534,14 @@ def test_generate_prompt_defaults_only_for_task_checkpoints(tmp_path, monkeypatc
     assert any("give --prompt" in line for line in error_lines(err)), err
 
 
+def test_generate_prompt_with_no_text_is_a_one_line_error(random_run, capsys):
+    """`--prompt` followed by no text parses as an empty tuple: a one-line user error, not an internal one
+    (guards `if not prompt` in _generate_prompts)."""
+    rc, out, err = run_main(["generate", random_run, "--prompt", "--device", "cpu"], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert error_line(err) == "error: --prompt needs at least one text" and out == ""
+
+
 @pytest.mark.parametrize("command", ["eval", "analyze"])
 def test_reports_of_a_standalone_checkpoint_stay_in_its_folder(tmp_path, capsys, command):
     """A checkpoint folder outside a run (what `looplm convert` writes) gets its report inside it, never
@@ -585,6 +593,24 @@ def test_version(capsys):
 
     rc, out, err = run_main(["--version"], capsys)
     assert rc == 0 and out.strip() == f"looplm {__version__}" and err == ""
+
+
+def test_a_long_internal_error_is_cut_to_300_characters(tmp_path, monkeypatch, capsys):
+    """An internal error's first line is kept whole up to 300 characters; a longer one is cut to its first
+    297 and `...` (300 in all), so the one line stays readable."""
+    import looplm.checkpoint
+
+    for length, shown in ((300, "y" * 300), (301, "z" * 297 + "...")):
+        message = shown[0] * length
+
+        def broken(*args, message=message, **kwargs):
+            raise ValueError(message)
+
+        monkeypatch.setattr(looplm.checkpoint, "load_model", broken)
+        monkeypatch.delenv("LOOPLM_DEBUG", raising=False)
+        rc, _, err = run_main(["eval", tmp_path, "--device", "cpu"], capsys)
+        assert rc == 1, err
+        assert f"internal error: ValueError: {shown} (looplm --debug" in err, err
 
 
 def test_internal_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):

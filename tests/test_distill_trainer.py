@@ -482,3 +482,16 @@ def test_the_arms_report_compares_all_four_arms_on_evals_held_out_examples(teach
     assert seen["examples"] == want and want
     evaluate.arms_after_distill(None, None, data, [], student, 3, rows=2, n_examples=0)
     assert seen["examples"] == []
+
+
+def test_cli_distill_reports_the_arms_with_task_examples_alone(teacher, tmp_path, capsys):
+    """--report-rows 0 with --report-examples N still compares the prefill arms (on generator tasks
+    alone): the report holds every arm and the table is printed (guards `report_rows or report_examples`)."""
+    out = tmp_path / "examples-only"
+    argv = ["distill", teacher, "--out-dir", out, "--depth", 2, "--steps", 1, "--micro-batch", 2]
+    argv += ["--calibration-rows", 2, "--val-rows", 2, "--no-progress", "--device", "cpu"]
+    assert main([*map(str, argv), "--report-rows", "0", "--report-examples", "2"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["prefill"]) == {"teacher", "student", "r1", "r2"}, report.keys()
+    assert "prefill arms at R = 2" in printed

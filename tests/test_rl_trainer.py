@@ -405,3 +405,11 @@ def test_logp_gap_compares_the_scored_and_sampling_policies_over_the_tokenizers_
     logp = torch.log_softmax(logits / 0.8, -1).gather(-1, ro.targets[..., None])[..., 0]
     want = float((logp - ro.logprobs).abs()[ro.mask].mean())
     assert rec["logp_gap"] == pytest.approx(want, rel=1e-3, abs=1e-6)
+
+
+def test_rl_prints_no_eval_line_when_there_are_no_eval_problems(source, tmp_path, capsys):
+    """--eval-every with --eval-examples 0 measures nothing: no empty `step N: ` lines, only the summary."""
+    assert main(rl_args(source, tmp_path / "noeval", "--steps", "1", "--eval-every", "1", "--eval-examples", "0")) == 0
+    printed = capsys.readouterr().out
+    assert not [line for line in printed.splitlines() if line.startswith("step ")], printed
+    assert "1 RL steps (" in printed

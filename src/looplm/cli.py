@@ -977,11 +977,12 @@ def _missing(names: list[str], args: list[str], words: list[str]) -> str:
     """Missing required input; when an option of several values (--prompt A B) read on into what looks like
     a path, the positional the user meant (tyro takes every value up to the next option), where it goes."""
     line = f"missing required input for {' '.join(words)}: {', '.join(names)}"
-    option = None
+    option, first = None, 0  # the option being read and where its first value is (`--opt=A` holds it)
     for i, arg in enumerate(args):
         if arg.startswith("-"):
-            option = arg if arg.startswith("--") and "=" not in arg else None
-        elif option is not None and args[i - 1] != option and ("/" in arg or os.sep in arg or Path(arg).exists()):
+            option = arg.split("=", 1)[0] if arg.startswith("--") else None
+            first = i if "=" in arg else i + 1
+        elif option is not None and i != first and ("/" in arg or os.sep in arg or Path(arg).exists()):
             return (
                 f"{line}; {option} took {arg!r} as one of its values: put {names[0]} first "
                 f"({' '.join(words)} {names[0]} {option} ...)"
