@@ -237,3 +237,28 @@ def test_a_top_k_larger_than_the_vocabulary_keeps_every_token():
     got = probabilities(logits, SamplingConfig(temperature=0.7, top_k=10))
     e = (logits / 0.7).exp()
     assert torch.allclose(got, e / e.sum(-1, keepdim=True), atol=1e-6)
+
+
+class CleanUpTokenizer(ByteTokenizer):
+    """Bytes whose decode drops the space before "." (as Transformers' clean_up_tokenization_spaces):
+    a window's text then need not start with the text of its first ids."""
+
+    def decode(self, ids):
+        return super().decode(ids).replace(" .", ".")
+
+
+def test_a_window_that_rewrites_its_start_is_not_appended():
+    """ "a", " ", ".", "b": decoding " ." rewrites the released space, so the window " .b" decodes to ".b",
+    which does not extend " "; nothing more may be appended then, and the text is the whole decode."""
+    tok = CleanUpTokenizer()
+    ids = tok.encode("a .b")
+    pieces, s = stream_all(tok, ids)
+    assert s.text == "a.b" == tok.decode(ids)
+
+
+def test_a_stop_string_in_the_text_decoded_at_the_end_cuts_it():
+    """The window held back at the end (" .b" does not extend " ") is decoded by `finish`; a stop string
+    that only the whole decode "a.b" contains still cuts the text there."""
+    tok = CleanUpTokenizer()
+    pieces, s = stream_all(tok, tok.encode("a .b"), stop=(".",))
+    assert s.text == "a" and s.stopped

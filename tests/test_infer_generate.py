@@ -464,3 +464,22 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_is_never_decoded():
     stats = {}
     generate(m, TOK, ["hello"], DepthRule(3), cache="full", sampling=SamplingConfig(max_new_tokens=8), stats=stats)
     assert stats["token_ids"] == [want]
+
+
+@pytest.mark.parametrize("mode", ["full", "terminal"])
+def test_exit_gate_decoding_never_decodes_the_padded_vocabulary(mode):
+    """The exit gate decodes through the model's forward: its logits too are cut to the tokenizer's ids.
+    Reference: the same weights with the embedding and head cut to the 258 byte ids (a separately built
+    model), whose tokens the padded model must reproduce although its padded rows win every argmax."""
+    m = decisive_model(300, max_seq_len=48, exit_gate=True)
+    with torch.no_grad():
+        m.head.weight[TOK.vocab_size :] = 3 * m.head.weight[: 300 - TOK.vocab_size]  # larger logits everywhere
+    small = decisive_model(TOK.vocab_size, max_seq_len=48, exit_gate=True)
+    small.load_state_dict({k: v[: TOK.vocab_size] if v.shape[0] == 300 else v for k, v in m.state_dict().items()})
+    got = []
+    for lm in (m, small):
+        stats = {}
+        rule, cfg = DepthRule(3, exit_gate=0.5), SamplingConfig(max_new_tokens=8)
+        generate(lm, TOK, ["hello"], rule, cache=mode, sampling=cfg, stats=stats)
+        got.append(stats["token_ids"])
+    assert got[0] == got[1] and len(got[0][0]) == 8 and max(got[0][0]) < TOK.vocab_size

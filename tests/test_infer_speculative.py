@@ -668,3 +668,67 @@ def test_batched_speculation_reports_every_prompts_tokens_and_streams_each_row(m
     assert stats["token_ids"] == want and stats["decoded_tokens"] == sum(map(len, want))
     assert stats["decode_seconds"] == len(accepted) == stats["speculation"]["rounds"]
     assert stats["first_step_seconds"] == 1.0 and stats["first_step_tokens"] == 2 + first_accepted
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_generate_passes_the_reuse_setting_to_the_verify(monkeypatch, model, reuse):
+    """`Speculation(reuse=False)` reruns every recurrence of each verify chunk (no `resume`); the default
+    resumes it from the drafts' states (full cache). Every verify chunk (the steps fed a chunk [1, n])
+    is recorded."""
+    resumes, real_call = [], DecodeStep.__call__
+
+    def call(self, rows, depth, *a, resume=None, **kw):
+        if rows.tokens.dim() > 1:  # a chunk [1, n]
+            resumes.append(resume is not None)
+        return real_call(self, rows, depth, *a, resume=resume, **kw)
+
+    monkeypatch.setattr(DecodeStep, "__call__", call)
+    cfg, spec = SamplingConfig(max_new_tokens=10), Speculation(3, 2, reuse)
+    generate(model, TOK, ["hello"], DepthRule(DEPTH), cache="full", speculate=spec, sampling=cfg)
+    assert resumes and set(resumes) == {reuse}
+
+
+def test_batched_speculation_seeds_each_prompt_with_its_own_example_id(model):
+    """Under `speculate` each prompt runs alone, seeded by its own example id: the same prompt with ids 0
+    and 6 (which decode differently here) gives each id's no-cache greedy tokens."""
+    stats, cfg = {}, SamplingConfig(max_new_tokens=12)
+    spec = Speculation(3, 1)
+    generate(
+        model,
+        TOK,
+        ["a", "a"],
+        DepthRule(DEPTH),
+        cache="full",
+        speculate=spec,
+        sampling=cfg,
+        stats=stats,
+        example_ids=[0, 6],
+    )
+    want = [_no_cache_greedy(model, TOK.encode("a"), 12, DEPTH, TOK.eos_id, example_id=e) for e in (0, 6)]
+    assert want[0] != want[1] and stats["token_ids"] == want
+
+
+def test_the_last_token_by_a_plain_step_equals_no_cache_greedy(monkeypatch, model):
+    """When one token is left to emit, the round is a plain one-token step at the verifier's depth from the
+    cache's length (no drafts): over budgets 2..9 that step runs, and every output is the no-cache greedy."""
+    plain, real_call = [], DecodeStep.__call__
+
+    def call(self, rows, depth, *a, **kw):
+        plain.append(rows.tokens.dim() == 1 and depth == DEPTH)
+        return real_call(self, rows, depth, *a, **kw)
+
+    monkeypatch.setattr(DecodeStep, "__call__", call)
+    for n in range(2, 10):
+        stats, cfg = {}, SamplingConfig(max_new_tokens=n)
+        generate(
+            model,
+            TOK,
+            ["hello"],
+            DepthRule(DEPTH),
+            cache="full",
+            speculate=Speculation(3, 1),
+            sampling=cfg,
+            stats=stats,
+        )
+        assert stats["token_ids"] == [_no_cache_greedy(model, TOK.encode("hello"), n, DEPTH, TOK.eos_id)], n
+    assert any(plain)

@@ -6,7 +6,9 @@
 - `TextStream`: incremental detokenisation with stop strings. Each new token decodes only a short
   window of recent ids, so a step costs the same at the thousandth token as at the first; text is
   released except for what may still become a stop string or an incomplete character, and the
-  released pieces join into exactly the final text. Given the prompt's ids as `context`, the reply
+  released pieces join into exactly the final text (for a tokenizer whose decoding of a longer
+  sequence never rewrites what a shorter one gave, as byte, BPE and SentencePiece decoding do; one
+  that removes spaces before punctuation after the fact keeps `text` right, not the pieces). Given the prompt's ids as `context`, the reply
   is decoded after them, so prompt + reply reads as the decode of both (SentencePiece spaces).
 """
 
