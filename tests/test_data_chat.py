@@ -43,3 +43,13 @@ def test_exported_chat_template_equals_the_served_rendering(tmp_path, messages):
     want = "".join(f"{'system' if m['role'] == 'developer' else m['role']}: {m['content']}\n" for m in messages)
     assert rendered == want + "assistant:"
     assert rendered == ChatRequest(messages=messages).render()
+
+
+def test_chat_replies_stop_where_any_next_turn_starts():
+    """A chat reply stops at a new user or system turn (the template's roles), after the caller's stops."""
+    from looplm.data.chat import CHAT_TEMPLATE
+
+    stops = ChatRequest(messages=CONVERSATIONS[0], stop="END").stop_strings()
+    assert stops[0] == "END"
+    for role in ("user", "system"):
+        assert "\n" + CHAT_TEMPLATE.format(role=role, content="").split(" ")[0] in stops

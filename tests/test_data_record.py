@@ -251,3 +251,17 @@ def test_validation_rows_take_the_asked_length(tmp_path):
     assert record.validation(ByteTokenizer()).seq_len == 32
     val = record.validation(ByteTokenizer(), seq_len=12)
     assert val.seq_len == 12 and val.get_batch([0]).inputs.shape == (1, 12)
+
+
+def test_a_record_dict_equals_its_json_round_trip():
+    """to_dict() is what data.json holds: JSON types only (the task kinds a list, not a tuple)."""
+    d = DataRecord(source="tasks", tasks=TaskConfig(kinds=("add", "sum"))).to_dict()
+    assert d == json.loads(json.dumps(d)) and d["tasks"]["kinds"] == ["add", "sum"]
+
+
+def test_a_relative_cache_dir_is_made_absolute(tmp_path, monkeypatch):
+    """The record's cache folder is absolute against the training folder, so readers elsewhere find it."""
+    monkeypatch.chdir(tmp_path)
+    job = tiny_job(tmp_path).to_dict()
+    job["data"]["cache_dir"] = "rel/cache"
+    assert DataRecord.from_job(job).cache_dir == str(tmp_path / "rel" / "cache")

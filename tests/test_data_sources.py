@@ -194,3 +194,91 @@ def test_source_description_names_the_jsonl_field_and_the_task_count(tmp_path):
     path.write_text(json.dumps({"text": "a", "body": "b"}) + "\n")
     assert describe_source(str(path), text_field="text") != describe_source(str(path), text_field="body")
     assert describe_source("tasks", n_task_examples=10) != describe_source("tasks", n_task_examples=20)
+
+
+def test_the_bad_byte_offset_after_a_split_character_and_another_whole_chunk(tmp_path):
+    """A character split across the first chunk boundary must not shift the
+    offset of a bad byte two chunks later (each chunk's start is counted in whole bytes)."""
+    mib = 1 << 20
+    head = b"a" * (mib - 1) + "é".encode() + b"b" * (mib - 1)  # 'é' straddles the 1 MiB boundary
+    at = len(head) + 5  # third chunk: 5 'c', then 0xff
+    bad = tmp_path / "far.txt"
+    bad.write_bytes(head + b"c" * 5 + b"\xff\n")
+    assert at > 2 * mib
+    with pytest.raises(DataError, match=rf"far.txt is not valid UTF-8 \(byte offset {at}\)"):
+        list(iter_documents(str(bad)))
+
+
+def test_a_file_cut_inside_its_last_character_says_so(tmp_path):
+    """A file whose last character is truncated has no bad byte to point at: the error says it ends inside one."""
+    bad = tmp_path / "cut.txt"
+    bad.write_bytes(b"fine text " + "é".encode()[:1])
+    with pytest.raises(DataError, match=r"cut.txt is not valid UTF-8 \(it ends inside a character\)"):
+        list(iter_documents(str(bad)))
+
+
+def test_hf_rows_that_are_not_text_or_blank_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HF row whose field is blank or not a string (None, a number) is no document."""
+    rows = [{"text": "one"}, {"text": None}, {"text": 7}, {"text": "  \n"}, {"text": "two"}]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, split: rows))
+    assert [d.text for d in iter_documents("hf:org/corpus")] == ["one", "two"]
+
+
+def test_hf_sources_are_loaded_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a locally cached dataset is used: HF_DATASETS_OFFLINE is set before datasets loads."""
+    seen = []
+
+    def load_dataset(name: str, split: str) -> list[dict[str, str]]:
+        seen.append(os.environ.get("HF_DATASETS_OFFLINE"))
+        return [{"text": "one"}]
+
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    list(iter_documents("hf:org/corpus"))
+    assert seen == ["1"]
+
+
+def test_hf_source_description_names_the_text_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another text field of the same HF dataset is other data."""
+    rows = [{"text": "a", "body": "b"}]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda name, split: rows))
+    assert sources.describe_source("hf:org/c", text_field="text") != sources.describe_source(
+        "hf:org/c", text_field="body"
+    )
+
+
+def test_jsonl_suffix_is_matched_without_case(tmp_path):
+    """DATA.JSONL is read as JSONL (its text field), not as one text file."""
+    path = tmp_path / "DATA.JSONL"
+    path.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    assert [d.text for d in iter_documents(str(path))] == ["one", "two"]
+
+
+def test_moving_a_file_between_subfolders_changes_the_folder_description(tmp_path):
+    """Files of a folder source are named by their path under it, not only their file name."""
+    from looplm.data.sources import describe_source
+
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    path = tmp_path / "a" / "x.txt"
+    path.write_text("same bytes\n")
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    before = describe_source(str(tmp_path))
+    path.rename(tmp_path / "b" / "x.txt")
+    os.utime(tmp_path / "b" / "x.txt", ns=(1_000_000_000, 1_000_000_000))
+    assert describe_source(str(tmp_path)) != before
+
+
+def test_same_relative_path_in_two_folders_is_two_sources(tmp_path, monkeypatch):
+    """A relative source is described by its resolved path: 'data.txt' typed in two working folders
+    (same size and mtime) must not share a token cache."""
+    from looplm.data.sources import describe_source
+
+    descs = []
+    for sub in ("one", "two"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "data.txt").write_text("same size\n")
+        os.utime(tmp_path / sub / "data.txt", ns=(1_000_000_000, 1_000_000_000))
+        monkeypatch.chdir(tmp_path / sub)
+        descs.append(describe_source("data.txt"))
+    assert descs[0] != descs[1]

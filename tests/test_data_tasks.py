@@ -147,3 +147,25 @@ def test_one_digit_additions_draw_every_digit_including_zero() -> None:
     assert {int(x) for pair in ones for x in pair} == set(range(10))
     threes = [ex.prompt[1:-1].split(",") for ex in (TASKS["add"](rng, 3) for _ in range(400))]
     assert all(100 <= int(x) <= 999 for pair in threes for x in pair)
+
+
+def test_chain_distractors_never_alias_the_queried_chain() -> None:
+    """Distractors alias only other distractors (or hold a digit): a statement outside the chain
+    never names a chain variable."""
+    rng = random.Random(0)
+    for _ in range(200):
+        ex = TASKS["chain"](rng, 6)
+        body, query = ex.prompt.split(";?")
+        env = dict(stmt.split("=") for stmt in body.split(";"))
+        chain, name = {query[:-1]}, query[:-1]
+        while not env[name].isdigit():
+            name = env[name]
+            chain.add(name)
+        assert not any(v in chain for k, v in env.items() if k not in chain), ex.prompt
+
+
+def test_one_digit_msd_additions_draw_zero_too() -> None:
+    """add_msd draws its operands like add: 0..9 for k=1."""
+    rng = random.Random(0)
+    ones = [ex.prompt[1:-1].split(",") for ex in (TASKS["add_msd"](rng, 1) for _ in range(400))]
+    assert {int(x) for pair in ones for x in pair} == set(range(10))
