@@ -279,3 +279,23 @@ def test_solve_summary_counts_qualified_rows_only(monkeypatch):
     assert out["kl"]["median"] == pytest.approx(2e-9) and out["kl"]["max"] == pytest.approx(3e-9)
     assert out["control"]["spans"] == 1
     assert out["control"]["gap_median"] == pytest.approx(0.1) and out["control"]["kl_median"] == pytest.approx(0.05)
+
+
+def test_solve_spans_are_the_rows_first_tokens(monkeypatch):
+    """Guards the span cut: a span of `solve_length` tokens is the row's first tokens (positions 0..n-1)."""
+    from looplm.analyze import report as rep
+    from looplm.analyze.report import AnalyzeConfig, solve_rows
+
+    seen = []
+
+    def fake_span_solves(model, tokens, *, positions, **kw):
+        seen.append(positions.clone())
+        B = tokens.shape[0]
+        flags, zeros = torch.ones(B, dtype=torch.bool), torch.zeros(B)
+        out = {f"{n}_qualified": flags for n in ("prefix", "joint", "frozen", "control")}
+        out.update({f"{n}_depth": zeros.long() for n in ("prefix", "joint", "frozen")})
+        return out | {k: zeros for k in ("gap", "kl", "control_gap", "control_kl")}
+
+    monkeypatch.setattr(rep, "span_solves", fake_span_solves)
+    solve_rows(None, _Rows(), AnalyzeConfig(solve_spans=2, batch_size=2, solve_length=5), "cpu", lambda *a: None)
+    assert len(seen) == 1 and torch.equal(seen[0], torch.arange(5).expand(2, 5))

@@ -266,3 +266,106 @@ def test_each_rows_endpoint_is_the_state_and_kv_of_its_own_final_step():
         assert torch.equal(out.state[i], states[final][i]), i
         assert torch.equal(out.kv[0][0][i], kvs[final][0][0][i]) and torch.equal(out.kv[0][1][i], kvs[final][0][1][i])
     assert out.steps == int(out.depth[1]) + 16 + 1
+
+
+def test_a_change_equal_to_tol_counts_as_stable():
+    """Guards `change <= tol` (not <): a state alternating 1 <-> 1 + 2^-20 changes by exactly tol = 2^-20
+    (then 2^-20 / (1 + 2^-20)); every step is stable, so it qualifies at the earliest depth."""
+    t = 2.0**-20
+    step = lambda s: (torch.where(s == 1, 1 + t, torch.ones_like(s)), [])  # noqa: E731
+    out = solve(step, torch.ones(1, 1, 1, dtype=torch.float64), SolveRule(max_depth=100, tol=t))
+    assert out.qualified.item() and out.depth.item() == 9 and out.steps == 26
+
+
+def test_confirmation_drift_bound_is_inclusive_and_relative_to_the_anchor():
+    """Guards `drift <= drift_tol` (not <) and the drift's denominator |anchor| (not |new|): identity steps,
+    one jump at the first confirmation step (r = 10), then still. A jump of exactly drift_tol passes
+    (depth 9); a jump just above drift_tol relative to the anchor fails and restarts (depth 18)."""
+    D = 2.0**-15
+    ok = solve(
+        _scripted([1.0] * 9 + [1 + D] + [1.0] * 100),
+        torch.ones(1, 1, 1, dtype=torch.float64),
+        SolveRule(max_depth=100, drift_tol=D),
+    )
+    assert ok.qualified.item() and ok.depth.item() == 9 and ok.steps == 26
+    over = solve(
+        _scripted([1.0] * 9 + [1 + 3.00005e-5] + [1.0] * 100),
+        torch.ones(1, 1, 1, dtype=torch.float64),
+        SolveRule(max_depth=100, drift_tol=3e-5),
+    )
+    assert over.qualified.item() and over.depth.item() == 18 and over.steps == 18 + 16 + 1
+
+
+def test_per_step_change_is_relative_to_the_previous_state():
+    """Guards the step change's denominator |s^(r-1)| (not |s^r|): a steady growth by x = 1.000005e-5 > tol
+    per step never counts as stable (x / (1 + x) would pass)."""
+    x = 1.000005e-5
+    out = solve(
+        _scripted([1 + x] * 200), torch.ones(1, 1, 1, dtype=torch.float64), SolveRule(max_depth=100, drift_tol=1.0)
+    )
+    assert not out.qualified.any() and out.steps == 100
+
+
+def test_a_failed_final_check_restarts_the_search():
+    """Guards against a failed final check (change > tol at r = 26) left in the final phase: the search
+    restarts, a new stable run ends at r = 34, 16 confirmation steps and the final check end at r = 51."""
+    out = solve(
+        _scripted([1.0] * 25 + [1 + 1e-4] + [1.0] * 100),
+        torch.ones(1, 1, 1, dtype=torch.float64),
+        SolveRule(max_depth=100),
+    )
+    assert out.qualified.item() and out.depth.item() == 34 and out.steps == 51
+
+
+def test_every_layers_kv_is_compared():
+    """Guards against comparing only the first core layer's K/V: a still state whose first layer's K/V
+    are fixed but whose second layer's K keeps moving never qualifies."""
+    clock = iter(range(10**6))
+
+    def step(s):
+        fixed = torch.ones(1, 1, 2, 3, dtype=torch.float64)
+        moving = fixed * (1 + 1e-3 * next(clock))
+        return s, [(fixed, fixed.clone()), (moving, fixed.clone())]
+
+    assert not solve(step, torch.ones(1, 2, 3, dtype=torch.float64), SolveRule(max_depth=100)).qualified.any()
+
+
+def test_gap_and_kl_are_joint_relative_and_kl_joint_to_frozen(tiny_model_config, monkeypatch):
+    """Guards the gap's denominator |joint current state| and KL(joint || frozen) (not the reverse): with
+    a budget too short to converge the endpoints differ; the expected values are computed by hand from
+    the solves' own endpoints (captured) and the coda."""
+    from looplm.analyze import solves as mod
+
+    model = contractive_model(tiny_model_config)
+    with torch.no_grad():  # a sharp coda, so KL is far from symmetric
+        for p in model.coda.parameters():
+            if p.ndim == 2:
+                p.mul_(6.0)
+    got = []
+    real = mod.solve
+    monkeypatch.setattr(mod, "solve", lambda *a, **k: got.append(real(*a, **k)) or got[-1])
+    x = tokens()[:2, :5]
+    out = span_solves(
+        model, x, example_ids=torch.arange(2), rule=SolveRule(max_depth=3, stable_steps=1, confirm_steps=0)
+    )
+    prefix, joint, frozen = got[0], got[1], got[2]
+    j, f = joint.state[:, -1].double(), frozen.state[:, 0].double()
+    gap = (f - j).norm(dim=-1) / j.norm(dim=-1)
+    assert gap.min() > 1e-2
+    torch.testing.assert_close(out["gap"].double(), gap, rtol=1e-5, atol=0)
+    begin = start(model, x, example_ids=torch.arange(2))
+    with torch.no_grad():
+        p = model.run_coda(joint.state, begin.ctx.rope, begin.ctx.mask, begin.ctx)[:, -1].double().log_softmax(-1)
+        both = torch.cat([prefix.state, frozen.state], dim=1)
+        q = model.run_coda(both, begin.ctx.rope, begin.ctx.mask, begin.ctx)[:, -1].double().log_softmax(-1)
+    want = (p.exp() * (p - q)).sum(-1)
+    reverse = (q.exp() * (q - p)).sum(-1)
+    assert (want - reverse).abs().max() > 1e-4 * want.abs().max()  # tells the two directions apart
+    torch.testing.assert_close(out["kl"], want, rtol=1e-5, atol=1e-14)
+
+
+def test_a_row_that_began_a_stable_run_but_never_qualified_reports_no_depth():
+    """Guards the depth of unqualified rows (-1) even after a stable run was found: a steady growth by
+    4e-6 per step completes stable runs but always fails the confirmation drift."""
+    out = solve(_scripted([1 + 4e-6] * 400), torch.ones(1, 1, 1, dtype=torch.float64), SolveRule(max_depth=100))
+    assert not out.qualified.any() and out.depth.item() == -1
