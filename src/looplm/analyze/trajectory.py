@@ -12,15 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from looplm.errors import UserError
+from looplm.model.exits import relative_change
 from looplm.model.looped import Context
 from looplm.model.state import StateInit, StateStart
-
-
-def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Token-wise |new - old| / |old| over the last dimension, in fp32 or wider (design §11 delta_t^r)."""
-    dtype = torch.promote_types(new.dtype, torch.float32)
-    new, old = new.to(dtype), old.to(dtype)
-    return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-30)
 
 
 @dataclass

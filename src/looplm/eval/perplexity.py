@@ -9,6 +9,7 @@ import torch
 
 from looplm.data import IGNORE_INDEX, PackedDataset
 from looplm.errors import UserError
+from looplm.model.exits import relative_change
 
 EVAL_CE_CHUNK_ROWS = 1024
 """Rows per chunk of the evaluation's cross-entropy: [1024, V] fp32 logits at a time (0.26 GB at V = 64256)."""
@@ -63,8 +64,8 @@ def native_perplexity(
             total += out.ce_sum.item()
             count += batch.n_targets
             if depth > 1:
-                prev, last = out.states[-2].float(), out.states[-1].float()
-                change += ((last - prev).norm(dim=-1) / prev.norm(dim=-1).clamp_min(1e-12)).sum().item()
+                prev, last = out.states[-2], out.states[-1]
+                change += relative_change(last, prev).sum().item()
                 n_tok += last.shape[0] * last.shape[1]
             if progress is not None:
                 progress(depth)  # the depth: a batch at R costs about R batches at 1

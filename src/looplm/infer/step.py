@@ -29,6 +29,7 @@ from looplm.infer.cache import KVCache
 from looplm.infer.depth_rule import DepthRule
 from looplm.infer.row_kernels import row_kernels_backend
 from looplm.model.blocks import rope_tables
+from looplm.model.exits import relative_change
 from looplm.model.kv import KVBank
 from looplm.model.looped import Context
 from looplm.model.state import StateStart
@@ -427,7 +428,7 @@ class DecodeStep:
         new = torch.where(active[:, None, None], new, s)  # a stopped row's state stays frozen
         stop = active & (step >= depth)
         if tau is not None:  # design §13: relative state change below exit_tau, after min_depth
-            change = (new - s).float().norm(dim=-1)[:, 0] / s.float().norm(dim=-1)[:, 0].clamp_min(1e-12)
+            change = relative_change(new, s)[:, 0]
             stop = stop | (active & (change < tau) & (step >= floor))
         used = torch.where(stop, step, used)
         return new, active & ~stop, used

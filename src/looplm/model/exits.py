@@ -15,6 +15,15 @@ import torch
 from looplm.config import check_depth
 
 
+def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Token-wise relative state change |new - old| / |old| over the last dimension, in fp32 or wider:
+    the quantity adaptive exit compares with exit_tau (design §13) and the analyses call delta_t^r
+    (design §11). A zero `old` gives a huge change, never a division by zero."""
+    dtype = torch.promote_types(new.dtype, torch.float32)
+    new, old = new.to(dtype), old.to(dtype)
+    return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-30)
+
+
 def _per_row(value, B: int, device, dtype) -> torch.Tensor:
     """A scalar or per-row [B] setting as a [B, 1] tensor (broadcast over a chunk's tokens)."""
     t = torch.as_tensor(value, device=device, dtype=dtype)
@@ -112,7 +121,7 @@ class Exits:
         s = torch.where(self.active[..., None], s, prev)
         stop = self.active & (r + 1 >= self.limit)
         if self.plan.adaptive:
-            change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
+            change = relative_change(s, prev)
             stop |= self.active & (change < self.tau) & (r + 1 >= self.floor)
         self.used[stop] = r + 1
         self.active = self.active & ~stop  # a new tensor: the torch.where above keeps this one for backward

@@ -49,6 +49,7 @@ from looplm.errors import UserError
 from looplm.hf.configuration import CONFIG_KEYS, check_tokenizer_vocab_size
 from looplm.infer.depth_rule import DepthRule, check_exit_gate
 from looplm.model.blocks import RMSNorm, attention_inputs, block_forward, build_block, ffn_hidden, rope_tables
+from looplm.model.exits import relative_change
 from looplm.model.exit_gate import ExitGate, exit_distribution, select_depth, threshold_exit
 from looplm.model.injection import build_injection
 from looplm.model.state import initial_state
@@ -475,7 +476,7 @@ class LoopedLMForVLLM(nn.Module):
             if step >= D:
                 stop = ~prompt if stop is None else stop | ~prompt
             if tau is not None and step >= self.min_depth and step < D:  # adaptive exit: decoded tokens only
-                change = (s - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
+                change = relative_change(s, prev)
                 exits = (change < tau) & ~prompt
                 stop = exits if stop is None else stop | exits
             if stop is not None:
