@@ -261,3 +261,26 @@ def test_eos_and_pad_added_as_ordinary_tokens_are_special_in_encode_and_decode()
     ids = tok.encode("a <end> b <fill>")
     assert tok.eos_id not in ids and tok.pad_id not in ids and tok.decode(ids) == "a <end> b <fill>"
     assert tok.decode(tok.encode("ab") + [tok.eos_id, tok.pad_id]) == "ab"
+
+
+def test_a_tokenizer_whose_named_tokens_were_ordinary_is_told_apart_from_its_file_alone() -> None:
+    """Such a tokenizer encodes its end token's name in text differently since looplm makes the token special
+    (as text, where it used to be the end id). Token caches and `looplm tokenize` folders are keyed by the
+    fingerprint; one keyed by the hash of the file content and names alone (what looplm wrote before) must not
+    be reused, so the fingerprint is not that hash. A tokenizer whose named tokens were special keeps it."""
+    import hashlib
+
+    from tokenizers import AddedToken
+
+    def content_hash(tok: BPETokenizer) -> str:  # the file content, then the non-default names, as JSON
+        names = {"eos_token": "<end>", "pad_token": "<fill>"}
+        return hashlib.sha256((tok.backend_json + "\n" + json.dumps(names, sort_keys=True)).encode()).hexdigest()
+
+    fingerprints = {}
+    for special in (False, True):
+        backend = _bare_bpe(300)
+        backend.add_tokens([AddedToken(t, special=special) for t in ("<end>", "<fill>")])
+        tok = BPETokenizer(backend, eos_token="<end>", pad_token="<fill>")
+        assert (tok.fingerprint() == content_hash(tok)) is special
+        fingerprints[special] = tok.fingerprint()
+    assert fingerprints[False] != fingerprints[True]  # the file differs in the tokens' flags

@@ -169,6 +169,7 @@ class BPETokenizer(Tokenizer):
         # A tokenizer made elsewhere may add its end/padding/BOS tokens as ordinary ones: they are special
         # here all the same (same ids), so that their names in text stay text and `decode` skips them.
         ordinary = [t for t in backend.get_added_tokens_decoder().values() if t.content in named and not t.special]
+        self._promoted = sorted(t.content for t in ordinary)  # in the fingerprint: they encode unlike the file says
         if ordinary:
             keep = ("single_word", "lstrip", "rstrip", "normalized")
             backend.add_special_tokens(
@@ -310,7 +311,12 @@ class BPETokenizer(Tokenizer):
         return {"eos_token": self._names[0], "pad_token": self._names[1], **bos}
 
     def canonical_description(self) -> str:
+        """The file content, the eos/pad/bos names unless they are looplm's own, and the named tokens the file
+        adds as ordinary ones: they are special here, so their names in text encode as text, as they did not
+        before looplm made them special; caches keyed by the content alone are not reused for them."""
         names = self._special_names()
+        if self._promoted:
+            names = {**names, "made_special": self._promoted}
         return self._json + ("\n" + json.dumps(names, sort_keys=True) if names else "")
 
     def save(self, directory: Path) -> None:
