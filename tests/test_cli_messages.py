@@ -105,12 +105,22 @@ def test_a_positional_is_never_suggested_as_an_option(capsys):
 
 
 def test_a_path_after_an_option_given_with_equals_is_named(tmp_path, capsys):
-    """GENUINE GAP (fails on the current source): tyro reads on past `--prompt=hi` just as past `--prompt hi`
-    (`--prompt=hi a x/y --depth 3` makes the prompts hi, a and x/y), but `_missing` skips every option spelt
-    with `=`, so the missing checkpoint is said without naming the option that took it."""
+    """tyro reads on past `--prompt=hi` just as past `--prompt hi` (`--prompt=hi a x/y --depth 3` makes the
+    prompts hi, a and x/y), so the missing checkpoint is said with the option that took it."""
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)
     rc, _, err = run_main(["generate", "--prompt=hi", str(run), "--depth", "3"], capsys)
     assert_clean_exit(rc, err, looplm_error=True)
     assert "missing required input for looplm generate: PATH" in err, err
     assert f"--prompt took {str(run)!r} as one of its values: put PATH first" in err, err
+
+
+@pytest.mark.parametrize("given", [["--num-steps", "4"], ["--num-steps=4"]])
+def test_a_path_that_went_to_a_positional_is_not_said_to_be_an_options(tmp_path, capsys, given):
+    """`export --num-steps 4 CHECKPOINT` lacks OUT: tyro gives --num-steps its one value and the path to the
+    checkpoint, so no option took it and the missing output is said alone."""
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    rc, _, err = run_main(["export", *given, str(run)], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "missing required input for looplm export: OUT" in err and "took" not in err, err

@@ -973,16 +973,28 @@ def _unrecognized(tokens: list[str], args: list[str], words: list[str]) -> str:
     return line
 
 
-def _missing(names: list[str], args: list[str], words: list[str]) -> str:
+def _missing(names: list[str], args: list[str], words: list[str], parsed: dict) -> str:
     """Missing required input; when an option of several values (--prompt A B) read on into what looks like
-    a path, the positional the user meant (tyro takes every value up to the next option), where it goes."""
+    a path, the positional the user meant (tyro takes every value up to the next option), where it goes.
+    `parsed`: tyro's raw parse state (destination -> the words it read), which says whether the option
+    took the path (a one-value option takes one word, and a last path may go to its positional)."""
     line = f"missing required input for {' '.join(words)}: {', '.join(names)}"
+
+    def took(option: str, arg: str) -> bool:
+        name = "." + option[2:]
+        return any(k.endswith(name) and isinstance(v, list) and arg in v for k, v in parsed.items())
+
     option, first = None, 0  # the option being read and where its first value is (`--opt=A` holds it)
     for i, arg in enumerate(args):
         if arg.startswith("-"):
             option = arg.split("=", 1)[0] if arg.startswith("--") else None
             first = i if "=" in arg else i + 1
-        elif option is not None and i != first and ("/" in arg or os.sep in arg or Path(arg).exists()):
+        elif (
+            option is not None
+            and i != first
+            and ("/" in arg or os.sep in arg or Path(arg).exists())
+            and took(option, arg)
+        ):
             return (
                 f"{line}; {option} took {arg!r} as one of its values: put {names[0]} first "
                 f"({' '.join(words)} {names[0]} {option} ...)"
@@ -1002,7 +1014,7 @@ def _rejected(event, args: list[str]) -> None:
     if isinstance(event, e.UnrecognizedArgs):
         what = _unrecognized(event.tokens, args, words)
     elif isinstance(event, e.MissingArgs):
-        what = _missing([name(a.arg) for a in event.missing_arguments], args, words)
+        what = _missing([name(a.arg) for a in event.missing_arguments], args, words, event.partial_output)
     elif isinstance(event, e.MissingSubcommand):
         what = f"missing subcommand: expected one of {{{', '.join(event.subcommand_spec.parser_from_name)}}}"
     elif isinstance(event, e.InstantiationFailure):
