@@ -132,10 +132,10 @@ def test_the_default_sample_prompt_is_the_first_line_of_the_first_held_out_docum
 
 
 def test_the_default_sample_prompt_stays_inside_the_first_document():
-    """BUG (fails on the current source): the held-out split packs documents back to back, each followed
-    by eos (looplm.data.packing). A first document shorter than 32 tokens without a newline gave its 32
-    tokens read on into the next document, and decode skips the eos, so the prompt glued two documents
-    ("HiNext document\\n"). The prompt is the first document's text only."""
+    """The held-out split packs documents back to back, each followed by eos (looplm.data.packing), and
+    decode skips the eos: a first document shorter than 32 tokens without a newline must not read on into
+    the next one (a prompt "HiNext document\\n" glued two documents). The prompt is the first document's
+    text only."""
     from types import SimpleNamespace
 
     import numpy as np

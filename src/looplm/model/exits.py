@@ -18,7 +18,7 @@ from looplm.config import check_depth
 def relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Token-wise relative state change |new - old| / |old| over the last dimension, in fp32 or wider:
     the quantity adaptive exit compares with exit_tau (design §13) and the analyses call delta_t^r
-    (design §11). A zero `old` gives a huge change, never a division by zero."""
+    (design §11). A zero `old` gives a huge change (0 when `new` is zero too), never a division by zero."""
     dtype = torch.promote_types(new.dtype, torch.float32)
     new, old = new.to(dtype), old.to(dtype)
     return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-30)
