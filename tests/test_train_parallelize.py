@@ -366,6 +366,45 @@ def test_fsdp_bf16_carries_the_state_in_the_dtype_ddp_does(tiny_model_config):
     assert dtypes(plain_bf16) == [torch.bfloat16] * 4  # what FSDP2 bf16 carried before
 
 
+@pytest.mark.parametrize("injection", ["parcae-nonorm", "deq-qkv", "huginn-linear"])
+def test_fsdp_bf16_trains_an_injection_with_parameters(tiny_model_config, injection):
+    """FSDP2 with bf16 parameters, run for real on a one-rank gloo group: the injection is its own fp32
+    unit, and the model calls its `prepare`, `qkv_offsets` and `exit` directly (not its forward), so
+    those calls must gather its parameters too. The loss and the injection's gradients equal those of
+    the same model trained as DDP trains it (fp32 parameters under bf16 autocast) to bf16 accuracy."""
+    import torch.distributed as dist
+
+    from looplm.train.distributed import DistEnv
+    from looplm.train.parallelize import wrap_model
+
+    cfg = tiny_model_config(injection=injection)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    ddp = LoopedLM(cfg)
+    names = [n for n, _ in ddp.injection.named_parameters()]
+    assert names, "an injection with parameters"
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens, 3, init="seeded").logits.float().logsumexp(-1).mean()
+        loss.backward()
+        grads = dict(model.injection.named_parameters())
+        return loss.item(), {
+            n: grads[n].grad.full_tensor() if hasattr(grads[n].grad, "full_tensor") else grads[n].grad for n in names
+        }
+
+    fsdp = copy.deepcopy(ddp)
+    ref_loss, ref_grads = step(ddp)
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrap_model(fsdp, DistEnv(world_size=1, joined=True), "fsdp", param_dtype=torch.bfloat16)
+        loss, grads = step(fsdp)
+    finally:
+        dist.destroy_process_group()
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    for n in names:
+        torch.testing.assert_close(grads[n].float(), ref_grads[n], rtol=0.1, atol=0.1 * ref_grads[n].abs().max().item())
+
+
 class SyncRecorder(torch.nn.Module):
     """Stands in for a DDP / FSDP2 module: records the gradient-sync switches it is given."""
 

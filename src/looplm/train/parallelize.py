@@ -87,7 +87,7 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
 
         return DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
     if parallel in ("fsdp", "hsdp"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         mesh = None
         if parallel == "hsdp":
@@ -111,6 +111,8 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
             # under DDP (autocast casts matmul inputs only); bf16 rounding would move the fixed point
             fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
             fully_shard(model.injection, mesh=mesh, mp_policy=fp32)
+            for method in ("prepare", "qkv_offsets", "exit"):  # called by the model directly, not via forward:
+                register_fsdp_forward_method(model.injection, method)  # each must gather the parameters too
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if param_dtype is not None:
             keep_stream_fp32(model)
