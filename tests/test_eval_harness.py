@@ -202,6 +202,7 @@ def test_the_harness_scores_as_lm_evals_own_models_do():
         (dict(depth=0), "model_args depth must be in 1..64"),
         (dict(prefill_depth=0), "model_args prefill_depth must be in 1..64"),  # read as `depth` in scoring
         (dict(max_gen_toks=0), "model_args max_gen_toks must be >= 1"),  # generated one token
+        (dict(max_gen_toks=True), "model_args max_gen_toks must be >= 1"),  # lm-eval reads `true` as True: not 1
         (dict(depth="x"), "model_args depth must be an integer"),
     ],
 )

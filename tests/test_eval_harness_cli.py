@@ -87,15 +87,22 @@ def test_the_script_ends_a_user_error_in_one_line(monkeypatch, capsys):
     assert err.strip().startswith("error: unknown model_args: dept"), err
 
 
-@pytest.mark.parametrize("given", [["--model_args", "checkpoint=x,device=cpu"], ["--model_args=device=cpu,depth=3"]])
-def test_a_device_in_model_args_is_refused_in_one_line(monkeypatch, capsys, given):
-    """lm-eval passes its own --device to the model as `device=`: one given in --model_args too ended in
-    Python's "got multiple values for keyword argument 'device'" traceback."""
-    import lm_eval.__main__
-
-    def fake_cli_evaluate():
-        raise AssertionError("lm-eval must not start")
-
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli_evaluate)
-    rc, _, err = run_script(monkeypatch, capsys, "--model", "looplm", *given)
-    assert rc == 2 and err.strip() == "error: give the device as --device (lm-eval's option), not in --model_args"
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--model_args", "checkpoint=x,device=cpu"],
+        ["--model_args=device=cpu,depth=3"],
+        ["--model_args", "checkpoint=x", "device=cpu"],  # lm-eval takes several words (nargs="+")
+        ["-a", "checkpoint=x,device=cpu"],
+        ["--model_args", '{"checkpoint": "x", "device": "cpu"}'],  # and JSON
+    ],
+)
+def test_a_device_in_model_args_is_refused_in_one_line(tmp_path, monkeypatch, capsys, given):
+    """lm-eval passes its own --device to the model as `device=`: one given in --model_args too, in any of
+    lm-eval's spellings, ended in Python's "got multiple values for keyword argument 'device'" traceback."""
+    write_choice_task(tmp_path, [{"context": "+1,2=", "choices": ["3", "4"], "gold": 0}])
+    args = ["--model", "looplm", *given, "--tasks", "looplm_choice", "--include_path", tmp_path]
+    rc, _, err = run_script(monkeypatch, capsys, *args)
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "error: give the device as --device (lm-eval's option), not in --model_args"
+    ), err[-3000:]

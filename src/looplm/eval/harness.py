@@ -67,10 +67,27 @@ class LoopLMHarness(LM):
         check_depth("model_args depth", depth, model.cfg.max_depth)
         if prefill_depth is not None:
             check_depth("model_args prefill_depth", prefill_depth, model.cfg.max_depth)
-        if not isinstance(max_gen_toks, int) or max_gen_toks < 1:
+        if isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int) or max_gen_toks < 1:
             raise UserError(f"model_args max_gen_toks must be >= 1, got {max_gen_toks!r}")
         self.depth, self.prefill_depth, self.cache = depth, prefill_depth, cache
         self._device, self.max_gen_toks = device, max_gen_toks
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LoopLMHarness:
+        """lm-eval's `--model_args k=v,...` (with its own --batch_size, --device, ...): see `create_from_arg_obj`."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> LoopLMHarness:
+        """The adapter from lm-eval's model_args `arg_dict` and its own settings `additional_config` (None
+        values dropped, as lm-eval does); a device in both is refused in one line, where Python would raise
+        "got multiple values for keyword argument 'device'" whichever way lm-eval read the model_args."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "device" in arg_dict and "device" in extra:
+            raise UserError("give the device as --device (lm-eval's option), not in --model_args")
+        return cls(**arg_dict, **extra)
 
     def _score(self, context: str, continuation: str, example_id: int) -> tuple[float, bool]:
         # as lm-eval's own models: the context's trailing whitespace starts the continuation, and a

@@ -22,10 +22,6 @@ def main() -> int:
     except ImportError as err:
         print(f"error: looplm-lm-eval needs lm-eval ({err}): {install_hint('lm-eval')}", file=sys.stderr)
         return 2
-    if any("device" in _model_args(a) for a in _values(sys.argv[1:], "--model_args")):
-        # lm-eval passes its own --device as the same keyword: Python's "multiple values" TypeError
-        print("error: give the device as --device (lm-eval's option), not in --model_args", file=sys.stderr)
-        return 2
     if not any(a == "--device" or a.startswith("--device=") for a in sys.argv[1:]):
         sys.argv[1:1] = ["--device", "auto"]  # lm-eval's default is cuda:0; looplm's, CUDA when available
     try:
@@ -36,17 +32,6 @@ def main() -> int:
     except SystemExit as exit_:  # lm-eval's argparse errors and --help
         return exit_.code if isinstance(exit_.code, int) else 1
     return 0
-
-
-def _values(argv: list[str], option: str) -> list[str]:
-    """The values given to `option` (as `option VALUE` or `option=VALUE`)."""
-    out = [a[len(option) + 1 :] for a in argv if a.startswith(option + "=")]
-    return out + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == option]
-
-
-def _model_args(value: str) -> set[str]:
-    """The keys of lm-eval's `--model_args` string (`key=value,key=value`)."""
-    return {item.split("=", 1)[0].strip() for item in value.split(",") if "=" in item}
 
 
 if __name__ == "__main__":
