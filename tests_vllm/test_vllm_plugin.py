@@ -665,7 +665,7 @@ def test_refusals_of_parallelism():
 
 def test_refusals_of_depth_settings():
     """Per-token depth is served (prefill_steps, exit_tau, min_depth) within looplm's own rules, refused by
-    name outside them; the exit gate's threshold exit runs one fixed depth, as looplm's DepthPlan requires."""
+    name outside them; the exit gate's threshold exit runs one fixed depth per forward, and a vLLM forward mixes prompt and decoded tokens."""
     fields = [
         ("num_steps", int, 4),
         ("prefill_steps", object, None),

@@ -134,8 +134,9 @@ def check_servable(hf_config, *, tensor_parallel: int = 1, pipeline_parallel: in
         raise Refused(str(err)) from None
     if gate is not None and rule.prefill != rule.depth:
         raise Refused(
-            "exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth for every token, "
-            "as looplm's DepthPlan does: it takes no prefill_steps different from num_steps"
+            "exit_gate_threshold (the exit gate's threshold exit) runs one fixed depth per forward (looplm's "
+            "DepthPlan), and a vLLM forward mixes prompt and decoded tokens: it takes no prefill_steps "
+            "different from num_steps"
         )
     if pipeline_parallel != 1:
         raise Refused(
