@@ -5,7 +5,8 @@ prefills waiting requests into free slots (each prompt alone, so its cache equal
 `looplm generate` builds for it); every decode step feeds one token per running row, each row at
 its own position, depth rule (`DepthRule`: depth, adaptive exit) and sampling settings (`extend`
 with per-row lengths and depths); a finished or cancelled row frees its slot at once. Greedy
-outputs therefore equal `looplm.infer.generate` on each prompt alone.
+outputs therefore equal `looplm.infer.generate` on each prompt alone (with speculation:
+with the full cache; on the terminal cache a row's tokens come from its verify chunks' windows).
 
 The engine is a library class: `submit` a `Request`, read its events from the returned handle (or
 give a `sink` callback), and either drive it with `step()` or run it on its own thread (`start()`).
@@ -199,7 +200,8 @@ class RequestHandle:
         self.sink_error: str | None = None
 
     def cancel(self) -> None:
-        """Stop generating; the slot is freed at the engine's next step."""
+        """Stop generating; the slot is freed at the engine's next step (the tokens its current step
+        already decided, a speculative round's window, may still arrive)."""
         self._cancelled.set()
 
     @property
