@@ -629,6 +629,21 @@ def test_point_latest_keeps_at_least_the_newest(tmp_path):
     assert ckpt.resolve(tmp_path) == tmp_path / "step_0000003"
 
 
+def test_pruning_keeps_the_checkpoint_just_saved_over_a_later_one_a_crashed_run_left(tmp_path):
+    """A run killed after step_4 was renamed into place but before `latest` moved on leaves step_4 beside
+    `latest` -> step_2; resumed from step_2, it saves step_3. step_4 belongs to the timeline that was
+    abandoned: it is deleted, and the checkpoint just saved is kept, whatever `keep` says. Temporary
+    folders a killed save left behind go too."""
+    for step in (1, 2, 4):
+        (tmp_path / ckpt.step_name(step)).mkdir()
+    (tmp_path / f".tmp-{ckpt.step_name(2)}-99999").mkdir()  # a save killed mid-write
+    (tmp_path / ckpt.step_name(3)).mkdir()
+    ckpt.point_latest(tmp_path, ckpt.step_name(3), keep=2)
+    assert _steps(tmp_path) == ["step_0000002", "step_0000003"]
+    assert ckpt.resolve(tmp_path) == tmp_path / "step_0000003"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+
+
 def test_an_interrupt_during_a_write_leaves_no_temporary_folder(tmp_path):
     """Guards against: write_atomic's `except BaseException` -> `except Exception` (Ctrl-C while the weights were
     written left a .tmp-* folder beside the checkpoints)."""

@@ -104,11 +104,17 @@ def step_name(step: int) -> str:
 
 
 def point_latest(root: Path, name: str, keep: int) -> None:
-    """Point `root/latest` at checkpoint `root/name` and delete all but the `keep` newest step folders."""
-    tmp_latest = Path(root) / ".latest.tmp"
+    """Point `root/latest` at checkpoint `root/name` and delete all but the `keep` newest step folders up
+    to it. Step folders past `name`, and temporary folders of saves, are what a killed run left (a step
+    renamed into place before `latest` moved on to it, a half-written save): resumed from an earlier
+    step, the run has abandoned them, so they are deleted too."""
+    root = Path(root)
+    tmp_latest = root / ".latest.tmp"
     tmp_latest.write_text(name)
-    tmp_latest.replace(Path(root) / "latest")
-    for old in sorted(p for p in Path(root).glob("step_*") if p.is_dir())[: -max(1, keep)]:
+    tmp_latest.replace(root / "latest")
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    kept = [p for p in steps if p.name <= name][-max(1, keep) :]
+    for old in [p for p in steps if p not in kept] + [p for p in root.glob(".tmp-step_*") if p.is_dir()]:
         shutil.rmtree(old, ignore_errors=True)
 
 
