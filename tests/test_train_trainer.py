@@ -73,6 +73,30 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, cache):
     assert (full.ckpt_root / "latest").read_text().strip() == "step_0000008"
 
 
+def test_the_log_holds_each_step_once_after_a_restart_without_checkpoint_and_a_torn_line(tmp_path, cache):
+    """A run stopped before its first checkpoint leaves metrics.jsonl behind; started again (here with
+    --train.resume, as the interrupt message says, which finds nothing to resume) it must not append to
+    it. A process killed while writing a record leaves a torn last line, which a resume drops instead of
+    failing on it. Either way the log is an uninterrupted run's: steps 1..N once each."""
+    first = Trainer(job(tmp_path, cache, "run", train__steps=4, train__checkpoint_every=100))
+    first.step = 2
+    first.logger.log({"loss": 9.0}, 1)
+    first.logger.log({"loss": 9.0}, 2)  # what the stopped attempt logged, with no checkpoint written
+    again = Trainer(job(tmp_path, cache, "run", train__steps=4, train__checkpoint_every=2, train__resume=True))
+    again.fit()
+    records = [json.loads(line) for line in (again.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert all(r["loss"] != 9.0 for r in records)
+    with open(again.out_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 5.5')  # torn: the process died mid-write
+    resumed = Trainer(job(tmp_path, cache, "run", train__steps=6, train__checkpoint_every=2, train__resume=True))
+    assert resumed.step == 4
+    resumed.fit()
+    steps = [json.loads(line)["step"] for line in (resumed.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s > 4] and steps == sorted(steps)
+    assert sorted(losses(resumed.out_dir)) == [1, 2, 3, 4, 5, 6]
+
+
 def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
     """A learned prior whose logits move every step resumes onto the same trajectory (logits, Adam
     state, baselines, draw counter), so the depths and losses match an uninterrupted run."""
@@ -628,6 +652,26 @@ def test_metrics_logger_feeds_tensorboard_and_wandb_the_finite_scalars_at_their_
     assert wb_calls == [({"loss": 2.5, "n": 3}, {"step": 7}), "finished"]
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert line.startswith('{"step": 7, "loss": 2.5') and json.loads(line)["depths"] == [1, 2]
+
+
+def test_the_metrics_log_keeps_the_whole_records_up_to_the_step_it_starts_from(tmp_path):
+    """Records past the step a run resumes at are dropped (a step-0 record, e.g. RL's first evaluation, is
+    kept), all of them on a fresh start, and a torn last line (a process killed mid-write) is dropped
+    instead of failing the resume."""
+    from looplm.train.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    records = '{"step": 0, "val_loss": 3.0}\n{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo'
+    log = MetricsLogger(tmp_path, enabled=True, tensorboard=False, wandb=False)
+    path.write_text(records)
+    log.truncate_after(2)
+    assert path.read_text() == '{"step": 0, "val_loss": 3.0}\n{"step": 1}\n{"step": 2}\n'
+    path.write_text(records)
+    log.truncate_after(0)
+    assert path.read_text() == '{"step": 0, "val_loss": 3.0}\n'
+    path.write_text(records)
+    log.truncate_after(None)
+    assert path.read_text() == ""
 
 
 def test_a_disabled_metrics_logger_neither_writes_nor_truncates(tmp_path):

@@ -152,11 +152,11 @@ class DistillTrainer:
         )
         if resume_from is not None:
             self._load(resume_from)
-            self.logger.truncate_after(self.step)
             if self.env.is_main:
                 print(f"resuming {self.out_dir} from step {self.step} (of {cfg.steps})", flush=True)
         else:
             self.energy = self.calibrate()
+        self.logger.truncate_after(None if resume_from is None else self.step)  # fresh: an earlier attempt's log goes
         self.start_step, self.start_elapsed = self.step, self.elapsed
 
     # -- pieces -------------------------------------------------------------------------------

@@ -93,9 +93,9 @@ class RLTrainer:
         self.logger = MetricsLogger(self.out_dir, enabled=self.env.is_main, tensorboard=False, wandb=False)
         if resume_from is not None:
             self._load(resume_from)
-            self.logger.truncate_after(self.step)
             if self.env.is_main:
                 print(f"resuming {self.out_dir} from step {self.step} (of {cfg.steps})", flush=True)
+        self.logger.truncate_after(None if resume_from is None else self.step)  # fresh: an earlier attempt's log goes
         self.start_step, self.start_elapsed = self.step, self.elapsed
         self._eval_set = None
 

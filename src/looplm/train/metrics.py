@@ -45,11 +45,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop records past the checkpoint so the log equals an uninterrupted run's."""
+    def truncate_after(self, step: int | None) -> None:
+        """At the start of a run resumed at `step`, drop the records past it (all of them on a fresh start,
+        `step` None, over an earlier attempt's log) so that the log equals an uninterrupted run's; a torn
+        line (a process killed mid-write) goes too."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        lines = self.path.read_text().splitlines() if step is not None else []
+        kept = [line for line in lines if (n := _step(line)) is not None and n <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def close(self) -> None:
@@ -57,3 +60,11 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _step(line: str) -> int | None:
+    """The step of one metrics.jsonl line, None for a line that is not a whole record."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -258,7 +258,7 @@ class Trainer:
         )
         if resume_from:
             self._load(resume_from)
-            self.logger.truncate_after(self.step)
+        self.logger.truncate_after(None if resume_from is None else self.step)  # fresh: an earlier attempt's log goes
         self.start_step = self.step
 
     # -- setup ---------------------------------------------------------------------------------
