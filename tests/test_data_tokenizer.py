@@ -284,3 +284,23 @@ def test_a_tokenizer_whose_named_tokens_were_ordinary_is_told_apart_from_its_fil
         assert (tok.fingerprint() == content_hash(tok)) is special
         fingerprints[special] = tok.fingerprint()
     assert fingerprints[False] != fingerprints[True]  # the file differs in the tokens' flags
+
+
+def test_a_tokenizer_file_that_truncates_or_pads_encodes_whole_documents() -> None:
+    """A tokenizer.json saved with truncation or padding on (as Transformers pipelines often leave it) would cut
+    every document to its max_length and pad short ones with supervised pad tokens; looplm packs documents
+    itself, so it encodes each whole and unpadded, as the same file without those settings does. Both have
+    one fingerprint, so caches written while the file truncated (keyed by its content) are not reused."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = _bare_bpe(300)
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<eos>", "<pad>")])
+    ref = HFTokenizer.from_str(backend.to_str())  # the reference: the file without the settings
+    backend.enable_truncation(max_length=8)
+    backend.enable_padding(length=8, pad_id=backend.token_to_id("<pad>"), pad_token="<pad>")
+    tok = BPETokenizer(backend)
+    long, short = CORPUS[0] * 3, "hi"
+    assert tok.encode(long) == ref.encode(long, add_special_tokens=False).ids and len(tok.encode(long)) > 8
+    assert tok.encode(short) == ref.encode(short, add_special_tokens=False).ids and tok.pad_id not in tok.encode(short)
+    assert tok.fingerprint() == BPETokenizer(ref).fingerprint()

@@ -164,7 +164,11 @@ class BPETokenizer(Tokenizer):
         self._names = (eos_token, pad_token)
         self._bos_name = bos_token
         self._bos = None if bos_token is None else int(backend.token_to_id(bos_token))
-        # Serialise before changing runtime flags so the fingerprint is the file content.
+        # looplm packs whole documents itself: a file saved with truncation or padding on would cut each
+        # document at its max_length and pad short ones with supervised pad ids
+        backend.no_truncation()
+        backend.no_padding()
+        # Serialise before changing runtime flags so the fingerprint is the file content (as looplm reads it).
         self._json: str = backend.to_str()
         # A tokenizer made elsewhere may add its end/padding/BOS tokens as ordinary ones: they are special
         # here all the same (same ids), so that their names in text stay text and `decode` skips them.
