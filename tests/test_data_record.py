@@ -57,6 +57,30 @@ def test_checkpoints_store_their_record(tmp_path):
     assert ckpt.DATA_RECORD in ckpt.verify(path)["sha256"]
 
 
+def test_reading_data_that_splits_otherwise_than_the_record_says_is_warned_of(tmp_path, capsys):
+    """A record keeps how its data split (documents and tokens per split, written out here by counting the
+    folder's documents); reading the held-out split of a folder that gained a document since warns that it
+    may hold trained-on documents. Another source (`--data`) says nothing of the run's split."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i:02d}.txt").write_text(f"doc {i} " * (10 + i))
+    record = DataRecord(source=str(corpus), seq_len=32, cache_dir=str(tmp_path / "cache"))
+    train, val = record.datasets(ByteTokenizer())
+    assert train.n_docs + val.n_docs == 20  # one document per file
+    assert train.n_tokens + val.n_tokens == sum(len(f"doc {i} " * (10 + i)) + 1 for i in range(20))  # + eos
+    record = record.with_splits(train, val)
+    assert DataRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    record.validation(ByteTokenizer())
+    assert "warning" not in capsys.readouterr().err
+    (corpus / "doc99.txt").write_text("added since " * 10)
+    record.validation(ByteTokenizer())
+    err = capsys.readouterr().err
+    assert f"warning: {corpus} no longer splits as it did when this run started" in err
+    assert "held-out documents may include ones the model trained on" in err
+    assert record.with_source(str(corpus)).splits is None
+
+
 def write_old_checkpoint(folder: Path, job: dict, conversion: dict | None = None) -> Path:
     """A checkpoint folder in the layout written before data records: weights, config.json (the job),
     the tokenizer, conversion.json for a converted one, and the manifest; no data.json."""

@@ -97,6 +97,23 @@ def test_the_log_holds_each_step_once_after_a_restart_without_checkpoint_and_a_t
     assert sorted(losses(resumed.out_dir)) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_resume_over_data_that_no_longer_splits_as_it_did_is_refused(tmp_path):
+    """The held-out draw depends on the number of documents: a file added to the source folder between the
+    two halves of a run would put former held-out documents into training (and `looplm eval` would score
+    documents the model trained on). The checkpoint records how its data split; the resume checks it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * (20 + i))
+    kw = dict(data__source=str(corpus), data__cache_dir=tmp_path / "cache", train__checkpoint_every=100)
+    first = Trainer(tiny_job(tmp_path, "run", train__stop_after=2, **kw))
+    first.fit()
+    Trainer(tiny_job(tmp_path, "run", train__resume=True, **kw))  # the same data: resumes
+    (corpus / "doc99.txt").write_text("a document added since. " * 30)
+    with pytest.raises(UserError, match="no longer splits as it did when this run started"):
+        Trainer(tiny_job(tmp_path, "run", train__resume=True, **kw))
+
+
 def test_resume_reproduces_the_learned_prior_trajectory(tmp_path, cache):
     """A learned prior whose logits move every step resumes onto the same trajectory (logits, Adam
     state, baselines, draw counter), so the depths and losses match an uninterrupted run."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -50,6 +51,11 @@ class DataRecord:
     origin: Origin = "trained"
     """'trained' (the data the model learned from) or 'converted' (a released model: `source` is only
     the text held out for evaluation, chosen at conversion)."""
+    splits: tuple[int, int, int, int] | None = None
+    """How the data split when the run read it: training documents and tokens, held-out documents and
+    tokens. The held-out draw depends on the number of documents, so a source that gained or lost one
+    (or a `looplm tokenize` folder made again) splits otherwise: a resume refuses it, and the commands
+    that read the held-out split say so (`split_change`). None: a record written before this field."""
 
     @property
     def is_tasks(self) -> bool:
@@ -58,7 +64,22 @@ class DataRecord:
 
     def with_source(self, source: str | None) -> DataRecord:
         """This record with another source (`--data`), or itself for None."""
-        return self if source is None else dataclasses.replace(self, source=str(source))
+        return self if source is None else dataclasses.replace(self, source=str(source), splits=None)
+
+    def with_splits(self, train, val) -> DataRecord:
+        """This record with the split of the (train, held-out) PackedDatasets a run read."""
+        return dataclasses.replace(self, splits=_counts(train, val))
+
+    def split_change(self, train, val) -> str | None:
+        """How the (train, held-out) PackedDatasets split otherwise than the record says, or None (also
+        for a record that does not say)."""
+        if self.splits is None or _counts(train, val) == self.splits:
+            return None
+        (a, b, c, d), (e, f, g, h) = self.splits, _counts(train, val)
+        return (
+            f"{self.source} no longer splits as it did when this run started (training {a:,} documents, "
+            f"{b:,} tokens; held out {c:,}, {d:,}); now {e:,}, {f:,}; {g:,}, {h:,}"
+        )
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -75,6 +96,8 @@ class DataRecord:
         values = dict(data)
         if "tasks" in values:
             values["tasks"] = _task_config(values["tasks"])
+        if values.get("splits") is not None:
+            values["splits"] = tuple(int(n) for n in values["splits"])
         if values.get("origin", "trained") not in ("trained", "converted"):
             raise DataError(f"unknown data record origin {values['origin']!r}")
         return cls(**values)
@@ -117,9 +140,18 @@ class DataRecord:
             seed=self.seed,
         )
 
+    def checked_datasets(self, tokenizer, seq_len: int | None = None):
+        """`datasets`, with a warning line on stderr where the data no longer splits as the record says: the
+        held-out documents may then include ones the model trained on."""
+        train, val = self.datasets(tokenizer, seq_len)
+        change = self.split_change(train, val)
+        if change is not None:
+            print(f"warning: {change}: its held-out documents may include ones the model trained on", file=sys.stderr)
+        return train, val
+
     def validation(self, tokenizer, seq_len: int | None = None):
-        """The held-out split (a PackedDataset)."""
-        return self.datasets(tokenizer, seq_len)[1]
+        """The held-out split (a PackedDataset), checked as `checked_datasets` does."""
+        return self.checked_datasets(tokenizer, seq_len)[1]
 
     def held_out_examples(self, n: int, seed: int) -> list[Example]:
         """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold.
@@ -129,6 +161,10 @@ class DataRecord:
         if seed == self.seed:
             seed = int.from_bytes(hashlib.sha256(f"looplm-held-out-{seed}".encode()).digest()[:8], "little")
         return [ex for ex in generate_examples(self.tasks, n, seed) if ex.prompt not in seen]
+
+
+def _counts(train, val) -> tuple[int, int, int, int]:
+    return (train.n_docs, train.n_tokens, val.n_docs, val.n_tokens)
 
 
 def absolute_source(source: str) -> str:

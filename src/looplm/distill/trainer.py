@@ -135,7 +135,7 @@ class DistillTrainer:
             diffs = [d for d in flat_diff(saved, cfg.to_dict()) if d.split(":")[0] not in RESUMABLE]
             if diffs:
                 raise ckpt.CheckpointError(f"cannot resume into a different config ({'; '.join(diffs[:4])})")
-        self.train_data, self.val_data = self.data.datasets(self.tokenizer, self.seq_len)
+        self.train_data, self.val_data = self.data.checked_datasets(self.tokenizer, self.seq_len)
         # E on training rows, as the paper calibrates it (§3.2); validation on held-out rows
         self.calib_rows = calibration_rows(len(self.train_data), cfg.calibration_rows)
         self.val_rows = list(range(min(len(self.val_data), cfg.val_rows)))

@@ -214,6 +214,12 @@ class Trainer:
         self.tokenizer = saved_tok or self._build_tokenizer()
         m.vocab_size = vocab_size_for(m.vocab_size, self.tokenizer.vocab_size)
         self.train_data, self.val_data = self._build_data()
+        change = self._saved["record"].split_change(self.train_data, self.val_data) if self._saved else None
+        if change is not None:  # the held-out draw moved: former held-out documents would be trained on
+            raise UserError(
+                f"{change}: a resume would train on other documents; resume with the data as it was, or "
+                "start a new run (another --train.out-dir)"
+            )
         torch.manual_seed(t.seed)
         self.model = LoopedLM(m).to(self.env.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -846,9 +852,8 @@ class Trainer:
         def write_files(tmp: Path) -> None:
             ckpt.write_json(tmp, "config.json", self.job.to_dict())
             # the data as this run resolved it (config.json keeps the job as given)
-            ckpt.write_data_record(
-                tmp, DataRecord.from_job({**self.job.to_dict(), "data": jsonable(dataclasses.asdict(self.data))})
-            )
+            record = DataRecord.from_job({**self.job.to_dict(), "data": jsonable(dataclasses.asdict(self.data))})
+            ckpt.write_data_record(tmp, record.with_splits(self.train_data, self.val_data))
             self.tokenizer.save(tmp)
 
         return self.checkpointer.save(self.step, state, write_files)
