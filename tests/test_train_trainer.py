@@ -1533,6 +1533,21 @@ def test_a_tokenized_folder_with_another_bpe_than_the_requested_file_is_named(tm
     assert tokenizer_warning("tok", folder_tok, "my/tokenizer.json", 4096, folder_tok) is None
 
 
+def test_a_tokenized_folder_whose_bpe_came_out_smaller_than_asked_is_not_warned_of(tmp_path):
+    """`looplm tokenize --bpe-vocab-size 60000` on a small corpus trains fewer ids than asked; a job that asks
+    for the same (data.tokenizer bpe, the same bpe_vocab_size) gets the folder's tokenizer as it asked, so no
+    warning; one that asks for another size is told."""
+    from looplm.data.tokenizer import BPETokenizer
+    from looplm.train.startup import tokenizer_warning
+
+    texts = [f"document {i} of a small corpus, long enough to train a tokenizer. " * 4 for i in range(30)]
+    folder_tok = BPETokenizer.train(texts, 60000)
+    assert folder_tok.vocab_size < 60000
+    assert tokenizer_warning("tok", folder_tok, "bpe", 60000, trained_as="bpe-60000") is None
+    line = tokenizer_warning("tok", folder_tok, "bpe", 4096, trained_as="bpe-60000")
+    assert line is not None and line.endswith("not data.tokenizer's (bpe, vocabulary 4,096)"), line
+
+
 def test_the_model_line_names_the_ranks():
     from looplm.data import ByteTokenizer
     from looplm.train.startup import model_line

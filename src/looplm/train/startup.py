@@ -86,12 +86,15 @@ def cpu_warning(
     )
 
 
-def tokenizer_warning(source: str, folder_tok, requested: str, bpe_vocab_size: int, requested_tok=None) -> str | None:
+def tokenizer_warning(
+    source: str, folder_tok, requested: str, bpe_vocab_size: int, requested_tok=None, trained_as: str | None = None
+) -> str | None:
     """A warning line when a `looplm tokenize` folder's tokenizer replaces the one the job asks for
     (data.tokenizer, data.bpe_vocab_size), e.g. the S preset's 64,256-token BPE; None when they agree.
-    `requested_tok`: the tokenizer data.tokenizer names, where it is a file (or byte)."""
+    `requested_tok`: the tokenizer data.tokenizer names, where it is a file (or byte); `trained_as`: the
+    tokenizer the folder was asked to train ("bpe-N"; a small corpus gives fewer than N ids)."""
     if requested == "bpe":
-        if folder_tok.name == "bpe" and folder_tok.vocab_size == bpe_vocab_size:
+        if folder_tok.name == "bpe" and bpe_vocab_size in (folder_tok.vocab_size, _trained_size(trained_as)):
             return None
         asked = f"bpe, vocabulary {bpe_vocab_size:,}"
     else:
@@ -102,3 +105,10 @@ def tokenizer_warning(source: str, folder_tok, requested: str, bpe_vocab_size: i
         f"warning: data.source {source} is a `looplm tokenize` folder: the run uses its tokenizer "
         f"({folder_tok.name}, vocabulary {folder_tok.vocab_size:,}), not data.tokenizer's ({asked})"
     )
+
+
+def _trained_size(trained_as: str | None) -> int | None:
+    """N of a `looplm tokenize` folder's request "bpe-N", else None."""
+    if trained_as is None or not trained_as.startswith("bpe-") or not trained_as[4:].isdigit():
+        return None
+    return int(trained_as[4:])

@@ -477,7 +477,8 @@ class Trainer:
         if is_pretokenized(d.source):  # `looplm tokenize` output carries its tokenizer
             tok = open_pretokenized(d.source, d.seq_len)[0]
             asked = None if d.tokenizer == "bpe" else build_tokenizer(d.tokenizer, None, d.bpe_vocab_size)
-            line = tokenizer_warning(self.job.data.source, tok, d.tokenizer, d.bpe_vocab_size, asked)
+            trained_as = pretokenized_info(d.source).get("request", {}).get("tokenizer")
+            line = tokenizer_warning(self.job.data.source, tok, d.tokenizer, d.bpe_vocab_size, asked, trained_as)
             if line and self.env.is_main:
                 print(line, file=sys.stderr, flush=True)
             return tok
