@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from looplm.errors import UserError
 from looplm.train.layout import BatchLayout
 
 
@@ -25,7 +26,9 @@ def test_forwards_cover_every_global_row_once(global_rows, world, max_rows):
 
 
 def test_a_split_that_does_not_divide_is_refused():
-    with pytest.raises(ValueError, match="microbatch of 6 sequences.*does not split evenly over 4 ranks"):
+    """A resume on a number of ranks that does not divide the run's microbatch is the user's to fix (one
+    `error:` line), not an internal error."""
+    with pytest.raises(UserError, match="microbatch of 6 sequences.*does not split evenly over 4 ranks"):
         BatchLayout(6, 1, 4, 0, 2)
     with pytest.raises(ValueError, match="invalid"):
         BatchLayout(4, 1, 2, 2, 2)  # rank outside the world

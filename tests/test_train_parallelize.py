@@ -405,6 +405,43 @@ def test_fsdp_bf16_trains_an_injection_with_parameters(tiny_model_config, inject
         torch.testing.assert_close(grads[n].float(), ref_grads[n], rtol=0.1, atol=0.1 * ref_grads[n].abs().max().item())
 
 
+def test_ddp_trains_a_model_whose_prelude_enters_only_through_its_initial_state(tiny_model_config):
+    """Injection `none` with s0 = e (state_init input): the prelude output enters the recurrence only
+    through s0, so a step whose depth exceeds the backprop window (the first R - b recurrences run
+    without autograd) gives the prelude and embedding no gradient. DDP, run for real on a one-rank gloo
+    group, must take such steps (it failed on the next one: unused parameters) and give every parameter
+    the gradient the unwrapped model gets (autograd's: none for the prelude)."""
+    import torch.distributed as dist
+
+    from looplm.train.distributed import DistEnv
+    from looplm.train.parallelize import wrap_model
+
+    cfg = tiny_model_config(injection="none", state_init="input")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    plain = LoopedLM(cfg)
+    model = copy.deepcopy(plain)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        m(tokens, 4, bptt_window=2).logits.logsumexp(-1).mean().backward()
+        inner = getattr(m, "module", m)
+        return {n: None if p.grad is None else p.grad.clone() for n, p in inner.named_parameters()}
+
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = wrap_model(model, DistEnv(world_size=1, joined=True), "ddp")
+        for _ in range(2):  # the second step is where an unfinished reduction fails
+            got, want = step(ddp), step(plain)
+    finally:
+        dist.destroy_process_group()
+    assert want["embed.weight"] is None or not want["embed.weight"].any()  # the case at hand
+    for name, grad in want.items():
+        if grad is None or not grad.any():
+            assert got[name] is None or not got[name].any(), name
+        else:
+            torch.testing.assert_close(got[name], grad, msg=name)
+
+
 class SyncRecorder(torch.nn.Module):
     """Stands in for a DDP / FSDP2 module: records the gradient-sync switches it is given."""
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from looplm.errors import UserError
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -33,7 +35,7 @@ class BatchLayout:
         if min(sizes) < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"invalid batch layout {self}")
         if self.global_rows % self.world_size:
-            raise ValueError(
+            raise UserError(
                 f"the run's microbatch of {self.global_rows} sequences over all ranks (train.micro_batch x "
                 f"ranks when it started) does not split evenly over {self.world_size} ranks; resume on a "
                 f"number of ranks that divides {self.global_rows}"

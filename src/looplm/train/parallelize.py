@@ -85,7 +85,12 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        # injection none: the prelude output enters only through s0 (state_init input) or not at all, so a
+        # step deeper than the backprop window leaves the prelude and embedding without a gradient
+        unused = model.cfg.injection == "none"
+        return DDP(
+            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, find_unused_parameters=unused
+        )
     if parallel in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
