@@ -644,8 +644,9 @@ def test_metrics_logger_feeds_tensorboard_and_wandb_the_finite_scalars_at_their_
     tb_calls, wb_calls = [], []
 
     class SummaryWriter:
-        def __init__(self, log_dir):
+        def __init__(self, log_dir, purge_step=None):
             self.log_dir = log_dir
+            tb_calls.append(("purge_step", purge_step))
 
         def add_scalar(self, *args):
             tb_calls.append(args)
@@ -665,10 +666,18 @@ def test_metrics_logger_feeds_tensorboard_and_wandb_the_finite_scalars_at_their_
     log = MetricsLogger(tmp_path, enabled=True, tensorboard=True, wandb=True)
     log.log({"loss": 2.5, "n": 3, "val_loss": float("nan"), "grad_norm": float("inf"), "depths": [1, 2]}, 7)
     log.close()
-    assert tb_calls == [("loss", 2.5, 7), ("n", 3, 7), "closed"]
+    assert tb_calls == [("purge_step", None), ("loss", 2.5, 7), ("n", 3, 7), "closed"]
     assert wb_calls == [({"loss": 2.5, "n": 3}, {"step": 7}), "finished"]
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert line.startswith('{"step": 7, "loss": 2.5') and json.loads(line)["depths"] == [1, 2]
+    # a run that starts at a step hides an earlier attempt's TensorBoard events from the next step on, as
+    # truncate_after drops its records: TensorBoard's purge_step (every event on a fresh start)
+    for start, purge in ((6, 7), (None, 0)):
+        tb_calls.clear()
+        log = MetricsLogger(tmp_path, enabled=True, tensorboard=True, wandb=False)
+        log.truncate_after(start)
+        log.log({"loss": 1.0}, 8)
+        assert tb_calls == [("purge_step", purge), ("loss", 1.0, 8)]
 
 
 def test_the_metrics_log_keeps_the_whole_records_up_to_the_step_it_starts_from(tmp_path):

@@ -14,16 +14,17 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._tb = self._wandb = None
+        self._tb_dir: Path | None = None  # the writer opens at the run's first step (`truncate_after`)
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                import torch.utils.tensorboard  # noqa: F401  (the tensorboard extra, README: Install)
 
-                self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-            except ImportError:  # the tensorboard extra (README: Install)
-                self._tb = None
+                self._tb_dir = Path(out_dir) / "tensorboard"
+            except ImportError:
+                self._tb_dir = None
         if wandb:
             try:
                 import wandb as wb
@@ -36,6 +37,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **record}
+        if self._tb_dir is not None and self._tb is None:
+            self._open_tensorboard(None)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
@@ -49,11 +52,21 @@ class MetricsLogger:
         """At the start of a run resumed at `step`, drop the records past it (all of them on a fresh start,
         `step` None, over an earlier attempt's log) so that the log equals an uninterrupted run's; a torn
         line (a process killed mid-write) goes too."""
-        if not self.enabled or not self.path.exists():
+        if not self.enabled:
+            return
+        if self._tb_dir is not None and self._tb is None:  # its events past `step` are hidden, as records go
+            self._open_tensorboard(0 if step is None else step + 1)
+        if not self.path.exists():
             return
         lines = self.path.read_text().splitlines() if step is not None else []
         kept = [line for line in lines if (n := _step(line)) is not None and n <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
+
+    def _open_tensorboard(self, purge_step: int | None) -> None:
+        """The TensorBoard writer; `purge_step`: events of earlier attempts at that step and later are hidden."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(str(self._tb_dir), purge_step=purge_step)
 
     def close(self) -> None:
         if self._tb is not None:
