@@ -74,7 +74,8 @@ def _report(
     from looplm.eval.plots import write_run_plots
     from looplm.eval.report import depth_report, format_report, write_report
 
-    task_batches = -(-cfg.task_examples // cfg.batch_size) if data.is_tasks else 0
+    tasks = len(data.held_out_examples(cfg.task_examples, cfg.task_seed)) if data.is_tasks and cfg.task_examples else 0
+    task_batches = -(-tasks // cfg.batch_size)  # the examples left once the training prompts are dropped
     per_depth = (
         -(-cfg.max_sequences // cfg.batch_size) + task_batches + (cfg.sharing_sequences > 0) + len(prefill or ())
     )

@@ -10,6 +10,7 @@ record as data.json (`looplm.checkpoint`); a training run's record is read off i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import sys
@@ -157,10 +158,15 @@ class DataRecord:
         """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold.
         A `seed` equal to the training seed would draw the training set's first examples (every one of
         them dropped), so that draw takes a seed derived from both instead."""
-        seen = {ex.prompt for ex in generate_examples(self.tasks, self.n_task_examples, self.seed)}
-        if seed == self.seed:
-            seed = int.from_bytes(hashlib.sha256(f"looplm-held-out-{seed}".encode()).digest()[:8], "little")
-        return [ex for ex in generate_examples(self.tasks, n, seed) if ex.prompt not in seen]
+        return list(_held_out(self, n, seed))  # kept: a progress bar counts them before the report scores them
+
+
+@functools.lru_cache(maxsize=4)
+def _held_out(record: DataRecord, n: int, seed: int) -> tuple[Example, ...]:
+    seen = {ex.prompt for ex in generate_examples(record.tasks, record.n_task_examples, record.seed)}
+    if seed == record.seed:
+        seed = int.from_bytes(hashlib.sha256(f"looplm-held-out-{seed}".encode()).digest()[:8], "little")
+    return tuple(ex for ex in generate_examples(record.tasks, n, seed) if ex.prompt not in seen)
 
 
 def _counts(train, val) -> tuple[int, int, int, int]:
