@@ -487,8 +487,8 @@ def test_gradient_sync_skips_accumulation_micro_steps(parallel):
 
 
 def test_fsdp_gets_bf16_compute_with_fp32_gradient_reduction(monkeypatch, tiny_model_config):
-    """The wiring of FSDP2's mixed precision (gloo on CPU cannot run bf16 FSDP, so fully_shard
-    is recorded instead of run): every block, then the root, with one policy."""
+    """The wiring of FSDP2's mixed precision, fully_shard recorded instead of run (the policies it is given;
+    test_fsdp_bf16_trains_an_injection_with_parameters runs it for real): every block, then the root."""
     import torch.distributed.fsdp as fsdp
 
     from looplm.train.distributed import DistEnv
