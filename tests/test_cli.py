@@ -1129,6 +1129,42 @@ def test_serve_banner_names_the_run_and_brackets_an_ipv6_host(random_run, monkey
     assert port != 0 and "warning" not in err, err
 
 
+def test_serve_refuses_connections_until_it_is_ready(random_run, monkeypatch, capsys):
+    """The port is taken before the model loads (a busy port fails at once), but until the engine is ready
+    (loaded, and with --compile warmed up for minutes) a client's connection is refused, so a health-check
+    loop retries instead of hanging on a server that answers nothing; uvicorn gets a listening socket."""
+    pytest.importorskip("uvicorn")
+    import socket
+
+    import uvicorn
+
+    import looplm.cli as cli
+    from looplm.checkpoint import load_model
+
+    seen = {}
+    real_listen = cli._listen
+    monkeypatch.setattr(cli, "_listen", lambda host, port: seen.setdefault("socket", real_listen(host, port)))
+
+    def loading(*args, **kwargs):  # while the model loads: connect to the port taken
+        port = seen["socket"].getsockname()[1]
+        with socket.socket() as client:
+            client.settimeout(2)
+            seen["while_loading"] = client.connect_ex(("127.0.0.1", port))
+        return load_model(*args, **kwargs)
+
+    def run(self, sockets=None):
+        with socket.socket() as client:
+            client.settimeout(2)
+            seen["serving"] = client.connect_ex(("127.0.0.1", sockets[0].getsockname()[1]))
+
+    monkeypatch.setattr("looplm.checkpoint.load_model", loading)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    rc, _, err = run_main(["serve", random_run, "--port", 0, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert seen["while_loading"] != 0  # refused (ECONNREFUSED), not accepted into a queue nobody reads
+    assert seen["serving"] == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "kept"),
     [

@@ -777,8 +777,9 @@ def convert(
 
 
 def _listen(host: str, port: int):
-    """A socket listening on host:port (port 0: one the system chooses), for uvicorn to serve on; a busy
-    port or an unknown host is a UserError."""
+    """A socket bound to host:port (port 0: one the system chooses), for uvicorn to serve on once it listens;
+    a busy port or an unknown host is a UserError. Bound, not yet listening: until then a client's
+    connection is refused (the model loads, the engine warms up), not queued unanswered."""
     import socket
 
     try:
@@ -789,7 +790,6 @@ def _listen(host: str, port: int):
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts at once
             listener.bind(address)
-            listener.listen(2048)
         except OSError:
             listener.close()
             raise
@@ -838,7 +838,7 @@ def serve(
         raise UserError(f"--port must be in 0..65535 (0: any free port), got {port}")
     engine.check(prefix="--")  # what needs no model, before it loads
     check_arm_cache(prefill, engine.cache, prefix="--")
-    listener = _listen(host, port)  # before the model loads (a busy port fails at once) and before the banner
+    listener = _listen(host, port)  # bound before the model loads (a busy port fails at once), listening once ready
     try:
         model, tokenizer, _ = load_model(checkpoint, _device(device))
         engine.check(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--")  # as Engine does, named as options
@@ -857,6 +857,7 @@ def serve(
         if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: {host} exposes the server beyond this machine and no --api-key is set", file=sys.stderr)
         app = create_app(running, name, api_key=api_key)
+        listener.listen(2048)  # ready: connections are accepted from here on
         uvicorn.Server(uvicorn.Config(app, host=host, port=listener.getsockname()[1], log_level="info")).run(
             sockets=[listener]
         )
