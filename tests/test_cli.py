@@ -970,7 +970,8 @@ class ReportSpy:
 
 def test_eval_progress_total_counts_every_batch_of_every_depth(tmp_path, monkeypatch, capsys):
     """The bar's total (in recurrences) is sum(depths) x the batches per depth: ceil(3/2) = 2 perplexity
-    batches, ceil(5/2) = 3 task batches, one sharing batch: (1 + 2) x 6 = 18."""
+    batches, ceil(n/2) task batches for the n held-out examples the report scored (of the 5 asked for, those
+    whose prompts the training set does not hold), one sharing batch."""
     from _jobs import write_random_run
 
     run = write_random_run(tmp_path / "run")  # the task generator
@@ -978,7 +979,9 @@ def test_eval_progress_total_counts_every_batch_of_every_depth(tmp_path, monkeyp
     flags = ["--depths", 1, 2, "--max-sequences", 3, "--task-examples", 5, "--batch-size", 2]
     rc, _, err = run_main(["eval", run, *flags, "--sharing-sequences", 2, "--device", "cpu"], capsys)
     assert rc == 0, err
-    assert spy.totals == [(1 + 2) * (2 + 3 + 1)]
+    n = json.loads((run / "eval.json").read_text())["tasks"]["1"]["n"]
+    assert 0 < n < 5  # some asked-for examples were training prompts
+    assert spy.totals == [(1 + 2) * (2 + -(-n // 2) + 1)]
 
 
 def test_eval_names_each_prefill_arm_once_and_a_lone_arm_is_measured(random_run, monkeypatch, capsys):
