@@ -94,7 +94,9 @@ def tokenizer_warning(
     `requested_tok`: the tokenizer data.tokenizer names, where it is a file (or byte); `trained_as`: the
     tokenizer the folder was asked to train ("bpe-N"; a small corpus gives fewer than N ids)."""
     if requested == "bpe":
-        if folder_tok.name == "bpe" and bpe_vocab_size in (folder_tok.vocab_size, _trained_size(trained_as)):
+        if folder_tok.name == "bpe" and (
+            folder_tok.vocab_size == bpe_vocab_size or trained_as == f"bpe-{bpe_vocab_size}"
+        ):
             return None
         asked = f"bpe, vocabulary {bpe_vocab_size:,}"
     else:
@@ -105,10 +107,3 @@ def tokenizer_warning(
         f"warning: data.source {source} is a `looplm tokenize` folder: the run uses its tokenizer "
         f"({folder_tok.name}, vocabulary {folder_tok.vocab_size:,}), not data.tokenizer's ({asked})"
     )
-
-
-def _trained_size(trained_as: str | None) -> int | None:
-    """N of a `looplm tokenize` folder's request "bpe-N", else None."""
-    if trained_as is None or not trained_as.startswith("bpe-") or not trained_as[4:].isdigit():
-        return None
-    return int(trained_as[4:])
