@@ -82,7 +82,9 @@ def test_the_script_ends_a_user_error_in_one_line(monkeypatch, capsys):
         LoopLMHarness.create_from_arg_string("checkpoint=x,dept=3", {"batch_size": 1})
 
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli_evaluate)
-    rc, _, err = run_script(monkeypatch, capsys, "--model", "looplm", "--model_args", "checkpoint=x,dept=3")
+    rc, _, err = run_script(
+        monkeypatch, capsys, "--model", "looplm", "--model_args", "checkpoint=x,dept=3", "--tasks", "x"
+    )
     assert rc == 2 and err.strip().splitlines() == [err.strip().splitlines()[-1]], err
     assert err.strip().startswith("error: unknown model_args: dept"), err
 
@@ -106,3 +108,42 @@ def test_a_device_in_model_args_is_refused_in_one_line(tmp_path, monkeypatch, ca
     assert rc == 2 and err.strip().splitlines()[-1] == (
         "error: give the device as --device (lm-eval's option), not in --model_args"
     ), err[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("given", "handed_over"),
+    [
+        # lm-eval's own subcommands and help pass through as typed: an inserted --device made `ls tasks` a
+        # legacy `run` that failed with "unrecognized arguments: ls tasks"
+        (["ls", "tasks"], ["ls", "tasks"]),
+        (["validate", "--tasks", "x"], ["validate", "--tasks", "x"]),
+        (["--help"], ["--help"]),
+        (["run", "-h"], ["run", "-h"]),
+        # a run gets looplm's device default, after `run` when the subcommand is named
+        (
+            ["run", "--model", "looplm", "--tasks", "x"],
+            ["run", "--device", "auto", "--model", "looplm", "--tasks", "x"],
+        ),
+        (["--model", "looplm", "-t", "x"], ["--device", "auto", "--model", "looplm", "-t", "x"]),
+        (["--model", "looplm", "--task=x", "--device", "cpu"], ["--model", "looplm", "--task=x", "--device", "cpu"]),
+        (["--config", "c.yaml"], ["--device", "auto", "--config", "c.yaml"]),
+    ],
+)
+def test_lm_evals_subcommands_pass_through_and_runs_get_the_device(monkeypatch, capsys, given, handed_over):
+    import lm_eval.__main__
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(sys.argv[1:]))
+    rc, _, err = run_script(monkeypatch, capsys, *given)
+    assert rc == 0 and seen == [handed_over], err
+
+
+def test_a_run_without_tasks_is_refused_in_one_line(monkeypatch, capsys):
+    """lm-eval itself ended such a run in a ValueError traceback, with exit status 0."""
+    import lm_eval.__main__
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval was started"))
+    rc, _, err = run_script(monkeypatch, capsys, "--model", "looplm", "--model_args", "checkpoint=x")
+    assert rc == 2 and err.strip().splitlines() == [
+        "error: looplm-lm-eval needs --tasks (for example --tasks hellaswag; `looplm-lm-eval ls tasks` lists them)"
+    ], err

@@ -22,8 +22,10 @@ def main() -> int:
     except ImportError as err:
         print(f"error: looplm-lm-eval needs lm-eval ({err}): {install_hint('lm-eval')}", file=sys.stderr)
         return 2
-    if not any(a == "--device" or a.startswith("--device=") for a in sys.argv[1:]):
-        sys.argv[1:1] = ["--device", "auto"]  # lm-eval's default is cuda:0; looplm's, CUDA when available
+    problem = _complete_run_arguments(sys.argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         cli_evaluate()
     except (UserError, FileNotFoundError) as err:
@@ -32,6 +34,38 @@ def main() -> int:
     except SystemExit as exit_:  # lm-eval's argparse errors and --help
         return exit_.code if isinstance(exit_.code, int) else 1
     return 0
+
+
+def _given(args: list[str], *names: str) -> bool:
+    """Whether an option of `names` is in `args`, as argparse reads them (`--opt=v`, `-ov`, or a long
+    option's unambiguous prefix such as `--task`)."""
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        for name in names:
+            if name.startswith("--") and len(flag) > 2 and name.startswith(flag):
+                return True
+            if not name.startswith("--") and arg.startswith(name):
+                return True
+    return False
+
+
+def _complete_run_arguments(argv: list[str]) -> str | None:
+    """Add `--device auto` to an evaluation run (lm-eval's default device is cuda:0; looplm's, CUDA when
+    available), in place; return why the run cannot start, or None. lm-eval's own subcommands (`ls tasks`,
+    `validate`) and help pass through untouched: lm-eval takes arguments before a subcommand as a legacy
+    `run`, so an inserted `--device` would turn `ls tasks` into a run."""
+    args = argv[1:]
+    if not args or args[0] in ("ls", "validate", "-h", "--help"):
+        return None
+    at = 2 if args[0] == "run" else 1  # where the run's own arguments start in argv
+    run_args = argv[at:]
+    if _given(run_args, "-h", "--help"):
+        return None
+    if not _given(run_args, "--tasks", "-t", "--config", "-C"):
+        return "looplm-lm-eval needs --tasks (for example --tasks hellaswag; `looplm-lm-eval ls tasks` lists them)"
+    if not _given(run_args, "--device"):
+        argv[at:at] = ["--device", "auto"]
+    return None
 
 
 if __name__ == "__main__":
