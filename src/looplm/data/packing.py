@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 from looplm.errors import UserError
 
 from .sources import DataError, Document, describe_source, iter_documents
+from .staging import staging_folder
 from .tasks import DEFAULT_TASK_EXAMPLES, Example, TaskConfig, generate_examples
 from .tokenizer import Tokenizer
 
@@ -283,8 +283,7 @@ def prepare_caches(
     if (train_dir / "meta.json").is_file() and (val_dir / "meta.json").is_file():
         return train_dir, val_dir
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cache_dir))
+    tmp = staging_folder(cache_dir, key)
     try:
         write_splits(source, tokenizer, tmp, holdout=holdout, source_desc=desc, **opts)  # type: ignore[arg-type]
         try:

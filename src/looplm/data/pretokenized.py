@@ -32,6 +32,7 @@ from looplm.errors import UserError
 
 from .packing import CACHE_VERSION, PackedDataset, write_splits
 from .sources import DataError, describe_source, iter_documents
+from .staging import staging_folder
 from .tasks import DEFAULT_TASK_EXAMPLES, TaskConfig
 from .tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 
@@ -317,10 +318,7 @@ def tokenize_corpus(
             print(f"training a {bpe_vocab_size}-id BPE tokenizer on {source} ...", file=sys.stderr, flush=True)
         tok = build_tokenizer("bpe", lambda: (doc.text for doc in iter_documents(source, **opts)), bpe_vocab_size)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkdtemp: its 0700 mode would carry over to the published folder.
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = staging_folder(out.parent, out.name)
     bar = _DocProgress() if progress else None
     try:
         metas = write_splits(source, tok, tmp, holdout=holdout, source_desc=desc, progress=bar, **opts)
