@@ -197,7 +197,7 @@ def load_source(root: Path) -> tuple[dict, dict]:
 def reference_logits(root: Path, tokens, depth, state0):
     config, w = load_source(root)
     base, qkb, kv = config["rope_base"], config["qk_bias"], config.get("num_key_value_heads", config["n_heads"])
-    e = w["transformer.wte.weight"][tokens] * config["init_values"]["embed_scale"]
+    e = w["transformer.wte.weight"][tokens] * math.sqrt(config["n_embd"])  # emb_scale: _init_func(n_embd)
     for i in range(config["n_layers_in_prelude"]):
         e = _sandwich(e, w, f"transformer.prelude.{i}.", base, qkb, kv)
     s = state0.double()
@@ -260,11 +260,12 @@ def test_logits_match_the_source_equations(tmp_path, overrides):
 
 def test_grouped_query_heads_and_the_release_init_values(tmp_path):
     """Guards against: Wqkv split as [kv, q, kv] rows or its shape taken as 3 * heads (grouped-query heads, allowed
-    without qk_bias); init_values.embed_scale ignored (sqrt(d) used), the state std read from init_values.embedding
-    instead of init_values.std, max_depth not 2 * mean_recurrence. Each value here differs from its default, so only the
-    config's own numbers give the source's logits."""
+    without qk_bias); the state std read from init_values.embedding instead of init_values.std, or not scaled by
+    sqrt(n_embd) as the source's initialize_state does (emb_scale, which is _init_func(n_embd)["embed_scale"], not the
+    config's value); max_depth not 2 * mean_recurrence. Each value here differs from its default, so only the config's
+    own numbers give the source's logits."""
     KV = 2
-    init = {"embed_scale": 3.0, "embedding": 0.05, "out_proj": 0.001, "std": 0.1}
+    init = {"embed_scale": math.sqrt(D), "embedding": 0.05, "out_proj": 0.001, "std": 0.1}
 
     def gqa(state):
         g = torch.Generator().manual_seed(5)
@@ -278,8 +279,8 @@ def test_grouped_query_heads_and_the_release_init_values(tmp_path):
     )
     model, _, job = load_model(convert_huginn(src, tmp_path / "converted", dtype="fp32"))
     c = model.cfg
-    assert (c.n_heads, c.n_kv_heads, c.embed_scale, c.max_depth) == (HEADS, KV, 3.0, 80)
-    assert c.state_std == pytest.approx(0.1 * 3.0)
+    assert (c.n_heads, c.n_kv_heads, c.embed_scale, c.max_depth) == (HEADS, KV, math.sqrt(D), 80)
+    assert c.state_std == pytest.approx(0.1 * math.sqrt(D))
     assert job["depth"]["depth"] == 40.0
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, c.vocab_size, (2, 9), generator=g)
@@ -385,7 +386,12 @@ def _untie(state):
         (None, {"test_time_noise": 0.1}, "test_time_noise"),
         (_untie, {}, "lm_head.weight differs"),
         (None, {"qk_norm": True}, r"qk_norm = True: looplm converts only qk_norm in \[False\]"),
-        (None, {"init_values": {"embed_scale": 1.0, "std": 0.0}}, r"init_values.std <= 0"),
+        (None, {"init_values": {"embed_scale": math.sqrt(D), "std": 0.0}}, r"init_values.std <= 0"),
+        # the source (since c1fbabc) scales by sqrt(n_embd) whatever the config says; older code read the value
+        (None, {"init_values": {"embed_scale": 3.0, "std": 0.1}}, r"embed_scale = 3 differs from sqrt\(n_embd\)"),
+        (None, {"block_size": None}, r"config.json block_size = None is not an integer"),
+        (None, {"rope_base": "fast"}, r"config.json rope_base = 'fast' is not a number"),
+        (None, {"mean_recurrence": 0}, r"config.json mean_recurrence = 0 must be > 0"),
     ],
 )
 def test_refuses_folders_it_cannot_map(tmp_path, mutate, overrides, match):

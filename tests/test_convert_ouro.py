@@ -364,6 +364,11 @@ def _drop(state):
         (None, {"num_key_value_heads": 4}, r"k_proj.weight has shape \(16, 32\), config.json implies \(32, 32\)"),
         (None, {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
         (None, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        (None, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_parameters"),
+        (None, {"rope_scaling": ["x"]}, r"rope_scaling = \['x'\]: looplm converts only plain RoPE"),
+        (None, {"max_position_embeddings": None}, "config.json max_position_embeddings = None is not an integer"),
+        (None, {"rope_theta": "big"}, "config.json rope_theta = 'big' is not a number"),
+        (None, {"total_ut_steps": 0}, "config.json total_ut_steps = 0 must be > 0"),
         (None, {"layer_types": ["full_attention"] * (LAYERS + 1)}, f"layer_types has {LAYERS + 1} entries"),
         (
             None,
@@ -431,3 +436,14 @@ def test_default_rope_scaling_and_a_long_loop_are_converted(tmp_path):
     src = make_ouro(tmp_path / "ouro", rope_scaling={"rope_type": "default"}, total_ut_steps=80)
     model, _, job = load_model(convert_ouro(src, tmp_path / "converted"))
     assert model.cfg.max_depth == 80 and job["depth"]["depth"] == 80
+
+
+def test_rope_theta_is_read_from_transformers_5s_rope_parameters(tmp_path):
+    """transformers 5 saves rope_theta inside rope_parameters: read only from the top level, a config saved so
+    converted with RoPE base 10000 instead of its own."""
+    src = make_ouro(tmp_path / "ouro", rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    config = json.loads((src / "config.json").read_text())
+    del config["rope_theta"]
+    (src / "config.json").write_text(json.dumps(config))
+    model, _, _ = load_model(convert_ouro(src, tmp_path / "converted"))
+    assert model.cfg.rope_base == 5000.0

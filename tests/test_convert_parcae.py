@@ -419,6 +419,9 @@ def _lone_table(state):
         ),
         (None, {"injection_type": "linear"}, "injection_type"),
         (None, {"nonlin_name": "GELU"}, "nonlin_name"),
+        (None, {"block_size": None}, "config.json block_size = None is not an integer"),
+        (None, {"norm_eps": "small"}, "config.json norm_eps = 'small' is not a number"),
+        (None, {"mean_recurrence": 0}, "config.json mean_recurrence = 0: must be >= 1"),
         (None, {"rope_settings": {"use_rope": True, "rope_condense_ratio": 2, "rope_base": 50000}}, "condenses"),
         (None, {"num_key_value_heads": 2}, "num_key_value_heads"),
         (
@@ -483,3 +486,18 @@ def test_student_prefill_and_rl_estimators_carry_the_value_embeddings(tmp_path):
         out = model(tokens, 3, init="seeded", return_states=True)
         logits = endpoint_logits(model, tokens, out.states[1])
     torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("key", "default"), [("nonlin_name", "GELU"), ("norm_class_name", "LayerNorm"), ("init_strategy", "scaled")]
+)
+def test_an_absent_key_takes_the_sources_default(tmp_path, key, default):
+    """The source builds ParcaeConfig(**config.json), so a key left out takes the dataclass's default (GELU,
+    LayerNorm, "scaled"), not the released value: converted as the released value, such a model's logits were off
+    by 6-9 from the source's."""
+    src = make_parcae(tmp_path / "parcae")
+    config = json.loads((src / "config.json").read_text())
+    del config[key]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"config.json {key} = absent \(the source's default '{default}'\)"):
+        convert_parcae(src, tmp_path / "out")

@@ -27,6 +27,19 @@ def refuse(message: str) -> CheckpointError:
     return CheckpointError(message)
 
 
+def config_number(config: dict, name: str, default: float, kind: type = float, *, positive: bool = False):
+    """config.json's `name` as `kind` (int or float), `default` when the key is absent; a value that is
+    not such a number (a string, null, a fraction for an int), or not > 0 when `positive`, is refused
+    naming the field (the source would not have loaded it either)."""
+    value = config.get(name, default)
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or (kind is int and not float(value).is_integer()):
+        raise refuse(f"config.json {name} = {value!r} is not {'an integer' if kind is int else 'a number'}")
+    if positive and not value > 0:
+        raise refuse(f"config.json {name} = {value!r} must be > 0")
+    return kind(value)
+
+
 def read_json(path: Path, what: str = "a release folder") -> dict:
     try:
         data = json.loads(path.read_text())

@@ -5,8 +5,9 @@ The source is a local Hugging Face folder: config.json (the RavenConfig fields),
 or model.safetensors.index.json with its shards, tokenizer.json (+ tokenizer_config.json,
 special_tokens_map.json). Its forward, as the source computes it:
 
-  e = sqrt(d) * wte[x]  (init_values.embed_scale), then the prelude blocks;
-  s0 ~ truncated normal, std = init_values.std * embed_scale (~0.632 for d = 5280), cut at +-3 std;
+  e = sqrt(d) * wte[x] (the source ignores init_values.embed_scale; one that differs is refused), then
+  the prelude blocks;
+  s0 ~ truncated normal, std = init_values.std * sqrt(d) (~0.632 for d = 5280), cut at +-3 std;
   each recurrence: s = adapter([s; e]) (Linear(2d -> d)), then the core blocks; no exit norm;
   after the loop s = ln_f(s) once, then the coda blocks, then ln_f again and the head;
   "sandwich" blocks: x = n2(x + attn(n1 x)); x = n4(x + mlp(n3 x));
@@ -34,6 +35,7 @@ import torch
 from looplm.config import ModelConfig
 from looplm.convert.common import (
     check_family,
+    config_number,
     check_model,
     check_tied,
     check_vocab,
@@ -93,11 +95,21 @@ def _config(config: dict, tokenizer_vocab: int) -> tuple[ModelConfig, dict]:
         )
     vocab = int(_get(config, "padded_vocab_size", "vocab_size", default=tokenizer_vocab))
     init = config.get("init_values") if isinstance(config.get("init_values"), dict) else {}
-    embed_scale = float(init.get("embed_scale", math.sqrt(d)))
-    std = float(init.get("std", math.sqrt(2 / (5 * d))))
+    # The source scales embeddings and the initial state by sqrt(n_embd) and ignores
+    # init_values.embed_scale (since commit c1fbabc; earlier versions read it): a config whose value
+    # differs would compute differently under the two, so it is refused rather than guessed.
+    embed_scale = math.sqrt(d)
+    given_scale = config_number(init, "embed_scale", embed_scale)
+    if not math.isclose(given_scale, embed_scale, rel_tol=1e-6):
+        raise refuse(
+            f"config.json init_values.embed_scale = {given_scale:g} differs from sqrt(n_embd) = {embed_scale:g}: "
+            "the source's current modeling code scales by sqrt(n_embd) and ignores the value (versions before "
+            "its commit c1fbabc used it); set it to sqrt(n_embd), or remove it, to convert as the current code computes"
+        )
+    std = config_number(init, "std", math.sqrt(2 / (5 * d)))
     if not std > 0:
         raise refuse("init_values.std <= 0 (a zero initial state) has no looplm state_init; use init='zero'")
-    mean_recurrence = int(config.get("mean_recurrence", 32))
+    mean_recurrence = config_number(config, "mean_recurrence", 32, int, positive=True)
     cfg = ModelConfig(
         vocab_size=vocab,
         d_model=d,
@@ -107,10 +119,10 @@ def _config(config: dict, tokenizer_vocab: int) -> tuple[ModelConfig, dict]:
         n_prelude=n_prelude,
         n_core=n_core,
         n_coda=n_coda,
-        max_seq_len=int(config.get("block_size", 4096)),
+        max_seq_len=config_number(config, "block_size", 4096, int, positive=True),
         injection="huginn-linear",
-        rope_base=float(config.get("rope_base", 50_000.0)),
-        norm_eps=float(config.get("norm_eps", 1e-6)),
+        rope_base=config_number(config, "rope_base", 50_000.0, positive=True),
+        norm_eps=config_number(config, "norm_eps", 1e-6),
         max_depth=max(64, 2 * mean_recurrence),
         block_norm="sandwich",
         qk_bias=qk_bias,

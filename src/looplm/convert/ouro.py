@@ -31,6 +31,7 @@ import torch
 from looplm.config import ModelConfig
 from looplm.convert.common import (
     check_family,
+    config_number,
     check_model,
     check_tied,
     check_vocab,
@@ -49,11 +50,15 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         raise refuse(f"config.json model_type = {config.get('model_type')!r}: not an Ouro config")
     if config.get("hidden_act", "silu") != "silu":
         raise refuse(f"config.json hidden_act = {config['hidden_act']!r}: looplm converts only silu (SwiGLU)")
-    if (
-        config.get("rope_scaling") not in (None, {})
-        and (config["rope_scaling"] or {}).get("rope_type", config["rope_scaling"].get("type")) != "default"
-    ):
-        raise refuse(f"config.json rope_scaling = {config['rope_scaling']!r}: looplm converts only plain RoPE")
+    # transformers < 5 writes rope_theta and rope_scaling; 5 writes both into rope_parameters
+    rope = {"rope_theta": config.get("rope_theta", 10000.0)}
+    for key in ("rope_scaling", "rope_parameters"):
+        given = config.get(key)
+        if given in (None, {}):
+            continue
+        if not isinstance(given, dict) or given.get("rope_type", given.get("type", "default")) != "default":
+            raise refuse(f"config.json {key} = {given!r}: looplm converts only plain RoPE")
+        rope.update({k: v for k, v in given.items() if k == "rope_theta"})
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise refuse("config.json asks for attention/MLP biases: looplm's Ouro blocks have none")
     try:
@@ -75,7 +80,7 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         raise refuse(
             f"head_dim {head_dim} x num_attention_heads {heads} != hidden_size {d}: looplm derives head_dim = d / heads"
         )
-    steps = int(config.get("total_ut_steps", 4))
+    steps = config_number(config, "total_ut_steps", 4, int, positive=True)
     cfg = ModelConfig(
         vocab_size=vocab,
         d_model=d,
@@ -85,10 +90,10 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         n_prelude=0,
         n_core=n_layers,
         n_coda=0,
-        max_seq_len=int(config.get("max_position_embeddings", 32768)),
+        max_seq_len=config_number(config, "max_position_embeddings", 32768, int, positive=True),
         injection="none",
-        rope_base=float(config.get("rope_theta", 10000.0)),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_base=config_number(rope, "rope_theta", 10000.0, positive=True),
+        norm_eps=config_number(config, "rms_norm_eps", 1e-6),
         max_depth=max(64, steps),
         block_norm="branch",
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),

@@ -36,6 +36,7 @@ import torch
 from looplm.config import VALUE_GATE_CHANNELS, ModelConfig
 from looplm.convert.common import (
     check_family,
+    config_number,
     check_folders,
     check_model,
     check_tied,
@@ -63,26 +64,30 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
     name = config.get("_class_name", config.get("model_class_name", "Parcae"))
     if name not in ("Parcae", "ParcaeConfig") or config.get("model_class_name", "Parcae") != "Parcae":
         raise refuse(f"config.json _class_name = {name!r}: not a Parcae config")
-    checks = {
-        "injection_type": "diagonal",
-        "block_class_name": "TransformerPreNormBlock",
-        "norm_class_name": "RMSNorm",
-        "mlp_class_name": "BaseMLP",
-        "nonlin_name": "ReLU2",
-        "state_init": "like-init",
+    checks = {  # key: (the released value looplm converts, the source's default for an absent key)
+        "injection_type": ("diagonal", "diagonal"),
+        "block_class_name": ("TransformerPreNormBlock", "TransformerPreNormBlock"),
+        "norm_class_name": ("RMSNorm", "LayerNorm"),
+        "mlp_class_name": ("BaseMLP", "BaseMLP"),
+        "nonlin_name": ("ReLU2", "GELU"),
+        "state_init": ("like-init", "like-init"),
     }
-    for key, want in checks.items():
-        if config.get(key, want) != want:
-            raise refuse(f"config.json {key} = {config[key]!r}: looplm converts only Parcae's {want!r}")
+    for key, (want, default) in checks.items():
+        if config.get(key, default) != want:
+            given = f"{config[key]!r}" if key in config else f"absent (the source's default {default!r})"
+            raise refuse(f"config.json {key} = {given}: looplm converts only Parcae's {want!r}")
     for key in ("bias", "qk_bias"):
         if config.get(key):
             raise refuse(f"config.json {key} = true: looplm's Parcae blocks have no biases")
     for key in ("clip_qkv", "logit_softcap", "randomize_positions_from"):
         if config.get(key) is not None:
             raise refuse(f"config.json {key} = {config[key]!r}: looplm converts only the released setting None")
-    if config.get("init_strategy", "scaled-zero") not in ("scaled-zero", "scaled-stuck"):
+    if config.get("init_strategy", "scaled") not in ("scaled-zero", "scaled-stuck"):
+        given = (
+            f"{config['init_strategy']!r}" if "init_strategy" in config else "absent (the source's default 'scaled')"
+        )
         raise refuse(
-            f"config.json init_strategy = {config['init_strategy']!r}: its embedding/logit scales are not "
+            f"config.json init_strategy = {given}: its embedding/logit scales are not "
             "mapped (looplm converts scaled-zero and scaled-stuck)"
         )
     if int(config.get("mup_model_scaling_factor", 1)) != 1:
@@ -100,6 +105,9 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         backprop = int(config.get("mean_backprop_depth", 8))
     except (KeyError, TypeError, ValueError) as err:
         raise refuse(f"config.json lacks a Parcae field or has a wrong type ({err}); not a Parcae config") from None
+    for key, value in (("mean_recurrence", steps), ("mean_backprop_depth", backprop)):
+        if value < 1:
+            raise refuse(f"config.json {key} = {value}: must be >= 1")
     if kv != heads:
         raise refuse(
             f"config.json num_key_value_heads {kv} != num_attention_heads {heads}: Parcae's core always "
@@ -130,10 +138,10 @@ def _config(config: dict) -> tuple[ModelConfig, dict]:
         n_prelude=P,
         n_core=K,
         n_coda=C,
-        max_seq_len=int(config.get("block_size", 4096)),
+        max_seq_len=config_number(config, "block_size", 4096, int, positive=True),
         injection="parcae-decay" if config.get("prelude_norm", False) else "parcae-nonorm",
-        rope_base=float(rope.get("rope_base", 50_000)),
-        norm_eps=float(config.get("norm_eps", 1e-5)),
+        rope_base=config_number(rope, "rope_base", 50_000, positive=True),
+        norm_eps=config_number(config, "norm_eps", 1e-5),
         max_depth=max(64, steps),
         tie_embeddings=bool(config.get("tie_embeddings", False)),
         exit_norm="none",
