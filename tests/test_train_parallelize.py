@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import subprocess
 
 import pytest
 import torch
@@ -403,6 +405,83 @@ def test_fsdp_bf16_trains_an_injection_with_parameters(tiny_model_config, inject
     assert loss == pytest.approx(ref_loss, rel=2e-2)
     for n in names:
         torch.testing.assert_close(grads[n].float(), ref_grads[n], rtol=0.1, atol=0.1 * ref_grads[n].abs().max().item())
+
+
+GATHER_COUNT_SCRIPT = """
+import json, sys
+
+import torch
+import torch.distributed as dist
+
+from looplm.config import ModelConfig
+from looplm.model import LoopedLM
+from looplm.train.distributed import DistEnv
+from looplm.train.parallelize import wrap_model
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+gathers = []
+for op in ("all_gather_into_tensor", "all_gather_single"):
+    if hasattr(dist, op):
+        real = getattr(dist, op)
+        setattr(dist, op, lambda *a, _real=real, **k: (gathers.append(1), _real(*a, **k))[1])
+torch.manual_seed(0)
+cfg = ModelConfig(**json.loads(sys.argv[2]))
+ref = LoopedLM(cfg)
+model = LoopedLM(cfg)
+model.load_state_dict(ref.state_dict())
+wrap_model(model, DistEnv(rank=rank, world_size=2, local_world_size=2, joined=True), sys.argv[3])
+tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+report = {}
+for depth in (2, 5):
+    gathers.clear()
+    out = model(tokens, depth, init="seeded")
+    forward = len(gathers)
+    out.logits.logsumexp(-1).mean().backward()
+    expect = ref(tokens, depth, init="seeded")
+    expect.logits.logsumexp(-1).mean().backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    report[depth] = {
+        "forward_gathers": forward,
+        "logits": (out.logits - expect.logits).abs().max().item(),
+        "grads": max(((grads[n] - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+                     for n, q in ref.named_parameters()),
+    }
+    model.zero_grad()
+    ref.zero_grad()
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
+def test_fsdp_gathers_the_core_blocks_once_per_forward_whatever_the_depth(tmp_path, parallel):
+    """The core blocks run at every recurrence; resharded after each run (FSDP2's default) they were all-gathered
+    R times per forward: 1 + n_prelude + n_coda + R x n_core gathers (+1 for an injection with parameters). Kept
+    gathered from their first run, a forward gathers each unit once at any depth. Two gloo ranks, fp32: the
+    logits and gradients equal the unwrapped model's."""
+    import dataclasses
+
+    from _jobs import subprocess_env, torchrun_cmd
+
+    from looplm.config import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, n_heads=2, n_kv_heads=2, ffn_dim=64, n_prelude=1, n_core=2, n_coda=1, max_seq_len=32
+    )
+    units = 1 + cfg.n_prelude + cfg.n_core + cfg.n_coda  # the injection (parcae) shares the root's unit
+    (tmp_path / "rank.py").write_text(GATHER_COUNT_SCRIPT)
+    args = [tmp_path, json.dumps(dataclasses.asdict(cfg)), parallel]
+    proc = subprocess.run(
+        torchrun_cmd(2, tmp_path / "rank.py", *args), env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [report[d]["forward_gathers"] for d in ("2", "5")] == [units, units], report
+        assert all(report[d]["logits"] == 0 and report[d]["grads"] <= 1e-6 for d in ("2", "5")), report
 
 
 def test_ddp_trains_a_model_whose_prelude_enters_only_through_its_initial_state(tiny_model_config):

@@ -109,8 +109,11 @@ def wrap_model(model: nn.Module, env: DistEnv, parallel: str, *, param_dtype: to
         mp = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False
         )
+        core = {id(block) for block in model.core}
         for block in blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=mp)
+            # a core block runs at every recurrence: resharded after each run, it would be all-gathered R
+            # times per forward; kept gathered from its first run, once (backward still gathers it per run)
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=id(block) not in core)
         if param_dtype is not None and any(True for _ in model.injection.parameters()):
             # the injection's decay and scales act elementwise on the state at every recurrence: fp32, as
             # under DDP (autocast casts matmul inputs only); bf16 rounding would move the fixed point
