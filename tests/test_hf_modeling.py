@@ -386,6 +386,50 @@ def test_adaptive_exit_with_tiny_tau_equals_fixed_depth(hf_model):
         hf_model.generate(ids, attention_mask=mask, max_new_tokens=3, exit_tau=0.1, cache_kind="full")
 
 
+def test_the_configs_adaptive_exit_applies_to_cached_decoding_only(exported, hf_model):
+    """A config's exit_tau and min_depth (documented as applying to cached decoding only) refused forwards and
+    `generate(use_cache=False)` that never use them ("needs the terminal cache", "min_depth 4 exceeds the decode
+    depth 2"), and no call could turn the config's exit off (exit_tau=0 was refused). References: the native
+    forward, and the same calls on the exported model without an exit in its config."""
+    model, path = exported
+    adaptive = AutoModelForCausalLM.from_pretrained(path, exit_tau=0.3, min_depth=2).eval()
+    assert (adaptive.config.exit_tau, adaptive.config.min_depth) == (0.3, 2)
+    ids = torch.tensor([TOK.encode("hello looped world")])
+    for depth, kind in ((3, "full"), (1, "terminal")):  # a full-cache kind; a depth below min_depth
+        with torch.no_grad():
+            native = model(ids, depth, init="seeded", example_ids=torch.zeros(1, dtype=torch.long)).logits
+            got = adaptive(ids, num_steps=depth, cache_kind=kind).logits
+        assert (got - native).abs().max() <= 1e-5
+    batch, mask = padded_batch(PROMPTS)
+    kw = dict(attention_mask=mask, max_new_tokens=4)
+    no_cache = adaptive.generate(batch, use_cache=False, num_steps=1, **kw)
+    assert torch.equal(no_cache, hf_model.generate(batch, use_cache=False, num_steps=1, **kw))
+    for kind in ("full", "terminal"):  # exit_tau=0: the config's exit off for this call
+        off = adaptive.generate(batch, exit_tau=0, cache_kind=kind, **kw)
+        assert torch.equal(off, hf_model.generate(batch, cache_kind=kind, **kw))
+        assert adaptive.last_generate_stats["mean_decode_depth"] == 3
+    with pytest.raises(ValueError, match="needs the terminal cache"):  # cached decoding does take the config's
+        adaptive.generate(batch, cache_kind="full", **kw)
+    with pytest.raises(ValueError, match="min_depth 2 exceeds the decode depth 1"):
+        adaptive.generate(batch, num_steps=1, **kw)
+
+
+def test_generate_checks_the_length_before_its_first_step(hf_model, monkeypatch):
+    """Without a cache, or with one the user gave, generate ran its steps up to the limit and only then failed
+    ("sequence length 49 exceeds the context"), losing the work; with a cache it started, it refused at once."""
+    steps = []
+    forward = hf_model.forward
+    monkeypatch.setattr(hf_model, "forward", lambda *a, **k: (steps.append(1), forward(*a, **k))[1])
+    ids, mask = padded_batch(PROMPTS)
+    with pytest.raises(ValueError, match=r"prompt plus new tokens \(75\) exceed the model context max_seq_len=48"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=60, use_cache=False)
+    cache = LoopedCache("terminal", max_len=20)
+    with pytest.raises(ValueError, match=r"\(25\) exceed the given LoopedCache's max_len=20"):
+        hf_model.generate(ids, attention_mask=mask, max_new_tokens=10, cache=cache)
+    assert steps == []
+    hf_model.generate(ids, attention_mask=mask, max_new_tokens=5, cache=LoopedCache("terminal", max_len=20))
+
+
 def test_unsupported_generation_is_a_clear_error(hf_model):
     ids, mask = padded_batch(PROMPTS)
     with pytest.raises(ValueError, match="greedy search and sampling only"):
@@ -524,6 +568,10 @@ def test_cli_export(tmp_path, capsys):
     assert (config.num_steps, config.cache_kind) == (4, "full")
     assert main(["export", tmp_path / "nowhere", tmp_path / "hf2"]) == 2
     assert "error:" in capsys.readouterr().err
+    # the default num_steps (5) is capped at a shallower model's max_depth: it was refused there
+    write_checkpoint(tmp_path / "shallow", tiny_model(max_depth=4), TOK)
+    assert main(["export", tmp_path / "shallow", tmp_path / "hf3"]) == 0, capsys.readouterr().err
+    assert AutoConfig.from_pretrained(tmp_path / "hf3").num_steps == 4
 
 
 def test_cli_export_help(capsys):

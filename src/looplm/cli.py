@@ -692,7 +692,7 @@ def tokenize(
 def export(
     checkpoint: Annotated[Path, tyro.conf.Positional],
     out: Annotated[Path, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")],
-    num_steps: int = 5,
+    num_steps: int | None = None,
     prefill_steps: int | None = None,
     cache: CacheKind = "terminal",
 ) -> None:
@@ -705,7 +705,8 @@ def export(
     Args:
         checkpoint: A checkpoint folder, or a run folder (its latest checkpoint is used).
         out: New (or empty) folder to write the transformers model into, or an earlier export to replace.
-        num_steps: Default recurrences per token (R_dec) of the exported model.
+        num_steps: Default recurrences per token (R_dec) of the exported model; default: 5, or the model's
+            max_depth when that is smaller.
         prefill_steps: Default recurrences over the prompt in generate (R_pre); default: num_steps.
         cache: Default KV cache of generate: terminal (one bank per physical layer) or full.
     """

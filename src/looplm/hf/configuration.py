@@ -36,7 +36,8 @@ class LoopedLMConfig(PretrainedConfig):
     - `num_steps`: recurrences per decoded token (and per token of a plain forward), R_dec;
     - `prefill_steps`: recurrences over the prompt during `generate` (R_pre; None = num_steps);
     - `cache_kind`: "terminal" (one KV bank per physical layer) or "full" (one per layer visit);
-    - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth);
+    - `exit_tau`, `min_depth`: adaptive decode depth (terminal cache; None = fixed depth; a call's
+      `exit_tau=0` turns the config's off);
     - `exit_gate_threshold`: a model with a learned exit gate (`exit_gate=True`, Ouro) reads each
       token's logits at the first recurrence whose cumulative exit probability reaches it (every
       recurrence still runs; None = the last recurrence's logits);
@@ -115,17 +116,27 @@ class LoopedLMConfig(PretrainedConfig):
         exit_tau: float | None = None,
         min_depth: int | None = None,
         exit_gate_threshold: float | None = None,
+        *,
+        cached: bool = True,
     ) -> DepthRule:
         """The config's test-time fields as a looplm `DepthRule`, each argument given (a forward's or
-        `generate`'s keyword) in place of the config's own."""
-        tau = self.exit_tau if exit_tau is None else exit_tau
+        `generate`'s keyword) in place of the config's own; `exit_tau=0` turns the config's adaptive exit
+        off for the call. Not `cached` (a forward without a cache runs every token at num_steps), the
+        config's `prefill_steps`, `exit_tau` and `min_depth`, which apply to cached decoding only, are
+        not folded in: only the call's own (which the forward refuses)."""
+        tau = exit_tau if exit_tau is not None else self.exit_tau if cached else None
+        tau = None if tau == 0 else tau
+        if prefill_steps is None and cached:
+            prefill_steps = self.prefill_steps
         gate = self.exit_gate_threshold if exit_gate_threshold is None else exit_gate_threshold
         check_exit_gate(gate, tau, CONFIG_KEYS["exit_gate"])  # before DepthRule's own check: the config's name
+        if min_depth is None:  # the config's bound on adaptive exit, where that exit runs
+            min_depth = self.min_depth if cached and tau is not None else 1
         return DepthRule(
             self.num_steps if num_steps is None else num_steps,
-            self.prefill_steps if prefill_steps is None else prefill_steps,
+            prefill_steps,
             tau,
-            self.min_depth if min_depth is None else min_depth,
+            min_depth,
             gate,
         )
 

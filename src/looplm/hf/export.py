@@ -89,7 +89,7 @@ def export(
     cache_kind: str = "terminal",
 ) -> Path:
     """Write the looplm checkpoint (a checkpoint or run folder) as a transformers folder `out`;
-    `num_steps` (default 5), `prefill_steps` and `cache_kind` become the config's generation defaults (named
+    `num_steps` (default 5, or the model's max_depth when smaller), `prefill_steps` and `cache_kind` become the config's generation defaults (named
     as its keys; `LoopedLMConfig.depth_rule` maps them to looplm's `DepthRule`, which checks them)."""
     import torch
 
@@ -103,8 +103,7 @@ def export(
         )
     model, tokenizer, job = load_model(checkpoint)
     fields = {"prefill_steps": prefill_steps, "cache_kind": cache_kind, "bos_token_id": tokenizer.bos_id}
-    if num_steps is not None:
-        fields["num_steps"] = num_steps
+    fields["num_steps"] = min(5, model.cfg.max_depth) if num_steps is None else num_steps
     hf = LoopedLMForCausalLM.from_looplm(model, tokenizer, dtype=next(model.parameters()).dtype, **fields)
     out.mkdir(parents=True, exist_ok=True)
     bars = hf_logging.is_progress_bar_enabled()

@@ -339,7 +339,9 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             raise ValueError(f"looplm needs a looplm.hf.LoopedCache, got {type(cache).__name__}")
         cfg = self.config
         kind = (cache.kind if cache is not None else None) or cache_kind or cfg.cache_kind
-        rule = cfg.check_rule(cfg.depth_rule(num_steps, prefill_steps, exit_tau, min_depth, exit_gate_threshold), kind)
+        cached = cache is not None or bool(use_cache)
+        rule = cfg.depth_rule(num_steps, prefill_steps, exit_tau, min_depth, exit_gate_threshold, cached=cached)
+        rule = cfg.check_rule(rule, kind)
         if cache is None and use_cache:
             if self.training:
                 raise ValueError(
@@ -351,7 +353,7 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             example_ids = torch.zeros(B, dtype=torch.long, device=input_ids.device)
 
         if cache is None:
-            if exit_tau is not None or (prefill_steps is not None and prefill_steps != rule.depth):
+            if exit_tau or (prefill_steps is not None and prefill_steps != rule.depth):
                 raise ValueError(
                     "prefill_steps and exit_tau are for cached decoding (use_cache=True): a forward "
                     f"without a cache runs every token at num_steps={rule.depth}"
@@ -479,12 +481,22 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
                 "looplm uses its own cache; choose it with cache_kind='terminal' or 'full', "
                 f"not cache_implementation={generation_config.cache_implementation!r}"
             )
+        if max_cache_length > self.config.max_seq_len:  # with or without a cache: checked before any step
+            raise ValueError(
+                f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
+                f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens"
+            )
         user = model_kwargs.get("cache")
         if user is not None:
             if not isinstance(user, LoopedCache):
                 raise ValueError(f"looplm needs a looplm.hf.LoopedCache, got {type(user).__name__}")
             if user.inner is not None:
                 raise ValueError("looplm generate needs an empty LoopedCache (it cannot continue a filled one)")
+            if user.max_len is not None and max_cache_length > user.max_len:
+                raise ValueError(
+                    f"prompt plus new tokens ({max_cache_length + 1}) exceed the given LoopedCache's "
+                    f"max_len={user.max_len}; lower max_new_tokens or give a longer cache"
+                )
             user._is_user_defined = True
             if model_kwargs.get("compile_decode"):  # asked for by this call: the user's cache takes it
                 user.compile = True
@@ -495,11 +507,6 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
             # every step re-runs the whole sequence natively: the full cache's tokens at num_steps
             # (prefill_steps and exit_tau, which need a cache, are refused by the forward)
             return
-        if max_cache_length > self.config.max_seq_len:
-            raise ValueError(
-                f"prompt plus new tokens ({max_cache_length + 1}) exceed the model context "
-                f"max_seq_len={self.config.max_seq_len}; lower max_new_tokens"
-            )
         compile = self._compile_decode(model_kwargs.get("compile_decode"))
         # compiled: the cache spans the model context, so each call's step has the shapes of the last
         model_kwargs["cache"] = self._generation_cache = LoopedCache(
