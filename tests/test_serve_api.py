@@ -274,6 +274,17 @@ def _malformed(n_ctx: int) -> list[tuple[str, object]]:
         ("/v1/completions", {**ok, "prompt": [-1]}),
         ("/v1/completions", {**ok, "seed": "s"}),
         ("/v1/completions", {**ok, "suffix": "end"}),
+        # not Unicode text (a lone surrogate, which JSON's escapes can spell): was a 500
+        ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 1}'),
+        ("/v1/completions", '{"prompt": "a", "stop": ["\\udfff"], "max_tokens": 1}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
+        # OpenAI's types, not converted: was served as 1, False, [1, 0], and with usage
+        ("/v1/completions", {**ok, "max_tokens": True}),
+        ("/v1/completions", {**ok, "stream": "no"}),
+        ("/v1/completions", {**ok, "prompt": [True, False]}),
+        ("/v1/completions", {**ok, "stream": True, "stream_options": {"include_usage": "false"}}),
+        ("/v1/completions", {**ok, "stream": True, "stream_options": {"bogus": 1}}),
+        ("/v1/completions", {**ok, "stream_options": {"include_usage": True}}),
         ("/v1/chat/completions", {**chat, "messages": []}),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "hi"}]}),
         ("/v1/chat/completions", {**chat, "messages": [{"content": "hi"}]}),
@@ -1088,6 +1099,25 @@ def test_sentencepiece_text_offsets_point_into_the_text(sp_model):
     assert [text[a:b] for a, b in zip(lp["text_offset"], ends)] == lp["tokens"]
 
 
+def test_an_echoed_prompt_with_an_unknown_character_is_the_text_its_offsets_index(sp_model):
+    """A tokenizer with an unknown token cannot spell every prompt: "Hello world" reads as "ello world". The
+    echo returned the prompt as sent while the offsets counted in the text read, so "lo" pointed at "ll"; the
+    echo is now the text read, and each offset is where its token's text starts in the reply."""
+    from fastapi.testclient import TestClient
+
+    model, sp = sp_model
+    engine = Engine(model, sp, EngineConfig(max_batch=2, depth=3))
+    body = {"model": NAME, "prompt": "Hello world", "max_tokens": 3, "temperature": 0, "logprobs": 0, "echo": True}
+    with TestClient(create_app(engine, NAME)) as http:
+        done = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, lp = done["text"], done["logprobs"]
+    assert text.startswith("ello world") and lp["tokens"][2:6] == ["e", "l", "lo", " wor"], lp["tokens"]
+    ends = lp["text_offset"][1:] + [len(text)]
+    spelled = [text[a:b] for a, b in zip(lp["text_offset"], ends)]
+    assert spelled[2:] == lp["tokens"][2:]  # the unknown token and the one before it spell nothing
+    assert spelled[:2] == ["", ""]
+
+
 class _PaddedHead(torch.nn.Module):
     """A head with rows past the tokenizer's ids (as a release pads its embedding) that win every
     argmax: the model's own head for ids [0, 258), then PAD rows scoring 10 above its best."""
@@ -1513,6 +1543,10 @@ def test_error_bodies_name_the_field_the_kind_and_the_code(model):
             "param": None,
             "code": None,
         }
+        chat = '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'
+        r = http.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].text", r.text
+        assert r.json()["error"]["message"].startswith("messages[0].content[0].text: contains an unpaired surrogate")
         r = http.get("/v1/nothing")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         engine.shutdown()
@@ -1662,7 +1696,7 @@ def test_a_token_event_without_text_is_a_chunk_only_when_it_carries_logprobs():
     env = Envelope("x", NAME, 0)
     partial, whole = [Token(0xE6, "", 1, -0.25, [(0xE6, -0.25)])], [Token(97, "a", 1, -0.5, [(97, -0.5)])]
     body = CompletionRequest(model=NAME, prompt="ab", max_tokens=4, stream=True)
-    reply = CompletionReply(TOK, body, ["ab"], [TOK.encode("ab")], env)
+    reply = CompletionReply(TOK, body, [TOK.encode("ab")], env)
     reply.start(0)
     assert reply.event(0, partial) is None
     assert reply.event(0, whole)["choices"][0]["text"] == "a"

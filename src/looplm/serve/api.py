@@ -208,7 +208,7 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state: ServerD
         prompt_logprobs=(body.logprobs or 0) if score else None,
     )
     choices = _submit(state, requests)
-    reply = CompletionReply(state.tokenizer, body, prompts, ids, _envelope("cmpl", body, state))
+    reply = CompletionReply(state.tokenizer, body, ids, _envelope("cmpl", body, state))
     return await _respond(choices, http, reply, body.stream)
 
 

@@ -63,6 +63,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if first.get("type") == "unknown_field":
         return msg, first["ctx"]["first"]
+    if first.get("type") == "invalid_text":  # the message starts with the field's path
+        return msg, first["ctx"]["field"]
     return (f"{param}: {msg}" if param else msg), param
 
 

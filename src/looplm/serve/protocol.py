@@ -47,8 +47,43 @@ no tool calls, audio or structured output are produced, and nothing is stored. E
 completions request is one of `CompletionRequest`'s."""
 
 
+def _unpaired_surrogate(value, path: str = "") -> str | None:
+    """The path of the first string in a JSON body that is not Unicode text (a lone surrogate, which JSON's
+    \\ud800 escapes can spell), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _unpaired_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options` (with `stream: true` only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+    """A last chunk with the usage of the whole reply (and `usage: null` in the others)."""
+    include_obfuscation: bool = False
+    """OpenAI's padding of chunks against side channels: accepted and ignored (nothing is padded)."""
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # after `_known_fields`, only the ignored ones are left
+    # after `_known_fields`, only the ignored ones are left; strict: a bool, number or id list of another JSON
+    # type (`"5"`, `true`) is refused, as OpenAI refuses it, not converted
+    model_config = ConfigDict(extra="ignore", strict=True)
     ignored_fields: ClassVar[frozenset[str]] = frozenset()
 
     model: str | None = None
@@ -59,7 +94,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -92,10 +127,17 @@ class _Common(BaseModel):
             raise PydanticCustomError(
                 "unknown_field", "unknown field(s) {named} for this endpoint", {"named": named, "first": unknown[0]}
             )
+        bad = _unpaired_surrogate(data)
+        if bad:
+            raise PydanticCustomError(
+                "invalid_text", "{field}: contains an unpaired surrogate (not Unicode text)", {"field": bad}
+            )
         return {k: v for k, v in data.items() if v is not None}
 
     @model_validator(mode="after")
     def _neutral_only(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         if self.frequency_penalty or self.presence_penalty:
             raise ValueError("frequency_penalty and presence_penalty are not supported (use 0)")
         if self.logit_bias:
@@ -111,7 +153,7 @@ class _Common(BaseModel):
         return tuple(stops)
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(self, max_tokens: int, stop: tuple[str, ...], seed: int) -> SamplingConfig:
         """A choice's sampling settings (`looplm.serve.Request.sampling`)."""

@@ -126,13 +126,14 @@ class CompletionReply(_Reply):
         self,
         tok: Tokenizer,
         body: CompletionRequest,
-        prompts: list[str | list[int]],
         ids: list[list[int]],
         envelope: Envelope,
     ):
         super().__init__(tok, envelope, sum(len(i) for i in ids), body.include_usage())
         self.n, self.ids, self.logprobs = body.n, ids, body.logprobs
-        self.prefix = [(tok.decode(i) if isinstance(p, list) else p) if body.echo else "" for p, i in zip(prompts, ids)]
+        # the prompt as the model read it (its ids decoded): what the echoed logprobs' offsets index, and the
+        # prompt itself for any tokenizer that spells every text (not one with an unknown token)
+        self.prefix = [tok.decode(i) if body.echo else "" for i in ids]
         self.echo_logprobs = body.echo and body.logprobs is not None
         self.offsets: dict[int, Offsets] = {}  # a stream's, by choice
 
