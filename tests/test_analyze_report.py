@@ -118,6 +118,8 @@ def _error(capsys) -> str:
         (["--kv-span", "0"], "kv-span must be >= 1"),
         (["--kv-depths", "0", "5"], "KV depths must be >= 1"),
         (["--solve.tol", "0"], "solve tolerances must be > 0"),
+        (["--solve.tol", "nan"], "solve tolerances must be > 0"),  # NaN: every solve ran to max_depth, none passed
+        (["--solve.drift-tol", "nan"], "solve tolerances must be > 0"),
         (["--sharing-depths", "100"], "sharing depths must be in 1..64"),
     ],
 )
@@ -125,6 +127,35 @@ def test_bad_settings_are_one_line_errors(run_dir, tmp_path, capsys, flags, mess
     assert main(["analyze", str(run_dir), *flags, "--output", str(tmp_path / "o")]) == 2
     assert message in _error(capsys)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_rerun_into_the_same_folder_leaves_no_figure_of_the_earlier_run(run_dir, tmp_path, capsys):
+    """A second run without sharing (or with --no-plots) kept the first run's PNGs beside a report that
+    contradicts them."""
+    out = tmp_path / "out"
+    assert main(["analyze", str(run_dir), *FAST, "--output", str(out)]) == 0
+    assert (out / "sharing_depth.png").is_file()
+    assert main(["analyze", str(run_dir), *FAST, "--sharing-sequences", "0", "--output", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["sharing"] is None
+    assert not (out / "sharing_depth.png").exists() and (out / "relative_change.png").is_file()
+    assert main(["analyze", str(run_dir), *FAST, "--no-plots", "--output", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "summary.txt"]
+    capsys.readouterr()
+
+
+def test_the_carryover_note_names_the_models_injection(tmp_path, capsys):
+    """A model without a core-entrance injection has no carryover; the note blamed DEQ-QKV for injection none."""
+    from _jobs import write_random_run
+
+    run = write_random_run(tmp_path / "run", model__injection="none", model__state_init="input")
+    out = tmp_path / "out"
+    assert main(["analyze", str(run), *FAST, "--sharing-sequences", "0", "--no-plots", "--output", str(out)]) == 0
+    note = json.loads((out / "report.json").read_text())["carryover"]["note"]
+    assert note == (
+        "no core-entrance injection (injection none: the input enters only through the initial state): "
+        "carryover is not defined"
+    )
+    capsys.readouterr()
 
 
 def test_other_data_gets_its_own_folder_and_the_report_names_its_data(run_dir, tmp_path, capsys):

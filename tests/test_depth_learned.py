@@ -224,6 +224,14 @@ def test_a_target_mean_outside_the_restricted_support_is_refused():
     assert prior(init="restricted", low=3, high=7).target == 5.0
 
 
+@pytest.mark.parametrize("bad", [dict(entropy_weight=math.nan), dict(mean_weight=math.nan), dict(lr=math.nan)])
+def test_nan_settings_are_refused_at_once(bad):
+    """NaN passed the `< 0` checks: the prior then failed at its first update with advice to change the lr (or
+    torch's own "Invalid learning rate: nan")."""
+    with pytest.raises(ValueError, match="depth-prior lr must be > 0"):
+        prior(**bad)
+
+
 def test_uniform_init_and_bad_settings():
     np.testing.assert_array_equal(prior(init="uniform").pmf(), np.full(CAP, 1 / CAP))
     with pytest.raises(ValueError, match="reward"):

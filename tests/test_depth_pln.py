@@ -177,3 +177,36 @@ def test_sigma_zero_is_the_capped_poisson():
     p = pln_pmf(5.0, 0.0)
     np.testing.assert_allclose(p[:63], want, rtol=1e-9, atol=1e-15)
     assert abs(p[63] - (1 - want.sum())) < 1e-12
+
+
+def trapezoid_log_pln_pmf(mu: float, sigma: float, cap: int, n: int = 40001) -> np.ndarray:
+    """log of the capped PLN pmf by a dense trapezoid rule over ln(lambda), each term in log space, the cap
+    bucket integrating scipy's Poisson survival function P(N >= cap - 1) (not 1 minus the other depths)."""
+    from scipy.stats import poisson
+
+    x = np.linspace(mu - 12 * sigma, mu + 12 * sigma, n)
+    log_density = -0.5 * ((x - mu) / sigma) ** 2 - math.log(sigma * math.sqrt(2 * math.pi))
+    out = np.empty(cap)
+    for k in range(cap):
+        terms = log_density + (poisson.logpmf(k, np.exp(x)) if k < cap - 1 else poisson.logsf(cap - 2, np.exp(x)))
+        top = terms.max()
+        out[k] = top + math.log((x[1] - x[0]) * np.exp(terms - top).sum())
+    return out
+
+
+@pytest.mark.parametrize(("target", "cap"), [(2.0, 96), (5.0, 64), (5.0, 256), (1.5, 64)])
+def test_no_depth_gets_probability_zero_and_the_cap_bucket_is_the_poisson_tail(target, cap):
+    """The cap bucket was 1 minus the other depths, which is 0 (cancellation) once the true tail is below
+    ~1e-16 (3e-20 at target 2, cap 96): a learned prior started from log(pmf) then never drew depth = cap.
+    Depths far in the tail underflowed to 0 the same way. Now every depth's log-probability is finite, the
+    cap bucket is the Poisson tail's integral, and the pmf is unchanged where it is not tiny."""
+    pytest.importorskip("scipy")
+    from looplm.depth.learned import initial_logits
+    from looplm.depth.pln import pln_log_pmf
+
+    mu = calibrate_mu(target, 0.5, cap)
+    got, ref = pln_log_pmf(target, 0.5, cap), trapezoid_log_pln_pmf(mu, 0.5, cap)
+    assert np.isfinite(got).all() and np.isfinite(initial_logits("pln", cap, target, 0.5, 1, cap)).all()
+    assert abs(got[-1] - ref[-1]) < 0.02 * max(1.0, abs(ref[-1])), (got[-1], ref[-1])
+    np.testing.assert_allclose(np.exp(got), np.exp(ref), rtol=0, atol=1e-11)  # the two quadratures' agreement
+    np.testing.assert_allclose(np.exp(got), pln_pmf(target, 0.5, cap), rtol=1e-12, atol=0)

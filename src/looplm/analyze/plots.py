@@ -106,6 +106,10 @@ def sharing_vs_depth(report: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+PLOT_NAMES = ("convergence_hist.png", "position_depth.png", "relative_change.png", "sharing_depth.png")
+"""Every figure `write_plots` may write."""
+
+
 def write_plots(analysis, folder: Path) -> list[Path]:
     """The report's figures as PNGs in `folder`."""
     rep = analysis.report

@@ -157,7 +157,11 @@ def profile_rows(
     if cos:
         carry.update(cos=summarize(torch.cat(cos)), amplification=summarize(torch.cat(amp)))
     else:
-        carry["note"] = "no core-entrance injection (DEQ-QKV): carryover is not defined"
+        why = {
+            "deq-qkv": "DEQ-QKV injects into the core's attention instead",
+            "none": "injection none: the input enters only through the initial state",
+        }.get(model.cfg.injection, f"injection {model.cfg.injection}")
+        carry["note"] = f"no core-entrance injection ({why}): carryover is not defined"
     out = {
         "convergence": convergence_profile(change, pos, cfg.tau, cfg.position_interval),
         "kv_settling": sums.table() if sums is not None else [],
@@ -347,8 +351,12 @@ def format_summary(report: dict) -> str:
 
 def write_outputs(analysis: Analysis, folder: Path, plots: bool = True) -> list[Path]:
     """report.json, summary.txt and (with `plots`) the PNG figures in `folder`; returns the paths."""
+    from looplm.analyze.plots import PLOT_NAMES
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    for name in PLOT_NAMES:  # an earlier run's figures would contradict this report (or its --no-plots)
+        (folder / name).unlink(missing_ok=True)
     paths = [folder / "report.json", folder / "summary.txt"]
     paths[0].write_text(json.dumps(analysis.report, indent=1, default=str))
     paths[1].write_text(format_summary(analysis.report) + "\n")

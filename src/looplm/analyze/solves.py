@@ -51,7 +51,7 @@ class SolveRule:
     """Largest relative drift from the stable run's endpoint during confirmation."""
 
     def validate(self) -> None:
-        if self.tol <= 0 or self.drift_tol <= 0:
+        if not (self.tol > 0 and self.drift_tol > 0):  # NaN too: no step would ever qualify
             raise UserError(f"solve tolerances must be > 0, got tol={self.tol}, drift_tol={self.drift_tol}")
         if self.stable_steps < 1 or self.confirm_steps < 0:
             raise UserError("solve stable_steps must be >= 1 and confirm_steps >= 0")

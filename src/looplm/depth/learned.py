@@ -110,7 +110,7 @@ class LearnedDepthPrior(DepthSampler):
         for name in ("ema_decay", "beta1", "beta2"):
             if not 0 <= getattr(cfg, name) < 1:
                 raise UserError(f"depth-prior {name} must be in [0, 1), got {getattr(cfg, name)}")
-        if cfg.lr <= 0 or cfg.warmup_updates < 0 or cfg.entropy_weight < 0 or cfg.mean_weight < 0:
+        if not (cfg.lr > 0 and cfg.entropy_weight >= 0 and cfg.mean_weight >= 0) or cfg.warmup_updates < 0:  # NaN too
             raise UserError("depth-prior lr must be > 0 and warmup_updates, entropy_weight, mean_weight >= 0")
         reward_fn(cfg.reward)
         self.cfg, self.target, self.active = cfg, float(target), active
@@ -262,10 +262,10 @@ class LearnedDepthPrior(DepthSampler):
 
 
 def initial_logits(init: str, cap: int, target: float, sigma: float, low: int, high: int) -> np.ndarray:
-    from looplm.depth.pln import pln_pmf
+    from looplm.depth.pln import pln_log_pmf
 
     if init == "pln":
-        return np.log(pln_pmf(target, sigma, cap))
+        return pln_log_pmf(target, sigma, cap)
     if init == "uniform":
         return np.zeros(cap)
     if init == "restricted":
