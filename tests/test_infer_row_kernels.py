@@ -9,7 +9,14 @@ import torch.nn.functional as F
 from _models import decisive_model
 
 from looplm.infer import extend, make_cache
-from looplm.infer.row_kernels import FEW_QUERIES, few_query_attention, rewrite, row_kernels_backend, row_linear
+from looplm.infer.row_kernels import (
+    FEW_QUERIES,
+    TransposedWeights,
+    few_query_attention,
+    rewrite,
+    row_kernels_backend,
+    row_linear,
+)
 from looplm.infer.step import DecodeStep, StepRows
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -58,7 +65,8 @@ def _calls(gm) -> set[str]:
 def test_the_backend_rewrites_one_row_and_few_query_calls_only():
     """Through `torch.compile` with the backend (graphs recorded as rewritten, run as traced): one-row
     fp32 linears and SDPA calls of up to FEW_QUERIES queries under a boolean [B, 1, n, S] mask are
-    replaced, the others kept; the results equal the eager calls."""
+    replaced, fp32 linears of several rows multiply a transposed copy of their weight (a new input), the
+    others are kept; the results equal the eager calls."""
     graphs = []
 
     def recording(gm, example_inputs):
@@ -77,7 +85,7 @@ def test_the_backend_rewrites_one_row_and_few_query_calls_only():
     def calls(x1, x2, x3):
         return (
             F.linear(x1, w),  # rewritten
-            F.linear(x2, w),  # two rows: the BLAS
+            F.linear(x2, w),  # two rows: the BLAS, on w's transpose
             F.linear(x3, w.double()),  # not fp32
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),  # rewritten
             F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True),  # no boolean mask
@@ -94,7 +102,8 @@ def test_the_backend_rewrites_one_row_and_few_query_calls_only():
     (gm,) = graphs
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("row_linear" in t for t in targets) == 1 and sum("_sdpa_few_queries" in t for t in targets) == 2
-    assert targets.count(str(F.linear)) == 2 and targets.count(str(F.scaled_dot_product_attention)) == 3
+    assert sum("transposed_linear" in t for t in targets) == 1
+    assert targets.count(str(F.linear)) == 1 and targets.count(str(F.scaled_dot_product_attention)) == 3
     for a, b in zip(got, calls(*xs), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
 
@@ -143,9 +152,9 @@ def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
 
 def test_the_backends_edges_few_queries_included_broadcast_masks_dropout_and_row_blocks_excluded():
     """The rewrite's edges: exactly FEW_QUERIES queries are rewritten; a mask broadcast over the queries
-    ([B, 1, 1, S]), an SDPA with dropout and a linear of several rows in one batch entry ([1, 3, in]) are
-    left to torch; the rewritten graph's code calls the written-out forms (an inner backend that runs
-    `gm` runs them), and the kept calls' results equal the eager ones."""
+    ([B, 1, 1, S]) and an SDPA with dropout are left to torch, a linear of several rows in one batch entry
+    ([1, 3, in]) multiplies its weight's transpose; the rewritten graph's code calls the written-out forms
+    (an inner backend that runs `gm` runs them), and the results equal the eager ones."""
     graphs = []
 
     def recording(gm, example_inputs):
@@ -165,7 +174,7 @@ def test_the_backends_edges_few_queries_included_broadcast_masks_dropout_and_row
     def calls(x1, block):
         return (
             F.linear(x1, w),  # rewritten
-            F.linear(block, w),  # three rows: the BLAS
+            F.linear(block, w),  # three rows: the BLAS, on w's transpose
             F.scaled_dot_product_attention(  # rewritten: FEW_QUERIES queries
                 few, k, v, attn_mask=torch.ones(2, 1, FEW_QUERIES, 5, dtype=torch.bool), enable_gqa=True
             ),
@@ -177,7 +186,8 @@ def test_the_backends_edges_few_queries_included_broadcast_masks_dropout_and_row
     (gm,) = graphs
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("row_linear" in t for t in targets) == 1 and sum("_sdpa_few_queries" in t for t in targets) == 1
-    assert targets.count(str(F.linear)) == 1 and targets.count(str(F.scaled_dot_product_attention)) == 2
+    assert sum("transposed_linear" in t for t in targets) == 1
+    assert targets.count(str(F.linear)) == 0 and targets.count(str(F.scaled_dot_product_attention)) == 2
     assert "row_linear" in gm.code and "_sdpa_few_queries" in gm.code
     ref = calls(x1, block)
     for a, b in zip(got[:4], ref[:4], strict=True):
@@ -216,5 +226,48 @@ def test_rewrite_regenerates_the_code_of_a_graph_that_already_ran():
     torch.compile(lambda x: F.linear(x, w), backend=capture, dynamic=False)(x)
     (gm,) = captured
     assert "row_linear" not in gm.code
-    assert rewrite(gm) == 1
+    assert rewrite(gm) == (1, [])
     assert "row_linear" in gm.code
+
+
+def test_transposed_weights_follow_their_weights():
+    """The transposed copy is made once and kept while its weight is the same tensor, unchanged; made
+    again after an in-place change (an optimizer step bumps the version counter) or for another tensor;
+    an inference tensor (no version counter) is transposed on every call."""
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    other = torch.randn(3, 5)
+    store = TransposedWeights([1])
+    first = store([other, w])[0]
+    assert torch.equal(first, w.detach().t()) and first.is_contiguous()
+    assert store([other, w])[0] is first  # kept
+    with torch.no_grad():
+        w.mul_(2)  # in place, as an optimizer step
+    again = store([other, w])[0]
+    assert again is not first and torch.equal(again, w.detach().t())
+    new = torch.randn(6, 4)
+    assert torch.equal(store([other, new])[0], new.t())
+    with torch.inference_mode():
+        frozen = torch.randn(6, 4)
+    a, b = store([other, frozen])[0], store([other, frozen])[0]
+    assert a is not b and torch.equal(a, frozen.t())
+
+
+def test_a_compiled_chunk_reads_the_weights_as_they_are_now():
+    """A verify chunk (5 rows) compiled through the backend multiplies transposed copies of the weights:
+    after the weights change in place (as RL's optimizer changes them between rollouts) the compiled
+    chunk's logits equal the eager step's on the new weights. A planted stale copy (the store never
+    refreshed) fails this."""
+    model = decisive_model(50, max_seq_len=32, max_depth=8)
+    prompt = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3))
+    zero = torch.zeros(1, dtype=torch.long)
+    chunk = torch.tensor([[7, 8, 9, 10, 11]])
+    for round_ in range(2):
+        cache = make_cache("full", model.cfg, 1, 32, 4)
+        extend(model, prompt, cache, 3, example_ids=zero)
+        twin = cache.take(torch.arange(1))
+        got, _ = DecodeStep(model, cache, compile=True, unroll=1)(StepRows(chunk, torch.tensor([6]), zero, zero), 3)
+        ref, _ = DecodeStep(model, twin)(StepRows(chunk, torch.tensor([6]), zero, zero), 3)
+        assert (got - ref).abs().max() <= 1e-4, round_
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.1)

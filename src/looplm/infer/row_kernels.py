@@ -1,9 +1,9 @@
-"""How the compiled decode step computes a layer at one row on a CPU (design §16).
+"""How the compiled decode step computes a layer at few rows on a CPU (design §16).
 
 At batch 1 a recurrence of the tiny preset is 14 matrix-vector products and 2 attention calls of a
 few microseconds of arithmetic each, and inside an inductor graph each of them is a call out of the
 generated code (the BLAS's `mm`, the CPU SDPA kernel) that costs more than its arithmetic.
-`row_kernels_backend` is a `torch.compile` backend that rewrites two kinds of call in the graph
+`row_kernels_backend` is a `torch.compile` backend that rewrites three kinds of call in the graph
 Dynamo captured (shapes are static there) before it hands the graph on (to inductor by default):
 
 - `F.linear` of one row (x with a single row of features, fp32): y = sum(x[..., None, :] * W, -1),
@@ -13,12 +13,18 @@ Dynamo captured (shapes are static there) before it hands the graph on (to induc
   verify chunk) under a boolean mask [B or 1, 1, n, S]: softmax(q K^T / sqrt(hd) + mask) V written
   out as two batched products and a softmax, grouped-query heads as a reshape (query head h reads
   key/value head h // (H / H_kv), as SDPA's `enable_gqa`). The CPU SDPA kernel's blocking costs
-  more than the arithmetic at so few queries (a 5-token verify chunk ran ~10% faster without it).
+  more than the arithmetic at so few queries (a 5-token verify chunk ran ~10% faster without it);
+- `F.linear` of several rows (fp32) whose weight is a graph input (a parameter): x @ W_t, with W_t a
+  contiguous copy of W^T made once and kept (`TransposedWeights`; made again when the weight changes, in
+  place or as another tensor). The BLAS multiplies few rows by a [in, out] matrix faster than by the
+  transpose of an [out, in] one, which is what `F.linear` hands it: 1.3-2x at 2-32 rows of the tiny
+  preset's products on a Sapphire Rapids CPU (MKL), so the verify chunk of self-speculation and the
+  serving engine's batches gain. It costs a second copy of the weights the compiled step multiplies.
 
 Every other call, and these of other shapes, stay as they were; results equal the eager step's to
 float rounding (tested). Measured on the 2-core CPU (BENCHMARKS.md): a batch-1 R = 32 step 1.5x
-faster (1.6-2.1x at d 512); at 16 rows the products lose to the BLAS, so a linear of more than one
-row keeps `mm`. Eagerly the products would allocate [rows, out, in]: they are for compiled graphs.
+faster (1.6-2.1x at d 512); at 16 rows the written-out products lose to the BLAS, so a linear of more
+than one row keeps `mm` (on the transposed copy). Eagerly the products would allocate [rows, out, in]: they are for compiled graphs.
 """
 
 from __future__ import annotations
@@ -27,13 +33,55 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["FEW_QUERIES", "few_query_attention", "rewrite", "row_kernels_backend", "row_linear"]
+__all__ = [
+    "FEW_QUERIES",
+    "TransposedWeights",
+    "few_query_attention",
+    "rewrite",
+    "row_kernels_backend",
+    "row_linear",
+    "transposed_linear",
+]
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) as a broadcast product and a sum over the input features."""
     y = (x[..., None, :] * weight).sum(-1)
     return y if bias is None else y + bias
+
+
+def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) given weight_t = weight^T [in, out], contiguous: one `mm`."""
+    y = (x.reshape(-1, x.shape[-1]) @ weight_t).reshape(*x.shape[:-1], weight_t.shape[1])
+    return y if bias is None else y + bias
+
+
+class TransposedWeights:
+    """The extra inputs of a rewritten graph: for each of its inputs `indices` (weights), a contiguous
+    transposed copy, made on the first call and again whenever that input is another tensor object or
+    was changed in place (its version counter moved: an optimizer step, `load_state_dict`); a tensor
+    without a version counter (made under inference mode) is transposed on every call."""
+
+    def __init__(self, indices: list[int]):
+        self.indices = indices
+        self._made: list[tuple | None] = [None] * len(indices)  # (weakref to the weight, its version)
+        self._copies: list[torch.Tensor | None] = [None] * len(indices)
+
+    def __call__(self, args) -> list[torch.Tensor]:
+        import weakref
+
+        out = []
+        for j, i in enumerate(self.indices):
+            weight, made = args[i], self._made[j]
+            try:
+                version = weight._version
+            except RuntimeError:  # an inference tensor: no version counter, so no way to know it is unchanged
+                version = None
+            if version is None or made is None or made[0]() is not weight or made[1] != version:
+                self._copies[j] = weight.detach().t().contiguous()
+                self._made[j] = None if version is None else (weakref.ref(weight), version)
+            out.append(self._copies[j])
+        return out
 
 
 def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale=None):
@@ -79,31 +127,74 @@ def _sdpa_few_queries(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     return few_query_attention(q, k, v, attn_mask, scale)
 
 
-def rewrite(gm: torch.fx.GraphModule) -> int:
+def _several_rows(x, weight) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.dtype == weight.dtype == torch.float32
+        and x.ndim >= 2
+        and weight.ndim == 2
+        and x.numel() > x.shape[-1]
+    )
+
+
+def rewrite(gm: torch.fx.GraphModule, transpose: bool = True) -> tuple[int, list[int]]:
     """Replace the one-row linears and few-query attention calls of a graph Dynamo captured (decided
-    on each call's example values) by their written-out forms; returns how many were replaced."""
-    replaced = 0
+    on each call's example values) by their written-out forms, and (`transpose`) the linears of several
+    rows whose weight is a graph input by `transposed_linear` on a new input appended per weight;
+    returns (how many calls were replaced, the input indices of the weights whose transposes the new
+    inputs are, in their order)."""
+    replaced, transposed = 0, {}  # weight placeholder -> its transpose's placeholder
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (F.linear, F.scaled_dot_product_attention):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
+        new_args = node.args
         if node.target is F.linear:
-            if not (isinstance(args[0], torch.Tensor) and _one_row(args[0])):
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            if isinstance(args[0], torch.Tensor) and _one_row(args[0]):
+                target = row_linear
+            elif transpose and weight in inputs and _several_rows(args[0], weight.meta.get("example_value")):
+                if weight not in transposed:
+                    with gm.graph.inserting_after(inputs[-1] if not transposed else list(transposed.values())[-1]):
+                        transposed[weight] = gm.graph.placeholder(f"{weight.name}_transposed")
+                    # an input of no source in the user's code (AOTAutograd reads Dynamo's for each input)
+                    transposed[weight]._dynamo_source = None
+                bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+                target, new_args = transposed_linear, (node.args[0], transposed[weight], bias)
+                node.kwargs = {}
+            else:
                 continue
-            target = row_linear
         elif _few_queries(*args, **kwargs):
             target = _sdpa_few_queries
         else:
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(target, node.args, node.kwargs)
+            new = gm.graph.call_function(target, new_args, node.kwargs)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         replaced += 1
     if replaced:
         gm.recompile()
-    return replaced
+    return replaced, [inputs.index(w) for w in transposed]
+
+
+def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule of a copy of `gm`'s graph over the same attributes, with what Dynamo and AOTAutograd
+    read off a captured graph (its meta, parameter sources, each input's source)."""
+    graph, nodes = torch.fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, nodes))
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    for name in ("_param_name_to_source",):
+        if hasattr(gm, name):
+            setattr(copy, name, getattr(gm, name))
+    for old, new in nodes.items():
+        if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
 
 
 _BACKENDS: dict = {}
@@ -131,7 +222,16 @@ def _backend(inner, options: dict | None):
         compile_inner = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-        rewrite(gm)
-        return compile_inner(gm, example_inputs)
+        gm = _own_copy(gm)  # Dynamo reads its graph's inputs after this returns: new ones go in a copy
+        _, indices = rewrite(gm)
+        if not indices:
+            return compile_inner(gm, example_inputs)
+        extra = TransposedWeights(indices)
+        inner = compile_inner(gm, [*example_inputs, *extra(example_inputs)])
+
+        def run(*args):
+            return inner(*args, *extra(args))
+
+        return run
 
     return compile_graph
