@@ -237,6 +237,22 @@ def test_held_out_examples_with_the_training_seed_are_still_fresh():
     assert len(fresh) > 50 and not {ex.prompt for ex in fresh} & seen
 
 
+def test_held_out_examples_hold_each_prompt_once():
+    """The generator draws some problems again: each was scored and counted once per draw (asked for 600
+    add problems of difficulty <= 3, 389 came back, 386 of them distinct)."""
+    from looplm.data import TaskConfig, generate_examples
+    from looplm.data.record import DataRecord
+
+    tasks = TaskConfig(kinds=("add",), max_difficulty=3)
+    record = DataRecord(source="tasks", tasks=tasks, n_task_examples=500, seed=0)
+    drawn = [ex.prompt for ex in generate_examples(tasks, 600, 7)]
+    assert len(set(drawn)) < len(drawn), "the generator repeats prompts in this draw"
+    got = [ex.prompt for ex in record.held_out_examples(600, 7)]
+    seen = {ex.prompt for ex in generate_examples(tasks, 500, 0)}
+    assert len(got) == len(set(got)) and not set(got) & seen
+    assert got == list(dict.fromkeys(p for p in drawn if p not in seen))  # the first of each, in draw order
+
+
 def test_a_data_record_with_a_bad_tasks_section_is_a_data_error():
     from looplm.data.record import DataRecord
     from looplm.data.sources import DataError

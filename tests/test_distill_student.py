@@ -241,6 +241,17 @@ def test_bank_error_against_a_direct_computation(single_thread):
     assert want > 0.01 and abs(bank_error(m, rows, Prefill("r1"), 4) - want) < 1e-5
 
 
+def test_bank_error_of_a_bf16_model(single_thread):
+    """The banks were fp32 whatever the model's dtype: a bf16 model's attention then refused them (query
+    BFloat16, key float). Now they hold the model's dtype, and the error is the fp32 model's to bf16 accuracy."""
+    from looplm.eval.prefill_arms import bank_error
+
+    m, rows = _teacher(), OneRow()
+    want = bank_error(m, rows, Prefill("r1"), 4)
+    got = bank_error(m.to(torch.bfloat16), rows, Prefill("r1"), 4)
+    assert abs(got - want) < 0.05 * want + 0.02
+
+
 def test_bank_error_prefills_each_document_from_its_own_start(single_thread):
     # the first half [0, 10) holds documents [0, 4) and [4, 10): each is its own prompt (its own
     # cache), as in real use; the whole half as one sequence let the second attend to the first

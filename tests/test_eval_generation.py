@@ -83,6 +83,9 @@ def constructed_examples(model, depth, n=8, steps=6):
         ("#### none\nso 4", "4"),  # no number after the mark: the last number
         ("1,2345", "2345"),  # not a thousands group: no '5' cut off a number
         ("#### 3 first try\n#### 5", "5"),  # the last answer mark, not the first
+        ("#### .5", "0.5"),  # a bare fraction was read as 5
+        ("it is -.25 now", "-0.25"),
+        ("is 42.5.", "42.5"),
     ],
 )
 def test_extract_final_number(text, want):
@@ -250,6 +253,16 @@ def test_gsm8k_prefills_at_prefill_depth(single_thread):
     prompts = [f"Question: {it.question}\nAnswer:" for it in items]
     assert got["outputs"] == _replayed_lines(model, prompts, 5, 2, 8, stop)
     assert _replayed_lines(model, prompts, 5, 2, 8, stop) != _replayed_lines(model, prompts, 2, 2, 8, stop)
+
+
+@pytest.mark.parametrize(("answer", "gold"), [("#### .5", "0.5"), ("so #### 18 dollars", "18"), ("#### 1,200", "1200")])
+def test_a_gold_answer_is_read_as_a_models_answer_is(tmp_path, answer, gold):
+    """The gold came from the whole text after '####' as one number, the prediction from the number rule: a gold
+    '.5' (0.5) never matched a prediction that repeats it (read as 5), and '18 dollars' failed to load."""
+    p = tmp_path / "g.jsonl"
+    p.write_text(json.dumps({"question": "q", "answer": answer}) + "\n")
+    (item,) = load_gsm8k_jsonl(p)
+    assert item.gold == gold == extract_final_number(answer)
 
 
 def test_a_final_answer_that_is_not_a_finite_number_is_refused(tmp_path):

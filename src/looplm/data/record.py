@@ -155,7 +155,8 @@ class DataRecord:
         return self.checked_datasets(tokenizer, seq_len)[1]
 
     def held_out_examples(self, n: int, seed: int) -> list[Example]:
-        """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold.
+        """Up to `n` fresh generator examples (drawn with `seed`) whose prompts the training set does not hold,
+        each prompt once (the generator draws some again).
         A `seed` equal to the training seed would draw the training set's first examples (every one of
         them dropped), so that draw takes a seed derived from both instead."""
         return list(_held_out(self, n, seed))  # kept: a progress bar counts them before the report scores them
@@ -166,7 +167,12 @@ def _held_out(record: DataRecord, n: int, seed: int) -> tuple[Example, ...]:
     seen = {ex.prompt for ex in generate_examples(record.tasks, record.n_task_examples, record.seed)}
     if seed == record.seed:
         seed = int.from_bytes(hashlib.sha256(f"looplm-held-out-{seed}".encode()).digest()[:8], "little")
-    return tuple(ex for ex in generate_examples(record.tasks, n, seed) if ex.prompt not in seen)
+    kept = []
+    for ex in generate_examples(record.tasks, n, seed):
+        if ex.prompt not in seen:  # neither a training prompt nor one drawn again (it would count twice)
+            seen.add(ex.prompt)
+            kept.append(ex)
+    return tuple(kept)
 
 
 def _counts(train, val) -> tuple[int, int, int, int]:

@@ -32,8 +32,8 @@ class GenItem:
     gold: str
 
 
-# a comma-grouped number (1,234,567.5) or a plain one (-3, 3.50)
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|-?\d+(?:\.\d+)?")
+# a comma-grouped number (1,234,567.5), a plain one (-3, 3.50) or a bare fraction (.5, -.25)
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 
 
 def normalize_number(text: str) -> str | None:
@@ -74,7 +74,8 @@ def load_gsm8k_jsonl(path: str | Path) -> list[GenItem]:
         if "####" not in row["answer"]:
             raise UserError(f"{where}: 'answer' has no '#### <number>' final answer")
         raw = row["answer"].rsplit("####", 1)[1]
-        gold = normalize_number(raw)
+        found = _NUMBER.findall(raw)  # the number after the mark, read as a model's answer is read
+        gold = normalize_number(found[0]) if found else None
         if gold is None:
             raise UserError(f"{where}: final answer {raw.strip()!r} after '####' is not a number")
         items.append(GenItem(row["question"], row["answer"], gold))

@@ -82,7 +82,10 @@ def bank_error(model, val, arm: Prefill, depth: int, *, rows: int = 16, device="
         diff = norm = 0.0
         for start, end in document_segments(b.doc_ids[0, :half]):
             x = b.inputs[:, start:end]
-            ref_cache, arm_cache = (TerminalCache(model.cfg, 1, x.shape[1], device=device) for _ in range(2))
+            dtype = next(model.parameters()).dtype  # the banks hold what the model writes (bf16 too)
+            ref_cache, arm_cache = (
+                TerminalCache(model.cfg, 1, x.shape[1], device=device, dtype=dtype) for _ in range(2)
+            )
             Prefill("teacher")(model, x, ref_cache, depth, example_ids=b.example_ids)
             arm(model, x, arm_cache, depth, example_ids=b.example_ids)
             for r, g in zip([*ref_cache.core, *ref_cache.coda], [*arm_cache.core, *arm_cache.coda]):

@@ -84,6 +84,10 @@ class EvalConfig:
 
         if not self.depths and not allow_no_depths:
             raise bad("depths", "give at least one depth", "none")
+        for field in ("depths", "sample_depths"):
+            given = getattr(self, field)
+            if len(set(given)) < len(given):  # each would run again and its row be merged into one
+                raise bad(field, "give each depth once", " ".join(map(str, given)))
         depths = [(field, r) for field in ("depths", "sample_depths") for r in getattr(self, field)]
         for field, r in depths + ([("prefill_depth", self.prefill_depth)] if self.prefill_depth is not None else []):
             check_depth(f"{name(field)}: depth", r, max_depth)
