@@ -516,6 +516,14 @@ def test_cache_misuse_is_an_error(hf_model):
 
 
 # -- tokenizers ------------------------------------------------------------------------------------------
+def test_the_exported_tokenizer_knows_the_model_context(exported):
+    """transformers' default model_max_length is 1e30, so `truncation=True` kept prompts past the context."""
+    model, path = exported
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.model_max_length == model.cfg.max_seq_len == 48
+    assert len(tok("x" * 100, truncation=True)["input_ids"]) == 48
+
+
 def test_auto_tokenizer_matches_the_byte_tokenizer(exported):
     tok = AutoTokenizer.from_pretrained(exported[1])
     assert (tok.eos_token_id, tok.pad_token_id, len(tok), tok.padding_side) == (256, 257, 258, "left")

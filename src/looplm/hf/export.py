@@ -117,6 +117,7 @@ def export(
     follow_umask(*out.glob("*.safetensors"))  # transformers writes them with safetensors' 0600
     hf_tok = hf_tokenizer(tokenizer)
     hf_tok.chat_template = CHAT_TEMPLATE_JINJA  # the template `looplm serve` documents (vLLM's chat endpoint reads it)
+    hf_tok.model_max_length = model.cfg.max_seq_len  # so truncation=True cuts at the context (not at 1e30)
     hf_tok.save_pretrained(out)
     # for looplm's own commands (looplm.checkpoint.load_model): its tokenizer files (whose names
     # collide with transformers' ones, hence a subfolder) and the training job (held-out data)
