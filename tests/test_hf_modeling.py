@@ -516,6 +516,16 @@ def test_cache_misuse_is_an_error(hf_model):
 
 
 # -- tokenizers ------------------------------------------------------------------------------------------
+def test_example_ids_are_one_per_row_as_a_list_or_a_tensor(hf_model):
+    """A list raised AttributeError ('list' object has no attribute 'to'), one id for two rows was broadcast."""
+    ids = torch.tensor([TOK.encode("hello"), TOK.encode("world")])
+    with torch.no_grad():
+        ref = hf_model(ids, example_ids=torch.tensor([3, 4])).logits
+        assert torch.equal(hf_model(ids, example_ids=[3, 4]).logits, ref)
+        with pytest.raises(ValueError, match="example_ids has 1 entries for 2 rows"):
+            hf_model(ids, example_ids=torch.tensor([3]))
+
+
 def test_the_exported_tokenizer_knows_the_model_context(exported):
     """transformers' default model_max_length is 1e30, so `truncation=True` kept prompts past the context."""
     model, path = exported

@@ -351,6 +351,10 @@ class LoopedLMForCausalLM(LoopedLMPreTrainedModel, GenerationMixin):
         B, n = input_ids.shape
         if example_ids is None:  # every row as if alone: its output does not depend on the batch
             example_ids = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+        else:  # a list or tensor of one id per row (one for several rows was broadcast silently)
+            example_ids = torch.as_tensor(example_ids, dtype=torch.long, device=input_ids.device).reshape(-1)
+            if example_ids.shape[0] != B:
+                raise ValueError(f"example_ids has {example_ids.shape[0]} entries for {B} rows: give one per row")
 
         if cache is None:
             if exit_tau or (prefill_steps is not None and prefill_steps != rule.depth):
