@@ -285,6 +285,7 @@ def _malformed(n_ctx: int) -> list[tuple[str, object]]:
         ("/v1/completions", {**ok, "stream": True, "stream_options": {"include_usage": "false"}}),
         ("/v1/completions", {**ok, "stream": True, "stream_options": {"bogus": 1}}),
         ("/v1/completions", {**ok, "stream_options": {"include_usage": True}}),
+        ("/v1/completions", '{"prompt": "a", "max_tokens": 1, "temperature": NaN}'),
         ("/v1/chat/completions", {**chat, "messages": []}),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "hi"}]}),
         ("/v1/chat/completions", {**chat, "messages": [{"content": "hi"}]}),
@@ -1535,7 +1536,8 @@ def test_error_bodies_name_the_field_the_kind_and_the_code(model):
         r = http.post("/v1/completions", json={**ok, "max_tokens": "many"})
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "max_tokens" and error["message"].startswith("max_tokens: ")
-        r = http.post("/v1/completions", content="{not json", headers={"content-type": "application/json"})
+        json_type = {"content-type": "application/json"}
+        r = http.post("/v1/completions", content="{not json", headers=json_type)
         assert r.status_code == 400
         assert r.json()["error"] == {
             "message": "the request body is not valid JSON",
@@ -1543,6 +1545,8 @@ def test_error_bodies_name_the_field_the_kind_and_the_code(model):
             "param": None,
             "code": None,
         }
+        r = http.post("/v1/completions", content='{"prompt": "a", "temperature": NaN}', headers=json_type)
+        assert r.json()["error"]["message"] == "temperature: Input should be a finite number", r.text  # was "<= 100"
         chat = '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'
         r = http.post("/v1/chat/completions", content=chat, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].text", r.text

@@ -83,7 +83,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     # after `_known_fields`, only the ignored ones are left; strict: a bool, number or id list of another JSON
     # type (`"5"`, `true`) is refused, as OpenAI refuses it, not converted
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # NaN: "a finite number"
     ignored_fields: ClassVar[frozenset[str]] = frozenset()
 
     model: str | None = None
