@@ -274,6 +274,15 @@ def test_cli_refuses_a_student_of_another_teacher_and_a_missing_student(teacher,
     assert "another teacher" in capsys.readouterr().err
     assert main(["generate", str(teacher), "--prefill", "student"]) == 2
     assert "--student" in capsys.readouterr().err
+    # the student given as the model (an easy slip): one line naming it, not "[Errno 2] ... config.json"
+    for command in (["generate", str(out), "--prompt", "x"], ["eval", str(out)], ["export", str(out), tmp_path / "h"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is a distilled prefill student, not a looped model" in err[0], err
+    # a file as --out-dir: one line before any work (was "[Errno 17] File exists")
+    (tmp_path / "f.txt").write_text("x")
+    assert main(["distill", str(teacher), "--out-dir", str(tmp_path / "f.txt"), "--steps", "1", "--no-progress"]) == 2
+    assert "is a file, not a folder: choose another --out-dir" in capsys.readouterr().err
 
 
 def test_start_up_line_resume_line_and_session_summary(teacher, tmp_path, capsys):

@@ -168,6 +168,8 @@ def test_validate_refuses_depths_temperatures_spans_and_prompts_that_would_fail_
         check(prefill_depth=0)
     with pytest.raises(ValueError, match="--depths: give each depth once, got 1 2 2"):  # R = 2 ran twice, one row
         EvalConfig(depths=(1, 2, 2)).validate(8, 64, prefix="--")
+    with pytest.raises(ValueError, match="--output: is a folder; give the report's .json file path"):  # was Errno 21,
+        check(output=tmp_path)  # after the whole evaluation
     check(cacheeval_span=(40, 24))  # P + C = max_seq_len fits
     with pytest.raises(ValueError, match="--cacheeval-span: P >= 1 prompt"):
         check(cacheeval_span=(40, 25))

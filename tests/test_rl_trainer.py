@@ -124,6 +124,9 @@ def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):
 def test_never_writes_into_the_source_run_or_over_a_run(source, tmp_path, capsys):
     assert main(rl_args(source, source / "rl")) == 2
     assert "overlaps the source run" in capsys.readouterr().err
+    (tmp_path / "f.txt").write_text("x")  # a file as --out-dir: was "[Errno 17] File exists"
+    assert main(rl_args(source, tmp_path / "f.txt")) == 2
+    assert "is a file, not a folder: choose another --out-dir" in capsys.readouterr().err
     assert main(rl_args(source, tmp_path / "once", "--steps", "1")) == 0
     assert main(rl_args(source, tmp_path / "once", "--steps", "1")) == 2
     assert "already holds RL checkpoints" in capsys.readouterr().err

@@ -397,6 +397,17 @@ def refuse_overlap(source: Path, out_dir: Path, option: str = "--out-dir") -> No
         raise UserError(f"{option} {out_dir} overlaps the source run {run}; choose a folder outside it")
 
 
+def refuse_file_out_dir(out_dir: Path, option: str) -> None:
+    """A UserError, before any work, when `out_dir` or the first of its parents that exists is a file (the run
+    could not create its folder there)."""
+    out = Path(out_dir)
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise UserError(f"{option} {out}: {p} is a file, not a folder: choose another {option}")
+            return
+
+
 # -- folders written by `looplm export` (read with json + safetensors only: no transformers here) ------
 HF_EXPORT_INFO = "looplm_export.json"  # {"source", "tokenizer", "job"}: what `looplm export` adds
 HF_LOOPLM_TOKENIZER = "looplm_tokenizer"  # looplm's own tokenizer files (HF's names collide with them)
@@ -524,6 +535,11 @@ def load_model(path: Path, device: str | torch.device = "cpu"):
         model.load_state_dict(weights)
         return model.to(device).eval(), tokenizer, job
     verify(path)
+    if not (path / "config.json").is_file() and (path / "student.json").is_file():
+        raise CheckpointError(
+            f"{path} is a distilled prefill student, not a looped model: give its teacher's checkpoint, "
+            f"with --prefill student --student {path} where the command takes them"
+        )
     config = read_json(path, "config.json")
     try:
         model_cfg = ModelConfig.from_dict(config["model"])

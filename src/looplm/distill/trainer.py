@@ -123,6 +123,7 @@ class DistillTrainer:
             raise UserError(f"seq_len {self.seq_len} exceeds the teacher's context max_seq_len={tcfg.max_seq_len}")
         self.out_dir = Path(cfg.out_dir)
         ckpt.refuse_overlap(self.teacher_path, self.out_dir)
+        ckpt.refuse_file_out_dir(self.out_dir, "--out-dir")
         self.ckpt_root = self.out_dir / "checkpoints"
         resume_from = None
         if (self.ckpt_root / "latest").exists():

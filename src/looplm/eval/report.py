@@ -104,6 +104,8 @@ class EvalConfig:
                 raise bad(field, f"must be >= {least}", getattr(self, field))
         if not self.sample_temperature >= 0:
             raise bad("sample_temperature", "must be >= 0", self.sample_temperature)
+        if self.output is not None and Path(self.output).is_dir():  # found only when the report was written
+            raise bad("output", "is a folder; give the report's .json file path", self.output)
         if self.cacheeval_span is not None:
             P, C = self.cacheeval_span
             if P < 1 or C < 2 or P + C > max_seq_len:

@@ -67,6 +67,7 @@ class RLTrainer:
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         ckpt.refuse_overlap(self.source_path, self.out_dir)
+        ckpt.refuse_file_out_dir(self.out_dir, "--out-dir")
         self.env = env or D.init_distributed(cfg.device)  # a process group whenever torchrun launched us
         self.local_prompts = D.rank_share(cfg.prompts_per_step, self.env, "prompts_per_step")
         self.device = self.env.device

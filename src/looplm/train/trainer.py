@@ -334,12 +334,7 @@ class Trainer:
                 )
             attention_kernel(j.train, device, j.model.head_dim)  # refuses heads the fused kernel cannot take
         parse_kernel_options(j.train.flex_kernel_options)
-        out = Path(j.train.out_dir)
-        for p in (out, *out.parents):  # the first that exists must be a folder (mkdir fails on a file)
-            if p.exists():
-                if not p.is_dir():
-                    raise UserError(f"train.out_dir {out}: {p} is a file, not a folder: choose another --train.out-dir")
-                break
+        ckpt.refuse_file_out_dir(Path(j.train.out_dir), "--train.out-dir")
 
     def _depth_sampler(self, resume_from: Path | None) -> DepthSampler:
         """The run's depth sampler. A resumed learned prior that started from another run's
