@@ -786,6 +786,20 @@ def test_eval_refuses_bad_options_before_it_measures(random_run, capsys, extra, 
     assert not (random_run / "eval.json").exists() and "val ppl" not in out
 
 
+def test_eval_refuses_a_span_no_held_out_document_holds_before_it_measures(tmp_path, capsys, monkeypatch):
+    """Task documents are short: a span that fits the rows (50 <= 64) but no document failed only after the
+    native perplexity and task accuracy had run, and no report was written."""
+    import looplm.eval.report
+    from _jobs import write_random_run
+
+    run = write_random_run(tmp_path / "run", data__source="tasks")
+    monkeypatch.setattr(looplm.eval.report, "depth_report", lambda *a, **k: pytest.fail("measured first"))
+    rc, out, err = run_main(["eval", run, "--depths", 1, "--max-sequences", 2, "--cacheeval-span", 30, 20], capsys)
+    assert_clean_exit(rc, err, looplm_error=True)
+    assert "cacheeval span 30 20: no held-out document has 50 tokens" in err, err
+    assert "val ppl" not in out and not (run / "eval.json").exists()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() > 1, reason="cuda:1 exists here")
 def test_a_missing_cuda_device_is_a_user_error(random_run, capsys):
     rc, _, err = run_main(["generate", random_run, "--prompt", "x", "--device", "cuda:1"], capsys)

@@ -293,6 +293,10 @@ def evaluate(
         cfg.validate(model.cfg.max_depth, model.cfg.max_seq_len, prefix="--", tokenizer=tokenizer)
         record = _data_record(path, data, model.cfg.max_seq_len)
         cfg.check_span(record.seq_len, prefix="--")
+        if cfg.cacheeval_span is not None:  # before the other measurements: a row length fits, but a document?
+            from looplm.eval.cached import require_span_room
+
+            require_span_room(record.validation(tokenizer), cfg.cacheeval_span)
         if cfg.generation_examples and not record.is_tasks:
             print(
                 f"note: --generation-examples scores generator tasks; this data ({record.source}) has none",

@@ -65,6 +65,20 @@ def _document_with_room(doc_ids: torch.Tensor, need: int) -> int | None:
     return next((s for s, e in document_segments(doc_ids) if e - s >= need), None)
 
 
+def require_span_room(data: PackedDataset, span: tuple[int, int]) -> None:
+    """A UserError naming the span when no row of `data` holds a document of P + C tokens (the CacheEval
+    protocol would read every row and score nothing); stops at the first row that has one."""
+    need, longest = span[0] + span[1], 0
+    for i in range(len(data)):
+        longest = max([longest] + [e - s for s, e in document_segments(data.get_batch([i]).doc_ids[0])])
+        if longest >= need:
+            return
+    raise UserError(
+        f"cacheeval span {span[0]} {span[1]}: no held-out document has {need} tokens "
+        f"(the longest has {longest}); choose a shorter span"
+    )
+
+
 @torch.no_grad()
 def cached_perplexity(
     model,
@@ -149,11 +163,7 @@ def cached_perplexity(
             ).item()
             count += n
     if count == 0 and span is not None and spans == 0:  # every row was read: name the longest document
-        longest = max(e - s for i in rows for s, e in document_segments(data.get_batch([i]).doc_ids[0]))
-        raise UserError(
-            f"cacheeval span {span[0]} {span[1]}: no held-out document has {span[0] + span[1]} tokens "
-            f"(the longest has {longest}); choose a shorter span"
-        )
+        require_span_room(data, span)
     if count == 0:
         raise UserError("no scored tokens for cached perplexity (no supervised targets in the scored part of any row)")
     loss = total / count
