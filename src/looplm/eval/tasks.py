@@ -2,7 +2,10 @@
 
 The answer (with its closing newline) is scored teacher-forced: an example is correct when the
 argmax at every answer position equals the answer token. With causal attention this equals
-greedy decoding of the answer followed by the newline that ends it, so no cache is needed.
+greedy decoding of the answer followed by the newline that ends it, so no cache is needed. It is
+stricter than the report's generation section, which scores decoded text with `check_answer` (the
+first line, whitespace stripped, no newline needed): the two accuracies can differ for that reason
+as well as for the cache.
 """
 
 from __future__ import annotations
