@@ -366,6 +366,15 @@ def test_unknown_injection_rejected():
         LoopedLM(bad)
 
 
+def test_left_padding_without_a_cache_is_refused():
+    """`pad` is read by the cache's chunk only: the parallel forward ignored it without a word, so a padded
+    row's real tokens attended to the padding at shifted positions (logits off by ~1 from the row alone)."""
+    model = LoopedLM(tiny())
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6))
+    with pytest.raises(ValueError, match="pad \\(left padding\\) is for a cached forward"):
+        model(tokens, 2, pad=torch.tensor([2, 0]))
+
+
 @pytest.mark.parametrize(
     "overrides", [dict(d_model=30), dict(n_kv_heads=3), dict(n_heads=8, d_model=24), dict(n_core=0)]
 )

@@ -345,6 +345,8 @@ class LoopedLM(nn.Module):
         if plan is not None:
             plan.check(self.cfg.max_depth, has_gate=self.exit_gate is not None, cache=getattr(cache, "mode", None))
         start = StateStart(init, state0, initial, example_ids, seed, generator)
+        if pad is not None and cache is None:  # it was ignored: the real tokens attended to the padding
+            raise ValueError("pad (left padding) is for a cached forward; the parallel forward takes doc_ids/positions")
         if cache is not None:
             if doc_ids is not None or positions is not None:
                 raise ValueError("a cached forward takes its positions and mask from the cache (no doc_ids/positions)")
