@@ -552,7 +552,7 @@ def analyze(
     import torch
 
     from looplm.analyze.report import analyze as run, format_summary, require_recurrence, write_outputs
-    from looplm.checkpoint import load_model, resolve
+    from looplm.checkpoint import load_model, refuse_file_out_dir, resolve
 
     start = time.time()
     cfg.validate()
@@ -566,9 +566,8 @@ def analyze(
     record = _data_record(path, data, model.cfg.max_seq_len)
     other = _other_data(path, data, record)  # its own folder, as eval's report: the run's analysis stays
     out = cfg.output or _run_folder(path) / ("analyze" if other is None else f"analyze-{data_name(other)}")
-    if out.exists() and not out.is_dir():  # refused now, not after the work
-        raise UserError(f"the output {out} is a file, not a folder: choose another --output")
-    out.parent.mkdir(parents=True, exist_ok=True)  # a path under a file fails here too
+    refuse_file_out_dir(out, "--output")  # refused now (a path under a file too), not after the work
+    out.parent.mkdir(parents=True, exist_ok=True)
     data = record.validation(tokenizer)
     bar = _progress(cfg.work_units(len(data)), "analyze")
     default_threads = torch.get_num_threads()

@@ -29,6 +29,8 @@ than one row keeps `mm` (on the transposed copy). Eagerly the products would all
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -68,8 +70,6 @@ class TransposedWeights:
         self._copies: list[torch.Tensor | None] = [None] * len(indices)
 
     def __call__(self, args) -> list[torch.Tensor]:
-        import weakref
-
         out = []
         for j, i in enumerate(self.indices):
             weight, made = args[i], self._made[j]
@@ -138,32 +138,32 @@ def _several_rows(x, weight) -> bool:
     )
 
 
-def rewrite(gm: torch.fx.GraphModule, transpose: bool = True) -> tuple[int, list[int]]:
+def rewrite(gm: torch.fx.GraphModule) -> tuple[int, list[int]]:
     """Replace the one-row linears and few-query attention calls of a graph Dynamo captured (decided
-    on each call's example values) by their written-out forms, and (`transpose`) the linears of several
-    rows whose weight is a graph input by `transposed_linear` on a new input appended per weight;
+    on each call's example values) by their written-out forms, and the linears of several rows whose
+    weight is a graph input by `transposed_linear` on a new input appended per weight;
     returns (how many calls were replaced, the input indices of the weights whose transposes the new
     inputs are, in their order)."""
     replaced, transposed = 0, {}  # weight placeholder -> its transpose's placeholder
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    last_input = inputs[-1] if inputs else None
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (F.linear, F.scaled_dot_product_attention):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
-        new_args = node.args
+        new_args, new_kwargs = node.args, node.kwargs
         if node.target is F.linear:
             weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
             if isinstance(args[0], torch.Tensor) and _one_row(args[0]):
                 target = row_linear
-            elif transpose and weight in inputs and _several_rows(args[0], weight.meta.get("example_value")):
+            elif weight in inputs and _several_rows(args[0], weight.meta.get("example_value")):
                 if weight not in transposed:
-                    with gm.graph.inserting_after(inputs[-1] if not transposed else list(transposed.values())[-1]):
-                        transposed[weight] = gm.graph.placeholder(f"{weight.name}_transposed")
+                    with gm.graph.inserting_after(last_input):
+                        transposed[weight] = last_input = gm.graph.placeholder(f"{weight.name}_transposed")
                     # an input of no source in the user's code (AOTAutograd reads Dynamo's for each input)
-                    transposed[weight]._dynamo_source = None
+                    last_input._dynamo_source = None
                 bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-                target, new_args = transposed_linear, (node.args[0], transposed[weight], bias)
-                node.kwargs = {}
+                target, new_args, new_kwargs = transposed_linear, (node.args[0], transposed[weight], bias), {}
             else:
                 continue
         elif _few_queries(*args, **kwargs):
@@ -171,7 +171,7 @@ def rewrite(gm: torch.fx.GraphModule, transpose: bool = True) -> tuple[int, list
         else:
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(target, new_args, node.kwargs)
+            new = gm.graph.call_function(target, new_args, new_kwargs)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -188,9 +188,8 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph.output(graph.graph_copy(gm.graph, nodes))
     copy = torch.fx.GraphModule(gm, graph)
     copy.meta = dict(gm.meta)
-    for name in ("_param_name_to_source",):
-        if hasattr(gm, name):
-            setattr(copy, name, getattr(gm, name))
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
     for old, new in nodes.items():
         if old.op == "placeholder" and hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source
