@@ -111,8 +111,8 @@ def test_the_backend_rewrites_one_row_and_few_query_calls_only():
 def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
     """`DecodeStep(compile=True)` on a CPU compiles its pieces through the backend: at batch 1 no graph of
     a step holds a linear or an SDPA call (an inner backend that records each rewritten graph, then
-    runs it as traced), and the logits and the banks equal the eager step's on a twin cache. One recurrence
-    per graph and depth 2, the fewest graphs; inductor compiles the mode's graphs in
+    runs it as traced), and the logits and the banks equal the eager step's on a twin cache. Depth 2,
+    whole=0 and one recurrence per graph: the three pieces of a deep step; inductor compiles the mode's graphs in
     `test_infer_step.py`'s compiled-step test (batch 4) and the engine's warm-up test."""
     graphs = []
 
@@ -125,7 +125,7 @@ def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
     cache = make_cache("terminal", model.cfg, 1, 32, 4)
     extend(model, prompt, cache, 3, example_ids=torch.zeros(1, dtype=torch.long))
     twin = cache.take(torch.arange(1))
-    step = DecodeStep(model, cache, compile=True, unroll=1, compile_options={"backend": recording})
+    step = DecodeStep(model, cache, compile=True, unroll=1, whole=0, compile_options={"backend": recording})
     assert step.row_kernels
     eager = DecodeStep(model, twin)
     zero = torch.zeros(1, dtype=torch.long)
@@ -140,7 +140,7 @@ def test_a_batch_1_step_compiled_through_the_backend_equals_the_eager_step():
     # a second step (as each `generate` call makes one) runs the graphs the first compiled: one backend
     # object per (inner backend, options), so Dynamo's cache entries match (a new one per step filled
     # the cache up to its limit, after which the pieces ran eagerly)
-    again = DecodeStep(model, cache, compile=True, unroll=1, compile_options={"backend": recording})
+    again = DecodeStep(model, cache, compile=True, unroll=1, whole=0, compile_options={"backend": recording})
     got, _ = again(StepRows(torch.tensor([3]), torch.tensor([9]), zero, zero), 2)
     assert len(graphs) == 3
     called = " ".join(set().union(*map(_calls, graphs)))

@@ -171,11 +171,12 @@ def test_step_with_adaptive_exit_equals_extend(model):
 # -- compiled vs eager ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled(model):
-    """One compiled step (inductor, windows of 2) on a terminal cache of 4 rows, traced once for the exit path (per-row depth,
+    """One compiled step (inductor, windows of 2, one graph up to depth 3) on a terminal cache of 4 rows, traced once for the exit path (per-row depth,
     exit_tau, min_depth tensors: tau 0 and depth = max reproduce a plain row). (step, compile seconds)"""
     torch.manual_seed(5)
     cache, _, _, _ = _twins(model, "terminal", _prompts(4, seed=3), depth=3)
-    step = DecodeStep(model, cache, compile=True, unroll=2)  # windows of 2: smaller graphs to compile
+    # windows of 2: smaller graphs to compile; fixed depths up to 3 run as one graph
+    step = DecodeStep(model, cache, compile=True, unroll=2, whole=3)
     start = time.perf_counter()
     step(_compiled_rows(torch.zeros(4, dtype=torch.long), torch.full((4,), 8), torch.zeros(4, dtype=torch.long)), 6)
     return step, time.perf_counter() - start
@@ -218,11 +219,12 @@ def test_compiled_step_equals_the_eager_step(model, compiled):
             assert_banks_equal(cache, twin)
         # the fixed-depth path, unrolled: depth 7 = three windows of 2, then one recurrence, compiled by
         # inductor on the same prelude and coda graphs; against the eager step one recurrence at a time
-        plain = DecodeStep(model, twin, unroll=1)
-        for t in range(4, 6):
+        # and a shallow step (depth 3) as one graph; against the eager step in pieces
+        plain = DecodeStep(model, twin, unroll=1, whole=0)
+        for t, R in ((4, 7), (5, 7), (6, 3)):
             rows = StepRows(torch.randint(0, V, (4,)), L - offsets + t, first, torch.tensor([0, 1, 2, 3]))
-            got, _ = step(rows, 7)
-            ref, _ = plain(rows, 7)
+            got, _ = step(rows, R)
+            ref, _ = plain(rows, R)
             assert (got - ref).abs().max() <= TOL, (seed, t)
             assert_banks_equal(cache, twin)
 
@@ -293,12 +295,49 @@ def test_compiled_unrolled_steps_equal_the_eager_step(model, request, mode, cach
         assert_banks_equal(cache, twin)
 
 
+@pytest.mark.parametrize(("mode", "depth"), [("terminal", 3), ("full", 3), ("full", 2)])
+def test_a_short_step_is_one_graph_and_equals_extend(model, traced_unrolled, monkeypatch, mode, depth):
+    """A one-token step at a fixed depth of at most `whole` recurrences (a draft) runs prelude,
+    recurrences and coda as one compiled call, not three: the logits (1e-5), the state entering the coda and every bank equal
+    `extend` at that depth on a twin cache (the full cache's deeper visits filled with terminal K/V)."""
+    step = traced_unrolled
+    prompts = _prompts(2, seed=21)
+    cache, twin, pad, L = _twins(model, mode, prompts, depth=3, cache_depth=6)
+    step.reset(cache)
+    calls = {"short": 0, "pieces": 0}
+    short = step.short
+
+    def counted(*args, **kwargs):
+        calls["short"] += 1
+        return short(*args, **kwargs)
+
+    def refused(*args, **kwargs):
+        calls["pieces"] += 1
+        raise AssertionError("a short step ran a piece of the long path")
+
+    monkeypatch.setattr(step, "short", counted)
+    for piece in ("begin", "recur", "recur_many", "end"):
+        monkeypatch.setattr(step, piece, refused)
+    ids = torch.arange(2)
+    g = torch.Generator().manual_seed(22)
+    for t in range(3):
+        tok = torch.randint(0, V, (2,), generator=g)
+        got, used, z = step(StepRows(tok, torch.full((2,), L + t), pad, ids), depth, endpoint=True)
+        twin.length = L + t
+        ref = extend(model, tok[:, None], twin, depth, example_ids=ids, pad=pad)
+        assert (got - ref.logits[:, -1]).abs().max() <= TOL, t
+        assert (z - ref.endpoint[:, -1]).abs().max() <= TOL, t
+        assert used.tolist() == [depth] * 2
+        assert_banks_equal(cache, twin)
+    assert calls == {"short": 3, "pieces": 0}
+
+
 @pytest.mark.slow
 def test_compiled_resumed_chunk_equals_the_eager_one(model, traced_unrolled):
     """Self-speculation's round on the full cache through the compiled unrolled step: drafts at depth 4
-    (a window of 3, then one recurrence), then the verify chunk resumed from their states (the last
-    draft catching up alone) to depth 6 (a window of 2), against the eager step; the resume compiles
-    no graph of its own (the catch-up runs the one-token graphs the drafts compiled)."""
+    (one graph: `whole`), then the verify chunk resumed from their states (the last draft catching up
+    alone: a window of 3, then one recurrence) to depth 6 (a window of 2), against the eager step; a
+    second round compiles no graph."""
     from torch._dynamo.utils import counters
 
     step = traced_unrolled
@@ -319,13 +358,10 @@ def test_compiled_resumed_chunk_equals_the_eager_one(model, traced_unrolled):
             states.append(z)
             ref_states.append(ref_z)
         rows = StepRows(fed, torch.tensor([at]), pad, ids)
-        if round_ == 0:  # compile the chunk's graphs the resumed chunk runs (recurrences 5-6) on a copy
-            step.reset(cache.take(torch.tensor([0])))
-            step(rows, 6 - r_d)
-            step.reset(cache)
         graphs = counters["stats"]["unique_graphs"]
         got, _ = step(rows, 6, resume=(torch.stack(states, 1), r_d))
-        assert counters["stats"]["unique_graphs"] == graphs
+        if round_ == 1:  # the first round compiled every graph a round runs
+            assert counters["stats"]["unique_graphs"] == graphs
         ref, _ = eager(rows, 6, resume=(torch.stack(ref_states, 1), r_d))
         assert (got - ref).abs().max() <= TOL
         assert_banks_equal(cache, twin)

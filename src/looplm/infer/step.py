@@ -10,7 +10,8 @@ tensors, so every step has the same shapes and `torch.compile` traces it once pe
 The step is compiled in pieces: the prelude (and the initial state), one recurrence, `unroll`
 recurrences in one graph (rows at one fixed depth: R = q * unroll + rest runs q calls of it and
 one of a graph of `rest` recurrences; fewer calls, each with its per-call wrapper and guards), and
-the coda with the head. A chunk may resume from its drafts' states (`resume`, self-speculation on
+the coda with the head. A one-token step at a fixed depth of at most `whole` recurrences (a draft,
+a shallow server) is one graph of all of it. A chunk may resume from its drafts' states (`resume`, self-speculation on
 the full cache, design §16). Per-row depth and adaptive exit are
 masks: a stopped row keeps its frozen state, its core writes are masked (the cache keeps its exit
 recurrence's K/V as terminal K/V, exactly as `LoopedLM.with_exits` does) and it costs what its
@@ -148,7 +149,10 @@ class DecodeStep:
     graph (compiled when first needed; per-row depth and exit run one recurrence per call). 4 by
     default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
-    faster again, about twice the compile). `row_kernels` (default: compiled on a CPU) compiles the pieces
+    faster again, about twice the compile). `whole` W: a one-token step at a fixed depth of at most W
+    recurrences (a draft, a server at depth 5) runs prelude, recurrences and coda as one graph (one
+    graph per such depth): at depth 5 on a CPU a step took 1.2-1.4x less time than in windows (batch
+    1-12), the cold compile about the same; 0 turns it off. `row_kernels` (default: compiled on a CPU) compiles the pieces
     through `looplm.infer.row_kernels.row_kernels_backend`: one-row linears and few-query attention
     written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel.
     `static_keys`: compiled, each `keys` is a static graph of its own instead of one graph with a
@@ -167,6 +171,7 @@ class DecodeStep:
         seed: int = 0,
         compile_options: dict | None = None,
         unroll: int = 4,
+        whole: int = 8,
         row_kernels: bool | None = None,
         static_keys: bool = False,
         vocab: int | None = None,
@@ -181,15 +186,16 @@ class DecodeStep:
         self._steps = [torch.tensor(r + 1, device=device) for r in range(model.cfg.max_depth)]
         if cache is not None:
             self.reset(cache)
-        if unroll < 1:
-            raise ValueError(f"unroll must be >= 1, got {unroll}")
-        self.unroll = unroll
-        self.begin, self.recur, self.recur_many, self.recur_exits, self.end = (
+        if unroll < 1 or whole < 0:
+            raise ValueError(f"unroll must be >= 1 and whole >= 0, got {unroll} and {whole}")
+        self.unroll, self.whole = unroll, whole
+        self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.short = (
             self._begin,
             self._recur,
             self._recur_many,
             self._recur_exits,
             self._end,
+            self._short,
         )
         if compile:
             # CUDA: CUDA graphs; a CPU: inductor's C++ wrapper, which calls the kernels without Python per
@@ -209,9 +215,9 @@ class DecodeStep:
                 )
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.begin, self.recur, self.recur_many, self.recur_exits, self.end = (
+            self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.short = (
                 torch.compile(f, dynamic=False, **options)
-                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end)
+                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end, self._short)
             )
 
     def reset(self, cache: KVCache) -> None:
@@ -310,15 +316,19 @@ class DecodeStep:
         chunk = rows.tokens.ndim == 2  # [B, n]: n tokens per row (a verify chunk), no exits
         if chunk and exits:
             raise ValueError("a chunk of several tokens per row runs one fixed depth (no per-row depth or exit)")
-        s, *shared = self.begin(
-            rows.tokens if chunk else rows.tokens[:, None], rows.write_at, rows.first, rows.example_ids, banks
-        )
+        tokens = rows.tokens if chunk else rows.tokens[:, None]
+        depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
+        used = depth.clone()
+        terminal = self.cache.mode == "terminal"
+        if not (chunk or exits) and loop_depth <= self.whole and (terminal or loop_depth <= self.cache.depth):
+            cores, repeat = self._visits(banks, 0, loop_depth)  # a shallow step (a draft): one graph
+            logits, s = self.short(tokens, rows.write_at, rows.first, rows.example_ids, banks, cores, repeat)
+            return self._finish(rows, logits, used, s, loop_depth, fill=fill, endpoint=endpoint)
+        s, *shared = self.begin(tokens, rows.write_at, rows.first, rows.example_ids, banks)
         start = 0
         if resume is not None:
             s, start = self._resume(s, shared, rows, banks, *resume, loop_depth)
         active = torch.ones(B, dtype=torch.bool, device=s.device)
-        depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
-        used = depth.clone()
         if exits:
             for r in range(start, loop_depth):
                 s, active, used = self.recur_exits(
@@ -338,6 +348,12 @@ class DecodeStep:
         else:  # every row recurs: no masks, the fewest inputs (each is a guard to check per call)
             s = self._fixed(s, rows.write_at, shared, banks, start, loop_depth)
         logits = self.end(s, rows.write_at, shared, banks)
+        return self._finish(rows, logits, used, s, loop_depth, fill=fill, endpoint=endpoint)
+
+    def _finish(self, rows: StepRows, logits, used, s, loop_depth: int, *, fill: bool, endpoint: bool):
+        """What a step returns, from its coda's logits and final state; a full cache's visits past a
+        row's depth take its terminal K/V (with `fill`)."""
+        B, chunk, exits = rows.tokens.shape[0], rows.tokens.ndim == 2, rows.exits
         logits = (logits if chunk else logits[:, -1])[..., : self.vocab]
         z = s if chunk else s[:, -1]
         if fill and self.cache.mode == "full" and (exits or loop_depth < self.cache.depth):
@@ -375,20 +391,27 @@ class DecodeStep:
         unrolled piece each) and one shorter window for the rest (a graph of its own length; a window
         of one is the single recurrence). A full cache's windows stay inside its visits (past them
         every recurrence shares the last bank, and runs alone)."""
-        visits, U, r = banks["core_kv"], self.unroll, start
-        terminal = self.cache.mode == "terminal"
+        r = start
         while r < stop:
-            w = min(U, stop - r) if terminal else min(U, stop - r, self.cache.depth - r)
+            w = self._window(r, stop)
             if w > 1:
-                # the terminal cache: the same banks every recurrence, passed once
-                s = self.recur_many(
-                    s, write_at, shared, visits[r : r + 1] if terminal else visits[r : r + w], w if terminal else 1
-                )
-                r += w
+                s = self.recur_many(s, write_at, shared, *self._visits(banks, r, w))
             else:
-                s = self.recur(s, write_at, shared, visits[r])
-                r += 1
+                s = self.recur(s, write_at, shared, banks["core_kv"][r])
+            r += w
         return s
+
+    def _window(self, r: int, stop: int) -> int:
+        """How many recurrences from r (0-based, before `stop`) one call runs: at most `unroll`, and
+        on a full cache none past its visits (there every recurrence shares the last bank, alone)."""
+        w = min(self.unroll, stop - r)
+        return w if self.cache.mode == "terminal" else max(1, min(w, self.cache.depth - r))
+
+    def _visits(self, banks: dict, r: int, w: int) -> tuple[list, int]:
+        """(banks of each visit, repeats per visit) for recurrences r..r+w-1: the terminal cache's one
+        bank, passed once and run w times; a full cache's w visits, once each."""
+        visits = banks["core_kv"]
+        return (visits[r : r + 1], w) if self.cache.mode == "terminal" else (visits[r : r + w], 1)
 
     # -- the pieces (traced by torch.compile; tensors in, tensors out) -------------------------
     def _mask_and_rope(self, write_at, first, n: int, keys: torch.Tensor):
@@ -418,6 +441,13 @@ class DecodeStep:
             for _ in range(repeat):
                 s = self._recur(s, write_at, shared, core)
         return s
+
+    def _short(self, tokens, write_at, first, example_ids, banks, cores, repeat: int):
+        """A whole one-token step at a fixed depth of at most `whole` recurrences, in one graph: (coda
+        logits, the state entering the coda)."""
+        s, *shared = self._begin(tokens, write_at, first, example_ids, banks)
+        s = self._recur_many(s, write_at, shared, cores, repeat)
+        return self._end(s, write_at, shared, banks), s
 
     def _recur_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
