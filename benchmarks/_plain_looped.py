@@ -9,7 +9,8 @@ and a SwiGLU MLP. Two ways to run it:
 - `forward(tokens, state0, depth)`: training, the whole sequence under a causal mask, fp32 logits;
 - `decoding(batch, max_len)`, then `step(tokens, at, depth)`: one token per row into a preallocated
   K/V bank per physical layer (terminal KV sharing) under a length mask, static shapes, in three
-  pieces (`begin`, `recur`, `end`) that `compiled()` compiles as looplm's `DecodeStep` does on a CPU.
+  pieces (`begin`, `recur`, `end`; a shallow step in one) that `compiled()` compiles as looplm's
+  `DecodeStep` does on a CPU.
 
 It knows none of looplm's generality (document masks, depth plans, caches, value embeddings, exits).
 The options below keep each benchmark's baseline the computation it measured, op for op:
@@ -260,24 +261,37 @@ class PlainLooped(nn.Module):
             s = self.recur(s, u, cos, sin, mask, at)
         return s
 
-    unroll = 1
+    def shallow(self, tokens, at, depth: int):
+        """A whole step (prelude, `depth` recurrences, coda) as one function: one graph compiled."""
+        cls = type(self)  # the pieces themselves, not their compiled wrappers
+        u, cos, sin, mask = cls.begin(self, tokens, at)
+        s = torch.zeros_like(u)
+        for _ in range(depth):
+            s = cls.recur(self, s, u, cos, sin, mask, at)
+        return cls.end(self, s, cos, sin, mask, at)
 
-    def compiled(self, unroll: int = 1) -> PlainLooped:
+    unroll, whole = 1, 0
+
+    def compiled(self, unroll: int = 1, whole: int = 0) -> PlainLooped:
         """Compile the decode pieces as looplm's `DecodeStep` does on a CPU: the same split (prelude,
-        `unroll` recurrences per graph and one for the rest, coda), inductor's C++ wrapper. (Not its
-        row kernels: this stack's linears and attention stay the BLAS's and SDPA's.)"""
+        `unroll` recurrences per graph and one for the rest, coda; a step of at most `whole`
+        recurrences as one graph), inductor's C++ wrapper. (Not its row kernels: this stack's linears
+        and attention stay the BLAS's and SDPA's.)"""
         options = {"cpp_wrapper": True, "size_asserts": False}
-        self.unroll = unroll
-        self.begin, self.recur_many, self.recur, self.end = (
+        self.unroll, self.whole = unroll, whole
+        self.begin, self.recur_many, self.recur, self.end, self.shallow = (
             torch.compile(f, dynamic=False, options=options)
-            for f in (self.begin, self.recur_many, self.recur, self.end)
+            for f in (self.begin, self.recur_many, self.recur, self.end, self.shallow)
         )
         return self
 
     @torch.no_grad()
     def step(self, tokens, at, depth: int):
         """fp32 logits [B, vocab] of one token per row (`tokens` [B] at positions `at` [B]) at `depth`:
-        depth // unroll calls of the unrolled graph, then one recurrence at a time."""
+        one graph up to `whole` recurrences, else depth // unroll calls of the unrolled graph, then one
+        recurrence at a time."""
+        if depth <= self.whole:
+            return self.shallow(tokens, at, depth)
         u, cos, sin, mask = self.begin(tokens, at)
         s = torch.zeros_like(u)
         many, rest = divmod(depth, self.unroll) if self.unroll > 1 else (0, depth)

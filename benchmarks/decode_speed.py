@@ -88,15 +88,17 @@ def speed_cell(
                 extend(model, prompt, static_c, R)
                 caches_by[R, mode] = (eager_c, static_c)
     step = DecodeStep(model, compile=True, **unroll)
-    plain.compiled(step.unroll)  # the same recurrences per graph as the step
+    plain.compiled(step.unroll, step.whole)  # the same recurrences per graph as the step
     rows = StepRows(tok, at, torch.zeros(B, dtype=torch.long), torch.arange(B))
-    # warm-up: compile the step's three graphs and the plain stack's (shapes do not depend on R or cache)
+    # warm-up: compile the pieces of a deep step (prelude, windows, one recurrence, coda) and the plain
+    # stack's; a shallow depth's one graph compiles in its cell's first call
     step.reset(caches_by[depths[0], caches[0]][1])
+    deep = step.whole + step.unroll + 1
     t = time.perf_counter()
-    step(rows, 1)
+    step(rows, deep)
     compile_step = time.perf_counter() - t
     t = time.perf_counter()
-    plain.step(tok, at, 1)
+    plain.step(tok, at, deep)
     compile_plain = time.perf_counter() - t
     out = []
     for R in depths:

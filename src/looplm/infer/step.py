@@ -10,8 +10,8 @@ tensors, so every step has the same shapes and `torch.compile` traces it once pe
 The step is compiled in pieces: the prelude (and the initial state), one recurrence, `unroll`
 recurrences in one graph (rows at one fixed depth: R = q * unroll + rest runs q calls of it and
 one of a graph of `rest` recurrences; fewer calls, each with its per-call wrapper and guards), and
-the coda with the head. A one-token step at a fixed depth of at most `whole` recurrences (a draft,
-a shallow server) is one graph of all of it. A chunk may resume from its drafts' states (`resume`, self-speculation on
+the coda with the head. A step at a fixed depth of at most `whole` recurrences (a draft, a shallow
+server's step or prefill) is one graph of all of it. A chunk may resume from its drafts' states (`resume`, self-speculation on
 the full cache, design §16). Per-row depth and adaptive exit are
 masks: a stopped row keeps its frozen state, its core writes are masked (the cache keeps its exit
 recurrence's K/V as terminal K/V, exactly as `LoopedLM.with_exits` does) and it costs what its
@@ -149,10 +149,11 @@ class DecodeStep:
     graph (compiled when first needed; per-row depth and exit run one recurrence per call). 4 by
     default: at batch 1 and R = 32 on a CPU a step took 1.2-1.4x less time than with one recurrence
     per call, a draft step at depth 3 1.25x less, for a cold compile 10-30 s longer (8: a little
-    faster again, about twice the compile). `whole` W: a one-token step at a fixed depth of at most W
-    recurrences (a draft, a server at depth 5) runs prelude, recurrences and coda as one graph (one
-    graph per such depth): at depth 5 on a CPU a step took 1.2-1.4x less time than in windows (batch
-    1-12), the cold compile about the same; 0 turns it off. `row_kernels` (default: compiled on a CPU) compiles the pieces
+    faster again, about twice the compile). `whole` W: a step at a fixed depth of at most W
+    recurrences (a draft; a server at depth 5, its steps and prefill chunks; not a resumed chunk)
+    runs prelude, recurrences and coda as one graph (one per such depth): at depth 5 on a CPU a
+    one-token step took 1.2-1.4x less time than in windows (batch 1-12), the cold compile about the
+    same; 0 turns it off. `row_kernels` (default: compiled on a CPU) compiles the pieces
     through `looplm.infer.row_kernels.row_kernels_backend`: one-row linears and few-query attention
     written out as loops inductor generates, instead of calls to the BLAS and the SDPA kernel.
     `static_keys`: compiled, each `keys` is a static graph of its own instead of one graph with a
@@ -320,8 +321,8 @@ class DecodeStep:
         depth = rows.depth if rows.depth is not None else self._steps[loop_depth - 1].expand(B)
         used = depth.clone()
         terminal = self.cache.mode == "terminal"
-        if not (chunk or exits) and loop_depth <= self.whole and (terminal or loop_depth <= self.cache.depth):
-            cores, repeat = self._visits(banks, 0, loop_depth)  # a shallow step (a draft): one graph
+        if not exits and resume is None and loop_depth <= self.whole and (terminal or loop_depth <= self.cache.depth):
+            cores, repeat = self._visits(banks, 0, loop_depth)  # a shallow step (a draft, a prefill): one graph
             logits, s = self.short(tokens, rows.write_at, rows.first, rows.example_ids, banks, cores, repeat)
             return self._finish(rows, logits, used, s, loop_depth, fill=fill, endpoint=endpoint)
         s, *shared = self.begin(tokens, rows.write_at, rows.first, rows.example_ids, banks)
@@ -443,8 +444,8 @@ class DecodeStep:
         return s
 
     def _short(self, tokens, write_at, first, example_ids, banks, cores, repeat: int):
-        """A whole one-token step at a fixed depth of at most `whole` recurrences, in one graph: (coda
-        logits, the state entering the coda)."""
+        """A whole step at a fixed depth of at most `whole` recurrences, in one graph: (coda logits,
+        the state entering the coda)."""
         s, *shared = self._begin(tokens, write_at, first, example_ids, banks)
         s = self._recur_many(s, write_at, shared, cores, repeat)
         return self._end(s, write_at, shared, banks), s
