@@ -249,7 +249,10 @@ class DecodeStep:
                 return views[id(bank.k)]
 
             core = []
-            for r in range(self.model.cfg.max_depth):
+            # the recurrences that read banks of their own: the terminal cache's first (all read it), a
+            # full cache's visits and the first past them (the rest read as it does)
+            distinct = min(cache.depth + 1 if cache.mode == "full" else 1, self.model.cfg.max_depth)
+            for r in range(distinct):
                 layers = []
                 for j in range(cache.cfg.n_core):
                     bank = cache.core_read(r, j)
@@ -257,11 +260,13 @@ class DecodeStep:
                     back = cache.core[r - 1][j] if cache.mode == "full" and 0 < r < cache.depth else bank
                     layers.append((*cut(bank), *cut(back)))
                 core.append(layers)
+            core_kv = [[layer[:2] for layer in visit] for visit in core]
+            rest = self.model.cfg.max_depth - distinct
             banks = {
                 "prelude": [cut(b) for b in cache.prelude],
                 "coda": [cut(b) for b in cache.coda],
-                "core": core,
-                "core_kv": [[layer[:2] for layer in visit] for visit in core],
+                "core": core + core[-1:] * rest,
+                "core_kv": core_kv + core_kv[-1:] * rest,
                 "keys": self.keys[:K],
             }
             if self.graphs:
