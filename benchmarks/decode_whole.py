@@ -51,7 +51,10 @@ def main() -> None:
     for B in args.batches:
         prompt = torch.randint(0, cfg.vocab_size, (B, PROMPT))
         rows = StepRows(
-            torch.zeros(B, dtype=torch.long), torch.full((B,), PROMPT), torch.zeros(B, dtype=torch.long), torch.arange(B)
+            torch.zeros(B, dtype=torch.long),
+            torch.full((B,), PROMPT),
+            torch.zeros(B, dtype=torch.long),
+            torch.arange(B),
         )
         for R in args.depths:
             steps = {}

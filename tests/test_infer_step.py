@@ -296,26 +296,27 @@ def test_compiled_unrolled_steps_equal_the_eager_step(model, request, mode, cach
 
 
 @pytest.mark.parametrize(("mode", "depth"), [("terminal", 3), ("full", 3), ("full", 2)])
-def test_a_short_step_is_one_graph_and_equals_extend(model, traced_unrolled, monkeypatch, mode, depth):
+def test_a_shallow_step_is_one_graph_and_equals_extend(model, traced_unrolled, monkeypatch, mode, depth):
     """A one-token step at a fixed depth of at most `whole` recurrences (a draft) runs prelude,
-    recurrences and coda as one compiled call, not three: the logits (1e-5), the state entering the coda and every bank equal
-    `extend` at that depth on a twin cache (the full cache's deeper visits filled with terminal K/V)."""
+    recurrences and coda as one compiled call, not three: the logits (1e-5), the state entering the
+    coda and every bank equal `extend` at that depth on a twin cache (the full cache's deeper visits
+    filled with terminal K/V)."""
     step = traced_unrolled
     prompts = _prompts(2, seed=21)
     cache, twin, pad, L = _twins(model, mode, prompts, depth=3, cache_depth=6)
     step.reset(cache)
-    calls = {"short": 0, "pieces": 0}
-    short = step.short
+    calls = {"shallow": 0, "pieces": 0}
+    shallow = step.shallow
 
     def counted(*args, **kwargs):
-        calls["short"] += 1
-        return short(*args, **kwargs)
+        calls["shallow"] += 1
+        return shallow(*args, **kwargs)
 
     def refused(*args, **kwargs):
         calls["pieces"] += 1
-        raise AssertionError("a short step ran a piece of the long path")
+        raise AssertionError("a shallow step ran a piece of the long path")
 
-    monkeypatch.setattr(step, "short", counted)
+    monkeypatch.setattr(step, "shallow", counted)
     for piece in ("begin", "recur", "recur_many", "end"):
         monkeypatch.setattr(step, piece, refused)
     ids = torch.arange(2)
@@ -329,7 +330,7 @@ def test_a_short_step_is_one_graph_and_equals_extend(model, traced_unrolled, mon
         assert (z - ref.endpoint[:, -1]).abs().max() <= TOL, t
         assert used.tolist() == [depth] * 2
         assert_banks_equal(cache, twin)
-    assert calls == {"short": 3, "pieces": 0}
+    assert calls == {"shallow": 3, "pieces": 0}
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ The step is compiled in pieces: the prelude (and the initial state), one recurre
 recurrences in one graph (rows at one fixed depth: R = q * unroll + rest runs q calls of it and
 one of a graph of `rest` recurrences; fewer calls, each with its per-call wrapper and guards), and
 the coda with the head. A step at a fixed depth of at most `whole` recurrences (a draft, a shallow
-server's step or prefill) is one graph of all of it. A chunk may resume from its drafts' states (`resume`, self-speculation on
-the full cache, design §16). Per-row depth and adaptive exit are
+server's step or prefill) is one graph of all of it. A chunk may resume from its drafts' states
+(`resume`, self-speculation on the full cache, design §16). Per-row depth and adaptive exit are
 masks: a stopped row keeps its frozen state, its core writes are masked (the cache keeps its exit
 recurrence's K/V as terminal K/V, exactly as `LoopedLM.with_exits` does) and it costs what its
 deepest sibling costs. With `stop_early` (default on a CPU, where a host sync costs nothing) the
@@ -190,13 +190,13 @@ class DecodeStep:
         if unroll < 1 or whole < 0:
             raise ValueError(f"unroll must be >= 1 and whole >= 0, got {unroll} and {whole}")
         self.unroll, self.whole = unroll, whole
-        self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.short = (
+        self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow = (
             self._begin,
             self._recur,
             self._recur_many,
             self._recur_exits,
             self._end,
-            self._short,
+            self._shallow,
         )
         if compile:
             # CUDA: CUDA graphs; a CPU: inductor's C++ wrapper, which calls the kernels without Python per
@@ -216,9 +216,9 @@ class DecodeStep:
                 )
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.short = (
+            self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow = (
                 torch.compile(f, dynamic=False, **options)
-                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end, self._short)
+                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end, self._shallow)
             )
 
     def reset(self, cache: KVCache) -> None:
@@ -328,7 +328,7 @@ class DecodeStep:
         terminal = self.cache.mode == "terminal"
         if not exits and resume is None and loop_depth <= self.whole and (terminal or loop_depth <= self.cache.depth):
             cores, repeat = self._visits(banks, 0, loop_depth)  # a shallow step (a draft, a prefill): one graph
-            logits, s = self.short(tokens, rows.write_at, rows.first, rows.example_ids, banks, cores, repeat)
+            logits, s = self.shallow(tokens, rows.write_at, rows.first, rows.example_ids, banks, cores, repeat)
             return self._finish(rows, logits, used, s, loop_depth, fill=fill, endpoint=endpoint)
         s, *shared = self.begin(tokens, rows.write_at, rows.first, rows.example_ids, banks)
         start = 0
@@ -448,7 +448,7 @@ class DecodeStep:
                 s = self._recur(s, write_at, shared, core)
         return s
 
-    def _short(self, tokens, write_at, first, example_ids, banks, cores, repeat: int):
+    def _shallow(self, tokens, write_at, first, example_ids, banks, cores, repeat: int):
         """A whole step at a fixed depth of at most `whole` recurrences, in one graph: (coda logits,
         the state entering the coda)."""
         s, *shared = self._begin(tokens, write_at, first, example_ids, banks)
