@@ -113,6 +113,13 @@ def test_resume_continues_exactly(source, tmp_path):
         (("--beta1", "1"), r"beta1 must be in [0, 1)"),
         (("--clip-eps", "0"), "clip_eps must be > 0"),
         (("--grad-clip", "-1"), "grad_clip must be >= 0"),  # a negative clip disabled clipping silently
+        (("--grad-clip", "nan"), "grad_clip must be a finite number"),  # so did NaN
+        (("--kl-coef", "nan"), "kl_coef must be a finite number"),  # failed at step 1 as "lower --lr"
+        (("--clip-eps", "nan"), "clip_eps must be a finite number"),
+        (("--temperature", "nan"), "temperature must be a finite number"),  # an internal error in sampling
+        (("--temperature", "inf"), "temperature must be a finite number"),  # uniform samples, no gradient
+        (("--lr", "nan"), "lr must be a finite number"),  # an internal error from AdamW
+        (("--eval-every", "1", "--eval-examples", "0"), "eval_examples must be >= 1"),  # logged no evaluation
     ],
 )
 def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):
