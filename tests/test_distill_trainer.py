@@ -463,6 +463,9 @@ def test_resume_refuses_another_depth_or_seed(teacher, tmp_path, change):
         ("student_blocks", 0, "student_blocks must be >= 1"),  # 0 would silently mean the core's count
         ("kl_weight", -0.5, "kl_weight must be >= 0"),
         ("beta2", 1.0, r"beta2 must be in \[0, 1\)"),
+        ("lr", float("nan"), "lr must be a finite number"),  # NaN passed `lr <= 0`
+        ("kl_weight", float("nan"), "kl_weight must be a finite number"),
+        ("grad_clip", float("nan"), "grad_clip must be a finite number"),
     ],
 )
 def test_distill_config_refuses_out_of_range_settings(field, value, message):
