@@ -119,7 +119,7 @@ def test_resume_continues_exactly(source, tmp_path):
         (("--temperature", "nan"), "temperature must be a finite number"),  # an internal error in sampling
         (("--temperature", "inf"), "temperature must be a finite number"),  # uniform samples, no gradient
         (("--lr", "nan"), "lr must be a finite number"),  # an internal error from AdamW
-        (("--eval-every", "1", "--eval-examples", "0"), "eval_examples must be >= 1"),  # logged no evaluation
+        (("--eval-every", "1", "--eval-examples", "-1"), "eval_examples must be >= 0"),  # evaluated nothing silently
     ],
 )
 def test_user_errors_are_one_line(source, tmp_path, capsys, extra, message):

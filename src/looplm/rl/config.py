@@ -98,14 +98,12 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_samples", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every > 0 and self.eval_examples < 1:  # an empty evaluation logged nothing
-            raise UserError(f"eval_examples must be >= 1 when eval_every > 0, got {self.eval_examples}")
         # NaN passes every comparison (a NaN kl_coef failed at step 1 as "lower --lr", a NaN grad_clip
         # turned clipping off), and an infinite temperature samples uniformly and learns nothing
         for name in ("temperature", "lr", "clip_eps", "kl_coef", "weight_decay", "grad_clip", "beta1", "beta2"):
             if not math.isfinite(getattr(self, name)):
                 raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
-        for name in ("kl_coef", "weight_decay", "grad_clip", "eval_every"):
+        for name in ("kl_coef", "weight_decay", "grad_clip", "eval_every", "eval_examples"):  # 0: no evaluation
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("beta1", "beta2"):
