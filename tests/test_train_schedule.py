@@ -15,11 +15,12 @@ T, W, D = 1000, 50, 100
 
 
 def closed_form(t: int) -> float:
+    """The rate of update t of T: the cosine covers updates T - D .. T - 1, the last at the floor."""
     if t < W:
         return 1e-4 + (1 - 1e-4) * t / W
     if t < T - D:
         return 1.0
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * (t - T + D) / D))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1, (t + 1 - T + D) / D)))
 
 
 @pytest.mark.parametrize(
@@ -29,9 +30,11 @@ def closed_form(t: int) -> float:
         (25, 1e-4 + (1 - 1e-4) * 0.5),
         (W, 1.0),  # end of warmup
         (500, 1.0),  # mid
-        (T - D, 1.0),  # start of decay
-        (T - D // 2, 0.55),  # half way through the cosine
-        (T, 0.1),  # end
+        (T - D - 1, 1.0),  # the last update at the peak
+        (T - D, 0.1 + 0.45 * (1 + math.cos(math.pi / D))),  # the first decayed update
+        (T - D // 2 - 1, 0.55),  # half way through the cosine
+        (T - 1, 0.1),  # the last update trains at the floor
+        (T, 0.1),
     ],
 )
 def test_wsd_closed_form_values(t, expected):
@@ -39,14 +42,14 @@ def test_wsd_closed_form_values(t, expected):
 
 
 def test_wsd_matches_closed_form_everywhere_and_is_monotone():
-    values = [wsd_multiplier(t, T) for t in range(T + 1)]
+    values = [wsd_multiplier(t, T) for t in range(T)]  # the T updates
     for t, v in enumerate(values):
         assert v == pytest.approx(closed_form(t), abs=1e-12)
     warm = values[: W + 1]
     assert all(b > a for a, b in zip(warm, warm[1:]))
-    decay = values[T - D :]
-    assert all(b < a for a, b in zip(decay, decay[1:]))
-    assert min(values) == pytest.approx(1e-4) and max(values) == 1.0
+    decay = values[T - D - 1 :]
+    assert all(b < a for a, b in zip(decay, decay[1:])) and len(decay) == D + 1  # D decayed updates
+    assert min(values) == pytest.approx(1e-4) and max(values) == 1.0 and values[-1] == pytest.approx(0.1)
 
 
 def test_a_zero_fraction_means_no_warmup_or_no_decay():
@@ -57,14 +60,15 @@ def test_a_zero_fraction_means_no_warmup_or_no_decay():
 
 
 def test_fractions_round_to_the_nearest_step_and_decay_takes_at_least_one():
-    # T = 18: 10 % is 1.8 steps, so W = D = 2 (not 1): warmup passes half way at step 1; the cosine
-    # starts at step 16 and is half way at 17
+    # T = 18: 10 % is 1.8 steps, so W = D = 2 (not 1): warmup passes half way at update 1; the cosine
+    # covers updates 16 (half way) and 17 (the floor)
     assert wsd_multiplier(1, 18, 0.1, 0.0) == pytest.approx(1e-4 + (1 - 1e-4) / 2, abs=1e-12)
-    assert wsd_multiplier(16, 18, 0.0, 0.1) == 1.0
-    assert wsd_multiplier(17, 18, 0.0, 0.1) == pytest.approx(0.55, abs=1e-12)
-    # a decay fraction of 0.01 of 10 steps still decays over one step, reaching the floor at T
-    assert [wsd_multiplier(t, 10, 0.0, 0.01) for t in (8, 9)] == [1.0, 1.0]
-    assert wsd_multiplier(10, 10, 0.0, 0.01) == pytest.approx(0.1, abs=1e-12)
+    assert wsd_multiplier(15, 18, 0.0, 0.1) == 1.0
+    assert wsd_multiplier(16, 18, 0.0, 0.1) == pytest.approx(0.55, abs=1e-12)
+    assert wsd_multiplier(17, 18, 0.0, 0.1) == pytest.approx(0.1, abs=1e-12)
+    # a decay fraction of 0.01 of 10 updates still decays one: the last (it trained at the peak)
+    assert wsd_multiplier(8, 10, 0.0, 0.01) == 1.0
+    assert wsd_multiplier(9, 10, 0.0, 0.01) == pytest.approx(0.1, abs=1e-12)
 
 
 def test_past_the_schedule_the_multiplier_stays_at_its_floor():

@@ -508,8 +508,9 @@ def test_resume_allows_run_settings_to_change(stopped_run, cache):
 
 def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, capsys):
     """A 4-step run stopped at step 2 and resumed with 6 steps trains to step 6 on the 6-step
-    schedule: decay_frac 0.5 gives D = 3 decay steps from step 3, so the lr of step index 4 is
-    0.1 + 0.45 (1 + cos(pi / 3)) = 0.775 of the peak (the 4-step schedule would be at 0.1 by then)."""
+    schedule: decay_frac 0.5 gives D = 3 decayed updates, step indices 3-5, so the lr of step index 3
+    is 0.1 + 0.45 (1 + cos(pi / 3)) = 0.775 of the peak and index 5, the last, trains at 0.1 (the
+    4-step schedule would be at 0.1 by index 3)."""
     sched = dict(train__decay_frac=0.5, train__warmup_frac=0.0, train__lr=1e-3)
     Trainer(job(tmp_path, cache, train__steps=4, train__stop_after=2, **sched)).fit()
     capsys.readouterr()
@@ -521,12 +522,12 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, cap
     )
     assert t.fit()["step"] == 6
     lrs = {s: r["lr"] for s, r in step_records(t.out_dir).items()}
-    # record of step k: the lr of step index k - 1; W = max(1, round(6 * 0)) = 1 warmup step, D = 3
+    # record of step k: the lr of step index k - 1; no warmup (fraction 0), D = 3
     want = {
         3: 1e-3,
-        4: 1e-3,
-        5: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 3))),
-        6: 1e-3 * (0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3))),
+        4: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi / 3))),
+        5: 1e-3 * (0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3))),
+        6: 1e-3 * 0.1,
     }
     for s, lr in want.items():
         assert lrs[s] == pytest.approx(lr, rel=1e-12), s
