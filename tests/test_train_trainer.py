@@ -535,6 +535,24 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, cap
     assert ckpt.read_json(t.latest_checkpoint(), "config.json")["train"]["steps"] == 6
 
 
+def test_a_log_resumed_off_its_grid_equals_an_uninterrupted_runs(tmp_path, cache):
+    """A session stopped at step 3 (off the logging and evaluation grid of 4) logs its last step; once
+    resumed, the log holds the records an uninterrupted run writes, step by step, not those extra ones."""
+    grid = dict(train__log_every=4, train__eval_every=4, train__checkpoint_every=100)
+    full = Trainer(job(tmp_path, cache, "full", **grid))
+    full.fit()
+    first = Trainer(job(tmp_path, cache, "split", train__stop_after=3, **grid))
+    first.fit()
+    assert 3 in step_records(first.out_dir)  # the stopped session shows where it stopped
+    Trainer(job(tmp_path, cache, "split", train__resume=True, **grid)).fit()
+
+    def kinds(out_dir):
+        return [(r["step"], "val_loss" in r) for r in read_metrics(out_dir)]
+
+    assert kinds(tmp_path / "split") == kinds(full.out_dir) == [(4, False), (4, True), (8, False), (8, True)]
+    assert losses(tmp_path / "split") == losses(full.out_dir)
+
+
 def test_resume_with_fewer_steps_than_trained_is_refused(stopped_run, cache):
     from looplm.errors import UserError
 

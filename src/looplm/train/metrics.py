@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -48,10 +49,12 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
-    def truncate_after(self, step: int | None) -> None:
+    def truncate_after(self, step: int | None, keep_at_step: Callable[[dict], bool] | None = None) -> None:
         """At the start of a run resumed at `step`, drop the records past it (all of them on a fresh start,
         `step` None, over an earlier attempt's log) so that the log equals an uninterrupted run's; a torn
-        line (a process killed mid-write) goes too."""
+        line (a process killed mid-write) goes too. `keep_at_step(record)`: whether a record at `step`
+        itself stays (a session that stopped there logged its last step, which an uninterrupted run logs
+        only on its grid)."""
         if not self.enabled:
             return
         if self._tb_dir is not None and self._tb is None:  # its events past `step` are hidden, as records go
@@ -59,7 +62,12 @@ class MetricsLogger:
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines() if step is not None else []
-        kept = [line for line in lines if (n := _step(line)) is not None and n <= step]
+        kept = [
+            line
+            for line in lines
+            if (n := _step(line)) is not None
+            and (n < step or (n == step and (keep_at_step is None or keep_at_step(json.loads(line)))))
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def _open_tensorboard(self, purge_step: int | None) -> None:

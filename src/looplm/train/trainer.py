@@ -264,7 +264,14 @@ class Trainer:
         )
         if resume_from:
             self._load(resume_from)
-        self.logger.truncate_after(None if resume_from is None else self.step)  # fresh: an earlier attempt's log goes
+
+        def logged_at_resume(record: dict) -> bool:  # an uninterrupted run's records at this step: its grid's
+            if "val_loss" in record:
+                return bool(t.eval_every) and self.step % t.eval_every == 0
+            return self.step % t.log_every == 0
+
+        # fresh: an earlier attempt's log goes
+        self.logger.truncate_after(None if resume_from is None else self.step, logged_at_resume)
         self.start_step = self.step
 
     # -- setup ---------------------------------------------------------------------------------
