@@ -537,7 +537,8 @@ def test_resume_extends_the_run_and_recomputes_the_schedule(tmp_path, cache, cap
 
 def test_a_log_resumed_off_its_grid_equals_an_uninterrupted_runs(tmp_path, cache):
     """A session stopped at step 3 (off the logging and evaluation grid of 4) logs its last step; once
-    resumed, the log holds the records an uninterrupted run writes, step by step, not those extra ones."""
+    resumed, the log holds the records an uninterrupted run writes, step by step, not those extra ones,
+    and the first record after it averages the depths of its whole window (the checkpoint keeps them)."""
     grid = dict(train__log_every=4, train__eval_every=4, train__checkpoint_every=100)
     full = Trainer(job(tmp_path, cache, "full", **grid))
     full.fit()
@@ -551,6 +552,9 @@ def test_a_log_resumed_off_its_grid_equals_an_uninterrupted_runs(tmp_path, cache
 
     assert kinds(tmp_path / "split") == kinds(full.out_dir) == [(4, False), (4, True), (8, False), (8, True)]
     assert losses(tmp_path / "split") == losses(full.out_dir)
+    # the first record after the resume covers the whole window, steps 1-4, not only step 4
+    window = {s: r["mean_depth_window"] for s, r in step_records(tmp_path / "split").items()}
+    assert window == {s: r["mean_depth_window"] for s, r in step_records(full.out_dir).items()}
 
 
 def test_resume_with_fewer_steps_than_trained_is_refused(stopped_run, cache):

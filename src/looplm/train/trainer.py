@@ -259,6 +259,7 @@ class Trainer:
         self.tokens_seen = 0
         self.flops_seen = 0.0
         self.elapsed = 0.0
+        self.window_depths: list[int] = []  # the depths of the steps since the last logged record
         self.logger = MetricsLogger(
             self.out_dir, enabled=self.env.is_main, tensorboard=t.tensorboard, wandb=t.wandb, config=job.to_dict()
         )
@@ -773,7 +774,10 @@ class Trainer:
     def _loop(self, end: int, bar, tokens_per_step: int) -> Path | None:
         """Train to step `end`; the last checkpoint written, if any."""
         t = self.job.train
-        window_t, window_tokens, window_depths, last = time.perf_counter(), 0, [], None
+        # the logging window's depths live on the trainer (a checkpoint keeps them: a run resumed inside
+        # a window logs what an uninterrupted run does); its tokens and time are this session's
+        window_t, window_tokens, last = time.perf_counter(), 0, None
+        window_depths = self.window_depths
         while self.step < end:
             t0 = time.perf_counter()
             res = self.train_step()
@@ -795,7 +799,8 @@ class Trainer:
                     loss=f"{res.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", R=",".join(map(str, res.depths))
                 )
                 bar.update(1)
-            if self.step % t.log_every == 0 or self.step == end:
+            on_grid = self.step % t.log_every == 0
+            if on_grid or self.step == end:
                 now = time.perf_counter()
                 rate = window_tokens / max(now - window_t, 1e-9)
                 record = {
@@ -822,7 +827,9 @@ class Trainer:
                     record["compile_recompiles"] = self.recompiles()
                 record.update({f"depth/{k}": v for k, v in self.depth_metrics.items()})
                 self.logger.log(record, self.step)
-                window_t, window_tokens, window_depths = now, 0, []
+                if on_grid:  # a session's last step off the grid is shown, and its window goes on
+                    window_t, window_tokens = now, 0
+                    window_depths.clear()
             side = time.perf_counter()  # evaluation and checkpoints are no training time: not in the rate
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == end):
                 val = self.evaluate()
@@ -847,6 +854,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "flops_seen": self.flops_seen,
             "elapsed_s": self.elapsed,
+            "window_depths": list(self.window_depths),
             "sampler": self.sampler.state_dict(),
             "world_size": self.env.world_size,
             "global_micro_batch": self.layout.global_rows,  # the data position is (step, this, grad_accum)
@@ -866,3 +874,4 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.flops_seen, self.elapsed = state["flops_seen"], state["elapsed_s"]
+        self.window_depths[:] = state.get("window_depths", [])  # checkpoints before it: an empty window
