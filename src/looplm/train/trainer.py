@@ -265,14 +265,11 @@ class Trainer:
         )
         if resume_from:
             self._load(resume_from)
-
-        def logged_at_resume(record: dict) -> bool:  # an uninterrupted run's records at this step: its grid's
-            if "val_loss" in record:
-                return bool(t.eval_every) and self.step % t.eval_every == 0
-            return self.step % t.log_every == 0
-
-        # fresh: an earlier attempt's log goes
-        self.logger.truncate_after(None if resume_from is None else self.step, logged_at_resume)
+        # fresh: an earlier attempt's log goes; at the resume step, what an uninterrupted run logs there
+        self.logger.truncate_after(
+            None if resume_from is None else self.step,
+            lambda record: self._on_grid(self.step)["val_loss" in record],
+        )
         self.start_step = self.step
 
     # -- setup ---------------------------------------------------------------------------------
@@ -767,6 +764,12 @@ class Trainer:
             self._prefetched = None
         self.logger.close()
 
+    def _on_grid(self, step: int) -> tuple[bool, bool]:
+        """Whether every run logs a training record and a validation record at `step` (a session also
+        logs its last step, off this grid)."""
+        t = self.job.train
+        return step % t.log_every == 0, bool(t.eval_every) and step % t.eval_every == 0
+
     def _checkpoint_step(self) -> int | None:
         latest = self.latest_checkpoint()
         return ckpt.read_json(latest, "trainer_state.json")["step"] if latest is not None else None
@@ -799,7 +802,7 @@ class Trainer:
                     loss=f"{res.loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", R=",".join(map(str, res.depths))
                 )
                 bar.update(1)
-            on_grid = self.step % t.log_every == 0
+            on_grid, eval_on_grid = self._on_grid(self.step)
             if on_grid or self.step == end:
                 now = time.perf_counter()
                 rate = window_tokens / max(now - window_t, 1e-9)
@@ -831,7 +834,7 @@ class Trainer:
                     window_t, window_tokens = now, 0
                     window_depths.clear()
             side = time.perf_counter()  # evaluation and checkpoints are no training time: not in the rate
-            if t.eval_every and (self.step % t.eval_every == 0 or self.step == end):
+            if t.eval_every and (eval_on_grid or self.step == end):
                 val = self.evaluate()
                 self.logger.log({"val_loss": val, "val_ppl": math.exp(min(val, 50))}, self.step)
                 if bar is not None:
