@@ -7,11 +7,20 @@ config without building a model. design §1 gives the paper's sizes; `tiny` is t
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Literal
 
 from looplm.errors import UserError
+
+
+def check_finite(cfg, names: tuple[str, ...]) -> None:
+    """A UserError naming the first of `cfg`'s float settings `names` that is NaN or infinite (NaN passes
+    every range check written as a comparison, `lr <= 0` included)."""
+    for name in names:
+        if not math.isfinite(getattr(cfg, name)):
+            raise UserError(f"{name} must be a finite number, got {getattr(cfg, name)}")
 
 
 def check_depth(name: str, value, max_depth: int, what: str | None = None) -> int:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from looplm.config import check_finite
 from looplm.errors import UserError
 
 
@@ -85,9 +85,7 @@ class DistillConfig:
         ):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "kl_weight", "grad_clip", "beta1", "beta2"):
-            if not math.isfinite(getattr(self, name)):  # NaN passes every comparison below
-                raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
+        check_finite(self, ("lr", "weight_decay", "kl_weight", "grad_clip", "beta1", "beta2"))
         if self.student_blocks is not None and self.student_blocks < 1:
             raise UserError(f"student_blocks must be >= 1, got {self.student_blocks}")
         if self.lr <= 0:

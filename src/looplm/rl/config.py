@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from looplm.config import check_depth, shown_default
+from looplm.config import check_depth, check_finite, shown_default
 from looplm.data.tasks import TaskKind
 from looplm.errors import UserError
 
@@ -100,9 +99,7 @@ class RLConfig:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         # NaN passes every comparison (a NaN kl_coef failed at step 1 as "lower --lr", a NaN grad_clip
         # turned clipping off), and an infinite temperature samples uniformly and learns nothing
-        for name in ("temperature", "lr", "clip_eps", "kl_coef", "weight_decay", "grad_clip", "beta1", "beta2"):
-            if not math.isfinite(getattr(self, name)):
-                raise UserError(f"{name} must be a finite number, got {getattr(self, name)}")
+        check_finite(self, ("temperature", "lr", "clip_eps", "kl_coef", "weight_decay", "grad_clip", "beta1", "beta2"))
         for name in ("kl_coef", "weight_decay", "grad_clip", "eval_every", "eval_examples"):  # 0: no evaluation
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
