@@ -1745,6 +1745,42 @@ def test_events_that_arrived_together_are_read_as_one_batch(model):
         assert sum(isinstance(ev, Token) for j, ev in batch if j == i) == fin.completion_tokens
 
 
+def test_the_mailbox_wakes_the_loop_once_for_the_events_posted_before_it_runs():
+    """`Mailbox.post` from the engine's thread: the events a step posts to several requests' queues
+    while the loop is busy cost one `call_soon_threadsafe` (one wake-up), arrive on their queues in
+    the order posted, and a post after that delivery schedules a new one."""
+    import asyncio
+    import threading
+
+    from looplm.serve.events import Mailbox
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        scheduled = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda f, *a: (scheduled.append(f), real(f, *a))[1]
+        box = Mailbox.of(loop)
+        assert Mailbox.of(loop) is box
+        queues = [asyncio.Queue() for _ in range(3)]
+        step = [(queues[j % 3], (j % 3, j)) for j in range(12)]  # a step's events for 3 requests
+        poster = threading.Thread(target=lambda: [box.post(q, item) for q, item in step])
+        poster.start()
+        poster.join()  # the loop has not run meanwhile: one delivery is scheduled for all twelve
+        assert len(scheduled) == 1
+        await asyncio.sleep(0)
+        assert [[q.get_nowait() for _ in range(q.qsize())] for q in queues] == [
+            [(i, j) for j in range(i, 12, 3)] for i in range(3)
+        ]
+        threading.Thread(target=box.post, args=(queues[0], "next")).start()
+        for _ in range(100):
+            if not queues[0].empty():
+                break
+            await asyncio.sleep(0.01)
+        assert len(scheduled) == 2 and queues[0].get_nowait() == "next"
+
+    asyncio.run(run())
+
+
 def test_a_client_that_leaves_after_some_choices_finished_gets_no_body(model):
     """`collect` answers None (a 499) when the client leaves before every choice finished, also when some
     had: choice 0 (one token) ends at its prefill, choice 1 is still running when the client is gone."""
