@@ -37,6 +37,7 @@ compared token for token (exact-match rate of the texts).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -138,12 +139,46 @@ class Server:
         self.proc.wait(30)
 
 
-def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dict:
-    """Send `jobs` (request bodies) from `clients` threads, streaming; per-request timings."""
+class _Reply:
+    """One streamed completion as a client reads it: its text, when its first text arrived, its usage."""
+
+    def __init__(self):
+        self.start, self.first, self.text, self.usage = time.perf_counter(), None, "", None
+
+    def line(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk.get("choices", []):
+            if c["text"] and self.first is None:
+                self.first = time.perf_counter()
+            self.text += c["text"]
+
+    def result(self, index: int) -> dict:
+        end = time.perf_counter()
+        return {
+            "index": index,
+            "latency_s": end - self.start,
+            "ttft_s": (self.first or end) - self.start,
+            "text": self.text,
+            "completion_tokens": self.usage["completion_tokens"],
+            "mean_decode_depth": self.usage.get("mean_decode_depth", math.nan),  # looplm's
+        }
+
+
+def run_load(url: str, jobs: list[dict], clients: int, time_limit: float, kind: str = "async") -> dict:
+    """Send `jobs` (request bodies) from `clients` concurrent clients, streaming; per-request timings.
+    `kind` "async": the clients are asyncio tasks on one thread of this process (one `httpx.AsyncClient`,
+    as serving benchmarks' load generators are written); "threads": one thread and `httpx.Client` each,
+    which costs this process about as much CPU as the server it loads (measured: 1.2-1.8 CPU-seconds
+    per round against the compiled server's 1.5), taken from the 2 cores the server runs on."""
     results: list[dict] = []
     lock = threading.Lock()
     queue = list(enumerate(jobs))
     t0 = time.perf_counter()
+    payload = {"stream": True, "stream_options": {"include_usage": True}}
 
     def client():
         with httpx.Client(timeout=600) as http:
@@ -152,43 +187,42 @@ def run_load(url: str, jobs: list[dict], clients: int, time_limit: float) -> dic
                     if not queue or time.perf_counter() - t0 > time_limit:
                         return
                     i, body = queue.pop(0)
-                start = time.perf_counter()
-                first, text, usage = None, "", None
-                with http.stream(
-                    "POST",
-                    f"{url}/v1/completions",
-                    json={**body, "stream": True, "stream_options": {"include_usage": True}},
-                ) as r:
+                reply = _Reply()
+                with http.stream("POST", f"{url}/v1/completions", json={**body, **payload}) as r:
                     if r.status_code != 200:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.read()}")
                     for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            usage = chunk["usage"]
-                        for c in chunk.get("choices", []):
-                            if c["text"] and first is None:
-                                first = time.perf_counter()
-                            text += c["text"]
-                end = time.perf_counter()
+                        reply.line(line)
                 with lock:
-                    results.append(
-                        {
-                            "index": i,
-                            "latency_s": end - start,
-                            "ttft_s": (first or end) - start,
-                            "text": text,
-                            "completion_tokens": usage["completion_tokens"],
-                            "mean_decode_depth": usage.get("mean_decode_depth", math.nan),
-                        }
-                    )  # looplm's
+                    results.append(reply.result(i))
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    async def tasks():
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+
+            async def one_client():
+                while queue and time.perf_counter() - t0 <= time_limit:
+                    i, body = queue.pop(0)
+                    reply = _Reply()
+                    async with http.stream("POST", f"{url}/v1/completions", json={**body, **payload}) as r:
+                        if r.status_code != 200:
+                            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())!r}")
+                        async for line in r.aiter_lines():
+                            reply.line(line)
+                    results.append(reply.result(i))
+
+            await asyncio.gather(*(one_client() for _ in range(clients)))
+
+    if kind == "async":
+        asyncio.run(tasks())
+    elif kind == "threads":
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        raise ValueError(f"kind must be 'async' or 'threads', got {kind!r}")
     wall = time.perf_counter() - t0
     lat = sorted(r["latency_s"] for r in results)
     ttft = sorted(r["ttft_s"] for r in results)
@@ -414,6 +448,13 @@ def main() -> None:
     ap.add_argument("--arms", choices=["both", "deep", "mixed"], default="both", help="mixed-depth: arms to run")
     ap.add_argument("--checkpoint", type=Path, default=None, help="default: a random model of the tiny preset's shape")
     ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument(
+        "--client",
+        choices=["async", "threads"],
+        default="async",
+        help="how the clients run in this process: asyncio tasks on one thread, or a thread each (what "
+        "runs before 2026-12-05 used; it takes about as much CPU as the server: see `run_load`)",
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--depth", type=int, default=5)
@@ -522,10 +563,14 @@ def main() -> None:
                     start_timeout=args.start_timeout,
                 )
                 try:
-                    run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit)  # warm-up (a compiled
+                    run_load(
+                        server.url, jobs[: min(4, len(jobs))], 4, args.time_limit, args.client
+                    )  # warm-up (a compiled
                     # server compiled its batch buckets before it listened)
                     before = server.metrics()
-                    result = run_load(server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit)
+                    result = run_load(
+                        server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit, args.client
+                    )
                     after = server.metrics()
                     result["cache_bytes"] = after["looplm_cache_bytes_capacity"]
                     # the server's engine busy time under the load (NaN for the baseline's server)
