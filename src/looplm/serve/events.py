@@ -134,9 +134,12 @@ class Choices:
             self.cancel()  # no-op for finished choices
 
     async def _watch(self, http: HTTPRequest) -> None:
-        """Once the client has gone, wakes `batches` (which then sees it) with an empty event."""
-        await _client_gone(http)
-        self.events.put_nowait(_GONE)
+        """Once the client has gone (or watching it failed), wakes `batches`, which then sees this task
+        done, with an empty event."""
+        try:
+            await _client_gone(http)
+        finally:
+            self.events.put_nowait(_GONE)
 
 
 _GONE = (-1, None)
