@@ -11,14 +11,15 @@ cache at the same cache memory, and adaptive exit vs fixed depth, side by side i
     python benchmarks/serve_load.py --minimal --compiled --baseline-src /tmp/looplm-baseline/src   # vs another checkout
 
 Every arm starts its own `looplm serve` process on 127.0.0.1 (same checkpoint, same flags apart
-from the arm's), waits for /health, and then `--clients` client threads (this process) send the
-same `--requests` streaming completion requests (prompts: lines of the built-in Shakespeare
+from the arm's), waits for /health, and then `--clients` concurrent clients (this process: asyncio
+tasks on one thread, or with `--client threads` a thread each) send the same `--requests` streaming
+completion requests (prompts: lines of the built-in Shakespeare
 corpus, greedy, `--max-tokens` each, depth `--depth`); a client stops taking new requests after
 `--time-limit` seconds. Per request: latency (send -> last byte) and time to first token.
 Throughput = completion tokens / wall time of the arm. Each arm is then repeated without HTTP:
 the same requests submitted at once to `looplm.serve.Engine` in this process (`engine alone`),
-which separates what the engine sustains from the cost of HTTP, SSE and 16 client threads sharing
-the machine's cores. Both report where the engine's time went: its prompts' prefills (with their
+which separates what the engine sustains from the cost of HTTP, SSE and the clients sharing the
+machine's cores. Both report where the engine's time went: its prompts' prefills (with their
 first token) and its decode steps (the server's `looplm_prefill_seconds_total` and
 `looplm_decode_seconds_total` over the load; the engine's stats alone).
 
