@@ -25,8 +25,10 @@ there decodes one prompt at a time (batch 1); tokens/s = generated tokens / deco
 (`generate`'s own timing, prefill excluded). The full cache also runs each draft depth with
 `Speculation(reuse=False)` (`no reuse`): the verify chunk reruns recurrences 1..r_d instead of
 resuming from the drafts' states (design §16); same text, same acceptance, the difference is the
-reuse's gain. `--draft-depths 3` keeps one draft depth; `--unroll 1` compiles one recurrence per
-graph (the step before `DecodeStep(unroll=...)`, whose default is 4).
+reuse's gain. `--draft-depths 3` keeps one draft depth. `--unroll U` builds every compiled step
+with U recurrences per graph; without it the speed arms use `DecodeStep`'s default (4) and the
+speculative arms `generate`'s own step (`looplm.infer.generate.decode_step`: 8), so the plain arm is
+the decode `looplm generate --compile` runs.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from _plain_looped import PlainLooped  # noqa: E402
 
 from looplm.config import ModelConfig  # noqa: E402
 from looplm.infer import extend, make_cache  # noqa: E402
+from looplm.infer.generate import decode_step  # noqa: E402
 from looplm.infer.step import DecodeStep, StepRows  # noqa: E402
 from looplm.model import LoopedLM  # noqa: E402
 
@@ -182,7 +185,8 @@ def speculative(
     R = 32
     out = []
     for mode in ("full", "terminal"):
-        step = DecodeStep(model, compile=True, **(unroll or {}))
+        # generate's own step (what `looplm generate --compile` decodes with), unless --unroll is given
+        step = DecodeStep(model, compile=True, **unroll) if unroll else decode_step(model, compile=True)
         arms = {"compiled": None, **{f"speculate r_d={r}": Speculation(4, r) for r in draft_depths}}
         if mode == "full":  # the verify from recurrence 1 instead of r_d + 1: what reusing the drafts' states saves
             arms.update({f"speculate r_d={r}, no reuse": Speculation(4, r, reuse=False) for r in draft_depths})
@@ -324,6 +328,7 @@ def main() -> None:
         "device": args.device,
         "elapsed_s": time.time() - started,
         "unroll": unroll.get("unroll", inspect.signature(DecodeStep).parameters["unroll"].default),
+        "speculative_unroll": unroll.get("unroll", decode_step(LoopedLM(ModelConfig(**SHAPES["tiny"]))).unroll),
         "speed": speed,
         "speculative": spec,
     }

@@ -194,6 +194,41 @@ def test_the_backends_edges_few_queries_included_broadcast_masks_dropout_and_row
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_linears_of_one_input_share_one_product_of_their_weights_side_by_side():
+    """Bias-free linears of several rows that read the same input (a layer's q, k and v) become one
+    `transposed_linear` on one new input holding their transposes side by side, each reading its
+    columns; the same weights on another input (the next recurrence) reuse that input; a linear with a
+    bias keeps a product and a copy of its own. The results equal F.linear's."""
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(6)
+    wq, wk, wv, wb = (torch.randn(n, 4, generator=g) for n in (6, 3, 3, 5))
+    b = torch.randn(5, generator=g)
+
+    def layer(x):
+        return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+
+    def calls(x):
+        q, k, v = layer(x)
+        again = layer(q[..., :4] + k[..., :1])  # the same weights, another input
+        return q, k, v, *again, F.linear(x, wb, b)
+
+    x = torch.randn(3, 4, generator=g)
+    got = torch.compile(calls, backend=row_kernels_backend(recording), dynamic=False)(x)
+    (gm,) = graphs
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("transposed_linear" in t for t in targets) == 3  # two of q, k, v; one with the bias
+    assert sum("narrow" in t for t in targets) == 6 and targets.count(str(F.linear)) == 0
+    copies = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.endswith("_transposed")]
+    assert len(copies) == 2
+    for a, ref in zip(got, calls(x), strict=True):
+        assert a.shape == ref.shape and torch.allclose(a, ref, atol=1e-6)
+
+
 def test_one_backend_per_inner_backend_and_options():
     """`row_kernels_backend` returns the same object for the same (inner, options), whatever the options'
     order, and another for other options or another inner backend (an inner callable here: inductor's
@@ -233,10 +268,11 @@ def test_rewrite_regenerates_the_code_of_a_graph_that_already_ran():
 def test_transposed_weights_follow_their_weights():
     """The transposed copy is made once and kept while its weight is the same tensor, unchanged; made
     again after an in-place change (an optimizer step bumps the version counter) or for another tensor;
-    an inference tensor (no version counter) is transposed on every call."""
+    an inference tensor (no version counter) is transposed on every call; a group's copy is made again
+    when any one of its weights changes."""
     w = torch.nn.Parameter(torch.randn(6, 4))
     other = torch.randn(3, 5)
-    store = TransposedWeights([1])
+    store = TransposedWeights([(1,)])
     first = store([other, w])[0]
     assert torch.equal(first, w.detach().t()) and first.is_contiguous()
     assert store([other, w])[0] is first  # kept
@@ -250,6 +286,15 @@ def test_transposed_weights_follow_their_weights():
         frozen = torch.randn(6, 4)
     a, b = store([other, frozen])[0], store([other, frozen])[0]
     assert a is not b and torch.equal(a, frozen.t())
+    # a group: the transposes side by side, made again when any one of them changes
+    u = torch.nn.Parameter(torch.randn(2, 4))
+    pair = TransposedWeights([(2, 0)])
+    both = pair([w, other, u])[0]
+    assert torch.equal(both, torch.cat([u.detach().t(), w.detach().t()], 1)) and both.is_contiguous()
+    assert pair([w, other, u])[0] is both
+    with torch.no_grad():
+        w.add_(1)
+    assert torch.equal(pair([w, other, u])[0], torch.cat([u.detach().t(), w.detach().t()], 1))
 
 
 def test_a_compiled_chunk_reads_the_weights_as_they_are_now():

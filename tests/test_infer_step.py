@@ -333,6 +333,54 @@ def test_a_shallow_step_is_one_graph_and_equals_extend(model, traced_unrolled, m
     assert calls == {"shallow": 3, "pieces": 0}
 
 
+@pytest.mark.parametrize(("mode", "depth"), [("terminal", 3), ("full", 3), ("full", 7)])
+def test_drafts_feed_each_argmax_on_and_equal_extend(model, traced_unrolled, monkeypatch, mode, depth):
+    """`DecodeStep.drafts`: k greedy one-token steps, each fed the argmax of the one before, against
+    `extend` token by token at that depth on a twin cache with the argmax taken there: the tokens, the
+    states entering the coda (1e-5) and the banks the drafts write. At a shallow depth (at most `whole`,
+    inside a full cache's visits) the k steps are one call of one graph; past the full cache's 6 visits
+    (depth 7) one step at a time. A full cache's visits past a shallow depth keep what they held (the
+    verifier writes them)."""
+    step, k = traced_unrolled, 4
+    cache, twin, pad, L = _twins(model, mode, _prompts(2, seed=23), depth=3, cache_depth=6)
+    before = cache.take(torch.arange(2))
+    step.reset(cache)
+    shallow = depth <= step.whole and (mode == "terminal" or depth <= cache.depth)
+    calls = {"drafts": 0, "pieces": 0}
+    drafts = step.greedy_drafts
+
+    def counted(*args, **kwargs):
+        calls["drafts"] += 1
+        return drafts(*args, **kwargs)
+
+    def piece(name):
+        run = getattr(step, name)
+
+        def counted_piece(*args, **kwargs):
+            calls["pieces"] += 1
+            return run(*args, **kwargs)
+
+        return counted_piece
+
+    monkeypatch.setattr(step, "greedy_drafts", counted)
+    for name in ("shallow", "begin", "recur", "recur_many", "end"):
+        monkeypatch.setattr(step, name, piece(name))
+    ids, first = torch.arange(2), torch.tensor([11, 23])
+    tokens, states = step.drafts(StepRows(first, torch.full((2,), L), pad, ids), depth, k, endpoint=True)
+    assert (calls["drafts"], calls["pieces"] > 0) == ((1, False) if shallow else (0, True))
+    fed = first
+    for i in range(k):
+        twin.length = L + i
+        ref = extend(model, fed[:, None], twin, depth, example_ids=ids, pad=pad)
+        assert (states[:, i] - ref.endpoint[:, -1]).abs().max() <= TOL, i
+        fed = ref.logits[:, -1].argmax(-1)
+        assert tokens[:, i].tolist() == fed.tolist(), i
+    assert tokens.shape == (2, k) and states.shape == (2, k, model.cfg.d_model)
+    if mode == "full" and depth < cache.depth:  # visits depth.. untouched; the rest as extend wrote them
+        twin.core[depth:] = before.core[depth:]
+    assert_banks_equal(cache, twin)
+
+
 @pytest.mark.slow
 def test_compiled_resumed_chunk_equals_the_eager_one(model, traced_unrolled):
     """Self-speculation's round on the full cache through the compiled unrolled step: drafts at depth 4

@@ -21,7 +21,7 @@ from looplm.infer.prefill import Prefill
 from looplm.infer.speculative import Speculation, SpeculationStats, speculative_decode
 from looplm.infer.step import DecodeStep, StepRows
 
-__all__ = ["DepthRule", "SamplingConfig", "Speculation", "choose", "generate"]
+__all__ = ["DepthRule", "SamplingConfig", "Speculation", "choose", "decode_step", "generate"]
 
 
 def encode_prompts(
@@ -104,7 +104,7 @@ def generate(
     if speculate is not None and len(prompts) > 1:  # speculation runs one sequence at a time
         out, totals, decoded, seconds, first, first_tokens = [], SpeculationStats(), 0, 0.0, 0.0, 0
         token_ids: list[list[int]] = []
-        step = step or _step(model, compile)  # one step (and its compiled graphs) for every prompt
+        step = step or decode_step(model, compile)  # one step (and its compiled graphs) for every prompt
         for i, prompt in enumerate(prompts):
             row_stats: dict = {}
             emit = None if on_token is None else (lambda _row, piece, i=i: on_token(i, piece))
@@ -161,7 +161,7 @@ def generate(
     gens = [torch.Generator(device=device).manual_seed(cfg.seed) for _ in range(B)] if cfg.temperature > 0 else None
     started = time.perf_counter()
     streams = [TextStream(tokenizer, cfg.stop, context=ids) for ids in encoded]
-    step = step or _step(model, compile)
+    step = step or decode_step(model, compile)
     step.reset(kv)
     step.vocab = vocab
     if speculate is not None:
@@ -251,7 +251,7 @@ def generate(
     return [stream.text for stream in streams]
 
 
-def _step(model, compile: bool) -> DecodeStep:
+def decode_step(model, compile: bool = False) -> DecodeStep:
     """`generate`'s decode step. Compiled, a fixed-depth loop runs 8 recurrences per graph call
     (`DecodeStep(unroll=8)`): one command at a time compiles one batch size, and at batch 1 and R = 32
     on a CPU a step took 1.15x less time than at the default 4, for a longer first compile

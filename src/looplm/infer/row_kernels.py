@@ -20,6 +20,9 @@ Dynamo captured (shapes are static there) before it hands the graph on (to induc
   transpose of an [out, in] one, which is what `F.linear` hands it: 1.3-2x at 2-32 rows of the tiny
   preset's products on a Sapphire Rapids CPU (MKL), so the verify chunk of self-speculation and the
   serving engine's batches gain. It costs a second copy of the weights the compiled step multiplies.
+  Bias-free linears of the same input (a layer's q, k and v; its gate and up projections) share one
+  copy, their weights' transposes side by side, and one `mm`, whose output each reads its columns of:
+  a product of few rows costs mostly its call, so a layer makes 4 calls instead of 7.
 
 Every other call, and these of other shapes, stay as they were; results equal the eager step's to
 float rounding (tested). Measured on the 2-core CPU (BENCHMARKS.md): a batch-1 R = 32 step 1.5x
@@ -58,28 +61,37 @@ def transposed_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tenso
     return y if bias is None else y + bias
 
 
-class TransposedWeights:
-    """The extra inputs of a rewritten graph: for each of its inputs `indices` (weights), a contiguous
-    transposed copy, made on the first call and again whenever that input is another tensor object or
-    was changed in place (its version counter moved: an optimizer step, `load_state_dict`); a tensor
-    without a version counter (made under inference mode) is transposed on every call."""
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter, so no way to know it is unchanged
+        return None
 
-    def __init__(self, indices: list[int]):
-        self.indices = indices
-        self._made: list[tuple | None] = [None] * len(indices)  # (weakref to the weight, its version)
-        self._copies: list[torch.Tensor | None] = [None] * len(indices)
+
+class TransposedWeights:
+    """The extra inputs of a rewritten graph: for each group of its inputs `groups` (weights [out_i, in]),
+    one contiguous [in, sum out_i] copy of their transposes side by side, made on the first call and
+    again whenever one of them is another tensor object or was changed in place (its version counter
+    moved: an optimizer step, `load_state_dict`); a group holding a tensor without a version counter
+    (made under inference mode) is copied on every call."""
+
+    def __init__(self, groups: list[tuple[int, ...]]):
+        self.groups = groups
+        self._made: list[list | None] = [None] * len(groups)  # per weight (weakref to it, its version)
+        self._copies: list[torch.Tensor | None] = [None] * len(groups)
 
     def __call__(self, args) -> list[torch.Tensor]:
         out = []
-        for j, i in enumerate(self.indices):
-            weight, made = args[i], self._made[j]
-            try:
-                version = weight._version
-            except RuntimeError:  # an inference tensor: no version counter, so no way to know it is unchanged
-                version = None
-            if version is None or made is None or made[0]() is not weight or made[1] != version:
-                self._copies[j] = weight.detach().t().contiguous()
-                self._made[j] = None if version is None else (weakref.ref(weight), version)
+        for j, group in enumerate(self.groups):
+            weights, made = [args[i] for i in group], self._made[j]
+            versions = [_version(w) for w in weights]
+            if (
+                None in versions
+                or made is None
+                or any(ref() is not w or v != was for w, v, (ref, was) in zip(weights, versions, made))
+            ):
+                self._copies[j] = torch.cat([w.detach().t() for w in weights], 1).contiguous()
+                self._made[j] = None if None in versions else [(weakref.ref(w), v) for w, v in zip(weights, versions)]
             out.append(self._copies[j])
         return out
 
@@ -98,8 +110,8 @@ def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return torch.matmul(scores.softmax(-1), v).reshape(B, H, n, hd)
 
 
-def _one_row(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.numel() == x.shape[-1]
+def _one_row(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.numel() == x.shape[-1]
 
 
 FEW_QUERIES = 8
@@ -138,47 +150,86 @@ def _several_rows(x, weight) -> bool:
     )
 
 
-def rewrite(gm: torch.fx.GraphModule) -> tuple[int, list[int]]:
+def _linear_parts(node: torch.fx.Node) -> tuple:
+    """(x, weight, bias) of an `F.linear` node (nodes, or None for no bias)."""
+    args, kwargs = node.args, node.kwargs
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")
+    return args[0], weight, args[2] if len(args) > 2 else kwargs.get("bias")
+
+
+def _example(n):
+    return n.meta.get("example_value") if isinstance(n, torch.fx.Node) else n
+
+
+def _shared_products(gm: torch.fx.GraphModule, inputs: list) -> dict:
+    """The linears of several rows whose weight is a graph input, each mapped to the linears it shares
+    one `mm` with, in graph order: the bias-free ones reading the same input together (a layer's
+    q, k and v), any other alone."""
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not F.linear:
+            continue
+        x, weight, bias = _linear_parts(node)
+        if _one_row(_example(x)) or weight not in inputs or not _several_rows(_example(x), _example(weight)):
+            continue
+        groups.setdefault(x if bias is None else node, []).append(node)
+    return {node: members for members in groups.values() for node in members}
+
+
+def rewrite(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[int, ...]]]:
     """Replace the one-row linears and few-query attention calls of a graph Dynamo captured (decided
     on each call's example values) by their written-out forms, and the linears of several rows whose
-    weight is a graph input by `transposed_linear` on a new input appended per weight;
-    returns (how many calls were replaced, the input indices of the weights whose transposes the new
-    inputs are, in their order)."""
-    replaced, transposed = 0, {}  # weight placeholder -> its transpose's placeholder
+    weight is a graph input by `transposed_linear` on a new input per group of weights (bias-free
+    linears of one input share it: one product, of which each reads its columns); returns (how many
+    calls were replaced, for each new input in order the input indices of the weights whose
+    transposes it holds side by side)."""
+    replaced, copies, products = 0, {}, {}  # weights -> their copy's input; first linear -> (product, widths)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     last_input = inputs[-1] if inputs else None
+    shared = _shared_products(gm, inputs)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (F.linear, F.scaled_dot_product_attention):
             continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("example_value"))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _example)
         new_args, new_kwargs = node.args, node.kwargs
-        if node.target is F.linear:
-            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-            if isinstance(args[0], torch.Tensor) and _one_row(args[0]):
-                target = row_linear
-            elif weight in inputs and _several_rows(args[0], weight.meta.get("example_value")):
-                if weight not in transposed:
+        if node in shared:
+            members = shared[node]
+            if members[0] not in products:  # the first of its group: the one product, before it
+                weights = tuple(_linear_parts(m)[1] for m in members)
+                if weights not in copies:
                     with gm.graph.inserting_after(last_input):
-                        transposed[weight] = last_input = gm.graph.placeholder(f"{weight.name}_transposed")
+                        name = "_".join(w.name for w in weights)
+                        copies[weights] = last_input = gm.graph.placeholder(f"{name}_transposed")
                     # an input of no source in the user's code (AOTAutograd reads Dynamo's for each input)
                     last_input._dynamo_source = None
-                bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-                target, new_args, new_kwargs = transposed_linear, (node.args[0], transposed[weight], bias), {}
+                x, _, bias = _linear_parts(node)
+                with gm.graph.inserting_before(node):
+                    product = gm.graph.call_function(transposed_linear, (x, copies[weights], bias))
+                widths = [_example(w).shape[0] for w in weights]
+                products[members[0]] = (product, widths)
+            product, widths = products[members[0]]
+            if len(members) == 1:
+                new = product
+            else:
+                j = members.index(node)
+                with gm.graph.inserting_before(node):
+                    new = gm.graph.call_function(torch.narrow, (product, -1, sum(widths[:j]), widths[j]))
+        else:
+            if node.target is F.linear and _one_row(args[0]):
+                target = row_linear
+            elif node.target is F.scaled_dot_product_attention and _few_queries(*args, **kwargs):
+                target = _sdpa_few_queries
             else:
                 continue
-        elif _few_queries(*args, **kwargs):
-            target = _sdpa_few_queries
-        else:
-            continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(target, new_args, new_kwargs)
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(target, new_args, new_kwargs)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         replaced += 1
     if replaced:
         gm.recompile()
-    return replaced, [inputs.index(w) for w in transposed]
+    return replaced, [tuple(inputs.index(w) for w in weights) for weights in copies]
 
 
 def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -222,10 +273,10 @@ def _backend(inner, options: dict | None):
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         gm = _own_copy(gm)  # Dynamo reads its graph's inputs after this returns: new ones go in a copy
-        _, indices = rewrite(gm)
-        if not indices:
+        _, groups = rewrite(gm)
+        if not groups:
             return compile_inner(gm, example_inputs)
-        extra = TransposedWeights(indices)
+        extra = TransposedWeights(groups)
         inner = compile_inner(gm, [*example_inputs, *extra(example_inputs)])
 
         def run(*args):

@@ -4,7 +4,8 @@ depth (design §16). Near a fixed point the argmax at depth 2-4 already equals t
 
 One round, after the cache holds `length` tokens and the next token `last` has been chosen:
 1. draft: k one-token steps at depth r_d (`DecodeStep`) from `last`, writing positions
-   length..length+k-1 and proposing d_1..d_k;
+   length..length+k-1 and proposing d_1..d_k (greedy: `DecodeStep.drafts`, the k steps in one call,
+   one compiled graph, design §16);
 2. verify: the chunk [last, d_1..d_k] at depth R, one chunk of the same step (the cached
    forward's chunk protocol with static shapes), which rewrites positions length..length+k with
    the verifier's K/V;
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -169,25 +170,29 @@ def speculative_decode(
             logits, _ = step(StepRows(last, torch.tensor([length], device=dev), pad, example_ids), depth)
             emit(int(choose_from(logits)[0]))
             return
-        tok, drafts, qs, states = last, [], [], []
-        for i in range(n_draft):
-            # a draft's deeper visits are never read: the verifier rewrites them
-            logits, _, *z = step(
-                StepRows(tok, torch.tensor([length + i], device=dev), pad, example_ids),
-                draft_depth,
-                fill=False,
-                endpoint=reuse,
-            )
-            tok, q = choose_from(logits)
-            drafts.append(tok)
-            qs.append(q)
-            states += z  # [1, d]: the state after recurrence draft_depth of the token fed (last, d_1, ...)
-        chunk = torch.cat([last, *drafts])[None]
-        resume = (torch.stack(states, 1), draft_depth) if reuse else None  # d_k, never fed, catches up in the step
-        verify, _ = step(StepRows(chunk, torch.tensor([length], device=dev), pad, example_ids), depth, resume=resume)
+        at = StepRows(last, torch.tensor([length], device=dev), pad, example_ids)
+        # a draft's deeper visits are never read: the verifier rewrites them; `states` [1, n_draft, d]: after
+        # recurrence draft_depth, of the tokens fed (last, d_1, ...)
+        if greedy:  # the drafts in one call (one graph when compiled)
+            drafted, *states = step.drafts(at, draft_depth, n_draft, endpoint=reuse)
+            drafts, qs = drafted[0], None
+        else:
+            tok, toks, qs, states = last, [], [], []
+            for i in range(n_draft):
+                logits, _, *z = step(
+                    replace(at, tokens=tok, write_at=at.write_at + i), draft_depth, fill=False, endpoint=reuse
+                )
+                tok, q = choose_from(logits)
+                toks.append(tok)
+                qs.append(q)
+                states += z
+            drafts, qs, states = torch.cat(toks), torch.cat(qs), [torch.stack(states, 1)] if reuse else []
+        chunk = torch.cat([last, drafts])[None]
+        resume = (states[0], draft_depth) if reuse else None  # d_k, never fed, catches up in the step
+        verify, _ = step(StepRows(chunk, at.write_at, pad, example_ids), depth, resume=resume)
         verify = verify[0]
         p = verify if greedy else probabilities(verify, sampling)
-        n, nxt = accept(torch.cat(drafts), p, None if greedy else torch.cat(qs), generator)
+        n, nxt = accept(drafts, p, qs, generator)
         stats.rounds += 1
         if stats.rounds == 1:
             stats.first_round_s = time.perf_counter() - started
@@ -196,7 +201,7 @@ def speculative_decode(
         length += 1 + n
         # roll back: the next round writes from `length` on, so a rejected draft's K/V are never read
         stop = False
-        for t in [*(int(d) for d in drafts[:n]), int(nxt)]:
+        for t in [*drafts[:n].tolist(), int(nxt)]:
             emitted += 1
             stop = emit(t) or emitted >= sampling.max_new_tokens
             if stop:

@@ -22,7 +22,7 @@ float rounding (tested).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -190,13 +190,14 @@ class DecodeStep:
         if unroll < 1 or whole < 0:
             raise ValueError(f"unroll must be >= 1 and whole >= 0, got {unroll} and {whole}")
         self.unroll, self.whole = unroll, whole
-        self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow = (
+        self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow, self.greedy_drafts = (
             self._begin,
             self._recur,
             self._recur_many,
             self._recur_exits,
             self._end,
             self._shallow,
+            self._greedy_drafts,
         )
         if compile:
             # CUDA: CUDA graphs; a CPU: inductor's C++ wrapper, which calls the kernels without Python per
@@ -216,9 +217,17 @@ class DecodeStep:
                 )
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow = (
+            self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow, self.greedy_drafts = (
                 torch.compile(f, dynamic=False, **options)
-                for f in (self._begin, self._recur, self._recur_many, self._recur_exits, self._end, self._shallow)
+                for f in (
+                    self._begin,
+                    self._recur,
+                    self._recur_many,
+                    self._recur_exits,
+                    self._end,
+                    self._shallow,
+                    self._greedy_drafts,
+                )
             )
 
     def reset(self, cache: KVCache) -> None:
@@ -356,6 +365,36 @@ class DecodeStep:
         logits = self.end(s, rows.write_at, shared, banks)
         return self._finish(rows, logits, used, s, loop_depth, fill=fill, endpoint=endpoint)
 
+    @torch.no_grad()
+    def drafts(self, rows: StepRows, loop_depth: int, k: int, *, endpoint: bool = False, keys: int | None = None):
+        """k greedy tokens after `rows.tokens` [B] (self-speculation's drafts, design §16): one-token
+        steps at `loop_depth` from `write_at`, each feeding the argmax of the last, as k calls of the
+        step with `fill=False` (a full cache's visits past `loop_depth` are left for the verifier to
+        write). Returns the drafted tokens [B, k] and, with `endpoint`, the states that entered the coda
+        [B, k, d] (of the tokens fed: rows.tokens, then the first k - 1 drafts). A shallow depth (at
+        most `whole`, inside a full cache's visits) runs the k steps as one graph; any other runs them
+        one call at a time. No host sync in either."""
+        B, fixed = rows.tokens.shape[0], not rows.exits
+        terminal = self.cache.mode == "terminal"
+        if fixed and loop_depth <= self.whole and (terminal or loop_depth <= self.cache.depth):
+            banks = self.banks(B, keys)
+            if self.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            cores, repeat = self._visits(banks, 0, loop_depth)
+            tokens, states = self.greedy_drafts(
+                rows.tokens[:, None], rows.write_at, rows.first, rows.example_ids, banks, cores, repeat, k
+            )
+            out = (tokens, states) if endpoint else (tokens,)
+            return tuple(t.clone() for t in out) if self.graphs else out
+        tok, tokens, states = rows.tokens, [], []
+        for i in range(k):
+            at = replace(rows, tokens=tok, write_at=rows.write_at + i)
+            logits, _, *z = self(at, loop_depth, fill=False, endpoint=endpoint, keys=keys)
+            tok = logits.argmax(-1)
+            tokens.append(tok)
+            states += z
+        return (torch.stack(tokens, 1), torch.stack(states, 1)) if endpoint else (torch.stack(tokens, 1),)
+
     def _finish(self, rows: StepRows, logits, used, s, loop_depth: int, *, fill: bool, endpoint: bool):
         """What a step returns, from its coda's logits and final state; a full cache's visits past a
         row's depth take its terminal K/V (with `fill`)."""
@@ -454,6 +493,17 @@ class DecodeStep:
         s, *shared = self._begin(tokens, write_at, first, example_ids, banks)
         s = self._recur_many(s, write_at, shared, cores, repeat)
         return self._end(s, write_at, shared, banks), s
+
+    def _greedy_drafts(self, tokens, write_at, first, example_ids, banks, cores, repeat: int, k: int):
+        """k shallow steps in one graph, each fed the argmax of the last one's logits (over `vocab`):
+        (the tokens [B, k], the states entering the coda [B, k, d])."""
+        drafted, states = [], []
+        for i in range(k):
+            logits, s = self._shallow(tokens, write_at + i, first, example_ids, banks, cores, repeat)
+            tokens = logits[:, -1, : self.vocab].argmax(-1, keepdim=True)
+            drafted.append(tokens)
+            states.append(s[:, -1])
+        return torch.cat(drafted, 1), torch.stack(states, 1)
 
     def _recur_exits(self, step, s, active, used, depth, tau, floor, write_at, shared, core):
         mask, cos, sin, injected, offsets, core_values, _ = shared
