@@ -110,7 +110,8 @@ def losses(out_dir: Path) -> dict[int, float]:
 def torchrun_cmd(nproc: int, script, *args) -> list[str]:
     """`torch.distributed.run` with `nproc` local ranks. `--standalone` binds its rendezvous store
     and the ranks' store to port 0 and hands the chosen port to the ranks, so no port is picked
-    ahead (picking a free port and passing it on races with other processes binding it)."""
+    ahead (picking a free port and passing it on races with other processes binding it). Its logs
+    go beside `script` (a test's own folder), not to a `torchelastic_*` folder in /tmp per launch."""
     return [
         sys.executable,
         "-m",
@@ -120,6 +121,8 @@ def torchrun_cmd(nproc: int, script, *args) -> list[str]:
         str(nproc),
         "--local-addr",
         "127.0.0.1",
+        "--log-dir",
+        str(Path(script).parent / "torchrun-logs"),
         str(script),
         *map(str, args),
     ]
