@@ -162,6 +162,9 @@ class DecodeStep:
     only (a tokenizer smaller than the model's padded embedding, whose other rows no token reaches);
     None: every row."""
 
+    PIECES = ("begin", "recur", "recur_many", "recur_exits", "end", "shallow", "greedy_drafts")
+    """The parts a step calls, each `_<name>` run as written or compiled as `<name>`."""
+
     def __init__(
         self,
         model,
@@ -190,15 +193,8 @@ class DecodeStep:
         if unroll < 1 or whole < 0:
             raise ValueError(f"unroll must be >= 1 and whole >= 0, got {unroll} and {whole}")
         self.unroll, self.whole = unroll, whole
-        self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow, self.greedy_drafts = (
-            self._begin,
-            self._recur,
-            self._recur_many,
-            self._recur_exits,
-            self._end,
-            self._shallow,
-            self._greedy_drafts,
-        )
+        for piece in self.PIECES:  # each piece runs as written, or compiled (below)
+            setattr(self, piece, getattr(self, f"_{piece}"))
         if compile:
             # CUDA: CUDA graphs; a CPU: inductor's C++ wrapper, which calls the kernels without Python per
             # op (a layer visit at batch 1 is tens of small ops: the Python wrapper was a third of a step)
@@ -217,18 +213,8 @@ class DecodeStep:
                 )
             # one graph per batch size and piece; the engine buckets its batch sizes
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.begin, self.recur, self.recur_many, self.recur_exits, self.end, self.shallow, self.greedy_drafts = (
-                torch.compile(f, dynamic=False, **options)
-                for f in (
-                    self._begin,
-                    self._recur,
-                    self._recur_many,
-                    self._recur_exits,
-                    self._end,
-                    self._shallow,
-                    self._greedy_drafts,
-                )
-            )
+            for piece in self.PIECES:
+                setattr(self, piece, torch.compile(getattr(self, f"_{piece}"), dynamic=False, **options))
 
     def reset(self, cache: KVCache) -> None:
         """Step on `cache` from now on (compiled graphs are kept: they depend on shapes only)."""
