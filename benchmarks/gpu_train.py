@@ -355,6 +355,8 @@ def torchrun_jobs(rec: Recorder, device: torch.device, tiny: bool, root: Path, d
             "--standalone",
             "--nproc_per_node",
             "1",
+            "--log-dir",  # torchrun's own logs with the results, not a torchelastic_* folder in /tmp
+            str(rec.out / "torchrun-logs"),
             str(HERE / "gpu_jobs.py"),
             name,
             "--root",
