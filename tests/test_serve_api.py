@@ -682,12 +682,17 @@ def test_a_seed_out_of_range_is_400_before_any_prefill(model):
     assert engine.prompt_tokens == 0 and engine.finished == {}
 
 
-def test_more_choices_than_the_queue_holds_is_400_not_429(model):
+def test_more_choices_than_the_queue_holds_is_400_not_429(model, monkeypatch):
     """Retrying cannot help a request whose choices (prompts x n) outnumber the queue: a 400, and none
-    of its choices reaches the engine."""
+    of its choices reaches the engine; its prompts are not tokenized first (on the event loop, for
+    nothing)."""
     from fastapi.testclient import TestClient
 
-    engine = Engine(model, TOK, EngineConfig(max_batch=1, depth=2, max_queue=3))
+    tok = ByteTokenizer()
+    encoded = []
+    encode = tok.encode_prompt
+    monkeypatch.setattr(tok, "encode_prompt", lambda prompt: encoded.append(prompt) or encode(prompt))
+    engine = Engine(model, tok, EngineConfig(max_batch=1, depth=2, max_queue=3))
     with TestClient(create_app(engine, NAME)) as http:
         for body in ({"prompt": "abc", "n": 4}, {"prompt": ["ab", "cd"], "n": 2}):
             r = http.post("/v1/completions", json={"model": NAME, "max_tokens": 2, **body})
@@ -697,6 +702,7 @@ def test_more_choices_than_the_queue_holds_is_400_not_429(model):
             json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 4},
         )
         assert r.status_code == 400, r.text
+        assert encoded == []
         assert (
             http.post("/v1/completions", json={"model": NAME, "prompt": "abc", "max_tokens": 2, "n": 3}).status_code
             == 200

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from looplm.data import Tokenizer
 from looplm.serve.engine import Engine, Request
 from looplm.serve.errors import HANDLERS, APIError, bad_request
-from looplm.serve.events import Choices, collect, sse
+from looplm.serve.events import Choices, check_choice_count, collect, sse
 from looplm.serve.protocol import ChatRequest, CompletionRequest
 from looplm.serve.replies import ChatReply, CompletionReply, Envelope
 
@@ -194,6 +194,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest, state: ServerD
     with bad_request(param="stop"):
         stop = body.stop_strings()
     prompts = body.prompts()
+    with bad_request():  # before tokenizing, which a refused request should not cost
+        check_choice_count(state.engine, len(prompts) * body.n)
     ids = [_encode(state.tokenizer, p) for p in prompts]
     # echo with logprobs scores the prompt too (OpenAI's legacy API); max_tokens 0 (echo only) needs
     # the engine's scoring pass even without logprobs: it is what such a request runs
@@ -217,6 +219,7 @@ async def chat(body: ChatRequest, http: HTTPRequest, state: ServerDep):
     _check_model(state, body.model)
     with bad_request():
         stop, logprobs = body.stop_strings(), body.logprob_count()
+        check_choice_count(state.engine, body.n)
     ids = state.tokenizer.encode_prompt(body.render())
     choices = _submit(
         state,

@@ -77,6 +77,16 @@ class Mailbox:
 _MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def check_choice_count(engine: Engine, count: int) -> None:
+    """ValueError when a request's `count` choices (prompts x n) outnumber what the engine queues: it
+    would get a 429 however often it is retried. The API checks this before it tokenizes the prompts."""
+    if count > engine.config.max_queue:
+        raise ValueError(
+            f"this request has {count} choices (prompts x n); the server queues at most "
+            f"max_queue {engine.config.max_queue}"
+        )
+
+
 class Choices:
     """The engine requests of one HTTP request and the asyncio queue their events arrive on."""
 
@@ -85,11 +95,7 @@ class Choices:
         holds), checked before any is queued; `EngineFull` or `EngineStopped` cancels those queued."""
         box = Mailbox.of(asyncio.get_running_loop())
         self.events: asyncio.Queue = asyncio.Queue()
-        if len(requests) > engine.config.max_queue:  # it would get a 429 however often it is retried
-            raise ValueError(
-                f"this request has {len(requests)} choices (prompts x n); the server queues at most "
-                f"max_queue {engine.config.max_queue}"
-            )
+        check_choice_count(engine, len(requests))
         for r in requests:
             engine.check(r)  # every choice is checked before any is queued
         self.handles: list[RequestHandle] = []
