@@ -564,10 +564,8 @@ def main() -> None:
                     start_timeout=args.start_timeout,
                 )
                 try:
-                    run_load(
-                        server.url, jobs[: min(4, len(jobs))], 4, args.time_limit, args.client
-                    )  # warm-up (a compiled
-                    # server compiled its batch buckets before it listened)
+                    # warm-up (a compiled server compiled its batch buckets before it listened)
+                    run_load(server.url, jobs[: min(4, len(jobs))], 4, args.time_limit, args.client)
                     before = server.metrics()
                     result = run_load(
                         server.url, [{**j, **extra} for j in jobs], args.clients, args.time_limit, args.client

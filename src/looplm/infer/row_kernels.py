@@ -170,7 +170,7 @@ def _shared_products(gm: torch.fx.GraphModule, inputs: list) -> dict:
         if node.op != "call_function" or node.target is not F.linear:
             continue
         x, weight, bias = _linear_parts(node)
-        if _one_row(_example(x)) or weight not in inputs or not _several_rows(_example(x), _example(weight)):
+        if weight not in inputs or not _several_rows(_example(x), _example(weight)):
             continue
         groups.setdefault(x if bias is None else node, []).append(node)
     return {node: members for members in groups.values() for node in members}
@@ -190,8 +190,6 @@ def rewrite(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[int, ...]]]:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (F.linear, F.scaled_dot_product_attention):
             continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _example)
-        new_args, new_kwargs = node.args, node.kwargs
         if node in shared:
             members = shared[node]
             if members[0] not in products:  # the first of its group: the one product, before it
@@ -215,6 +213,7 @@ def rewrite(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[int, ...]]]:
                 with gm.graph.inserting_before(node):
                     new = gm.graph.call_function(torch.narrow, (product, -1, sum(widths[:j]), widths[j]))
         else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _example)
             if node.target is F.linear and _one_row(args[0]):
                 target = row_linear
             elif node.target is F.scaled_dot_product_attention and _few_queries(*args, **kwargs):
@@ -222,7 +221,7 @@ def rewrite(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[int, ...]]]:
             else:
                 continue
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(target, new_args, new_kwargs)
+                new = gm.graph.call_function(target, node.args, node.kwargs)
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
